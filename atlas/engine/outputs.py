@@ -1,0 +1,41 @@
+"""What the engine hands back to its callers (LLM.generate, the server), one record per request per step."""
+
+from __future__ import annotations
+
+from enum import Enum
+
+import attrs
+
+
+class FinishReason(str, Enum):
+    STOP = "stop"  # EOS, a stop string or stop token, or a deliberate hard stop (with its detail)
+    LENGTH = "length"  # max_tokens, or the capacity left, ran out
+    ERROR = "error"  # the engine failed this request; never reported as stop or length
+    CANCELLED = "cancelled"  # the client went away (not an OpenAI finish_reason; never sent to a client)
+
+
+class AdmissionError(ValueError):
+    """A request refused before anything ran (HTTP 400). The message names the knob and the numbers."""
+
+    def __init__(self, message: str, *, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class EngineDead(RuntimeError):
+    """The engine hit a fatal fault; nothing more can run in this process."""
+
+
+@attrs.frozen
+class RequestOutput:
+    """New tokens for one request since its last output, and whether it finished."""
+
+    request_id: str
+    new_token_ids: tuple[int, ...] = ()
+    new_logprobs: tuple[float, ...] = ()
+    new_top_logprobs: tuple[tuple[tuple[int, float], ...], ...] = ()
+    finished: bool = False
+    finish_reason: FinishReason | None = None
+    finish_detail: str | None = None  # why: "eos", "stop string '...'", "max_tokens 16", error text...
+    prompt_tokens: int = 0
+    completion_tokens: int = 0  # total so far

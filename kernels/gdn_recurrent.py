@@ -1,0 +1,113 @@
+"""Gated DeltaNet recurrent update for decode (T = 1) and verify (T = 1 + drafts) rows.
+
+One program owns one (sequence, value head, dv tile): its fp32 state tile [dk, BV] stays in registers for
+all T tokens, so the state is read once and written once per step however many tokens are verified. The
+state after every token can be written out as well, so a partial accept commits the state after token n
+exactly instead of re-running the accepted tokens.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from atlas_kernels import _interpreter_compat  # noqa: F401  (CPU interpreter fix)
+from atlas_kernels.reference import L2_EPS
+
+
+@triton.jit
+def _gdn_recurrent_kernel(
+    q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr,  # q, k: [N, T, Hk, DK]; v: [N, T, Hv, DV]; g, beta: [N, T, Hv]
+    state_ptr, slot_ptr,  # state pool [slots, Hv, DK, DV] fp32; slot of each sequence [N]
+    out_ptr, states_out_ptr,  # out [N, T, Hv, DV]; per-token states [N, T, Hv, DK, DV] fp32
+    num_tokens, num_k_heads, num_v_heads, scale, eps,
+    DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    STORE_STATES: tl.constexpr, COMMIT: tl.constexpr,
+):
+    v_tile = tl.program_id(0)
+    seq_head = tl.program_id(1)
+    seq = seq_head // num_v_heads
+    head = seq_head % num_v_heads
+    k_head = head // (num_v_heads // num_k_heads)
+
+    offs_k = tl.arange(0, BK)
+    offs_v = v_tile * BV + tl.arange(0, BV)
+    mask_k = offs_k < DK
+    mask_v = offs_v < DV
+    mask_kv = mask_k[:, None] & mask_v[None, :]
+
+    slot = tl.load(slot_ptr + seq).to(tl.int64)
+    state_tile = state_ptr + (slot * num_v_heads + head) * DK * DV + offs_k[:, None] * DV + offs_v[None, :]
+    state = tl.load(state_tile, mask=mask_kv, other=0.0)
+
+    for t in range(num_tokens):
+        token = seq * num_tokens + t
+        qk_row = (token * num_k_heads + k_head) * DK
+        q = tl.load(q_ptr + qk_row + offs_k, mask=mask_k, other=0.0).to(tl.float32)
+        k = tl.load(k_ptr + qk_row + offs_k, mask=mask_k, other=0.0).to(tl.float32)
+        q = q * tl.rsqrt(tl.sum(q * q, 0) + eps) * scale
+        k = k * tl.rsqrt(tl.sum(k * k, 0) + eps)
+        v_row = (token * num_v_heads + head) * DV
+        v = tl.load(v_ptr + v_row + offs_v, mask=mask_v, other=0.0).to(tl.float32)
+        decay = tl.exp(tl.load(g_ptr + token * num_v_heads + head).to(tl.float32))
+        beta = tl.load(beta_ptr + token * num_v_heads + head).to(tl.float32)
+
+        state = state * decay
+        predicted = tl.sum(state * k[:, None], 0)  # what the state already says for this key: [BV]
+        delta = (v - predicted) * beta
+        state = state + k[:, None] * delta[None, :]
+        out = tl.sum(state * q[:, None], 0)
+        tl.store(out_ptr + v_row + offs_v, out.to(out_ptr.dtype.element_ty), mask=mask_v)
+        if STORE_STATES:
+            states_row = states_out_ptr + (token * num_v_heads + head).to(tl.int64) * DK * DV
+            tl.store(states_row + offs_k[:, None] * DV + offs_v[None, :], state, mask=mask_kv)
+
+    if COMMIT:
+        tl.store(state_tile, state, mask=mask_kv)
+
+
+def gdn_recurrent(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state_pool: torch.Tensor,
+    slots: torch.Tensor,
+    *,
+    store_states: bool = False,
+    commit: bool = True,
+    out_dtype: torch.dtype | None = None,
+    block_v: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """T tokens of N sequences through the gated delta rule.
+
+    q, k: [N, T, Hk, dk]; v: [N, T, Hv, dv]; g (log decay), beta: [N, T, Hv]; state_pool: fp32
+    [slots, Hv, dk, dv]; slots: [N] int, each sequence's state slot (distinct).
+    commit: write the state after the last token back into its slot (decode). For verify, pass
+    commit=False, store_states=True and copy states[n, accepted - 1] into the slot once the accept is known.
+    Returns (out [N, T, Hv, dv] in out_dtype (default v's dtype), states [N, T, Hv, dk, dv] fp32 or None).
+    """
+    num_seqs, num_tokens, num_k_heads, dk = k.shape
+    num_v_heads, dv = v.shape[2], v.shape[3]
+    if num_v_heads % num_k_heads:
+        raise ValueError(f"value heads {num_v_heads} must be a multiple of key heads {num_k_heads}")
+    if state_pool.dtype != torch.float32 or tuple(state_pool.shape[1:]) != (num_v_heads, dk, dv):
+        raise ValueError(f"state pool must be fp32 [slots, {num_v_heads}, {dk}, {dv}], got "
+                         f"{state_pool.dtype} {tuple(state_pool.shape)}")
+    q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
+    assert state_pool.is_contiguous()
+    out = torch.empty(v.shape, dtype=out_dtype or v.dtype, device=v.device)
+    states = None
+    if store_states:
+        states = torch.empty((num_seqs, num_tokens, num_v_heads, dk, dv), dtype=torch.float32, device=v.device)
+    block_k = triton.next_power_of_2(dk)
+    # dv is split across programs so that batch-1 decode still fills the GPU (32 heads x 4 tiles).
+    block_v = block_v or min(32, triton.next_power_of_2(dv))
+    grid = (triton.cdiv(dv, block_v), num_seqs * num_v_heads)
+    _gdn_recurrent_kernel[grid](
+        q, k, v, g, beta, state_pool, slots, out, states if states is not None else out,
+        num_tokens, num_k_heads, num_v_heads, dk**-0.5, L2_EPS,
+        DK=dk, DV=dv, BK=block_k, BV=block_v, STORE_STATES=store_states, COMMIT=commit,
+    )
+    return out, states

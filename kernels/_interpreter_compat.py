@@ -1,8 +1,12 @@
-"""Keeps Triton 3.6's CPU interpreter (TRITON_INTERPRET=1, used by the CPU test run) working on numpy >= 2.4.
+"""Two fixes to Triton 3.6's CPU interpreter (TRITON_INTERPRET=1, used by the CPU test run).
 
-The interpreter turns a scalar kernel argument used as a loop bound into `int(array_of_shape_(1,))`,
-which numpy 2.4 made an error ("only 0-dimensional arrays can be converted to Python scalars"). We
-re-register `tensor.__index__` to read the single element. Compiled (GPU) kernels never come here.
+- A scalar kernel argument used as a loop bound becomes `int(array_of_shape_(1,))`, which numpy 2.4 made
+  an error ("only 0-dimensional arrays can be converted to Python scalars"): `tensor.__index__` is
+  re-registered to read the single element.
+- `tl.dot` on bf16 operands multiplies their raw uint16 storage as integers (garbage of order 1e10):
+  bf16 operands are widened to fp32 first, which is what the tensor cores compute too.
+
+Compiled (GPU) kernels never come here.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import numpy as np
 def _install() -> None:
     if os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
         return
+    import triton.language as tl
     from triton.runtime import interpreter
 
     original = interpreter._patch_lang_tensor
@@ -27,6 +32,20 @@ def _install() -> None:
 
     patch_lang_tensor._atlas_patched = True  # type: ignore[attr-defined]
     interpreter._patch_lang_tensor = patch_lang_tensor
+
+    builder = interpreter.InterpreterBuilder
+    original_dot = builder.create_dot
+
+    def widen_bf16(handle):
+        if handle.dtype != tl.bfloat16:
+            return handle
+        widened = (handle.data.astype(np.uint32) << 16).view(np.float32)
+        return interpreter.TensorHandle(widened, tl.float32)
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        return original_dot(self, widen_bf16(a), widen_bf16(b), d, input_precision, max_num_imprecise_acc)
+
+    builder.create_dot = create_dot
 
 
 _install()

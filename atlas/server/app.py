@@ -1,0 +1,166 @@
+"""The FastAPI app: OpenAI-compatible routes over one EngineLoop.
+
+Bodies are read and parsed here rather than by FastAPI, so that every bad input (invalid UTF-8, bad JSON,
+NaN, wrong types, out-of-range values) becomes a 400 in OpenAI's error shape naming the field.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+import structlog
+from fastapi import FastAPI
+from fastapi.exceptions import RequestValidationError
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from atlas.server.chat import ChatTemplate
+from atlas.server.engine_loop import EngineLoop
+from atlas.server.errors import APIError, bad_request
+from atlas.server.generate import ServingContext, create_chat_completion, create_completion
+from atlas.server.metrics import ServerMetrics
+from atlas.server.schemas import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+    parse_body,
+)
+from atlas.server.security import GateMiddleware, LimitsMiddleware
+
+log = structlog.get_logger(__name__)
+
+DEFAULT_MAX_BODY_BYTES = 1 << 20  # 1 MiB: far above any prompt max_seq_len allows, far below harm
+DEFAULT_MAX_HEADER_BYTES = 16 << 10
+
+
+def _reject_constant(name: str) -> None:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+async def read_json(request: Request) -> Any:
+    body = await request.body()
+    if not body:
+        raise bad_request("the request body is empty; send a JSON object", code="invalid_body")
+    try:
+        text = body.decode("utf-8")
+    except UnicodeDecodeError:
+        raise bad_request("the request body is not valid UTF-8", code="invalid_body") from None
+    try:
+        return json.loads(text, parse_constant=_reject_constant)
+    except (ValueError, RecursionError):  # RecursionError: absurdly deep nesting
+        raise bad_request("the request body is not valid JSON", code="invalid_json") from None
+
+
+def create_app(
+    engine_loop: EngineLoop,
+    *,
+    model_name: str | None = None,
+    chat_template: ChatTemplate | None = None,
+    api_key: str | None = None,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES,
+    enable_fault_injection: bool = False,
+) -> FastAPI:
+    """Build the app around a started EngineLoop. The caller owns the loop (starts and stops it)."""
+    engine = engine_loop.engine
+    name = model_name or engine.model_name
+    capacities = getattr(engine, "capacities", None)
+    ctx = ServingContext(
+        engine_loop=engine_loop,
+        model_name=name,
+        tokenizer=engine.tokenizer,
+        chat_template=chat_template or ChatTemplate(),
+        max_seq_len=int(getattr(capacities, "max_seq_len", 0) or 0),
+        vocab_size=getattr(engine.tokenizer, "vocab_size", None),
+        fault_injection=enable_fault_injection,
+    )
+    metrics = ServerMetrics(engine_loop, name)
+    engine_loop.observer = metrics
+
+    app = FastAPI(title="Atlas", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.ctx = ctx
+    app.state.metrics = metrics
+    app.state.engine_loop = engine_loop
+    # added last = outermost: limits first, then the dead/auth gate, then the routes
+    app.add_middleware(GateMiddleware, engine_loop=engine_loop, api_key=api_key)
+    app.add_middleware(LimitsMiddleware, max_body_bytes=max_body_bytes, max_header_bytes=max_header_bytes)
+
+    @app.exception_handler(APIError)
+    async def _api_error(_request: Request, exc: APIError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        detail = exc.detail if isinstance(exc.detail, str) else "request refused"
+        return APIError(exc.status_code, detail, code=str(exc.status_code)).response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(_request: Request, _exc: RequestValidationError) -> JSONResponse:
+        return bad_request("the request is malformed").response()
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_request: Request, exc: Exception) -> JSONResponse:
+        # the detail (and its stack) goes to the log, never to the client
+        log.error("unhandled error in a route", error=type(exc).__name__, exc_info=exc)
+        return APIError(500, "internal server error", code="internal_error").response()
+
+    @app.get("/health")
+    async def health() -> dict[str, str]:
+        return {"status": "ok"}  # GateMiddleware answers 503 once the engine is dead
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        card = {"id": name, "object": "model", "created": int(time.time()), "owned_by": "atlas",
+                "max_model_len": ctx.max_seq_len}
+        return {"object": "list", "data": [card]}
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await create_completion(ctx, request, parse_body(CompletionRequest, await read_json(request)))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        body = parse_body(ChatCompletionRequest, await read_json(request))
+        return await create_chat_completion(ctx, request, body)
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> dict[str, Any]:
+        body = parse_body(TokenizeRequest, await read_json(request))
+        ctx.check_model(body.model)
+        if body.messages is not None:
+            tokens = ctx.encode(ctx.render_chat(body.messages, body.add_generation_prompt), param="messages")
+        else:
+            tokens = ctx.encode(body.prompt or "", param="prompt")
+        return {"count": len(tokens), "max_model_len": ctx.max_seq_len, "tokens": tokens}
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> dict[str, Any]:
+        body = parse_body(DetokenizeRequest, await read_json(request))
+        ctx.check_model(body.model)
+        ctx.check_token_ids(body.tokens, param="tokens")
+        return {"prompt": ctx.decode(body.tokens)}
+
+    if enable_fault_injection:
+
+        @app.post("/debug/inject_fault")
+        async def inject_fault(request: Request) -> dict[str, str]:
+            body = await read_json(request)
+            kind = body.get("kind") if isinstance(body, dict) else None
+            if kind not in ("step_error", "fatal"):
+                raise bad_request("kind: must be 'step_error' or 'fatal'", param="kind")
+            request_id = body.get("request_id")
+            if request_id is not None and not isinstance(request_id, str):
+                raise bad_request("request_id: must be a string", param="request_id")
+            engine_loop.inject_fault(kind, request_id)
+            return {"status": "injected", "kind": kind}
+
+    return app

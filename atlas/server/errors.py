@@ -1,0 +1,68 @@
+"""OpenAI-shaped errors: every failure a client sees is `{"error": {"message", "type", "param", "code"}}`.
+
+Messages are written for the client: they name the parameter and the numbers, never a stack trace or a
+file path. Anything unexpected becomes a generic 500 whose detail stays in the server log.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from starlette.responses import JSONResponse
+
+# OpenAI's `type` values, by HTTP status
+_TYPE_BY_STATUS = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    415: "invalid_request_error",
+    431: "invalid_request_error",
+    500: "server_error",
+    503: "service_unavailable",
+}
+
+
+class APIError(Exception):
+    """An error answered to the client as the OpenAI error object with `status`."""
+
+    def __init__(
+        self, status: int, message: str, *, param: str | None = None, code: str | None = None
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+
+    @property
+    def type(self) -> str:
+        return _TYPE_BY_STATUS.get(self.status, "invalid_request_error" if self.status < 500 else "server_error")
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status)
+
+    def sse_event(self) -> bytes:
+        """The error as one server-sent event (a stream that fails sends this, then `[DONE]`)."""
+        return f"data: {json.dumps(self.body())}\n\n".encode()
+
+
+def bad_request(message: str, *, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(400, message, param=param, code=code)
+
+
+def engine_dead(detail: str | None = None) -> APIError:
+    message = "the engine hit a fatal fault and is shutting down"
+    if detail:
+        message += f": {detail}"
+    return APIError(503, message, code="engine_dead")
+
+
+def engine_error(detail: str | None) -> APIError:
+    """A request the engine failed: reported as an error, never as stop or length."""
+    return APIError(500, f"the engine failed this request: {detail or 'unknown error'}", code="engine_error")

@@ -1,0 +1,263 @@
+"""/v1/completions and /v1/chat/completions: admission, then a JSON body or an SSE stream.
+
+Honest endings: a request the engine failed is a 500 error (or, mid-stream, an error event and then
+`[DONE]`), never a choice with finish_reason stop or length. Admission problems are refused before
+anything is streamed. A client that goes away cancels its request in the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any, Literal
+
+import attrs
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from atlas.engine.outputs import AdmissionError, EngineDead, FinishReason, RequestOutput
+
+try:
+    from atlas.engine.outputs import QueueFull
+except ImportError:  # TODO(server): drop once the engine's QueueFull lands in outputs.py
+
+    class QueueFull(RuntimeError):  # type: ignore[no-redef]
+        pass
+
+from atlas.engine.sampling import SamplingParams
+from atlas.server.chat import ChatTemplate
+from atlas.server.engine_loop import EngineLoop, FaultKind, RequestStream
+from atlas.server.errors import APIError, bad_request, engine_dead, engine_error
+from atlas.server.schemas import ChatCompletionRequest, ChatMessage, CompletionRequest
+from atlas.server.text import TextAssembler, chat_logprobs, completion_logprobs
+
+DONE = b"data: [DONE]\n\n"
+FAULT_HEADER = "x-atlas-inject-fault"  # honoured only when the app enables fault injection
+Kind = Literal["completion", "chat"]
+
+
+@attrs.define
+class ServingContext:
+    """What the generation routes need, built once by create_app."""
+
+    engine_loop: EngineLoop
+    model_name: str
+    tokenizer: Any
+    chat_template: ChatTemplate
+    max_seq_len: int
+    vocab_size: int | None
+    fault_injection: bool = False
+
+    def decode(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(list(token_ids))
+
+    def encode(self, text: str, *, param: str) -> list[int]:
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:
+            raise bad_request(f"{param}: contains invalid Unicode (a lone surrogate)", param=param) from None
+        return list(self.tokenizer.encode(text))
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise APIError(404, f"model '{model[:64]}' does not exist; this server serves '{self.model_name}'",
+                           param="model", code="model_not_found")
+
+    def check_token_ids(self, token_ids: list[int], *, param: str) -> None:
+        if self.vocab_size is not None and any(t >= self.vocab_size for t in token_ids):
+            bad = max(token_ids)
+            raise bad_request(f"{param}: token id {bad} is outside the vocabulary of {self.vocab_size}",
+                              param=param)
+
+    def render_chat(self, messages: list[ChatMessage], add_generation_prompt: bool) -> str:
+        plain = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})} for m in messages]
+        return self.chat_template.render(plain, add_generation_prompt=add_generation_prompt)
+
+
+async def _submit(ctx: ServingContext, request: Request, request_id: str, prompt: list[int],
+                  params: SamplingParams) -> RequestStream:
+    if not prompt:
+        raise bad_request("prompt: is empty; give at least one token", param="prompt", code="empty_prompt")
+    fault: FaultKind | None = None
+    if ctx.fault_injection and request.headers.get(FAULT_HEADER) in ("step_error", "fatal"):
+        fault = request.headers[FAULT_HEADER]  # type: ignore[assignment]
+    try:
+        return await ctx.engine_loop.submit(request_id, prompt, params, inject_fault=fault)
+    except AdmissionError as exc:
+        raise bad_request(str(exc), param=exc.param, code="admission_refused") from None
+    except QueueFull as exc:
+        raise APIError(503, f"the engine's waiting queue is full, retry later: {exc}", code="queue_full") from None
+    except EngineDead as exc:
+        raise engine_dead(str(exc)) from None
+
+
+class _Generation:
+    """A request's tokens and text so far, built from its RequestOutputs."""
+
+    def __init__(self, ctx: ServingContext, params: SamplingParams) -> None:
+        self.ctx = ctx
+        self.params = params
+        self.text = TextAssembler(ctx.decode, params.stop)
+        self.prompt_tokens = 0
+        self.completion_tokens = 0
+        self.finish: RequestOutput | None = None
+
+    def absorb(self, out: RequestOutput) -> str:
+        """Take one output; returns the newly settled text."""
+        self.prompt_tokens = out.prompt_tokens or self.prompt_tokens
+        self.completion_tokens = max(self.completion_tokens, out.completion_tokens)
+        clean_end = out.finished and out.finish_reason in (FinishReason.STOP, FinishReason.LENGTH)
+        if out.finished:
+            self.finish = out
+        return self.text.push(out.new_token_ids, final=clean_end)
+
+    def failure(self) -> APIError | None:
+        """The error this request ended with, if it did not end with stop or length."""
+        assert self.finish is not None
+        reason = self.finish.finish_reason
+        if reason in (FinishReason.STOP, FinishReason.LENGTH):
+            return None
+        if reason == FinishReason.CANCELLED:
+            return APIError(500, "the request was cancelled before it finished", code="cancelled")
+        return engine_error(self.finish.finish_detail)
+
+    def usage(self) -> dict[str, int]:
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+                "total_tokens": self.prompt_tokens + self.completion_tokens}
+
+    def logprobs(self, kind: Kind, token_ids: Any, logprobs: Any, top: Any, text_offset: int) -> dict | None:
+        if not self.params.logprobs:
+            return None
+        if kind == "chat":
+            return chat_logprobs(self.ctx.decode, token_ids, logprobs, top)
+        return completion_logprobs(self.ctx.decode, token_ids, logprobs, top, self.params.top_logprobs,
+                                   text_offset)
+
+
+async def _until_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _respond_whole(ctx: ServingContext, request: Request, stream: RequestStream, gen: _Generation,
+                         kind: Kind, request_id: str) -> Response:
+    token_ids: list[int] = []
+    logprobs: list[float] = []
+    tops: list[Any] = []
+
+    async def consume() -> None:
+        async for out in stream:
+            gen.absorb(out)
+            token_ids.extend(out.new_token_ids)
+            logprobs.extend(out.new_logprobs)
+            tops.extend(out.new_top_logprobs)
+
+    consumer = asyncio.ensure_future(consume())
+    watcher = asyncio.ensure_future(_until_disconnect(request))
+    await asyncio.wait({consumer, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    watcher.cancel()
+    if not consumer.done():  # the client went away: nobody will read an answer
+        consumer.cancel()
+        stream.cancel()
+        return Response(status_code=499)
+    try:
+        consumer.result()
+    except EngineDead as exc:
+        raise engine_dead(str(exc)) from None
+    failure = gen.failure()
+    if failure is not None:
+        raise failure
+    assert gen.finish is not None and gen.finish.finish_reason is not None
+    choice: dict[str, Any] = {"index": 0, "logprobs": gen.logprobs(kind, token_ids, logprobs, tops, 0),
+                              "finish_reason": gen.finish.finish_reason.value}
+    if kind == "chat":
+        choice["message"] = {"role": "assistant", "content": gen.text.text}
+    else:
+        choice["text"] = gen.text.text
+    body = {"id": request_id, "object": "chat.completion" if kind == "chat" else "text_completion",
+            "created": int(time.time()), "model": ctx.model_name, "choices": [choice], "usage": gen.usage()}
+    return JSONResponse(body, headers={"x-request-id": request_id})
+
+
+def _sse(payload: dict[str, Any]) -> bytes:
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n".encode()
+
+
+async def _stream_events(ctx: ServingContext, stream: RequestStream, gen: _Generation, kind: Kind,
+                         request_id: str, include_usage: bool) -> AsyncIterator[bytes]:
+    created = int(time.time())
+    obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
+
+    def chunk(text: str | None, finish: str | None, logprobs: dict | None, role: bool = False) -> bytes:
+        choice: dict[str, Any] = {"index": 0, "logprobs": logprobs, "finish_reason": finish}
+        if kind == "chat":
+            delta: dict[str, Any] = {"role": "assistant"} if role else {}
+            if text is not None:
+                delta["content"] = text
+            choice["delta"] = delta
+        else:
+            choice["text"] = text or ""
+        return _sse({"id": request_id, "object": obj, "created": created, "model": ctx.model_name,
+                     "choices": [choice]})
+
+    try:
+        if kind == "chat":
+            yield chunk("", None, None, role=True)
+        offset = 0
+        async for out in stream:
+            delta = gen.absorb(out)
+            lp = None
+            if out.new_token_ids and gen.params.logprobs:
+                lp = gen.logprobs(kind, out.new_token_ids, out.new_logprobs, out.new_top_logprobs, offset)
+            if delta or lp is not None:
+                yield chunk(delta, None, lp)
+            offset += len(delta)
+        failure = gen.failure()
+        if failure is not None:
+            yield failure.sse_event()
+            yield DONE
+            return
+        assert gen.finish is not None and gen.finish.finish_reason is not None
+        yield chunk(None if kind == "chat" else "", gen.finish.finish_reason.value, None)
+        if include_usage:
+            yield _sse({"id": request_id, "object": obj, "created": created, "model": ctx.model_name,
+                        "choices": [], "usage": gen.usage()})
+        yield DONE
+    except EngineDead as exc:
+        yield engine_dead(str(exc)).sse_event()
+        yield DONE
+    finally:
+        stream.cancel()  # a no-op once finished; when the client went away, the engine frees its blocks
+
+
+async def _run(ctx: ServingContext, request: Request, kind: Kind, body: CompletionRequest | ChatCompletionRequest,
+               prompt: list[int]) -> Response:
+    params = body.sampling_params()
+    request_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
+    stream = await _submit(ctx, request, request_id, prompt, params)
+    gen = _Generation(ctx, params)
+    if not body.stream:
+        return await _respond_whole(ctx, request, stream, gen, kind, request_id)
+    events = _stream_events(ctx, stream, gen, kind, request_id, body.include_usage)
+    return StreamingResponse(events, media_type="text/event-stream",
+                             headers={"cache-control": "no-cache", "x-request-id": request_id})
+
+
+async def create_completion(ctx: ServingContext, request: Request, body: CompletionRequest) -> Response:
+    ctx.check_model(body.model)
+    prompt = body.single_prompt()
+    if isinstance(prompt, str):
+        token_ids = ctx.encode(prompt, param="prompt")
+    else:
+        token_ids = list(prompt)
+        ctx.check_token_ids(token_ids, param="prompt")
+    return await _run(ctx, request, "completion", body, token_ids)
+
+
+async def create_chat_completion(ctx: ServingContext, request: Request, body: ChatCompletionRequest) -> Response:
+    ctx.check_model(body.model)
+    text = ctx.render_chat(body.messages, body.add_generation_prompt)
+    return await _run(ctx, request, "chat", body, ctx.encode(text, param="messages"))

@@ -1,0 +1,213 @@
+"""Request bodies of the OpenAI-compatible API, validated strictly, and their translation to SamplingParams.
+
+Field names and types follow OpenAI's API (plus vLLM's common extensions: top_k, ignore_eos,
+stop_token_ids). Types are strict: "5" is not an integer and true is not a number. Fields we accept but
+cannot honour are refused with a 400 naming the field, rather than silently ignored.
+"""
+
+from __future__ import annotations
+
+import secrets
+from typing import Annotated, Any, Literal, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from atlas.engine.sampling import SamplingParams
+from atlas.server.errors import APIError, bad_request
+
+MAX_INT32 = 2**31 - 1
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 256
+
+StopField = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]
+TokenId = Annotated[int, Field(ge=0, le=MAX_INT32)]
+M = TypeVar("M", bound=BaseModel)
+
+
+class _Strict(BaseModel):
+    # extra fields are ignored, as OpenAI clients send `extra_body` and vendor fields freely
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class _SamplingFields(_Strict):
+    """What completions and chat completions share."""
+
+    model: str | None = Field(default=None, max_length=256)
+    max_tokens: int | None = Field(default=None, ge=1, le=MAX_INT32)
+    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: int = Field(default=0, ge=-1, le=MAX_INT32)  # vLLM: -1 or 0 disables it
+    seed: int | None = Field(default=None, ge=-(2**63), le=2**64 - 1)
+    stop: StopField | list[StopField] | None = None
+    stop_token_ids: list[TokenId] = Field(default_factory=list, max_length=MAX_STOP_STRINGS)
+    ignore_eos: bool = False
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int = Field(default=1, ge=1, le=1)  # one choice per request: n > 1 is refused, never truncated
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    logit_bias: dict[str, float] | None = None
+    user: str | None = Field(default=None, max_length=256)
+
+    @model_validator(mode="after")
+    def _refuse_unsupported(self) -> _SamplingFields:
+        if self.presence_penalty != 0.0 or self.frequency_penalty != 0.0:
+            raise ValueError("presence_penalty and frequency_penalty are not supported; leave them 0")
+        if self.logit_bias:
+            raise ValueError("logit_bias is not supported")
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options is only allowed when stream is true")
+        if isinstance(self.stop, list) and len(self.stop) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings, got {len(self.stop)}")
+        return self
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    def stop_strings(self) -> tuple[str, ...]:
+        if self.stop is None:
+            return ()
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_tokens
+
+    def top_logprobs_count(self) -> int | None:
+        """None: no logprobs; k: the sampled token's logprob and k alternatives."""
+        return None
+
+    def sampling_params(self) -> SamplingParams:
+        top = self.top_logprobs_count()
+        return SamplingParams(
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=max(self.top_k, 0),
+            max_tokens=self.requested_max_tokens(),
+            # no seed: a fresh one, which the trace records with the request, so replay still reproduces it
+            seed=self.seed if self.seed is not None else secrets.randbits(63),
+            stop=self.stop_strings(),
+            stop_token_ids=tuple(self.stop_token_ids),
+            ignore_eos=self.ignore_eos,
+            logprobs=top is not None,
+            top_logprobs=top or 0,
+        )
+
+
+class CompletionRequest(_SamplingFields):
+    # a string, token ids, or a batch of exactly one of either
+    prompt: str | list[TokenId] | list[str] | list[list[TokenId]]
+    logprobs: int | None = Field(default=None, ge=0, le=20)
+    echo: bool = False
+    best_of: int | None = Field(default=None, ge=1, le=1)
+    suffix: str | None = None
+
+    @model_validator(mode="after")
+    def _one_prompt(self) -> CompletionRequest:
+        if self.echo:
+            raise ValueError("echo is not supported")
+        if self.suffix:
+            raise ValueError("suffix is not supported")
+        p = self.prompt
+        if isinstance(p, list) and p and isinstance(p[0], str | list) and len(p) != 1:
+            raise ValueError(f"exactly one prompt per request is supported, got {len(p)}")
+        return self
+
+    def single_prompt(self) -> str | list[int]:
+        p = self.prompt
+        if isinstance(p, list) and p and isinstance(p[0], str | list):
+            return p[0]  # type: ignore[return-value]
+        return p  # type: ignore[return-value]
+
+    def top_logprobs_count(self) -> int | None:
+        return self.logprobs
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = Field(default=None, max_length=256)
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1, le=MAX_INT32)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    add_generation_prompt: bool = True  # vLLM extension
+    tools: list[Any] | None = None
+    response_format: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _chat_rules(self) -> ChatCompletionRequest:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs requires logprobs to be true")
+        if self.tools:
+            raise ValueError("tools are not supported")
+        if self.response_format and self.response_format.get("type", "text") != "text":
+            raise ValueError("only response_format {'type': 'text'} is supported")
+        return self
+
+    def requested_max_tokens(self) -> int | None:
+        # the newer name wins when both are given, as in OpenAI's API
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def top_logprobs_count(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+
+class TokenizeRequest(_Strict):
+    model: str | None = Field(default=None, max_length=256)
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_generation_prompt: bool = True
+
+    @model_validator(mode="after")
+    def _one_input(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of prompt and messages")
+        return self
+
+
+class DetokenizeRequest(_Strict):
+    model: str | None = Field(default=None, max_length=256)
+    tokens: list[TokenId]
+
+
+def parse_body(schema: type[M], body: Any) -> M:
+    """Validate a decoded JSON body, turning the first problem into a 400 that names the field."""
+    if not isinstance(body, dict):
+        raise bad_request("the request body must be a JSON object", code="invalid_body")
+    try:
+        return schema.model_validate(body)
+    except ValidationError as exc:
+        raise _as_api_error(exc) from None
+
+
+def _as_api_error(exc: ValidationError) -> APIError:
+    errors = exc.errors(include_url=False, include_input=False)
+    # a union reports one error per branch; the deepest is the most specific (prompt.0: must be >= 0)
+    first = max(errors, key=lambda e: len(e.get("loc", ())))
+    loc = [str(part) for part in first.get("loc", ())]
+    # unions report every branch (e.g. prompt.str, prompt.list[int]); keep the field path only
+    param = ".".join(p for p in loc if not p.startswith(("list[", "str", "int", "function-", "union")))
+    message = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
+    if first.get("type") == "missing":
+        message = "field required"
+    return bad_request(f"{param}: {message}" if param else message, param=param or None, code="invalid_value")

@@ -1,0 +1,131 @@
+"""Running the server: `atlas serve`, and a background-thread server for tests and benchmarks."""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import structlog
+import uvicorn
+
+from atlas.server.app import DEFAULT_MAX_HEADER_BYTES, create_app
+from atlas.server.chat import load_chat_template
+from atlas.server.engine_loop import EngineLoop
+
+log = structlog.get_logger(__name__)
+
+EXIT_ENGINE_DEAD = 3
+DEATH_GRACE_S = 1.0  # keep answering 503 this long after a fatal fault, so probes and clients see why
+DEATH_HARD_EXIT_S = 15.0  # if a graceful stop hangs (a stuck connection), leave anyway: dead is dead
+
+
+def _uvicorn_config(app: Any, host: str, port: int, log_level: str) -> uvicorn.Config:
+    return uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        http="h11",  # h11 enforces the header size limit while parsing, before any app code runs
+        h11_max_incomplete_event_size=DEFAULT_MAX_HEADER_BYTES,
+        lifespan="off",
+        log_level=log_level,
+        timeout_graceful_shutdown=2,
+        access_log=False,
+    )
+
+
+def build_engine(
+    model: str | None,
+    *,
+    backend: str = "cpu",
+    trace: str | None = None,
+    max_seq_len: int | None = None,
+    max_batch_size: int | None = None,
+) -> Any:
+    from atlas.config import EngineConfig
+    from atlas.engine.engine import Engine
+
+    knobs = {"max_seq_len": max_seq_len, "max_batch_size": max_batch_size}
+    config = EngineConfig(**{k: v for k, v in knobs.items() if v is not None})
+    return Engine.from_model(model=model or "atlas-tiny", backend=backend, config=config, trace=trace)
+
+
+class ServerThread:
+    """uvicorn serving an app on a free loopback port from a background thread."""
+
+    def __init__(self, app: Any, *, host: str = "127.0.0.1", port: int = 0) -> None:
+        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._sock.bind((host, port))
+        self.host, self.port = self._sock.getsockname()[:2]
+        self.server = uvicorn.Server(_uvicorn_config(app, self.host, self.port, "warning"))
+        self._thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self._sock]}, daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def start(self, timeout: float = 30.0) -> ServerThread:
+        self._thread.start()
+        deadline = time.monotonic() + timeout
+        while not self.server.started:
+            if time.monotonic() > deadline or not self._thread.is_alive():
+                raise RuntimeError("the server did not start")
+            time.sleep(0.01)
+        return self
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self.server.should_exit = True
+        self._thread.join(timeout)
+        self._sock.close()
+
+    def __enter__(self) -> ServerThread:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def serve(
+    model: str | None = None,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    trace: str | None = None,
+    api_key: str | None = None,
+    backend: str = "cpu",
+    max_seq_len: int | None = None,
+    max_batch_size: int | None = None,
+    enable_fault_injection: bool = False,
+    log_level: str = "info",
+) -> int:
+    """Serve until stopped. Returns the process exit status: 0, or EXIT_ENGINE_DEAD after a fatal fault."""
+    engine = build_engine(model, backend=backend, trace=trace, max_seq_len=max_seq_len,
+                          max_batch_size=max_batch_size)
+    engine_loop = EngineLoop(engine).start()
+    template = load_chat_template(Path(model) if model and Path(model).is_dir() else None)
+    app = create_app(engine_loop, chat_template=template, api_key=api_key,
+                     enable_fault_injection=enable_fault_injection)
+    server = uvicorn.Server(_uvicorn_config(app, host, port, log_level))
+
+    def on_death(detail: str) -> None:
+        log.error("fatal engine fault: the server stops", detail=detail)
+        threading.Timer(DEATH_GRACE_S, lambda: setattr(server, "should_exit", True)).start()
+        hard_exit = threading.Timer(DEATH_HARD_EXIT_S, os._exit, args=(EXIT_ENGINE_DEAD,))
+        hard_exit.daemon = True
+        hard_exit.start()
+
+    engine_loop.on_death(on_death)
+    if enable_fault_injection:
+        log.warning("fault injection is enabled: for tests only")
+    log.info("serving", model=engine.model_name, url=f"http://{host}:{port}", backend=backend, trace=trace)
+    try:
+        server.run()
+    finally:
+        engine_loop.stop()
+    if engine_loop.dead is not None:
+        return EXIT_ENGINE_DEAD
+    return 0

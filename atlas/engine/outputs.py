@@ -22,6 +22,10 @@ class AdmissionError(ValueError):
         self.param = param
 
 
+class QueueFull(RuntimeError):
+    """The waiting queue is at its bound (EngineConfig.max_waiting): try again later (HTTP 503/429)."""
+
+
 class EngineDead(RuntimeError):
     """The engine hit a fatal fault; nothing more can run in this process."""
 
@@ -39,3 +43,6 @@ class RequestOutput:
     finish_detail: str | None = None  # why: "eos", "stop string '...'", "max_tokens 16", error text...
     prompt_tokens: int = 0
     completion_tokens: int = 0  # total so far
+    # text since the last output: never a partial UTF-8 character, never a prefix of a stop string that
+    # could still complete; on a stop string the text ends before it
+    new_text: str = ""

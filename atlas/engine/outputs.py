@@ -7,7 +7,7 @@ from enum import Enum
 import attrs
 
 
-class FinishReason(str, Enum):
+class FinishReason(str, Enum):  # noqa: UP042 (str() stays "FinishReason.STOP"; .value is the wire form)
     STOP = "stop"  # EOS, a stop string or stop token, or a deliberate hard stop (with its detail)
     LENGTH = "length"  # max_tokens, or the capacity left, ran out
     ERROR = "error"  # the engine failed this request; never reported as stop or length

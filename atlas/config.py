@@ -1,0 +1,177 @@
+"""EngineConfig (the few knobs a user sets) and Capacities (every size, derived once from them and the model).
+
+Sizes that must agree (chunk width vs per-layer scratch rows vs QSA index capacity vs KV blocks) are never
+set independently: `derive_capacities` computes all of them in one place, an override below its derived
+floor is refused at load naming both numbers, and the derived table is logged at start.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import attrs
+import structlog
+
+log = structlog.get_logger("atlas.config")
+
+
+class CapacityError(ValueError):
+    """A knob, or an override, is below what the rest of the configuration needs. Names both numbers."""
+
+
+def _positive(_inst: object, attr: attrs.Attribute, value: int | None) -> None:
+    if value is not None and value < 1:
+        raise CapacityError(f"{attr.name} must be >= 1, got {value}")
+
+
+def _non_negative(_inst: object, attr: attrs.Attribute, value: int) -> None:
+    if value < 0:
+        raise CapacityError(f"{attr.name} must be >= 0, got {value}")
+
+
+@attrs.frozen
+class EngineConfig:
+    """What a user sets. Everything else is derived by `derive_capacities`."""
+
+    max_seq_len: int = attrs.field(default=4096, validator=_positive)
+    max_batch_size: int = attrs.field(default=64, validator=_positive)
+    # the per-step token budget: decodes take one token each, prefill chunks share the rest
+    prefill_chunk_tokens: int = attrs.field(default=2048, validator=_positive)
+    block_size: int = attrs.field(default=16, validator=_positive)
+    num_kv_blocks: int | None = attrs.field(default=None, validator=_positive)  # None = derived
+    max_waiting: int = attrs.field(default=1024, validator=_positive)  # bound of the waiting queue
+    # later issues: speculative decoding (drafts per verify), the SSM snapshot ring, its interval
+    num_drafts: int = attrs.field(default=0, validator=_non_negative)
+    ring_slots: int = attrs.field(default=0, validator=_non_negative)
+    snapshot_interval: int = attrs.field(default=64, validator=_positive)
+    # overrides of derived sizes (None = derived); each is checked against its floor
+    scratch_rows: int | None = attrs.field(default=None, validator=_positive)
+    qsa_index_capacity: int | None = attrs.field(default=None, validator=_positive)
+
+    def to_json(self) -> dict[str, Any]:
+        return attrs.asdict(self)
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> EngineConfig:
+        known = {f.name for f in attrs.fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in known})
+
+
+@attrs.frozen
+class Capacities:
+    """Every size the engine and the backends use, derived from EngineConfig and the model spec."""
+
+    max_seq_len: int
+    max_batch_size: int
+    max_batch_tokens: int  # tokens fed per step, all sequences together
+    block_size: int
+    num_kv_blocks: int
+    kv_blocks_per_seq: int  # blocks one sequence of max_seq_len needs
+    scratch_rows: int  # per-layer activation rows a step may touch (tokens x verify width)
+    verify_width: int  # num_drafts + 1
+    qsa_index_capacity: int  # raw index keys one sequence may hold
+    qsa_ratio: int  # tokens per pooled QSA block (1 when the model has no QSA layers)
+    qsa_budget: int  # tokens QSA selects from complete blocks (0 = no QSA)
+    num_attention_layers: int
+    num_qsa_layers: int
+    num_gdn_layers: int
+    ngram_size: int  # PLE n-gram order (0 = no PLE): a prefill chunk carries the previous ngram_size-1 tokens
+    ring_slots: int
+    snapshot_interval: int
+    max_waiting: int
+
+    def table(self) -> dict[str, int]:
+        return attrs.asdict(self)
+
+
+def _spec_get(spec: Any, name: str, default: Any) -> Any:
+    value = getattr(spec, name, None) if spec is not None else None
+    if value is None and isinstance(spec, dict):
+        value = spec.get(name)
+    return default if value is None else value
+
+
+def _layer_counts(spec: Any) -> tuple[int, int, int]:
+    """(attention layers, of which with a QSA indexer, GDN layers) from the spec's layer_types."""
+    layer_types = list(_spec_get(spec, "layer_types", []))
+    has_indexer = _spec_get(spec, "indexer_n_heads", None) is not None
+    gdn = sum(1 for t in layer_types if t == "linear_attention")
+    qsa = sum(1 for t in layer_types if t == "indexed_attention" or (t == "full_attention" and has_indexer))
+    attention = sum(1 for t in layer_types if t != "linear_attention")
+    return attention, qsa, gdn
+
+
+def _check_floor(name: str, value: int | None, floor: int, why: str) -> int:
+    if value is None:
+        return floor
+    if value < floor:
+        raise CapacityError(f"{name} {value} is below its derived floor {floor} ({why})")
+    return value
+
+
+def derive_capacities(config: EngineConfig, spec: Any = None) -> Capacities:
+    """Derive every size once. `spec` is the model's spec (attributes as in its config.json) or None."""
+    max_pos = _spec_get(spec, "max_position_embeddings", None)
+    if max_pos is not None and config.max_seq_len > max_pos:
+        raise CapacityError(
+            f"max_seq_len {config.max_seq_len} exceeds the model's max_position_embeddings {max_pos}"
+        )
+    if config.max_seq_len < 2:
+        raise CapacityError(f"max_seq_len {config.max_seq_len} is below its floor 2 (a prompt and one token)")
+    # a step must be able to feed one decode token for every running sequence
+    if config.prefill_chunk_tokens < config.max_batch_size:
+        raise CapacityError(
+            f"prefill_chunk_tokens {config.prefill_chunk_tokens} is below its floor "
+            f"max_batch_size {config.max_batch_size} (one decode token per running sequence)"
+        )
+    kv_blocks_per_seq = math.ceil(config.max_seq_len / config.block_size)
+    num_kv_blocks = config.num_kv_blocks
+    if num_kv_blocks is None:
+        num_kv_blocks = kv_blocks_per_seq * config.max_batch_size
+    _check_floor(
+        "num_kv_blocks",
+        num_kv_blocks,
+        kv_blocks_per_seq,
+        f"one sequence of max_seq_len {config.max_seq_len} in blocks of {config.block_size}",
+    )
+    verify_width = config.num_drafts + 1
+    max_batch_tokens = config.prefill_chunk_tokens
+    scratch_rows = _check_floor(
+        "scratch_rows",
+        config.scratch_rows,
+        max_batch_tokens * verify_width,
+        f"prefill_chunk_tokens {max_batch_tokens} x verify width {verify_width}",
+    )
+    qsa_index_capacity = _check_floor(
+        "qsa_index_capacity",
+        config.qsa_index_capacity,
+        config.max_seq_len,
+        f"max_seq_len {config.max_seq_len}: every token's raw index key is kept",
+    )
+    attention, qsa, gdn = _layer_counts(spec)
+    ple_layers = _spec_get(spec, "ple_layer_ids", [])
+    return Capacities(
+        max_seq_len=config.max_seq_len,
+        max_batch_size=config.max_batch_size,
+        max_batch_tokens=max_batch_tokens,
+        block_size=config.block_size,
+        num_kv_blocks=num_kv_blocks,
+        kv_blocks_per_seq=kv_blocks_per_seq,
+        scratch_rows=scratch_rows,
+        verify_width=verify_width,
+        qsa_index_capacity=qsa_index_capacity,
+        qsa_ratio=int(_spec_get(spec, "indexer_compress_ratio", 1)) if qsa else 1,
+        qsa_budget=int(_spec_get(spec, "indexer_budget", 0)) if qsa else 0,
+        num_attention_layers=attention,
+        num_qsa_layers=qsa,
+        num_gdn_layers=gdn,
+        ngram_size=int(_spec_get(spec, "ngram_size", 0)) if ple_layers else 0,
+        ring_slots=config.ring_slots,
+        snapshot_interval=config.snapshot_interval,
+        max_waiting=config.max_waiting,
+    )
+
+
+def log_capacities(caps: Capacities, *, model: str, backend: str) -> None:
+    log.info("capacities derived", model=model, backend=backend, **caps.table())

@@ -1,0 +1,121 @@
+"""The scheduler: a pure function from the control-plane state to the next step's decisions.
+
+Continuous batching under one token budget per step (Capacities.max_batch_tokens): running sequences
+first, in arrival order (a decode takes one token, an unfinished prefill takes a chunk of what is left),
+then waiting sequences in arrival order while budget, batch slots and free KV blocks allow. When a
+running sequence needs a KV block and none is free, the newest running sequence is preempted (its blocks
+freed, every cursor reset; it is recomputed later), possibly itself. Nothing here mutates the state: the
+decisions become events that the engine applies.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import attrs
+
+from atlas.state.control import ControlState
+
+
+def plan_chunks(total: int, budget: int) -> list[int]:
+    """Split `total` prompt tokens into chunks of at most `budget`: every chunk <= budget, sum == total."""
+    if budget < 1:
+        raise ValueError(f"chunk budget must be >= 1, got {budget}")
+    full, rest = divmod(total, budget)
+    return [budget] * full + ([rest] if rest else [])
+
+
+@attrs.frozen
+class Schedule:
+    preempt: tuple[int, ...] = ()
+    admitted: tuple[int, ...] = ()
+    seqs: tuple[int, ...] = ()
+    fed: tuple[int, ...] = ()
+    alloc: tuple[tuple[int, ...], ...] = ()
+
+    @property
+    def idle(self) -> bool:
+        return not self.seqs and not self.preempt
+
+
+class _FreeBlocks:
+    """The pool's free blocks as this step would hand them out, without touching the pool: blocks freed by
+    this step's preemptions first (newest first), then the pool's free list from its end."""
+
+    def __init__(self, free: dict[int, None]) -> None:
+        self._base: Iterator[int] = reversed(free)
+        self.available = len(free)
+        self._reclaimed: list[int] = []
+
+    def take(self, n: int) -> list[int]:
+        out = []
+        for _ in range(n):
+            out.append(self._reclaimed.pop() if self._reclaimed else next(self._base))
+        self.available -= n
+        return out
+
+    def give_back(self, blocks: list[int]) -> None:
+        self._reclaimed.extend(blocks)
+        self.available += len(blocks)
+
+
+def schedule(state: ControlState) -> Schedule:
+    caps = state.caps
+    bs = caps.block_size
+    budget = caps.max_batch_tokens
+    free = _FreeBlocks(state.pool.free)
+    seqs = state.seqs
+    preempted: list[int] = []
+    work: list[int] = []
+    fed: list[int] = []
+    alloc: list[tuple[int, ...]] = []
+
+    victims = list(state.running)  # newest last: preemption takes from the end
+    for seq_id in state.running:
+        if budget == 0:
+            break
+        if seq_id in preempted:
+            continue
+        seq = seqs[seq_id]
+        c = seq.cursor
+        n = min(len(c.tokens) - c.computed, budget)
+        need = -(-(c.computed + n) // bs) - len(seq.blocks)
+        while need > free.available:
+            victim = victims.pop()
+            preempted.append(victim)
+            free.give_back(seqs[victim].blocks)
+            if victim == seq_id:
+                break
+        if seq_id in preempted:
+            continue
+        work.append(seq_id)
+        fed.append(n)
+        budget -= n
+        if need > 0:
+            alloc.append((seq_id, *free.take(need)))
+
+    # admissions: not in a step that had to preempt (it would only thrash), in arrival order, FCFS
+    admitted: list[int] = []
+    if not preempted:
+        slots = caps.max_batch_size - len(state.running)
+        for seq_id in state.waiting:
+            if budget == 0 or slots == 0:
+                break
+            seq = seqs[seq_id]
+            n = min(len(seq.cursor.tokens), budget)
+            need = -(-n // bs)
+            if need > free.available:
+                break
+            admitted.append(seq_id)
+            work.append(seq_id)
+            fed.append(n)
+            alloc.append((seq_id, *free.take(need)))
+            budget -= n
+            slots -= 1
+    return Schedule(
+        preempt=tuple(preempted),
+        admitted=tuple(admitted),
+        seqs=tuple(work),
+        fed=tuple(fed),
+        alloc=tuple(alloc),
+    )

@@ -1,0 +1,100 @@
+"""Stop conditions and incremental detokenization, per request.
+
+The order of checks after each sampled token: a stop token (EOS unless ignore_eos, or a stop_token_id)
+-> `stop`; a stop string in the text -> `stop`, with the text cut before it; the budget (max_tokens, or
+what max_seq_len leaves) -> `length`. Text is streamed in deltas that never contain an incomplete UTF-8
+character or a prefix of a stop string that could still complete.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import attrs
+
+from atlas.engine.outputs import FinishReason
+from atlas.engine.sampling import SamplingParams
+
+
+class Tokenizer(Protocol):
+    eos_token_ids: tuple[int, ...]
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, ids: list[int]) -> str: ...
+
+
+@attrs.define(slots=True)
+class StopChecker:
+    """One request's stopping state: its text so far and how much of it has been emitted."""
+
+    params: SamplingParams
+    max_new: int
+    max_new_from_capacity: bool  # no max_tokens given: the budget is what max_seq_len left
+    stop_ids: frozenset[int]
+    generated: list[int] = attrs.Factory(list)  # tokens that contribute text (not the stop token)
+    text: str = ""
+    emitted: int = 0  # characters of `text` already handed out
+    prefix_offset: int = 0
+    read_offset: int = 0
+    count: int = 0  # tokens sampled so far
+    cut: bool = False  # the text was cut at a stop string
+    tokenizer: Tokenizer | None = None
+
+    @classmethod
+    def create(cls, params: SamplingParams, max_new: int, eos_token_ids: tuple[int, ...]) -> StopChecker:
+        stop_ids = set(params.stop_token_ids)
+        if not params.ignore_eos:
+            stop_ids.update(eos_token_ids)
+        return cls(params=params, max_new=max_new, max_new_from_capacity=params.max_tokens is None,
+                   stop_ids=frozenset(stop_ids))
+
+    def _append_text(self, token: int, tokenizer: Tokenizer) -> None:
+        # decode a short window and keep the part past what was read: stable for byte-level and BPE
+        # tokenizers alike, and it holds back a trailing incomplete character (U+FFFD) until it completes
+        self.generated.append(token)
+        ids = self.generated
+        prefix_text = tokenizer.decode(ids[self.prefix_offset:self.read_offset])
+        full = tokenizer.decode(ids[self.prefix_offset:])
+        if len(full) > len(prefix_text) and not full.endswith("\ufffd"):
+            self.text += full[len(prefix_text):]
+            self.prefix_offset = self.read_offset
+            self.read_offset = len(ids)
+
+    def on_token(self, token: int, tokenizer: Tokenizer | None) -> tuple[FinishReason, str] | None:
+        """Record a sampled token; the finish reason and detail if it ends the request."""
+        self.count += 1
+        if token in self.stop_ids:
+            is_eos = not self.params.ignore_eos and token not in self.params.stop_token_ids
+            return FinishReason.STOP, "eos" if is_eos else f"stop token {token}"
+        if tokenizer is not None:
+            self.tokenizer = tokenizer
+            before = len(self.text)
+            self._append_text(token, tokenizer)
+            for stop in self.params.stop:
+                # only the new text, and the stop string's length before it, can hold a new occurrence
+                at = self.text.find(stop, max(0, before - len(stop) + 1))
+                if at >= 0:
+                    self.text = self.text[:at]
+                    self.cut = True
+                    return FinishReason.STOP, f"stop string {stop!r}"
+        if self.count >= self.max_new:
+            if self.max_new_from_capacity:
+                return FinishReason.LENGTH, f"capacity: max_seq_len left room for {self.max_new} tokens"
+            return FinishReason.LENGTH, f"max_tokens {self.max_new}"
+        return None
+
+    def take_text(self, finished: bool) -> str:
+        """The text not yet handed out; while running, hold back what could still start a stop string."""
+        if finished and self.read_offset < len(self.generated) and not self.cut and self.tokenizer is not None:
+            # the request ended on an incomplete character: hand out what decoding makes of it
+            ids = self.generated
+            prefix_text = self.tokenizer.decode(ids[self.prefix_offset:self.read_offset])
+            self.text += self.tokenizer.decode(ids[self.prefix_offset:])[len(prefix_text):]
+            self.read_offset = len(ids)
+        end = len(self.text)
+        if not finished and self.params.stop:
+            end = max(self.emitted, end - (max(len(s) for s in self.params.stop) - 1))
+        delta = self.text[self.emitted:end]
+        self.emitted = end
+        return delta

@@ -1,0 +1,278 @@
+"""ControlState: every state machine of the engine, changed only by `apply(event)`.
+
+`apply` returns the sequence ids the event touched, so invariants are checked where state moved (cheap at
+batch 256), and the digest is kept incrementally: each sequence carries a 64-bit fingerprint of its fields,
+the digest is the XOR of them with the global fields. Digests are stable across runs and processes (pure
+integer mixing, no Python `hash` of strings), so a replay compares them directly.
+"""
+
+from __future__ import annotations
+
+from bisect import insort
+
+import attrs
+
+from atlas.config import Capacities
+from atlas.engine.outputs import FinishReason
+from atlas.engine.sampling import SamplingParams
+from atlas.state.events import (
+    EngineFaulted,
+    Event,
+    FaultInjected,
+    InvariantViolated,
+    RequestArrived,
+    RequestCancelled,
+    RequestFinished,
+    SequencePreempted,
+    StepExecuted,
+    StepPlanned,
+)
+from atlas.state.machines import (
+    BlockPool,
+    DrafterCarry,
+    Phase,
+    QsaCursor,
+    Sequence,
+    SequenceCursor,
+    SsmRing,
+    TransitionRefused,
+)
+
+_MASK = (1 << 64) - 1
+
+
+def _mix(h: int) -> int:
+    """splitmix64 finaliser: spreads every input bit over the whole word."""
+    h &= _MASK
+    h = ((h ^ (h >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
+    h = ((h ^ (h >> 27)) * 0x94D049BB133111EB) & _MASK
+    return h ^ (h >> 31)
+
+
+def sequence_fingerprint(seq: Sequence) -> int:
+    c = seq.cursor
+    h = _mix(seq.seq_id + 0x9E3779B97F4A7C15)
+    h = _mix(h ^ c.token_hash)
+    h = _mix(h ^ (len(c.tokens) << 40) ^ (c.computed << 8) ^ c.phase)
+    h = _mix(h ^ (len(seq.blocks) << 32) ^ seq.qsa.ingested)
+    return _mix(h ^ (seq.drafter.rows << 24) ^ (len(seq.ring.snapshots) << 16) ^ seq.preemptions)
+
+
+@attrs.define(slots=True)
+class ControlState:
+    caps: Capacities
+    pool: BlockPool
+    step: int = 0
+    next_seq_id: int = 0
+    seqs: dict[int, Sequence] = attrs.Factory(dict)  # live (not finished) sequences
+    by_request: dict[str, int] = attrs.Factory(dict)
+    waiting: list[int] = attrs.Factory(list)  # seq ids, ordered by arrival
+    running: list[int] = attrs.Factory(list)  # seq ids, ordered by arrival
+    pending_release: list[int] = attrs.Factory(list)  # finished with data-plane state still held
+    pending_faults: list[tuple[str, str | None]] = attrs.Factory(list)
+    inflight: StepPlanned | None = None  # planned, not yet executed
+    dead: bool = False
+    finished_count: int = 0
+    seq_digest: int = 0  # XOR of the live sequences' fingerprints
+
+    @classmethod
+    def create(cls, caps: Capacities) -> ControlState:
+        return cls(caps=caps, pool=BlockPool.create(caps.num_kv_blocks))
+
+    # ------------------------------------------------------------------------------------------ digest
+
+    def digest(self) -> str:
+        g = _mix(self.step ^ (self.pool.used << 20) ^ (self.next_seq_id << 40))
+        g = _mix(g ^ (len(self.waiting) << 32) ^ len(self.running) ^ (self.finished_count << 16))
+        g = _mix(g ^ (len(self.pending_release) << 8) ^ len(self.pending_faults) ^ (self.dead << 62))
+        return f"{g ^ self.seq_digest:016x}"
+
+    def _refresh(self, seq: Sequence) -> None:
+        fp = sequence_fingerprint(seq)
+        self.seq_digest ^= seq.fingerprint ^ fp
+        seq.fingerprint = fp
+
+    # ------------------------------------------------------------------------------------------- apply
+
+    def apply(self, e: Event) -> tuple[int, ...]:
+        """Apply one event; returns the ids of the sequences it touched. Refuses before mutating."""
+        handler = _HANDLERS.get(type(e))
+        if handler is None:
+            raise TransitionRefused("ControlState", f"no transition for event kind {e.kind!r}")
+        return handler(self, e)
+
+    def seq(self, seq_id: int) -> Sequence:
+        seq = self.seqs.get(seq_id)
+        if seq is None:
+            raise TransitionRefused("Request", "event for a sequence that is not live (finished or unknown)",
+                                    seq_id=seq_id)
+        return seq
+
+    def _arrived(self, e: RequestArrived) -> tuple[int, ...]:
+        if e.seq_id != self.next_seq_id:
+            raise TransitionRefused("Request", "sequence ids are given in arrival order",
+                                    seq_id=e.seq_id, expected=self.next_seq_id)
+        if e.request_id in self.by_request:
+            raise TransitionRefused("Request", "request id already live", request_id=e.request_id)
+        if not e.prompt or len(e.prompt) + e.max_new > self.caps.max_seq_len or e.max_new < 1:
+            raise TransitionRefused("Request", "prompt + budget outside capacity", prompt=len(e.prompt),
+                                    max_new=e.max_new, max_seq_len=self.caps.max_seq_len)
+        seq = Sequence(
+            seq_id=e.seq_id,
+            request_id=e.request_id,
+            arrival_step=self.step,
+            params=SamplingParams.from_json(e.params),
+            max_new=e.max_new,
+            cursor=SequenceCursor(tokens=list(e.prompt), prompt_len=len(e.prompt)),
+            qsa=QsaCursor(capacity=self.caps.qsa_index_capacity, ratio=self.caps.qsa_ratio),
+            ring=SsmRing(slots=self.caps.ring_slots),
+            drafter=DrafterCarry(),
+        )
+        h = 0
+        for t in e.prompt:
+            h = (h * 0x100000001B3 + t + 1) & _MASK
+        seq.cursor.token_hash = h
+        self.next_seq_id += 1
+        self.seqs[e.seq_id] = seq
+        self.by_request[e.request_id] = e.seq_id
+        self.waiting.append(e.seq_id)  # the newest arrival: the end keeps the list ordered
+        self._refresh(seq)
+        return (e.seq_id,)
+
+    def _finish(self, seq: Sequence) -> None:
+        if seq.blocks:
+            self.pool.release(seq.seq_id, seq.blocks)
+        if seq.cursor.phase is Phase.WAITING:
+            self.waiting.remove(seq.seq_id)
+        else:
+            self.running.remove(seq.seq_id)
+        if seq.on_device:
+            self.pending_release.append(seq.seq_id)
+        self.seq_digest ^= seq.fingerprint
+        seq.cursor.phase = Phase.FINISHED
+        del self.seqs[seq.seq_id]
+        del self.by_request[seq.request_id]
+        self.finished_count += 1
+
+    def _cancelled(self, e: RequestCancelled) -> tuple[int, ...]:
+        seq = self.seq(e.seq_id)
+        if seq.request_id != e.request_id:
+            raise TransitionRefused("Request", "cancel names another request", seq_id=e.seq_id,
+                                    request_id=e.request_id, live=seq.request_id)
+        self._finish(seq)
+        return (e.seq_id,)
+
+    def _finished(self, e: RequestFinished) -> tuple[int, ...]:
+        seq = self.seq(e.seq_id)
+        FinishReason(e.reason)  # refuses an unknown reason
+        if self.inflight is not None and e.seq_id in self.inflight.seqs:
+            raise TransitionRefused("Request", "finish of a sequence whose step is in flight", seq_id=e.seq_id)
+        self._finish(seq)
+        return (e.seq_id,)
+
+    def _fault_injected(self, e: FaultInjected) -> tuple[int, ...]:
+        if e.fault not in ("step_error", "fatal"):
+            raise TransitionRefused("Engine", "unknown fault kind", fault=e.fault)
+        self.pending_faults.append((e.fault, e.request_id))
+        return ()
+
+    def _preempted(self, e: SequencePreempted) -> tuple[int, ...]:
+        seq = self.seq(e.seq_id)
+        if e.blocks_freed != len(seq.blocks):
+            raise TransitionRefused("BlockPool", "preemption frees every block of the sequence",
+                                    seq_id=e.seq_id, blocks_freed=e.blocks_freed, blocks=len(seq.blocks))
+        seq.reset()  # validates the phase before anything moves
+        self.pool.release(seq.seq_id, seq.blocks)
+        seq.blocks.clear()
+        self.running.remove(seq.seq_id)
+        insort(self.waiting, seq.seq_id)
+        self._refresh(seq)
+        return (e.seq_id,)
+
+    def _planned(self, e: StepPlanned) -> tuple[int, ...]:
+        if e.step != self.step:
+            raise TransitionRefused("Engine", "steps are planned in order", step=e.step, expected=self.step)
+        if self.inflight is not None:
+            raise TransitionRefused("Engine", "a step is already in flight", inflight=self.inflight.step)
+        if len(e.seqs) != len(e.fed):
+            raise TransitionRefused("Engine", "one fed count per planned sequence", seqs=len(e.seqs), fed=len(e.fed))
+        for seq_id in e.admitted:
+            if self.seq(seq_id).cursor.phase is not Phase.WAITING:
+                raise TransitionRefused("Request", "admission of a sequence that is not waiting", seq_id=seq_id)
+        if list(e.release) != self.pending_release:
+            raise TransitionRefused("Engine", "the plan releases exactly the finished sequences",
+                                    release=list(e.release), pending=list(self.pending_release))
+        claimed: set[int] = set()
+        for row in e.alloc:
+            self.seq(row[0])
+            for b in row[1:]:
+                if b in claimed or not 0 <= b < self.pool.total or b not in self.pool.free:
+                    raise TransitionRefused("BlockPool", "allocation of a block that is not free",
+                                            seq_id=row[0], block=b)
+                claimed.add(b)
+        for seq_id in e.admitted:
+            seq = self.seqs[seq_id]
+            seq.cursor.phase = Phase.RUNNING
+            seq.on_device = True
+            self.waiting.remove(seq_id)
+            insort(self.running, seq_id)
+        for row in e.alloc:
+            self.pool.allocate(row[0], row[1:])
+            self.seqs[row[0]].blocks.extend(row[1:])
+        self.pending_release.clear()
+        self.inflight = e
+        self.step = e.step + 1
+        touched = tuple(e.admitted) + tuple(row[0] for row in e.alloc)
+        for seq_id in touched:
+            self._refresh(self.seqs[seq_id])
+        return touched
+
+    def _executed(self, e: StepExecuted) -> tuple[int, ...]:
+        plan = self.inflight
+        if plan is None or plan.step != e.step:
+            raise TransitionRefused("Engine", "execution of a step that was not planned", step=e.step,
+                                    inflight=None if plan is None else plan.step)
+        if len(e.tokens) != len(plan.seqs):
+            raise TransitionRefused("Engine", "one token slot per planned sequence", tokens=len(e.tokens),
+                                    seqs=len(plan.seqs))
+        bs = self.caps.block_size
+        seqs = self.seqs
+        work = []
+        for seq_id, fed, token in zip(plan.seqs, plan.fed, e.tokens, strict=True):
+            seq = seqs.get(seq_id)
+            if seq is None:
+                raise TransitionRefused("Request", "token for a sequence that is not live", seq_id=seq_id)
+            seq.check_advance(fed, token, bs)
+            work.append((seq, fed, token))
+        for seq, fed, token in work:  # every check passed: commit them all
+            seq.commit_advance(fed, token)
+            self._refresh(seq)
+        self.inflight = None
+        return plan.seqs
+
+    def _faulted(self, e: EngineFaulted) -> tuple[int, ...]:
+        if e.injected:
+            kind = "fatal" if e.fatal else "step_error"
+            self.pending_faults = [f for f in self.pending_faults if f[0] != kind]
+        # a failed step executed nothing: its sequences end with error next (RequestFinished)
+        self.inflight = None
+        if e.fatal:
+            self.dead = True
+        return ()
+
+    def _violated(self, e: InvariantViolated) -> tuple[int, ...]:
+        self.dead = True
+        return ()
+
+
+_HANDLERS = {
+    RequestArrived: ControlState._arrived,
+    RequestCancelled: ControlState._cancelled,
+    RequestFinished: ControlState._finished,
+    FaultInjected: ControlState._fault_injected,
+    SequencePreempted: ControlState._preempted,
+    StepPlanned: ControlState._planned,
+    StepExecuted: ControlState._executed,
+    EngineFaulted: ControlState._faulted,
+    InvariantViolated: ControlState._violated,
+}

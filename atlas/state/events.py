@@ -1,0 +1,173 @@
+"""Events: the only way the control-plane state changes, and what the trace records.
+
+Each event is a frozen attrs class with a `kind` and a schema `version`; its payload is its fields as plain
+JSON values. Old versions stay readable: an upcaster registered for (kind, version) rewrites a payload to
+version + 1, and `decode` applies them in a chain until the current version.
+
+Two families: inputs (the only nondeterminism: arrivals, cancellations, injected faults), which replay
+re-drives, and outcomes (what the scheduler decided and the backend produced), which replay compares.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import Any, ClassVar
+
+import attrs
+
+
+class Event:
+    """Base of every event. Subclasses are frozen attrs classes registered with @event(kind, version)."""
+
+    kind: ClassVar[str]
+    version: ClassVar[int]
+    is_input: ClassVar[bool] = False
+
+    def payload(self) -> dict[str, Any]:
+        return {name: getattr(self, name) for name in _FIELD_NAMES[type(self)]}
+
+    def payload_json(self) -> str:
+        return json.dumps(self.payload(), separators=(",", ":"))
+
+
+EVENT_TYPES: dict[str, type[Event]] = {}
+_FIELD_NAMES: dict[type, tuple[str, ...]] = {}
+# (kind, version) -> function rewriting a payload of that version to version + 1
+UPCASTERS: dict[tuple[str, int], Callable[[dict[str, Any]], dict[str, Any]]] = {}
+
+
+def event(kind: str, version: int, *, is_input: bool = False) -> Callable[[type], type]:
+    def register(cls: type) -> type:
+        cls = attrs.frozen(slots=True)(cls)
+        cls.kind = kind
+        cls.version = version
+        cls.is_input = is_input
+        if kind in EVENT_TYPES:
+            raise ValueError(f"event kind {kind!r} registered twice")
+        EVENT_TYPES[kind] = cls
+        _FIELD_NAMES[cls] = tuple(f.name for f in attrs.fields(cls))
+        return cls
+
+    return register
+
+
+def upcaster(kind: str, from_version: int) -> Callable[[Callable], Callable]:
+    def register(fn: Callable[[dict[str, Any]], dict[str, Any]]) -> Callable:
+        UPCASTERS[(kind, from_version)] = fn
+        return fn
+
+    return register
+
+
+class UnknownEvent(ValueError):
+    pass
+
+
+def upcast(kind: str, version: int, payload: dict[str, Any]) -> dict[str, Any]:
+    """Rewrite a recorded payload to the current version of its kind."""
+    cls = EVENT_TYPES.get(kind)
+    if cls is None:
+        raise UnknownEvent(f"unknown event kind {kind!r}")
+    if version > cls.version:
+        raise UnknownEvent(f"{kind} version {version} is newer than this engine's {cls.version}")
+    while version < cls.version:
+        step = UPCASTERS.get((kind, version))
+        if step is None:
+            raise UnknownEvent(f"no upcaster for {kind} v{version} -> v{version + 1}")
+        payload = step(payload)
+        version += 1
+    return payload
+
+
+def decode(kind: str, version: int, payload: dict[str, Any]) -> Event:
+    return EVENT_TYPES[kind](**upcast(kind, version, payload))
+
+
+def _ints(value: Any) -> tuple[int, ...]:
+    return tuple(int(v) for v in value)
+
+
+def _int_rows(value: Any) -> tuple[tuple[int, ...], ...]:
+    return tuple(tuple(int(v) for v in row) for row in value)
+
+
+# ---------------------------------------------------------------------------------------------------- inputs
+
+
+@event("request_arrived", 1, is_input=True)
+class RequestArrived(Event):
+    request_id: str
+    seq_id: int
+    prompt: tuple[int, ...] = attrs.field(converter=_ints)
+    params: dict[str, Any]  # SamplingParams.to_json()
+    max_new: int  # max_tokens, or what max_seq_len leaves when the request gives none
+
+
+@event("request_cancelled", 1, is_input=True)
+class RequestCancelled(Event):
+    request_id: str
+    seq_id: int
+
+
+@event("fault_injected", 1, is_input=True)
+class FaultInjected(Event):
+    fault: str  # "step_error" | "fatal"
+    request_id: str | None
+
+
+# -------------------------------------------------------------------------------------------------- outcomes
+
+
+@event("sequence_preempted", 1)
+class SequencePreempted(Event):
+    """The reset: blocks freed, every cursor and the recurrent state back to zero, requeued."""
+
+    seq_id: int
+    blocks_freed: int
+    reason: str
+
+
+@event("step_planned", 1)
+class StepPlanned(Event):
+    step: int
+    admitted: tuple[int, ...] = attrs.field(converter=_ints)  # waiting -> running this step
+    seqs: tuple[int, ...] = attrs.field(converter=_ints)  # the work, in plan order
+    fed: tuple[int, ...] = attrs.field(converter=_ints)  # tokens fed per sequence
+    alloc: tuple[tuple[int, ...], ...] = attrs.field(converter=_int_rows)  # (seq_id, block, ...) rows
+    release: tuple[int, ...] = attrs.field(converter=_ints)  # data-plane state dropped (finished)
+    reset: tuple[int, ...] = attrs.field(converter=_ints)  # data-plane state zeroed (preempted)
+
+
+@event("step_executed", 1)
+class StepExecuted(Event):
+    """Every cursor of every planned sequence moves by its fed count; sampled tokens are appended."""
+
+    step: int
+    tokens: tuple[int, ...] = attrs.field(converter=_ints)  # aligned with StepPlanned.seqs; -1 = no sample
+
+
+@event("request_finished", 1)
+class RequestFinished(Event):
+    seq_id: int
+    reason: str  # FinishReason value
+    detail: str
+
+
+@event("engine_faulted", 1)
+class EngineFaulted(Event):
+    step: int
+    fatal: bool
+    error: str
+    injected: bool
+
+
+@event("invariant_violated", 1)
+class InvariantViolated(Event):
+    event_index: int
+    machine: str
+    message: str
+    fields: dict[str, Any]
+
+
+INPUT_KINDS = tuple(k for k, cls in EVENT_TYPES.items() if cls.is_input)

@@ -1,0 +1,124 @@
+"""Invariants of the control plane, checked after every event on what the event touched.
+
+`check_invariants` is the cheap per-event check (the touched sequences and the pool's counters);
+`audit` is the full check (every block's owner and reference count), run at the end of a test workload or
+after every event when the engine is built with `full_audit=True`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from atlas.engine.outputs import EngineDead
+from atlas.state.control import ControlState
+from atlas.state.machines import Phase, Sequence
+
+
+class InvariantViolation(EngineDead):
+    """A state machine broke an invariant. Carries the event index, the machine and the field values.
+
+    It is an EngineDead: the control plane can no longer be trusted, so the engine stops."""
+
+    def __init__(self, event_index: int, machine: str, message: str, fields: dict[str, Any]) -> None:
+        shown = ", ".join(f"{k}={v}" for k, v in fields.items())
+        super().__init__(f"invariant violated at event {event_index} in {machine}: {message} ({shown})")
+        self.event_index = event_index
+        self.machine = machine
+        self.message = message
+        self.fields = fields
+
+
+def _fail(index: int, machine: str, message: str, **fields: Any) -> None:
+    raise InvariantViolation(index, machine, message, fields)
+
+
+def check_sequence(seq: Sequence, block_size: int, index: int) -> None:
+    c = seq.cursor
+    n = len(c.tokens)
+    if not 0 <= c.computed <= n:
+        _fail(index, "SequenceCursor", "computed within the tokens", seq_id=seq.seq_id, computed=c.computed,
+              seq_len=n)
+    if n < c.prompt_len or n - c.prompt_len > seq.max_new:
+        _fail(index, "Request", "generated within the budget", seq_id=seq.seq_id, seq_len=n,
+              prompt_len=c.prompt_len, max_new=seq.max_new)
+    q = seq.qsa
+    if q.ingested != c.computed:
+        _fail(index, "QsaCursor", "ingested == computed", seq_id=seq.seq_id, ingested=q.ingested,
+              computed=c.computed)
+    if q.ingested > q.capacity:
+        _fail(index, "QsaCursor", "ingested <= capacity", seq_id=seq.seq_id, ingested=q.ingested,
+              capacity=q.capacity)
+    if c.phase is Phase.WAITING:
+        if c.computed or seq.blocks or seq.on_device:
+            _fail(index, "SequenceCursor", "a waiting sequence holds nothing", seq_id=seq.seq_id,
+                  computed=c.computed, blocks=len(seq.blocks), on_device=seq.on_device)
+    elif c.phase is Phase.RUNNING:
+        if c.computed > len(seq.blocks) * block_size:
+            _fail(index, "BlockPool", "a running sequence's KV fits its blocks", seq_id=seq.seq_id,
+                  computed=c.computed, blocks=len(seq.blocks), block_size=block_size)
+        if (len(seq.blocks) - 1) * block_size >= max(n, 1):
+            _fail(index, "BlockPool", "no block beyond the sequence's tokens", seq_id=seq.seq_id,
+                  seq_len=n, blocks=len(seq.blocks), block_size=block_size)
+    else:
+        _fail(index, "Request", "a finished sequence is not live", seq_id=seq.seq_id)
+    prev = -1
+    for position, _slot in seq.ring.snapshots:
+        if position <= prev or position > c.computed:
+            _fail(index, "SsmRing", "snapshot positions strictly increasing and <= computed",
+                  seq_id=seq.seq_id, positions=[p for p, _ in seq.ring.snapshots], computed=c.computed)
+        prev = position
+    if len(seq.ring.snapshots) > seq.ring.slots:
+        _fail(index, "SsmRing", "at most `slots` snapshots", seq_id=seq.seq_id,
+              snapshots=len(seq.ring.snapshots), slots=seq.ring.slots)
+    d = seq.drafter
+    if d.rows > max(0, c.computed - 1) or d.last_pair_key >= max(0, c.computed - 1) and d.rows:
+        _fail(index, "DrafterCarry", "drafter keys < computed - 1", seq_id=seq.seq_id, rows=d.rows,
+              last_pair_key=d.last_pair_key, computed=c.computed)
+    if d.carried and c.computed == 0:
+        _fail(index, "DrafterCarry", "a carry implies a prefill", seq_id=seq.seq_id)
+
+
+def check_invariants(state: ControlState, touched: tuple[int, ...], index: int) -> None:
+    """After every event: the sequences it touched, and the pool's and queues' counters."""
+    pool = state.pool
+    if len(pool.free) + pool.used != pool.total:
+        _fail(index, "BlockPool", "free + used == total", free=len(pool.free), used=pool.used, total=pool.total)
+    if len(state.running) > state.caps.max_batch_size:
+        _fail(index, "Scheduler", "running <= max_batch_size", running=len(state.running),
+              max_batch_size=state.caps.max_batch_size)
+    bs = state.caps.block_size
+    seqs = state.seqs
+    for seq_id in touched:
+        seq = seqs.get(seq_id)
+        if seq is not None:
+            check_sequence(seq, bs, index)
+
+
+def audit(state: ControlState, index: int) -> None:
+    """Every invariant of every machine, including block ownership. O(blocks + tokens): tests and debug."""
+    pool = state.pool
+    owner: dict[int, int] = {}
+    for seq in state.seqs.values():
+        check_sequence(seq, state.caps.block_size, index)
+        for b in seq.blocks:
+            if b in owner:
+                _fail(index, "BlockPool", "a block has one owner", block=b, owners=[owner[b], seq.seq_id])
+            owner[b] = seq.seq_id
+    for b in range(pool.total):
+        expected = 1 if b in owner else 0
+        if pool.refs[b] != expected or (b in pool.free) != (expected == 0):
+            _fail(index, "BlockPool", "ref counts match owners and the free list", block=b, ref=pool.refs[b],
+                  owner=owner.get(b), free=b in pool.free)
+    if pool.used != len(owner):
+        _fail(index, "BlockPool", "used == blocks owned", used=pool.used, owned=len(owner))
+    live = sorted(state.seqs)
+    queued = sorted(state.waiting + state.running)
+    if live != queued or state.waiting != sorted(state.waiting) or state.running != sorted(state.running):
+        _fail(index, "Scheduler", "every live sequence is in exactly one ordered queue", live=live,
+              waiting=state.waiting, running=state.running)
+    for seq_id in state.waiting:
+        if state.seqs[seq_id].cursor.phase is not Phase.WAITING:
+            _fail(index, "Scheduler", "the waiting queue holds waiting sequences", seq_id=seq_id)
+    for seq_id in state.running:
+        if state.seqs[seq_id].cursor.phase is not Phase.RUNNING:
+            _fail(index, "Scheduler", "the running queue holds running sequences", seq_id=seq_id)

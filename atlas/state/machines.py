@@ -1,0 +1,195 @@
+"""The control plane's state machines: plain attrs classes, no tensors.
+
+A transition validates every precondition first and refuses (TransitionRefused, saying why) before
+changing anything. `Sequence.advance` and `Sequence.reset` move every cursor of a sequence together:
+token count, KV, QSA keys, recurrent state, PLE context and drafter rows never drift apart.
+"""
+
+from __future__ import annotations
+
+from enum import IntEnum
+from typing import Any
+
+import attrs
+
+from atlas.engine.sampling import SamplingParams
+
+_MASK = (1 << 64) - 1
+
+
+class TransitionRefused(RuntimeError):
+    """A transition's precondition does not hold; nothing was changed."""
+
+    def __init__(self, machine: str, why: str, **fields: Any) -> None:
+        super().__init__(f"{machine}: {why}")
+        self.machine = machine
+        self.why = why
+        self.fields = fields
+
+
+class Phase(IntEnum):
+    WAITING = 0
+    RUNNING = 1  # prefilling while more than one token is unfed, decoding when exactly one is
+    FINISHED = 2
+
+
+@attrs.define(slots=True)
+class SequenceCursor:
+    """The token stream and how much of it the data plane holds (`computed`, like vLLM's
+    num_computed_tokens: prefill, chunking and recompute after preemption all move it)."""
+
+    tokens: list[int]
+    prompt_len: int
+    computed: int = 0
+    phase: Phase = Phase.WAITING
+    # rolling hash of `tokens`, kept incrementally for the state digest
+    token_hash: int = 0
+
+    @property
+    def seq_len(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def generated(self) -> int:
+        return len(self.tokens) - self.prompt_len
+
+
+@attrs.define(slots=True)
+class QsaCursor:
+    """Raw QSA index keys ingested (one per token fed; one cursor for all QSA layers: they move together)."""
+
+    capacity: int
+    ratio: int
+    ingested: int = 0
+
+    @property
+    def pooled(self) -> int:
+        return self.ingested // self.ratio
+
+
+@attrs.define(slots=True)
+class SsmRing:
+    """Boundary snapshots of the recurrent state: (position, slot), filled in by the rollback issue."""
+
+    slots: int
+    snapshots: list[tuple[int, int]] = attrs.Factory(list)
+
+
+@attrs.define(slots=True)
+class DrafterCarry:
+    """MTP drafter pair-key rows held for a sequence; filled in by the speculative-decoding issue."""
+
+    rows: int = 0
+    last_pair_key: int = -1
+    carried: bool = False
+
+
+@attrs.define(slots=True)
+class Sequence:
+    """One request's lifecycle and all of its cursors."""
+
+    seq_id: int
+    request_id: str
+    arrival_step: int
+    params: SamplingParams
+    max_new: int  # tokens it may generate (max_tokens, or what max_seq_len leaves)
+    cursor: SequenceCursor
+    qsa: QsaCursor
+    ring: SsmRing
+    drafter: DrafterCarry
+    blocks: list[int] = attrs.Factory(list)
+    on_device: bool = False  # the data plane holds state for it (released when it finishes)
+    preemptions: int = 0
+    fingerprint: int = 0  # this sequence's share of the state digest
+
+    def advance(self, fed: int, token: int, block_size: int) -> None:
+        """Feed `fed` tokens (all cursors move together), then append `token` (-1: nothing sampled)."""
+        self.check_advance(fed, token, block_size)
+        self.commit_advance(fed, token)
+
+    def check_advance(self, fed: int, token: int, block_size: int) -> None:
+        c = self.cursor
+        end = c.computed + fed
+        if c.phase is not Phase.RUNNING:
+            raise TransitionRefused("SequenceCursor", "advance of a sequence that is not running",
+                                    seq_id=self.seq_id, phase=c.phase.name)
+        if fed < 1 or end > len(c.tokens):
+            raise TransitionRefused("SequenceCursor", "fed tokens beyond the known tokens",
+                                    seq_id=self.seq_id, computed=c.computed, fed=fed, seq_len=len(c.tokens))
+        if end > self.qsa.capacity:
+            raise TransitionRefused("QsaCursor", "ingest past the index capacity",
+                                    seq_id=self.seq_id, ingested=self.qsa.ingested, fed=fed,
+                                    capacity=self.qsa.capacity)
+        if end > len(self.blocks) * block_size:
+            raise TransitionRefused("BlockPool", "KV written past the sequence's blocks",
+                                    seq_id=self.seq_id, end=end, blocks=len(self.blocks))
+        sampled = token >= 0
+        if sampled != (end == len(c.tokens)):
+            raise TransitionRefused("SequenceCursor", "a token is sampled exactly when every known token is fed",
+                                    seq_id=self.seq_id, end=end, seq_len=len(c.tokens), token=token)
+        if sampled and c.generated >= self.max_new:
+            raise TransitionRefused("Request", "token past the request's budget",
+                                    seq_id=self.seq_id, generated=c.generated, max_new=self.max_new)
+
+    def commit_advance(self, fed: int, token: int) -> None:
+        c = self.cursor
+        end = c.computed + fed
+        c.computed = end
+        self.qsa.ingested = end
+        if token >= 0:
+            c.tokens.append(token)
+            c.token_hash = (c.token_hash * 0x100000001B3 + token + 1) & _MASK
+
+    def reset(self) -> None:
+        """Preemption: every cursor and the recurrent state back to zero (tokens are kept for recompute)."""
+        if self.cursor.phase is not Phase.RUNNING:
+            raise TransitionRefused("SequenceCursor", "reset of a sequence that is not running",
+                                    seq_id=self.seq_id, phase=self.cursor.phase.name)
+        self.cursor.computed = 0
+        self.cursor.phase = Phase.WAITING
+        self.qsa.ingested = 0
+        self.ring.snapshots.clear()
+        self.drafter.rows = 0
+        self.drafter.last_pair_key = -1
+        self.drafter.carried = False
+        self.on_device = False
+        self.preemptions += 1
+
+
+@attrs.define(slots=True)
+class BlockPool:
+    """KV blocks: a free list (an insertion-ordered dict used as an ordered set) and reference counts."""
+
+    total: int
+    free: dict[int, None]
+    refs: list[int]
+    used: int = 0
+
+    @classmethod
+    def create(cls, total: int) -> BlockPool:
+        # highest id first, so popping from the end hands out block 0, 1, 2, ... on a fresh pool
+        return cls(total=total, free=dict.fromkeys(range(total - 1, -1, -1)), refs=[0] * total)
+
+    def allocate(self, seq_id: int, blocks: tuple[int, ...] | list[int]) -> None:
+        for b in blocks:
+            if not 0 <= b < self.total or b not in self.free:
+                raise TransitionRefused("BlockPool", "allocation of a block that is not free",
+                                        seq_id=seq_id, block=b, ref=self.refs[b] if 0 <= b < self.total else None)
+        if len(set(blocks)) != len(blocks):
+            raise TransitionRefused("BlockPool", "a block allocated twice in one step", seq_id=seq_id,
+                                    blocks=list(blocks))
+        for b in blocks:
+            del self.free[b]
+            self.refs[b] = 1
+        self.used += len(blocks)
+
+    def release(self, seq_id: int, blocks: list[int]) -> None:
+        for b in blocks:
+            if self.refs[b] <= 0:
+                raise TransitionRefused("BlockPool", "release of a block with no reference", seq_id=seq_id,
+                                        block=b, ref=self.refs[b])
+        for b in blocks:
+            self.refs[b] -= 1
+            if self.refs[b] == 0:
+                self.free[b] = None
+                self.used -= 1

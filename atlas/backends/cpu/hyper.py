@@ -1,0 +1,28 @@
+"""Hyper-connections: `hc_count` residual streams, mixed into one block input and re-injected after it."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from atlas.backends.cpu.norms import rms_norm
+
+
+def hyper_mix(
+    w: dict[str, torch.Tensor], pre: str, streams: torch.Tensor, hc: int, eps: float, *, combine: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """streams [n, hc*H] -> (block input [n, H], injection weights [n, hc] or None for the final mixer)."""
+    hidden = streams.shape[-1] // hc
+    normed = rms_norm(streams, w[pre + "hc_norm.weight"], eps, group=hidden)
+    mix = F.silu((normed @ w[pre + "input_mix_weight_down.weight"].T) / hc)
+    mix = torch.sigmoid(mix @ w[pre + "input_mix_weight_up.weight"].T).unflatten(-1, (hc, hidden))
+    mixed = (mix * normed.unflatten(-1, (hc, hidden))).mean(dim=-2)
+    if not combine:
+        return mixed, None
+    inject = 2 * torch.sigmoid((normed @ w[pre + "block_inject_weight.weight"].T) / hc)
+    return mixed, inject
+
+
+def hyper_inject(streams: torch.Tensor, block_out: torch.Tensor, inject: torch.Tensor) -> torch.Tensor:
+    """Add the block output [n, H] to every stream, weighted per stream by inject [n, hc]."""
+    return streams + (block_out.unsqueeze(-2) * inject.unsqueeze(-1)).flatten(-2)

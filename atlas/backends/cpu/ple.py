@@ -1,0 +1,46 @@
+"""PLE: hashed n-gram embeddings gated into every hyper-connection stream, plus a dilated short conv.
+
+State per sequence: the last ngram_size - 1 token ids (shared by all PLE layers: they hash the same
+history) and, per PLE layer, the last (K - 1) * ngram_size normed gated values for the conv.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from atlas.backends.cpu.gdn import causal_conv
+from atlas.backends.cpu.norms import rms_norm
+from atlas.model.ngram import ngram_ids, ngram_tables
+from atlas.model.spec import ModelSpec
+
+
+def ple_forward(
+    spec: ModelSpec,
+    w: dict[str, torch.Tensor],
+    pre: str,
+    rank: int,
+    streams: torch.Tensor,
+    history: torch.Tensor,
+    conv: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """streams [n, hc*H], history [ctx + n] ids -> (addition to the streams [n, hc*H], new conv state)."""
+    assert spec.ple is not None
+    ple, hc, hidden = spec.ple, spec.hc_count, spec.hidden_size
+    n = streams.shape[0]
+    ids = ngram_ids(history, n, ple, ngram_tables(ple, spec.vocab_size, rank))
+    emb = w[pre + "ngram_embedding.weight"][ids].flatten(-2)  # [n, embed_dim]
+
+    eps = spec.rms_norm_eps
+    key = rms_norm(emb @ w[pre + "key_proj.weight"].T, w[pre + "norm_key.weight"], eps, group=hidden)
+    query = rms_norm(streams, w[pre + "norm_query.weight"], eps, group=hidden)
+    value = emb @ w[pre + "value_proj.weight"].T  # [n, H], shared by every stream
+    gate = (key.view(n, hc, hidden) * query.view(n, hc, hidden)).sum(-1, keepdim=True) / math.sqrt(hidden)
+    gate = gate.abs().clamp_min(1e-6).sqrt() * gate.sign()  # signed square root
+    gated = (torch.sigmoid(gate) * value.unsqueeze(-2)).flatten(-2)  # [n, hc*H]
+    gated_normed = rms_norm(gated, w[pre + "norm_conv.weight"], eps, group=hidden)
+
+    conv_out, new_conv = causal_conv(conv, gated_normed.T, w[pre + "conv1d.weight"], dilation=ple.ngram_size)
+    return gated + F.silu(conv_out).T, new_conv

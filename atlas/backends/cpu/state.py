@@ -1,0 +1,102 @@
+"""Explicit per-sequence data-plane state, and the paged KV pool.
+
+Everything a sequence carries between steps lives here, so later issues can move, snapshot and rewind it:
+- KV: global pool tensors per attention layer [num_blocks, block_size, kv_heads, head_dim], addressed
+  through the block table the caller gives with each chunk;
+- QSA: raw (un-normed, un-roped) index keys per QSA layer, [tokens, index_head_dim];
+- GDN: conv state (the last K pre-activation columns) and the recurrent state [Hv, dk, dv] per layer;
+- PLE: the n-gram context (last ngram_size - 1 ids) and the short-conv state per PLE layer.
+Chunks never mutate these tensors in place: a step builds new ones and commits them at its end, so a
+failing step leaves the sequence as it was.
+"""
+
+from __future__ import annotations
+
+import attrs
+import torch
+
+from atlas.backends.cpu.norms import acc_dtype
+from atlas.model.spec import ModelSpec
+
+
+@attrs.define
+class SequenceState:
+    kv_tokens: int = 0  # positions written to KV
+    ssm_position: int = 0  # tokens folded into GDN conv + recurrent state
+    ple_position: int = 0  # tokens folded into the PLE context and short-conv state
+    qsa_keys: dict[int, torch.Tensor] = attrs.field(factory=dict)  # layer -> [tokens, index_head_dim]
+    gdn_conv: dict[int, torch.Tensor] = attrs.field(factory=dict)  # layer -> [conv_dim, K]
+    gdn_recurrent: dict[int, torch.Tensor] = attrs.field(factory=dict)  # layer -> [Hv, dk, dv], >= fp32
+    ple_context: torch.Tensor | None = None  # [ngram_size - 1] token ids, EOS-filled at the start
+    ple_conv: dict[int, torch.Tensor] = attrs.field(factory=dict)  # layer -> [hc*H, (K-1)*ngram_size]
+
+    @classmethod
+    def empty(cls, spec: ModelSpec, dtype: torch.dtype) -> SequenceState:
+        state = cls()
+        for layer in spec.gdn_layers:
+            state.gdn_conv[layer] = torch.zeros(spec.gdn_conv_dim, spec.gdn_conv_kernel, dtype=dtype)
+            state.gdn_recurrent[layer] = torch.zeros(
+                spec.gdn_v_heads, spec.gdn_k_dim, spec.gdn_v_dim, dtype=acc_dtype(dtype)
+            )
+        if spec.qsa is not None:
+            for layer in spec.attention_layers:
+                state.qsa_keys[layer] = torch.zeros(0, spec.qsa.head_dim, dtype=dtype)
+        if spec.ple is not None:
+            state.ple_context = torch.full((spec.ple.context_len,), spec.ple.eos_token_id, dtype=torch.long)
+            for layer in spec.ple.layers:
+                state.ple_conv[layer] = torch.zeros(spec.hc_count * spec.hidden_size, spec.ple.conv_state_len, dtype=dtype)
+        return state
+
+    @property
+    def qsa_ingested(self) -> int:
+        if not self.qsa_keys:
+            return self.kv_tokens
+        counts = {int(k.shape[0]) for k in self.qsa_keys.values()}
+        # every QSA layer ingests the same tokens; a disagreement is itself a desync worth surfacing
+        return min(counts) if len(counts) == 1 else -1
+
+
+@attrs.frozen
+class StateSnapshot:
+    """The non-KV state of a sequence at `position` (deep copies). KV and QSA keys are positional: a
+    restore rewinds their cursors to `position` and drops what lies past it."""
+
+    position: int
+    gdn_conv: dict[int, torch.Tensor]
+    gdn_recurrent: dict[int, torch.Tensor]
+    ple_context: torch.Tensor | None
+    ple_conv: dict[int, torch.Tensor]
+
+
+class KvPool:
+    """Paged KV for every attention layer: [num_blocks, block_size, kv_heads, head_dim] per layer."""
+
+    def __init__(self, spec: ModelSpec, num_blocks: int, block_size: int, dtype: torch.dtype) -> None:
+        if num_blocks <= 0 or block_size <= 0:
+            raise ValueError(f"num_kv_blocks and block_size must be positive, got {num_blocks} and {block_size}")
+        self.num_blocks, self.block_size = num_blocks, block_size
+        shape = (num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
+        self.keys = {layer: torch.zeros(shape, dtype=dtype) for layer in spec.attention_layers}
+        self.values = {layer: torch.zeros(shape, dtype=dtype) for layer in spec.attention_layers}
+
+    def slots(self, block_table: tuple[int, ...], start: int, end: int) -> torch.Tensor:
+        """Flat slot ids (block * block_size + offset) of positions [start, end)."""
+        needed = -(-end // self.block_size)
+        if len(block_table) < needed:
+            raise ValueError(
+                f"block table has {len(block_table)} blocks; positions up to {end} need {needed} "
+                f"of block_size {self.block_size}"
+            )
+        table = torch.tensor(block_table[:needed], dtype=torch.long)
+        if needed and (int(table.min()) < 0 or int(table.max()) >= self.num_blocks):
+            raise ValueError(f"block table {list(block_table[:needed])} names a block outside [0, {self.num_blocks})")
+        pos = torch.arange(start, end)
+        return table[pos // self.block_size] * self.block_size + pos % self.block_size
+
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        self.keys[layer].view(-1, *k.shape[1:])[slots] = k
+        self.values[layer].view(-1, *v.shape[1:])[slots] = v
+
+    def read(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return (self.keys[layer].view(-1, *self.keys[layer].shape[2:])[slots],
+                self.values[layer].view(-1, *self.values[layer].shape[2:])[slots])

@@ -1,0 +1,104 @@
+"""Shared fixtures: tiny random transformers checkpoints, written once per test session."""
+
+from __future__ import annotations
+
+import math
+import zlib
+from pathlib import Path
+
+import pytest
+import torch
+
+torch.set_num_threads(2)
+
+
+def _randomise(model: torch.nn.Module, seed: int) -> None:
+    """Every weight random, norm weights included (transformers initialises RMSNorm weights to zeros), at
+    scales that keep activations and logits O(1) so parity is meaningful."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("A_log"):
+                p.copy_(torch.empty(p.shape).uniform_(0.0, 1.5, generator=g))
+            elif name.endswith("dt_bias"):
+                p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+            elif name.endswith("linear_attn.norm.weight"):  # the gated norm is not zero-centred
+                p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=g))
+            elif p.dim() == 1:  # zero-centred RMSNorm weights
+                p.copy_(0.2 * torch.randn(p.shape, generator=g))
+            elif "embed" in name:
+                p.copy_(torch.randn(p.shape, generator=g))
+            else:
+                fan_in = p.shape[-1] if p.dim() != 3 or "conv" not in name else p.shape[-1]
+                p.copy_(torch.randn(p.shape, generator=g) * (1.0 / math.sqrt(fan_in)))
+
+
+def _small_common() -> dict:
+    return dict(
+        vocab_size=300,
+        hidden_size=32,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        linear_key_head_dim=8,
+        linear_value_head_dim=8,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_conv_kernel_dim=4,
+        eos_token_id=2,
+        rms_norm_eps=1e-6,
+    )
+
+
+def build_hf_model(family: str) -> torch.nn.Module:
+    import transformers as tf
+
+    c = _small_common()
+    if family == "qwen3_next_dense":
+        cfg = tf.Qwen3NextConfig(**c, intermediate_size=48, num_experts=0,
+                                 rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                  "partial_rotary_factor": 0.25})
+        model = tf.Qwen3NextForCausalLM(cfg)
+    elif family == "qwen3_next_moe":
+        cfg = tf.Qwen3NextConfig(**c, intermediate_size=48, num_experts=6, num_experts_per_tok=2,
+                                 moe_intermediate_size=16, shared_expert_intermediate_size=24, mlp_only_layers=[1],
+                                 rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                  "partial_rotary_factor": 0.5})
+        model = tf.Qwen3NextForCausalLM(cfg)
+    elif family == "qwen3_5":
+        cfg = tf.Qwen3_5TextConfig(**c, intermediate_size=48,
+                                   rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                    "partial_rotary_factor": 0.25, "mrope_section": [1, 1, 0],
+                                                    "mrope_interleaved": True})
+        model = tf.Qwen3_5ForCausalLM(cfg)
+    elif family == "qwen4_exp":
+        cfg = tf.Qwen4ExpTextConfig(
+            **c, num_experts=6, num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=24,
+            hc_count=2, hc_lowrank=8, ple_layer_ids=[1, 3], ple_embed_dim=16, ngram_size=3, heads_per_ngram=2,
+            ngram_vocab_size_base=101, make_ngram_vocab_size_divisible_by=8, split_ngram_parts=4,
+            indexer_n_heads=4, indexer_kv_heads=1, indexer_head_dim=16, indexer_budget=8, indexer_compress_ratio=4,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
+                             "mrope_section": [2, 1, 1], "mrope_interleaved": True},
+        )
+        model = tf.Qwen4ExpForCausalLM(cfg)
+    else:
+        raise ValueError(family)
+    _randomise(model, seed=zlib.crc32(family.encode()))
+    return model.eval()
+
+
+@pytest.fixture(scope="session")
+def hf_checkpoints(tmp_path_factory: pytest.TempPathFactory):
+    """family -> (checkpoint dir, the transformers model that wrote it); built lazily, once per session."""
+    cache: dict[str, tuple[Path, torch.nn.Module]] = {}
+
+    def get(family: str) -> tuple[Path, torch.nn.Module]:
+        if family not in cache:
+            model = build_hf_model(family)
+            path = tmp_path_factory.mktemp(family)
+            model.save_pretrained(path)
+            cache[family] = (path, model)
+        return cache[family]
+
+    return get

@@ -7,6 +7,7 @@ file path. Anything unexpected becomes a generic 500 whose detail stays in the s
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 from starlette.responses import JSONResponse
@@ -59,10 +60,19 @@ def bad_request(message: str, *, param: str | None = None, code: str | None = No
 def engine_dead(detail: str | None = None) -> APIError:
     message = "the engine hit a fatal fault and is shutting down"
     if detail:
-        message += f": {detail}"
+        message += f": {redact_paths(detail)}"
     return APIError(503, message, code="engine_dead")
+
+
+_PATH = re.compile(r"(?:[A-Za-z]:)?(?:[/\\][\w.@+-]+){2,}[/\\]?")
+
+
+def redact_paths(text: str) -> str:
+    """Error text from deep inside the engine may name files; the client is not told where they live."""
+    return _PATH.sub("<path>", text)
 
 
 def engine_error(detail: str | None) -> APIError:
     """A request the engine failed: reported as an error, never as stop or length."""
-    return APIError(500, f"the engine failed this request: {detail or 'unknown error'}", code="engine_error")
+    message = f"the engine failed this request: {redact_paths(detail or 'unknown error')}"
+    return APIError(500, message, code="engine_error")

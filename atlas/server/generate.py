@@ -18,21 +18,13 @@ import attrs
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from atlas.engine.outputs import AdmissionError, EngineDead, FinishReason, RequestOutput
-
-try:
-    from atlas.engine.outputs import QueueFull
-except ImportError:  # TODO(server): drop once the engine's QueueFull lands in outputs.py
-
-    class QueueFull(RuntimeError):  # type: ignore[no-redef]
-        pass
-
+from atlas.engine.outputs import AdmissionError, EngineDead, FinishReason, QueueFull, RequestOutput
 from atlas.engine.sampling import SamplingParams
 from atlas.server.chat import ChatTemplate
 from atlas.server.engine_loop import EngineLoop, FaultKind, RequestStream
 from atlas.server.errors import APIError, bad_request, engine_dead, engine_error
+from atlas.server.logprobs import chat_logprobs, completion_logprobs
 from atlas.server.schemas import ChatCompletionRequest, ChatMessage, CompletionRequest
-from atlas.server.text import TextAssembler, chat_logprobs, completion_logprobs
 
 DONE = b"data: [DONE]\n\n"
 FAULT_HEADER = "x-atlas-inject-fault"  # honoured only when the app enables fault injection
@@ -100,19 +92,19 @@ class _Generation:
     def __init__(self, ctx: ServingContext, params: SamplingParams) -> None:
         self.ctx = ctx
         self.params = params
-        self.text = TextAssembler(ctx.decode, params.stop)
+        self.text = ""  # the engine's text deltas: cut at stop strings, never a partial character
         self.prompt_tokens = 0
         self.completion_tokens = 0
         self.finish: RequestOutput | None = None
 
     def absorb(self, out: RequestOutput) -> str:
-        """Take one output; returns the newly settled text."""
+        """Take one output; returns its new text."""
         self.prompt_tokens = out.prompt_tokens or self.prompt_tokens
         self.completion_tokens = max(self.completion_tokens, out.completion_tokens)
-        clean_end = out.finished and out.finish_reason in (FinishReason.STOP, FinishReason.LENGTH)
         if out.finished:
             self.finish = out
-        return self.text.push(out.new_token_ids, final=clean_end)
+        self.text += out.new_text
+        return out.new_text
 
     def failure(self) -> APIError | None:
         """The error this request ended with, if it did not end with stop or length."""
@@ -174,9 +166,9 @@ async def _respond_whole(ctx: ServingContext, request: Request, stream: RequestS
     choice: dict[str, Any] = {"index": 0, "logprobs": gen.logprobs(kind, token_ids, logprobs, tops, 0),
                               "finish_reason": gen.finish.finish_reason.value}
     if kind == "chat":
-        choice["message"] = {"role": "assistant", "content": gen.text.text}
+        choice["message"] = {"role": "assistant", "content": gen.text}
     else:
-        choice["text"] = gen.text.text
+        choice["text"] = gen.text
     body = {"id": request_id, "object": "chat.completion" if kind == "chat" else "text_completion",
             "created": int(time.time()), "model": ctx.model_name, "choices": [choice], "usage": gen.usage()}
     return JSONResponse(body, headers={"x-request-id": request_id})

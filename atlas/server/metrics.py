@@ -35,6 +35,7 @@ _COUNTERS = (
     ("atlas:generation_tokens", "Generated tokens.", "generation_tokens_total"),
     ("atlas:invariant_checks", "State-machine invariant checks passed.", "invariant_checks"),
     ("atlas:trace_events_written", "Events written to the trace store.", "trace_events_written"),
+    ("atlas:num_preemptions", "Sequences preempted for KV blocks.", "preemptions_total"),
 )
 
 

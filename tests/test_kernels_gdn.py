@@ -1,0 +1,155 @@
+"""GDN Triton kernels (recurrent decode/verify update, chunked prefill) against the plain-torch reference.
+
+Without a GPU the kernels run under TRITON_INTERPRET=1 at small sizes; with one, the same tests run compiled,
+and the `cuda` ones add the benchmark model's head shapes.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the kernels' import
+
+from atlas_kernels import reference as ref
+from atlas_kernels.gdn_chunk import gdn_chunk_prefill
+from atlas_kernels.gdn_recurrent import gdn_recurrent
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 1.5e-2}
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+
+
+def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    assert not got.isnan().any(), "NaN in the kernel's output"
+    return float((got.double() - want.double()).norm() / want.double().norm())
+
+
+def random_gdn(gen: torch.Generator, lead: tuple[int, ...], k_heads: int, v_heads: int, dk: int, dv: int,
+               dtype: torch.dtype):
+    """q, k, v, g, beta as the GDN layer makes them: g = -exp(A_log) * softplus(a + dt_bias), beta = sigmoid(b)."""
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen).to(DEVICE, dtype)
+
+    q, k = randn(*lead, k_heads, dk), randn(*lead, k_heads, dk)
+    v = randn(*lead, v_heads, dv)
+    a_decay = torch.empty(v_heads).uniform_(0.01, 16, generator=gen)
+    a = torch.randn(*lead, v_heads, generator=gen)
+    g = (-a_decay * torch.nn.functional.softplus(a - 4.0)).to(DEVICE)  # fp32, as the layer computes it
+    beta = torch.sigmoid(torch.randn(*lead, v_heads, generator=gen)).to(DEVICE, dtype)
+    return q, k, v, g, beta
+
+
+def random_pool(gen: torch.Generator, slots: int, v_heads: int, dk: int, dv: int) -> torch.Tensor:
+    return (0.3 * torch.randn(slots, v_heads, dk, dv, generator=gen)).to(DEVICE)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens", [1, 5])
+def test_recurrent_matches_reference(dtype: torch.dtype, tokens: int) -> None:
+    gen = torch.Generator().manual_seed(10 + tokens)
+    seqs, k_heads, v_heads, dk, dv = 3, 2, 4, 32, 48  # dv not a power of two: masked tiles
+    q, k, v, g, beta = random_gdn(gen, (seqs, tokens), k_heads, v_heads, dk, dv, dtype)
+    pool = random_pool(gen, 5, v_heads, dk, dv)
+    before = pool.clone()
+    slots = torch.tensor([4, 0, 2], device=DEVICE)
+
+    out, states = gdn_recurrent(q, k, v, g, beta, pool, slots, store_states=True)
+
+    assert out.dtype == dtype and states is not None
+    for n in range(seqs):
+        want_out, want_states = ref.gdn_recurrent(q[n], k[n], v[n], g[n], beta[n], before[slots[n]])
+        assert rel_err(out[n], want_out) < TOLERANCE[dtype]
+        assert rel_err(states[n], want_states) < TOLERANCE[torch.float32]  # fp32 state from the same inputs
+        assert rel_err(pool[slots[n]], want_states[-1]) < TOLERANCE[torch.float32]
+    for untouched in (1, 3):
+        assert torch.equal(pool[untouched], before[untouched])
+
+
+def test_verify_without_commit_leaves_state_and_states_allow_partial_accept() -> None:
+    gen = torch.Generator().manual_seed(20)
+    q, k, v, g, beta = random_gdn(gen, (2, 4), 1, 2, 16, 16, torch.float32)
+    pool = random_pool(gen, 2, 2, 16, 16)
+    before = pool.clone()
+    slots = torch.tensor([1, 0], device=DEVICE)
+
+    _, states = gdn_recurrent(q, k, v, g, beta, pool, slots, store_states=True, commit=False)
+
+    assert torch.equal(pool, before)
+    assert states is not None
+    accepted = 2  # commit the state after token 2 of sequence 0, then decode token 3 from it
+    pool[slots[0]] = states[0, accepted - 1]
+    out3, _ = gdn_recurrent(q[:1, accepted:accepted + 1], k[:1, accepted:accepted + 1],
+                            v[:1, accepted:accepted + 1], g[:1, accepted:accepted + 1],
+                            beta[:1, accepted:accepted + 1], pool, slots[:1])
+    want_out, want_states = ref.gdn_recurrent(q[0, :3], k[0, :3], v[0, :3], g[0, :3], beta[0, :3], before[1])
+    assert rel_err(out3[0, 0], want_out[2]) < TOLERANCE[torch.float32]
+    assert rel_err(pool[slots[0]], want_states[2]) < TOLERANCE[torch.float32]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_chunked_prefill_matches_recurrent_reference(dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(30)
+    lengths = [150, 7, 64]  # a partial last chunk, a prompt shorter than a chunk, exactly one chunk
+    k_heads, v_heads, dk, dv = 2, 4, 32, 32
+    q, k, v, g, beta = random_gdn(gen, (sum(lengths),), k_heads, v_heads, dk, dv, dtype)
+    cu_seqlens = torch.tensor([0, 150, 157, 221], dtype=torch.int32, device=DEVICE)
+    pool = random_pool(gen, 4, v_heads, dk, dv)
+    before = pool.clone()
+    slots = torch.tensor([3, 1, 0], device=DEVICE)
+
+    out = gdn_chunk_prefill(q, k, v, g, beta, cu_seqlens, pool, slots)
+
+    # fp32: the chunked form reorders the sums; bf16: inputs rounded, dots in tf32
+    tolerance = {torch.float32: 1e-4, torch.bfloat16: 1.5e-2}[dtype]
+    for n, (start, end) in enumerate(zip(cu_seqlens[:-1].tolist(), cu_seqlens[1:].tolist(), strict=True)):
+        span = slice(start, end)
+        want_out, want_states = ref.gdn_recurrent(q[span], k[span], v[span], g[span], beta[span],
+                                                  before[slots[n]])
+        assert rel_err(out[span], want_out) < tolerance
+        assert rel_err(pool[slots[n]], want_states[-1]) < tolerance
+    assert torch.equal(pool[2], before[2])
+
+
+def test_prefill_then_decode_continues_the_same_recurrence() -> None:
+    gen = torch.Generator().manual_seed(40)
+    q, k, v, g, beta = random_gdn(gen, (70,), 1, 2, 16, 16, torch.float32)
+    pool = torch.zeros(1, 2, 16, 16, device=DEVICE)
+    slots = torch.zeros(1, dtype=torch.long, device=DEVICE)
+    cu_seqlens = torch.tensor([0, 69], dtype=torch.int32, device=DEVICE)
+
+    gdn_chunk_prefill(q[:69], k[:69], v[:69], g[:69], beta[:69], cu_seqlens, pool, slots)
+    last, _ = gdn_recurrent(q[None, 69:], k[None, 69:], v[None, 69:], g[None, 69:], beta[None, 69:], pool, slots)
+
+    want_out, _ = ref.gdn_recurrent(q, k, v, g, beta, torch.zeros(2, 16, 16, device=DEVICE))
+    assert rel_err(last[0, 0], want_out[69]) < 1e-4
+
+
+@cuda
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_benchmark_shapes_on_gpu(dtype: torch.dtype) -> None:
+    """Hk 16, Hv 32, dk = dv = 128 (qwen4exp-2p7b): verify of 4 tokens for 8 sequences, a 2048-token prefill."""
+    gen = torch.Generator().manual_seed(50)
+    q, k, v, g, beta = random_gdn(gen, (8, 4), 16, 32, 128, 128, dtype)
+    pool = random_pool(gen, 8, 32, 128, 128)
+    before = pool.clone()
+    slots = torch.arange(8, device=DEVICE).flip(0)
+    out, _ = gdn_recurrent(q, k, v, g, beta, pool, slots)
+    for n in (0, 7):
+        want_out, want_states = ref.gdn_recurrent(q[n], k[n], v[n], g[n], beta[n], before[slots[n]])
+        assert rel_err(out[n], want_out) < TOLERANCE[dtype]
+        assert rel_err(pool[slots[n]], want_states[-1]) < TOLERANCE[torch.float32]
+
+    q, k, v, g, beta = random_gdn(gen, (2048,), 16, 32, 128, 128, dtype)
+    pool = random_pool(gen, 1, 32, 128, 128)
+    before = pool.clone()
+    out = gdn_chunk_prefill(q, k, v, g, beta, torch.tensor([0, 2048], dtype=torch.int32, device=DEVICE), pool,
+                            torch.zeros(1, dtype=torch.long, device=DEVICE))
+    want_out, want_states = ref.gdn_recurrent(q, k, v, g, beta, before[0])
+    tolerance = {torch.float32: 1e-4, torch.bfloat16: 1.5e-2}[dtype]
+    assert rel_err(out, want_out) < tolerance
+    assert rel_err(pool[0], want_states[-1]) < tolerance

@@ -11,7 +11,7 @@ import torch
 
 from atlas.model.spec import ModelSpec, load_spec
 from atlas.model.tokenizer import Tokenizer, load_tokenizer
-from atlas.model.weights import load_weights, read_safetensors
+from atlas.model.weights import load_weights, normalise, read_safetensors
 
 TINY_MODEL_NAME = "atlas-tiny"
 
@@ -48,14 +48,16 @@ def load_model(name_or_dir: str | Path, dtype: torch.dtype = torch.float32) -> L
     root = Path(name_or_dir)
     spec = load_spec(root)
     config = json.loads((root / "config.json").read_text())
-    raw = read_safetensors(root)
-    weights = load_weights(spec, raw, dtype)
+    # the fingerprint covers the normalised tensors, so a checkpoint's layout (shards, prefixes, per-expert
+    # tensors) does not change it: atlas-tiny in memory and saved to a dir have the same fingerprint
+    tensors = normalise(spec, read_safetensors(root))
+    weights = load_weights(spec, tensors, dtype)
     tokenizer = load_tokenizer(root, spec.eos_token_ids, spec.vocab_size)
     return LoadedModel(
         name=root.resolve().name,
         spec=spec,
         weights=weights,
         tokenizer=tokenizer,
-        fingerprint=fingerprint(config, raw),
+        fingerprint=fingerprint(config, tensors),
         dtype=dtype,
     )

@@ -1,0 +1,69 @@
+"""`atlas.LLM`: the public entry point for offline use.
+
+    llm = atlas.LLM(model="atlas-tiny")          # or a checkpoint dir
+    logits = llm.logits(token_ids, chunk_sizes=[5, 1, 7])   # [T, vocab]
+
+`logits` prefills the sequence in the given chunk widths (one chunk if None) on a fresh sequence and
+returns the logits of every position. `generate` (the engine issue) is built on the engine, not here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from atlas.backends.cpu import Chunk, CpuBackend
+from atlas.model import LoadedModel, load_model
+from atlas.model.tokenizer import Tokenizer
+
+_LOGITS_SEQ_ID = -1  # the scratch sequence `logits` runs on; engine sequences are never negative
+
+
+class LLM:
+    def __init__(
+        self,
+        model: str | Path = "atlas-tiny",
+        backend: str = "cpu",
+        dtype: torch.dtype = torch.float32,
+        *,
+        block_size: int = 16,
+        num_kv_blocks: int = 256,
+    ) -> None:
+        if backend != "cpu":
+            raise ValueError(f"backend {backend!r} is not available to LLM yet; supported: 'cpu'")
+        self.model: LoadedModel = load_model(model, dtype=dtype)
+        self.backend = CpuBackend(self.model, num_kv_blocks=num_kv_blocks, block_size=block_size, dtype=dtype)
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        return self.model.tokenizer
+
+    def _chunks(self, total: int, chunk_sizes: Sequence[int] | None) -> list[int]:
+        sizes = [total] if chunk_sizes is None else list(chunk_sizes)
+        if any(s <= 0 for s in sizes) or sum(sizes) != total:
+            raise ValueError(f"chunk_sizes {sizes} must be positive and sum to the {total} tokens")
+        return sizes
+
+    def logits(self, token_ids: Sequence[int], chunk_sizes: Sequence[int] | None = None) -> torch.Tensor:
+        """Prefill `token_ids` in `chunk_sizes` widths on a fresh sequence: logits [T, vocab]."""
+        ids = [int(t) for t in token_ids]
+        if not ids:
+            raise ValueError("token_ids is empty")
+        block_size = self.backend.block_size
+        needed = -(-len(ids) // block_size)
+        if needed > self.backend.kv.num_blocks:
+            raise ValueError(
+                f"{len(ids)} tokens need {needed} KV blocks of {block_size}; num_kv_blocks is {self.backend.kv.num_blocks}"
+            )
+        table = tuple(range(needed))
+        rows, start = [], 0
+        try:
+            for width in self._chunks(len(ids), chunk_sizes):
+                chunk = Chunk(_LOGITS_SEQ_ID, ids[start : start + width], start, table)
+                rows.append(self.backend.forward([chunk])[0])
+                start += width
+        finally:
+            self.backend.release(_LOGITS_SEQ_ID)
+        return torch.cat(rows, dim=0)

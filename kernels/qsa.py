@@ -179,7 +179,7 @@ def qsa_select(
     num_visible = seq_lens.long()[:, None] - num_rows + torch.arange(num_rows, device=device)[None, :] + 1
     num_blocks = num_visible // ratio
     top = min(budget // ratio, max_blocks)
-    kept = torch.minimum(num_blocks, torch.tensor(budget // ratio, device=device))  # [B, T]
+    kept = num_blocks.clamp(max=budget // ratio)  # [B, T]; no host tensor, so CUDA-graph capturable
 
     order = torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :top]
     rank_ok = torch.arange(top, device=device) < kept[..., None]

@@ -202,6 +202,21 @@ class ControlState:
         if list(e.release) != self.pending_release:
             raise TransitionRefused("Engine", "the plan releases exactly the finished sequences",
                                     release=list(e.release), pending=list(self.pending_release))
+        admitted = set(e.admitted)
+        new_blocks = {row[0]: len(row) - 1 for row in e.alloc}
+        bs = self.caps.block_size
+        for seq_id, n in zip(e.seqs, e.fed, strict=True):
+            seq = self.seq(seq_id)
+            c = seq.cursor
+            if c.phase is not Phase.RUNNING and seq_id not in admitted:
+                raise TransitionRefused("Scheduler", "work for a sequence that is neither running nor admitted",
+                                        seq_id=seq_id, phase=c.phase.name)
+            if n < 1 or c.computed + n > len(c.tokens):
+                raise TransitionRefused("SequenceCursor", "fed tokens beyond the known tokens", seq_id=seq_id,
+                                        computed=c.computed, fed=n, seq_len=len(c.tokens))
+            if c.computed + n > (len(seq.blocks) + new_blocks.get(seq_id, 0)) * bs:
+                raise TransitionRefused("BlockPool", "KV written past the sequence's blocks", seq_id=seq_id,
+                                        end=c.computed + n, blocks=len(seq.blocks) + new_blocks.get(seq_id, 0))
         claimed: set[int] = set()
         for row in e.alloc:
             self.seq(row[0])

@@ -1,0 +1,185 @@
+"""Replay a recorded run.
+
+- `verify`: re-drive the recorded inputs (arrivals at their steps, cancellations, injected faults) through a
+  fresh engine with the run's config, model and backend, and compare every event and digest with the trace;
+  report identical, or the first divergent event with expected vs actual payloads and both digests.
+- `check_state_only`: apply the recorded events to the state machines alone (no model, no backend),
+  checking every invariant and every digest: a fast audit of a trace.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+from atlas.config import Capacities, EngineConfig
+from atlas.engine.engine import Engine, RecordingSink
+from atlas.engine.outputs import AdmissionError, EngineDead, QueueFull
+from atlas.engine.sampling import SamplingParams
+from atlas.replay.store import EventRecord, RunRecord, TraceReader
+from atlas.state.control import ControlState
+from atlas.state.events import INPUT_KINDS, Event, InvariantViolated
+from atlas.state.invariants import InvariantViolation, check_invariants
+from atlas.state.machines import TransitionRefused
+
+Progress = Callable[[int, int], None]
+
+
+@attrs.frozen
+class Divergence:
+    index: int
+    why: str
+    expected_kind: str | None
+    expected_step: int | None
+    expected_payload: dict[str, Any] | None
+    expected_digest: str | None
+    actual_kind: str | None = None
+    actual_step: int | None = None
+    actual_payload: dict[str, Any] | None = None
+    actual_digest: str | None = None
+
+    def describe(self) -> str:
+        return (f"first divergence at event {self.index}: {self.why}\n"
+                f"  expected: step {self.expected_step} {self.expected_kind} {json.dumps(self.expected_payload)} "
+                f"digest {self.expected_digest}\n"
+                f"  actual:   step {self.actual_step} {self.actual_kind} {json.dumps(self.actual_payload)} "
+                f"digest {self.actual_digest}")
+
+
+@attrs.frozen
+class VerifyReport:
+    run: RunRecord
+    events_expected: int
+    events_replayed: int
+    divergence: Divergence | None
+    fingerprint: str  # the model fingerprint of the replaying engine
+    note: str = ""  # how the replay ended, when it ended early
+
+    @property
+    def identical(self) -> bool:
+        return self.divergence is None
+
+    @property
+    def fingerprint_matches(self) -> bool:
+        return self.fingerprint == self.run.model_fingerprint
+
+
+def _drive_input(engine: Engine, rec: EventRecord) -> None:
+    p = rec.payload
+    if rec.kind == "request_arrived":
+        try:
+            engine.add_request(p["request_id"], p["prompt"], SamplingParams.from_json(p["params"]))
+        except (AdmissionError, QueueFull):
+            pass  # refused now though admitted then: the event comparison reports it
+    elif rec.kind == "request_cancelled":
+        engine.cancel(p["request_id"])
+    elif rec.kind == "fault_injected":
+        engine.inject_fault(p["fault"], p["request_id"])
+    else:
+        raise ValueError(f"not an input event: {rec.kind}")
+
+
+def redrive(engine: Engine, recorded: list[EventRecord], progress: Progress | None = None) -> str:
+    """Feed the recorded inputs to `engine` at their steps and step it until the run's end. Returns how the
+    replay ended."""
+    inputs = [r for r in recorded if r.kind in INPUT_KINDS]
+    sink = engine._sink
+    produced = (lambda: len(sink.rows)) if isinstance(sink, RecordingSink) else (lambda: engine._event_index)
+    i = 0
+    while True:
+        try:
+            while i < len(inputs) and inputs[i].step == engine.state.step:
+                _drive_input(engine, inputs[i])
+                i += 1
+            if i == len(inputs) and (not engine.has_unfinished() or produced() >= len(recorded)):
+                return "ended"
+            before = (engine.state.step, produced())
+            engine.step()
+        except EngineDead as exc:
+            return f"engine dead: {exc}"
+        if progress is not None:
+            progress(min(produced(), len(recorded)), len(recorded))
+        if (engine.state.step, produced()) == before and not engine.has_unfinished():
+            if i < len(inputs):  # idle, and the next input is stamped with a step this run never reaches
+                return f"idle at step {engine.state.step}; next input stamped step {inputs[i].step}"
+            return "ended"
+
+
+def compare(recorded: list[EventRecord], actual: list[tuple[int, int, Event, str]]) -> Divergence | None:
+    for rec, (index, step, e, digest) in zip(recorded, actual, strict=False):
+        payload = json.loads(e.payload_json())
+        why = None
+        if rec.kind != e.kind:
+            why = "event kind differs"
+        elif rec.payload != payload:
+            why = "payload differs"
+        elif rec.step != step:
+            why = "step differs"
+        elif rec.digest != digest:
+            why = "state digest differs"
+        if why is not None:
+            return Divergence(index, why, rec.kind, rec.step, rec.payload, rec.digest, e.kind, step, payload, digest)
+    if len(recorded) > len(actual):
+        rec = recorded[len(actual)]
+        return Divergence(rec.index, "the replay ended before this event", rec.kind, rec.step, rec.payload,
+                          rec.digest)
+    if len(actual) > len(recorded):
+        index, step, e, digest = actual[len(recorded)]
+        return Divergence(index, "the replay produced events past the trace's end", None, None, None, None,
+                          e.kind, step, json.loads(e.payload_json()), digest)
+    return None
+
+
+def verify(path_or_url: str | Path, run_id: int | None = None, *, progress: Progress | None = None,
+           engine_kwargs: dict[str, Any] | None = None) -> VerifyReport:
+    reader = TraceReader(path_or_url)
+    try:
+        run = reader.run(run_id)
+        recorded = list(reader.events(run.run_id))
+    finally:
+        reader.close()
+    sink = RecordingSink()
+    engine = Engine.from_model(run.model, backend=run.backend, config=EngineConfig.from_json(run.config),
+                               sink=sink, **(engine_kwargs or {}))
+    try:
+        note = redrive(engine, recorded, progress)
+    finally:
+        engine.close()
+    return VerifyReport(run, len(recorded), len(sink.rows), compare(recorded, sink.rows),
+                        engine.model_fingerprint, note)
+
+
+@attrs.frozen
+class StateCheckReport:
+    events: int
+    problem: str | None  # None: every event applied, every invariant held, every digest matched
+    index: int | None = None
+
+
+def check_state_only(path_or_url: str | Path, run_id: int | None = None) -> StateCheckReport:
+    """Apply the recorded events to the state machines alone; report the first refusal, violation or
+    digest mismatch. Needs no model: it audits what the trace claims happened."""
+    reader = TraceReader(path_or_url)
+    try:
+        run = reader.run(run_id)
+        recorded = list(reader.events(run.run_id))
+    finally:
+        reader.close()
+    state = ControlState.create(Capacities(**run.capacities))
+    for rec in recorded:
+        e = rec.event()
+        try:
+            touched = state.apply(e)
+            if not isinstance(e, InvariantViolated):
+                check_invariants(state, touched, rec.index)
+        except TransitionRefused as exc:
+            return StateCheckReport(len(recorded), f"refused: {exc} {exc.fields}", rec.index)
+        except InvariantViolation as exc:
+            return StateCheckReport(len(recorded), str(exc), rec.index)
+        if state.digest() != rec.digest:
+            return StateCheckReport(len(recorded), f"digest {state.digest()} != recorded {rec.digest}", rec.index)
+    return StateCheckReport(len(recorded), None)

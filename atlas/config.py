@@ -92,14 +92,38 @@ def _spec_get(spec: Any, name: str, default: Any) -> Any:
     return default if value is None else value
 
 
-def _layer_counts(spec: Any) -> tuple[int, int, int]:
-    """(attention layers, of which with a QSA indexer, GDN layers) from the spec's layer_types."""
+@attrs.frozen
+class _ModelShape:
+    attention: int = 0
+    qsa: int = 0
+    gdn: int = 0
+    qsa_ratio: int = 1
+    qsa_budget: int = 0
+    ngram_size: int = 0
+    max_positions: int | None = None
+
+
+def _model_shape(spec: Any) -> _ModelShape:
+    """What capacities need from a model: atlas.model.ModelSpec, or a config.json-shaped object/dict."""
+    if spec is None:
+        return _ModelShape()
     layer_types = list(_spec_get(spec, "layer_types", []))
-    has_indexer = _spec_get(spec, "indexer_n_heads", None) is not None
     gdn = sum(1 for t in layer_types if t == "linear_attention")
-    qsa = sum(1 for t in layer_types if t == "indexed_attention" or (t == "full_attention" and has_indexer))
-    attention = sum(1 for t in layer_types if t != "linear_attention")
-    return attention, qsa, gdn
+    attention = len(layer_types) - gdn
+    qsa_spec = getattr(spec, "qsa", None)  # ModelSpec: QsaSpec on every full-attention layer, or None
+    ple_spec = getattr(spec, "ple", None)
+    if qsa_spec is not None:
+        qsa, ratio, budget = attention, int(qsa_spec.ratio), int(qsa_spec.budget)
+    elif _spec_get(spec, "indexer_n_heads", None) is not None:  # config.json shape
+        qsa = attention
+        ratio, budget = int(_spec_get(spec, "indexer_compress_ratio", 1)), int(_spec_get(spec, "indexer_budget", 0))
+    else:
+        qsa, ratio, budget = 0, 1, 0
+    if ple_spec is not None:
+        ngram = int(ple_spec.ngram_size)
+    else:
+        ngram = int(_spec_get(spec, "ngram_size", 0)) if _spec_get(spec, "ple_layer_ids", []) else 0
+    return _ModelShape(attention, qsa, gdn, ratio, budget, ngram, _spec_get(spec, "max_position_embeddings", None))
 
 
 def _check_floor(name: str, value: int | None, floor: int, why: str) -> int:
@@ -112,7 +136,8 @@ def _check_floor(name: str, value: int | None, floor: int, why: str) -> int:
 
 def derive_capacities(config: EngineConfig, spec: Any = None) -> Capacities:
     """Derive every size once. `spec` is the model's spec (attributes as in its config.json) or None."""
-    max_pos = _spec_get(spec, "max_position_embeddings", None)
+    shape = _model_shape(spec)
+    max_pos = shape.max_positions
     if max_pos is not None and config.max_seq_len > max_pos:
         raise CapacityError(
             f"max_seq_len {config.max_seq_len} exceeds the model's max_position_embeddings {max_pos}"
@@ -149,8 +174,6 @@ def derive_capacities(config: EngineConfig, spec: Any = None) -> Capacities:
         config.max_seq_len,
         f"max_seq_len {config.max_seq_len}: every token's raw index key is kept",
     )
-    attention, qsa, gdn = _layer_counts(spec)
-    ple_layers = _spec_get(spec, "ple_layer_ids", [])
     return Capacities(
         max_seq_len=config.max_seq_len,
         max_batch_size=config.max_batch_size,
@@ -161,12 +184,12 @@ def derive_capacities(config: EngineConfig, spec: Any = None) -> Capacities:
         scratch_rows=scratch_rows,
         verify_width=verify_width,
         qsa_index_capacity=qsa_index_capacity,
-        qsa_ratio=int(_spec_get(spec, "indexer_compress_ratio", 1)) if qsa else 1,
-        qsa_budget=int(_spec_get(spec, "indexer_budget", 0)) if qsa else 0,
-        num_attention_layers=attention,
-        num_qsa_layers=qsa,
-        num_gdn_layers=gdn,
-        ngram_size=int(_spec_get(spec, "ngram_size", 0)) if ple_layers else 0,
+        qsa_ratio=shape.qsa_ratio,
+        qsa_budget=shape.qsa_budget,
+        num_attention_layers=shape.attention,
+        num_qsa_layers=shape.qsa,
+        num_gdn_layers=shape.gdn,
+        ngram_size=shape.ngram_size,
         ring_slots=config.ring_slots,
         snapshot_interval=config.snapshot_interval,
         max_waiting=config.max_waiting,

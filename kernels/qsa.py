@@ -154,6 +154,7 @@ def qsa_block_scores(
     scores = torch.empty((batch, num_rows, max_blocks), dtype=torch.float32, device=q.device)
     if max_blocks == 0:
         return scores
+    block_b = max(16, block_b)  # tl.dot needs every dim >= 16 when compiled
     grid = (batch * num_rows, triton.cdiv(max_blocks, block_b))
     _block_scores_kernel[grid](
         q, pooled_pool, block_tables, seq_lens, scores,

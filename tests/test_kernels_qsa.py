@@ -57,7 +57,7 @@ def test_pool_and_score_match_reference(dtype: torch.dtype) -> None:
                   inv_freq, ratio, 1e-6, max_new_blocks=int(complete.max()), block_j=4)
     q = torch.randn(len(seq_lens), rows, index_heads, head_dim, generator=gen).to(DEVICE, dtype)
 
-    scores = qsa_block_scores(q, pooled_pool, block_tables, lens, ratio, max_blocks=16, block_b=8)
+    scores = qsa_block_scores(q, pooled_pool, block_tables, lens, ratio, max_blocks=16, block_b=16)
 
     per_page = block_size // ratio
     for b, n in enumerate(seq_lens):

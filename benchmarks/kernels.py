@@ -1,0 +1,357 @@
+"""Time every atlas_kernels kernel on a GPU at the benchmark model's sizes, against the two ceilings measured
+in the same run: device copy bandwidth (bytes read + written) and the bf16 matmul rate.
+
+    python3 benchmarks/kernels.py [--config ../shared/bench/qwen4exp-2p7b-config.json] [--out DIR]
+
+Decode-sized kernels are timed as one whole decode step over all layers of their kind (18 GDN layers,
+6 attention layers), each layer with its own buffers as in the model, replayed from a CUDA graph: one layer's
+state alone would sit in the 60 MB L2 and flatter the bandwidth. Times are medians.
+Byte counts are the fewest a kernel must move (each input read once, each output written once).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import triton
+import triton.testing
+from atlas_kernels import reference as ref
+from atlas_kernels.conv import causal_conv1d_update
+from atlas_kernels.gdn_chunk import CHUNK, gdn_chunk_prefill
+from atlas_kernels.gdn_recurrent import gdn_recurrent
+from atlas_kernels.norms import gated_rms_norm, rms_norm
+from atlas_kernels.paged_attention import paged_attention
+from atlas_kernels.qsa import qsa_block_scores, qsa_pool_keys, qsa_select
+
+DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "shared/bench/qwen4exp-2p7b-config.json"
+# The fields used here, copied from qwen4exp-2p7b-config.json, for machines where ../shared is absent.
+FALLBACK_CONFIG = {
+    "hidden_size": 2048, "head_dim": 128, "num_attention_heads": 16, "num_key_value_heads": 2,
+    "linear_num_key_heads": 16, "linear_num_value_heads": 32, "linear_key_head_dim": 128,
+    "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4, "indexer_n_heads": 8, "indexer_head_dim": 128,
+    "indexer_budget": 2048, "indexer_compress_ratio": 4, "rms_norm_eps": 1e-6,
+    "rope_parameters": {"partial_rotary_factor": 0.25, "rope_theta": 1000000.0},
+    "layer_types": ["linear_attention"] * 3 + ["indexed_attention"],  # x 6
+}
+DEV = "cuda"
+BF16 = torch.bfloat16
+results: list[dict] = []
+
+
+def load_config(path: Path) -> dict:
+    if path.exists():
+        return json.loads(path.read_text())
+    print(f"# {path} not found: using the copy of its fields in benchmarks/kernels.py", file=sys.stderr)
+    config = dict(FALLBACK_CONFIG)
+    config["layer_types"] = FALLBACK_CONFIG["layer_types"] * 6
+    return config
+
+
+def time_ms(fn: Callable[[], object], graph: bool = True) -> float:
+    fn()  # compile outside the timed region
+    torch.cuda.synchronize()
+    if graph:
+        try:
+            return triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median")
+        except Exception as error:  # a launch path that cannot be captured: time it with its launch gaps
+            print(f"# CUDA graph capture failed ({error}); timing without a graph", flush=True)
+    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
+def record(kernel: str, case: str, ms: float, *, bytes_moved: float = 0.0, flops: float = 0.0,
+           layers: int = 1, note: str = "") -> None:
+    row = {"kernel": kernel, "case": case, "ms": ms, "us_per_layer": 1e3 * ms / layers, "layers": layers,
+           "bytes": bytes_moved, "flops": flops, "note": note}
+    if bytes_moved:
+        row["gb_s"] = bytes_moved / ms / 1e6
+        row["pct_copy_bw"] = 100 * row["gb_s"] / CEILINGS["copy_gb_s"]
+    if flops:
+        row["tflop_s"] = flops / ms / 1e9
+        row["pct_bf16_mm"] = 100 * row["tflop_s"] / CEILINGS["bf16_tflop_s"]
+    results.append(row)
+    bw = f"{row['gb_s']:8.0f} GB/s {row['pct_copy_bw']:5.1f}%" if bytes_moved else " " * 20
+    fl = f"{row['tflop_s']:7.1f} TF/s {row['pct_bf16_mm']:5.1f}%" if flops else ""
+    print(f"{kernel:<16} {case:<34} {ms * 1e3:9.1f} us {row['us_per_layer']:8.1f} us/layer {bw} {fl} {note}",
+          flush=True)
+
+
+CEILINGS: dict[str, float] = {}
+
+
+def measure_ceilings() -> None:
+    src = torch.randn(1 << 29, device=DEV)  # 2 GiB fp32
+    dst = torch.empty_like(src)
+    ms = time_ms(lambda: dst.copy_(src), graph=False)
+    CEILINGS["copy_gb_s"] = 2 * src.numel() * 4 / ms / 1e6
+    a = torch.randn(8192, 8192, device=DEV, dtype=BF16)
+    b = torch.randn(8192, 8192, device=DEV, dtype=BF16)
+    ms = time_ms(lambda: a @ b, graph=False)
+    CEILINGS["bf16_tflop_s"] = 2 * 8192**3 / ms / 1e9
+    print(f"# ceilings: device copy {CEILINGS['copy_gb_s']:.0f} GB/s (read + write), "
+          f"bf16 matmul 8192^3 {CEILINGS['bf16_tflop_s']:.0f} TFLOP/s", flush=True)
+
+
+def gdn_inputs(lead: tuple[int, ...], hk: int, hv: int, dk: int, dv: int, dtype=BF16):
+    q = torch.randn(*lead, hk, dk, device=DEV, dtype=dtype)
+    k = torch.randn(*lead, hk, dk, device=DEV, dtype=dtype)
+    v = torch.randn(*lead, hv, dv, device=DEV, dtype=dtype)
+    g = -torch.nn.functional.softplus(torch.randn(*lead, hv, device=DEV) - 4.0) * 4.0
+    beta = torch.sigmoid(torch.randn(*lead, hv, device=DEV)).to(dtype)
+    return q, k, v, g, beta
+
+
+def bench_gdn_recurrent(cfg: dict, layers: int) -> None:
+    hk, hv = cfg["linear_num_key_heads"], cfg["linear_num_value_heads"]
+    dk, dv = cfg["linear_key_head_dim"], cfg["linear_value_head_dim"]
+    state_bytes = hv * dk * dv * 4
+    for batch, tokens, verify in [(1, 1, False), (16, 1, False), (64, 1, False), (16, 4, True)]:
+        for block_v in (32, 64):
+            per_layer = []
+            for _ in range(layers):
+                inputs = gdn_inputs((batch, tokens), hk, hv, dk, dv)
+                pool = 0.1 * torch.randn(batch, hv, dk, dv, device=DEV)
+                per_layer.append((inputs, pool, torch.arange(batch, device=DEV)))
+
+            def step(per_layer=per_layer, verify=verify, block_v=block_v) -> None:
+                for (q, k, v, g, beta), pool, slots in per_layer:
+                    gdn_recurrent(q, k, v, g, beta, pool, slots, store_states=verify, commit=not verify,
+                                  block_v=block_v)
+
+            io = batch * tokens * (2 * hk * dk + 2 * hv * dv + 2 * hv) * 2
+            moved = layers * (batch * state_bytes * (1 + (tokens if verify else 1)) + io)
+            case = f"B={batch} T={tokens}{' verify' if verify else ''} BV={block_v}"
+            record("gdn_recurrent", case, time_ms(step), bytes_moved=moved, layers=layers)
+            del per_layer
+    bench_fla_recurrent(hk, hv, dk, dv, layers)
+
+
+def fla_ops():
+    try:
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
+    except Exception as error:  # optional: measured where installed, never required
+        print(f"# flash-linear-attention not available ({type(error).__name__}: {error})", flush=True)
+        return None
+    return chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
+
+
+def bench_fla_recurrent(hk: int, hv: int, dk: int, dv: int, layers: int) -> None:
+    ops = fla_ops()
+    if ops is None:
+        return
+    _, fused_recurrent = ops
+    for batch in (1, 16, 64):
+        per_layer = [(gdn_inputs((batch, 1), hk, hv, dk, dv), 0.1 * torch.randn(batch, hv, dk, dv, device=DEV))
+                     for _ in range(layers)]
+
+        def step(per_layer=per_layer) -> None:
+            for (q, k, v, g, beta), state in per_layer:
+                fused_recurrent(q, k, v, g, beta, initial_state=state, output_final_state=True,
+                                use_qk_l2norm_in_kernel=True)
+
+        moved = layers * batch * (2 * hv * dk * dv * 4 + (2 * hk * dk + 2 * hv * dv) * 2)
+        try:
+            record("fla_recurrent", f"B={batch} T=1", time_ms(step), bytes_moved=moved, layers=layers,
+                   note="fla-core 0.6.0 fused_recurrent_gated_delta_rule")
+        except Exception as error:
+            print(f"# fla recurrent failed: {error}", flush=True)
+        del per_layer
+
+
+def chunk_flops(tokens: int, hv: int, dk: int, dv: int) -> float:
+    """Matrix FLOPs of the chunked algorithm (each dk-side product counted once per head, not per dv tile)."""
+    c = CHUNK
+    per_chunk = 2 * (c * c * dk * 2 + (int(math.log2(c)) - 1) * 2 * c**3 + c * c * (dv + dk)
+                     + 3 * c * dk * dv + c * c * dv)
+    return hv * (tokens / c) * per_chunk
+
+
+def bench_gdn_chunk(cfg: dict) -> None:
+    hk, hv = cfg["linear_num_key_heads"], cfg["linear_num_value_heads"]
+    dk, dv = cfg["linear_key_head_dim"], cfg["linear_value_head_dim"]
+    tokens = 2048
+    cu = torch.tensor([0, tokens], dtype=torch.int32, device=DEV)
+    slots = torch.zeros(1, dtype=torch.long, device=DEV)
+    flops = chunk_flops(tokens, hv, dk, dv)
+    for dtype, precision in [(BF16, "tf32"), (torch.float32, "ieee")]:
+        inputs = gdn_inputs((tokens,), hk, hv, dk, dv, dtype)
+        for block_v, warps in [(32, 4), (32, 8), (64, 8), (128, 8)]:
+            pool = 0.1 * torch.randn(1, hv, dk, dv, device=DEV)
+            try:
+                ms = time_ms(lambda x=inputs, pool=pool, bv=block_v, w=warps, p=precision: gdn_chunk_prefill(
+                    *x, cu, pool, slots, precision=p, block_v=bv, num_warps=w))
+            except Exception as error:
+                print(f"# gdn_chunk BV={block_v} warps={warps} failed: {error}", flush=True)
+                continue
+            record("gdn_chunk", f"L=2048 {str(dtype)[6:]} {precision} BV={block_v} w={warps}", ms, flops=flops,
+                   note=f"{tokens / ms / 1e3:.0f} k tok/s per layer")
+    ops = fla_ops()
+    if ops is not None:
+        chunk, _ = ops
+        q, k, v, g, beta = gdn_inputs((1, tokens), hk, hv, dk, dv)
+        state = 0.1 * torch.randn(1, hv, dk, dv, device=DEV)
+        try:
+            ms = time_ms(lambda: chunk(q, k, v, g, beta, initial_state=state, output_final_state=True,
+                                       use_qk_l2norm_in_kernel=True), graph=False)
+            record("fla_chunk", "L=2048 bf16", ms, flops=flops, note=f"{tokens / ms / 1e3:.0f} k tok/s per layer")
+        except Exception as error:
+            print(f"# fla chunk failed: {error}", flush=True)
+
+
+def bench_conv(cfg: dict, layers: int) -> None:
+    channels = 2 * cfg["linear_num_key_heads"] * cfg["linear_key_head_dim"]
+    channels += cfg["linear_num_value_heads"] * cfg["linear_value_head_dim"]
+    kernel_size = cfg["linear_conv_kernel_dim"]
+    for batch in (1, 16, 64):
+        per_layer = [(torch.randn(batch, 1, channels, device=DEV, dtype=BF16),
+                      torch.randn(batch, channels, kernel_size, device=DEV, dtype=BF16),
+                      torch.randn(channels, kernel_size, device=DEV, dtype=BF16)) for _ in range(layers)]
+        slots = torch.arange(batch, device=DEV)
+
+        def step(per_layer=per_layer, slots=slots) -> None:
+            for x, pool, weight in per_layer:
+                causal_conv1d_update(x, pool, slots, weight)
+
+        moved = layers * (batch * channels * (2 * kernel_size + 2) * 2 + channels * kernel_size * 2)
+        record("conv_update", f"B={batch} T=1 C={channels}", time_ms(step), bytes_moved=moved, layers=layers)
+
+
+def paged_kv(batch: int, context: int, block_size: int, kv_heads: int, head_dim: int):
+    pages = batch * triton.cdiv(context, block_size)
+    tables = torch.randperm(pages, device=DEV).view(batch, -1).to(torch.int32)
+    k_pool = torch.randn(pages, block_size, kv_heads, head_dim, device=DEV, dtype=BF16)
+    v_pool = torch.randn(pages, block_size, kv_heads, head_dim, device=DEV, dtype=BF16)
+    return k_pool, v_pool, tables
+
+
+def bench_attention(cfg: dict, layers: int) -> None:
+    hq, hkv, d = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
+    ratio, budget = cfg["indexer_compress_ratio"], cfg["indexer_budget"]
+    block_size = 16
+    for context, batch, qsa in [(2048, 1, False), (2048, 16, False), (2048, 64, False), (8192, 1, False),
+                                (8192, 16, False), (8192, 64, False), (8192, 1, True), (8192, 64, True)]:
+        per_layer = []
+        for _ in range(layers):
+            k_pool, v_pool, tables = paged_kv(batch, context, block_size, hkv, d)
+            q = torch.randn(batch, 1, hq, d, device=DEV, dtype=BF16)
+            per_layer.append((q, k_pool, v_pool, tables))
+        lens = torch.full((batch,), context, dtype=torch.int32, device=DEV)
+        selected = counts = None
+        keys = context
+        if qsa:
+            scores = torch.rand(batch, 1, context // ratio, device=DEV)
+            selected, counts = qsa_select(scores, lens, ratio, budget)
+            keys = budget + ratio - 1
+
+        def step(per_layer=per_layer, lens=lens, selected=selected, counts=counts, keys=keys) -> None:
+            for q, k_pool, v_pool, tables in per_layer:
+                paged_attention(q, k_pool, v_pool, tables, lens, d**-0.5, keys, selected, counts)
+
+        moved = layers * batch * (keys * hkv * d * 2 * 2 + 2 * hq * d * 2)
+        flops = layers * batch * 4 * hq * d * keys
+        case = f"ctx={context} B={batch}{' qsa' if qsa else ''}"
+        record("paged_attention", case, time_ms(step), bytes_moved=moved, flops=flops, layers=layers)
+        del per_layer
+
+
+def bench_qsa(cfg: dict, layers: int) -> None:
+    heads, d = cfg["indexer_n_heads"], cfg["indexer_head_dim"]
+    ratio, budget, eps = cfg["indexer_compress_ratio"], cfg["indexer_budget"], cfg["rms_norm_eps"]
+    rope = cfg["rope_parameters"]
+    inv_freq = ref.rope_inv_freq(cfg["head_dim"], rope["partial_rotary_factor"], rope["rope_theta"]).to(DEV)
+    block_size, context = 16, 8192
+    blocks = context // ratio
+    for batch in (1, 16, 64):
+        per_layer = []
+        for _ in range(layers):
+            pages = batch * context // block_size
+            tables = torch.randperm(pages, device=DEV).view(batch, -1).to(torch.int32)
+            pooled = torch.randn(pages, block_size // ratio, d, device=DEV, dtype=BF16)
+            per_layer.append((torch.randn(batch, 1, heads, d, device=DEV, dtype=BF16), pooled, tables))
+        lens = torch.full((batch,), context, dtype=torch.int32, device=DEV)
+
+        def scores_only(per_layer=per_layer, lens=lens) -> None:
+            for q, pooled, tables in per_layer:
+                qsa_block_scores(q, pooled, tables, lens, ratio, blocks)
+
+        def with_select(per_layer=per_layer, lens=lens) -> None:
+            for q, pooled, tables in per_layer:
+                qsa_select(qsa_block_scores(q, pooled, tables, lens, ratio, blocks), lens, ratio, budget)
+
+        moved = layers * batch * blocks * d * 2
+        record("qsa_scores", f"ctx={context} B={batch}", time_ms(scores_only), bytes_moved=moved, layers=layers)
+        record("qsa_score+select", f"ctx={context} B={batch}", time_ms(with_select), bytes_moved=moved,
+               layers=layers, note="select = stable torch.sort")
+        del per_layer
+    # prefill pooling: every block of an 8192-token prompt
+    pages = context // block_size
+    tables = torch.randperm(pages, device=DEV).view(1, -1).to(torch.int32)
+    raw = torch.randn(pages, block_size, d, device=DEV, dtype=BF16)
+    pooled = torch.empty(pages, block_size // ratio, d, device=DEV, dtype=BF16)
+    zero, end = torch.zeros(1, dtype=torch.int32, device=DEV), torch.full((1,), blocks, dtype=torch.int32, device=DEV)
+    weight = torch.randn(d, device=DEV)
+    ms = time_ms(lambda: qsa_pool_keys(raw, pooled, tables, zero, end, weight, inv_freq, ratio, eps, blocks))
+    record("qsa_pool_keys", f"prefill ctx={context}", ms, bytes_moved=context * d * 2 * (1 + 1 / ratio))
+
+
+def bench_norms(cfg: dict) -> None:
+    hidden, eps = cfg["hidden_size"], cfg["rms_norm_eps"]
+    hv, dv = cfg["linear_num_value_heads"], cfg["linear_value_head_dim"]
+    for tokens in (64, 2048):
+        x = torch.randn(tokens, hidden, device=DEV, dtype=BF16)
+        w = torch.randn(hidden, device=DEV)
+        record("rms_norm", f"[{tokens}, {hidden}]", time_ms(lambda x=x, w=w: rms_norm(x, w, eps)),
+               bytes_moved=2 * x.numel() * 2)
+        record("rms_norm_torch", f"[{tokens}, {hidden}]",
+               time_ms(lambda x=x, w=w: ref.rms_norm(x, w, eps).to(BF16)), bytes_moved=2 * x.numel() * 2,
+               note="eager torch, for comparison")
+        x = torch.randn(tokens * hv, dv, device=DEV, dtype=BF16)
+        z = torch.randn(tokens * hv, dv, device=DEV, dtype=BF16)
+        w = torch.randn(dv, device=DEV)
+        record("gated_rms_norm", f"[{tokens}x{hv}, {dv}]", time_ms(lambda x=x, z=z, w=w: gated_rms_norm(x, z, w, eps)),
+               bytes_moved=3 * x.numel() * 2)
+        record("gated_norm_torch", f"[{tokens}x{hv}, {dv}]",
+               time_ms(lambda x=x, z=z, w=w: ref.gated_rms_norm(x, z, w, eps).to(BF16)),
+               bytes_moved=3 * x.numel() * 2, note="eager torch, for comparison")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", type=Path, default=DEFAULT_CONFIG)
+    parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".")))
+    parser.add_argument("--only", default="", help="comma-separated subset: gdn,chunk,conv,attn,qsa,norms")
+    args = parser.parse_args()
+    cfg = load_config(args.config)
+    gdn_layers = cfg["layer_types"].count("linear_attention")
+    attn_layers = len(cfg["layer_types"]) - gdn_layers
+    print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}; "
+          f"{gdn_layers} GDN layers, {attn_layers} attention layers", flush=True)
+    measure_ceilings()
+    benches = {
+        "gdn": lambda: bench_gdn_recurrent(cfg, gdn_layers),
+        "chunk": lambda: bench_gdn_chunk(cfg),
+        "conv": lambda: bench_conv(cfg, gdn_layers),
+        "attn": lambda: bench_attention(cfg, attn_layers),
+        "qsa": lambda: bench_qsa(cfg, attn_layers),
+        "norms": lambda: bench_norms(cfg),
+    }
+    chosen = [name for name in args.only.split(",") if name] or list(benches)
+    for name in chosen:
+        try:
+            benches[name]()
+        except Exception:
+            print(f"# {name} failed:\n{traceback.format_exc()}", flush=True)
+        torch.cuda.empty_cache()
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "kernels.json").write_text(json.dumps({"ceilings": CEILINGS, "results": results}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,174 @@
+"""The CPU backend's state handling on atlas-tiny: batching, paging, cursors, snapshots, execute()."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from atlas.backends.base import SeqWork, StepPlan
+from atlas.backends.cpu import Chunk, CpuBackend
+from atlas.engine.sampling import SamplingParams
+from atlas.model import load_model
+from atlas.model.weights import mtp_shapes
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return load_model("atlas-tiny")
+
+
+def _prompt(n: int, seed: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 256, (n,), generator=g)
+    ids[n // 2] = 256  # EOS mid-prompt: the PLE context restarts
+    return ids.tolist()
+
+
+def test_tiny_builds_fast_with_every_feature(tiny):
+    t0 = time.perf_counter()
+    model = load_model("atlas-tiny")
+    elapsed = time.perf_counter() - t0
+    print(f"\natlas-tiny built in {elapsed * 1000:.0f} ms")
+    assert elapsed < 5.0
+    spec = model.spec
+    assert spec.family == "qwen4_exp" and spec.qsa is not None and spec.ple is not None and spec.moe is not None
+    assert spec.hc_count >= 2 and spec.gdn_layers and spec.attention_layers
+    assert spec.qsa.inert_bound == 19  # sparse attention starts within ~40 tokens
+    for name, shape in mtp_shapes(spec).items():
+        assert tuple(model.weights[name].shape) == shape
+    assert model.fingerprint == tiny.fingerprint  # fixed seed
+
+
+def test_tiny_saved_to_a_dir_loads_to_the_same_model(tiny, tmp_path):
+    from atlas.model.tiny import save
+
+    loaded = load_model(save(tmp_path / "tiny"))
+    assert loaded.fingerprint == tiny.fingerprint
+    assert loaded.weights.keys() == tiny.weights.keys()
+    assert all(torch.equal(loaded.weights[k], tiny.weights[k]) for k in tiny.weights)
+
+
+def test_tiny_greedy_generation_is_not_degenerate(tiny):
+    backend = CpuBackend(tiny, num_kv_blocks=8)
+    ids = tiny.tokenizer.encode("Once upon a time")
+    logits = backend.forward([Chunk(0, ids, 0, range(8))])[0]
+    assert logits.abs().max() < 20  # O(1) logits
+    out = []
+    for _ in range(32):
+        out.append(int(logits[-1].argmax()))
+        logits = backend.forward([Chunk(0, [out[-1]], len(ids) + len(out) - 1, range(8))])[0]
+    assert len(set(out)) >= 8 and out.count(256) < 4
+
+
+def test_batched_sequences_match_each_alone_bitwise(tiny):
+    a, b = _prompt(37, 1), _prompt(23, 2)
+    alone_a = CpuBackend(tiny, num_kv_blocks=16, block_size=4)
+    alone_b = CpuBackend(tiny, num_kv_blocks=16, block_size=4)
+    batched = CpuBackend(tiny, num_kv_blocks=16, block_size=4)
+    table_a, table_b = (9, 2, 14, 0, 7, 11, 3, 5, 1, 15), (4, 6, 8, 10, 12, 13)  # interleaved, out of order
+    ref_a = alone_a.forward([Chunk(1, a[:30], 0, table_a)])[0]
+    ref_b = alone_b.forward([Chunk(2, b[:11], 0, table_b)])[0]
+    got_a, got_b = batched.forward([Chunk(2, b[:11], 0, table_b), Chunk(1, a[:30], 0, table_a)])[::-1]
+    assert torch.equal(ref_a, got_a) and torch.equal(ref_b, got_b)
+    # then mixed steps: a decodes one at a time while b prefills the rest in uneven chunks
+    pos_a, pos_b = 30, 11
+    for width_b in (5, 1, 6):
+        ref_a = alone_a.forward([Chunk(1, a[pos_a : pos_a + 1], pos_a, table_a)])[0]
+        ref_b = alone_b.forward([Chunk(2, b[pos_b : pos_b + width_b], pos_b, table_b)])[0]
+        got_a, got_b = batched.forward(
+            [Chunk(1, a[pos_a : pos_a + 1], pos_a, table_a), Chunk(2, b[pos_b : pos_b + width_b], pos_b, table_b)]
+        )
+        assert torch.equal(ref_a, got_a) and torch.equal(ref_b, got_b)
+        pos_a, pos_b = pos_a + 1, pos_b + width_b
+    assert batched.cursors(1).kv_tokens == pos_a and batched.cursors(2).kv_tokens == pos_b == 23
+
+
+def test_cursors_move_together(tiny):
+    backend = CpuBackend(tiny, num_kv_blocks=8, block_size=8)
+    ids = _prompt(29, 3)
+    backend.forward([Chunk(5, ids[:13], 0, range(8))])
+    c = backend.cursors(5)
+    assert (c.kv_tokens, c.qsa_ingested, c.ssm_position, c.ple_position) == (13, 13, 13, 13)
+    backend.forward([Chunk(5, ids[13:], 13, range(8))])
+    c = backend.cursors(5)
+    assert (c.kv_tokens, c.qsa_ingested, c.ssm_position, c.ple_position) == (29, 29, 29, 29)
+
+
+def test_snapshot_restore_rewinds_every_state(tiny):
+    backend = CpuBackend(tiny, num_kv_blocks=8)
+    ids = _prompt(40, 4)
+    backend.forward([Chunk(0, ids[:25], 0, range(8))])
+    snap = backend.snapshot(0)
+    first = backend.forward([Chunk(0, ids[25:], 25, range(8))])[0]
+    # continue differently, then rewind and replay the original continuation
+    backend.restore(0, snap)
+    backend.forward([Chunk(0, [65, 66, 67], 25, range(8))])
+    assert backend.cursors(0).kv_tokens == 28
+    backend.restore(0, snap)
+    c = backend.cursors(0)
+    assert (c.kv_tokens, c.qsa_ingested, c.ssm_position, c.ple_position) == (25, 25, 25, 25)
+    again = backend.forward([Chunk(0, ids[25:], 25, range(8))])[0]
+    assert torch.equal(first, again)
+    later = backend.snapshot(0)
+    backend.restore(0, snap)
+    with pytest.raises(ValueError, match="cannot restore to position 40"):
+        backend.restore(0, later)
+
+
+def test_bad_chunks_are_refused_without_changing_state(tiny):
+    backend = CpuBackend(tiny, num_kv_blocks=4, block_size=4)
+    ids = _prompt(10, 5)
+    backend.forward([Chunk(0, ids[:6], 0, range(4))])
+    with pytest.raises(ValueError, match="starts at 7 but the backend holds 6"):
+        backend.forward([Chunk(0, ids[6:], 7, range(4))])
+    with pytest.raises(ValueError, match="block table has 1 blocks"):
+        backend.forward([Chunk(0, ids[6:], 6, (0,))])
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        backend.forward([Chunk(0, [999], 6, range(4))])
+    assert backend.cursors(0).kv_tokens == 6
+
+
+def test_execute_samples_at_the_new_tokens_position_and_reports_cursors(tiny):
+    backend = CpuBackend(tiny, num_kv_blocks=16, block_size=4)
+    reference = CpuBackend(tiny, num_kv_blocks=16, block_size=4)
+    a, b = _prompt(21, 6), _prompt(9, 7)
+    greedy = SamplingParams(logprobs=True, top_logprobs=3)
+    seeded = SamplingParams(temperature=0.8, top_p=0.9, seed=11)
+    plan = StepPlan(
+        step=0,
+        work=(
+            SeqWork(seq_id=1, tokens=tuple(a), start=0, block_table=tuple(range(6)), sample=True, sampling=greedy),
+            SeqWork(seq_id=2, tokens=tuple(b), start=0, block_table=(8, 9, 10), sample=True, sampling=seeded),
+        ),
+    )
+    result = backend.execute(plan)
+    one, two = result.outcomes
+    ref_logits = reference.forward([Chunk(1, a, 0, range(6))])[0][-1]
+    assert one.token == int(ref_logits.argmax())
+    assert one.logprob is not None and one.logprob == pytest.approx(float(torch.log_softmax(ref_logits.double(), -1).max()))
+    assert len(one.top_logprobs) == 3 and one.top_logprobs[0][0] == one.token
+    assert one.cursors.kv_tokens == 21 and two.cursors.kv_tokens == 9 and two.logprob is None
+    # seeded sampling depends on (seed, position) only: the same sequence alone gives the same token
+    alone = CpuBackend(tiny, num_kv_blocks=16, block_size=4).execute(StepPlan(step=0, work=(plan.work[1],)))
+    assert alone.outcomes[0].token == two.token
+
+    decode = StepPlan(
+        step=1,
+        work=(SeqWork(seq_id=1, tokens=(one.token,), start=21, block_table=tuple(range(6)), sample=True),),
+        release=(2,),
+    )
+    result = backend.execute(decode)
+    assert result.outcomes[0].cursors.kv_tokens == 22 and not backend.has_sequence(2)
+    reset = backend.execute(StepPlan(step=2, work=(), reset=(1,)))
+    assert reset.outcomes == () and backend.cursors(1).kv_tokens == 0
+
+
+def test_fp64_on_request(tiny):
+    ids = _prompt(30, 8)
+    fp32 = CpuBackend(tiny, num_kv_blocks=4).forward([Chunk(0, ids, 0, range(4))])[0]
+    backend64 = CpuBackend(tiny, num_kv_blocks=4, dtype=torch.float64)
+    fp64 = backend64.forward([Chunk(0, ids, 0, range(4))])[0]
+    assert fp64.dtype == torch.float64 and backend64.kv.keys[3].dtype == torch.float64
+    assert (fp64 - fp32.double()).abs().max() < 1e-4

@@ -8,6 +8,7 @@ integer mixing, no Python `hash` of strings), so a replay compares them directly
 
 from __future__ import annotations
 
+import zlib
 from bisect import insort
 
 import attrs
@@ -71,8 +72,12 @@ class ControlState:
     pending_release: list[int] = attrs.Factory(list)  # finished with data-plane state still held
     pending_faults: list[tuple[str, str | None]] = attrs.Factory(list)
     inflight: StepPlanned | None = None  # planned, not yet executed
+    # the in-flight plan's share of the digest; tuples of ints hash the same in every process
+    # (PYTHONHASHSEED only salts str and bytes)
+    inflight_hash: int = 0
     dead: bool = False
     finished_count: int = 0
+    outcomes_hash: int = 0  # folds in every finished request's reason and detail, in order
     seq_digest: int = 0  # XOR of the live sequences' fingerprints
 
     @classmethod
@@ -85,6 +90,7 @@ class ControlState:
         g = _mix(self.step ^ (self.pool.used << 20) ^ (self.next_seq_id << 40))
         g = _mix(g ^ (len(self.waiting) << 32) ^ len(self.running) ^ (self.finished_count << 16))
         g = _mix(g ^ (len(self.pending_release) << 8) ^ len(self.pending_faults) ^ (self.dead << 62))
+        g = _mix(g ^ self.inflight_hash ^ self.outcomes_hash)
         return f"{g ^ self.seq_digest:016x}"
 
     def _refresh(self, seq: Sequence) -> None:
@@ -139,7 +145,9 @@ class ControlState:
         self._refresh(seq)
         return (e.seq_id,)
 
-    def _finish(self, seq: Sequence) -> None:
+    def _finish(self, seq: Sequence, reason: str, detail: str) -> None:
+        # crc32: a stable hash of the text (Python's str hash is salted per process)
+        self.outcomes_hash = _mix(self.outcomes_hash ^ (seq.seq_id << 40) ^ zlib.crc32(f"{reason}:{detail}".encode()))
         if seq.blocks:
             self.pool.release(seq.seq_id, seq.blocks)
         if seq.cursor.phase is Phase.WAITING:
@@ -159,7 +167,7 @@ class ControlState:
         if seq.request_id != e.request_id:
             raise TransitionRefused("Request", "cancel names another request", seq_id=e.seq_id,
                                     request_id=e.request_id, live=seq.request_id)
-        self._finish(seq)
+        self._finish(seq, "cancelled", "")
         return (e.seq_id,)
 
     def _finished(self, e: RequestFinished) -> tuple[int, ...]:
@@ -167,7 +175,7 @@ class ControlState:
         FinishReason(e.reason)  # refuses an unknown reason
         if self.inflight is not None and e.seq_id in self.inflight.seqs:
             raise TransitionRefused("Request", "finish of a sequence whose step is in flight", seq_id=e.seq_id)
-        self._finish(seq)
+        self._finish(seq, e.reason, e.detail)
         return (e.seq_id,)
 
     def _fault_injected(self, e: FaultInjected) -> tuple[int, ...]:
@@ -236,6 +244,7 @@ class ControlState:
             self.seqs[row[0]].blocks.extend(row[1:])
         self.pending_release.clear()
         self.inflight = e
+        self.inflight_hash = hash((e.seqs, e.fed, e.alloc, e.release, e.reset)) & _MASK
         self.step = e.step + 1
         touched = tuple(e.admitted) + tuple(row[0] for row in e.alloc)
         for seq_id in touched:
@@ -263,6 +272,7 @@ class ControlState:
             seq.commit_advance(fed, token)
             self._refresh(seq)
         self.inflight = None
+        self.inflight_hash = 0
         return plan.seqs
 
     def _faulted(self, e: EngineFaulted) -> tuple[int, ...]:
@@ -271,6 +281,7 @@ class ControlState:
             self.pending_faults = [f for f in self.pending_faults if f[0] != kind]
         # a failed step executed nothing: its sequences end with error next (RequestFinished)
         self.inflight = None
+        self.inflight_hash = 0
         if e.fatal:
             self.dead = True
         return ()

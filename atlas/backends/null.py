@@ -27,7 +27,10 @@ class ByteTokenizer:
         return list(text.encode("utf-8"))
 
     def decode(self, ids: list[int] | tuple[int, ...]) -> str:
-        return bytes(i for i in ids if 0 <= i < BYTE_VOCAB).decode("utf-8", errors="replace")
+        try:
+            return bytes(ids).decode("utf-8", errors="replace")
+        except ValueError:  # EOS (256) or an id outside the bytes: drop it
+            return bytes(i for i in ids if 0 <= i < BYTE_VOCAB).decode("utf-8", errors="replace")
 
 
 def _mix(h: int) -> int:

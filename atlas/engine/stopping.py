@@ -32,11 +32,9 @@ class StopChecker:
     max_new: int
     max_new_from_capacity: bool  # no max_tokens given: the budget is what max_seq_len left
     stop_ids: frozenset[int]
-    generated: list[int] = attrs.Factory(list)  # tokens that contribute text (not the stop token)
+    unread: list[int] = attrs.Factory(list)  # tokens not yet turned into text (an incomplete character)
     text: str = ""
     emitted: int = 0  # characters of `text` already handed out
-    prefix_offset: int = 0
-    read_offset: int = 0
     count: int = 0  # tokens sampled so far
     cut: bool = False  # the text was cut at a stop string
     tokenizer: Tokenizer | None = None
@@ -50,16 +48,14 @@ class StopChecker:
                    stop_ids=frozenset(stop_ids))
 
     def _append_text(self, token: int, tokenizer: Tokenizer) -> None:
-        # decode a short window and keep the part past what was read: stable for byte-level and BPE
-        # tokenizers alike, and it holds back a trailing incomplete character (U+FFFD) until it completes
-        self.generated.append(token)
-        ids = self.generated
-        prefix_text = tokenizer.decode(ids[self.prefix_offset:self.read_offset])
-        full = tokenizer.decode(ids[self.prefix_offset:])
-        if len(full) > len(prefix_text) and not full.endswith("\ufffd"):
-            self.text += full[len(prefix_text):]
-            self.prefix_offset = self.read_offset
-            self.read_offset = len(ids)
+        # One decode per token: the tokens not yet turned into text plus the new one. Exact for byte-level
+        # tokenizers (Atlas's byte tokenizer, Qwen's byte-level BPE), whose tokens decode independently of
+        # context; a trailing U+FFFD is an incomplete character, held back until its last byte arrives.
+        self.unread.append(token)
+        piece = tokenizer.decode(self.unread)
+        if not piece.endswith("\ufffd"):
+            self.text += piece
+            self.unread.clear()
 
     def on_token(self, token: int, tokenizer: Tokenizer | None) -> tuple[FinishReason, str] | None:
         """Record a sampled token; the finish reason and detail if it ends the request."""
@@ -86,12 +82,10 @@ class StopChecker:
 
     def take_text(self, finished: bool) -> str:
         """The text not yet handed out; while running, hold back what could still start a stop string."""
-        if finished and self.read_offset < len(self.generated) and not self.cut and self.tokenizer is not None:
+        if finished and self.unread and not self.cut and self.tokenizer is not None:
             # the request ended on an incomplete character: hand out what decoding makes of it
-            ids = self.generated
-            prefix_text = self.tokenizer.decode(ids[self.prefix_offset:self.read_offset])
-            self.text += self.tokenizer.decode(ids[self.prefix_offset:])[len(prefix_text):]
-            self.read_offset = len(ids)
+            self.text += self.tokenizer.decode(self.unread)
+            self.unread.clear()
         end = len(self.text)
         if not finished and self.params.stop:
             end = max(self.emitted, end - (max(len(s) for s in self.params.stop) - 1))

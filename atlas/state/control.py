@@ -51,12 +51,15 @@ def _mix(h: int) -> int:
 
 
 def sequence_fingerprint(seq: Sequence) -> int:
+    """64 bits over every field the sequence's machines hold. Two mixing rounds: this runs once per
+    sequence per step, and it is most of the digest's cost at batch 256."""
     c = seq.cursor
-    h = _mix(seq.seq_id + 0x9E3779B97F4A7C15)
-    h = _mix(h ^ c.token_hash)
-    h = _mix(h ^ (len(c.tokens) << 40) ^ (c.computed << 8) ^ c.phase)
-    h = _mix(h ^ (len(seq.blocks) << 32) ^ seq.qsa.ingested)
-    return _mix(h ^ (seq.drafter.rows << 24) ^ (len(seq.ring.snapshots) << 16) ^ seq.preemptions)
+    h = _mix(c.token_hash ^ (seq.seq_id * 0x9E3779B97F4A7C15))
+    h += (len(c.tokens) * 0xC2B2AE3D27D4EB4F + c.computed * 0x165667B19E3779F9 + c.phase * 0xD6E8FEB86659FD93
+          + len(seq.blocks) * 0xFF51AFD7ED558CCD + seq.qsa.ingested * 0xC4CEB9FE1A85EC53
+          + seq.drafter.rows * 0x27D4EB2F165667C5 + len(seq.ring.snapshots) * 0x94D049BB133111EB
+          + seq.preemptions * 0xBF58476D1CE4E5B9)
+    return _mix(h)
 
 
 @attrs.define(slots=True)

@@ -299,4 +299,9 @@ def load_weights(spec: ModelSpec, raw: dict[str, torch.Tensor], dtype: torch.dty
         head = {k: s for k, s in mtp_shapes(spec).items() if not k.startswith("mtp.layers.")}
         validate(spec, tensors, head.items())
         keep.update({k: tuple(t.shape) for k, t in tensors.items() if k.startswith("mtp.")})
-    return {k: tensors[k].to(dtype) if tensors[k].is_floating_point() else tensors[k] for k in keep}
+    # fresh, aligned copies: safetensors hands out tensors at arbitrary file offsets, and BLAS kernels can
+    # round differently on unaligned data, which would make logits depend on the checkpoint's layout
+    return {
+        k: tensors[k].to(dtype=dtype if tensors[k].is_floating_point() else tensors[k].dtype, copy=True).contiguous()
+        for k in keep
+    }

@@ -1,0 +1,106 @@
+"""CPU prefill and decode throughput: Atlas's reference backend vs transformers, same checkpoint, 2 threads.
+
+    .venv/bin/python benchmarks/cpu_model.py                  # atlas-tiny (written to a temp dir)
+    .venv/bin/python benchmarks/cpu_model.py --model DIR --prompt-len 512 --decode-tokens 64
+
+Not a test: it prints figures. Both sides run fp32, batch 1, greedy decode of the same tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+
+def _best_of(repeats: int, fn) -> float:
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def bench_atlas(model_dir: Path, prompt: list[int], decode: list[int], repeats: int) -> tuple[float, float]:
+    from atlas.backends.cpu import Chunk, CpuBackend
+    from atlas.model import load_model
+
+    model = load_model(model_dir)
+    blocks = -(-(len(prompt) + len(decode)) // 16)
+    backend = CpuBackend(model, num_kv_blocks=blocks, block_size=16)
+    table = range(blocks)
+
+    def prefill() -> None:
+        backend.forward([Chunk(0, prompt, 0, table)])
+
+    def run_decode() -> None:
+        prefill()
+        for i, t in enumerate(decode):
+            backend.forward([Chunk(0, [t], len(prompt) + i, table)])
+
+    t_prefill = _best_of(repeats, prefill)
+    t_total = _best_of(repeats, run_decode)
+    return len(prompt) / t_prefill, len(decode) / (t_total - t_prefill)
+
+
+def bench_transformers(model_dir: Path, prompt: list[int], decode: list[int], repeats: int) -> tuple[float, float]:
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    ids = torch.tensor([prompt])
+
+    @torch.no_grad()
+    def prefill():
+        return model(input_ids=ids, use_cache=True)
+
+    @torch.no_grad()
+    def run_decode() -> None:
+        out = prefill()
+        cache = getattr(out, "cache", None) or out.past_key_values
+        for t in decode:
+            out = model(input_ids=torch.tensor([[t]]), cache=cache, use_cache=True)
+
+    t_prefill = _best_of(repeats, prefill)
+    t_total = _best_of(repeats, run_decode)
+    return len(prompt) / t_prefill, len(decode) / (t_total - t_prefill)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="atlas-tiny", help="checkpoint dir, or atlas-tiny")
+    parser.add_argument("--prompt-len", type=int, default=256)
+    parser.add_argument("--decode-tokens", type=int, default=64)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+
+    with tempfile.TemporaryDirectory() as tmp:
+        if args.model == "atlas-tiny":
+            from atlas.model.tiny import save
+
+            model_dir = save(Path(tmp) / "atlas-tiny")
+        else:
+            model_dir = Path(args.model)
+        g = torch.Generator().manual_seed(0)
+        from atlas.model.spec import load_spec
+
+        vocab = min(load_spec(model_dir).vocab_size, 256)
+        prompt = torch.randint(0, vocab, (args.prompt_len,), generator=g).tolist()
+        decode = torch.randint(0, vocab, (args.decode_tokens,), generator=g).tolist()
+
+        print(f"model {args.model}, prompt {args.prompt_len} tokens, decode {args.decode_tokens} tokens, "
+              f"{args.threads} threads, fp32, batch 1, best of {args.repeats}")
+        print(f"{'':14s}{'prefill tok/s':>15s}{'decode tok/s':>15s}")
+        for name, fn in (("atlas cpu", bench_atlas), ("transformers", bench_transformers)):
+            prefill, dec = fn(model_dir, prompt, decode, args.repeats)
+            print(f"{name:14s}{prefill:15.1f}{dec:15.1f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -77,5 +77,110 @@ def bench_serve(
         raise typer.Exit(1)
 
 
+@app.command()
+def generate(
+    prompt: list[str] = typer.Option(..., "--prompt", help="a prompt; repeat for several"),
+    model: str = typer.Option("atlas-tiny", help="checkpoint directory, or the built-in atlas-tiny"),
+    backend: str = typer.Option("cpu", help="cpu | null"),
+    max_tokens: int = typer.Option(None, help="default: what max_seq_len leaves"),
+    temperature: float = typer.Option(0.0),
+    top_p: float = typer.Option(1.0),
+    top_k: int = typer.Option(0),
+    seed: int = typer.Option(0),
+    stop: list[str] = typer.Option(None, "--stop", help="a stop string; repeat for several"),
+    ignore_eos: bool = typer.Option(False),
+    max_seq_len: int = typer.Option(1024),
+    max_batch_size: int = typer.Option(16),
+    prefill_chunk_tokens: int = typer.Option(256),
+    trace: str = typer.Option(None, help="record the run: a SQLite path or a SQLAlchemy URL"),
+) -> None:
+    """Generate from prompts with the engine (greedy by default) and print each completion."""
+    from rich.console import Console
+    from rich.progress import Progress
+
+    from atlas.config import EngineConfig
+    from atlas.engine.engine import Engine
+    from atlas.engine.offline import generate as run_generate
+    from atlas.engine.sampling import SamplingParams
+
+    config = EngineConfig(max_seq_len=max_seq_len, max_batch_size=max_batch_size,
+                          prefill_chunk_tokens=max(prefill_chunk_tokens, max_batch_size))
+    engine = Engine.from_model(model, backend=backend, config=config, trace=trace)  # type: ignore[arg-type]
+    params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_tokens, seed=seed,
+                            stop=tuple(stop or ()), ignore_eos=ignore_eos)
+    console = Console(stderr=True)
+    try:
+        with Progress(console=console, transient=True) as bar:
+            task = bar.add_task("generating", total=len(prompt))
+            results = run_generate(engine, [engine.tokenizer.encode(p) for p in prompt], params,
+                                   progress=lambda done, total: bar.update(task, completed=done))
+    finally:
+        events = engine.stats().trace_events_written
+        engine.close()
+    for p, r in zip(prompt, results, strict=True):
+        typer.echo(f"--- {p!r} -> {len(r.token_ids)} tokens, finish_reason={r.finish_reason.value} "
+                   f"({r.finish_detail})")
+        typer.echo(r.text)
+    if trace:
+        console.print(f"trace: {trace} ({events} events)")
+
+
+trace_app = typer.Typer(no_args_is_help=True, help="Inspect recorded traces.")
+app.add_typer(trace_app, name="trace")
+replay_app = typer.Typer(no_args_is_help=True, help="Replay recorded traces.")
+app.add_typer(replay_app, name="replay")
+
+
+@trace_app.command("show")
+def trace_show(file: str, run_id: int = typer.Option(None, help="default: the last run in the store")) -> None:
+    """Run summary, per-request outcome and event counts of a trace."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from atlas.replay.summary import summarize
+
+    s = summarize(file, run_id)
+    console = Console()
+    r = s.run
+    console.print(f"run {r.run_id}: atlas {r.engine_version} (git {r.git_revision or '?'}), model {r.model} "
+                  f"[{r.model_fingerprint[:16]}], backend {r.backend}")
+    console.print(f"config: {r.config}")
+    console.print(f"{s.events} events over {s.steps} steps; outcomes: {s.outcome_counts}")
+    for fault in s.faults:
+        console.print(f"[red]{fault}[/red]")
+    table = Table("request", "seq", "prompt", "completion", "arrived", "finished", "preempted", "finish", "detail")
+    for q in s.requests:
+        table.add_row(q.request_id, str(q.seq_id), str(q.prompt_tokens), str(q.completion_tokens),
+                      str(q.arrival_step), "-" if q.finish_step is None else str(q.finish_step), str(q.preemptions),
+                      q.finish_reason or "unfinished", q.finish_detail)
+    console.print(table)
+    counts = Table("event kind", "count")
+    for kind, n in s.event_counts.items():
+        counts.add_row(kind, str(n))
+    console.print(counts)
+
+
+@replay_app.command("verify")
+def replay_verify(file: str, run_id: int = typer.Option(None, help="default: the last run in the store")) -> None:
+    """Re-drive a trace's inputs through a fresh engine; exit 1 at the first divergent event."""
+    from rich.console import Console
+    from rich.progress import Progress
+
+    from atlas.replay.verify import verify
+
+    console = Console(stderr=True)
+    with Progress(console=console, transient=True) as bar:
+        task = bar.add_task("replaying", total=None)
+        report = verify(file, run_id, progress=lambda done, total: bar.update(task, completed=done, total=total))
+    if not report.fingerprint_matches:
+        typer.echo(f"warning: model fingerprint {report.fingerprint[:16]} differs from the trace's "
+                   f"{report.run.model_fingerprint[:16]}")
+    if report.identical:
+        typer.echo(f"identical: {report.events_replayed} events replayed, every payload and digest matches")
+        return
+    typer.echo(report.divergence.describe())
+    raise typer.Exit(1)
+
+
 def main() -> None:
     app()

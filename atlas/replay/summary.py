@@ -1,0 +1,77 @@
+"""`atlas trace show`: what a trace says happened, computed from its events alone."""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+
+import attrs
+
+from atlas.replay.store import RunRecord, TraceReader
+
+
+@attrs.define
+class RequestSummary:
+    request_id: str
+    seq_id: int
+    prompt_tokens: int
+    arrival_step: int
+    completion_tokens: int = 0
+    finish_reason: str | None = None  # None: still running when the trace ended
+    finish_detail: str = ""
+    finish_step: int | None = None
+    preemptions: int = 0
+
+
+@attrs.frozen
+class TraceSummary:
+    run: RunRecord
+    events: int
+    steps: int
+    event_counts: dict[str, int]
+    requests: list[RequestSummary]
+    faults: list[str]
+
+    @property
+    def outcome_counts(self) -> dict[str, int]:
+        return dict(Counter(r.finish_reason or "unfinished" for r in self.requests))
+
+
+def summarize(path_or_url: str | Path, run_id: int | None = None) -> TraceSummary:
+    reader = TraceReader(path_or_url)
+    try:
+        run = reader.run(run_id)
+        counts: Counter[str] = Counter()
+        by_seq: dict[int, RequestSummary] = {}
+        faults: list[str] = []
+        planned: tuple[int, ...] = ()
+        steps = 0
+        n = 0
+        for rec in reader.events(run.run_id):
+            n += 1
+            counts[rec.kind] += 1
+            p = rec.payload
+            if rec.kind == "request_arrived":
+                by_seq[p["seq_id"]] = RequestSummary(p["request_id"], p["seq_id"], len(p["prompt"]), rec.step)
+            elif rec.kind == "step_planned":
+                planned = tuple(p["seqs"])
+                steps = max(steps, p["step"] + 1)
+            elif rec.kind == "step_executed":
+                for seq_id, token in zip(planned, p["tokens"], strict=True):
+                    if token >= 0:
+                        by_seq[seq_id].completion_tokens += 1
+            elif rec.kind == "sequence_preempted":
+                by_seq[p["seq_id"]].preemptions += 1
+            elif rec.kind in ("request_finished", "request_cancelled"):
+                r = by_seq[p["seq_id"]]
+                r.finish_reason = p.get("reason", "cancelled")
+                r.finish_detail = p.get("detail", "")
+                r.finish_step = rec.step
+            elif rec.kind == "engine_faulted":
+                kind = "fatal" if p["fatal"] else "step error"
+                faults.append(f"step {p['step']}: {kind}{' (injected)' if p['injected'] else ''}: {p['error']}")
+            elif rec.kind == "invariant_violated":
+                faults.append(f"event {p['event_index']}: invariant violated in {p['machine']}: {p['message']}")
+    finally:
+        reader.close()
+    return TraceSummary(run, n, steps, dict(sorted(counts.items())), list(by_seq.values()), faults)

@@ -4,7 +4,8 @@
     logits = llm.logits(token_ids, chunk_sizes=[5, 1, 7])   # [T, vocab]
 
 `logits` prefills the sequence in the given chunk widths (one chunk if None) on a fresh sequence and
-returns the logits of every position. `generate` (the engine issue) is built on the engine, not here.
+returns the logits of every position. `generate` runs prompts through the engine (atlas.engine):
+continuous batching, chunked prefill, stop conditions, optionally a trace.
 """
 
 from __future__ import annotations
@@ -15,6 +16,9 @@ from pathlib import Path
 import torch
 
 from atlas.backends.cpu import Chunk, CpuBackend
+from atlas.config import EngineConfig
+from atlas.engine.offline import Generation
+from atlas.engine.sampling import SamplingParams
 from atlas.model import LoadedModel, load_model
 from atlas.model.tokenizer import Tokenizer
 
@@ -34,6 +38,7 @@ class LLM:
         if backend != "cpu":
             raise ValueError(f"backend {backend!r} is not available to LLM yet; supported: 'cpu'")
         self.model: LoadedModel = load_model(model, dtype=dtype)
+        self._model_arg = str(model)  # what a trace records, so that a replay loads the same model
         self.backend = CpuBackend(self.model, num_kv_blocks=num_kv_blocks, block_size=block_size, dtype=dtype)
 
     @property
@@ -67,3 +72,28 @@ class LLM:
         finally:
             self.backend.release(_LOGITS_SEQ_ID)
         return torch.cat(rows, dim=0)
+
+    def generate(
+        self,
+        prompts: str | Sequence[str] | Sequence[Sequence[int]],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        config: EngineConfig | None = None,
+        trace: str | None = None,
+    ) -> list[Generation]:
+        """Generate for a prompt, prompts, or token-id lists: per request token ids, text, finish reason.
+
+        Each call runs a fresh engine (its own KV pool; `trace` records it as one run)."""
+        from atlas.engine.engine import Engine
+        from atlas.engine.offline import generate as run_generate
+
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        token_lists = [self.tokenizer.encode(p) if isinstance(p, str) else [int(t) for t in p] for p in prompts]
+        config = config or EngineConfig(max_seq_len=2048, max_batch_size=16, prefill_chunk_tokens=512)
+        engine = Engine.from_loaded(self.model, model=self._model_arg,
+                                    config=config, trace=trace, dtype=self.backend.dtype)
+        try:
+            return run_generate(engine, token_lists, params or SamplingParams())
+        finally:
+            engine.close()

@@ -143,13 +143,9 @@ class Engine:
             caps = derive_capacities(config, spec)
             data_plane: Backend = NullBackend()
         elif backend == "cpu":
-            from atlas.backends.cpu import CpuBackend
             from atlas.model import load_model
 
-            loaded = load_model(model)
-            spec, tokenizer, fingerprint = loaded.spec, loaded.tokenizer, loaded.fingerprint
-            caps = derive_capacities(config, spec)
-            data_plane = CpuBackend(loaded, num_kv_blocks=caps.num_kv_blocks, block_size=caps.block_size)
+            return cls.from_loaded(load_model(model), model=model, config=config, trace=trace, **kwargs)
         else:
             raise ValueError(f"unknown backend {backend!r} (cpu, null)")
         sink = kwargs.pop("sink", None)
@@ -162,6 +158,38 @@ class Engine:
         engine = cls(data_plane, tokenizer=tokenizer, config=config, capacities=caps, spec=spec,
                      model_name=model_name, sink=sink, **kwargs)
         engine.model_fingerprint = fingerprint
+        return engine
+
+    @classmethod
+    def from_loaded(
+        cls,
+        loaded: Any,
+        *,
+        model: str,
+        config: EngineConfig | None = None,
+        trace: str | None = None,
+        dtype: Any = None,
+        **kwargs: Any,
+    ) -> Engine:
+        """The engine on the CPU backend for an already loaded model (atlas.model.LoadedModel); `model` is
+        the name or dir recorded in the trace so that a replay can load it again."""
+        from atlas import __version__
+        from atlas.backends.cpu import CpuBackend
+        from atlas.replay.store import TraceWriter, git_revision
+
+        config = config or EngineConfig()
+        caps = derive_capacities(config, loaded.spec)
+        data_plane = CpuBackend(loaded, num_kv_blocks=caps.num_kv_blocks, block_size=caps.block_size, dtype=dtype)
+        sink = kwargs.pop("sink", None)
+        if trace is not None:
+            sink = TraceWriter(trace, run={
+                "engine_version": __version__, "git_revision": git_revision(), "model": model,
+                "model_fingerprint": loaded.fingerprint, "backend": "cpu", "seed": None,
+                "config": config.to_json(), "capacities": caps.table(),
+            })
+        engine = cls(data_plane, tokenizer=loaded.tokenizer, config=config, capacities=caps, spec=loaded.spec,
+                     model_name=loaded.name, sink=sink, **kwargs)
+        engine.model_fingerprint = loaded.fingerprint
         return engine
 
     # ------------------------------------------------------------------------------------------ inputs

@@ -172,3 +172,27 @@ def test_fp64_on_request(tiny):
     fp64 = backend64.forward([Chunk(0, ids, 0, range(4))])[0]
     assert fp64.dtype == torch.float64 and backend64.kv.keys[3].dtype == torch.float64
     assert (fp64 - fp32.double()).abs().max() < 1e-4
+
+
+def test_hidden_states_are_the_lm_head_input(tiny):
+    ids = _prompt(12, 9)
+    a = CpuBackend(tiny, num_kv_blocks=2)
+    b = CpuBackend(tiny, num_kv_blocks=2)
+    hidden = a.forward_hidden([Chunk(0, ids, 0, range(2))])[0]
+    assert hidden.shape == (12, tiny.spec.hidden_size)
+    assert torch.equal(a.logits_from_hidden(hidden), b.forward([Chunk(0, ids, 0, range(2))])[0])
+
+
+def test_reference_mtp_drafter_is_causal_over_pair_keys(tiny):
+    backend = CpuBackend(tiny, num_kv_blocks=4)
+    ids = _prompt(30, 10)
+    hidden = backend.forward_hidden([Chunk(0, ids, 0, range(4))])[0]
+    # pair key k = (embed(t_{k+1}), hidden_k): rows 0..28 draft t_2..t_30
+    logits, drafter_hidden = backend.mtp_forward(hidden[:-1], ids[1:])
+    assert logits.shape == (29, tiny.spec.vocab_size) and drafter_hidden.shape == (29, tiny.spec.hidden_size)
+    assert logits.abs().max() < 50 and logits.std() > 0.1
+    prefix, _ = backend.mtp_forward(hidden[:10], ids[1:11])
+    torch.testing.assert_close(prefix, logits[:10], rtol=0, atol=1e-5)  # a row never sees later rows
+    shifted, _ = backend.mtp_forward(hidden[:10], ids[1:11], first_key=5)
+    # RoPE is relative: shifting every pair key's position alike leaves the drafts unchanged
+    torch.testing.assert_close(shifted, prefix, rtol=0, atol=1e-4)

@@ -15,6 +15,7 @@ import torch
 
 from atlas.backends.base import BackendCursors, SeqOutcome, StepPlan, StepResult
 from atlas.backends.cpu.decoder import forward_chunk
+from atlas.backends.cpu.mtp import mtp_forward
 from atlas.backends.cpu.state import KvPool, SequenceState, StateSnapshot
 from atlas.engine.sampling import logprobs_of, sample_token
 from atlas.model.loader import LoadedModel
@@ -138,6 +139,12 @@ class CpuBackend:
     def forward(self, chunks: Sequence[ChunkLike]) -> list[torch.Tensor]:
         """Run each chunk; return its logits [n, vocab] for every fed position."""
         return [self.logits_from_hidden(h) for h in self.forward_hidden(chunks)]
+
+    def mtp_forward(
+        self, hidden: torch.Tensor, next_tokens: Sequence[int], first_key: int = 0
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Reference MTP drafter over pair keys first_key.. (see atlas.backends.cpu.mtp): (logits, hidden)."""
+        return mtp_forward(self.spec, self.weights, hidden, torch.tensor(list(next_tokens), dtype=torch.long), first_key)
 
     def execute(self, plan: StepPlan) -> StepResult:
         for seq_id in plan.release:

@@ -71,13 +71,16 @@ class StateSnapshot:
 class KvPool:
     """Paged KV for every attention layer: [num_blocks, block_size, kv_heads, head_dim] per layer."""
 
-    def __init__(self, spec: ModelSpec, num_blocks: int, block_size: int, dtype: torch.dtype) -> None:
+    def __init__(
+        self, spec: ModelSpec, num_blocks: int, block_size: int, dtype: torch.dtype, layers: tuple[int, ...] | None = None
+    ) -> None:
         if num_blocks <= 0 or block_size <= 0:
             raise ValueError(f"num_kv_blocks and block_size must be positive, got {num_blocks} and {block_size}")
         self.num_blocks, self.block_size = num_blocks, block_size
         shape = (num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
-        self.keys = {layer: torch.zeros(shape, dtype=dtype) for layer in spec.attention_layers}
-        self.values = {layer: torch.zeros(shape, dtype=dtype) for layer in spec.attention_layers}
+        layers = spec.attention_layers if layers is None else layers
+        self.keys = {layer: torch.zeros(shape, dtype=dtype) for layer in layers}
+        self.values = {layer: torch.zeros(shape, dtype=dtype) for layer in layers}
 
     def slots(self, block_table: tuple[int, ...], start: int, end: int) -> torch.Tensor:
         """Flat slot ids (block * block_size + offset) of positions [start, end)."""

@@ -181,13 +181,7 @@ def bench_serve(cfg: BenchConfig, *, launch: dict[str, Any] | None = None) -> di
     """Run the benchmark; with `launch` (build_engine's arguments), against an in-process server."""
     if launch is None:
         return asyncio.run(run_bench(cfg))
-    from atlas.server.app import create_app
-    from atlas.server.engine_loop import EngineLoop
-    from atlas.server.serve import ServerThread, build_engine
+    from atlas.server.serve import build_engine, serve_in_thread
 
-    engine_loop = EngineLoop(build_engine(**launch)).start()
-    try:
-        with ServerThread(create_app(engine_loop, api_key=cfg.api_key)) as server:
-            return asyncio.run(run_bench(attrs.evolve(cfg, base_url=server.url)))
-    finally:
-        engine_loop.stop()
+    with serve_in_thread(build_engine(**launch), api_key=cfg.api_key) as served:
+        return asyncio.run(run_bench(attrs.evolve(cfg, base_url=served.url)))

@@ -14,6 +14,7 @@ import asyncio
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any, Literal, Protocol
 
@@ -70,9 +71,42 @@ class _Died:
     detail: str
 
 
+class _Mailbox:
+    """Items bound for one event loop, with at most one wakeup in flight.
+
+    A fast engine produces outputs faster than one callback each could be run: a wakeup per output
+    starved the event loop (a client disconnect went unnoticed for seconds at 25k steps/s).
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self._items: deque[tuple[asyncio.Queue[Any], Any]] = deque()
+        self._lock = threading.Lock()
+        self._wakeup_pending = False
+
+    def post(self, outputs: asyncio.Queue[Any], item: Any) -> None:
+        with self._lock:
+            self._items.append((outputs, item))
+            if self._wakeup_pending:
+                return
+            self._wakeup_pending = True
+        try:
+            self.loop.call_soon_threadsafe(self._deliver)
+        except RuntimeError:  # that event loop has closed: nobody is listening any more
+            pass
+
+    def _deliver(self) -> None:
+        with self._lock:
+            items = list(self._items)
+            self._items.clear()
+            self._wakeup_pending = False
+        for outputs, item in items:
+            outputs.put_nowait(item)
+
+
 @attrs.define
 class _Subscriber:
-    loop: asyncio.AbstractEventLoop
+    mailbox: _Mailbox
     outputs: asyncio.Queue[Any]
     arrived_at: float
     last_output_at: float | None = None
@@ -96,15 +130,22 @@ class RequestStream:
         self._owner = owner
         self.finished = False
 
-    async def __aiter__(self) -> AsyncIterator[RequestOutput]:
+    async def batches(self) -> AsyncIterator[list[RequestOutput]]:
+        """Every output that has arrived, as one list per wait: a slow reader catches up in one chunk."""
         while not self.finished:
-            item = await self._outputs.get()
-            if isinstance(item, _Died):
+            batch = [await self._outputs.get()]
+            while not self._outputs.empty() and not self._ends(batch[-1]):
+                batch.append(self._outputs.get_nowait())
+            if isinstance(batch[-1], _Died):
                 self.finished = True
-                raise EngineDead(item.detail)
-            if item.finished:
+                raise EngineDead(batch[-1].detail)
+            if batch[-1].finished:
                 self.finished = True
-            yield item
+            yield batch
+
+    @staticmethod
+    def _ends(item: Any) -> bool:
+        return isinstance(item, _Died) or item.finished
 
     def cancel(self) -> None:
         """The client went away: cancel the request in the engine (an input event) unless it ended."""
@@ -121,6 +162,7 @@ class EngineLoop:
         self.observer = observer
         self._inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._subscribers: dict[str, _Subscriber] = {}
+        self._mailboxes: dict[asyncio.AbstractEventLoop, _Mailbox] = {}
         self._force_step = False  # a fatal fault acts at the next step, even when idle
         self._lock = threading.Lock()  # orders "dead" against enqueued arrivals
         self._dead: str | None = None
@@ -198,6 +240,7 @@ class EngineLoop:
                     self._dispatch(self.engine.step())
                     self.steps_run += 1
                 self._refresh_stats()
+                time.sleep(0)  # hand the GIL to the HTTP thread between steps, however fast they are
         except EngineDead as exc:
             self._die(str(exc) or "fatal fault")
         except Exception as exc:  # a bug outside the engine's own error handling: its state is unknown
@@ -243,7 +286,10 @@ class EngineLoop:
         except Exception as exc:  # AdmissionError, QueueFull: the handler answers 400 / 503
             arrival.loop.call_soon_threadsafe(_settle, arrival.admitted, exc)
             return
-        self._subscribers[arrival.request_id] = _Subscriber(arrival.loop, arrival.outputs, arrival.arrived_at)
+        mailbox = self._mailboxes.get(arrival.loop)
+        if mailbox is None:
+            mailbox = self._mailboxes[arrival.loop] = _Mailbox(arrival.loop)
+        self._subscribers[arrival.request_id] = _Subscriber(mailbox, arrival.outputs, arrival.arrived_at)
         if arrival.inject_fault is not None:  # test hook, only reachable when the server enables it
             self.engine.inject_fault(arrival.inject_fault, arrival.request_id)
             self._force_step = True
@@ -266,14 +312,7 @@ class EngineLoop:
                 del self._subscribers[out.request_id]
                 if self.observer is not None:
                     self.observer.on_finished(out.finish_reason, now - sub.arrived_at)
-            self._deliver(sub, out)
-
-    @staticmethod
-    def _deliver(sub: _Subscriber, item: Any) -> None:
-        try:
-            sub.loop.call_soon_threadsafe(sub.outputs.put_nowait, item)
-        except RuntimeError:  # that event loop has closed: nobody is listening any more
-            pass
+            sub.mailbox.post(sub.outputs, out)
 
     def _refresh_stats(self) -> None:
         try:
@@ -288,7 +327,7 @@ class EngineLoop:
             self._dead = detail
         log.error("engine dead", detail=detail)
         for sub in self._subscribers.values():
-            self._deliver(sub, _Died(detail))
+            sub.mailbox.post(sub.outputs, _Died(detail))
         self._subscribers.clear()
         while True:  # arrivals that raced the death: refuse them rather than leave them waiting
             try:

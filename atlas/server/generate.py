@@ -141,11 +141,12 @@ async def _respond_whole(ctx: ServingContext, request: Request, stream: RequestS
     tops: list[Any] = []
 
     async def consume() -> None:
-        async for out in stream:
-            gen.absorb(out)
-            token_ids.extend(out.new_token_ids)
-            logprobs.extend(out.new_logprobs)
-            tops.extend(out.new_top_logprobs)
+        async for batch in stream.batches():
+            for out in batch:
+                gen.absorb(out)
+                token_ids.extend(out.new_token_ids)
+                logprobs.extend(out.new_logprobs)
+                tops.extend(out.new_top_logprobs)
 
     consumer = asyncio.ensure_future(consume())
     watcher = asyncio.ensure_future(_until_disconnect(request))
@@ -199,11 +200,13 @@ async def _stream_events(ctx: ServingContext, stream: RequestStream, gen: _Gener
         if kind == "chat":
             yield chunk("", None, None, role=True)
         offset = 0
-        async for out in stream:
-            delta = gen.absorb(out)
+        async for batch in stream.batches():  # what arrived while the client read: one chunk
+            delta = "".join(gen.absorb(out) for out in batch)
             lp = None
-            if out.new_token_ids and gen.params.logprobs:
-                lp = gen.logprobs(kind, out.new_token_ids, out.new_logprobs, out.new_top_logprobs, offset)
+            if gen.params.logprobs and any(out.new_token_ids for out in batch):
+                lp = gen.logprobs(kind, [t for o in batch for t in o.new_token_ids],
+                                  [x for o in batch for x in o.new_logprobs],
+                                  [x for o in batch for x in o.new_top_logprobs], offset)
             if delta or lp is not None:
                 yield chunk(delta, None, lp)
             offset += len(delta)

@@ -6,9 +6,12 @@ import os
 import socket
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import attrs
 import structlog
 import uvicorn
 
@@ -87,6 +90,25 @@ class ServerThread:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+@attrs.frozen
+class Served:
+    url: str
+    app: Any
+    engine_loop: EngineLoop
+
+
+@contextmanager
+def serve_in_thread(engine: Any, **app_options: Any) -> Iterator[Served]:
+    """An engine behind a live loopback server for the block's duration (tests, benchmarks)."""
+    engine_loop = EngineLoop(engine).start()
+    try:
+        app = create_app(engine_loop, **app_options)
+        with ServerThread(app) as server:
+            yield Served(server.url, app, engine_loop)
+    finally:
+        engine_loop.stop()
 
 
 def serve(

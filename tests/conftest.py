@@ -72,6 +72,12 @@ def build_hf_model(family: str) -> torch.nn.Module:
                                                     "partial_rotary_factor": 0.25, "mrope_section": [1, 1, 0],
                                                     "mrope_interleaved": True})
         model = tf.Qwen3_5ForCausalLM(cfg)
+    elif family == "qwen3_5_moe":
+        cfg = tf.Qwen3_5MoeTextConfig(**c, num_experts=6, num_experts_per_tok=2, moe_intermediate_size=16,
+                                      shared_expert_intermediate_size=24,
+                                      rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                       "partial_rotary_factor": 0.25})
+        model = tf.Qwen3_5MoeForCausalLM(cfg)
     elif family == "qwen4_exp":
         cfg = tf.Qwen4ExpTextConfig(
             **c, num_experts=6, num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=24,

@@ -12,7 +12,7 @@ import torch
 
 from atlas.llm import LLM
 
-FAMILIES = ["qwen3_next_dense", "qwen3_next_moe", "qwen3_5", "qwen4_exp"]
+FAMILIES = ["qwen3_next_dense", "qwen3_next_moe", "qwen3_5", "qwen3_5_moe", "qwen4_exp"]
 TOLERANCE = 1e-4  # max abs logit difference, fp32
 PROMPT_LEN = 48
 EOS = 2  # conftest's checkpoints

@@ -125,6 +125,7 @@ class ModelSpec:
     qsa: QsaSpec | None = None
     ple: PleSpec | None = None
     mtp_num_layers: int = 0  # drafter layers the config announces (weights decide whether they are there)
+    max_position_embeddings: int | None = None
 
     @property
     def num_layers(self) -> int:
@@ -253,6 +254,7 @@ def _spec_from_config(config: dict[str, Any]) -> ModelSpec:
         qsa=qsa,
         ple=ple,
         mtp_num_layers=int(get("mtp_num_hidden_layers", 0) or 0),
+        max_position_embeddings=int(get("max_position_embeddings")) if get("max_position_embeddings") else None,
     )
 
 

@@ -196,3 +196,11 @@ def test_reference_mtp_drafter_is_causal_over_pair_keys(tiny):
     shifted, _ = backend.mtp_forward(hidden[:10], ids[1:11], first_key=5)
     # RoPE is relative: shifting every pair key's position alike leaves the drafts unchanged
     torch.testing.assert_close(shifted, prefix, rtol=0, atol=1e-4)
+
+
+def test_a_bad_chunk_refuses_the_whole_batch_before_any_sequence_moves(tiny):
+    backend = CpuBackend(tiny, num_kv_blocks=8, block_size=4)
+    backend.forward([Chunk(1, [65, 66], 0, (0,)), Chunk(2, [67], 0, (1,))])
+    with pytest.raises(ValueError, match="sequence 2: chunk starts at 3"):
+        backend.forward([Chunk(1, [68], 2, (0,)), Chunk(2, [69], 3, (1,))])
+    assert backend.cursors(1).kv_tokens == 2 and backend.cursors(2).kv_tokens == 1

@@ -111,27 +111,31 @@ class CpuBackend:
         seq_ids = [c.seq_id for c in chunks]
         if len(set(seq_ids)) != len(seq_ids):
             raise ValueError(f"a step feeds each sequence at most once, got sequence ids {seq_ids}")
+        for chunk in chunks:  # refuse a bad batch before any sequence moves
+            self._check_chunk(chunk)
         out = []
         for chunk in chunks:
-            if not chunk.tokens:
-                raise ValueError(f"sequence {chunk.seq_id}: empty chunk at position {chunk.start}")
-            vocab = self.spec.vocab_size
-            bad = [t for t in chunk.tokens if not 0 <= t < vocab]
-            if bad:
-                raise ValueError(f"sequence {chunk.seq_id}: token ids {bad[:5]} outside the vocabulary [0, {vocab})")
             if chunk.start == 0:
                 self.reset(chunk.seq_id)
-            state = self._seqs.get(chunk.seq_id)
-            if state is None or state.kv_tokens != chunk.start:
-                held = 0 if state is None else state.kv_tokens
-                raise ValueError(f"sequence {chunk.seq_id}: chunk starts at {chunk.start} but the backend holds {held} tokens")
             tokens = torch.tensor(chunk.tokens, dtype=torch.long)
             hidden, new_state = forward_chunk(
-                self.spec, self.weights, self.kv, state, tokens, chunk.start, tuple(chunk.block_table)
+                self.spec, self.weights, self.kv, self._seqs[chunk.seq_id], tokens, chunk.start, tuple(chunk.block_table)
             )
             self._seqs[chunk.seq_id] = new_state
             out.append(hidden)
         return out
+
+    def _check_chunk(self, chunk: ChunkLike) -> None:
+        if not chunk.tokens:
+            raise ValueError(f"sequence {chunk.seq_id}: empty chunk at position {chunk.start}")
+        vocab = self.spec.vocab_size
+        bad = [t for t in chunk.tokens if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"sequence {chunk.seq_id}: token ids {bad[:5]} outside the vocabulary [0, {vocab})")
+        held = self._seqs[chunk.seq_id].kv_tokens if chunk.seq_id in self._seqs else 0
+        if chunk.start != 0 and chunk.start != held:
+            raise ValueError(f"sequence {chunk.seq_id}: chunk starts at {chunk.start} but the backend holds {held} tokens")
+        self.kv.slots(tuple(chunk.block_table), chunk.start, chunk.start + len(chunk.tokens))  # raises if short
 
     def logits_from_hidden(self, hidden: torch.Tensor) -> torch.Tensor:
         return hidden @ self.weights["lm_head.weight"].T

@@ -95,6 +95,9 @@ def generate(
     trace: str = typer.Option(None, help="record the run: a SQLite path or a SQLAlchemy URL"),
 ) -> None:
     """Generate from prompts with the engine (greedy by default) and print each completion."""
+    import sys
+
+    import structlog
     from rich.console import Console
     from rich.progress import Progress
 
@@ -103,6 +106,14 @@ def generate(
     from atlas.engine.offline import generate as run_generate
     from atlas.engine.sampling import SamplingParams
 
+    class _Stderr:  # resolved at each write, so a replaced sys.stderr (tests, redirection) is followed
+        def write(self, text: str) -> int:
+            return sys.stderr.write(text)
+
+        def flush(self) -> None:
+            sys.stderr.flush()
+
+    structlog.configure(logger_factory=structlog.PrintLoggerFactory(_Stderr()))  # stdout is the completions
     config = EngineConfig(max_seq_len=max_seq_len, max_batch_size=max_batch_size,
                           prefill_chunk_tokens=max(prefill_chunk_tokens, max_batch_size))
     engine = Engine.from_model(model, backend=backend, config=config, trace=trace)  # type: ignore[arg-type]

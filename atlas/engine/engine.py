@@ -111,6 +111,7 @@ class Engine:
         self._full_audit = full_audit
         self._detokenize = detokenize
         self._event_index = 0
+        self._stepping: int | None = None  # the step being run: outcome events are stamped with it
         self._dead: EngineDead | None = None
         self._stops: dict[int, StopChecker] = {}
         self._pending: list[RequestOutput] = []
@@ -249,6 +250,13 @@ class Engine:
 
     def step(self) -> list[RequestOutput]:
         self._check_alive()
+        self._stepping = self.state.step
+        try:
+            return self._step()
+        finally:
+            self._stepping = None
+
+    def _step(self) -> list[RequestOutput]:
         outputs, self._pending = self._pending, []
         if self.state.pending_faults:
             self._fire_faults(outputs)
@@ -403,7 +411,7 @@ class Engine:
 
     def _emit(self, e: Event) -> None:
         index = self._event_index
-        step = getattr(e, "step", self.state.step)
+        step = getattr(e, "step", self.state.step if self._stepping is None else self._stepping)
         violation: InvariantViolation | None = None
         try:
             touched = self.state.apply(e)

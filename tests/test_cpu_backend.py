@@ -6,6 +6,8 @@ import time
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from atlas.backends.base import SeqWork, StepPlan
 from atlas.backends.cpu import Chunk, CpuBackend
@@ -204,3 +206,17 @@ def test_a_bad_chunk_refuses_the_whole_batch_before_any_sequence_moves(tiny):
     with pytest.raises(ValueError, match="sequence 2: chunk starts at 3"):
         backend.forward([Chunk(1, [68], 2, (0,)), Chunk(2, [69], 3, (1,))])
     assert backend.cursors(1).kv_tokens == 2 and backend.cursors(2).kv_tokens == 1
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(cuts=st.lists(st.integers(min_value=1, max_value=43), max_size=8, unique=True))
+def test_any_chunking_gives_the_single_chunk_logits(tiny, cuts):
+    """Chunk boundaries anywhere (inside QSA blocks, at EOS, width 1) never change the logits."""
+    ids = _prompt(44, 11)
+    whole = CpuBackend(tiny, num_kv_blocks=3).forward([Chunk(0, ids, 0, range(3))])[0]
+    backend = CpuBackend(tiny, num_kv_blocks=3)
+    bounds = [0, *sorted(cuts), len(ids)]
+    rows = [
+        backend.forward([Chunk(0, ids[a:b], a, range(3))])[0] for a, b in zip(bounds, bounds[1:], strict=False)
+    ]
+    torch.testing.assert_close(torch.cat(rows), whole, rtol=0, atol=2e-5)

@@ -141,3 +141,13 @@ def test_tokenizer_json_is_used_when_present(tmp_path):
     assert tok.encode("hello world") == [1, 2]
     assert tok.eos_token_ids == (0, 2)
     assert load_tokenizer(None, (256,), 320).encode("a") == [97]
+
+
+def test_tied_embeddings_serve_the_lm_head(tiny_dir):
+    _edit_config(tiny_dir, tie_word_embeddings=True)
+    _edit_tensors(tiny_dir, lambda t: t.pop("lm_head.weight"))
+    model = load_model(tiny_dir)
+    assert torch.equal(model.weights["lm_head.weight"], model.weights["embed_tokens.weight"])
+    _edit_config(tiny_dir, tie_word_embeddings=False)
+    with pytest.raises(ModelLoadError, match=r"missing tensor lm_head\.weight"):
+        load_model(tiny_dir)

@@ -193,5 +193,19 @@ def replay_verify(file: str, run_id: int = typer.Option(None, help="default: the
     raise typer.Exit(1)
 
 
+@replay_app.command("check")
+def replay_check(file: str, run_id: int = typer.Option(None, help="default: the last run in the store")) -> None:
+    """State-only replay: apply the trace's events to the state machines (no model), checking every invariant
+    and digest; exit 1 at the first problem."""
+    from atlas.replay.verify import check_state_only
+
+    report = check_state_only(file, run_id)
+    if report.problem is None:
+        typer.echo(f"consistent: {report.events} events applied, every invariant and digest holds")
+        return
+    typer.echo(f"event {report.index}: {report.problem}")
+    raise typer.Exit(1)
+
+
 def main() -> None:
     app()

@@ -35,6 +35,8 @@ def test_generate_show_and_verify_a_trace(tmp_path: Path) -> None:
     verified = runner.invoke(app, ["replay", "verify", str(trace)])
     assert verified.exit_code == 0, verified.output
     assert "identical" in verified.output
+    checked = runner.invoke(app, ["replay", "check", str(trace)])
+    assert checked.exit_code == 0 and "consistent" in checked.output
 
     con = sqlite3.connect(trace)
     idx, payload = con.execute("select idx, payload from events where kind = 'step_executed' order by idx "
@@ -47,3 +49,5 @@ def test_generate_show_and_verify_a_trace(tmp_path: Path) -> None:
     tampered = runner.invoke(app, ["replay", "verify", str(trace)])
     assert tampered.exit_code == 1
     assert f"first divergence at event {idx}: payload differs" in tampered.output
+    checked = runner.invoke(app, ["replay", "check", str(trace)])
+    assert checked.exit_code == 1 and checked.output.startswith(f"event {idx}: digest")

@@ -119,6 +119,27 @@ def test_a_fatal_fault_replays_too(tmp_path: Path) -> None:
     assert report.identical and report.note.startswith("engine dead")
 
 
+def test_inputs_replay_at_their_place_in_the_event_stream(tmp_path: Path) -> None:
+    # a step that only fires a fault emits events without advancing the step counter: an arrival after it,
+    # stamped with the same step, must still replay after those events
+    path = tmp_path / "order.db"
+    engine = Engine.from_model("atlas-tiny", backend="null", config=CONFIG, trace=str(path))
+    engine.inject_fault("step_error", "nobody")
+    engine.step()
+    engine.add_request("a", [1, 2, 3], SamplingParams(max_tokens=3))
+    engine.inject_fault("step_error")
+    engine.step()
+    engine.add_request("b", [4, 5], SamplingParams(max_tokens=2))
+    while engine.has_unfinished():
+        engine.step()
+    engine.close()
+    reader = TraceReader(path)
+    kinds = [(e.step, e.kind) for e in reader.events(reader.run().run_id)]
+    assert kinds[:4] == [(0, "fault_injected"), (0, "engine_faulted"), (0, "request_arrived"), (0, "fault_injected")]
+    report = verify(path)
+    assert report.identical, report.divergence.describe()
+
+
 def test_any_sqlalchemy_url_and_several_runs_in_one_store(tmp_path: Path) -> None:
     url = f"sqlite:///{tmp_path / 'store.db'}"
     record(url)

@@ -84,28 +84,34 @@ def _drive_input(engine: Engine, rec: EventRecord) -> None:
 
 
 def redrive(engine: Engine, recorded: list[EventRecord], progress: Progress | None = None) -> str:
-    """Feed the recorded inputs to `engine` at their steps and step it until the run's end. Returns how the
-    replay ended."""
+    """Feed the recorded inputs to `engine` where they happened and step it until the run's end. Returns how
+    the replay ended.
+
+    An input is driven when the replay has produced exactly as many events as preceded it in the trace: the
+    input's position in the event stream, not only its step stamp, since a step can emit events (a fired
+    fault) without advancing the step counter."""
     inputs = [r for r in recorded if r.kind in INPUT_KINDS]
     sink = engine._sink
     produced = (lambda: len(sink.rows)) if isinstance(sink, RecordingSink) else (lambda: engine._event_index)
     i = 0
     while True:
         try:
-            while i < len(inputs) and inputs[i].step == engine.state.step:
+            while i < len(inputs) and inputs[i].index <= produced():
                 _drive_input(engine, inputs[i])
                 i += 1
             if i == len(inputs) and (not engine.has_unfinished() or produced() >= len(recorded)):
                 return "ended"
-            before = (engine.state.step, produced())
+            if produced() > len(recorded):
+                return "the replay ran past the trace's end"
+            before = produced()
             engine.step()
         except EngineDead as exc:
             return f"engine dead: {exc}"
         if progress is not None:
             progress(min(produced(), len(recorded)), len(recorded))
-        if (engine.state.step, produced()) == before and not engine.has_unfinished():
-            if i < len(inputs):  # idle, and the next input is stamped with a step this run never reaches
-                return f"idle at step {engine.state.step}; next input stamped step {inputs[i].step}"
+        if produced() == before and not engine.has_unfinished():
+            if i < len(inputs):  # idle before the next input's place in the trace: the run diverged earlier
+                return f"idle after {produced()} events; the next input is event {inputs[i].index}"
             return "ended"
 
 

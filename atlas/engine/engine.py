@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any, Literal, Protocol
 
 import attrs
@@ -20,6 +19,7 @@ import structlog
 
 from atlas.backends.base import Backend, DeviceFault, SeqOutcome, SeqWork, StepPlan, StepResult
 from atlas.config import Capacities, EngineConfig, derive_capacities, log_capacities
+from atlas.engine.factory import TINY_MODEL, build_engine, build_engine_for_loaded
 from atlas.engine.outputs import AdmissionError, EngineDead, FinishReason, QueueFull, RequestOutput
 from atlas.engine.sampling import SamplingParams
 from atlas.engine.scheduler import schedule
@@ -41,9 +41,6 @@ from atlas.state.invariants import InvariantViolation, audit, check_invariants
 from atlas.state.machines import TransitionRefused
 
 log = structlog.get_logger("atlas.engine")
-
-TINY_MODEL = "atlas-tiny"
-
 
 class EventSink(Protocol):
     def append(self, index: int, step: int, e: Event, digest: str) -> None: ...
@@ -132,66 +129,14 @@ class Engine:
     ) -> Engine:
         """Build the engine for a model (the built-in "atlas-tiny" or a checkpoint dir) on a backend;
         `trace` is a SQLite path or any SQLAlchemy URL."""
-        from atlas import __version__
-        from atlas.replay.store import TraceWriter, git_revision
-
-        config = config or EngineConfig()
-        model_name = TINY_MODEL if model == TINY_MODEL else Path(model).name
-        if backend == "null":
-            from atlas.backends.null import ByteTokenizer, NullBackend
-
-            spec, tokenizer, fingerprint = None, ByteTokenizer(), f"null:{model_name}"
-            caps = derive_capacities(config, spec)
-            data_plane: Backend = NullBackend()
-        elif backend == "cpu":
-            from atlas.model import load_model
-
-            return cls.from_loaded(load_model(model), model=model, config=config, trace=trace, **kwargs)
-        else:
-            raise ValueError(f"unknown backend {backend!r} (cpu, null)")
-        sink = kwargs.pop("sink", None)
-        if trace is not None:
-            sink = TraceWriter(trace, run={
-                "engine_version": __version__, "git_revision": git_revision(), "model": model,
-                "model_fingerprint": fingerprint, "backend": backend, "seed": None,
-                "config": config.to_json(), "capacities": caps.table(),
-            })
-        engine = cls(data_plane, tokenizer=tokenizer, config=config, capacities=caps, spec=spec,
-                     model_name=model_name, sink=sink, **kwargs)
-        engine.model_fingerprint = fingerprint
-        return engine
+        return build_engine(cls, model, backend, config, trace, **kwargs)
 
     @classmethod
-    def from_loaded(
-        cls,
-        loaded: Any,
-        *,
-        model: str,
-        config: EngineConfig | None = None,
-        trace: str | None = None,
-        dtype: Any = None,
-        **kwargs: Any,
-    ) -> Engine:
+    def from_loaded(cls, loaded: Any, *, model: str, config: EngineConfig | None = None, trace: str | None = None,
+                    dtype: Any = None, **kwargs: Any) -> Engine:
         """The engine on the CPU backend for an already loaded model (atlas.model.LoadedModel); `model` is
         the name or dir recorded in the trace so that a replay can load it again."""
-        from atlas import __version__
-        from atlas.backends.cpu import CpuBackend
-        from atlas.replay.store import TraceWriter, git_revision
-
-        config = config or EngineConfig()
-        caps = derive_capacities(config, loaded.spec)
-        data_plane = CpuBackend(loaded, num_kv_blocks=caps.num_kv_blocks, block_size=caps.block_size, dtype=dtype)
-        sink = kwargs.pop("sink", None)
-        if trace is not None:
-            sink = TraceWriter(trace, run={
-                "engine_version": __version__, "git_revision": git_revision(), "model": model,
-                "model_fingerprint": loaded.fingerprint, "backend": "cpu", "seed": None,
-                "config": config.to_json(), "capacities": caps.table(),
-            })
-        engine = cls(data_plane, tokenizer=loaded.tokenizer, config=config, capacities=caps, spec=loaded.spec,
-                     model_name=loaded.name, sink=sink, **kwargs)
-        engine.model_fingerprint = loaded.fingerprint
-        return engine
+        return build_engine_for_loaded(cls, loaded, model=model, config=config, trace=trace, dtype=dtype, **kwargs)
 
     # ------------------------------------------------------------------------------------------ inputs
 

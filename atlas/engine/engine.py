@@ -42,6 +42,7 @@ from atlas.state.machines import TransitionRefused
 
 log = structlog.get_logger("atlas.engine")
 
+
 class EventSink(Protocol):
     def append(self, index: int, step: int, e: Event, digest: str) -> None: ...
 

@@ -140,6 +140,20 @@ def test_inputs_replay_at_their_place_in_the_event_stream(tmp_path: Path) -> Non
     assert report.identical, report.divergence.describe()
 
 
+def test_old_event_versions_are_upcast_when_a_trace_is_read(tmp_path: Path, monkeypatch) -> None:
+    path = tmp_path / "old.db"
+    record(path, arrivals=[(0, 5, 3, 0.0)])
+    # pretend this engine's request_finished is v2, with a field v1 traces lack
+    from atlas.state import events as ev
+
+    monkeypatch.setitem(ev.UPCASTERS, ("request_finished", 1), lambda p: {**p, "detail": f"v1: {p['detail']}"})
+    monkeypatch.setattr(ev.RequestFinished, "version", 2)
+    reader = TraceReader(path)
+    finished = [e for e in reader.events(reader.run().run_id) if e.kind == "request_finished"]
+    assert finished[0].version == 1 and finished[0].payload["detail"] == "v1: max_tokens 3"
+    assert finished[0].event() == ev.RequestFinished(0, "length", "v1: max_tokens 3")
+
+
 def test_any_sqlalchemy_url_and_several_runs_in_one_store(tmp_path: Path) -> None:
     url = f"sqlite:///{tmp_path / 'store.db'}"
     record(url)

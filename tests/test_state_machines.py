@@ -33,6 +33,7 @@ def test_a_prefill_then_decode_moves_every_cursor_together() -> None:
     seq = state.seqs[s]
     assert seq.cursor.tokens[-1] == 42 and seq.cursor.computed == 10 and seq.qsa.ingested == 10
     assert seq.cursor.phase is Phase.RUNNING and seq.blocks == [0, 1]
+    assert seq.cursor.decoding and not seq.cursor.prefilling
     check_invariants(state, (s,), 0)
     audit(state, 0)
     state.apply(ev.StepPlanned(1, (), (s,), (1,), (), (), ()))

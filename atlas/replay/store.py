@@ -17,7 +17,7 @@ from typing import Any
 import attrs
 import sqlalchemy as sa
 
-from atlas.state.events import Event, decode, upcast
+from atlas.state.events import EVENT_TYPES, Event, upcast
 
 metadata = sa.MetaData()
 
@@ -101,7 +101,7 @@ class EventRecord:
     digest: str
 
     def event(self) -> Event:
-        return decode(self.kind, self.version, self.payload)
+        return EVENT_TYPES[self.kind](**self.payload)  # the payload is upcast already
 
 
 class TraceWriter:

@@ -53,6 +53,16 @@ class SequenceCursor:
     def generated(self) -> int:
         return len(self.tokens) - self.prompt_len
 
+    @property
+    def prefilling(self) -> bool:
+        """Running with more than the last sampled token left to feed (a prompt, or a recompute)."""
+        return self.phase is Phase.RUNNING and len(self.tokens) - self.computed > 1
+
+    @property
+    def decoding(self) -> bool:
+        """Running with exactly the last sampled token left to feed."""
+        return self.phase is Phase.RUNNING and len(self.tokens) - self.computed == 1
+
 
 @attrs.define(slots=True)
 class QsaCursor:

@@ -84,3 +84,26 @@ def test_a_cpu_run_replays_event_for_event(tmp_path: Path) -> None:
     engine.close()
     report = verify(path)
     assert report.identical and report.fingerprint_matches and report.events_replayed > 20
+
+
+def test_llm_generate_returns_tokens_text_and_finish_reason_per_prompt(tmp_path: Path) -> None:
+    import atlas
+
+    llm = atlas.LLM("atlas-tiny")
+    prompts = ["hello", "The quick brown fox"]
+    plain = llm.generate(prompts, SamplingParams(max_tokens=8, ignore_eos=True),
+                         config=EngineConfig(max_seq_len=64, max_batch_size=2, prefill_chunk_tokens=16))
+    assert [len(g.token_ids) for g in plain] == [8, 8]
+    assert all(g.finish_reason is FinishReason.LENGTH and g.finish_detail == "max_tokens 8" for g in plain)
+    assert [g.prompt_token_ids for g in plain] == [tuple(llm.tokenizer.encode(p)) for p in prompts]
+    for g in plain:
+        assert g.text == llm.tokenizer.decode(list(g.token_ids))
+    # a stop string taken from the greedy output itself: it ends there, the text cut before it
+    text = plain[0].text
+    stop = text[3:5]
+    assert stop and text.find(stop) == 3
+    stopped = llm.generate("hello", SamplingParams(max_tokens=8, ignore_eos=True, stop=(stop,)),
+                           trace=str(tmp_path / "llm.db"))[0]
+    assert stopped.finish_reason is FinishReason.STOP and stopped.text == text[:3]
+    assert stopped.token_ids == plain[0].token_ids[: len(stopped.token_ids)]
+    assert verify(tmp_path / "llm.db").identical

@@ -200,13 +200,16 @@ def parse_body(schema: type[M], body: Any) -> M:
         raise _as_api_error(exc) from None
 
 
+_BRANCH_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict", "none"})
+
+
 def _as_api_error(exc: ValidationError) -> APIError:
     errors = exc.errors(include_url=False, include_input=False)
     # a union reports one error per branch; the deepest is the most specific (prompt.0: must be >= 0)
     first = max(errors, key=lambda e: len(e.get("loc", ())))
     loc = [str(part) for part in first.get("loc", ())]
-    # unions report every branch (e.g. prompt.str, prompt.list[int]); keep the field path only
-    param = ".".join(p for p in loc if not p.startswith(("list[", "str", "int", "function-", "union")))
+    # a union names its branch in the path (prompt.list[constrained-int].0): keep the field path only
+    param = ".".join(p for p in loc if p not in _BRANCH_TAGS and not any(c in p for c in "[-("))
     message = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
     if first.get("type") == "missing":
         message = "field required"

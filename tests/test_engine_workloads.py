@@ -35,7 +35,7 @@ def run(engine: Engine, reqs: list[Req], max_iterations: int = 5000) -> dict[str
         for i, r in enumerate(reqs):
             if r.arrival == it:
                 engine.add_request(f"r{i}", r.prompt, r.params)
-                results[f"r{i}"] = {"tokens": [], "reason": None, "outputs_after_finish": 0}
+                results[f"r{i}"] = {"tokens": [], "text": "", "reason": None, "outputs_after_finish": 0}
             if r.cancel_at == it:
                 engine.cancel(f"r{i}")
         for o in engine.step():
@@ -43,8 +43,10 @@ def run(engine: Engine, reqs: list[Req], max_iterations: int = 5000) -> dict[str
             if res["reason"] is not None:
                 res["outputs_after_finish"] += 1
             res["tokens"].extend(o.new_token_ids)
+            res["text"] += o.new_text
             if o.finished:
                 res["reason"] = o.finish_reason
+                res["detail"] = o.finish_detail
                 res["completion_tokens"] = o.completion_tokens
         if it > max(r.arrival for r in reqs) and not engine.has_unfinished():
             return results
@@ -77,7 +79,8 @@ def workloads(draw: st.DrawFn) -> tuple[EngineConfig, list[Req]]:
         prompt_len = draw(st.integers(1, max_seq_len - 1))
         max_tokens = draw(st.one_of(st.none(), st.integers(1, max_seq_len - prompt_len)))
         params = SamplingParams(max_tokens=max_tokens, temperature=draw(st.sampled_from([0.0, 0.8])),
-                                seed=draw(st.integers(0, 3)), stop_token_ids=draw(st.sampled_from([(), (7,)])))
+                                seed=draw(st.integers(0, 3)), stop_token_ids=draw(st.sampled_from([(), (7,)])),
+                                stop=draw(st.sampled_from([(), ("a",), ("\x10", "zz")])))
         arrival = draw(st.integers(0, 12))
         cancel_at = draw(st.one_of(st.none(), st.integers(arrival, arrival + 20)))
         prompt = tuple(draw(st.lists(st.integers(0, 255), min_size=prompt_len, max_size=prompt_len)))
@@ -94,6 +97,7 @@ def test_generated_workloads_keep_every_invariant_and_leak_nothing(workload: tup
 
     event(f"preempted: {engine.stats().preemptions_total > 0}")
     event(f"cancelled: {any(res['reason'] is FinishReason.CANCELLED for res in results.values())}")
+    event(f"stop string: {any((res.get('detail') or '').startswith('stop string') for res in results.values())}")
     audit(engine.state, -1)
     assert engine.state.pool.used == 0 and len(engine.state.pool.free) == config.num_kv_blocks
     assert engine.backend.live_sequences() == []  # every data-plane sequence released
@@ -108,6 +112,11 @@ def test_generated_workloads_keep_every_invariant_and_leak_nothing(workload: tup
         budget = r.params.max_tokens or config.max_seq_len - len(r.prompt)
         if res["reason"] is FinishReason.LENGTH:
             assert len(tokens) == budget and all(t not in (256, *r.params.stop_token_ids) for t in tokens)
+        elif res["detail"].startswith("stop string"):
+            # the streamed text is the decoded tokens cut right before the first stop string
+            full, cut = ByteTokenizer().decode(tokens), len(res["text"])
+            assert full[:cut] == res["text"] and any(full.startswith(stop, cut) for stop in r.params.stop)
+            assert not any(stop in res["text"] for stop in r.params.stop)
         else:
             assert res["reason"] is FinishReason.STOP and tokens[-1] in (256, *r.params.stop_token_ids)
         # batch-, chunk- and preemption-invariance

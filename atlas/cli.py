@@ -172,7 +172,11 @@ def trace_show(file: str, run_id: int = typer.Option(None, help="default: the la
 
 
 @replay_app.command("verify")
-def replay_verify(file: str, run_id: int = typer.Option(None, help="default: the last run in the store")) -> None:
+def replay_verify(
+    file: str,
+    run_id: int = typer.Option(None, help="default: the last run in the store"),
+    audit: bool = typer.Option(False, help="also audit every state machine in full after every event"),
+) -> None:
     """Re-drive a trace's inputs through a fresh engine; exit 1 at the first divergent event."""
     from rich.console import Console
     from rich.progress import Progress
@@ -182,7 +186,8 @@ def replay_verify(file: str, run_id: int = typer.Option(None, help="default: the
     console = Console(stderr=True)
     with Progress(console=console, transient=True) as bar:
         task = bar.add_task("replaying", total=None)
-        report = verify(file, run_id, progress=lambda done, total: bar.update(task, completed=done, total=total))
+        report = verify(file, run_id, progress=lambda done, total: bar.update(task, completed=done, total=total),
+                        engine_kwargs={"full_audit": audit})
     if not report.fingerprint_matches:
         typer.echo(f"warning: model fingerprint {report.fingerprint[:16]} differs from the trace's "
                    f"{report.run.model_fingerprint[:16]}")

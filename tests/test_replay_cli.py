@@ -32,7 +32,7 @@ def test_generate_show_and_verify_a_trace(tmp_path: Path) -> None:
     assert shown.exit_code == 0, shown.output
     assert "gen-0" in shown.output and "step_executed" in shown.output and "backend null" in shown.output
 
-    verified = runner.invoke(app, ["replay", "verify", str(trace)])
+    verified = runner.invoke(app, ["replay", "verify", str(trace), "--audit"])
     assert verified.exit_code == 0, verified.output
     assert "identical" in verified.output
     checked = runner.invoke(app, ["replay", "check", str(trace)])

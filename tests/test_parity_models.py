@@ -81,3 +81,16 @@ def test_parity_prompt_exercises_qsa_selection_and_ple_restart(reference):
     # the n-gram context restarting at EOS matters too: with another EOS id the logits move
     no_restart = _with_spec(llm, ple=attrs.evolve(spec.ple, eos_token_id=EOS + 1))
     assert (no_restart.logits(ids) - ref).abs().max().item() > 100 * TOLERANCE
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_whole_chunk_path_matches_transformers(family, reference):
+    """The backend's fast path (exact=False: whole chunks through each op) against transformers too."""
+    llm, ids, ref = reference(family)
+    fast = object.__new__(LLM)
+    fast.model = llm.model
+    fast.backend = type(llm.backend)(llm.model, num_kv_blocks=64, exact=False)
+    widths = CHUNKS + [len(ids) - sum(CHUNKS)]
+    diff = (fast.logits(ids, chunk_sizes=widths) - ref).abs().max().item()
+    print(f"\nPARITY {family:18s} whole chunks {widths}: max |dlogit| = {diff:.2e}")
+    assert diff <= TOLERANCE

@@ -42,7 +42,13 @@ class CpuBackend:
     name = "cpu"
 
     def __init__(
-        self, model: LoadedModel, *, num_kv_blocks: int, block_size: int = 16, dtype: torch.dtype | None = None
+        self,
+        model: LoadedModel,
+        *,
+        num_kv_blocks: int,
+        block_size: int = 16,
+        dtype: torch.dtype | None = None,
+        exact: bool = True,
     ) -> None:
         self.model = model
         self.spec = model.spec
@@ -51,6 +57,13 @@ class CpuBackend:
         if self.dtype != model.dtype:
             self.weights = {k: t.to(self.dtype) if t.is_floating_point() else t for k, t in model.weights.items()}
         self.block_size = block_size
+        # exact: feed every token on its own, so its bits depend only on the token and its prefix. A GEMM's
+        # reduction order, and whether a vectorised transcendental lands in the SIMD body or the scalar
+        # tail, both depend on how many rows an op sees (measured: every row of a 1-row vs n-row fp32
+        # product differed in the last bit). Token by token, a chunk of 500, a decode and a K-wide verify
+        # give identical bits, which is what lets commit and rollback be checked bitwise. exact=False
+        # runs whole chunks (faster, agrees to ~1e-6).
+        self.exact = exact
         self.kv = KvPool(self.spec, num_kv_blocks, block_size, self.dtype)
         self._seqs: dict[int, SequenceState] = {}
 
@@ -118,10 +131,19 @@ class CpuBackend:
             if chunk.start == 0:
                 self.reset(chunk.seq_id)
             tokens = torch.tensor(chunk.tokens, dtype=torch.long)
-            hidden, new_state = forward_chunk(
-                self.spec, self.weights, self.kv, self._seqs[chunk.seq_id], tokens, chunk.start, tuple(chunk.block_table)
-            )
-            self._seqs[chunk.seq_id] = new_state
+            table = tuple(chunk.block_table)
+            state = self._seqs[chunk.seq_id]
+            if self.exact:
+                rows = []
+                for i in range(len(tokens)):
+                    row, state = forward_chunk(
+                        self.spec, self.weights, self.kv, state, tokens[i : i + 1], chunk.start + i, table
+                    )
+                    rows.append(row)
+                hidden = torch.cat(rows)
+            else:
+                hidden, state = forward_chunk(self.spec, self.weights, self.kv, state, tokens, chunk.start, table)
+            self._seqs[chunk.seq_id] = state
             out.append(hidden)
         return out
 
@@ -138,7 +160,10 @@ class CpuBackend:
         self.kv.slots(tuple(chunk.block_table), chunk.start, chunk.start + len(chunk.tokens))  # raises if short
 
     def logits_from_hidden(self, hidden: torch.Tensor) -> torch.Tensor:
-        return hidden @ self.weights["lm_head.weight"].T
+        head = self.weights["lm_head.weight"]
+        if self.exact and hidden.dim() == 2:  # one row at a time, for the same reason as forward_hidden
+            return torch.cat([row @ head.T for row in hidden.split(1)])
+        return hidden @ head.T
 
     def forward(self, chunks: Sequence[ChunkLike]) -> list[torch.Tensor]:
         """Run each chunk; return its logits [n, vocab] for every fed position."""

@@ -180,8 +180,9 @@ class EngineLoop:
         return self
 
     def stop(self, timeout: float = 10.0) -> None:
+        """Stop after the current step and close the engine (flushing its trace). Idempotent."""
         self._inbox.put(_Stop())
-        if self._thread is not None:
+        if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout)
 
     @property

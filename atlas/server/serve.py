@@ -113,6 +113,19 @@ def serve_in_thread(engine: Any, **app_options: Any) -> Iterator[Served]:
         engine_loop.stop()
 
 
+class _StoppingServer(uvicorn.Server):
+    """Stops the engine loop (closing the trace) as part of shutdown: uvicorn re-raises SIGTERM/SIGINT
+    once it has shut down, and the default handler would end the process before a `finally` ran."""
+
+    def __init__(self, config: uvicorn.Config, engine_loop: EngineLoop) -> None:
+        super().__init__(config)
+        self._engine_loop = engine_loop
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().shutdown(sockets)
+        self._engine_loop.stop()
+
+
 def serve(
     model: str | None = None,
     *,
@@ -133,7 +146,7 @@ def serve(
     template = load_chat_template(Path(model) if model and Path(model).is_dir() else None)
     app = create_app(engine_loop, chat_template=template, api_key=api_key,
                      enable_fault_injection=enable_fault_injection)
-    server = uvicorn.Server(_uvicorn_config(app, host, port, log_level))
+    server = _StoppingServer(_uvicorn_config(app, host, port, log_level), engine_loop)
 
     def on_death(detail: str) -> None:
         log.error("fatal engine fault: the server stops", detail=detail)
@@ -149,7 +162,7 @@ def serve(
     try:
         server.run()
     finally:
-        engine_loop.stop()
+        engine_loop.stop()  # already stopped by a clean shutdown; this covers a failed start
     if engine_loop.dead is not None:
         return EXIT_ENGINE_DEAD
     return 0

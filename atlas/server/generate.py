@@ -228,6 +228,21 @@ async def _stream_events(ctx: ServingContext, stream: RequestStream, gen: _Gener
         stream.cancel()  # a no-op once finished; when the client went away, the engine frees its blocks
 
 
+class _EventStream(StreamingResponse):
+    """Cancels its request however the response ends: a client that leaves before the first chunk
+    stops the body generator before it starts, so the generator's own `finally` never runs."""
+
+    def __init__(self, content: AsyncIterator[bytes], request_stream: RequestStream, **kwargs: Any) -> None:
+        super().__init__(content, **kwargs)
+        self._request_stream = request_stream
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._request_stream.cancel()
+
+
 async def _run(ctx: ServingContext, request: Request, kind: Kind, body: CompletionRequest | ChatCompletionRequest,
                prompt: list[int]) -> Response:
     params = body.sampling_params()
@@ -237,8 +252,8 @@ async def _run(ctx: ServingContext, request: Request, kind: Kind, body: Completi
     if not body.stream:
         return await _respond_whole(ctx, request, stream, gen, kind, request_id)
     events = _stream_events(ctx, stream, gen, kind, request_id, body.include_usage)
-    return StreamingResponse(events, media_type="text/event-stream",
-                             headers={"cache-control": "no-cache", "x-request-id": request_id})
+    return _EventStream(events, stream, media_type="text/event-stream",
+                        headers={"cache-control": "no-cache", "x-request-id": request_id})
 
 
 async def create_completion(ctx: ServingContext, request: Request, body: CompletionRequest) -> Response:

@@ -31,8 +31,9 @@ def _uvicorn_config(app: Any, host: str, port: int, log_level: str) -> uvicorn.C
         app,
         host=host,
         port=port,
-        http="h11",  # h11 enforces the header size limit while parsing, before any app code runs
-        h11_max_incomplete_event_size=DEFAULT_MAX_HEADER_BYTES,
+        # h11 bounds what it buffers while parsing headers: a backstop above the app's own 431 limit
+        http="h11",
+        h11_max_incomplete_event_size=4 * DEFAULT_MAX_HEADER_BYTES,
         lifespan="off",
         log_level=log_level,
         timeout_graceful_shutdown=2,

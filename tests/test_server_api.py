@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import httpx
 import openai
 import pytest
@@ -14,7 +16,7 @@ API_KEY = "test-key-123"
 
 
 @pytest.fixture(scope="module")
-def served() -> Served:
+def served() -> Iterator[Served]:
     engine = Engine.from_model("atlas-tiny", backend="cpu", config=EngineConfig(max_seq_len=256, max_batch_size=8))
     with serve_in_thread(engine, api_key=API_KEY) as s:
         yield s
@@ -26,7 +28,7 @@ def client(served: Served) -> openai.OpenAI:
 
 
 @pytest.fixture(scope="module")
-def http(served: Served) -> httpx.Client:
+def http(served: Served) -> Iterator[httpx.Client]:
     with httpx.Client(base_url=served.url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60) as c:
         yield c
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 
 import httpx
 import pytest
@@ -99,14 +100,14 @@ CORPUS: list[tuple[str, bytes, int, str | None]] = [
 
 
 @pytest.fixture(scope="module")
-def served() -> Served:
+def served() -> Iterator[Served]:
     engine = Engine.from_model("atlas-tiny", backend="null", config=EngineConfig(max_seq_len=512))
     with serve_in_thread(engine) as s:
         yield s
 
 
 @pytest.fixture(scope="module")
-def http(served: Served) -> httpx.Client:
+def http(served: Served) -> Iterator[httpx.Client]:
     with httpx.Client(base_url=served.url, timeout=30) as c:
         yield c
 

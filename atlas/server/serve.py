@@ -21,6 +21,7 @@ from atlas.server.engine_loop import EngineLoop
 
 log = structlog.get_logger(__name__)
 
+EXIT_BAD_CONFIG = 2
 EXIT_ENGINE_DEAD = 3
 DEATH_GRACE_S = 1.0  # keep answering 503 this long after a fatal fault, so probes and clients see why
 DEATH_HARD_EXIT_S = 15.0  # if a graceful stop hangs (a stuck connection), leave anyway: dead is dead
@@ -140,9 +141,14 @@ def serve(
     enable_fault_injection: bool = False,
     log_level: str = "info",
 ) -> int:
-    """Serve until stopped. Returns the process exit status: 0, or EXIT_ENGINE_DEAD after a fatal fault."""
-    engine = build_engine(model, backend=backend, trace=trace, max_seq_len=max_seq_len,
-                          max_batch_size=max_batch_size)
+    """Serve until stopped. Returns the process exit status: 0, EXIT_BAD_CONFIG when the engine cannot be
+    built (the reason is logged), or EXIT_ENGINE_DEAD after a fatal fault."""
+    try:
+        engine = build_engine(model, backend=backend, trace=trace, max_seq_len=max_seq_len,
+                              max_batch_size=max_batch_size)
+    except (ValueError, OSError) as exc:  # CapacityError is a ValueError: it names the knob and numbers
+        log.error("cannot start the engine", error=str(exc))
+        return EXIT_BAD_CONFIG
     engine_loop = EngineLoop(engine).start()
     template = load_chat_template(Path(model) if model and Path(model).is_dir() else None)
     app = create_app(engine_loop, chat_template=template, api_key=api_key,

@@ -125,6 +125,9 @@ def test_no_max_tokens_is_clamped_to_capacity_and_ends_with_length(client: opena
 
 def test_models_tokenize_detokenize(client: openai.OpenAI, http: httpx.Client) -> None:
     assert [m.id for m in client.models.list().data] == ["atlas-tiny"]
+    assert client.models.retrieve("atlas-tiny").id == "atlas-tiny"
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-4")
     toks = http.post("/tokenize", json={"prompt": "héllo"}).json()
     assert toks["count"] == len(toks["tokens"]) and toks["max_model_len"] == 256
     assert http.post("/detokenize", json={"tokens": toks["tokens"]}).json() == {"prompt": "héllo"}

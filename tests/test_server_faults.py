@@ -16,6 +16,7 @@ import pytest
 
 from atlas.config import EngineConfig
 from atlas.engine.engine import Engine
+from atlas.replay.store import TraceReader
 from atlas.server.metrics import sample_value
 from atlas.server.serve import EXIT_ENGINE_DEAD, Served, serve_in_thread
 
@@ -184,7 +185,14 @@ def test_serve_process_exits_non_zero_after_a_fatal_fault(tmp_path) -> None:
             pass
         code = proc.wait(timeout=20)
         assert code == EXIT_ENGINE_DEAD
-        assert trace.exists() and trace.stat().st_size > 0  # flushed before exit
+        reader = TraceReader(trace)  # flushed before exit: the served request and the fatal fault are in it
+        try:
+            recorded = list(reader.events(reader.run().run_id))
+        finally:
+            reader.close()
+        kinds = [e.kind for e in recorded]
+        assert kinds.count("request_arrived") == 1 and kinds.count("request_finished") == 1
+        assert any(e.kind == "engine_faulted" and e.payload.get("fatal") for e in recorded)
     finally:
         if proc.poll() is None:
             proc.send_signal(signal.SIGKILL)

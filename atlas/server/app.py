@@ -117,11 +117,18 @@ def create_app(
     async def prometheus() -> Response:
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
+    def model_card() -> dict[str, Any]:
+        return {"id": name, "object": "model", "created": int(time.time()), "owned_by": "atlas",
+                "max_model_len": ctx.max_seq_len}
+
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        card = {"id": name, "object": "model", "created": int(time.time()), "owned_by": "atlas",
-                "max_model_len": ctx.max_seq_len}
-        return {"object": "list", "data": [card]}
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> dict[str, Any]:
+        ctx.check_model(model_id)
+        return model_card()
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:

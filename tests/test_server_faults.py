@@ -197,3 +197,24 @@ def test_serve_process_exits_non_zero_after_a_fatal_fault(tmp_path) -> None:
         if proc.poll() is None:
             proc.send_signal(signal.SIGKILL)
             proc.wait()
+
+
+def test_stopping_the_loop_ends_live_requests_with_503_not_a_hang() -> None:
+    with serve_in_thread(_engine(max_seq_len=1 << 20)) as served, \
+            httpx.Client(base_url=served.url, timeout=30) as http:
+        endless = {"prompt": "x", "max_tokens": 1_000_000, "ignore_eos": True}
+        with ThreadPoolExecutor(1) as pool, http.stream("POST", "/v1/completions",
+                                                        json={**endless, "stream": True}) as r:
+            lines = r.iter_lines()
+            next(lines)
+            whole = pool.submit(http.post, "/v1/completions", json=endless)
+            deadline = time.monotonic() + 10
+            while served.engine_loop.latest_stats.num_running < 2 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            served.engine_loop.stop()
+            events = [x[6:] for x in lines if x.startswith("data: ")]
+            assert events[-1] == "[DONE]" and json.loads(events[-2])["error"]["code"] == "shutting_down"
+            assert whole.result().status_code == 503
+            assert whole.result().json()["error"]["code"] == "shutting_down"
+        late = http.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})
+        assert late.status_code == 503 and late.json()["error"]["code"] == "shutting_down"

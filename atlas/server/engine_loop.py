@@ -64,11 +64,16 @@ class _Stop:
     pass
 
 
+class EngineStopped(RuntimeError):
+    """The engine loop was stopped (the server is shutting down); the engine itself is fine."""
+
+
 @attrs.frozen
 class _Died:
-    """Put on every live request's queue when the engine dies."""
+    """Put on every live request's queue when the engine dies, or (fatal=False) when the loop stops."""
 
     detail: str
+    fatal: bool = True
 
 
 class _Mailbox:
@@ -138,7 +143,7 @@ class RequestStream:
                 batch.append(self._outputs.get_nowait())
             if isinstance(batch[-1], _Died):
                 self.finished = True
-                raise EngineDead(batch[-1].detail)
+                raise (EngineDead if batch[-1].fatal else EngineStopped)(batch[-1].detail)
             if batch[-1].finished:
                 self.finished = True
             yield batch
@@ -164,8 +169,9 @@ class EngineLoop:
         self._subscribers: dict[str, _Subscriber] = {}
         self._mailboxes: dict[asyncio.AbstractEventLoop, _Mailbox] = {}
         self._force_step = False  # a fatal fault acts at the next step, even when idle
-        self._lock = threading.Lock()  # orders "dead" against enqueued arrivals
+        self._lock = threading.Lock()  # orders "dead" or "stopped" against enqueued arrivals
         self._dead: str | None = None
+        self._stopped = False
         self._death_callbacks: list[Callable[[str], None]] = []
         self._thread: threading.Thread | None = None
         self.latest_stats: Any = None  # engine.stats() after the last step; read by /metrics
@@ -204,7 +210,8 @@ class EngineLoop:
         *,
         inject_fault: FaultKind | None = None,
     ) -> RequestStream:
-        """Admit a request. Raises AdmissionError, QueueFull or EngineDead before anything is streamed."""
+        """Admit a request. Raises AdmissionError, QueueFull, EngineDead or EngineStopped before anything
+        is streamed."""
         loop = asyncio.get_running_loop()
         admitted: asyncio.Future[None] = loop.create_future()
         outputs: asyncio.Queue[Any] = asyncio.Queue()
@@ -214,6 +221,8 @@ class EngineLoop:
         with self._lock:
             if self._dead is not None:
                 raise EngineDead(self._dead)
+            if self._stopped:
+                raise EngineStopped("the server is shutting down")
             self._inbox.put(arrival)
         try:
             await admitted
@@ -248,6 +257,7 @@ class EngineLoop:
             log.exception("engine loop crashed")
             self._die(f"engine loop crashed: {type(exc).__name__}")
         finally:
+            self._release_everyone(_Died("the server is shutting down", fatal=False))
             try:
                 self.engine.close()
             except Exception:
@@ -323,20 +333,30 @@ class EngineLoop:
         except Exception:
             log.exception("engine stats failed")
 
-    def _die(self, detail: str) -> None:
+    def _release_everyone(self, ending: _Died) -> None:
+        """End every live request and refuse every queued arrival, so no handler waits forever."""
         with self._lock:
-            self._dead = detail
-        log.error("engine dead", detail=detail)
+            self._stopped = True
         for sub in self._subscribers.values():
-            sub.mailbox.post(sub.outputs, _Died(detail))
+            sub.mailbox.post(sub.outputs, ending)
         self._subscribers.clear()
-        while True:  # arrivals that raced the death: refuse them rather than leave them waiting
+        refusal = EngineDead(ending.detail) if ending.fatal else EngineStopped(ending.detail)
+        while True:
             try:
                 command = self._inbox.get_nowait()
             except queue.Empty:
                 break
             if isinstance(command, _Arrival):
-                command.loop.call_soon_threadsafe(_settle, command.admitted, EngineDead(detail))
+                try:
+                    command.loop.call_soon_threadsafe(_settle, command.admitted, refusal)
+                except RuntimeError:  # that event loop has closed
+                    pass
+
+    def _die(self, detail: str) -> None:
+        with self._lock:
+            self._dead = detail
+        log.error("engine dead", detail=detail)
+        self._release_everyone(_Died(detail))
         for callback in self._death_callbacks:
             try:
                 callback(detail)

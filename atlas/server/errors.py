@@ -72,6 +72,10 @@ def redact_paths(text: str) -> str:
     return _PATH.sub("<path>", text)
 
 
+def shutting_down() -> APIError:
+    return APIError(503, "the server is shutting down; retry elsewhere or later", code="shutting_down")
+
+
 def engine_error(detail: str | None) -> APIError:
     """A request the engine failed: reported as an error, never as stop or length."""
     message = f"the engine failed this request: {redact_paths(detail or 'unknown error')}"

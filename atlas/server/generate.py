@@ -21,8 +21,8 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from atlas.engine.outputs import AdmissionError, EngineDead, FinishReason, QueueFull, RequestOutput
 from atlas.engine.sampling import SamplingParams
 from atlas.server.chat import ChatTemplate
-from atlas.server.engine_loop import EngineLoop, FaultKind, RequestStream
-from atlas.server.errors import APIError, bad_request, engine_dead, engine_error
+from atlas.server.engine_loop import EngineLoop, EngineStopped, FaultKind, RequestStream
+from atlas.server.errors import APIError, bad_request, engine_dead, engine_error, shutting_down
 from atlas.server.logprobs import chat_logprobs, completion_logprobs
 from atlas.server.schemas import ChatCompletionRequest, ChatMessage, CompletionRequest
 
@@ -84,6 +84,8 @@ async def _submit(ctx: ServingContext, request: Request, request_id: str, prompt
         raise APIError(503, f"the engine's waiting queue is full, retry later: {exc}", code="queue_full") from None
     except EngineDead as exc:
         raise engine_dead(str(exc)) from None
+    except EngineStopped:
+        raise shutting_down() from None
 
 
 class _Generation:
@@ -160,6 +162,8 @@ async def _respond_whole(ctx: ServingContext, request: Request, stream: RequestS
         consumer.result()
     except EngineDead as exc:
         raise engine_dead(str(exc)) from None
+    except EngineStopped:
+        raise shutting_down() from None
     failure = gen.failure()
     if failure is not None:
         raise failure
@@ -223,6 +227,9 @@ async def _stream_events(ctx: ServingContext, stream: RequestStream, gen: _Gener
         yield DONE
     except EngineDead as exc:
         yield engine_dead(str(exc)).sse_event()
+        yield DONE
+    except EngineStopped:
+        yield shutting_down().sse_event()
         yield DONE
     finally:
         stream.cancel()  # a no-op once finished; when the client went away, the engine frees its blocks

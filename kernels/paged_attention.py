@@ -112,6 +112,7 @@ def paged_attention(
     *,
     partition: int = PARTITION,
     block_n: int = 64,
+    num_warps: int = 8,
     precision: str | None = None,
 ) -> torch.Tensor:
     """Attention of T query rows per sequence over its paged KV (see reference.paged_attention).
@@ -120,6 +121,8 @@ def paged_attention(
     int32; seq_lens: [B] int32, counting the rows' own keys. Row t sits at position seq_len - T + t.
     max_keys: an upper bound on the keys any row sees (max seq_len, or the selection width), known to
     the host without a device sync; it sizes the grid only, never the result.
+    num_warps 8: at block_n 64, head dim 128 and 8 query heads per KV head, 4 warps spill registers on
+    sm_90 (compile_report: 255 registers, 456 spill bytes) and 8 do not.
     selected, selected_count: optional QSA selection [B, T, max_sel] int32 positions and [B, T] counts.
     Returns [B, T, Hq, D] in q's dtype.
     """
@@ -148,7 +151,7 @@ def paged_attention(
         num_rows, num_q_heads, num_kv_heads, block_size, block_tables.shape[1],
         selected.shape[-1] if selected is not None else 0, num_partitions, scale,
         D=head_dim, BD=triton.next_power_of_2(head_dim), GROUP=group, BG=max(16, triton.next_power_of_2(group)),
-        BN=block_n, PART=partition, SELECTED=selected is not None, PRECISION=precision,
+        BN=block_n, PART=partition, SELECTED=selected is not None, PRECISION=precision, num_warps=num_warps,
     )
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     _attention_merge_kernel[(batch * num_rows * num_q_heads,)](

@@ -1,0 +1,151 @@
+"""Compile every kernel for Hopper (sm_90) without a GPU and report registers, spills and shared memory.
+
+    python -m atlas_kernels.compile_report
+
+Triton compiles ahead of time for any target, and its wheel ships ptxas, so compile errors and register
+spills (the usual reason a kernel is far off its bandwidth or FLOP ceiling) show up on a CPU-only machine,
+at no device time. The tests use it to catch kernels that interpret fine but do not compile.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import tempfile
+from typing import Any
+
+import attrs
+import triton
+from atlas_kernels import conv, gdn_chunk, gdn_recurrent, norms, paged_attention, qsa
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from triton.runtime.jit import JITFunction
+
+HOPPER = GPUTarget("cuda", 90, 32)
+
+
+@attrs.frozen
+class CompileReport:
+    kernel: str
+    config: str
+    registers: int
+    spill_bytes: int  # spill stores + spill loads per thread
+    stack_bytes: int
+    shared_bytes: int
+
+
+def ptxas_path() -> str:
+    return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+
+
+def compile_for_hopper(kernel: Any, arg_types: dict[str, str], constexprs: dict[str, Any], num_warps: int = 4,
+                       label: str = "") -> CompileReport:
+    """arg_types: Triton type strings ('*bf16', 'i32', 'fp32') of every non-constexpr argument."""
+    if not isinstance(kernel, JITFunction):  # under TRITON_INTERPRET=1 the decorator gave an interpreter wrapper
+        kernel = JITFunction(kernel.fn)
+    names = kernel.arg_names
+    signature = {name: "constexpr" if name in constexprs else arg_types[name] for name in names}
+    source = ASTSource(kernel, signature, {(names.index(k),): v for k, v in constexprs.items()})
+    compiled = triton.compile(source, target=HOPPER, options={"num_warps": num_warps})
+    ptx = compiled.asm["ptx"]
+    arch = next(line.split()[1] for line in ptx.splitlines() if line.startswith(".target"))
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx") as file:
+        file.write(ptx)
+        file.flush()
+        info = subprocess.run([ptxas_path(), "-v", f"--gpu-name={arch}", file.name, "-o", os.devnull],
+                              capture_output=True, text=True, check=True).stderr
+
+    def number(pattern: str) -> int:
+        found = re.search(pattern, info)
+        return int(found.group(1)) if found else 0
+
+    return CompileReport(
+        kernel=kernel.fn.__name__.strip("_"), config=label,
+        registers=number(r"Used (\d+) registers"),
+        spill_bytes=number(r"(\d+) bytes spill stores") + number(r"(\d+) bytes spill loads"),
+        stack_bytes=number(r"(\d+) bytes stack frame"), shared_bytes=compiled.metadata.shared,
+    )
+
+
+def gdn_chunk_case(block_v: int = 32, num_warps: int = 4, precision: str = "tf32") -> CompileReport:
+    types = dict(q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", g_ptr="*fp32", beta_ptr="*bf16",
+                 cu_seqlens_ptr="*i32", state_ptr="*fp32", slot_ptr="*i64", out_ptr="*bf16", num_k_heads="i32",
+                 num_v_heads="i32", scale="fp32", eps="fp32")
+    consts = dict(DK=128, DV=128, BK=128, BV=block_v, C=gdn_chunk.CHUNK, LOG2_C=6, PRECISION=precision)
+    return compile_for_hopper(gdn_chunk._gdn_chunk_kernel, types, consts, num_warps,
+                              f"BV={block_v} warps={num_warps} {precision}")
+
+
+def gdn_recurrent_case(block_v: int = 32, store_states: bool = False) -> CompileReport:
+    types = dict(q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", g_ptr="*fp32", beta_ptr="*bf16", state_ptr="*fp32",
+                 slot_ptr="*i64", out_ptr="*bf16", states_out_ptr="*fp32", num_tokens="i32", num_k_heads="i32",
+                 num_v_heads="i32", scale="fp32", eps="fp32")
+    consts = dict(DK=128, DV=128, BK=128, BV=block_v, STORE_STATES=store_states, COMMIT=not store_states)
+    return compile_for_hopper(gdn_recurrent._gdn_recurrent_kernel, types, consts, 4,
+                              f"BV={block_v} store_states={store_states}")
+
+
+def conv_case() -> CompileReport:
+    types = dict(x_ptr="*bf16", state_ptr="*bf16", slot_ptr="*i64", weight_ptr="*bf16", bias_ptr="*bf16",
+                 out_ptr="*bf16", num_tokens="i32", channels="i32")
+    consts = dict(K=4, S=4, BS=4, BC=256, HAS_BIAS=False, SILU=True)
+    return compile_for_hopper(conv._conv_update_kernel, types, consts, 4, "C tile 256, K=S=4")
+
+
+def attention_cases() -> list[CompileReport]:
+    types = dict(q_ptr="*bf16", k_pool_ptr="*bf16", v_pool_ptr="*bf16", block_tables_ptr="*i32",
+                 seq_lens_ptr="*i32", selected_ptr="*i32", selected_count_ptr="*i32", m_ptr="*fp32",
+                 l_ptr="*fp32", acc_ptr="*fp32", num_rows="i32", num_q_heads="i32", num_kv_heads="i32",
+                 block_size="i32", max_blocks="i32", max_selected="i32", num_partitions="i32", scale="fp32")
+    reports = []
+    for selected in (False, True):
+        consts = dict(D=128, BD=128, GROUP=8, BG=16, BN=64, PART=paged_attention.PARTITION, SELECTED=selected,
+                      PRECISION="tf32")
+        reports.append(compile_for_hopper(paged_attention._attention_partition_kernel, types, consts, 8,
+                                          f"D=128 group 8 {'qsa' if selected else 'dense'}"))
+    merge_types = dict(m_ptr="*fp32", l_ptr="*fp32", acc_ptr="*fp32", out_ptr="*bf16", num_partitions="i32")
+    reports.append(compile_for_hopper(paged_attention._attention_merge_kernel, merge_types,
+                                      dict(D=128, BD=128, BP=32), 4, "32 partitions"))
+    return reports
+
+
+def qsa_cases() -> list[CompileReport]:
+    pool_types = dict(raw_pool_ptr="*bf16", pooled_pool_ptr="*bf16", block_tables_ptr="*i32",
+                      first_block_ptr="*i32", end_block_ptr="*i32", norm_weight_ptr="*fp32", inv_freq_ptr="*fp32",
+                      block_size="i32", max_pages="i32", eps="fp32")
+    score_types = dict(q_ptr="*bf16", pooled_pool_ptr="*bf16", block_tables_ptr="*i32", seq_lens_ptr="*i32",
+                       scores_ptr="*fp32", num_rows="i32", num_heads="i32", max_pages="i32", per_page="i32",
+                       max_blocks="i32", scale="fp32")
+    return [
+        compile_for_hopper(qsa._pool_keys_kernel, pool_types,
+                           dict(D=128, BD=128, ROTARY=32, RATIO=4, BJ=16), 4, "d=128 rotary 32"),
+        compile_for_hopper(qsa._block_scores_kernel, score_types,
+                           dict(RATIO=4, D=128, BD=128, BH=16, BB=64, PRECISION="tf32"), 4, "8 heads, 64 blocks"),
+    ]
+
+
+def norm_cases() -> list[CompileReport]:
+    types = dict(x_ptr="*bf16", gate_ptr="*bf16", weight_ptr="*fp32", out_ptr="*bf16", num_rows="i32",
+                 width="i32", eps="fp32")
+    return [
+        compile_for_hopper(norms._rms_norm_kernel, types, dict(BN=2048, BM=2, GATED=False), 4, "[*, 2048]"),
+        compile_for_hopper(norms._rms_norm_kernel, types, dict(BN=128, BM=16, GATED=True), 4, "gated [*, 128]"),
+    ]
+
+
+def all_reports() -> list[CompileReport]:
+    """The kernels at the benchmark model's (qwen4exp-2p7b) sizes, in the configurations the wrappers pick."""
+    return [gdn_recurrent_case(), gdn_recurrent_case(store_states=True), gdn_chunk_case(), conv_case(),
+            *attention_cases(), *qsa_cases(), *norm_cases()]
+
+
+def main() -> None:
+    print(f"{'kernel':<30} {'config':<28} {'regs':>5} {'spill B':>8} {'stack B':>8} {'shared B':>9}")
+    for report in all_reports():
+        print(f"{report.kernel:<30} {report.config:<28} {report.registers:>5} {report.spill_bytes:>8} "
+              f"{report.stack_bytes:>8} {report.shared_bytes:>9}")
+
+
+if __name__ == "__main__":
+    main()

@@ -12,6 +12,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
+import openai
 import pytest
 
 from atlas.config import EngineConfig
@@ -218,3 +219,15 @@ def test_stopping_the_loop_ends_live_requests_with_503_not_a_hang() -> None:
             assert whole.result().json()["error"]["code"] == "shutting_down"
         late = http.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})
         assert late.status_code == 503 and late.json()["error"]["code"] == "shutting_down"
+
+
+def test_the_official_client_sees_a_failed_stream_as_an_error() -> None:
+    with serve_in_thread(_engine(), enable_fault_injection=True) as served:
+        client = openai.OpenAI(base_url=f"{served.url}/v1", api_key="unused", max_retries=0)
+        stream = client.completions.create(model="atlas-tiny", prompt="hi", max_tokens=20, stream=True,
+                                           extra_headers=FAULT)
+        with pytest.raises(openai.APIError, match="injected step_error"):
+            for _ in stream:
+                pass
+        with pytest.raises(openai.InternalServerError, match="injected step_error"):
+            client.completions.create(model="atlas-tiny", prompt="hi", max_tokens=20, extra_headers=FAULT)

@@ -25,6 +25,20 @@ def _positive(_inst: object, attr: attrs.Attribute, value: int | None) -> None:
         raise CapacityError(f"{attr.name} must be >= 1, got {value}")
 
 
+DRAFTERS = ("mtp", "ngram", "scripted")
+MAX_DRAFTS = 8
+
+
+def _check_drafter(_inst: object, _attr: attrs.Attribute, value: str) -> None:
+    if value not in DRAFTERS:
+        raise CapacityError(f"drafter must be one of {', '.join(DRAFTERS)}, got {value!r}")
+
+
+def _check_drafts(_inst: object, _attr: attrs.Attribute, value: int) -> None:
+    if not 0 <= value <= MAX_DRAFTS:
+        raise CapacityError(f"num_drafts must be in [0, {MAX_DRAFTS}] (0 turns speculation off), got {value}")
+
+
 def _non_negative(_inst: object, attr: attrs.Attribute, value: int) -> None:
     if value < 0:
         raise CapacityError(f"{attr.name} must be >= 0, got {value}")
@@ -42,9 +56,20 @@ class EngineConfig:
     num_kv_blocks: int | None = attrs.field(default=None, validator=_positive)  # None = derived
     max_waiting: int = attrs.field(default=1024, validator=_positive)  # bound of the waiting queue
     # later issues: speculative decoding (drafts per verify), the SSM snapshot ring, its interval
-    num_drafts: int = attrs.field(default=0, validator=_non_negative)
+    num_drafts: int = attrs.field(default=0, validator=_check_drafts)  # drafts per verify; 0 = speculation off
+    drafter: str = attrs.field(default="mtp", validator=_check_drafter)  # "mtp" | "ngram" | "scripted"
+    # boundary snapshots per sequence (0: no ring, every rollback declines), taken at the prompt's end and
+    # every snapshot_interval tokens past it
     ring_slots: int = attrs.field(default=0, validator=_non_negative)
     snapshot_interval: int = attrs.field(default=64, validator=_positive)
+    # the content-loop watchdog (atlas.engine.watchdog): off by default; its thresholds, and how many
+    # rollbacks one request may take before a loop ends it with `stop`
+    loop_watchdog: bool = False
+    watchdog_max_period: int = attrs.field(default=64, validator=_positive)
+    watchdog_min_repeats: int = attrs.field(default=8, validator=_positive)
+    watchdog_min_span: int = attrs.field(default=256, validator=_positive)
+    watchdog_window: int = attrs.field(default=768, validator=_positive)
+    max_rollbacks: int = attrs.field(default=2, validator=_non_negative)
     # overrides of derived sizes (None = derived); each is checked against its floor
     scratch_rows: int | None = attrs.field(default=None, validator=_positive)
     qsa_index_capacity: int | None = attrs.field(default=None, validator=_positive)
@@ -69,7 +94,9 @@ class Capacities:
     num_kv_blocks: int
     kv_blocks_per_seq: int  # blocks one sequence of max_seq_len needs
     scratch_rows: int  # per-layer activation rows a step may touch (tokens x verify width)
-    verify_width: int  # num_drafts + 1
+    verify_width: int  # num_drafts + 1: rows per verify, and per-token intermediates a backend holds per sequence
+    drafter: str  # "" when speculation is off
+    drafter_rows: int  # MTP drafter pair keys one sequence may hold (max_seq_len - 1), 0 without an MTP drafter
     qsa_index_capacity: int  # raw index keys one sequence may hold
     qsa_ratio: int  # tokens per pooled QSA block (1 when the model has no QSA layers)
     qsa_budget: int  # tokens QSA selects from complete blocks (0 = no QSA)
@@ -80,8 +107,12 @@ class Capacities:
     ring_slots: int
     snapshot_interval: int
     max_waiting: int
+    # one ring slot: GDN conv + recurrent state of every GDN layer, PLE context + short-conv state (KV, QSA
+    # keys and drafter rows are positional: a restore only moves their cursors). Defaults: older traces.
+    ring_slot_bytes: int = 0
+    ring_bytes_per_seq: int = 0  # ring_slots x ring_slot_bytes
 
-    def table(self) -> dict[str, int]:
+    def table(self) -> dict[str, int | str]:
         return attrs.asdict(self)
 
 
@@ -134,8 +165,25 @@ def _check_floor(name: str, value: int | None, floor: int, why: str) -> int:
     return value
 
 
-def derive_capacities(config: EngineConfig, spec: Any = None) -> Capacities:
-    """Derive every size once. `spec` is the model's spec (attributes as in its config.json) or None."""
+def ring_slot_bytes(spec: Any, activation_bytes: int = 2) -> int:
+    """Bytes of one boundary snapshot for a ModelSpec (0 for anything else): conv and PLE state in the
+    activation dtype, the GDN recurrent state in fp32 (or wider, like the data plane keeps it)."""
+    gdn_layers = getattr(spec, "gdn_layers", None)
+    if gdn_layers is None:
+        return 0
+    recurrent = spec.gdn_v_heads * spec.gdn_k_dim * spec.gdn_v_dim * max(4, activation_bytes)
+    conv = spec.gdn_conv_dim * spec.gdn_conv_kernel * activation_bytes
+    total = len(gdn_layers) * (recurrent + conv)
+    ple = getattr(spec, "ple", None)
+    if ple is not None:
+        streams = max(1, spec.hc_count) * spec.hidden_size
+        total += ple.context_len * 8 + len(ple.layers) * streams * ple.conv_state_len * activation_bytes
+    return total
+
+
+def derive_capacities(config: EngineConfig, spec: Any = None, *, activation_bytes: int = 2) -> Capacities:
+    """Derive every size once. `spec` is the model's spec (attributes as in its config.json) or None;
+    `activation_bytes` is the data plane's element size (2 for bf16), for the ring's memory."""
     shape = _model_shape(spec)
     max_pos = shape.max_positions
     if max_pos is not None and config.max_seq_len > max_pos:
@@ -150,6 +198,9 @@ def derive_capacities(config: EngineConfig, spec: Any = None) -> Capacities:
             f"prefill_chunk_tokens {config.prefill_chunk_tokens} is below its floor "
             f"max_batch_size {config.max_batch_size} (one decode token per running sequence)"
         )
+    if config.loop_watchdog and config.watchdog_window < config.watchdog_min_span:
+        raise CapacityError(f"watchdog_window {config.watchdog_window} is below watchdog_min_span "
+                            f"{config.watchdog_min_span}: no loop could ever be seen")
     kv_blocks_per_seq = math.ceil(config.max_seq_len / config.block_size)
     num_kv_blocks = config.num_kv_blocks
     if num_kv_blocks is None:
@@ -183,6 +234,8 @@ def derive_capacities(config: EngineConfig, spec: Any = None) -> Capacities:
         kv_blocks_per_seq=kv_blocks_per_seq,
         scratch_rows=scratch_rows,
         verify_width=verify_width,
+        drafter=config.drafter if config.num_drafts else "",
+        drafter_rows=config.max_seq_len - 1 if config.num_drafts and config.drafter == "mtp" else 0,
         qsa_index_capacity=qsa_index_capacity,
         qsa_ratio=shape.qsa_ratio,
         qsa_budget=shape.qsa_budget,
@@ -192,6 +245,8 @@ def derive_capacities(config: EngineConfig, spec: Any = None) -> Capacities:
         ngram_size=shape.ngram_size,
         ring_slots=config.ring_slots,
         snapshot_interval=config.snapshot_interval,
+        ring_slot_bytes=ring_slot_bytes(spec, activation_bytes),
+        ring_bytes_per_seq=config.ring_slots * ring_slot_bytes(spec, activation_bytes),
         max_waiting=config.max_waiting,
     )
 

@@ -17,6 +17,7 @@ from atlas.config import Capacities
 from atlas.engine.outputs import FinishReason
 from atlas.engine.sampling import SamplingParams
 from atlas.state.events import (
+    BoundarySnapshotted,
     EngineFaulted,
     Event,
     FaultInjected,
@@ -24,6 +25,8 @@ from atlas.state.events import (
     RequestArrived,
     RequestCancelled,
     RequestFinished,
+    RollbackDeclined,
+    RolledBack,
     SequencePreempted,
     StepExecuted,
     StepPlanned,
@@ -59,6 +62,9 @@ def sequence_fingerprint(seq: Sequence) -> int:
           + len(seq.blocks) * 0xFF51AFD7ED558CCD + seq.qsa.ingested * 0xC4CEB9FE1A85EC53
           + seq.drafter.rows * 0x27D4EB2F165667C5 + len(seq.ring.snapshots) * 0x94D049BB133111EB
           + seq.preemptions * 0xBF58476D1CE4E5B9)
+    if seq.ring.snapshots or seq.rollbacks:  # rare fields: one more round only when they are in use
+        last, slot = seq.ring.snapshots[-1] if seq.ring.snapshots else (-1, -1)
+        h = _mix(h ^ (last * 0x9E3779B97F4A7C15 + slot * 0xC2B2AE3D27D4EB4F + seq.rollbacks * 0x165667B19E3779F9))
     return _mix(h)
 
 
@@ -136,6 +142,7 @@ class ControlState:
             qsa=QsaCursor(capacity=self.caps.qsa_index_capacity, ratio=self.caps.qsa_ratio),
             ring=SsmRing(slots=self.caps.ring_slots),
             drafter=DrafterCarry(),
+            stream=e.stream,
         )
         h = 0
         for t in e.prompt:
@@ -278,6 +285,46 @@ class ControlState:
         self.inflight_hash = 0
         return plan.seqs
 
+    def _running_between_steps(self, seq_id: int, what: str) -> Sequence:
+        seq = self.seq(seq_id)
+        if self.inflight is not None:
+            raise TransitionRefused("Engine", f"{what} while a step is in flight", seq_id=seq_id,
+                                    inflight=self.inflight.step)
+        if seq.cursor.phase is not Phase.RUNNING or not seq.on_device:
+            raise TransitionRefused("SequenceCursor", f"{what} of a sequence the data plane does not hold",
+                                    seq_id=seq_id, phase=seq.cursor.phase.name)
+        return seq
+
+    def _snapshotted(self, e: BoundarySnapshotted) -> tuple[int, ...]:
+        seq = self._running_between_steps(e.seq_id, "snapshot")
+        if e.position != seq.cursor.computed:
+            raise TransitionRefused("SsmRing", "a snapshot holds the sequence's computed tokens", seq_id=e.seq_id,
+                                    position=e.position, computed=seq.cursor.computed)
+        seq.ring.record(e.position, e.slot, e.evicted)
+        self._refresh(seq)
+        return (e.seq_id,)
+
+    def _rolled_back(self, e: RolledBack) -> tuple[int, ...]:
+        seq = self._running_between_steps(e.seq_id, "rollback")
+        if e.attempt != seq.rollbacks + 1:
+            raise TransitionRefused("Request", "rollback attempts count up from 1", seq_id=e.seq_id,
+                                    attempt=e.attempt, taken=seq.rollbacks)
+        # the data plane's restored cursors must be the boundary's, before anything here moves
+        rows = min(seq.drafter.rows, max(0, e.boundary - 1))
+        expected = {"kv_tokens": e.boundary, "qsa_ingested": e.boundary, "ssm_position": e.boundary,
+                    "ple_position": e.boundary, "drafter_rows": rows}
+        if e.cursors != expected:
+            raise TransitionRefused("BackendCursors", "the restored cursors are the boundary's", seq_id=e.seq_id,
+                                    cursors=e.cursors, expected=expected)
+        freed = seq.rollback(e.boundary, e.slot, e.keep, e.ban_token, e.blocks_freed, self.caps.block_size)
+        self.pool.release(seq.seq_id, freed)
+        self._refresh(seq)
+        return (e.seq_id,)
+
+    def _declined(self, e: RollbackDeclined) -> tuple[int, ...]:
+        self.seq(e.seq_id)  # a decline moves nothing; the request's finish follows as its own event
+        return (e.seq_id,)
+
     def _faulted(self, e: EngineFaulted) -> tuple[int, ...]:
         if e.injected:
             kind = "fatal" if e.fatal else "step_error"
@@ -303,5 +350,8 @@ _HANDLERS = {
     StepPlanned: ControlState._planned,
     StepExecuted: ControlState._executed,
     EngineFaulted: ControlState._faulted,
+    BoundarySnapshotted: ControlState._snapshotted,
+    RolledBack: ControlState._rolled_back,
+    RollbackDeclined: ControlState._declined,
     InvariantViolated: ControlState._violated,
 }

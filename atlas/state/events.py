@@ -95,13 +95,19 @@ def _int_rows(value: Any) -> tuple[tuple[int, ...], ...]:
 # ---------------------------------------------------------------------------------------------------- inputs
 
 
-@event("request_arrived", 1, is_input=True)
+@event("request_arrived", 2, is_input=True)
 class RequestArrived(Event):
     request_id: str
     seq_id: int
     prompt: tuple[int, ...] = attrs.field(converter=_ints)
     params: dict[str, Any]  # SamplingParams.to_json()
     max_new: int  # max_tokens, or what max_seq_len leaves when the request gives none
+    stream: bool = False  # tokens go to the client as sampled; otherwise held back until the request ends
+
+
+@upcaster("request_arrived", 1)
+def _arrived_v1(payload: dict[str, Any]) -> dict[str, Any]:
+    return {**payload, "stream": False}  # v1 predates held-back outputs: every request was streamed per step
 
 
 @event("request_cancelled", 1, is_input=True)
@@ -145,6 +151,46 @@ class StepExecuted(Event):
 
     step: int
     tokens: tuple[int, ...] = attrs.field(converter=_ints)  # aligned with StepPlanned.seqs; -1 = no sample
+
+
+@event("boundary_snapshotted", 1)
+class BoundarySnapshotted(Event):
+    """The data plane stored the sequence's state at `position` (its computed tokens) in ring `slot`."""
+
+    step: int
+    seq_id: int
+    position: int
+    slot: int
+    evicted: int  # the position whose snapshot the slot held before, -1 if it was free
+
+
+@event("rolled_back", 1)
+class RolledBack(Event):
+    """One event rewinds every cursor to `boundary`: tokens (kept up to `keep`, to be fed again from
+    `boundary`), KV (blocks past `keep` freed), QSA keys, GDN and PLE state, drafter rows; `ban_token` is
+    banned at position `keep`. `cursors` are the data plane's own after its restore."""
+
+    step: int
+    seq_id: int
+    boundary: int
+    slot: int
+    keep: int
+    ban_token: int
+    blocks_freed: int
+    period: int  # the loop's period, as the watchdog saw it
+    attempt: int  # 1 for the request's first rollback
+    cursors: dict[str, int]
+
+
+@event("rollback_declined", 1)
+class RollbackDeclined(Event):
+    """A rollback that cannot be made exact, refused before anything moved (RequestFinished follows)."""
+
+    step: int
+    seq_id: int
+    reason: str  # atlas.engine.rollback.DeclineReason value
+    keep: int  # the tokens the rollback would have kept
+    period: int
 
 
 @event("request_finished", 1)

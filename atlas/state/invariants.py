@@ -70,6 +70,10 @@ def check_sequence(seq: Sequence, block_size: int, index: int) -> None:
     if len(seq.ring.snapshots) > seq.ring.slots:
         _fail(index, "SsmRing", "at most `slots` snapshots", seq_id=seq.seq_id,
               snapshots=len(seq.ring.snapshots), slots=seq.ring.slots)
+    slots = [slot for _, slot in seq.ring.snapshots]
+    if len(set(slots)) != len(slots) or any(not 0 <= s < seq.ring.slots for s in slots):
+        _fail(index, "SsmRing", "each snapshot in its own slot of the ring", seq_id=seq.seq_id, slots=slots,
+              ring_slots=seq.ring.slots)
     d = seq.drafter
     if d.rows > max(0, c.computed - 1) or d.last_pair_key >= max(0, c.computed - 1) and d.rows:
         _fail(index, "DrafterCarry", "drafter keys < computed - 1", seq_id=seq.seq_id, rows=d.rows,

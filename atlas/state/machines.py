@@ -79,10 +79,49 @@ class QsaCursor:
 
 @attrs.define(slots=True)
 class SsmRing:
-    """Boundary snapshots of the recurrent state: (position, slot), filled in by the rollback issue."""
+    """Boundary snapshots of a sequence's recurrent state as (position, slot), oldest first.
+
+    The data plane holds the state itself in `slots` per-sequence slots; the control plane knows which
+    positions it can rewind to. Positions are strictly increasing and <= the sequence's computed tokens.
+    `slots == 0` disables the ring: nothing is ever recorded and every rollback declines."""
 
     slots: int
     snapshots: list[tuple[int, int]] = attrs.Factory(list)
+
+    def place(self) -> tuple[int, int]:
+        """Where the next snapshot goes: (slot, evicted position or -1). The lowest free slot, else the
+        oldest snapshot's slot (the newest boundaries are the useful ones: loops are recent)."""
+        if self.slots == 0:
+            raise TransitionRefused("SsmRing", "snapshot with the ring disabled (ring_slots 0)")
+        if len(self.snapshots) < self.slots:
+            used = {slot for _, slot in self.snapshots}
+            return min(s for s in range(self.slots) if s not in used), -1
+        position, slot = self.snapshots[0]
+        return slot, position
+
+    def record(self, position: int, slot: int, evicted: int) -> None:
+        """Record a snapshot taken at `position` into `slot`, evicting the snapshot at `evicted` (-1: none)."""
+        expected = self.place()
+        if (slot, evicted) != expected:
+            raise TransitionRefused("SsmRing", "a snapshot goes where place() puts it", slot=slot, evicted=evicted,
+                                    expected=list(expected))
+        if self.snapshots and position <= self.snapshots[-1][0]:
+            raise TransitionRefused("SsmRing", "snapshot positions strictly increase", position=position,
+                                    last=self.snapshots[-1][0])
+        if evicted >= 0:
+            self.snapshots.pop(0)
+        self.snapshots.append((position, slot))
+
+    def latest_before(self, position: int) -> tuple[int, int] | None:
+        """The newest snapshot strictly before `position`, or None."""
+        for snap in reversed(self.snapshots):
+            if snap[0] < position:
+                return snap
+        return None
+
+    def truncate_after(self, position: int) -> None:
+        """Forget the snapshots past `position` (their timeline was rolled back)."""
+        self.snapshots[:] = [s for s in self.snapshots if s[0] <= position]
 
 
 @attrs.define(slots=True)
@@ -111,6 +150,10 @@ class Sequence:
     on_device: bool = False  # the data plane holds state for it (released when it finishes)
     preemptions: int = 0
     fingerprint: int = 0  # this sequence's share of the state digest
+    stream: bool = False  # its tokens reach the client as they are sampled (a rollback past them declines)
+    rollbacks: int = 0  # content-loop rollbacks taken
+    # position -> tokens the sampler may not pick there (the re-steer of a rollback)
+    banned: dict[int, tuple[int, ...]] = attrs.Factory(dict)
 
     def advance(self, fed: int, token: int, block_size: int) -> None:
         """Feed `fed` tokens (all cursors move together), then append `token` (-1: nothing sampled)."""
@@ -149,6 +192,47 @@ class Sequence:
         if token >= 0:
             c.tokens.append(token)
             c.token_hash = (c.token_hash * 0x100000001B3 + token + 1) & _MASK
+
+    def rollback(self, boundary: int, slot: int, keep: int, ban_token: int, blocks_freed: int,
+                 block_size: int) -> list[int]:
+        """Rewind every cursor to the snapshot (boundary, slot) and keep tokens[:keep]: KV, QSA keys, recurrent
+        and PLE state at `boundary`, tokens boundary..keep-1 to be fed again, `ban_token` banned at position
+        `keep`. Returns the blocks to free (those wholly past the kept tokens). Validates everything first."""
+        c = self.cursor
+        fields = dict(seq_id=self.seq_id, boundary=boundary, slot=slot, keep=keep, seq_len=len(c.tokens))
+        if c.phase is not Phase.RUNNING:
+            raise TransitionRefused("SequenceCursor", "rollback of a sequence that is not running",
+                                    phase=c.phase.name, **fields)
+        if (boundary, slot) not in self.ring.snapshots:
+            raise TransitionRefused("SsmRing", "rollback to a boundary the ring does not hold",
+                                    snapshots=[list(s) for s in self.ring.snapshots], **fields)
+        if not c.prompt_len <= boundary < keep < len(c.tokens) or boundary > c.computed:
+            raise TransitionRefused("SequenceCursor", "prompt_len <= boundary < keep < seq_len, boundary <= computed",
+                                    prompt_len=c.prompt_len, computed=c.computed, **fields)
+        if ban_token != c.tokens[keep]:
+            raise TransitionRefused("SequenceCursor", "the banned token is the one dropped at `keep`",
+                                    ban_token=ban_token, dropped=c.tokens[keep], **fields)
+        kept_blocks = -(-keep // block_size)
+        if blocks_freed != len(self.blocks) - kept_blocks:
+            raise TransitionRefused("BlockPool", "a rollback frees exactly the blocks past the kept tokens",
+                                    blocks_freed=blocks_freed, blocks=len(self.blocks), kept=kept_blocks, **fields)
+        freed = self.blocks[kept_blocks:]
+        del self.blocks[kept_blocks:]
+        del c.tokens[keep:]
+        h = 0
+        for t in c.tokens:
+            h = (h * 0x100000001B3 + t + 1) & _MASK
+        c.token_hash = h
+        c.computed = boundary
+        self.qsa.ingested = boundary
+        self.ring.truncate_after(boundary)
+        # drafter rows are positional like KV: the ones past the boundary go (pair key k needs token k + 1)
+        self.drafter.rows = min(self.drafter.rows, max(0, boundary - 1))
+        self.drafter.last_pair_key = self.drafter.rows - 1 if self.drafter.rows else -1
+        self.drafter.carried = False
+        self.banned[keep] = (*self.banned.get(keep, ()), ban_token)
+        self.rollbacks += 1
+        return freed
 
     def reset(self) -> None:
         """Preemption: every cursor and the recurrent state back to zero (tokens are kept for recompute)."""

@@ -13,6 +13,7 @@ from typing import Protocol
 import attrs
 
 from atlas.engine.sampling import SamplingParams
+from atlas.engine.speculative import RowVerdict
 
 
 @attrs.frozen
@@ -28,6 +29,11 @@ class SeqWork:
     # sample one token from the logits of the last fed position (last prefill chunk, or decode)
     sample: bool
     sampling: SamplingParams = SamplingParams()
+    # tokens the sampler may not pick at the sampled position (a content-loop rollback's re-steer)
+    banned: tuple[int, ...] = ()
+    # a verify when non-empty: the drafts are fed after `tokens` (exactly one, the last sampled token) at
+    # [end, end + len(drafts)), verdicts come back per row, and nothing is committed until commit_verify
+    drafts: tuple[int, ...] = ()
 
     @property
     def end(self) -> int:
@@ -42,6 +48,9 @@ class StepPlan:
     release: tuple[int, ...] = ()
     # sequences whose data-plane state is reset to empty before the work runs (preempted, requeued)
     reset: tuple[int, ...] = ()
+    # (seq_id, position, slot): after the work, store the sequence's state (its work ends at `position`) into
+    # its ring slot, for a later rollback (Backend.restore_boundary)
+    snapshots: tuple[tuple[int, int, int], ...] = ()
 
 
 @attrs.frozen
@@ -62,6 +71,7 @@ class SeqOutcome:
     token: int | None = None  # sampled token when SeqWork.sample
     logprob: float | None = None
     top_logprobs: tuple[tuple[int, float], ...] = ()
+    verdicts: tuple[RowVerdict, ...] = ()  # a verify's per-row verdicts (K = drafts + 1), else empty
 
 
 @attrs.frozen
@@ -84,3 +94,29 @@ class Backend(Protocol):
     def execute(self, plan: StepPlan) -> StepResult: ...
 
     def cursors(self, seq_id: int) -> BackendCursors: ...
+
+
+class RollbackBackend(Backend, Protocol):
+    """A backend with a snapshot ring (StepPlan.snapshots fill it)."""
+
+    def restore_boundary(self, seq_id: int, slot: int, position: int) -> BackendCursors:
+        """Rewind every cursor and all recurrent state of the sequence to the snapshot at `position` held in
+        `slot`, dropping the snapshots past it; pre-validates and raises ValueError having changed nothing."""
+        ...
+
+
+class SpeculativeBackend(Backend, Protocol):
+    """A backend that can verify drafts. `verify_crosses_qsa_bound`: verify applies QSA selection per row,
+    so a verify across the inert bound is exact (False makes the engine latch the lane off before one could
+    cross)."""
+
+    verify_crosses_qsa_bound: bool
+
+    def commit_verify(self, seq_id: int, rows: int) -> BackendCursors:
+        """Keep the first `rows` rows of the sequence's pending verify (1 <= rows <= K), dropping the rest
+        from every cursor; pre-validates every layer and raises VerifyRefused having changed nothing."""
+        ...
+
+    def propose_drafts(self, seq_id: int, next_token: int, k: int, params: SamplingParams) -> tuple[int, ...]:
+        """Drafts from the backend's own drafter (MTP) for the token after `next_token`."""
+        ...

@@ -13,11 +13,15 @@ from typing import Protocol
 import attrs
 import torch
 
-from atlas.backends.base import BackendCursors, SeqOutcome, StepPlan, StepResult
+from atlas.backends.base import BackendCursors, SeqOutcome, SeqWork, StepPlan, StepResult
 from atlas.backends.cpu.decoder import forward_chunk
+from atlas.backends.cpu.drafter import DrafterState, MtpDrafter
 from atlas.backends.cpu.mtp import mtp_forward
+from atlas.backends.cpu.ring import RestoreRefused, SnapshotRing
 from atlas.backends.cpu.state import KvPool, SequenceState, StateSnapshot
-from atlas.engine.sampling import logprobs_of, sample_token
+from atlas.backends.cpu.verify import PendingVerify, check_commit, run_verify
+from atlas.engine.sampling import SamplingParams, logprobs_of, sample_token
+from atlas.engine.speculative import VerifyRefused, verify_rows
 from atlas.model.loader import LoadedModel
 
 
@@ -49,6 +53,10 @@ class CpuBackend:
         block_size: int = 16,
         dtype: torch.dtype | None = None,
         exact: bool = True,
+        ring_slots: int = 0,
+        verify_width: int = 1,
+        mtp_drafter: bool = False,
+        verify_crosses_qsa_bound: bool = True,
     ) -> None:
         self.model = model
         self.spec = model.spec
@@ -66,6 +74,16 @@ class CpuBackend:
         self.exact = exact
         self.kv = KvPool(self.spec, num_kv_blocks, block_size, self.dtype)
         self._seqs: dict[int, SequenceState] = {}
+        self.ring = SnapshotRing(ring_slots)  # boundary snapshots for rollback (atlas.backends.cpu.ring)
+        # speculative decoding: per-token intermediates for verifies up to `verify_width` rows (Capacities),
+        # the MTP drafter's rows, and the capability flag the engine's QSA latch reads. Verify rows run one
+        # at a time with their own QSA selection, so crossing the inert bound is exact here; the flag is a
+        # constructor argument only so tests can exercise the latch.
+        self.verify_width = verify_width
+        self.verify_crosses_qsa_bound = verify_crosses_qsa_bound
+        self.drafter = MtpDrafter(self.spec, self.weights, self.dtype, exact) if mtp_drafter else None
+        self._drafts: dict[int, DrafterState] = {}
+        self._pending: dict[int, PendingVerify] = {}
 
     # -- per-sequence state -------------------------------------------------------------------------
 
@@ -75,16 +93,25 @@ class CpuBackend:
     def reset(self, seq_id: int) -> None:
         """Drop a sequence's data-plane state back to empty (its KV blocks are the caller's to reuse)."""
         self._seqs[seq_id] = SequenceState.empty(self.spec, self.dtype)
+        self.ring.release(seq_id)
+        self._pending.pop(seq_id, None)
+        if self.drafter is not None:
+            self._drafts[seq_id] = self.drafter.empty()
 
     def release(self, seq_id: int) -> None:
         self._seqs.pop(seq_id, None)
+        self.ring.release(seq_id)
+        self._pending.pop(seq_id, None)
+        self._drafts.pop(seq_id, None)
 
     def cursors(self, seq_id: int) -> BackendCursors:
         s = self._seqs.get(seq_id)
         if s is None:
             return BackendCursors(kv_tokens=0, qsa_ingested=0, ssm_position=0, ple_position=0)
+        d = self._drafts.get(seq_id)
         return BackendCursors(
-            kv_tokens=s.kv_tokens, qsa_ingested=s.qsa_ingested, ssm_position=s.ssm_position, ple_position=s.ple_position
+            kv_tokens=s.kv_tokens, qsa_ingested=s.qsa_ingested, ssm_position=s.ssm_position, ple_position=s.ple_position,
+            drafter_rows=0 if d is None else d.rows,
         )
 
     def snapshot(self, seq_id: int) -> StateSnapshot:
@@ -113,6 +140,22 @@ class CpuBackend:
             ple_context=None if snap.ple_context is None else snap.ple_context.clone(),
             ple_conv=copy.deepcopy(snap.ple_conv),
         )
+        self._pending.pop(seq_id, None)
+        if seq_id in self._drafts:  # drafter rows rewind with every other cursor
+            self.drafter.rewind(self._drafts[seq_id], snap.position)  # type: ignore[union-attr]
+
+    def restore_boundary(self, seq_id: int, slot: int, position: int) -> BackendCursors:
+        """Rollback: rewind the sequence to the snapshot at `position` in ring `slot` and forget the snapshots
+        past it. Every precondition is checked before anything moves (RestoreRefused)."""
+        if seq_id not in self._seqs:
+            raise RestoreRefused(f"sequence {seq_id} is not held by this backend")
+        snap = self.ring.get(seq_id, slot, position)
+        if position > self._seqs[seq_id].kv_tokens:
+            raise RestoreRefused(f"sequence {seq_id}: snapshot at {position} is past the {self._seqs[seq_id].kv_tokens} "
+                                 "tokens held")
+        self.restore(seq_id, snap)
+        self.ring.truncate_after(seq_id, position)
+        return self.cursors(seq_id)
 
     # -- compute ------------------------------------------------------------------------------------
 
@@ -144,6 +187,9 @@ class CpuBackend:
             else:
                 hidden, state = forward_chunk(self.spec, self.weights, self.kv, state, tokens, chunk.start, table)
             self._seqs[chunk.seq_id] = state
+            self._pending.pop(chunk.seq_id, None)
+            if chunk.seq_id in self._drafts:
+                self.drafter.append(self._drafts[chunk.seq_id], chunk.start, chunk.tokens, hidden)  # type: ignore[union-attr]
             out.append(hidden)
         return out
 
@@ -180,18 +226,86 @@ class CpuBackend:
             self.release(seq_id)
         for seq_id in plan.reset:
             self.reset(seq_id)
-        hidden = self.forward_hidden(plan.work)
+        ends = {w.seq_id: w.end for w in plan.work}
+        for seq_id, position, slot in plan.snapshots:  # refuse a bad order before any sequence moves
+            self.ring.check_store(seq_id, slot)
+            if ends.get(seq_id) != position:
+                raise ValueError(f"sequence {seq_id}: snapshot at {position} is not where its work ends "
+                                 f"({ends.get(seq_id)})")
+        plain = [w for w in plan.work if not w.drafts]
+        verifies = [w for w in plan.work if w.drafts]
+        for work in verifies:  # refuse a bad batch before any sequence moves
+            self._check_verify(work)
+        hidden = dict(zip((w.seq_id for w in plain), self.forward_hidden(plain), strict=True))
+        verdicts = {w.seq_id: self._verify(w) for w in verifies}
         outcomes = []
-        for work, h in zip(plan.work, hidden, strict=True):
+        for work in plan.work:
+            if work.drafts:
+                outcomes.append(SeqOutcome(seq_id=work.seq_id, cursors=self.cursors(work.seq_id),
+                                           verdicts=verdicts[work.seq_id]))
+                continue
             token = logprob = None
             top: tuple[tuple[int, float], ...] = ()
             if work.sample:
-                row = self.logits_from_hidden(h[-1])
-                token = sample_token(row, work.sampling, position=work.end)
+                row = self.logits_from_hidden(hidden[work.seq_id][-1])
+                pick = row
+                if work.banned:  # a rollback's re-steer: these tokens may not be sampled here
+                    pick = row.clone()
+                    pick[list(work.banned)] = float("-inf")
+                token = sample_token(pick, work.sampling, position=work.end)
                 if work.sampling.logprobs:
                     logprob, top = logprobs_of(row, token, work.sampling.top_logprobs)
             outcomes.append(
                 SeqOutcome(seq_id=work.seq_id, cursors=self.cursors(work.seq_id), token=token, logprob=logprob,
                            top_logprobs=top)
             )
+        for seq_id, _position, slot in plan.snapshots:
+            self.ring.store(seq_id, slot, self.snapshot(seq_id))
         return StepResult(step=plan.step, outcomes=tuple(outcomes))
+
+    # -- speculative decoding -----------------------------------------------------------------------
+
+    def _check_verify(self, work: SeqWork) -> None:
+        k = len(work.tokens) + len(work.drafts)
+        if len(work.tokens) != 1 or not work.sample:
+            raise ValueError(f"sequence {work.seq_id}: a verify feeds exactly the last sampled token and its drafts")
+        if k > self.verify_width:
+            raise ValueError(f"sequence {work.seq_id}: verify of width {k} exceeds the {self.verify_width} per-token "
+                             f"intermediates this backend holds (Capacities.verify_width)")
+        if work.seq_id not in self._seqs or self._seqs[work.seq_id].kv_tokens != work.start:
+            raise ValueError(f"sequence {work.seq_id}: verify at {work.start} but the backend holds "
+                             f"{self._seqs[work.seq_id].kv_tokens if work.seq_id in self._seqs else 0} tokens")
+        self._check_chunk(Chunk(work.seq_id, work.tokens + work.drafts, work.start, work.block_table))
+
+    def _verify(self, work: SeqWork) -> tuple:
+        tokens = work.tokens + work.drafts
+        pending = run_verify(self.spec, self.weights, self.kv, self._seqs[work.seq_id], tokens, work.start,
+                             tuple(work.block_table))
+        self._pending[work.seq_id] = pending
+        logits = self.logits_from_hidden(pending.hidden)
+        proposals = None
+        d = self._drafts.get(work.seq_id)
+        if d is not None and d.proposal is not None and d.proposal.position == work.start:
+            # the drafter's own q for the drafts it proposed: rejection sampling against q keeps p exact
+            if d.proposal.drafts[: len(work.drafts)] == work.drafts:
+                proposals = d.proposal.q[: len(work.drafts)]
+        return verify_rows(logits, work.drafts, work.sampling, work.start, proposals)
+
+    def commit_verify(self, seq_id: int, rows: int) -> BackendCursors:
+        """Keep the first `rows` rows of the pending verify (see atlas.backends.cpu.verify): validated against
+        every layer first; a refused commit raises VerifyRefused and changes nothing."""
+        pending = self._pending.get(seq_id)
+        if pending is None or seq_id not in self._seqs:
+            raise VerifyRefused(f"sequence {seq_id} has no pending verify to commit")
+        check_commit(self.spec, self._seqs[seq_id], pending, rows, self.verify_width)
+        del self._pending[seq_id]
+        self._seqs[seq_id] = pending.states[rows - 1]
+        if seq_id in self._drafts:
+            self.drafter.append(self._drafts[seq_id], pending.start, pending.tokens[:rows],  # type: ignore[union-attr]
+                                pending.hidden[:rows])
+        return self.cursors(seq_id)
+
+    def propose_drafts(self, seq_id: int, next_token: int, k: int, params: SamplingParams) -> tuple[int, ...]:
+        if self.drafter is None or seq_id not in self._drafts:
+            raise ValueError(f"sequence {seq_id}: this backend runs no MTP drafter (mtp_drafter=False)")
+        return self.drafter.propose(self._drafts[seq_id], next_token, k, params)

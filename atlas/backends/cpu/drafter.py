@@ -1,0 +1,152 @@
+"""The MTP drafter's per-sequence state on the CPU backend: its own KV rows, incrementally.
+
+Conventions (the ones that are easy to get wrong):
+- pair key k is (embed(t_{k+1}), hidden_k) at RoPE position k + 1, where hidden_k is the TARGET's final
+  hidden state at position k;
+- a sequence that has fed `computed` tokens holds exactly the keys 0 .. computed - 2 (rows == computed - 1):
+  key computed - 1 would pair the target's last hidden with the sampled-but-unfed token, which is not
+  committed yet;
+- proposing builds transient rows: key computed - 1 from the target's hidden (draft 1), then keys from the
+  drafter's own hidden (drafts 2..). Transient rows live in KV slots past `rows`, which are never read and
+  are overwritten by the next append: a row built from a draft, or from a drafter hidden, is never kept.
+  Committed rows are always rebuilt from the target's hidden of the verified token.
+Slot i of the drafter's KV holds key i, so causal attention in slot space is causal over pair keys.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import attrs
+import torch
+
+from atlas.backends.cpu.attention import attention_forward
+from atlas.backends.cpu.moe import dense_mlp, moe_block
+from atlas.backends.cpu.norms import rms_norm
+from atlas.backends.cpu.rope import rope_table
+from atlas.backends.cpu.state import KvPool
+from atlas.engine.sampling import SamplingParams
+from atlas.engine.speculative import draft_from
+from atlas.model.spec import ModelSpec
+
+_BLOCK = 16
+
+
+def mtp_layers(w: dict[str, torch.Tensor]) -> tuple[int, ...]:
+    return tuple(sorted({int(k.split(".")[2]) for k in w if k.startswith("mtp.layers.")}))
+
+
+@attrs.define
+class Proposal:
+    """The drafts last proposed for a sequence and, for sampled drafting, the drafter's q per draft."""
+
+    position: int  # computed when proposed: the verify that uses it starts here
+    drafts: tuple[int, ...]
+    q: tuple[torch.Tensor | None, ...]
+
+
+@attrs.define
+class DrafterState:
+    kv: KvPool
+    rows: int = 0  # pair keys held: 0 .. rows - 1
+    # the target's final hidden at every fed position; rewinding keeps the exact hidden of the new end
+    target_hidden: list[torch.Tensor] = attrs.Factory(list)
+    proposal: Proposal | None = None
+
+    @property
+    def capacity(self) -> int:
+        return self.kv.num_blocks * _BLOCK
+
+
+class MtpDrafter:
+    """Incremental MTP drafter over explicit per-sequence DrafterState (the stateless reference is
+    atlas.backends.cpu.mtp.mtp_forward; tests check the two agree)."""
+
+    def __init__(self, spec: ModelSpec, w: dict[str, torch.Tensor], dtype: torch.dtype, exact: bool) -> None:
+        if "mtp.fc.weight" not in w:
+            raise ValueError("this model has no MTP drafter weights (mtp.*); use drafter='ngram'")
+        self.spec, self.w, self.dtype, self.exact = spec, w, dtype, exact
+        self.layers = mtp_layers(w)
+
+    def empty(self) -> DrafterState:
+        return DrafterState(kv=KvPool(self.spec, 1, _BLOCK, self.dtype, layers=self.layers))
+
+    def _reserve(self, state: DrafterState, slots: int) -> None:
+        if slots <= state.capacity:
+            return
+        blocks = max(-(-slots // _BLOCK), 2 * state.kv.num_blocks)
+        grown = KvPool(self.spec, blocks, _BLOCK, self.dtype, layers=self.layers)
+        old = state.kv.num_blocks
+        for layer in self.layers:
+            grown.keys[layer][:old] = state.kv.keys[layer]
+            grown.values[layer][:old] = state.kv.values[layer]
+        state.kv = grown
+
+    def _forward(self, state: DrafterState, tokens: torch.Tensor, hidden: torch.Tensor, first_key: int
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Pair keys first_key.. (stored at the same slots): (logits [n, vocab], drafter hidden [n, H])."""
+        if self.exact and tokens.shape[0] > 1:  # one row at a time, like the target (see CpuBackend.exact)
+            outs = [self._forward(state, tokens[i : i + 1], hidden[i : i + 1], first_key + i)
+                    for i in range(tokens.shape[0])]
+            return torch.cat([o[0] for o in outs]), torch.cat([o[1] for o in outs])
+        spec, w, eps = self.spec, self.w, self.spec.rms_norm_eps
+        n = tokens.shape[0]
+        self._reserve(state, first_key + n)
+        emb = rms_norm(w["embed_tokens.weight"][tokens], w["mtp.pre_fc_norm_embedding.weight"], eps)
+        x = torch.cat([emb, rms_norm(hidden, w["mtp.pre_fc_norm_hidden.weight"], eps)], dim=-1) @ w["mtp.fc.weight"].T
+        cos, sin = rope_table(torch.arange(first_key + 1, first_key + 1 + n), spec.rotary_dim, spec.rope_theta,
+                              x.dtype)
+        table = tuple(range(state.kv.num_blocks))
+        for layer in self.layers:
+            pre = f"mtp.layers.{layer}."
+            h = rms_norm(x, w[pre + "input_layernorm.weight"], eps)
+            attn, _ = attention_forward(spec, w, pre + "self_attn.", layer, h, cos, sin, state.kv, table, first_key,
+                                        None)
+            x = x + attn
+            h = rms_norm(x, w[pre + "post_attention_layernorm.weight"], eps)
+            x = x + (moe_block(spec.moe, w, pre + "mlp.", h) if spec.moe is not None else dense_mlp(w, pre + "mlp.", h))
+        out = rms_norm(x, w["mtp.norm.weight"], eps)
+        return out @ w["lm_head.weight"].T, out
+
+    def append(self, state: DrafterState, start: int, tokens: Sequence[int], hidden: torch.Tensor) -> None:
+        """The target fed `tokens` at [start, start + n) with final hiddens `hidden` [n, H]: add the pair keys
+        this completes (key j - 1 for every fed position j >= 1), all from the target's hidden."""
+        if start != len(state.target_hidden):
+            raise ValueError(f"drafter holds hiddens for {len(state.target_hidden)} positions, fed at {start}")
+        end = start + len(tokens)
+        first = max(start, 1)  # position 0 completes no key
+        if state.rows != max(0, start - 1):
+            raise ValueError(f"drafter rows {state.rows} do not end where the feed starts (key {start - 1})")
+        state.proposal = None
+        state.target_hidden.extend(hidden.unbind(0))
+        if first >= end:
+            return
+        ids = torch.tensor(list(tokens[first - start :]), dtype=torch.long)
+        pair_hidden = torch.stack(state.target_hidden[first - 1 : end - 1])
+        self._forward(state, ids, pair_hidden, first - 1)
+        state.rows = end - 1
+
+    def propose(self, state: DrafterState, next_token: int, k: int, params: SamplingParams) -> tuple[int, ...]:
+        """Draft k tokens after `next_token` (sampled at position `computed`, not yet fed). Transient rows
+        only: state.rows does not move."""
+        computed = len(state.target_hidden)
+        if computed == 0 or state.rows != computed - 1:
+            raise ValueError(f"drafter rows {state.rows} are not complete for {computed} fed tokens")
+        drafts: list[int] = []
+        qs: list[torch.Tensor | None] = []
+        token, hidden = next_token, state.target_hidden[-1][None]
+        for i in range(k):
+            logits, hidden = self._forward(state, torch.tensor([token]), hidden, computed - 1 + i)
+            # the token this row drafts sits at position computed + 1 + i
+            token, q = draft_from(logits[0], params, computed + 1 + i)
+            drafts.append(token)
+            qs.append(q)
+        state.proposal = Proposal(computed, tuple(drafts), tuple(qs))
+        return tuple(drafts)
+
+    def rewind(self, state: DrafterState, position: int) -> None:
+        """Back to `position` fed tokens: keys 0 .. position - 2 stay (they were built from verified
+        tokens and the target's hiddens, which a rewind does not change)."""
+        del state.target_hidden[position:]
+        state.rows = max(0, position - 1)
+        state.proposal = None

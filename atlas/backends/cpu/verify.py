@@ -1,0 +1,78 @@
+"""The K-wide verify and its exact partial-accept commit, on the CPU reference backend.
+
+A verify feeds [last token, d1 .. d_{K-1}] one row at a time (the same path a decode takes, so its bits are a
+decode's bits) and keeps the sequence's whole state after every row: the per-token intermediates (GDN conv
++ recurrent state, PLE context + short-conv state; KV rows and QSA raw keys are positional). Nothing is
+committed by the verify itself. The commit of the accepted prefix installs the intermediate after row
+`rows - 1`, which is by construction the state of a sequence that decoded those rows one at a time.
+
+QSA selection is applied per row (each row is its own forward with its own visible prefix), so a verify that
+crosses the inert bound is exact here: the CPU backend reports `verify_crosses_qsa_bound = True`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import attrs
+import torch
+
+from atlas.backends.cpu.decoder import forward_chunk
+from atlas.backends.cpu.state import KvPool, SequenceState
+from atlas.engine.speculative import VerifyRefused
+from atlas.model.spec import ModelSpec
+
+
+@attrs.frozen
+class PendingVerify:
+    """A verify that ran and awaits the engine's commit. `states[i]` is the state after row i."""
+
+    start: int
+    tokens: tuple[int, ...]
+    states: tuple[SequenceState, ...]
+    hidden: torch.Tensor  # [K, H], the target's final hidden per row (the drafter pairs them on commit)
+
+
+def run_verify(
+    spec: ModelSpec,
+    w: dict[str, torch.Tensor],
+    kv: KvPool,
+    state: SequenceState,
+    tokens: Sequence[int],
+    start: int,
+    block_table: tuple[int, ...],
+) -> PendingVerify:
+    """Feed the K verify rows at [start, start + K), row by row; `state` itself is left untouched."""
+    rows, states = [], []
+    ids = torch.tensor(list(tokens), dtype=torch.long)
+    for i in range(len(tokens)):
+        hidden, state = forward_chunk(spec, w, kv, state, ids[i : i + 1], start + i, block_table)
+        rows.append(hidden)
+        states.append(state)
+    return PendingVerify(start, tuple(tokens), tuple(states), torch.cat(rows))
+
+
+def check_commit(spec: ModelSpec, current: SequenceState, pending: PendingVerify, rows: int, depth: int) -> None:
+    """Pre-validate a commit of `rows` verify rows against every layer before anything is touched."""
+    k = len(pending.tokens)
+    if not 1 <= rows <= k:
+        raise VerifyRefused(f"commit of {rows} rows of a verify of width {k}: at least the first position and at "
+                            f"most K are committed")
+    if rows > min(len(pending.states), depth):
+        raise VerifyRefused(f"commit of {rows} rows needs {rows} per-token intermediates; the pool holds "
+                            f"{min(len(pending.states), depth)} (verify_width {depth}). No state was changed")
+    if current.kv_tokens != pending.start:
+        raise VerifyRefused(f"the sequence moved to {current.kv_tokens} since its verify at {pending.start}")
+    target = pending.states[rows - 1]
+    end = pending.start + rows
+    if (target.kv_tokens, target.ssm_position, target.ple_position) != (end, end, end):
+        raise VerifyRefused(f"intermediate {rows - 1} is at positions {target.kv_tokens}/{target.ssm_position}/"
+                            f"{target.ple_position}, expected {end}")
+    for layer in spec.gdn_layers:
+        if layer not in target.gdn_conv or layer not in target.gdn_recurrent:
+            raise VerifyRefused(f"GDN layer {layer} has no intermediate for row {rows - 1}")
+    for layer, keys in target.qsa_keys.items():
+        if keys.shape[0] != end:
+            raise VerifyRefused(f"QSA layer {layer} holds {keys.shape[0]} keys for row {rows - 1}, expected {end}")
+    if spec.ple is not None and (target.ple_context is None or set(target.ple_conv) != set(spec.ple.layers)):
+        raise VerifyRefused(f"PLE state incomplete for row {rows - 1}")

@@ -55,6 +55,7 @@ class NullBackend:
         self.eos_token_id = eos_token_id
         self.eos_rate = eos_rate
         self._seqs: dict[int, _SeqData] = {}
+        self._ring: dict[int, dict[int, _SeqData]] = {}  # seq_id -> ring slot -> boundary snapshot
 
     def _pick(self, data: _SeqData, seed: int | None, position: int) -> int:
         h = _mix(data.rolling ^ 0x9E3779B97F4A7C15)
@@ -70,8 +71,10 @@ class NullBackend:
     def execute(self, plan: StepPlan) -> StepResult:
         for seq_id in plan.release:
             self._seqs.pop(seq_id, None)
+            self._ring.pop(seq_id, None)
         for seq_id in plan.reset:
             self._seqs.pop(seq_id, None)
+            self._ring.pop(seq_id, None)
         outcomes = []
         for w in plan.work:
             data = self._seqs.get(w.seq_id)
@@ -87,9 +90,25 @@ class NullBackend:
             if w.sample:
                 seed = None if w.sampling.greedy else w.sampling.seed
                 token = self._pick(data, seed, data.fed)
+                while token in w.banned:  # a rollback's re-steer: the next id that is not banned
+                    token = (token + 1) % self.vocab_size
             n = data.fed
             outcomes.append(SeqOutcome(w.seq_id, BackendCursors(n, n, n, n, 0), token))
+        for seq_id, position, slot in plan.snapshots:
+            data = self._seqs[seq_id]
+            if data.fed == position:  # a misplaced snapshot is not stored: the restore will refuse it
+                self._ring.setdefault(seq_id, {})[slot] = _SeqData(data.fed, data.rolling)
         return StepResult(plan.step, tuple(outcomes))
+
+    def restore_boundary(self, seq_id: int, slot: int, position: int) -> BackendCursors:
+        snap = self._ring.get(seq_id, {}).get(slot)
+        if seq_id not in self._seqs or snap is None or snap.fed != position or position > self._seqs[seq_id].fed:
+            raise ValueError(f"sequence {seq_id}: no snapshot at {position} in ring slot {slot}")
+        self._seqs[seq_id] = _SeqData(snap.fed, snap.rolling)
+        ring = self._ring[seq_id]
+        for s in [s for s, held in ring.items() if held.fed > position]:
+            del ring[s]
+        return self.cursors(seq_id)
 
     def cursors(self, seq_id: int) -> BackendCursors:
         data = self._seqs.get(seq_id, _SeqData())

@@ -64,7 +64,7 @@ def detect_loop(generated: Sequence[int], config: WatchdogConfig = WatchdogConfi
         while i - p >= lo and generated[i] == generated[i - p]:
             i -= 1
         span = (n - 1 - i) + p  # the matched positions plus the first copy they repeat
-        if span >= config.min_span and span >= config.min_repeats * p:
+        if span > p and span >= config.min_span and span >= config.min_repeats * p:
             start = n - span
             return LoopVerdict(period=p, span=span, opens_at=start + p)
     return None

@@ -28,6 +28,7 @@ from atlas.state.events import (
     RollbackDeclined,
     RolledBack,
     SequencePreempted,
+    SpeculationLatchedOff,
     StepExecuted,
     StepPlanned,
 )
@@ -61,7 +62,7 @@ def sequence_fingerprint(seq: Sequence) -> int:
     h += (len(c.tokens) * 0xC2B2AE3D27D4EB4F + c.computed * 0x165667B19E3779F9 + c.phase * 0xD6E8FEB86659FD93
           + len(seq.blocks) * 0xFF51AFD7ED558CCD + seq.qsa.ingested * 0xC4CEB9FE1A85EC53
           + seq.drafter.rows * 0x27D4EB2F165667C5 + len(seq.ring.snapshots) * 0x94D049BB133111EB
-          + seq.preemptions * 0xBF58476D1CE4E5B9)
+          + seq.preemptions * 0xBF58476D1CE4E5B9 + seq.drafter.latched * 0x2545F4914F6CDD1D)
     if seq.ring.snapshots or seq.rollbacks:  # rare fields: one more round only when they are in use
         last, slot = seq.ring.snapshots[-1] if seq.ring.snapshots else (-1, -1)
         h = _mix(h ^ (last * 0x9E3779B97F4A7C15 + slot * 0xC2B2AE3D27D4EB4F + seq.rollbacks * 0x165667B19E3779F9))
@@ -141,7 +142,7 @@ class ControlState:
             cursor=SequenceCursor(tokens=list(e.prompt), prompt_len=len(e.prompt)),
             qsa=QsaCursor(capacity=self.caps.qsa_index_capacity, ratio=self.caps.qsa_ratio),
             ring=SsmRing(slots=self.caps.ring_slots),
-            drafter=DrafterCarry(),
+            drafter=DrafterCarry(mtp=self.caps.drafter_rows > 0),
             stream=e.stream,
         )
         h = 0
@@ -220,21 +221,28 @@ class ControlState:
         if list(e.release) != self.pending_release:
             raise TransitionRefused("Engine", "the plan releases exactly the finished sequences",
                                     release=list(e.release), pending=list(self.pending_release))
+        if e.drafts and len(e.drafts) != len(e.seqs):
+            raise TransitionRefused("Engine", "drafts aligned with the planned sequences", drafts=len(e.drafts),
+                                    seqs=len(e.seqs))
         admitted = set(e.admitted)
         new_blocks = {row[0]: len(row) - 1 for row in e.alloc}
         bs = self.caps.block_size
-        for seq_id, n in zip(e.seqs, e.fed, strict=True):
+        for i, (seq_id, n) in enumerate(zip(e.seqs, e.fed, strict=True)):
             seq = self.seq(seq_id)
             c = seq.cursor
+            drafts = e.drafts[i] if e.drafts else ()
             if c.phase is not Phase.RUNNING and seq_id not in admitted:
                 raise TransitionRefused("Scheduler", "work for a sequence that is neither running nor admitted",
                                         seq_id=seq_id, phase=c.phase.name)
             if n < 1 or c.computed + n > len(c.tokens):
                 raise TransitionRefused("SequenceCursor", "fed tokens beyond the known tokens", seq_id=seq_id,
                                         computed=c.computed, fed=n, seq_len=len(c.tokens))
-            if c.computed + n > (len(seq.blocks) + new_blocks.get(seq_id, 0)) * bs:
+            if drafts:
+                self._check_drafts(seq, n, drafts)
+            end = c.computed + n + len(drafts)  # a verify writes KV for its draft positions too
+            if end > (len(seq.blocks) + new_blocks.get(seq_id, 0)) * bs:
                 raise TransitionRefused("BlockPool", "KV written past the sequence's blocks", seq_id=seq_id,
-                                        end=c.computed + n, blocks=len(seq.blocks) + new_blocks.get(seq_id, 0))
+                                        end=end, blocks=len(seq.blocks) + new_blocks.get(seq_id, 0))
         claimed: set[int] = set()
         for row in e.alloc:
             self.seq(row[0])
@@ -254,7 +262,8 @@ class ControlState:
             self.seqs[row[0]].blocks.extend(row[1:])
         self.pending_release.clear()
         self.inflight = e
-        self.inflight_hash = hash((e.seqs, e.fed, e.alloc, e.release, e.reset)) & _MASK
+        self.inflight_hash = hash((e.seqs, e.fed, e.alloc, e.release, e.reset) + ((e.drafts,) if e.drafts else ())
+                                  ) & _MASK
         self.step = e.step + 1
         touched = tuple(e.admitted) + tuple(row[0] for row in e.alloc)
         for seq_id in touched:
@@ -269,21 +278,61 @@ class ControlState:
         if len(e.tokens) != len(plan.seqs):
             raise TransitionRefused("Engine", "one token slot per planned sequence", tokens=len(e.tokens),
                                     seqs=len(plan.seqs))
+        if (e.accepted or e.verdicts or plan.drafts) and not len(e.accepted) == len(e.verdicts) == len(plan.seqs):
+            raise TransitionRefused("Speculative", "accepted counts and verdicts aligned with the planned sequences",
+                                    accepted=len(e.accepted), verdicts=len(e.verdicts), seqs=len(plan.seqs))
         bs = self.caps.block_size
         seqs = self.seqs
         work = []
-        for seq_id, fed, token in zip(plan.seqs, plan.fed, e.tokens, strict=True):
+        for i, (seq_id, fed, token) in enumerate(zip(plan.seqs, plan.fed, e.tokens, strict=True)):
             seq = seqs.get(seq_id)
             if seq is None:
                 raise TransitionRefused("Request", "token for a sequence that is not live", seq_id=seq_id)
-            seq.check_advance(fed, token, bs)
-            work.append((seq, fed, token))
-        for seq, fed, token in work:  # every check passed: commit them all
-            seq.commit_advance(fed, token)
+            drafts = plan.drafts[i] if plan.drafts else ()
+            accepted = e.accepted[i] if e.accepted else 0
+            if drafts and accepted == -1 and token == -1:
+                continue  # its commit was refused: nothing moves, the request fails next
+            if drafts:
+                seq.check_verify(drafts, accepted, token, bs)
+            else:
+                if accepted:
+                    raise TransitionRefused("Speculative", "accepted drafts without a verify", seq_id=seq_id,
+                                            accepted=accepted)
+                seq.check_advance(fed, token, bs)
+            work.append((seq, fed, token, drafts, accepted))
+        for seq, fed, token, drafts, accepted in work:  # every check passed: commit them all
+            if drafts:
+                self.pool.release(seq.seq_id, seq.commit_verify(drafts, accepted, token, bs))
+            else:
+                seq.commit_advance(fed, token)
             self._refresh(seq)
         self.inflight = None
         self.inflight_hash = 0
         return plan.seqs
+
+    def _check_drafts(self, seq: Sequence, fed: int, drafts: tuple[int, ...]) -> None:
+        c = seq.cursor
+        if fed != 1 or not c.decoding:
+            raise TransitionRefused("Speculative", "drafts only for a decoding sequence feeding its last token",
+                                    seq_id=seq.seq_id, fed=fed, computed=c.computed, seq_len=len(c.tokens))
+        if seq.drafter.latched:
+            raise TransitionRefused("Speculative", "drafts for a sequence whose lane is latched off",
+                                    seq_id=seq.seq_id)
+        if len(drafts) > self.caps.verify_width - 1 or c.generated + len(drafts) + 1 > seq.max_new:
+            raise TransitionRefused("Speculative", "drafts within the verify width and the request's budget",
+                                    seq_id=seq.seq_id, drafts=len(drafts), verify_width=self.caps.verify_width,
+                                    generated=c.generated, max_new=seq.max_new)
+
+    def _latched(self, e: SpeculationLatchedOff) -> tuple[int, ...]:
+        seq = self._running_between_steps(e.seq_id, "speculation latch")
+        if seq.drafter.latched:
+            raise TransitionRefused("Speculative", "the lane latches off once", seq_id=e.seq_id)
+        if e.position != seq.cursor.computed:
+            raise TransitionRefused("Speculative", "latched at the sequence's computed tokens", seq_id=e.seq_id,
+                                    position=e.position, computed=seq.cursor.computed)
+        seq.drafter.latched = True
+        self._refresh(seq)
+        return (e.seq_id,)
 
     def _running_between_steps(self, seq_id: int, what: str) -> Sequence:
         seq = self.seq(seq_id)
@@ -353,5 +402,6 @@ _HANDLERS = {
     BoundarySnapshotted: ControlState._snapshotted,
     RolledBack: ControlState._rolled_back,
     RollbackDeclined: ControlState._declined,
+    SpeculationLatchedOff: ControlState._latched,
     InvariantViolated: ControlState._violated,
 }

@@ -134,7 +134,7 @@ class SequencePreempted(Event):
     reason: str
 
 
-@event("step_planned", 1)
+@event("step_planned", 2)
 class StepPlanned(Event):
     step: int
     admitted: tuple[int, ...] = attrs.field(converter=_ints)  # waiting -> running this step
@@ -143,14 +143,47 @@ class StepPlanned(Event):
     alloc: tuple[tuple[int, ...], ...] = attrs.field(converter=_int_rows)  # (seq_id, block, ...) rows
     release: tuple[int, ...] = attrs.field(converter=_ints)  # data-plane state dropped (finished)
     reset: tuple[int, ...] = attrs.field(converter=_ints)  # data-plane state zeroed (preempted)
+    # speculative decoding: drafts verified after the fed token, aligned with seqs (() = a plain feed); the
+    # whole field is () when nothing drafts this step
+    drafts: tuple[tuple[int, ...], ...] = attrs.field(default=(), converter=_int_rows)
 
 
-@event("step_executed", 1)
+@upcaster("step_planned", 1)
+def _planned_v1(payload: dict[str, Any]) -> dict[str, Any]:
+    return {**payload, "drafts": []}  # v1 predates speculative decoding
+
+
+@event("step_executed", 2)
 class StepExecuted(Event):
-    """Every cursor of every planned sequence moves by its fed count; sampled tokens are appended."""
+    """Every cursor of every planned sequence moves by its fed count; sampled tokens are appended.
+
+    A verify (drafts planned) moves every cursor by 1 + accepted and appends drafts[:accepted] + (token,):
+    the drafts it kept and the target's own token after them. accepted -1: its commit was refused, nothing
+    moved, and the request ends with `error` next. `verdicts` (bit i: row i accepted draft i + 1, whatever
+    came before) feed the unconditional acceptance rates; both fields are () when nothing drafted."""
 
     step: int
     tokens: tuple[int, ...] = attrs.field(converter=_ints)  # aligned with StepPlanned.seqs; -1 = no sample
+    accepted: tuple[int, ...] = attrs.field(default=(), converter=_ints)
+    verdicts: tuple[int, ...] = attrs.field(default=(), converter=_ints)
+
+
+@upcaster("step_executed", 1)
+def _executed_v1(payload: dict[str, Any]) -> dict[str, Any]:
+    return {**payload, "accepted": [], "verdicts": []}
+
+
+@event("speculation_latched_off", 1)
+class SpeculationLatchedOff(Event):
+    """The speculative lane is off for this sequence from here on: the backend cannot apply QSA selection
+    per verify row, and a verify from `position` could cross the inert bound. Sticky, decided before any
+    verify could cross."""
+
+    step: int
+    seq_id: int
+    position: int  # the sequence's computed tokens when latched
+    inert_bound: int
+    reason: str
 
 
 @event("boundary_snapshotted", 1)

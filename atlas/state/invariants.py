@@ -78,6 +78,9 @@ def check_sequence(seq: Sequence, block_size: int, index: int) -> None:
     if d.rows > max(0, c.computed - 1) or d.last_pair_key >= max(0, c.computed - 1) and d.rows:
         _fail(index, "DrafterCarry", "drafter keys < computed - 1", seq_id=seq.seq_id, rows=d.rows,
               last_pair_key=d.last_pair_key, computed=c.computed)
+    if d.mtp and c.phase is Phase.RUNNING and d.rows != max(0, c.computed - 1):
+        _fail(index, "DrafterCarry", "an MTP drafter holds every pair key of the fed tokens (rows == computed - 1)",
+              seq_id=seq.seq_id, rows=d.rows, computed=c.computed)
     if d.carried and c.computed == 0:
         _fail(index, "DrafterCarry", "a carry implies a prefill", seq_id=seq.seq_id)
 

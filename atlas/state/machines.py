@@ -126,11 +126,21 @@ class SsmRing:
 
 @attrs.define(slots=True)
 class DrafterCarry:
-    """MTP drafter pair-key rows held for a sequence; filled in by the speculative-decoding issue."""
+    """MTP drafter pair-key rows held for a sequence. Pair key k is (embed(t_{k+1}), hidden_k): with an MTP
+    drafter (`mtp`) a sequence that fed `computed` tokens holds keys 0 .. computed - 2, all built from the
+    target's hidden; keys of drafts and of the drafter's own hidden are transient and never held.
+    `latched`: the speculative lane is off for the sequence (sticky)."""
 
     rows: int = 0
     last_pair_key: int = -1
     carried: bool = False
+    mtp: bool = False
+    latched: bool = False
+
+    def follow(self, computed: int) -> None:
+        if self.mtp:
+            self.rows = max(0, computed - 1)
+            self.last_pair_key = self.rows - 1 if self.rows else -1
 
 
 @attrs.define(slots=True)
@@ -189,9 +199,40 @@ class Sequence:
         end = c.computed + fed
         c.computed = end
         self.qsa.ingested = end
+        self.drafter.follow(end)
         if token >= 0:
             c.tokens.append(token)
             c.token_hash = (c.token_hash * 0x100000001B3 + token + 1) & _MASK
+
+    def check_verify(self, drafts: tuple[int, ...], accepted: int, token: int, block_size: int) -> None:
+        """A verify fed the last sampled token and `drafts`; it keeps `accepted` drafts, then `token`."""
+        c = self.cursor
+        fields = dict(seq_id=self.seq_id, drafts=len(drafts), accepted=accepted, token=token)
+        if not c.decoding:
+            raise TransitionRefused("SequenceCursor", "a verify of a sequence that is not decoding",
+                                    computed=c.computed, seq_len=len(c.tokens), **fields)
+        if not 0 <= accepted <= len(drafts) or token < 0:
+            raise TransitionRefused("Speculative", "0 <= accepted <= drafts and a token after them", **fields)
+        end = c.computed + 1 + accepted
+        if end > self.qsa.capacity or end > len(self.blocks) * block_size:
+            raise TransitionRefused("BlockPool", "a verify's commit fits the sequence's blocks and index",
+                                    end=end, blocks=len(self.blocks), capacity=self.qsa.capacity, **fields)
+        if c.generated + accepted + 1 > self.max_new:
+            raise TransitionRefused("Request", "tokens past the request's budget", generated=c.generated,
+                                    max_new=self.max_new, **fields)
+
+    def commit_verify(self, drafts: tuple[int, ...], accepted: int, token: int, block_size: int) -> list[int]:
+        """Move every cursor by 1 + accepted and append the kept tokens; returns the blocks past the new
+        tokens (allocated for rejected drafts), which the caller frees."""
+        c = self.cursor
+        for t in (*drafts[:accepted], token):
+            c.tokens.append(t)
+            c.token_hash = (c.token_hash * 0x100000001B3 + t + 1) & _MASK
+        self.commit_advance(1 + accepted, -1)
+        keep = -(-len(self.cursor.tokens) // block_size)
+        freed = self.blocks[keep:]
+        del self.blocks[keep:]
+        return freed
 
     def rollback(self, boundary: int, slot: int, keep: int, ban_token: int, blocks_freed: int,
                  block_size: int) -> list[int]:

@@ -21,11 +21,14 @@ from atlas.backends.base import Backend, DeviceFault, SeqOutcome, SeqWork, StepP
 from atlas.config import Capacities, EngineConfig, derive_capacities, log_capacities
 from atlas.engine.factory import TINY_MODEL, build_engine, build_engine_for_loaded
 from atlas.engine.outputs import AdmissionError, EngineDead, FinishReason, QueueFull, RequestOutput
+from atlas.engine.rollback import DeclineReason, RollbackDecline, RollbackPlan, plan_rollback, plan_snapshots
 from atlas.engine.sampling import SamplingParams
 from atlas.engine.scheduler import schedule
 from atlas.engine.stopping import StopChecker, Tokenizer
+from atlas.engine.watchdog import WatchdogConfig, detect_loop
 from atlas.state.control import ControlState
 from atlas.state.events import (
+    BoundarySnapshotted,
     EngineFaulted,
     Event,
     FaultInjected,
@@ -33,11 +36,14 @@ from atlas.state.events import (
     RequestArrived,
     RequestCancelled,
     RequestFinished,
+    RollbackDeclined,
+    RolledBack,
     SequencePreempted,
     StepExecuted,
     StepPlanned,
 )
 from atlas.state.invariants import InvariantViolation, audit, check_invariants
+from atlas.state.machines import Sequence as SequenceState
 from atlas.state.machines import TransitionRefused
 
 log = structlog.get_logger("atlas.engine")
@@ -49,6 +55,25 @@ class EventSink(Protocol):
     def flush(self) -> None: ...
 
     def close(self) -> None: ...
+
+
+@attrs.define
+class _Held:
+    """A non-streaming request's output so far, handed out in one RequestOutput when it ends."""
+
+    tokens: list[int] = attrs.Factory(list)
+    logprobs: list[float] = attrs.Factory(list)
+    top: list[tuple[tuple[int, float], ...]] = attrs.Factory(list)
+
+    def add(self, token: int, logprobs: tuple[float, ...], top: tuple) -> None:
+        self.tokens.append(token)
+        self.logprobs.extend(logprobs)
+        self.top.extend(top)
+
+    def truncate(self, n: int) -> None:
+        del self.tokens[n:]
+        del self.logprobs[n:]
+        del self.top[n:]
 
 
 class RecordingSink:
@@ -80,6 +105,7 @@ class EngineStats:
     prompt_tokens_total: int
     generation_tokens_total: int
     preemptions_total: int
+    rollbacks_total: int = 0
 
 
 class Engine:
@@ -117,6 +143,11 @@ class Engine:
         self._prompt_tokens = 0
         self._generated_tokens = 0
         self._preemptions = 0
+        self._rollbacks = 0
+        # non-streaming requests: tokens held back until the request ends, so a rollback never retracts text
+        self._held: dict[int, _Held] = {}
+        self._watchdog = WatchdogConfig(config.watchdog_max_period, config.watchdog_min_repeats,
+                                        config.watchdog_min_span, config.watchdog_window) if config.loop_watchdog else None
         log_capacities(self.capacities, model=model_name, backend=getattr(backend, "name", "?"))
 
     @classmethod
@@ -141,7 +172,10 @@ class Engine:
 
     # ------------------------------------------------------------------------------------------ inputs
 
-    def add_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
+    def add_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams, *,
+                    stream: bool = False) -> None:
+        """Admit a request. `stream`: its tokens are handed out as they are sampled (a rollback past them then
+        declines); otherwise they are held back and come in one RequestOutput when the request ends."""
         self._check_alive()
         prompt = [int(t) for t in prompt_token_ids]
         cap = self.capacities.max_seq_len
@@ -167,7 +201,9 @@ class Engine:
             raise QueueFull(f"waiting queue is full: {len(self.state.waiting)} requests "
                             f"(max_waiting {self.capacities.max_waiting})")
         seq_id = self.state.next_seq_id
-        self._emit(RequestArrived(request_id, seq_id, prompt, params.to_json(), max_new))
+        self._emit(RequestArrived(request_id, seq_id, prompt, params.to_json(), max_new, stream))
+        if not stream:
+            self._held[seq_id] = _Held()
         eos = tuple(getattr(self.tokenizer, "eos_token_ids", ()))
         self._stops[seq_id] = StopChecker.create(params, max_new, eos)
         self._prompt_tokens += len(prompt)
@@ -182,6 +218,7 @@ class Engine:
         prompt_len, generated = seq.cursor.prompt_len, seq.cursor.generated
         self._emit(RequestCancelled(request_id, seq_id))
         self._stops.pop(seq_id, None)
+        self._held.pop(seq_id, None)
         self._pending.append(RequestOutput(request_id, finished=True, finish_reason=FinishReason.CANCELLED,
                                            finish_detail="cancelled", prompt_tokens=prompt_len,
                                            completion_tokens=generated))
@@ -216,8 +253,9 @@ class Engine:
         planned = StepPlanned(step, decided.admitted, decided.seqs, decided.fed, decided.alloc,
                               tuple(self.state.pending_release), decided.preempt)
         self._emit(planned)
+        snapshots = plan_snapshots(self.state.seqs, planned.seqs, planned.fed, self.capacities.snapshot_interval)
         try:
-            result = self.backend.execute(self._plan(planned))
+            result = self.backend.execute(self._plan(planned, snapshots))
         except DeviceFault as exc:
             if exc.fatal:
                 self._die(step, f"fatal device fault: {exc}", injected=False)
@@ -230,10 +268,12 @@ class Engine:
         tokens = tuple(-1 if o.token is None else o.token for o in by_seq)
         self._emit(StepExecuted(step, tokens))
         self._check_cursors(planned, by_seq)
+        for snap in snapshots:
+            self._emit(BoundarySnapshotted(step, snap.seq_id, snap.position, snap.slot, snap.evicted))
         self._finish_sampled(planned, by_seq, outputs)
         return outputs
 
-    def _plan(self, planned: StepPlanned) -> StepPlan:
+    def _plan(self, planned: StepPlanned, snapshots: tuple = ()) -> StepPlan:
         seqs = self.state.seqs
         work = []
         for seq_id, n in zip(planned.seqs, planned.fed, strict=True):
@@ -242,8 +282,9 @@ class Engine:
             start = seq.cursor.computed
             end = start + n
             work.append(SeqWork(seq_id, tuple(tokens[start:end]), start, tuple(seq.blocks), end == len(tokens),
-                                seq.params))
-        return StepPlan(planned.step, tuple(work), planned.release, planned.reset)
+                                seq.params, banned=seq.banned.get(end, ()) if end == len(tokens) else ()))
+        orders = tuple((o.seq_id, o.position, o.slot) for o in snapshots)
+        return StepPlan(planned.step, tuple(work), planned.release, planned.reset, snapshots=orders)
 
     def _outcomes(self, planned: StepPlanned, result: StepResult) -> list[SeqOutcome]:
         """The backend's outcomes in plan order; a missing or extra outcome or token is a desync."""
@@ -293,21 +334,80 @@ class Engine:
             stop = self._stops[o.seq_id]
             ended = stop.on_token(token, tokenizer)
             p = seq.params
-            out.append(RequestOutput(
-                seq.request_id,
-                new_token_ids=(token,),
-                new_logprobs=(o.logprob,) if p.logprobs and o.logprob is not None else (),
-                new_top_logprobs=(o.top_logprobs,) if p.logprobs and p.top_logprobs else (),
-                finished=ended is not None,
-                finish_reason=None if ended is None else ended[0],
-                finish_detail=None if ended is None else ended[1],
-                prompt_tokens=seq.cursor.prompt_len,
-                completion_tokens=seq.cursor.generated,
-                new_text=stop.take_text(ended is not None) if tokenizer is not None else "",
-            ))
+            logprobs = (o.logprob,) if p.logprobs and o.logprob is not None else ()
+            top = (o.top_logprobs,) if p.logprobs and p.top_logprobs else ()
+            held = self._held.get(o.seq_id)
+            if held is not None:
+                held.add(token, logprobs, top)
+            if ended is None and self._watchdog is not None:
+                watched = self._watch(seq, planned.step)
+                if watched == "rolled_back":  # the token is gone with the loop; a held request goes on
+                    continue
+                ended = watched
+            request_id, prompt_len, generated = seq.request_id, seq.cursor.prompt_len, seq.cursor.generated
             if ended is not None:
                 self._emit(RequestFinished(o.seq_id, ended[0].value, ended[1]))
                 del self._stops[o.seq_id]
+                self._held.pop(o.seq_id, None)
+            if held is None or ended is not None:
+                token_ids, logprobs, top = (token,), logprobs, top
+                if held is not None:  # the whole completion, in one output
+                    token_ids, logprobs, top = tuple(held.tokens), tuple(held.logprobs), tuple(held.top)
+                out.append(RequestOutput(
+                    request_id,
+                    new_token_ids=token_ids,
+                    new_logprobs=logprobs,
+                    new_top_logprobs=top,
+                    finished=ended is not None,
+                    finish_reason=None if ended is None else ended[0],
+                    finish_detail=None if ended is None else ended[1],
+                    prompt_tokens=prompt_len,
+                    completion_tokens=generated,
+                    new_text=stop.take_text(ended is not None) if tokenizer is not None else "",
+                ))
+
+    def _watch(self, seq: SequenceState, step: int) -> tuple[FinishReason, str] | Literal["rolled_back"] | None:
+        """Run the content-loop watchdog on a sequence that just sampled: None when it does not loop. A loop is
+        rolled back ("rolled_back": the request goes on) or, when that cannot be made exact, declined (the
+        finish: `stop` with the typed reason)."""
+        assert self._watchdog is not None
+        c = seq.cursor
+        verdict = detect_loop(c.tokens[c.prompt_len:], self._watchdog)
+        if verdict is None:
+            return None
+        keep = c.prompt_len + verdict.opens_at
+        decision = plan_rollback(seq, keep, max_rollbacks=self.config.max_rollbacks,
+                                 block_size=self.capacities.block_size)
+        if isinstance(decision, RollbackPlan):
+            restore = getattr(self.backend, "restore_boundary", None)
+            try:
+                if restore is None:
+                    raise ValueError(f"backend {getattr(self.backend, 'name', '?')} has no snapshot ring")
+                cursors = restore(seq.seq_id, decision.slot, decision.boundary)
+            except ValueError as exc:
+                log.warning("rollback refused by the backend", seq_id=seq.seq_id, error=str(exc))
+                decision = RollbackDecline(seq.seq_id, DeclineReason.BACKEND_REFUSED, keep)
+            else:
+                self._emit(RolledBack(step, seq.seq_id, decision.boundary, decision.slot, keep, decision.ban_token,
+                                      decision.blocks_freed, verdict.period, seq.rollbacks + 1, attrs.asdict(cursors)))
+                self._rollbacks += 1
+                self._rewind_outputs(seq)
+                return "rolled_back"
+        reason = decision.reason.value
+        self._emit(RollbackDeclined(step, seq.seq_id, reason, keep, verdict.period))
+        return FinishReason.STOP, f"content loop (period {verdict.period}): rollback declined: {reason}"
+
+    def _rewind_outputs(self, seq: SequenceState) -> None:
+        """After a rollback: the stop checker and the held-back output as if the dropped tokens never came."""
+        tokenizer = self.tokenizer if self._detokenize else None
+        c = seq.cursor
+        stop = StopChecker.create(seq.params, seq.max_new, tuple(getattr(self.tokenizer, "eos_token_ids", ())))
+        for t in c.tokens[c.prompt_len:]:
+            stop.on_token(t, tokenizer)
+        self._stops[seq.seq_id] = stop
+        held = self._held.get(seq.seq_id)
+        if held is not None:
+            held.truncate(c.generated)
 
     # ------------------------------------------------------------------------------------------ faults
 
@@ -316,6 +416,7 @@ class Engine:
         request_id, prompt_len, generated = seq.request_id, seq.cursor.prompt_len, seq.cursor.generated
         self._emit(RequestFinished(seq_id, FinishReason.ERROR.value, detail))
         self._stops.pop(seq_id, None)
+        self._held.pop(seq_id, None)
         out.append(RequestOutput(request_id, finished=True, finish_reason=FinishReason.ERROR, finish_detail=detail,
                                  prompt_tokens=prompt_len, completion_tokens=generated))
 
@@ -407,6 +508,7 @@ class Engine:
             prompt_tokens_total=self._prompt_tokens,
             generation_tokens_total=self._generated_tokens,
             preemptions_total=self._preemptions,
+            rollbacks_total=self._rollbacks,
         )
 
     @property

@@ -54,8 +54,9 @@ def build_engine_for_loaded(cls: type[Engine], loaded: Any, *, model: str, confi
     from atlas.backends.cpu import CpuBackend
 
     config = config or EngineConfig()
-    caps = derive_capacities(config, loaded.spec)
-    data_plane = CpuBackend(loaded, num_kv_blocks=caps.num_kv_blocks, block_size=caps.block_size, dtype=dtype)
+    caps = derive_capacities(config, loaded.spec, activation_bytes=(dtype or loaded.dtype).itemsize)
+    data_plane = CpuBackend(loaded, num_kv_blocks=caps.num_kv_blocks, block_size=caps.block_size, dtype=dtype,
+                            ring_slots=caps.ring_slots)
     sink = kwargs.pop("sink", None)
     if trace is not None:
         sink = open_trace(trace, model=model, fingerprint=loaded.fingerprint, backend="cpu", config=config,

@@ -72,7 +72,8 @@ def _drive_input(engine: Engine, rec: EventRecord) -> None:
     p = rec.payload
     if rec.kind == "request_arrived":
         try:
-            engine.add_request(p["request_id"], p["prompt"], SamplingParams.from_json(p["params"]))
+            engine.add_request(p["request_id"], p["prompt"], SamplingParams.from_json(p["params"]),
+                               stream=p.get("stream", False))
         except (AdmissionError, QueueFull):
             pass  # refused now though admitted then: the event comparison reports it
     elif rec.kind == "request_cancelled":

@@ -47,6 +47,7 @@ class _Arrival:
     outputs: asyncio.Queue[Any]
     arrived_at: float
     inject_fault: FaultKind | None = None
+    stream: bool = False  # tokens handed out as sampled (SSE); otherwise held back until the request ends
 
 
 @attrs.frozen
@@ -209,6 +210,7 @@ class EngineLoop:
         params: SamplingParams,
         *,
         inject_fault: FaultKind | None = None,
+        stream: bool = False,
     ) -> RequestStream:
         """Admit a request. Raises AdmissionError, QueueFull, EngineDead or EngineStopped before anything
         is streamed."""
@@ -216,7 +218,8 @@ class EngineLoop:
         admitted: asyncio.Future[None] = loop.create_future()
         outputs: asyncio.Queue[Any] = asyncio.Queue()
         arrival = _Arrival(
-            request_id, tuple(prompt_token_ids), params, loop, admitted, outputs, time.perf_counter(), inject_fault
+            request_id, tuple(prompt_token_ids), params, loop, admitted, outputs, time.perf_counter(), inject_fault,
+            stream,
         )
         with self._lock:
             if self._dead is not None:
@@ -290,7 +293,8 @@ class EngineLoop:
 
     def _admit(self, arrival: _Arrival) -> None:
         try:
-            self.engine.add_request(arrival.request_id, arrival.prompt_token_ids, arrival.params)
+            self.engine.add_request(arrival.request_id, arrival.prompt_token_ids, arrival.params,
+                                    stream=arrival.stream)
         except EngineDead as exc:
             arrival.loop.call_soon_threadsafe(_settle, arrival.admitted, exc)
             raise

@@ -70,14 +70,14 @@ class ServingContext:
 
 
 async def _submit(ctx: ServingContext, request: Request, request_id: str, prompt: list[int],
-                  params: SamplingParams) -> RequestStream:
+                  params: SamplingParams, *, stream: bool = False) -> RequestStream:
     if not prompt:
         raise bad_request("prompt: is empty; give at least one token", param="prompt", code="empty_prompt")
     fault: FaultKind | None = None
     if ctx.fault_injection and request.headers.get(FAULT_HEADER) in ("step_error", "fatal"):
         fault = request.headers[FAULT_HEADER]  # type: ignore[assignment]
     try:
-        return await ctx.engine_loop.submit(request_id, prompt, params, inject_fault=fault)
+        return await ctx.engine_loop.submit(request_id, prompt, params, inject_fault=fault, stream=stream)
     except AdmissionError as exc:
         raise bad_request(str(exc), param=exc.param, code="admission_refused") from None
     except QueueFull as exc:
@@ -254,7 +254,8 @@ async def _run(ctx: ServingContext, request: Request, kind: Kind, body: Completi
                prompt: list[int]) -> Response:
     params = body.sampling_params()
     request_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
-    stream = await _submit(ctx, request, request_id, prompt, params)
+    # SSE requests get their tokens as sampled; the others are held back whole (a rollback can rewind them)
+    stream = await _submit(ctx, request, request_id, prompt, params, stream=bool(body.stream))
     gen = _Generation(ctx, params)
     if not body.stream:
         return await _respond_whole(ctx, request, stream, gen, kind, request_id)

@@ -10,7 +10,7 @@ decisions become events that the engine applies.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 
 import attrs
 
@@ -32,6 +32,7 @@ class Schedule:
     seqs: tuple[int, ...] = ()
     fed: tuple[int, ...] = ()
     alloc: tuple[tuple[int, ...], ...] = ()
+    drafts: tuple[int, ...] = ()  # drafts verified per sequence (aligned with seqs); () when none drafts
 
     @property
     def idle(self) -> bool:
@@ -59,7 +60,10 @@ class _FreeBlocks:
         self.available += len(blocks)
 
 
-def schedule(state: ControlState) -> Schedule:
+def schedule(state: ControlState, drafts: Mapping[int, int] | None = None) -> Schedule:
+    """`drafts`: how many drafts each decoding sequence offers. A verify takes 1 + drafts tokens of budget
+    and KV for all of them; drafts are cut to what the budget leaves, never below a plain decode."""
+    drafts = drafts or {}
     caps = state.caps
     bs = caps.block_size
     budget = caps.max_batch_tokens
@@ -69,6 +73,7 @@ def schedule(state: ControlState) -> Schedule:
     work: list[int] = []
     fed: list[int] = []
     alloc: list[tuple[int, ...]] = []
+    verified: list[int] = []
 
     victims = list(state.running)  # newest last: preemption takes from the end
     for seq_id in state.running:
@@ -79,7 +84,10 @@ def schedule(state: ControlState) -> Schedule:
         seq = seqs[seq_id]
         c = seq.cursor
         n = min(len(c.tokens) - c.computed, budget)
-        need = -(-(c.computed + n) // bs) - len(seq.blocks)
+        k = min(drafts.get(seq_id, 0), budget - n) if c.decoding else 0
+        if k:  # drafts never preempt anyone: cut them to the blocks that are free
+            k = max(0, min(k, (len(seq.blocks) + free.available) * bs - c.computed - n))
+        need = -(-(c.computed + n + k) // bs) - len(seq.blocks)
         while need > free.available:
             victim = victims.pop()
             preempted.append(victim)
@@ -90,7 +98,8 @@ def schedule(state: ControlState) -> Schedule:
             continue
         work.append(seq_id)
         fed.append(n)
-        budget -= n
+        verified.append(k)
+        budget -= n + k
         if need > 0:
             alloc.append((seq_id, *free.take(need)))
 
@@ -109,6 +118,7 @@ def schedule(state: ControlState) -> Schedule:
             admitted.append(seq_id)
             work.append(seq_id)
             fed.append(n)
+            verified.append(0)
             alloc.append((seq_id, *free.take(need)))
             budget -= n
             slots -= 1
@@ -118,4 +128,5 @@ def schedule(state: ControlState) -> Schedule:
         seqs=tuple(work),
         fed=tuple(fed),
         alloc=tuple(alloc),
+        drafts=tuple(verified) if any(verified) else (),
     )

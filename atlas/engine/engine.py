@@ -375,7 +375,14 @@ class Engine:
         verdict = detect_loop(c.tokens[c.prompt_len:], self._watchdog)
         if verdict is None:
             return None
-        keep = c.prompt_len + verdict.opens_at
+        return self._roll_back(seq, c.prompt_len + verdict.opens_at, verdict.period, step)
+
+    def _roll_back(self, seq: SequenceState, keep: int, period: int, step: int
+                   ) -> tuple[FinishReason, str] | Literal["rolled_back"]:
+        """Rewind `seq` between steps so it keeps tokens[:keep] and resamples position `keep` with the token
+        there banned, or decline (RollbackDeclined; the caller finishes the request with the returned `stop`).
+        The watchdog's action; tests call it directly to drive any target. A target outside
+        (prompt_len, seq_len) raises ValueError having changed nothing."""
         decision = plan_rollback(seq, keep, max_rollbacks=self.config.max_rollbacks,
                                  block_size=self.capacities.block_size)
         if isinstance(decision, RollbackPlan):
@@ -389,13 +396,13 @@ class Engine:
                 decision = RollbackDecline(seq.seq_id, DeclineReason.BACKEND_REFUSED, keep)
             else:
                 self._emit(RolledBack(step, seq.seq_id, decision.boundary, decision.slot, keep, decision.ban_token,
-                                      decision.blocks_freed, verdict.period, seq.rollbacks + 1, attrs.asdict(cursors)))
+                                      decision.blocks_freed, period, seq.rollbacks + 1, attrs.asdict(cursors)))
                 self._rollbacks += 1
                 self._rewind_outputs(seq)
                 return "rolled_back"
         reason = decision.reason.value
-        self._emit(RollbackDeclined(step, seq.seq_id, reason, keep, verdict.period))
-        return FinishReason.STOP, f"content loop (period {verdict.period}): rollback declined: {reason}"
+        self._emit(RollbackDeclined(step, seq.seq_id, reason, keep, period))
+        return FinishReason.STOP, f"content loop (period {period}): rollback declined: {reason}"
 
     def _rewind_outputs(self, seq: SequenceState) -> None:
         """After a rollback: the stop checker and the held-back output as if the dropped tokens never came."""

@@ -19,9 +19,18 @@ import structlog
 
 from atlas.backends.base import Backend, DeviceFault, SeqOutcome, SeqWork, StepPlan, StepResult
 from atlas.config import Capacities, EngineConfig, derive_capacities, log_capacities
+from atlas.engine.drafters import Drafter, make_drafter
+from atlas.engine.drafters.lane import SpeculativeLane, Verified
 from atlas.engine.factory import TINY_MODEL, build_engine, build_engine_for_loaded
 from atlas.engine.outputs import AdmissionError, EngineDead, FinishReason, QueueFull, RequestOutput
-from atlas.engine.rollback import DeclineReason, RollbackDecline, RollbackPlan, plan_rollback, plan_snapshots
+from atlas.engine.rollback import (
+    DeclineReason,
+    RollbackDecline,
+    RollbackPlan,
+    is_boundary,
+    plan_rollback,
+    plan_snapshots,
+)
 from atlas.engine.sampling import SamplingParams
 from atlas.engine.scheduler import schedule
 from atlas.engine.stopping import StopChecker, Tokenizer
@@ -106,6 +115,16 @@ class EngineStats:
     generation_tokens_total: int
     preemptions_total: int
     rollbacks_total: int = 0
+    # speculative decoding (atlas.engine.speculative.AcceptanceStats): per draft position, unconditional
+    # rates (each row's own verdict, bias-free) and conditional ones (given every earlier draft accepted)
+    spec_verify_steps: int = 0
+    spec_drafts_proposed: int = 0
+    spec_drafts_accepted: int = 0
+    spec_tokens_per_verify: float = 0.0
+    spec_acceptance_p1: float = 0.0
+    spec_acceptance_unconditional: tuple[float, ...] = ()
+    spec_acceptance_conditional: tuple[float, ...] = ()
+    spec_latched_off_total: int = 0
 
 
 class Engine:
@@ -122,6 +141,7 @@ class Engine:
         full_audit: bool = False,
         detokenize: bool = True,
         vocab_size: int | None = None,
+        drafter: Drafter | None = None,
     ) -> None:
         self.backend = backend
         self.tokenizer = tokenizer
@@ -148,6 +168,11 @@ class Engine:
         self._held: dict[int, _Held] = {}
         self._watchdog = WatchdogConfig(config.watchdog_max_period, config.watchdog_min_repeats,
                                         config.watchdog_min_span, config.watchdog_window) if config.loop_watchdog else None
+        # speculative decoding: None when num_drafts == 0 (every decode is a plain one)
+        self._lane: SpeculativeLane | None = None
+        if config.num_drafts:
+            self._lane = SpeculativeLane(drafter or make_drafter(config.drafter, backend), backend, self.capacities,
+                                         config.num_drafts, self.vocab_size, skip=self._snapshot_due)
         log_capacities(self.capacities, model=model_name, backend=getattr(backend, "name", "?"))
 
     @classmethod
@@ -243,15 +268,18 @@ class Engine:
         outputs, self._pending = self._pending, []
         if self.state.pending_faults:
             self._fire_faults(outputs)
-        decided = schedule(self.state)
+        drafts = self._lane.propose(self.state, self._emit) if self._lane is not None else {}
+        decided = schedule(self.state, {seq_id: len(d) for seq_id, d in drafts.items()})
         if decided.idle and not self.state.pending_release:
             return outputs
         step = self.state.step
         for seq_id in decided.preempt:
             self._emit(SequencePreempted(seq_id, len(self.state.seqs[seq_id].blocks), "kv blocks exhausted"))
             self._preemptions += 1
+        verifies = zip(decided.seqs, decided.drafts, strict=True) if decided.drafts else ()
         planned = StepPlanned(step, decided.admitted, decided.seqs, decided.fed, decided.alloc,
-                              tuple(self.state.pending_release), decided.preempt)
+                              tuple(self.state.pending_release), decided.preempt,
+                              tuple(drafts[seq_id][:k] if k else () for seq_id, k in verifies))
         self._emit(planned)
         snapshots = plan_snapshots(self.state.seqs, planned.seqs, planned.fed, self.capacities.snapshot_interval)
         try:
@@ -265,24 +293,49 @@ class Engine:
             self._fail_step(planned, exc, outputs)
             return outputs
         by_seq = self._outcomes(planned, result)
-        tokens = tuple(-1 if o.token is None else o.token for o in by_seq)
-        self._emit(StepExecuted(step, tokens))
-        self._check_cursors(planned, by_seq)
+        verified: dict[int, Verified] = {}
+        if planned.drafts and self._lane is not None:
+            tokenizer = self.tokenizer if self._detokenize else None
+            verified = self._lane.settle(planned, by_seq, self._stops, tokenizer)
+        self._emit(self._executed(planned, by_seq, verified))
+        self._check_cursors(planned, [o if o.seq_id not in verified else attrs.evolve(
+            o, cursors=verified[o.seq_id].cursors or self.backend.cursors(o.seq_id)) for o in by_seq])
+        for seq_id, v in verified.items():
+            if v.error is not None:
+                self._error_finish(seq_id, v.error, outputs)
         for snap in snapshots:
             self._emit(BoundarySnapshotted(step, snap.seq_id, snap.position, snap.slot, snap.evicted))
-        self._finish_sampled(planned, by_seq, outputs)
+        self._finish_sampled(planned, by_seq, outputs, verified)
         return outputs
+
+    def _executed(self, planned: StepPlanned, outcomes: list[SeqOutcome], verified: dict[int, Verified]
+                  ) -> StepExecuted:
+        tokens = tuple(-1 if o.token is None else o.token for o in outcomes)
+        if not planned.drafts:
+            return StepExecuted(planned.step, tokens)
+        none = Verified(accepted=0)
+        rows = [verified.get(o.seq_id, none) for o in outcomes]
+        tokens = tuple(v.tokens[-1] if v.tokens else t for v, t in zip(rows, tokens, strict=True))
+        return StepExecuted(planned.step, tokens, tuple(v.accepted for v in rows), tuple(v.bits for v in rows))
+
+    def _snapshot_due(self, seq: SequenceState) -> bool:
+        """A boundary snapshot is due after the next token: that step is a plain decode, so the ring sees the
+        same boundaries with speculation on as off."""
+        c = seq.cursor
+        return seq.ring.slots > 0 and is_boundary(c.computed + 1, c.prompt_len, self.capacities.snapshot_interval)
 
     def _plan(self, planned: StepPlanned, snapshots: tuple = ()) -> StepPlan:
         seqs = self.state.seqs
         work = []
-        for seq_id, n in zip(planned.seqs, planned.fed, strict=True):
+        drafts = planned.drafts or ((),) * len(planned.seqs)
+        for seq_id, n, verify in zip(planned.seqs, planned.fed, drafts, strict=True):
             seq = seqs[seq_id]
             tokens = seq.cursor.tokens
             start = seq.cursor.computed
             end = start + n
             work.append(SeqWork(seq_id, tuple(tokens[start:end]), start, tuple(seq.blocks), end == len(tokens),
-                                seq.params, banned=seq.banned.get(end, ()) if end == len(tokens) else ()))
+                                seq.params, drafts=verify,
+                                banned=seq.banned.get(end, ()) if end == len(tokens) else ()))
         orders = tuple((o.seq_id, o.position, o.slot) for o in snapshots)
         return StepPlan(planned.step, tuple(work), planned.release, planned.reset, snapshots=orders)
 
@@ -295,9 +348,13 @@ class Engine:
             problem = "one outcome per planned sequence"
         else:
             seqs = self.state.seqs
-            for seq_id, n, o in zip(planned.seqs, planned.fed, ordered, strict=True):
+            drafts = planned.drafts or ((),) * len(planned.seqs)
+            for seq_id, n, o, d in zip(planned.seqs, planned.fed, ordered, drafts, strict=True):
                 c = seqs[seq_id].cursor
-                sample = c.computed + n == len(c.tokens)
+                sample = c.computed + n == len(c.tokens) and not d  # a verify returns verdicts instead
+                if d and (o.token is not None or not o.verdicts):
+                    problem = f"verdicts, not a token, for a verify (seq {seq_id})"
+                    break
                 if sample != (o.token is not None) or (sample and self.vocab_size is not None
                                                        and not 0 <= o.token < self.vocab_size):
                     problem = f"a token exactly for the sampled sequences (seq {seq_id}: {o.token})"
@@ -322,26 +379,39 @@ class Engine:
                     "step": planned.step, "seq_id": o.seq_id, "computed": n, "qsa_ingested": seq.qsa.ingested,
                     "drafter_rows": seq.drafter.rows, "backend": attrs.asdict(cur)}))
 
-    def _finish_sampled(self, planned: StepPlanned, outcomes: list[SeqOutcome], out: list[RequestOutput]) -> None:
+    def _finish_sampled(self, planned: StepPlanned, outcomes: list[SeqOutcome], out: list[RequestOutput],
+                        verified: dict[int, Verified] | None = None) -> None:
         seqs = self.state.seqs
         tokenizer = self.tokenizer if self._detokenize else None
+        verified = verified or {}
         for o in outcomes:
-            token = o.token
-            if token is None:
+            v = verified.get(o.seq_id)
+            if v is not None:  # a verify: its kept tokens, already cut at a stop (none when refused)
+                sampled = list(zip(v.tokens, v.logprobs, v.top_logprobs, strict=True))
+            else:
+                sampled = [] if o.token is None else [(o.token, o.logprob, o.top_logprobs)]
+            if not sampled:
                 continue
-            self._generated_tokens += 1
             seq = seqs[o.seq_id]
             stop = self._stops[o.seq_id]
-            ended = stop.on_token(token, tokenizer)
             p = seq.params
-            logprobs = (o.logprob,) if p.logprobs and o.logprob is not None else ()
-            top = (o.top_logprobs,) if p.logprobs and p.top_logprobs else ()
             held = self._held.get(o.seq_id)
-            if held is not None:
-                held.add(token, logprobs, top)
+            new_tokens: list[int] = []
+            logprobs: tuple[float, ...] = ()
+            top: tuple[tuple[tuple[int, float], ...], ...] = ()
+            ended = None
+            for token, token_logprob, token_top in sampled:
+                self._generated_tokens += 1
+                ended = stop.on_token(token, tokenizer)
+                lp = (token_logprob,) if p.logprobs and token_logprob is not None else ()
+                tp = (token_top,) if p.logprobs and p.top_logprobs else ()
+                new_tokens.append(token)
+                logprobs, top = logprobs + lp, top + tp
+                if held is not None:
+                    held.add(token, lp, tp)
             if ended is None and self._watchdog is not None:
                 watched = self._watch(seq, planned.step)
-                if watched == "rolled_back":  # the token is gone with the loop; a held request goes on
+                if watched == "rolled_back":  # the tokens are gone with the loop; a held request goes on
                     continue
                 ended = watched
             request_id, prompt_len, generated = seq.request_id, seq.cursor.prompt_len, seq.cursor.generated
@@ -350,7 +420,7 @@ class Engine:
                 del self._stops[o.seq_id]
                 self._held.pop(o.seq_id, None)
             if held is None or ended is not None:
-                token_ids, logprobs, top = (token,), logprobs, top
+                token_ids = tuple(new_tokens)
                 if held is not None:  # the whole completion, in one output
                     token_ids, logprobs, top = tuple(held.tokens), tuple(held.logprobs), tuple(held.top)
                 out.append(RequestOutput(
@@ -516,7 +586,19 @@ class Engine:
             generation_tokens_total=self._generated_tokens,
             preemptions_total=self._preemptions,
             rollbacks_total=self._rollbacks,
+            **self._spec_stats(),
         )
+
+    def _spec_stats(self) -> dict[str, Any]:
+        if self._lane is None:
+            return {}
+        acc = self._lane.stats
+        unc = acc.p_unconditional()
+        return {"spec_verify_steps": acc.verify_steps, "spec_drafts_proposed": acc.drafts_proposed,
+                "spec_drafts_accepted": acc.drafts_accepted, "spec_tokens_per_verify": acc.tokens_per_verify,
+                "spec_acceptance_p1": unc[0] if unc else 0.0, "spec_acceptance_unconditional": tuple(unc),
+                "spec_acceptance_conditional": tuple(acc.p_conditional()),
+                "spec_latched_off_total": self._lane.latched_total}
 
     @property
     def dead(self) -> bool:

@@ -55,8 +55,11 @@ def build_engine_for_loaded(cls: type[Engine], loaded: Any, *, model: str, confi
 
     config = config or EngineConfig()
     caps = derive_capacities(config, loaded.spec, activation_bytes=(dtype or loaded.dtype).itemsize)
+    # speculative decoding: per-token intermediates for verifies of caps.verify_width rows, and the MTP
+    # drafter's rows when it drafts
     data_plane = CpuBackend(loaded, num_kv_blocks=caps.num_kv_blocks, block_size=caps.block_size, dtype=dtype,
-                            ring_slots=caps.ring_slots)
+                            ring_slots=caps.ring_slots, verify_width=caps.verify_width,
+                            mtp_drafter=caps.drafter_rows > 0)
     sink = kwargs.pop("sink", None)
     if trace is not None:
         sink = open_trace(trace, model=model, fingerprint=loaded.fingerprint, backend="cpu", config=config,

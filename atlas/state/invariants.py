@@ -32,7 +32,9 @@ def _fail(index: int, machine: str, message: str, **fields: Any) -> None:
     raise InvariantViolation(index, machine, message, fields)
 
 
-def check_sequence(seq: Sequence, block_size: int, index: int) -> None:
+def check_sequence(seq: Sequence, block_size: int, index: int, drafts_in_flight: int = 0) -> None:
+    """`drafts_in_flight`: drafts the in-flight step verifies for this sequence; their KV positions have
+    blocks until the verify's commit frees those past the kept tokens."""
     c = seq.cursor
     n = len(c.tokens)
     if not 0 <= c.computed <= n:
@@ -56,9 +58,9 @@ def check_sequence(seq: Sequence, block_size: int, index: int) -> None:
         if c.computed > len(seq.blocks) * block_size:
             _fail(index, "BlockPool", "a running sequence's KV fits its blocks", seq_id=seq.seq_id,
                   computed=c.computed, blocks=len(seq.blocks), block_size=block_size)
-        if (len(seq.blocks) - 1) * block_size >= max(n, 1):
+        if (len(seq.blocks) - 1) * block_size >= max(n + drafts_in_flight, 1):
             _fail(index, "BlockPool", "no block beyond the sequence's tokens", seq_id=seq.seq_id,
-                  seq_len=n, blocks=len(seq.blocks), block_size=block_size)
+                  seq_len=n, drafts_in_flight=drafts_in_flight, blocks=len(seq.blocks), block_size=block_size)
     else:
         _fail(index, "Request", "a finished sequence is not live", seq_id=seq.seq_id)
     prev = -1
@@ -85,6 +87,13 @@ def check_sequence(seq: Sequence, block_size: int, index: int) -> None:
         _fail(index, "DrafterCarry", "a carry implies a prefill", seq_id=seq.seq_id)
 
 
+def _drafts_in_flight(state: ControlState, seq_id: int) -> int:
+    plan = state.inflight
+    if plan is None or not plan.drafts or seq_id not in plan.seqs:
+        return 0
+    return len(plan.drafts[plan.seqs.index(seq_id)])
+
+
 def check_invariants(state: ControlState, touched: tuple[int, ...], index: int) -> None:
     """After every event: the sequences it touched, and the pool's and queues' counters."""
     pool = state.pool
@@ -98,7 +107,7 @@ def check_invariants(state: ControlState, touched: tuple[int, ...], index: int) 
     for seq_id in touched:
         seq = seqs.get(seq_id)
         if seq is not None:
-            check_sequence(seq, bs, index)
+            check_sequence(seq, bs, index, _drafts_in_flight(state, seq_id))
 
 
 def audit(state: ControlState, index: int) -> None:
@@ -106,7 +115,7 @@ def audit(state: ControlState, index: int) -> None:
     pool = state.pool
     owner: dict[int, int] = {}
     for seq in state.seqs.values():
-        check_sequence(seq, state.caps.block_size, index)
+        check_sequence(seq, state.caps.block_size, index, _drafts_in_flight(state, seq.seq_id))
         for b in seq.blocks:
             if b in owner:
                 _fail(index, "BlockPool", "a block has one owner", block=b, owners=[owner[b], seq.seq_id])

@@ -1,0 +1,131 @@
+"""A hypothesis state machine over the engine on the CPU backend and atlas-tiny: arrivals (streaming or not,
+prompts past the QSA inert bound of 19), steps (prefill, decode, boundary snapshots, preemption), rollbacks to
+valid and invalid targets, cancellations. After every rule: every invariant (full audit after every event),
+the backend's cursors and snapshot ring against the control plane. After every rollback: the sequence is, to
+the bit, a fresh one fed the boundary's tokens. A decline or a refused target changes nothing."""
+
+from __future__ import annotations
+
+import torch
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from atlas.backends.cpu import CpuBackend
+from atlas.backends.cpu.runner import Chunk
+from atlas.config import EngineConfig
+from atlas.engine.engine import Engine, RecordingSink
+from atlas.engine.sampling import SamplingParams
+from atlas.model import load_model
+from atlas.state.events import RollbackDeclined, RolledBack
+from atlas.state.invariants import audit
+from atlas.state.machines import Phase
+
+torch.set_num_threads(1)
+TINY = load_model("atlas-tiny")
+# 40 blocks of 4 for three sequences of up to 64 tokens: preemption happens, and clears the ring
+CONFIG = EngineConfig(max_seq_len=64, max_batch_size=3, prefill_chunk_tokens=16, block_size=4, num_kv_blocks=40,
+                      ring_slots=3, snapshot_interval=3, max_rollbacks=3, max_waiting=4)
+
+
+def assert_never_took(engine: Engine, seq_id: int, tokens: list[int], boundary: int) -> None:
+    fresh = CpuBackend(TINY, num_kv_blocks=16, block_size=4)
+    fresh.forward([Chunk(seq_id, tokens[:boundary], 0, tuple(range(16)))])
+    rolled, reference = engine.backend._seqs[seq_id], fresh._seqs[seq_id]  # type: ignore[attr-defined]
+    assert engine.backend.cursors(seq_id) == fresh.cursors(seq_id)
+    for name in ("gdn_conv", "gdn_recurrent", "ple_conv", "qsa_keys"):
+        for layer, t in getattr(reference, name).items():
+            assert torch.equal(getattr(rolled, name)[layer], t), (name, layer)
+    assert torch.equal(rolled.ple_context, reference.ple_context)
+
+
+class RollbackMachine(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.engine = Engine.from_loaded(TINY, model="atlas-tiny", config=CONFIG, sink=RecordingSink(),
+                                         full_audit=True)
+        self.arrivals = 0
+        self.rollbacks = 0
+
+    def digest(self) -> str:
+        return self.engine.state.digest()
+
+    @initialize(long_prompt=st.lists(st.integers(0, 255), min_size=20, max_size=30),
+                short_prompt=st.lists(st.integers(0, 255), min_size=1, max_size=8))
+    def two_requests(self, long_prompt: list[int], short_prompt: list[int]) -> None:
+        """One prompt past the QSA inert bound (selection active from its first decode), one short."""
+        self.arrive(long_prompt, 30, False, 0.0)
+        self.arrive(short_prompt, 30, False, 0.9)
+
+    @precondition(lambda self: len(self.engine.state.waiting) < CONFIG.max_waiting)
+    @rule(prompt=st.lists(st.integers(0, 255), min_size=1, max_size=30), max_tokens=st.integers(1, 30),
+          stream=st.booleans(), temperature=st.sampled_from([0.0, 0.9]))
+    def arrive(self, prompt: list[int], max_tokens: int, stream: bool, temperature: float) -> None:
+        params = SamplingParams(max_tokens=min(max_tokens, CONFIG.max_seq_len - len(prompt)),
+                                temperature=temperature, seed=self.arrivals, ignore_eos=True)
+        self.engine.add_request(f"r{self.arrivals}", prompt, params, stream=stream)
+        self.arrivals += 1
+
+    @rule(n=st.integers(1, 8))
+    def steps(self, n: int) -> None:
+        for _ in range(n):
+            self.engine.step()
+
+    @precondition(lambda self: self.arrivals > 2)  # the opening requests live long enough to roll back
+    @rule(data=st.data())
+    def cancel(self, data: st.DataObject) -> None:
+        live = sorted(self.engine.state.by_request)
+        if live:
+            self.engine.cancel(data.draw(st.sampled_from(live)))
+
+    @rule(data=st.data())
+    def rollback(self, data: st.DataObject) -> None:
+        state = self.engine.state
+        candidates = [s for s in state.running if state.seqs[s].cursor.generated >= 1 and state.seqs[s].on_device]
+        if not candidates:
+            return
+        seq = state.seqs[data.draw(st.sampled_from(candidates))]
+        c = seq.cursor
+        # mostly a recent target (the ring holds the newest boundaries), sometimes anything, invalid included
+        recent = st.integers(max(c.prompt_len + 1, c.seq_len - 9), c.seq_len - 1) if c.generated >= 2 else st.nothing()
+        keep = data.draw(st.one_of(recent, recent, st.integers(c.prompt_len - 1, c.seq_len + 1)))
+        tokens = list(c.tokens)
+        before, events = self.digest(), len(self.engine._sink.rows)  # type: ignore[union-attr]
+        if not c.prompt_len < keep < c.seq_len:
+            try:
+                self.engine._roll_back(seq, keep, 0, state.step)
+            except ValueError:
+                assert self.digest() == before and len(self.engine._sink.rows) == events  # type: ignore[union-attr]
+                return
+            raise AssertionError(f"target {keep} outside ({c.prompt_len}, {c.seq_len}) was not refused")
+        outcome = self.engine._roll_back(seq, keep, 0, state.step)
+        last = self.engine._sink.rows[-1]  # type: ignore[union-attr]
+        if outcome == "rolled_back":
+            e = last[2]
+            assert isinstance(e, RolledBack) and c.tokens == tokens[:keep] and c.computed == e.boundary
+            assert seq.banned[keep][-1] == tokens[keep]
+            assert_never_took(self.engine, seq.seq_id, tokens, e.boundary)
+            self.rollbacks += 1
+        else:
+            assert isinstance(last[2], RollbackDeclined) and last[3] == before  # declined: nothing moved
+            assert c.tokens == tokens
+            self.engine.cancel(seq.request_id)
+
+    @invariant()
+    def every_machine_and_the_data_plane_agree(self) -> None:
+        state = self.engine.state
+        audit(state, -1)
+        backend = self.engine.backend
+        for seq_id in state.running:
+            seq = state.seqs[seq_id]
+            if not seq.on_device or seq.cursor.phase is not Phase.RUNNING:
+                continue
+            cur = backend.cursors(seq_id)
+            n = seq.cursor.computed
+            assert (cur.kv_tokens, cur.qsa_ingested, cur.ssm_position, cur.ple_position) == (n, n, n, n)
+            assert backend.ring.positions(seq_id) == {slot: pos for pos, slot in seq.ring.snapshots}  # type: ignore[attr-defined]
+
+
+RollbackMachine.TestCase.settings = settings(max_examples=20, stateful_step_count=30, deadline=None,
+                                             suppress_health_check=[HealthCheck.too_slow])
+TestRollbackMachine = RollbackMachine.TestCase

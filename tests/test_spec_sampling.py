@@ -83,8 +83,8 @@ def test_verdicts_are_keyed_by_seed_and_position() -> None:
     assert a == verify_rows(rows, (1, 2), SamplingParams(temperature=1.0, seed=9), 100)
     many = {verify_rows(rows, (1, 2), SamplingParams(temperature=1.0, seed=9), start) for start in range(20)}
     assert len(many) > 1
-    # the last (bonus) row samples exactly what a plain decode at that position samples
-    assert a[2].token == sample_token(rows[2], SamplingParams(temperature=1.0, seed=9), 102)
+    # the last (bonus) row, fed at 102, samples the token for 103 exactly as a plain decode there would
+    assert a[2].token == sample_token(rows[2], SamplingParams(temperature=1.0, seed=9), 103)
 
 
 def test_greedy_verdicts_take_the_targets_argmax() -> None:

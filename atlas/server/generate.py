@@ -168,8 +168,10 @@ async def _respond_whole(ctx: ServingContext, request: Request, stream: RequestS
     if failure is not None:
         raise failure
     assert gen.finish is not None and gen.finish.finish_reason is not None
+    # finish_detail (an extension, like vLLM's stop_reason): why it stopped, e.g. a declined loop rollback
     choice: dict[str, Any] = {"index": 0, "logprobs": gen.logprobs(kind, token_ids, logprobs, tops, 0),
-                              "finish_reason": gen.finish.finish_reason.value}
+                              "finish_reason": gen.finish.finish_reason.value,
+                              "finish_detail": gen.finish.finish_detail}
     if kind == "chat":
         choice["message"] = {"role": "assistant", "content": gen.text}
     else:
@@ -188,8 +190,11 @@ async def _stream_events(ctx: ServingContext, stream: RequestStream, gen: _Gener
     created = int(time.time())
     obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
 
-    def chunk(text: str | None, finish: str | None, logprobs: dict | None, role: bool = False) -> bytes:
+    def chunk(text: str | None, finish: str | None, logprobs: dict | None, role: bool = False,
+              detail: str | None = None) -> bytes:
         choice: dict[str, Any] = {"index": 0, "logprobs": logprobs, "finish_reason": finish}
+        if detail is not None:
+            choice["finish_detail"] = detail
         if kind == "chat":
             delta: dict[str, Any] = {"role": "assistant"} if role else {}
             if text is not None:
@@ -220,7 +225,8 @@ async def _stream_events(ctx: ServingContext, stream: RequestStream, gen: _Gener
             yield DONE
             return
         assert gen.finish is not None and gen.finish.finish_reason is not None
-        yield chunk(None if kind == "chat" else "", gen.finish.finish_reason.value, None)
+        yield chunk(None if kind == "chat" else "", gen.finish.finish_reason.value, None,
+                    detail=gen.finish.finish_detail)
         if include_usage:
             yield _sse({"id": request_id, "object": obj, "created": created, "model": ctx.model_name,
                         "choices": [], "usage": gen.usage()})

@@ -1,0 +1,69 @@
+"""Served: a non-streaming request whose model loops completes with 200 after a rollback, and the trace shows
+the rollback event with the restored cursors; a streaming one cannot be rewound (its tokens reached the
+client), so it ends with `stop` and the typed reason in the response and the trace."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+import torch
+from test_rollback_engine import PATTERN, LoopingBackend, config
+
+from atlas.backends.cpu import CpuBackend
+from atlas.config import derive_capacities
+from atlas.engine.engine import Engine
+from atlas.engine.factory import open_trace
+from atlas.model import load_model
+from atlas.replay.store import TraceReader
+from atlas.server.serve import serve_in_thread
+
+PROMPT = "Loop test: "  # the scripted loop counts generated tokens from this prompt's end
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    torch.set_num_threads(1)
+    return load_model("atlas-tiny")
+
+
+def test_a_looping_request_is_served_after_a_rollback_and_traced(tiny, tmp_path) -> None:
+    cfg = config()
+    caps = derive_capacities(cfg, tiny.spec, activation_bytes=4)
+    trace = tmp_path / "loop.sqlite"
+    inner = CpuBackend(tiny, num_kv_blocks=caps.num_kv_blocks, block_size=caps.block_size, ring_slots=caps.ring_slots)
+    engine = Engine(LoopingBackend(inner, len(PROMPT.encode())), tokenizer=tiny.tokenizer, config=cfg,
+                    capacities=caps, spec=tiny.spec,
+                    sink=open_trace(str(trace), model="atlas-tiny", fingerprint=tiny.fingerprint,
+                                    backend="cpu-looping", config=cfg, caps=caps))
+    body = {"prompt": PROMPT, "max_tokens": 60, "ignore_eos": True}
+    with serve_in_thread(engine) as served, httpx.Client(base_url=served.url, timeout=60) as http:
+        whole = http.post("/v1/completions", json=body)
+        with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+            chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+
+    assert whole.status_code == 200
+    choice = whole.json()["choices"][0]
+    assert choice["finish_reason"] == "length" and whole.json()["usage"]["completion_tokens"] == 60
+    loop = bytes(PATTERN).decode()
+    assert loop in choice["text"] and loop * 2 not in choice["text"]  # one copy kept, then re-steered
+    assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
+    assert "rollback declined: streamed" in chunks[-1]["choices"][0]["finish_detail"]
+
+    reader = TraceReader(trace)
+    try:
+        recorded = list(reader.events(reader.run().run_id))
+    finally:
+        reader.close()
+    (rolled,) = [e.payload for e in recorded if e.kind == "rolled_back"]
+    b = rolled["boundary"]
+    assert rolled["cursors"] == {"kv_tokens": b, "qsa_ingested": b, "ssm_position": b, "ple_position": b,
+                                 "drafter_rows": 0}
+    assert rolled["keep"] == len(PROMPT) + 10 and rolled["ban_token"] == PATTERN[0]
+    (declined,) = [e.payload for e in recorded if e.kind == "rollback_declined"]
+    assert declined["reason"] == "streamed"
+    details = [e.payload["detail"] for e in recorded if e.kind == "request_finished"]
+    assert details[0] == "max_tokens 60" and "rollback declined: streamed" in details[1]
+    arrived = [e.payload["stream"] for e in recorded if e.kind == "request_arrived"]
+    assert arrived == [False, True]

@@ -17,7 +17,7 @@ from typing import Any
 
 import attrs
 import triton
-from atlas_kernels import conv, gdn_chunk, gdn_recurrent, norms, paged_attention, qsa
+from atlas_kernels import conv, gdn_chunk, gdn_chunk_split, gdn_recurrent, norms, paged_attention, qsa
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from triton.runtime.jit import JITFunction
@@ -40,14 +40,14 @@ def ptxas_path() -> str:
 
 
 def compile_for_hopper(kernel: Any, arg_types: dict[str, str], constexprs: dict[str, Any], num_warps: int = 4,
-                       label: str = "") -> CompileReport:
+                       label: str = "", num_stages: int = 3) -> CompileReport:
     """arg_types: Triton type strings ('*bf16', 'i32', 'fp32') of every non-constexpr argument."""
     if not isinstance(kernel, JITFunction):  # under TRITON_INTERPRET=1 the decorator gave an interpreter wrapper
         kernel = JITFunction(kernel.fn)
     names = kernel.arg_names
     signature = {name: "constexpr" if name in constexprs else arg_types[name] for name in names}
     source = ASTSource(kernel, signature, {(names.index(k),): v for k, v in constexprs.items()})
-    compiled = triton.compile(source, target=HOPPER, options={"num_warps": num_warps})
+    compiled = triton.compile(source, target=HOPPER, options={"num_warps": num_warps, "num_stages": num_stages})
     ptx = compiled.asm["ptx"]
     arch = next(line.split()[1] for line in ptx.splitlines() if line.startswith(".target"))
     with tempfile.NamedTemporaryFile("w", suffix=".ptx") as file:
@@ -75,6 +75,23 @@ def gdn_chunk_case(block_v: int = 32, num_warps: int = 4, precision: str = "tf32
     consts = dict(DK=128, DV=128, BK=128, BV=block_v, C=gdn_chunk.CHUNK, LOG2_C=6, PRECISION=precision)
     return compile_for_hopper(gdn_chunk._gdn_chunk_kernel, types, consts, num_warps,
                               f"BV={block_v} warps={num_warps} {precision}")
+
+
+def gdn_chunk_split_cases() -> list[CompileReport]:
+    work = dict(w_ptr="*fp32", u_ptr="*fp32", q_decayed_ptr="*fp32", k_decayed_ptr="*fp32", p_ptr="*fp32",
+                g_cum_ptr="*fp32", cu_seqlens_ptr="*i32")
+    prepare = dict(q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", g_ptr="*fp32", beta_ptr="*bf16", **work,
+                   num_k_heads="i32", num_v_heads="i32", scale="fp32", eps="fp32")
+    scan = dict(**work, state_ptr="*fp32", slot_ptr="*i64", out_ptr="*bf16", num_v_heads="i32")
+    c = gdn_chunk.CHUNK
+    return [
+        compile_for_hopper(gdn_chunk_split._prepare_kernel, prepare,
+                           dict(DK=128, DV=128, BK=128, BDV=128, C=c, LOG2_C=6, PRECISION="tf32"), 8,
+                           "warps=8 stages=1 tf32", num_stages=1),
+        compile_for_hopper(gdn_chunk_split._scan_kernel, scan,
+                           dict(DK=128, DV=128, BK=128, BV=64, C=c, PRECISION="tf32"), 8,
+                           "BV=64 warps=8 stages=1 tf32", num_stages=1),
+    ]
 
 
 def gdn_recurrent_case(block_v: int = 32, store_states: bool = False) -> CompileReport:
@@ -136,7 +153,8 @@ def norm_cases() -> list[CompileReport]:
 
 def all_reports() -> list[CompileReport]:
     """The kernels at the benchmark model's (qwen4exp-2p7b) sizes, in the configurations the wrappers pick."""
-    return [gdn_recurrent_case(), gdn_recurrent_case(store_states=True), gdn_chunk_case(), conv_case(),
+    return [gdn_recurrent_case(), gdn_recurrent_case(store_states=True), gdn_chunk_case(),
+            *gdn_chunk_split_cases(), conv_case(),
             *attention_cases(), *qsa_cases(), *norm_cases()]
 
 

@@ -18,9 +18,9 @@ if not os.path.exists(compile_report.ptxas_path()):
 def test_all_kernels_compile_for_hopper_and_decode_kernels_do_not_spill() -> None:
     reports = compile_report.all_reports()
 
-    assert len(reports) == 11
+    assert len(reports) == 13
     for report in reports:
         assert 0 < report.registers <= 255, report
-        # the chunked prefill keeps a [64, 128] fp32 working set per operand and is known to spill (KERNELS.md)
-        if report.kernel != "gdn_chunk_kernel":
+        # the chunked prefill keeps [64, 128] fp32 operand tiles and is known to spill (KERNELS.md)
+        if report.kernel not in ("gdn_chunk_kernel", "prepare_kernel", "scan_kernel"):
             assert report.spill_bytes == 0, report

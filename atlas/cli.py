@@ -92,6 +92,8 @@ def generate(
     max_seq_len: int = typer.Option(1024),
     max_batch_size: int = typer.Option(16),
     prefill_chunk_tokens: int = typer.Option(256),
+    num_drafts: int = typer.Option(0, help="speculative decoding: drafts per verify (0 = off)"),
+    drafter: str = typer.Option("mtp", help="mtp | ngram"),
     trace: str = typer.Option(None, help="record the run: a SQLite path or a SQLAlchemy URL"),
 ) -> None:
     """Generate from prompts with the engine (greedy by default) and print each completion."""
@@ -115,7 +117,8 @@ def generate(
 
     structlog.configure(logger_factory=structlog.PrintLoggerFactory(_Stderr()))  # stdout is the completions
     config = EngineConfig(max_seq_len=max_seq_len, max_batch_size=max_batch_size,
-                          prefill_chunk_tokens=max(prefill_chunk_tokens, max_batch_size))
+                          prefill_chunk_tokens=max(prefill_chunk_tokens, max_batch_size), num_drafts=num_drafts,
+                          drafter=drafter)
     engine = Engine.from_model(model, backend=backend, config=config, trace=trace)  # type: ignore[arg-type]
     params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_tokens, seed=seed,
                             stop=tuple(stop or ()), ignore_eos=ignore_eos)
@@ -159,6 +162,12 @@ def trace_show(file: str, run_id: int = typer.Option(None, help="default: the la
     console.print(f"{s.events} events over {s.steps} steps; outcomes: {s.outcome_counts}")
     for fault in s.faults:
         console.print(f"[red]{fault}[/red]")
+    if s.speculation:
+        sp = s.speculation
+        console.print(f"speculation: {sp['verify_steps']} verifies, {sp['tokens_per_verify']} tokens per verify, "
+                      f"{sp['drafts_accepted']}/{sp['drafts_proposed']} drafts accepted, p1 {sp['p1']}, "
+                      f"by position unconditional {sp['p_unconditional']} conditional {sp['p_conditional']}, "
+                      f"latched off {sp['latched_off']}")
     table = Table("request", "seq", "prompt", "completion", "arrived", "finished", "preempted", "finish", "detail")
     for q in s.requests:
         table.add_row(q.request_id, str(q.seq_id), str(q.prompt_tokens), str(q.completion_tokens),

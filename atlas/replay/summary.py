@@ -7,6 +7,7 @@ from pathlib import Path
 
 import attrs
 
+from atlas.engine.speculative import AcceptanceStats
 from atlas.replay.store import RunRecord, TraceReader
 
 
@@ -31,6 +32,9 @@ class TraceSummary:
     event_counts: dict[str, int]
     requests: list[RequestSummary]
     faults: list[str]
+    # speculative decoding, from step_planned drafts and step_executed verdict bits (AcceptanceStats.summary);
+    # None when nothing drafted
+    speculation: dict | None = None
 
     @property
     def outcome_counts(self) -> dict[str, int]:
@@ -45,6 +49,9 @@ def summarize(path_or_url: str | Path, run_id: int | None = None) -> TraceSummar
         by_seq: dict[int, RequestSummary] = {}
         faults: list[str] = []
         planned: tuple[int, ...] = ()
+        drafts: list[list[int]] = []
+        accept = AcceptanceStats()
+        latched = 0
         steps = 0
         n = 0
         for rec in reader.events(run.run_id):
@@ -55,11 +62,18 @@ def summarize(path_or_url: str | Path, run_id: int | None = None) -> TraceSummar
                 by_seq[p["seq_id"]] = RequestSummary(p["request_id"], p["seq_id"], len(p["prompt"]), rec.step)
             elif rec.kind == "step_planned":
                 planned = tuple(p["seqs"])
+                drafts = p.get("drafts") or [[]] * len(planned)
                 steps = max(steps, p["step"] + 1)
             elif rec.kind == "step_executed":
-                for seq_id, token in zip(planned, p["tokens"], strict=True):
+                accepted = p.get("accepted") or [0] * len(planned)
+                bits = p.get("verdicts") or [0] * len(planned)
+                for seq_id, token, d, a, b in zip(planned, p["tokens"], drafts, accepted, bits, strict=True):
                     if token >= 0:
-                        by_seq[seq_id].completion_tokens += 1
+                        by_seq[seq_id].completion_tokens += 1 + a
+                    if d and a >= 0:
+                        accept.record(len(d), b)
+            elif rec.kind == "speculation_latched_off":
+                latched += 1
             elif rec.kind == "sequence_preempted":
                 by_seq[p["seq_id"]].preemptions += 1
             elif rec.kind in ("request_finished", "request_cancelled"):
@@ -74,4 +88,7 @@ def summarize(path_or_url: str | Path, run_id: int | None = None) -> TraceSummar
                 faults.append(f"event {p['event_index']}: invariant violated in {p['machine']}: {p['message']}")
     finally:
         reader.close()
-    return TraceSummary(run, n, steps, dict(sorted(counts.items())), list(by_seq.values()), faults)
+    speculation = None
+    if accept.verify_steps or latched:
+        speculation = {**accept.summary(), "latched_off": latched}
+    return TraceSummary(run, n, steps, dict(sorted(counts.items())), list(by_seq.values()), faults, speculation)

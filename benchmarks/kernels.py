@@ -26,6 +26,7 @@ import triton.testing
 from atlas_kernels import reference as ref
 from atlas_kernels.conv import causal_conv1d_update
 from atlas_kernels.gdn_chunk import CHUNK, gdn_chunk_prefill
+from atlas_kernels.gdn_chunk_split import gdn_chunk_prefill_split
 from atlas_kernels.gdn_recurrent import gdn_recurrent
 from atlas_kernels.norms import gated_rms_norm, rms_norm
 from atlas_kernels.paged_attention import paged_attention
@@ -43,6 +44,12 @@ FALLBACK_CONFIG = {
 }
 DEV = "cuda"
 BF16 = torch.bfloat16
+# The sizes swept; module constants so a CPU smoke run (TRITON_INTERPRET=1) can shrink them.
+BATCHES = (1, 16, 64)
+VERIFY = (16, 4)  # batch, tokens per row
+PREFILL_TOKENS = 2048
+CONTEXTS = (2048, 8192)
+NORM_ROWS = (64, 2048)
 results: list[dict] = []
 
 
@@ -112,7 +119,7 @@ def bench_gdn_recurrent(cfg: dict, layers: int) -> None:
     hk, hv = cfg["linear_num_key_heads"], cfg["linear_num_value_heads"]
     dk, dv = cfg["linear_key_head_dim"], cfg["linear_value_head_dim"]
     state_bytes = hv * dk * dv * 4
-    for batch, tokens, verify in [(1, 1, False), (16, 1, False), (64, 1, False), (16, 4, True)]:
+    for batch, tokens, verify in [*((b, 1, False) for b in BATCHES), (*VERIFY, True)]:
         for block_v in (32, 64):
             per_layer = []
             for _ in range(layers):
@@ -147,7 +154,7 @@ def bench_fla_recurrent(hk: int, hv: int, dk: int, dv: int, layers: int) -> None
     if ops is None:
         return
     _, fused_recurrent = ops
-    for batch in (1, 16, 64):
+    for batch in BATCHES:
         per_layer = [(gdn_inputs((batch, 1), hk, hv, dk, dv), 0.1 * torch.randn(batch, hv, dk, dv, device=DEV))
                      for _ in range(layers)]
 
@@ -173,25 +180,34 @@ def chunk_flops(tokens: int, hv: int, dk: int, dv: int) -> float:
     return hv * (tokens / c) * per_chunk
 
 
-def bench_gdn_chunk(cfg: dict) -> None:
+def bench_gdn_chunk(cfg: dict, with_fp32: bool) -> None:
     hk, hv = cfg["linear_num_key_heads"], cfg["linear_num_value_heads"]
     dk, dv = cfg["linear_key_head_dim"], cfg["linear_value_head_dim"]
-    tokens = 2048
+    tokens = PREFILL_TOKENS
     cu = torch.tensor([0, tokens], dtype=torch.int32, device=DEV)
     slots = torch.zeros(1, dtype=torch.long, device=DEV)
     flops = chunk_flops(tokens, hv, dk, dv)
-    for dtype, precision in [(BF16, "tf32"), (torch.float32, "ieee")]:
+    # fp32 (ieee dots) spills tens of KB at dk = 128: 41 to 68 ms a layer and ~100 s to compile, so opt-in
+    dtypes = [BF16, torch.float32] if with_fp32 else [BF16]
+    for dtype in dtypes:
         inputs = gdn_inputs((tokens,), hk, hv, dk, dv, dtype)
-        for block_v, warps in [(32, 4), (32, 8), (64, 8), (128, 8)]:
+        variants: list[tuple[str, Callable]] = [
+            (f"fused BV={bv} w={w}", lambda pool, bv=bv, w=w, inputs=inputs: gdn_chunk_prefill(
+                *inputs, cu, pool, slots, block_v=bv, num_warps=w)) for bv, w in [(32, 4), (64, 8)]
+        ]
+        variants += [
+            (f"split BV={bv} w={w}", lambda pool, bv=bv, w=w, inputs=inputs: gdn_chunk_prefill_split(
+                *inputs, cu, pool, slots, tokens, block_v=bv, scan_warps=w)) for bv, w in [(64, 8), (32, 4)]
+        ]
+        for name, run in variants:
             pool = 0.1 * torch.randn(1, hv, dk, dv, device=DEV)
             try:
-                ms = time_ms(lambda x=inputs, pool=pool, bv=block_v, w=warps, p=precision: gdn_chunk_prefill(
-                    *x, cu, pool, slots, precision=p, block_v=bv, num_warps=w))
+                ms = time_ms(lambda run=run, pool=pool: run(pool))
             except Exception as error:
-                print(f"# gdn_chunk BV={block_v} warps={warps} failed: {error}", flush=True)
+                print(f"# gdn_chunk {name} failed: {error}", flush=True)
                 continue
-            record("gdn_chunk", f"L=2048 {str(dtype)[6:]} {precision} BV={block_v} w={warps}", ms, flops=flops,
-                   note=f"{tokens / ms / 1e3:.0f} k tok/s per layer")
+            record("gdn_chunk", f"L={tokens} {str(dtype)[6:]} {name}", ms, flops=flops,
+                   note=f"{tokens / ms / 1e3:.0f}k tok/s/layer")
     ops = fla_ops()
     if ops is not None:
         chunk, _ = ops
@@ -200,7 +216,7 @@ def bench_gdn_chunk(cfg: dict) -> None:
         try:
             ms = time_ms(lambda: chunk(q, k, v, g, beta, initial_state=state, output_final_state=True,
                                        use_qk_l2norm_in_kernel=True), graph=False)
-            record("fla_chunk", "L=2048 bf16", ms, flops=flops, note=f"{tokens / ms / 1e3:.0f} k tok/s per layer")
+            record("fla_chunk", f"L={tokens} bf16", ms, flops=flops, note=f"{tokens / ms / 1e3:.0f}k tok/s/layer")
         except Exception as error:
             print(f"# fla chunk failed: {error}", flush=True)
 
@@ -209,7 +225,7 @@ def bench_conv(cfg: dict, layers: int) -> None:
     channels = 2 * cfg["linear_num_key_heads"] * cfg["linear_key_head_dim"]
     channels += cfg["linear_num_value_heads"] * cfg["linear_value_head_dim"]
     kernel_size = cfg["linear_conv_kernel_dim"]
-    for batch in (1, 16, 64):
+    for batch in BATCHES:
         per_layer = [(torch.randn(batch, 1, channels, device=DEV, dtype=BF16),
                       torch.randn(batch, channels, kernel_size, device=DEV, dtype=BF16),
                       torch.randn(channels, kernel_size, device=DEV, dtype=BF16)) for _ in range(layers)]
@@ -235,8 +251,9 @@ def bench_attention(cfg: dict, layers: int) -> None:
     hq, hkv, d = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
     ratio, budget = cfg["indexer_compress_ratio"], cfg["indexer_budget"]
     block_size = 16
-    for context, batch, qsa in [(2048, 1, False), (2048, 16, False), (2048, 64, False), (8192, 1, False),
-                                (8192, 16, False), (8192, 64, False), (8192, 1, True), (8192, 64, True)]:
+    cases = [(context, batch, False) for context in CONTEXTS for batch in BATCHES]
+    cases += [(CONTEXTS[-1], batch, True) for batch in (BATCHES[0], BATCHES[-1])]
+    for context, batch, qsa in cases:
         per_layer = []
         for _ in range(layers):
             k_pool, v_pool, tables = paged_kv(batch, context, block_size, hkv, d)
@@ -266,9 +283,9 @@ def bench_qsa(cfg: dict, layers: int) -> None:
     ratio, budget, eps = cfg["indexer_compress_ratio"], cfg["indexer_budget"], cfg["rms_norm_eps"]
     rope = cfg["rope_parameters"]
     inv_freq = ref.rope_inv_freq(cfg["head_dim"], rope["partial_rotary_factor"], rope["rope_theta"]).to(DEV)
-    block_size, context = 16, 8192
+    block_size, context = 16, CONTEXTS[-1]
     blocks = context // ratio
-    for batch in (1, 16, 64):
+    for batch in BATCHES:
         per_layer = []
         for _ in range(layers):
             pages = batch * context // block_size
@@ -290,7 +307,7 @@ def bench_qsa(cfg: dict, layers: int) -> None:
         record("qsa_score+select", f"ctx={context} B={batch}", time_ms(with_select), bytes_moved=moved,
                layers=layers, note="select = stable torch.sort")
         del per_layer
-    # prefill pooling: every block of an 8192-token prompt
+    # prefill pooling: every block of a CONTEXTS[-1]-token prompt
     pages = context // block_size
     tables = torch.randperm(pages, device=DEV).view(1, -1).to(torch.int32)
     raw = torch.randn(pages, block_size, d, device=DEV, dtype=BF16)
@@ -304,7 +321,7 @@ def bench_qsa(cfg: dict, layers: int) -> None:
 def bench_norms(cfg: dict) -> None:
     hidden, eps = cfg["hidden_size"], cfg["rms_norm_eps"]
     hv, dv = cfg["linear_num_value_heads"], cfg["linear_value_head_dim"]
-    for tokens in (64, 2048):
+    for tokens in NORM_ROWS:
         x = torch.randn(tokens, hidden, device=DEV, dtype=BF16)
         w = torch.randn(hidden, device=DEV)
         record("rms_norm", f"[{tokens}, {hidden}]", time_ms(lambda x=x, w=w: rms_norm(x, w, eps)),
@@ -326,7 +343,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", type=Path, default=DEFAULT_CONFIG)
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".")))
-    parser.add_argument("--only", default="", help="comma-separated subset: gdn,chunk,conv,attn,qsa,norms")
+    parser.add_argument("--only", default="", help="comma-separated subset: gdn,conv,attn,qsa,norms,chunk")
+    parser.add_argument("--fp32-chunk", action="store_true", help="also time the fp32 (parity) chunked prefill")
     args = parser.parse_args()
     cfg = load_config(args.config)
     gdn_layers = cfg["layer_types"].count("linear_attention")
@@ -334,23 +352,24 @@ def main() -> None:
     print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}; "
           f"{gdn_layers} GDN layers, {attn_layers} attention layers", flush=True)
     measure_ceilings()
-    benches = {
+    benches = {  # the slow-to-compile chunked prefill last
         "gdn": lambda: bench_gdn_recurrent(cfg, gdn_layers),
-        "chunk": lambda: bench_gdn_chunk(cfg),
         "conv": lambda: bench_conv(cfg, gdn_layers),
         "attn": lambda: bench_attention(cfg, attn_layers),
         "qsa": lambda: bench_qsa(cfg, attn_layers),
         "norms": lambda: bench_norms(cfg),
+        "chunk": lambda: bench_gdn_chunk(cfg, args.fp32_chunk),
     }
     chosen = [name for name in args.only.split(",") if name] or list(benches)
+    args.out.mkdir(parents=True, exist_ok=True)
     for name in chosen:
         try:
             benches[name]()
         except Exception:
             print(f"# {name} failed:\n{traceback.format_exc()}", flush=True)
         torch.cuda.empty_cache()
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "kernels.json").write_text(json.dumps({"ceilings": CEILINGS, "results": results}, indent=1))
+        # after every group, so a run stopped at its time limit keeps what it measured
+        (args.out / "kernels.json").write_text(json.dumps({"ceilings": CEILINGS, "results": results}, indent=1))
 
 
 if __name__ == "__main__":

@@ -29,6 +29,8 @@ _GAUGES = (
     ("atlas:kv_blocks_used", "KV blocks owned by live sequences.", "kv_blocks_used"),
     ("atlas:kv_blocks_total", "KV blocks in the pool.", "kv_blocks_total"),
     ("atlas:engine_step", "Scheduler steps taken.", "step"),
+    ("atlas:spec_decode_tokens_per_verify", "Tokens emitted per verify step (accepted drafts + 1).",
+     "spec_tokens_per_verify"),
 )
 _COUNTERS = (
     ("atlas:prompt_tokens", "Prompt tokens of admitted requests.", "prompt_tokens_total"),
@@ -36,6 +38,11 @@ _COUNTERS = (
     ("atlas:invariant_checks", "State-machine invariant checks passed.", "invariant_checks"),
     ("atlas:trace_events_written", "Events written to the trace store.", "trace_events_written"),
     ("atlas:num_preemptions", "Sequences preempted for KV blocks.", "preemptions_total"),
+    ("atlas:spec_decode_num_verify_steps", "Speculative verify steps.", "spec_verify_steps"),
+    ("atlas:spec_decode_num_draft_tokens", "Draft tokens verified.", "spec_drafts_proposed"),
+    ("atlas:spec_decode_num_accepted_tokens", "Draft tokens accepted.", "spec_drafts_accepted"),
+    ("atlas:spec_decode_num_latched_off", "Sequences whose speculative lane latched off at the QSA inert bound.",
+     "spec_latched_off_total"),
 )
 
 
@@ -59,6 +66,13 @@ class _EngineStatsCollector:
             c = CounterMetricFamily(name, doc, labels=["model_name"])
             c.add_metric([self._model], float(getattr(stats, attr, 0) or 0))
             yield c
+        # per draft position: unconditional (each row's own verdict) and conditional (all earlier accepted)
+        rate = GaugeMetricFamily("atlas:spec_decode_acceptance_rate", "Draft acceptance rate by position.",
+                                 labels=["model_name", "position", "kind"])
+        for kind in ("unconditional", "conditional"):
+            for i, p in enumerate(getattr(stats, f"spec_acceptance_{kind}", ()) or ()):
+                rate.add_metric([self._model, str(i + 1), kind], float(p))
+        yield rate
 
 
 class ServerMetrics:

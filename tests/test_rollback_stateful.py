@@ -6,6 +6,7 @@ the bit, a fresh one fed the boundary's tokens. A decline or a refused target ch
 
 from __future__ import annotations
 
+import attrs
 import torch
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
@@ -29,20 +30,33 @@ CONFIG = EngineConfig(max_seq_len=64, max_batch_size=3, prefill_chunk_tokens=16,
 
 
 def assert_never_took(engine: Engine, seq_id: int, tokens: list[int], boundary: int) -> None:
-    fresh = CpuBackend(TINY, num_kv_blocks=16, block_size=4)
+    backend = engine.backend
+    with_drafter = getattr(backend, "drafter", None) is not None
+    fresh = CpuBackend(TINY, num_kv_blocks=16, block_size=4, mtp_drafter=with_drafter)
+    fresh.reset(seq_id)
     fresh.forward([Chunk(seq_id, tokens[:boundary], 0, tuple(range(16)))])
-    rolled, reference = engine.backend._seqs[seq_id], fresh._seqs[seq_id]  # type: ignore[attr-defined]
-    assert engine.backend.cursors(seq_id) == fresh.cursors(seq_id)
+    rolled, reference = backend._seqs[seq_id], fresh._seqs[seq_id]  # type: ignore[attr-defined]
+    assert backend.cursors(seq_id) == fresh.cursors(seq_id)
     for name in ("gdn_conv", "gdn_recurrent", "ple_conv", "qsa_keys"):
         for layer, t in getattr(reference, name).items():
             assert torch.equal(getattr(rolled, name)[layer], t), (name, layer)
     assert torch.equal(rolled.ple_context, reference.ple_context)
+    if with_drafter:  # the MTP drafter's pair keys and the target hiddens it drafts from
+        d, ref = backend._drafts[seq_id], fresh._drafts[seq_id]  # type: ignore[attr-defined]
+        assert d.rows == ref.rows == max(0, boundary - 1) and d.proposal is None
+        assert all(torch.equal(a, b) for a, b in zip(d.target_hidden, ref.target_hidden, strict=True))
+        for layer in ref.kv.keys:
+            n = ref.rows
+            assert torch.equal(d.kv.keys[layer].flatten(0, 1)[:n], ref.kv.keys[layer].flatten(0, 1)[:n])
+            assert torch.equal(d.kv.values[layer].flatten(0, 1)[:n], ref.kv.values[layer].flatten(0, 1)[:n])
 
 
 class RollbackMachine(RuleBasedStateMachine):
+    config = CONFIG
+
     def __init__(self) -> None:
         super().__init__()
-        self.engine = Engine.from_loaded(TINY, model="atlas-tiny", config=CONFIG, sink=RecordingSink(),
+        self.engine = Engine.from_loaded(TINY, model="atlas-tiny", config=self.config, sink=RecordingSink(),
                                          full_audit=True)
         self.arrivals = 0
         self.rollbacks = 0
@@ -126,6 +140,16 @@ class RollbackMachine(RuleBasedStateMachine):
             assert backend.ring.positions(seq_id) == {slot: pos for pos, slot in seq.ring.snapshots}  # type: ignore[attr-defined]
 
 
+class SpeculativeRollbackMachine(RollbackMachine):
+    """The same, with speculative decoding on (the MTP drafter, two drafts per verify): verifies interleave
+    with snapshots (a step due for a boundary is a plain decode) and rollbacks rewind the drafter rows too."""
+
+    config = attrs.evolve(CONFIG, num_drafts=2, drafter="mtp")
+
+
 RollbackMachine.TestCase.settings = settings(max_examples=20, stateful_step_count=30, deadline=None,
                                              suppress_health_check=[HealthCheck.too_slow])
+SpeculativeRollbackMachine.TestCase.settings = settings(max_examples=15, stateful_step_count=30, deadline=None,
+                                                        suppress_health_check=[HealthCheck.too_slow])
 TestRollbackMachine = RollbackMachine.TestCase
+TestSpeculativeRollbackMachine = SpeculativeRollbackMachine.TestCase

@@ -25,14 +25,16 @@ def serve(
     backend: str = typer.Option("cpu", help="cpu | cuda | null"),
     max_seq_len: int = typer.Option(None),
     max_batch_size: int = typer.Option(None),
+    loop_watchdog: bool = typer.Option(False, help="roll content loops back (non-streaming requests)"),
+    ring_slots: int = typer.Option(None, help="boundary snapshots per sequence for rollback (0: declines)"),
     enable_fault_injection: bool = typer.Option(False, hidden=True, help="tests only: fault-injection hooks"),
 ) -> None:
     """Serve the OpenAI-compatible API. Exits non-zero if the engine dies of a fatal fault."""
     from atlas.server.serve import serve as run_server
 
     code = run_server(model, host=host, port=port, trace=trace, api_key=api_key, backend=backend,
-                      max_seq_len=max_seq_len, max_batch_size=max_batch_size,
-                      enable_fault_injection=enable_fault_injection)
+                      max_seq_len=max_seq_len, max_batch_size=max_batch_size, ring_slots=ring_slots,
+                      loop_watchdog=loop_watchdog, enable_fault_injection=enable_fault_injection)
     raise typer.Exit(code)
 
 

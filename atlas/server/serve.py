@@ -49,11 +49,14 @@ def build_engine(
     trace: str | None = None,
     max_seq_len: int | None = None,
     max_batch_size: int | None = None,
+    ring_slots: int | None = None,
+    loop_watchdog: bool = False,
 ) -> Any:
     from atlas.config import EngineConfig
     from atlas.engine.engine import Engine
 
-    knobs = {"max_seq_len": max_seq_len, "max_batch_size": max_batch_size}
+    knobs = {"max_seq_len": max_seq_len, "max_batch_size": max_batch_size, "ring_slots": ring_slots,
+             "loop_watchdog": loop_watchdog or None}
     config = EngineConfig(**{k: v for k, v in knobs.items() if v is not None})
     return Engine.from_model(model=model or "atlas-tiny", backend=backend, config=config, trace=trace)
 
@@ -138,6 +141,8 @@ def serve(
     backend: str = "cpu",
     max_seq_len: int | None = None,
     max_batch_size: int | None = None,
+    ring_slots: int | None = None,
+    loop_watchdog: bool = False,
     enable_fault_injection: bool = False,
     log_level: str = "info",
 ) -> int:
@@ -145,7 +150,7 @@ def serve(
     built (the reason is logged), or EXIT_ENGINE_DEAD after a fatal fault."""
     try:
         engine = build_engine(model, backend=backend, trace=trace, max_seq_len=max_seq_len,
-                              max_batch_size=max_batch_size)
+                              max_batch_size=max_batch_size, ring_slots=ring_slots, loop_watchdog=loop_watchdog)
     except (ValueError, OSError) as exc:  # CapacityError is a ValueError: it names the knob and numbers
         log.error("cannot start the engine", error=str(exc))
         return EXIT_BAD_CONFIG

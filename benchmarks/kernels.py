@@ -207,7 +207,7 @@ def bench_gdn_chunk(cfg: dict, with_fp32: bool) -> None:
                 print(f"# gdn_chunk {name} failed: {error}", flush=True)
                 continue
             record("gdn_chunk", f"L={tokens} {str(dtype)[6:]} {name}", ms, flops=flops,
-                   note=f"{tokens / ms / 1e3:.0f}k tok/s/layer")
+                   note=f"{tokens / ms / 1e3:.2f}M tok/s/layer")
     ops = fla_ops()
     if ops is not None:
         chunk, _ = ops
@@ -216,7 +216,7 @@ def bench_gdn_chunk(cfg: dict, with_fp32: bool) -> None:
         try:
             ms = time_ms(lambda: chunk(q, k, v, g, beta, initial_state=state, output_final_state=True,
                                        use_qk_l2norm_in_kernel=True), graph=False)
-            record("fla_chunk", f"L={tokens} bf16", ms, flops=flops, note=f"{tokens / ms / 1e3:.0f}k tok/s/layer")
+            record("fla_chunk", f"L={tokens} bf16", ms, flops=flops, note=f"{tokens / ms / 1e3:.2f}M tok/s/layer")
         except Exception as error:
             print(f"# fla chunk failed: {error}", flush=True)
 

@@ -51,12 +51,14 @@ def build_engine(
     max_batch_size: int | None = None,
     ring_slots: int | None = None,
     loop_watchdog: bool = False,
+    num_drafts: int | None = None,
+    drafter: str | None = None,
 ) -> Any:
     from atlas.config import EngineConfig
     from atlas.engine.engine import Engine
 
     knobs = {"max_seq_len": max_seq_len, "max_batch_size": max_batch_size, "ring_slots": ring_slots,
-             "loop_watchdog": loop_watchdog or None}
+             "loop_watchdog": loop_watchdog or None, "num_drafts": num_drafts, "drafter": drafter}
     config = EngineConfig(**{k: v for k, v in knobs.items() if v is not None})
     return Engine.from_model(model=model or "atlas-tiny", backend=backend, config=config, trace=trace)
 
@@ -143,6 +145,8 @@ def serve(
     max_batch_size: int | None = None,
     ring_slots: int | None = None,
     loop_watchdog: bool = False,
+    num_drafts: int | None = None,
+    drafter: str | None = None,
     enable_fault_injection: bool = False,
     log_level: str = "info",
 ) -> int:
@@ -150,7 +154,8 @@ def serve(
     built (the reason is logged), or EXIT_ENGINE_DEAD after a fatal fault."""
     try:
         engine = build_engine(model, backend=backend, trace=trace, max_seq_len=max_seq_len,
-                              max_batch_size=max_batch_size, ring_slots=ring_slots, loop_watchdog=loop_watchdog)
+                              max_batch_size=max_batch_size, ring_slots=ring_slots, loop_watchdog=loop_watchdog,
+                              num_drafts=num_drafts, drafter=drafter)
     except (ValueError, OSError) as exc:  # CapacityError is a ValueError: it names the knob and numbers
         log.error("cannot start the engine", error=str(exc))
         return EXIT_BAD_CONFIG

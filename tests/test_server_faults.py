@@ -79,6 +79,7 @@ def test_step_errors_end_as_errors_never_as_stop_or_length() -> None:
             error = r.json()["error"]
             assert error["type"] == "server_error" and error["code"] == "engine_error"
             assert "injected step_error" in error["message"] and "Traceback" not in error["message"]
+            assert "(cmpl-" in error["message"]  # the request id, to find it in the trace
         for events in streams:
             assert events[-1] == "[DONE]"
             errors = [e for e in events[:-1] if "error" in e]

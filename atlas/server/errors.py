@@ -76,7 +76,9 @@ def shutting_down() -> APIError:
     return APIError(503, "the server is shutting down; retry elsewhere or later", code="shutting_down")
 
 
-def engine_error(detail: str | None) -> APIError:
-    """A request the engine failed: reported as an error, never as stop or length."""
-    message = f"the engine failed this request: {redact_paths(detail or 'unknown error')}"
+def engine_error(detail: str | None, request_id: str | None = None) -> APIError:
+    """A request the engine failed: reported as an error, never as stop or length. The request id is the
+    one in the trace, so the failure can be found and replayed."""
+    which = f" ({request_id})" if request_id else ""
+    message = f"the engine failed this request{which}: {redact_paths(detail or 'unknown error')}"
     return APIError(500, message, code="engine_error")

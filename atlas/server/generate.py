@@ -91,9 +91,10 @@ async def _submit(ctx: ServingContext, request: Request, request_id: str, prompt
 class _Generation:
     """A request's tokens and text so far, built from its RequestOutputs."""
 
-    def __init__(self, ctx: ServingContext, params: SamplingParams) -> None:
+    def __init__(self, ctx: ServingContext, params: SamplingParams, request_id: str) -> None:
         self.ctx = ctx
         self.params = params
+        self.request_id = request_id
         self.text = ""  # the engine's text deltas: cut at stop strings, never a partial character
         self.prompt_tokens = 0
         self.completion_tokens = 0
@@ -116,7 +117,7 @@ class _Generation:
             return None
         if reason == FinishReason.CANCELLED:
             return APIError(500, "the request was cancelled before it finished", code="cancelled")
-        return engine_error(self.finish.finish_detail)
+        return engine_error(self.finish.finish_detail, self.request_id)
 
     def usage(self) -> dict[str, int]:
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
@@ -262,7 +263,7 @@ async def _run(ctx: ServingContext, request: Request, kind: Kind, body: Completi
     request_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
     # SSE requests get their tokens as sampled; the others are held back whole (a rollback can rewind them)
     stream = await _submit(ctx, request, request_id, prompt, params, stream=bool(body.stream))
-    gen = _Generation(ctx, params)
+    gen = _Generation(ctx, params, request_id)
     if not body.stream:
         return await _respond_whole(ctx, request, stream, gen, kind, request_id)
     events = _stream_events(ctx, stream, gen, kind, request_id, body.include_usage)

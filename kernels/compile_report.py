@@ -1,6 +1,6 @@
 """Compile every kernel for Hopper (sm_90) without a GPU and report registers, spills and shared memory.
 
-    python -m atlas_kernels.compile_report
+    python -m atlas_kernels.compile_report [--json]
 
 Triton compiles ahead of time for any target, and its wheel ships ptxas, so compile errors and register
 spills (the usual reason a kernel is far off its bandwidth or FLOP ceiling) show up on a CPU-only machine,
@@ -9,9 +9,11 @@ at no device time. The tests use it to catch kernels that interpret fine but do 
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
+import sys
 import tempfile
 from typing import Any
 
@@ -42,8 +44,10 @@ def ptxas_path() -> str:
 def compile_for_hopper(kernel: Any, arg_types: dict[str, str], constexprs: dict[str, Any], num_warps: int = 4,
                        label: str = "", num_stages: int = 3) -> CompileReport:
     """arg_types: Triton type strings ('*bf16', 'i32', 'fp32') of every non-constexpr argument."""
-    if not isinstance(kernel, JITFunction):  # under TRITON_INTERPRET=1 the decorator gave an interpreter wrapper
-        kernel = JITFunction(kernel.fn)
+    if not isinstance(kernel, JITFunction):
+        # Under TRITON_INTERPRET=1 the decorator gave an interpreter wrapper; compiling its function in the
+        # same process breaks the interpreter's later runs (and the reverse), so run this in its own process.
+        raise RuntimeError("compile_report needs a process without TRITON_INTERPRET=1")
     names = kernel.arg_names
     signature = {name: "constexpr" if name in constexprs else arg_types[name] for name in names}
     source = ASTSource(kernel, signature, {(names.index(k),): v for k, v in constexprs.items()})
@@ -159,6 +163,9 @@ def all_reports() -> list[CompileReport]:
 
 
 def main() -> None:
+    if "--json" in sys.argv:
+        print(json.dumps([attrs.asdict(report) for report in all_reports()]))
+        return
     print(f"{'kernel':<30} {'config':<28} {'regs':>5} {'spill B':>8} {'stack B':>8} {'shared B':>9}")
     for report in all_reports():
         print(f"{report.kernel:<30} {report.config:<28} {report.registers:>5} {report.spill_bytes:>8} "

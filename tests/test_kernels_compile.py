@@ -4,23 +4,30 @@ dim under 16, say), so this is what keeps CI honest about the GPU build."""
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 
 import pytest
 
 pytest.importorskip("triton")
-from atlas_kernels import compile_report
-
-if not os.path.exists(compile_report.ptxas_path()):
-    pytest.skip("this triton build ships no ptxas", allow_module_level=True)
 
 
 def test_all_kernels_compile_for_hopper_and_decode_kernels_do_not_spill() -> None:
-    reports = compile_report.all_reports()
+    # its own process: the other kernel tests run the same kernels under TRITON_INTERPRET=1, and compiling
+    # and interpreting one kernel in one process breaks whichever runs second
+    env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, "-m", "atlas_kernels.compile_report", "--json"], env=env,
+                         capture_output=True, text=True, timeout=300)
+    if run.returncode and "ptxas" in run.stderr and "No such file" in run.stderr:
+        pytest.skip("this triton build ships no ptxas")
+    assert run.returncode == 0, run.stderr[-3000:]
+    reports = json.loads(run.stdout)
 
     assert len(reports) == 13
     for report in reports:
-        assert 0 < report.registers <= 255, report
+        assert 0 < report["registers"] <= 255, report
         # the chunked prefill keeps [64, 128] fp32 operand tiles and is known to spill (KERNELS.md)
-        if report.kernel not in ("gdn_chunk_kernel", "prepare_kernel", "scan_kernel"):
-            assert report.spill_bytes == 0, report
+        if report["kernel"] not in ("gdn_chunk_kernel", "prepare_kernel", "scan_kernel"):
+            assert report["spill_bytes"] == 0, report

@@ -13,10 +13,11 @@ from test_rollback_engine import PATTERN, LoopingBackend, config
 
 from atlas.backends.cpu import CpuBackend
 from atlas.config import derive_capacities
-from atlas.engine.engine import Engine
+from atlas.engine.engine import Engine, RecordingSink
 from atlas.engine.factory import open_trace
 from atlas.model import load_model
 from atlas.replay.store import TraceReader
+from atlas.replay.verify import check_state_only, compare, redrive
 from atlas.server.serve import serve_in_thread
 
 PROMPT = "Loop test: "  # the scripted loop counts generated tokens from this prompt's end
@@ -32,11 +33,15 @@ def test_a_looping_request_is_served_after_a_rollback_and_traced(tiny, tmp_path)
     cfg = config()
     caps = derive_capacities(cfg, tiny.spec, activation_bytes=4)
     trace = tmp_path / "loop.sqlite"
-    inner = CpuBackend(tiny, num_kv_blocks=caps.num_kv_blocks, block_size=caps.block_size, ring_slots=caps.ring_slots)
-    engine = Engine(LoopingBackend(inner, len(PROMPT.encode())), tokenizer=tiny.tokenizer, config=cfg,
-                    capacities=caps, spec=tiny.spec,
-                    sink=open_trace(str(trace), model="atlas-tiny", fingerprint=tiny.fingerprint,
-                                    backend="cpu-looping", config=cfg, caps=caps))
+
+    def looping_engine(sink) -> Engine:
+        inner = CpuBackend(tiny, num_kv_blocks=caps.num_kv_blocks, block_size=caps.block_size,
+                           ring_slots=caps.ring_slots)
+        return Engine(LoopingBackend(inner, len(PROMPT.encode())), tokenizer=tiny.tokenizer, config=cfg,
+                      capacities=caps, spec=tiny.spec, sink=sink)
+
+    engine = looping_engine(open_trace(str(trace), model="atlas-tiny", fingerprint=tiny.fingerprint,
+                                       backend="cpu-looping", config=cfg, caps=caps))
     body = {"prompt": PROMPT, "max_tokens": 60, "ignore_eos": True}
     with serve_in_thread(engine) as served, httpx.Client(base_url=served.url, timeout=60) as http:
         whole = http.post("/v1/completions", json=body)
@@ -67,3 +72,9 @@ def test_a_looping_request_is_served_after_a_rollback_and_traced(tiny, tmp_path)
     assert details[0] == "max_tokens 60" and "rollback declined: streamed" in details[1]
     arrived = [e.payload["stream"] for e in recorded if e.kind == "request_arrived"]
     assert arrived == [False, True]
+
+    # the trace audits on the state machines alone, and re-driving its inputs reproduces it event for event
+    assert check_state_only(trace).problem is None
+    replayed = looping_engine(RecordingSink())
+    assert redrive(replayed, recorded) == "ended"
+    assert compare(recorded, replayed._sink.rows) is None  # type: ignore[union-attr]

@@ -148,3 +148,18 @@ def test_logprobs_with_speculation_are_speculation_offs() -> None:
     on = run(engine_on(CpuBackend(TINY, num_kv_blocks=8, verify_width=4)))
     assert on[0] == off[0] and len(on[1]) == len(off[1]) == 12
     assert on[1] == off[1] and on[2] == off[2]  # bitwise: a verify row's logits are a decode's
+
+
+def test_a_stop_inside_a_verify_cuts_the_commit_there() -> None:
+    """The oracle's drafts run past the stop token; the request ends exactly where speculation off ends it."""
+    stop_token = REFERENCE[1][6]
+    stop_text = bytes(REFERENCE[0][4:6]).decode("utf-8", errors="replace")
+    for params in (SamplingParams(max_tokens=16, stop_token_ids=(stop_token,)),
+                   SamplingParams(max_tokens=16, stop=(stop_text,))):
+        off = generate(Engine.from_loaded(TINY, model="atlas-tiny", config=OFF), PROMPTS, [params] * 2)
+        engine = engine_on(CpuBackend(TINY, num_kv_blocks=8, verify_width=4))
+        on = generate(engine, PROMPTS, [params] * 2)
+        assert [(r.token_ids, r.finish_reason, r.text) for r in on] == [(r.token_ids, r.finish_reason, r.text)
+                                                                       for r in off]
+        assert FinishReason.STOP in {r.finish_reason for r in on}
+        assert engine.state.pool.used == 0

@@ -409,6 +409,8 @@ class Engine:
                 logprobs, top = logprobs + lp, top + tp
                 if held is not None:
                     held.add(token, lp, tp)
+                if ended is not None:  # the lane cuts a verify at its stop: this is its last token
+                    break
             if ended is None and self._watchdog is not None:
                 watched = self._watch(seq, planned.step)
                 if watched == "rolled_back":  # the tokens are gone with the loop; a held request goes on

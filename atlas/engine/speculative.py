@@ -158,8 +158,10 @@ def chain_length(bits: int, num_drafts: int) -> int:
 @attrs.define
 class AcceptanceStats:
     """Per draft position: scored (verifies that drafted it), accepted unconditionally (its own row
-    accepted it, whatever came before: bias-free), reached (every earlier draft accepted) and accepted
-    conditionally (reached and accepted: what the chain keeps)."""
+    accepted it, whatever came before: free of the chain's survivorship bias), reached (every earlier draft
+    accepted) and accepted conditionally (reached and accepted: what the chain keeps). Caveat: row i's
+    context holds drafts 1..i, so after a rejection the unconditional verdict scores the drafter against a
+    counterfactual context; it is the same position over an unbiased sample of contexts, not a verified one."""
 
     verify_steps: int = 0
     tokens: int = 0  # tokens emitted by verifies (accepted chain + 1 each)

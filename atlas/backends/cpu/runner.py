@@ -21,7 +21,7 @@ from atlas.backends.cpu.ring import RestoreRefused, SnapshotRing
 from atlas.backends.cpu.state import KvPool, SequenceState, StateSnapshot
 from atlas.backends.cpu.verify import PendingVerify, check_commit, run_verify
 from atlas.engine.sampling import SamplingParams, logprobs_of, sample_token
-from atlas.engine.speculative import VerifyRefused, verify_rows
+from atlas.engine.speculative import RowVerdict, VerifyRefused, verify_rows
 from atlas.model.loader import LoadedModel
 
 
@@ -277,7 +277,7 @@ class CpuBackend:
                              f"{self._seqs[work.seq_id].kv_tokens if work.seq_id in self._seqs else 0} tokens")
         self._check_chunk(Chunk(work.seq_id, work.tokens + work.drafts, work.start, work.block_table))
 
-    def _verify(self, work: SeqWork) -> tuple:
+    def _verify(self, work: SeqWork) -> tuple[RowVerdict, ...]:
         tokens = work.tokens + work.drafts
         pending = run_verify(self.spec, self.weights, self.kv, self._seqs[work.seq_id], tokens, work.start,
                              tuple(work.block_table))

@@ -163,3 +163,22 @@ def test_without_the_watchdog_the_loop_runs_to_length(tiny) -> None:
     out = run(engine, {"r": False})["r"][0]
     assert out.finish_reason is FinishReason.LENGTH and out.new_token_ids[6:] == (PATTERN * 14)[:54]
     assert not events(engine, RolledBack) and not events(engine, RollbackDeclined)
+
+
+def test_a_traced_run_with_the_ring_and_watchdog_on_replays(tiny, tmp_path) -> None:
+    from atlas.replay.store import TraceReader
+    from atlas.replay.verify import verify
+
+    trace = tmp_path / "ring.sqlite"
+    engine = Engine.from_loaded(tiny, model="atlas-tiny", config=config(), trace=str(trace))
+    run(engine, {"a": False, "b": True}, max_tokens=20)
+    engine.close()
+    reader = TraceReader(trace)
+    try:
+        kinds = [e.kind for e in reader.events(reader.run().run_id)]
+    finally:
+        reader.close()
+    assert kinds.count("boundary_snapshotted") >= 4
+    report = verify(trace)
+    assert report.identical, report.divergence.describe()
+    assert report.events_replayed == len(kinds)

@@ -139,3 +139,9 @@ def test_a_snapshot_off_the_computed_position_is_refused() -> None:
     slot, evicted = state.seqs[s].ring.place()
     with pytest.raises(TransitionRefused, match="computed tokens"):
         state.apply(ev.BoundarySnapshotted(state.step, s, 7, slot, evicted))
+
+
+def test_a_v1_arrival_upcasts_to_a_non_streaming_request() -> None:
+    payload = {"request_id": "old", "seq_id": 0, "prompt": [1, 2], "params": SamplingParams().to_json(), "max_new": 4}
+    e = ev.decode("request_arrived", 1, payload)
+    assert isinstance(e, ev.RequestArrived) and e.stream is False

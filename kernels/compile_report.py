@@ -98,13 +98,15 @@ def gdn_chunk_split_cases() -> list[CompileReport]:
     ]
 
 
-def gdn_recurrent_case(block_v: int = 32, store_states: bool = False) -> CompileReport:
-    types = dict(q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", g_ptr="*fp32", beta_ptr="*bf16", state_ptr="*fp32",
-                 slot_ptr="*i64", out_ptr="*bf16", states_out_ptr="*fp32", num_tokens="i32", num_k_heads="i32",
-                 num_v_heads="i32", scale="fp32", eps="fp32")
-    consts = dict(DK=128, DV=128, BK=128, BV=block_v, STORE_STATES=store_states, COMMIT=not store_states)
+def gdn_recurrent_case(block_v: int = 32, store_states: bool = False, fused_gating: bool = False) -> CompileReport:
+    types = dict(q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", g_ptr="*fp32", beta_ptr="*bf16", a_log_ptr="*fp32",
+                 dt_bias_ptr="*fp32", state_ptr="*fp32", slot_ptr="*i64", out_ptr="*bf16", states_out_ptr="*fp32",
+                 num_tokens="i32", num_k_heads="i32", num_v_heads="i32", qk_token_stride="i32",
+                 v_token_stride="i32", scale="fp32", eps="fp32")
+    consts = dict(DK=128, DV=128, BK=128, BV=block_v, STORE_STATES=store_states, COMMIT=not store_states,
+                  FUSED_GATING=fused_gating)
     return compile_for_hopper(gdn_recurrent._gdn_recurrent_kernel, types, consts, 4,
-                              f"BV={block_v} store_states={store_states}")
+                              f"BV={block_v} states={store_states} gating={fused_gating}")
 
 
 def conv_case() -> CompileReport:
@@ -157,7 +159,7 @@ def norm_cases() -> list[CompileReport]:
 
 def all_reports() -> list[CompileReport]:
     """The kernels at the benchmark model's (qwen4exp-2p7b) sizes, in the configurations the wrappers pick."""
-    return [gdn_recurrent_case(), gdn_recurrent_case(store_states=True), gdn_chunk_case(),
+    return [gdn_recurrent_case(), gdn_recurrent_case(64, store_states=True, fused_gating=True), gdn_chunk_case(),
             *gdn_chunk_split_cases(), conv_case(),
             *attention_cases(), *qsa_cases(), *norm_cases()]
 

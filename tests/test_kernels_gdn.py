@@ -17,7 +17,7 @@ if not torch.cuda.is_available():
 from atlas_kernels import reference as ref
 from atlas_kernels.gdn_chunk import gdn_chunk_prefill
 from atlas_kernels.gdn_chunk_split import gdn_chunk_prefill_split
-from atlas_kernels.gdn_recurrent import gdn_recurrent
+from atlas_kernels.gdn_recurrent import gdn_recurrent, gdn_recurrent_gated
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 1.5e-2}
@@ -100,6 +100,34 @@ def test_verify_without_commit_leaves_state_and_states_allow_partial_accept() ->
     want_out, want_states = ref.gdn_recurrent(q[0, :3], k[0, :3], v[0, :3], g[0, :3], beta[0, :3], before[1])
     assert rel_err(out3[0, 0], want_out[2]) < TOLERANCE[torch.float32]
     assert rel_err(pool[slots[0]], want_states[2]) < TOLERANCE[torch.float32]
+
+
+@pytest.mark.parametrize("tokens", [1, 3])
+def test_gated_recurrent_on_conv_output_slices_matches_reference(tokens: int) -> None:
+    """q, k, v as strided slices of one conv output [N, T, 2 Hk dk + Hv dv] (no copies), gates from raw a, b."""
+    gen = torch.Generator().manual_seed(60 + tokens)
+    seqs, k_heads, v_heads, dk, dv = 2, 2, 4, 16, 32
+    key_dim = k_heads * dk
+    mixed = torch.randn(seqs, tokens, 2 * key_dim + v_heads * dv, generator=gen).to(DEVICE, torch.bfloat16)
+    q = mixed[..., :key_dim].view(seqs, tokens, k_heads, dk)
+    k = mixed[..., key_dim : 2 * key_dim].view(seqs, tokens, k_heads, dk)
+    v = mixed[..., 2 * key_dim :].view(seqs, tokens, v_heads, dv)
+    a = torch.randn(seqs, tokens, v_heads, generator=gen).to(DEVICE, torch.bfloat16)
+    b = torch.randn(seqs, tokens, v_heads, generator=gen).to(DEVICE, torch.bfloat16)
+    a_log = torch.empty(v_heads).uniform_(0.01, 16, generator=gen).log().to(DEVICE)
+    dt_bias = torch.randn(v_heads, generator=gen).to(DEVICE)
+    pool = random_pool(gen, 3, v_heads, dk, dv)
+    before = pool.clone()
+    slots = torch.tensor([2, 0], device=DEVICE)
+
+    out, _ = gdn_recurrent_gated(q, k, v, a, b, a_log, dt_bias, pool, slots)
+
+    g = -a_log.exp() * torch.nn.functional.softplus(a.float() + dt_bias)
+    beta = torch.sigmoid(b.float())
+    for n in range(seqs):
+        want_out, want_states = ref.gdn_recurrent(q[n], k[n], v[n], g[n], beta[n], before[slots[n]])
+        assert rel_err(out[n], want_out) < TOLERANCE[torch.bfloat16]
+        assert rel_err(pool[slots[n]], want_states[-1]) < 1e-4
 
 
 @PREFILLS

@@ -9,7 +9,6 @@ changes nothing and the request ends with `error`.
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable
 
 import attrs
@@ -126,7 +125,7 @@ def _until_stop(tokens: list[int], stop: StopChecker | None, tokenizer: Tokenize
     copy: the engine's checker sees the kept tokens afterwards, exactly as it would one decode at a time."""
     if stop is None:
         return len(tokens)
-    probe = copy.deepcopy(stop)
+    probe = attrs.evolve(stop, unread=list(stop.unread))  # shallow: never copies the tokenizer it refers to
     for i, t in enumerate(tokens):
         ended = probe.on_token(t, tokenizer)
         if ended is not None:

@@ -20,7 +20,7 @@ import structlog
 from atlas.backends.base import Backend, DeviceFault, SeqOutcome, SeqWork, StepPlan, StepResult
 from atlas.config import Capacities, EngineConfig, derive_capacities, log_capacities
 from atlas.engine.drafters import Drafter, make_drafter
-from atlas.engine.drafters.lane import SpeculativeLane, Verified
+from atlas.engine.drafters.lane import SpeculativeLane, Verified, planned_drafts
 from atlas.engine.factory import TINY_MODEL, build_engine, build_engine_for_loaded
 from atlas.engine.outputs import AdmissionError, EngineDead, FinishReason, QueueFull, RequestOutput
 from atlas.engine.rollback import (
@@ -276,10 +276,8 @@ class Engine:
         for seq_id in decided.preempt:
             self._emit(SequencePreempted(seq_id, len(self.state.seqs[seq_id].blocks), "kv blocks exhausted"))
             self._preemptions += 1
-        verifies = zip(decided.seqs, decided.drafts, strict=True) if decided.drafts else ()
         planned = StepPlanned(step, decided.admitted, decided.seqs, decided.fed, decided.alloc,
-                              tuple(self.state.pending_release), decided.preempt,
-                              tuple(drafts[seq_id][:k] if k else () for seq_id, k in verifies))
+                              tuple(self.state.pending_release), decided.preempt, planned_drafts(drafts, decided))
         self._emit(planned)
         snapshots = plan_snapshots(self.state.seqs, planned.seqs, planned.fed, self.capacities.snapshot_interval)
         try:
@@ -294,12 +292,10 @@ class Engine:
             return outputs
         by_seq = self._outcomes(planned, result)
         verified: dict[int, Verified] = {}
-        if planned.drafts and self._lane is not None:
-            tokenizer = self.tokenizer if self._detokenize else None
-            verified = self._lane.settle(planned, by_seq, self._stops, tokenizer)
+        if planned.drafts and self._lane is not None:  # accepted counts, cut at stops, committed
+            verified = self._lane.settle(planned, by_seq, self._stops, self.tokenizer if self._detokenize else None)
         self._emit(self._executed(planned, by_seq, verified))
-        self._check_cursors(planned, [o if o.seq_id not in verified else attrs.evolve(
-            o, cursors=verified[o.seq_id].cursors or self.backend.cursors(o.seq_id)) for o in by_seq])
+        self._check_cursors(planned, self._lane.committed(by_seq, verified) if verified else by_seq)
         for seq_id, v in verified.items():
             if v.error is not None:
                 self._error_finish(seq_id, v.error, outputs)

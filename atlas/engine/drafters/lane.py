@@ -17,6 +17,7 @@ import structlog
 from atlas.backends.base import BackendCursors, SeqOutcome
 from atlas.config import Capacities
 from atlas.engine.drafters.base import Drafter, DraftRequest
+from atlas.engine.scheduler import Schedule
 from atlas.engine.speculative import AcceptanceStats, VerifyRefused, accepted_prefix, verdict_bits
 from atlas.engine.stopping import StopChecker, Tokenizer
 from atlas.state.control import ControlState
@@ -115,9 +116,23 @@ class SpeculativeLane:
                 tuple(r.top_logprobs for r in rows[:kept]), cursors)
         return settled
 
+    def committed(self, outcomes: list[SeqOutcome], verified: dict[int, Verified]) -> list[SeqOutcome]:
+        """The outcomes with each verify's cursors as they are after its commit (or its refusal)."""
+        def cursors(o: SeqOutcome) -> BackendCursors:
+            return verified[o.seq_id].cursors or self.backend.cursors(o.seq_id)  # type: ignore[attr-defined]
+
+        return [attrs.evolve(o, cursors=cursors(o)) if o.seq_id in verified else o for o in outcomes]
+
     def _refused(self, seq_id: int, why: str) -> Verified:
         log.error("verify commit refused", seq_id=seq_id, error=why)
         return Verified(error=f"verify commit refused: {why}")
+
+
+def planned_drafts(drafts: dict[int, tuple[int, ...]], decided: Schedule) -> tuple[tuple[int, ...], ...]:
+    """The drafts each planned sequence verifies, as the scheduler cut them (aligned with decided.seqs)."""
+    if not decided.drafts:
+        return ()
+    return tuple(drafts[seq_id][:k] if k else () for seq_id, k in zip(decided.seqs, decided.drafts, strict=True))
 
 
 def _until_stop(tokens: list[int], stop: StopChecker | None, tokenizer: Tokenizer | None) -> int:

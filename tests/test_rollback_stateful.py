@@ -138,6 +138,11 @@ class RollbackMachine(RuleBasedStateMachine):
             n = seq.cursor.computed
             assert (cur.kv_tokens, cur.qsa_ingested, cur.ssm_position, cur.ple_position) == (n, n, n, n)
             assert backend.ring.positions(seq_id) == {slot: pos for pos, slot in seq.ring.snapshots}  # type: ignore[attr-defined]
+            if not seq.preemptions and not seq.rollbacks:
+                # every boundary reached was snapshotted (a verify never steps over one); the newest R are kept
+                c, interval = seq.cursor, self.config.snapshot_interval
+                reached = list(range(c.prompt_len, c.computed + 1, interval))
+                assert [p for p, _ in seq.ring.snapshots] == reached[-self.config.ring_slots:]
 
 
 class SpeculativeRollbackMachine(RollbackMachine):

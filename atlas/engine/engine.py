@@ -27,7 +27,7 @@ from atlas.engine.rollback import (
     DeclineReason,
     RollbackDecline,
     RollbackPlan,
-    is_boundary,
+    next_boundary,
     plan_rollback,
     plan_snapshots,
 )
@@ -315,10 +315,14 @@ class Engine:
         return StepExecuted(planned.step, tokens, tuple(v.accepted for v in rows), tuple(v.bits for v in rows))
 
     def _snapshot_due(self, seq: SequenceState) -> bool:
-        """A boundary snapshot is due after the next token: that step is a plain decode, so the ring sees the
-        same boundaries with speculation on as off."""
+        """A boundary snapshot is due within a verify's reach (the next 1 + num_drafts tokens): plain decodes
+        until it is taken, so a verify never steps over a boundary and the ring sees the same boundaries with
+        speculation on as off."""
         c = seq.cursor
-        return seq.ring.slots > 0 and is_boundary(c.computed + 1, c.prompt_len, self.capacities.snapshot_interval)
+        if seq.ring.slots == 0:
+            return False
+        return next_boundary(c.computed, c.prompt_len, self.capacities.snapshot_interval) <= (
+            c.computed + 1 + self.config.num_drafts)
 
     def _plan(self, planned: StepPlanned, snapshots: tuple = ()) -> StepPlan:
         seqs = self.state.seqs

@@ -61,6 +61,13 @@ def is_boundary(position: int, prompt_len: int, interval: int) -> bool:
     return position >= prompt_len and (position - prompt_len) % interval == 0
 
 
+def next_boundary(computed: int, prompt_len: int, interval: int) -> int:
+    """The first boundary past `computed` tokens."""
+    if computed < prompt_len:
+        return prompt_len
+    return prompt_len + ((computed - prompt_len) // interval + 1) * interval
+
+
 def plan_snapshots(seqs: dict[int, Sequence], work: tuple[int, ...], fed: tuple[int, ...],
                    interval: int) -> tuple[SnapshotOrder, ...]:
     """The snapshots a step takes after its work: a sequence whose work ends on a boundary it does not

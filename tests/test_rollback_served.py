@@ -17,6 +17,7 @@ from atlas.engine.engine import Engine, RecordingSink
 from atlas.engine.factory import open_trace
 from atlas.model import load_model
 from atlas.replay.store import TraceReader
+from atlas.replay.summary import summarize
 from atlas.replay.verify import check_state_only, compare, redrive
 from atlas.server.serve import serve_in_thread
 
@@ -78,3 +79,6 @@ def test_a_looping_request_is_served_after_a_rollback_and_traced(tiny, tmp_path)
     replayed = looping_engine(RecordingSink())
     assert redrive(replayed, recorded) == "ended"
     assert compare(recorded, replayed._sink.rows) is None  # type: ignore[union-attr]
+    summary = {r.request_id: r for r in summarize(trace).requests}
+    held = next(r for r in summary.values() if r.finish_reason == "length")
+    assert held.completion_tokens == 60 and held.rollbacks == 1  # the dropped loop is not counted

@@ -22,6 +22,7 @@ class RequestSummary:
     finish_detail: str = ""
     finish_step: int | None = None
     preemptions: int = 0
+    rollbacks: int = 0  # content-loop rollbacks taken (each drops the tokens past its `keep`)
 
 
 @attrs.frozen
@@ -74,6 +75,10 @@ def summarize(path_or_url: str | Path, run_id: int | None = None) -> TraceSummar
                         accept.record(len(d), b)
             elif rec.kind == "speculation_latched_off":
                 latched += 1
+            elif rec.kind == "rolled_back":
+                r = by_seq[p["seq_id"]]
+                r.rollbacks += 1
+                r.completion_tokens = p["keep"] - r.prompt_tokens
             elif rec.kind == "sequence_preempted":
                 by_seq[p["seq_id"]].preemptions += 1
             elif rec.kind in ("request_finished", "request_cancelled"):

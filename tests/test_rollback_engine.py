@@ -112,7 +112,7 @@ def test_a_looping_request_is_rolled_back_once_and_completes(tiny) -> None:
     assert {s.position for s in snaps} >= {len(PROMPT), len(PROMPT) + 8}
     assert all((s.position - len(PROMPT)) % 8 == 0 for s in snaps)
     assert out.new_text == tiny.tokenizer.decode(list(out.new_token_ids))
-    assert engine.stats().rollbacks_total == 1
+    assert engine.stats().rollbacks_total == 1 and engine.stats().rollback_declines_total == 0
 
 
 def test_the_rolled_back_run_is_deterministic_event_for_event(tiny) -> None:

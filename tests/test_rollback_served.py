@@ -48,6 +48,8 @@ def test_a_looping_request_is_served_after_a_rollback_and_traced(tiny, tmp_path)
         whole = http.post("/v1/completions", json=body)
         with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
             chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+        metrics = {line.split("{")[0]: float(line.split()[-1]) for line in http.get("/metrics").text.splitlines()
+                   if line.startswith("atlas:num_rollback")}
 
     assert whole.status_code == 200
     choice = whole.json()["choices"][0]
@@ -56,6 +58,7 @@ def test_a_looping_request_is_served_after_a_rollback_and_traced(tiny, tmp_path)
     assert loop in choice["text"] and loop * 2 not in choice["text"]  # one copy kept, then re-steered
     assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
     assert "rollback declined: streamed" in chunks[-1]["choices"][0]["finish_detail"]
+    assert metrics == {"atlas:num_rollbacks_total": 1.0, "atlas:num_rollback_declines_total": 1.0}
 
     reader = TraceReader(trace)
     try:

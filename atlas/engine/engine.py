@@ -115,6 +115,7 @@ class EngineStats:
     generation_tokens_total: int
     preemptions_total: int
     rollbacks_total: int = 0
+    rollback_declines_total: int = 0
     # speculative decoding (atlas.engine.speculative.AcceptanceStats): per draft position, unconditional
     # rates (each row's own verdict, bias-free) and conditional ones (given every earlier draft accepted)
     spec_verify_steps: int = 0
@@ -164,6 +165,7 @@ class Engine:
         self._generated_tokens = 0
         self._preemptions = 0
         self._rollbacks = 0
+        self._rollback_declines = 0
         # non-streaming requests: tokens held back until the request ends, so a rollback never retracts text
         self._held: dict[int, _Held] = {}
         self._watchdog = WatchdogConfig(config.watchdog_max_period, config.watchdog_min_repeats,
@@ -474,6 +476,7 @@ class Engine:
                 return "rolled_back"
         reason = decision.reason.value
         self._emit(RollbackDeclined(step, seq.seq_id, reason, keep, period))
+        self._rollback_declines += 1
         return FinishReason.STOP, f"content loop (period {period}): rollback declined: {reason}"
 
     def _rewind_outputs(self, seq: SequenceState) -> None:
@@ -588,6 +591,7 @@ class Engine:
             generation_tokens_total=self._generated_tokens,
             preemptions_total=self._preemptions,
             rollbacks_total=self._rollbacks,
+            rollback_declines_total=self._rollback_declines,
             **self._spec_stats(),
         )
 

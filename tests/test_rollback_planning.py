@@ -145,3 +145,16 @@ def test_a_v1_arrival_upcasts_to_a_non_streaming_request() -> None:
     payload = {"request_id": "old", "seq_id": 0, "prompt": [1, 2], "params": SamplingParams().to_json(), "max_new": 4}
     e = ev.decode("request_arrived", 1, payload)
     assert isinstance(e, ev.RequestArrived) and e.stream is False
+
+
+def test_a_ring_on_a_backend_without_one_is_refused_at_load() -> None:
+    from atlas.backends.null import ByteTokenizer
+    from atlas.config import CapacityError
+    from atlas.engine.engine import Engine
+
+    class NoRing:
+        name = "no-ring"
+
+    with pytest.raises(CapacityError, match="ring_slots 2 needs a backend with a snapshot ring"):
+        Engine(NoRing(), tokenizer=ByteTokenizer(), config=EngineConfig(ring_slots=2))  # type: ignore[arg-type]
+    Engine(NoRing(), tokenizer=ByteTokenizer(), config=EngineConfig(ring_slots=0))  # type: ignore[arg-type]

@@ -18,7 +18,7 @@ import attrs
 import structlog
 
 from atlas.backends.base import Backend, DeviceFault, SeqOutcome, SeqWork, StepPlan, StepResult
-from atlas.config import Capacities, EngineConfig, derive_capacities, log_capacities
+from atlas.config import Capacities, CapacityError, EngineConfig, derive_capacities, log_capacities
 from atlas.engine.drafters import Drafter, make_drafter
 from atlas.engine.drafters.lane import SpeculativeLane, Verified, planned_drafts
 from atlas.engine.factory import TINY_MODEL, build_engine, build_engine_for_loaded
@@ -175,6 +175,10 @@ class Engine:
         if config.num_drafts:
             self._lane = SpeculativeLane(drafter or make_drafter(config.drafter, backend), backend, self.capacities,
                                          config.num_drafts, self.vocab_size, skip=self._snapshot_due)
+        if self.capacities.ring_slots and not callable(getattr(backend, "restore_boundary", None)):
+            # snapshots the control plane records but no data plane holds would only ever decline
+            raise CapacityError(f"ring_slots {self.capacities.ring_slots} needs a backend with a snapshot ring; "
+                                f"backend {getattr(backend, 'name', '?')!r} has none (set ring_slots 0)")
         log_capacities(self.capacities, model=model_name, backend=getattr(backend, "name", "?"))
 
     @classmethod

@@ -1,0 +1,69 @@
+"""CUDA graphs for decode groups: one graph per `GroupShape` (batch bucket x key-block bucket x whether
+QSA selection runs), replayed with a static input buffer.
+
+Capture runs the forward for real, so it is warmed up and captured on an all-padding input (scratch state
+slots, the scratch KV block): no live sequence's state is touched. The QSA-selected path is captured like
+the dense one (it has no host synchronisation), so no decode falls back to eager because of QSA.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import attrs
+import torch
+
+from atlas.backends.cuda.batch import GroupShape
+
+
+def bucket(n: int, smallest: int = 1) -> int:
+    """The power of two >= n (at least `smallest`): shapes a graph is captured for."""
+    b = smallest
+    while b < n:
+        b *= 2
+    return b
+
+
+@attrs.define
+class _Captured:
+    graph: torch.cuda.CUDAGraph
+    packed: torch.Tensor  # static input [B, columns] int64
+    logits: torch.Tensor  # static output [B, vocab]
+    greedy: torch.Tensor  # static output [B] argmax
+
+
+class DecodeGraphs:
+    """`run(packed, shape) -> logits [B, vocab]` captured per shape and replayed."""
+
+    def __init__(self, run: Callable[[torch.Tensor, GroupShape], torch.Tensor], device: torch.device) -> None:
+        self._run = run
+        self._device = device
+        self._graphs: dict[GroupShape, _Captured] = {}
+        self._pool = torch.cuda.graph_pool_handle()  # graphs replay one at a time: one memory pool
+
+    def __len__(self) -> int:
+        return len(self._graphs)
+
+    def capture(self, shape: GroupShape, padding: torch.Tensor) -> _Captured:
+        packed = padding.to(self._device)
+        stream = torch.cuda.Stream(self._device)
+        stream.wait_stream(torch.cuda.current_stream(self._device))
+        with torch.cuda.stream(stream):  # warm-up off the capture: allocator and autotuning settle
+            for _ in range(2):
+                self._run(packed, shape)
+        torch.cuda.current_stream(self._device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            logits = self._run(packed, shape)
+            greedy = torch.argmax(logits, dim=-1)
+        captured = _Captured(graph, packed, logits, greedy)
+        self._graphs[shape] = captured
+        return captured
+
+    def replay(self, shape: GroupShape, packed_host: torch.Tensor, padding: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(logits [B, vocab], argmax [B]) of the rows in packed_host, from the graph for `shape`."""
+        captured = self._graphs.get(shape) or self.capture(shape, padding)
+        captured.packed.copy_(packed_host, non_blocking=packed_host.is_pinned())
+        captured.graph.replay()
+        return captured.logits, captured.greedy

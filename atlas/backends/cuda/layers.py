@@ -1,0 +1,283 @@
+"""The decoder's math over a `Group` of B sequences x T tokens, batched on the device.
+
+The same formulas as the CPU reference (atlas.backends.cpu; its norms, hyper-connection and dense-MLP
+functions are device-agnostic and used as they are), with per-sequence state read from and written back
+to slot-indexed pools. No host synchronisation on the decode path (`eager_moe=False`), so a decode group
+can be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from atlas.backends.cpu.hyper import hyper_inject, hyper_mix
+from atlas.backends.cpu.moe import dense_mlp
+from atlas.backends.cpu.norms import acc_dtype, gated_rms_norm, l2_normalise, rms_norm
+from atlas.backends.cpu.rope import apply_rope
+from atlas.backends.cuda.batch import Group
+from atlas.backends.cuda.pools import DevicePools
+from atlas.model.spec import FULL_ATTENTION, ModelSpec, MoeSpec
+
+# (q, k, v, g, beta, state_pool, slots) -> out [B, T, Hv, dv]; q/k [B, T, Hk, dk] raw (the kernel
+# l2-normalises and scales), g the log decay. None: the torch loop below.
+GdnKernel = Callable[..., torch.Tensor]
+
+
+def rope_table(positions: torch.Tensor, rotary_dim: int, theta: float, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [n, rotary_dim] for positions [n] on their device (atlas.backends.cpu.rope's formula)."""
+    acc = acc_dtype(dtype)
+    idx = torch.arange(0, rotary_dim, 2, dtype=torch.int64, device=positions.device).to(acc)
+    inv_freq = 1.0 / (theta ** (idx / rotary_dim))
+    freqs = positions.to(acc)[:, None] * inv_freq[None, :]
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def causal_conv_pooled(pool: torch.Tensor, slots: torch.Tensor, new: torch.Tensor, weight: torch.Tensor,
+                       dilation: int = 1) -> torch.Tensor:
+    """Depthwise causal conv of new columns [B, C, T] continuing each slot's state pool[slot] [C, S];
+    updates the pool in place and returns out [B, C, T] (fp32 accumulation, in new's dtype)."""
+    b, c, t = new.shape
+    state_len = pool.shape[-1]
+    k = weight.shape[-1]
+    cols = torch.cat([pool[slots].to(new.dtype), new], dim=-1)  # [B, C, S + T]
+    base = state_len - (k - 1) * dilation  # first column the first new output reads
+    acc = acc_dtype(new.dtype)
+    out = torch.zeros(b, c, t, dtype=acc, device=new.device)
+    for j in range(k):
+        lo = base + j * dilation
+        out += weight[None, :, 0, j, None].to(acc) * cols[:, :, lo : lo + t].to(acc)
+    pool[slots] = cols[:, :, -state_len:].to(pool.dtype)
+    return out.to(new.dtype)
+
+
+def gdn_recurrence(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                   pool: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """The gated delta rule token by token. q/k [B, T, Hv, dk] normalised, v [B, T, Hv, dv], g/beta
+    [B, T, Hv] (fp32); the state pool (fp32 [slots, Hv, dk, dv]) is read and written at `slots`."""
+    s = pool[slots]
+    out = torch.empty(v.shape, dtype=s.dtype, device=v.device)
+    decay = g.exp()
+    for t in range(q.shape[1]):
+        s = s * decay[:, t, :, None, None]
+        predicted = torch.einsum("bhk,bhkv->bhv", k[:, t], s)
+        delta = (v[:, t] - predicted) * beta[:, t, :, None]
+        s = s + k[:, t, :, :, None] * delta[:, :, None, :]
+        out[:, t] = torch.einsum("bhk,bhkv->bhv", q[:, t], s)
+    pool[slots] = s
+    return out
+
+
+def gdn_layer(spec: ModelSpec, w: dict[str, torch.Tensor], pre: str, x: torch.Tensor, grp: Group,
+              conv_pool: torch.Tensor, state_pool: torch.Tensor, kernel: GdnKernel | None) -> torch.Tensor:
+    """x [B, T, H] -> [B, T, H] through one Gated DeltaNet layer."""
+    b, t, _ = x.shape
+    nk, nv, dk, dv = spec.gdn_k_heads, spec.gdn_v_heads, spec.gdn_k_dim, spec.gdn_v_dim
+    qkv = x @ w[pre + "in_proj_qkv.weight"].T
+    z = (x @ w[pre + "in_proj_z.weight"].T).view(b, t, nv, dv)
+    beta_raw = x @ w[pre + "in_proj_b.weight"].T
+    a = x @ w[pre + "in_proj_a.weight"].T
+    mixed = causal_conv_pooled(conv_pool, grp.slots, qkv.transpose(1, 2), w[pre + "conv1d.weight"])
+    mixed = F.silu(mixed).transpose(1, 2)  # [B, T, C]
+    q, k, v = mixed.split([nk * dk, nk * dk, nv * dv], dim=-1)
+    acc = acc_dtype(x.dtype)
+    g = -w[pre + "A_log"].to(acc).exp() * F.softplus(a.to(acc) + w[pre + "dt_bias"].to(acc))
+    beta = torch.sigmoid(beta_raw).to(acc)
+    if kernel is not None:
+        out = kernel(q.reshape(b, t, nk, dk), k.reshape(b, t, nk, dk), v.reshape(b, t, nv, dv), g, beta,
+                     state_pool, grp.slots)
+    else:
+        # each key head serves nv / nk consecutive value heads
+        q = q.reshape(b, t, nk, dk).repeat_interleave(nv // nk, dim=2).to(acc)
+        k = k.reshape(b, t, nk, dk).repeat_interleave(nv // nk, dim=2).to(acc)
+        q = l2_normalise(q) * dk**-0.5
+        k = l2_normalise(k)
+        out = gdn_recurrence(q, k, v.reshape(b, t, nv, dv).to(acc), g, beta, state_pool, grp.slots)
+    o = gated_rms_norm(out.to(x.dtype), z, w[pre + "norm.weight"], spec.rms_norm_eps, spec.gdn_gate_act)
+    return o.reshape(b, t, nv * dv) @ w[pre + "out_proj.weight"].T
+
+
+def qsa_selection(spec: ModelSpec, w: dict[str, torch.Tensor], pre: str, queries: torch.Tensor,
+                  raw_keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """Which key positions each row attends under QSA: [B, T, L] bool (before the causal mask).
+
+    queries [B, T, heads, d] normed and roped, raw_keys [B, L, d] (L a multiple of the ratio). Ties in
+    block scores go to the lowest block index (a stable descending sort), as the kernels do."""
+    assert spec.qsa is not None
+    ratio, topk = spec.qsa.ratio, spec.qsa.block_topk
+    b, length, d = raw_keys.shape
+    nb = length // ratio
+    acc = acc_dtype(raw_keys.dtype)
+    pooled = raw_keys.view(b, nb, ratio, d).to(acc).mean(dim=2).to(raw_keys.dtype)
+    pooled = rms_norm(pooled, w[pre + "indexer.k_layernorm.weight"], spec.rms_norm_eps)
+    block_pos = torch.arange(nb, device=raw_keys.device) * ratio
+    cos, sin = rope_table(block_pos, spec.rotary_dim, spec.rope_theta, raw_keys.dtype)
+    blocks = apply_rope(pooled.transpose(0, 1), cos, sin).transpose(0, 1)  # [B, NB, d]
+    scores = torch.einsum("bthd,bjd->btjh", queries.to(acc), blocks.to(acc))
+    scores = torch.relu(scores).sum(dim=-1) / math.sqrt(d)  # [B, T, NB]
+    complete = (positions + 1) // ratio  # [B, T] blocks wholly visible to the row
+    block_idx = torch.arange(nb, device=raw_keys.device)
+    valid = block_idx[None, None, :] < complete[..., None]
+    scores = torch.where(valid, scores, torch.full_like(scores, float("-inf")))
+    order = torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :topk]
+    chosen = torch.zeros_like(valid).scatter_(-1, order, True) & valid
+    key_pos = torch.arange(length, device=raw_keys.device)
+    keep = chosen[..., key_pos // ratio] | (key_pos[None, None, :] >= (complete * ratio)[..., None])
+    sparse = (complete > topk)[..., None]  # dense while every complete block fits the budget
+    return keep | ~sparse
+
+
+def attention_layer(spec: ModelSpec, w: dict[str, torch.Tensor], pre: str, layer: int, x: torch.Tensor,
+                    grp: Group, pools: DevicePools, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [B, T, H] -> [B, T, H]: gated attention over the paged KV (QSA-selected past the inert bound)."""
+    b, t, _ = x.shape
+    nh, nkv, hd = spec.num_heads, spec.num_kv_heads, spec.head_dim
+    rows = b * t
+    xr = x.reshape(rows, -1)
+    q, gate = (xr @ w[pre + "q_proj.weight"].T).view(rows, nh, 2 * hd).chunk(2, dim=-1)
+    q = rms_norm(q, w[pre + "q_norm.weight"], spec.rms_norm_eps)
+    k = rms_norm((xr @ w[pre + "k_proj.weight"].T).view(rows, nkv, hd), w[pre + "k_norm.weight"], spec.rms_norm_eps)
+    v = (xr @ w[pre + "v_proj.weight"].T).view(rows, nkv, hd)
+    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+
+    k_pool, v_pool = pools.keys[layer].view(-1, nkv, hd), pools.values[layer].view(-1, nkv, hd)
+    write = grp.write_slots.reshape(-1)
+    k_pool.index_copy_(0, write, k)
+    v_pool.index_copy_(0, write, v)
+    keys, values = k_pool[grp.read_slots], v_pool[grp.read_slots]  # [B, L, nkv, hd]
+    length = keys.shape[1]
+    key_pos = torch.arange(length, device=x.device)
+    mask = key_pos[None, None, :] <= grp.positions[..., None]  # [B, T, L]
+
+    if spec.qsa is not None:
+        qk = xr @ w[pre + "indexer.index_qk_proj.weight"].T
+        heads, d = spec.qsa.n_heads, spec.qsa.head_dim
+        iq, raw = qk.split([heads * d, d], dim=-1)
+        raw_pool = pools.index_keys[layer].view(-1, d)
+        raw_pool.index_copy_(0, write, raw)
+        if grp.shape.qsa_select:
+            iq = rms_norm(iq.reshape(rows, heads, d), w[pre + "indexer.q_layernorm.weight"], spec.rms_norm_eps)
+            iq = apply_rope(iq, cos, sin).view(b, t, heads, d)
+            mask = mask & qsa_selection(spec, w, pre, iq, raw_pool[grp.read_slots], grp.positions)
+
+    group = nh // nkv
+    # query head h reads KV head h // group: fold the group into the rows of each KV head
+    qg = q.view(b, t, nkv, group, hd).permute(0, 2, 1, 3, 4).reshape(b, nkv, t * group, hd)
+    scores = qg @ keys.permute(0, 2, 3, 1) * hd**-0.5  # [B, nkv, T*group, L]
+    m = mask[:, None, :, None, :].expand(b, 1, t, group, length).reshape(b, 1, t * group, length)
+    scores = scores.masked_fill(~m, float("-inf"))
+    probs = torch.softmax(scores.to(acc_dtype(x.dtype)), dim=-1).to(x.dtype)
+    out = probs @ values.permute(0, 2, 1, 3)  # [B, nkv, T*group, hd]
+    out = out.view(b, nkv, t, group, hd).permute(0, 2, 1, 3, 4).reshape(rows, nh * hd)
+    out = out * torch.sigmoid(gate.reshape(rows, nh * hd))
+    return (out @ w[pre + "o_proj.weight"].T).view(b, t, -1)
+
+
+def moe_layer(moe: MoeSpec, w: dict[str, torch.Tensor], pre: str, x: torch.Tensor, *, eager: bool) -> torch.Tensor:
+    """x [R, H] -> [R, H]: top-k routed experts + sigmoid-gated shared expert.
+
+    eager: group tokens by expert (host sync on the set of experts; right for prefill, where each expert
+    sees many tokens). Otherwise fixed shapes for CUDA graphs: with fewer routed slots than experts, the
+    chosen experts' weights are gathered per slot; else every expert runs on every row, weighted by a
+    routing matrix that is zero off the top-k (decode at batch >= E / top_k touches most experts anyway)."""
+    logits = x @ w[pre + "gate.weight"].T
+    probs = torch.softmax(logits.to(acc_dtype(x.dtype)), dim=-1)
+    top_w, top_i = torch.topk(probs, moe.top_k, dim=-1)
+    if moe.norm_topk_prob:
+        top_w = top_w / top_w.sum(dim=-1, keepdim=True)
+    top_w = top_w.to(x.dtype)
+    gate_up, down = w[pre + "experts.gate_up_proj"], w[pre + "experts.down_proj"]
+    rows = x.shape[0]
+    if eager:
+        routed = torch.zeros_like(x)
+        for expert in torch.unique(top_i).tolist():  # ascending, as the reference sums them
+            tokens, slots = torch.where(top_i == expert)
+            g, u = (x[tokens] @ gate_up[expert].T).chunk(2, dim=-1)
+            routed.index_add_(0, tokens, ((F.silu(g) * u) @ down[expert].T) * top_w[tokens, slots, None])
+    elif rows * moe.top_k < moe.num_experts:
+        gu = torch.einsum("rh,rkih->rki", x, gate_up[top_i])
+        g, u = gu.chunk(2, dim=-1)
+        out = torch.einsum("rki,rkhi->rkh", F.silu(g) * u, down[top_i])
+        routed = (out * top_w[..., None]).sum(dim=1)
+    else:
+        gu = torch.einsum("rh,eih->eri", x, gate_up)
+        g, u = gu.chunk(2, dim=-1)
+        out = torch.bmm(F.silu(g) * u, down.transpose(1, 2))  # [E, R, H]
+        weights = torch.zeros(rows, moe.num_experts, dtype=x.dtype, device=x.device).scatter_(1, top_i, top_w)
+        routed = torch.einsum("re,erh->rh", weights, out)
+    shared = dense_mlp(w, pre + "shared_expert.", x)
+    return routed + torch.sigmoid(x @ w[pre + "shared_expert_gate.weight"].T) * shared
+
+
+def ple_layer(spec: ModelSpec, w: dict[str, torch.Tensor], pre: str, streams: torch.Tensor, ids: torch.Tensor,
+              grp: Group, conv_pool: torch.Tensor) -> torch.Tensor:
+    """streams [B, T, hc*H], n-gram ids [B, T, heads] -> the addition to the streams (PLE, see
+    atlas.backends.cpu.ple); the dilated short conv's state lives in conv_pool at the group's slots."""
+    assert spec.ple is not None
+    hc, hidden = spec.hc_count, spec.hidden_size
+    b, t, _ = streams.shape
+    eps = spec.rms_norm_eps
+    emb = w[pre + "ngram_embedding.weight"][ids].flatten(-2)  # [B, T, embed_dim]
+    key = rms_norm(emb @ w[pre + "key_proj.weight"].T, w[pre + "norm_key.weight"], eps, group=hidden)
+    query = rms_norm(streams, w[pre + "norm_query.weight"], eps, group=hidden)
+    value = emb @ w[pre + "value_proj.weight"].T
+    gate = (key.view(b, t, hc, hidden) * query.view(b, t, hc, hidden)).sum(-1, keepdim=True) / math.sqrt(hidden)
+    gate = gate.abs().clamp_min(1e-6).sqrt() * gate.sign()  # signed square root
+    gated = (torch.sigmoid(gate) * value.unsqueeze(-2)).flatten(-2)  # [B, T, hc*H]
+    normed = rms_norm(gated, w[pre + "norm_conv.weight"], eps, group=hidden)
+    conv = causal_conv_pooled(conv_pool, grp.slots, normed.transpose(1, 2), w[pre + "conv1d.weight"],
+                              dilation=spec.ple.ngram_size)
+    return gated + F.silu(conv).transpose(1, 2)
+
+
+def forward_group(spec: ModelSpec, w: dict[str, torch.Tensor], pools: DevicePools, grp: Group, *,
+                  eager_moe: bool, gdn_kernel: GdnKernel | None = None) -> torch.Tensor:
+    """Feed the group's tokens through the stack: the final hidden states [B, T, H]."""
+    b, t = grp.tokens.shape
+    dtype = w["embed_tokens.weight"].dtype
+    cos, sin = rope_table(grp.positions.reshape(-1), spec.rotary_dim, spec.rope_theta, dtype)
+
+    def mixer(layer: int, x: torch.Tensor) -> torch.Tensor:
+        pre = f"layers.{layer}."
+        if spec.layer_types[layer] == FULL_ATTENTION:
+            return attention_layer(spec, w, pre + "self_attn.", layer, x, grp, pools, cos, sin)
+        return gdn_layer(spec, w, pre + "linear_attn.", x, grp, pools.gdn_conv[layer], pools.gdn_state[layer],
+                         gdn_kernel)
+
+    def ffn(layer: int, x: torch.Tensor) -> torch.Tensor:
+        pre = f"layers.{layer}.mlp."
+        rows = x.reshape(b * t, -1)
+        if spec.moe_layers[layer] and spec.moe is not None:
+            return moe_layer(spec.moe, w, pre, rows, eager=eager_moe).view(b, t, -1)
+        return dense_mlp(w, pre, rows).view(b, t, -1)
+
+    x = w["embed_tokens.weight"][grp.tokens]  # [B, T, H]
+    eps = spec.rms_norm_eps
+    if not spec.has_hyper_connections:
+        for layer in range(spec.num_layers):
+            pre = f"layers.{layer}."
+            x = x + mixer(layer, rms_norm(x, w[pre + "input_layernorm.weight"], eps))
+            x = x + ffn(layer, rms_norm(x, w[pre + "post_attention_layernorm.weight"], eps))
+        return rms_norm(x, w["norm.weight"], eps)
+
+    hc = spec.hc_count
+    streams = x.repeat(1, 1, hc)
+    for layer in range(spec.num_layers):
+        pre = f"layers.{layer}."
+        if spec.ple is not None and layer in spec.ple.layers:
+            assert grp.ngram_ids is not None
+            rank = spec.ple.layers.index(layer)
+            streams = streams + ple_layer(spec, w, pre + "ple.", streams, grp.ngram_ids[rank], grp,
+                                          pools.ple_conv[layer])
+        block_in, inject = hyper_mix(w, pre + "attn_hyper_connection.", streams, hc, eps, combine=True)
+        assert inject is not None
+        streams = hyper_inject(streams, mixer(layer, block_in), inject)
+        block_in, inject = hyper_mix(w, pre + "mlp_hyper_connection.", streams, hc, eps, combine=True)
+        assert inject is not None
+        streams = hyper_inject(streams, ffn(layer, block_in), inject)
+    final, _ = hyper_mix(w, "hyper_connection_mixer.", streams, hc, eps, combine=False)
+    return final

@@ -1,0 +1,355 @@
+"""`CudaBackend`: the data plane on an NVIDIA GPU, with the CPU reference backend's interface.
+
+A step's work is split into groups (atlas.backends.cuda.batch): every one-token row (decodes) in one
+group, replayed from a CUDA graph per batch bucket, and each longer prefill chunk in a group of its own,
+eager. bf16 weights and activations with fp32 recurrent state by default; dtype=torch.float32 is the
+parity mode (plain torch ops, no Triton kernels, no TF32), whose greedy tokens equal the CPU backend's.
+
+Not supported yet, and refused where they would be asked for (by the factory at start, and here if a plan
+carries them anyway): speculative verify (num_drafts > 0), the snapshot ring for rollback
+(ring_slots > 0), the MTP drafter.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+import attrs
+import torch
+
+from atlas.backends.base import BackendCursors, DeviceFault, SeqOutcome, SeqWork, StepPlan, StepResult
+from atlas.backends.cuda.batch import Group, GroupShape, Row, pack_rows
+from atlas.backends.cuda.graphs import DecodeGraphs, bucket
+from atlas.backends.cuda.layers import GdnKernel, forward_group
+from atlas.backends.cuda.pools import DevicePools
+from atlas.engine.sampling import logprobs_of, sample_token
+from atlas.model.loader import LoadedModel
+from atlas.model.ngram import NgramTables, ngram_ids, ngram_tables
+
+# the sticky CUDA error classes: after one of these the context is dead and every later call fails
+_FATAL_MARKERS = ("illegal memory access", "misaligned address", "device-side assert", "unspecified launch failure",
+                  "illegal instruction", "an illegal", "uncorrectable ecc")
+
+
+class ChunkLike(Protocol):
+    seq_id: int
+    tokens: tuple[int, ...]
+    start: int
+    block_table: tuple[int, ...]
+
+
+@attrs.define
+class _SeqState:
+    slot: int
+    position: int = 0  # tokens folded into every cursor (KV, QSA keys, GDN, PLE): they move together here
+    ple_context: list[int] = attrs.field(factory=list)
+
+
+def unsupported(feature: str, knob: str) -> NotImplementedError:
+    return NotImplementedError(f"the CUDA backend does not support {feature} yet: set {knob}")
+
+
+def _load_kernels(device: torch.device, dtype: torch.dtype) -> GdnKernel | None:
+    """The Triton GDN kernels (decode: recurrent update; prefill: chunked), or None for the torch loop."""
+    if device.type != "cuda":
+        return None
+    try:
+        from atlas_kernels.gdn_chunk import gdn_chunk_prefill
+        from atlas_kernels.gdn_recurrent import gdn_recurrent
+    except ImportError:
+        return None
+
+    def gdn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+            pool: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        b, t = q.shape[:2]
+        if t == 1:
+            return gdn_recurrent(q, k, v, g, beta, pool, slots)[0]
+        cu = torch.arange(b + 1, device=q.device, dtype=torch.int32) * t
+        out = gdn_chunk_prefill(q.reshape(b * t, *q.shape[2:]), k.reshape(b * t, *k.shape[2:]),
+                                v.reshape(b * t, *v.shape[2:]), g.reshape(b * t, -1), beta.reshape(b * t, -1),
+                                cu, pool, slots)
+        return out.view(b, t, *out.shape[1:])
+
+    return gdn
+
+
+class CudaBackend:
+    name = "cuda"
+    # speculative decoding is refused (see the module docstring); the engine reads this flag only with drafts
+    verify_crosses_qsa_bound = False
+
+    def __init__(
+        self,
+        model: LoadedModel,
+        *,
+        num_kv_blocks: int,
+        block_size: int = 16,
+        dtype: torch.dtype | None = None,
+        max_batch_size: int = 64,
+        device: str | torch.device = "cuda",
+        kernels: bool | None = None,
+        cuda_graphs: bool | None = None,
+        ring_slots: int = 0,
+        verify_width: int = 1,
+        mtp_drafter: bool = False,
+    ) -> None:
+        if ring_slots:
+            raise unsupported("the snapshot ring for rollback", f"ring_slots=0 (got {ring_slots}; --ring-slots 0)")
+        if verify_width > 1:
+            raise unsupported("speculative verify", f"num_drafts=0 (verify width {verify_width}; --num-drafts 0)")
+        if mtp_drafter:
+            raise unsupported("the MTP drafter", "num_drafts=0 (--num-drafts 0)")
+        self.model = model
+        self.spec = spec = model.spec
+        self.device = torch.device(device)
+        self.dtype = dtype or torch.bfloat16
+        if spec.qsa is not None and block_size % spec.qsa.ratio:
+            raise ValueError(f"block_size {block_size} must be a multiple of the QSA ratio {spec.qsa.ratio}: pooled "
+                             "index blocks must not straddle KV blocks")
+        if self.device.type == "cuda" and self.dtype == torch.float32:
+            # parity mode: full fp32 products (TF32 would round operands to 10-bit mantissas)
+            torch.backends.cuda.matmul.allow_tf32 = False
+            torch.backends.cudnn.allow_tf32 = False
+        self.weights = {k: t.to(device=self.device, dtype=self.dtype if t.is_floating_point() else t.dtype)
+                        for k, t in model.weights.items() if not k.startswith("mtp.")}
+        self.block_size = block_size
+        self.max_batch_size = max_batch_size
+        self.pools = DevicePools(spec, num_kv_blocks=num_kv_blocks, block_size=block_size, max_seqs=max_batch_size,
+                                 scratch_slots=bucket(max_batch_size), dtype=self.dtype, device=self.device)
+        use_kernels = self.dtype != torch.float32 if kernels is None else kernels
+        self.gdn_kernel = _load_kernels(self.device, self.dtype) if use_kernels else None
+        if kernels and self.gdn_kernel is None:
+            raise ValueError("kernels=True needs a CUDA device and atlas_kernels (the kernels/ package) importable")
+        use_graphs = self.device.type == "cuda" if cuda_graphs is None else cuda_graphs
+        self.graphs = DecodeGraphs(self._decode_logits, self.device) if use_graphs else None
+        self._seqs: dict[int, _SeqState] = {}
+        self._ple_tables = ([ngram_tables(spec.ple, spec.vocab_size, r) for r in range(len(spec.ple.layers))]
+                            if spec.ple is not None else [])
+
+    # -- per-sequence state -------------------------------------------------------------------------
+
+    def has_sequence(self, seq_id: int) -> bool:
+        return seq_id in self._seqs
+
+    def reset(self, seq_id: int) -> None:
+        """Drop a sequence's data-plane state back to empty (its KV blocks are the caller's to reuse)."""
+        state = self._seqs.get(seq_id)
+        if state is None:
+            state = self._seqs[seq_id] = _SeqState(slot=self.pools.allocate())
+        self.pools.clear(state.slot)
+        state.position = 0
+        state.ple_context = [self.spec.ple.eos_token_id] * self.spec.ple.context_len if self.spec.ple else []
+
+    def release(self, seq_id: int) -> None:
+        state = self._seqs.pop(seq_id, None)
+        if state is not None:
+            self.pools.free(state.slot)
+
+    def cursors(self, seq_id: int) -> BackendCursors:
+        s = self._seqs.get(seq_id)
+        p = 0 if s is None else s.position
+        return BackendCursors(kv_tokens=p, qsa_ingested=p, ssm_position=p, ple_position=p)
+
+    # -- groups ---------------------------------------------------------------------------------------
+
+    def _shape(self, batch: int, width: int, end: int) -> GroupShape:
+        ple = self.spec.ple
+        qsa = self.spec.qsa
+        return GroupShape(batch=batch, width=width, key_blocks=-(-end // self.block_size),
+                          qsa_select=qsa is not None and end > qsa.inert_bound,
+                          ngram_heads=ple.num_heads if ple else 0, ple_layers=len(ple.layers) if ple else 0)
+
+    def _ngram_rows(self, state: _SeqState, tokens: Sequence[int]) -> list[list[int]]:
+        """Per PLE layer, the n-gram ids of `tokens` continuing the sequence's context, flattened."""
+        ple = self.spec.ple
+        if ple is None:
+            return []
+        history = state.ple_context + list(tokens)
+        if len(tokens) == 1:  # decode: plain integers, no tensor round trip (the host side of every step)
+            return [_ngram_one(history, ple.ngram_size, ple.heads_per_ngram, ple.eos_token_id, t) for t in self._ple_tables]
+        hist = torch.tensor(history, dtype=torch.long)
+        return [ngram_ids(hist, len(tokens), ple, t).flatten().tolist() for t in self._ple_tables]
+
+    def _row(self, chunk: ChunkLike) -> Row:
+        state = self._seqs[chunk.seq_id]
+        return (list(chunk.tokens), chunk.start, state.slot, list(chunk.block_table), self._ngram_rows(state, chunk.tokens))
+
+    def _advance(self, chunk: ChunkLike) -> None:
+        state = self._seqs[chunk.seq_id]
+        state.position = chunk.start + len(chunk.tokens)
+        if self.spec.ple is not None:
+            state.ple_context = (state.ple_context + list(chunk.tokens))[-self.spec.ple.context_len :]
+
+    def _run_group(self, packed: torch.Tensor, shape: GroupShape) -> torch.Tensor:
+        grp = Group.view(packed, shape, self.block_size)
+        # decode groups take the fixed-shape MoE path (graph-capturable); prefill groups group tokens by expert
+        return forward_group(self.spec, self.weights, self.pools, grp, eager_moe=shape.width > 1,
+                             gdn_kernel=self.gdn_kernel)
+
+    def _decode_logits(self, packed: torch.Tensor, shape: GroupShape) -> torch.Tensor:
+        hidden = self._run_group(packed, shape)
+        return hidden[:, -1] @ self.weights["lm_head.weight"].T
+
+    def _padding(self, shape: GroupShape) -> torch.Tensor:
+        return pack_rows(shape, [], self.pools.scratch_slots, self.pools.scratch_block)
+
+    # -- compute ------------------------------------------------------------------------------------
+
+    def _check_chunk(self, chunk: ChunkLike) -> None:
+        if not chunk.tokens:
+            raise ValueError(f"sequence {chunk.seq_id}: empty chunk at position {chunk.start}")
+        vocab = self.spec.vocab_size
+        bad = [t for t in chunk.tokens if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"sequence {chunk.seq_id}: token ids {bad[:5]} outside the vocabulary [0, {vocab})")
+        held = self._seqs[chunk.seq_id].position if chunk.seq_id in self._seqs else 0
+        if chunk.start != 0 and chunk.start != held:
+            raise ValueError(f"sequence {chunk.seq_id}: chunk starts at {chunk.start} but the backend holds {held} tokens")
+        end = chunk.start + len(chunk.tokens)
+        needed = -(-end // self.block_size)
+        table = chunk.block_table[:needed]
+        if len(table) < needed:
+            raise ValueError(f"block table has {len(chunk.block_table)} blocks; positions up to {end} need {needed} "
+                             f"of block_size {self.block_size}")
+        if any(not 0 <= b < self.pools.num_kv_blocks for b in table):
+            raise ValueError(f"block table {list(table)} names a block outside [0, {self.pools.num_kv_blocks})")
+
+    def _prepare(self, chunks: Sequence[ChunkLike]) -> None:
+        seq_ids = [c.seq_id for c in chunks]
+        if len(set(seq_ids)) != len(seq_ids):
+            raise ValueError(f"a step feeds each sequence at most once, got sequence ids {seq_ids}")
+        for chunk in chunks:  # refuse a bad batch before any sequence moves
+            self._check_chunk(chunk)
+        fresh = [c.seq_id for c in chunks if c.start == 0 or c.seq_id not in self._seqs]
+        free = self.pools.free_count + sum(1 for s in fresh if s in self._seqs)
+        if len({*fresh}) > free:
+            raise ValueError(f"{len(fresh)} new sequences but only {free} state slots are free (max_batch_size "
+                             f"{self.max_batch_size})")
+        for seq_id in fresh:
+            self.reset(seq_id)
+
+    def _groups(self, chunks: Sequence[ChunkLike]) -> list[list[int]]:
+        """Indices of `chunks` per group: all one-token rows together, each longer chunk alone."""
+        decodes = [i for i, c in enumerate(chunks) if len(c.tokens) == 1]
+        groups = [[i] for i, c in enumerate(chunks) if len(c.tokens) > 1]
+        return ([decodes] if decodes else []) + groups
+
+    def _last_logits(self, chunks: Sequence[ChunkLike]) -> dict[int, torch.Tensor]:
+        """Feed the chunks; the logits of each one's last fed position, by chunk index ([vocab] each)."""
+        out: dict[int, torch.Tensor] = {}
+        for idx in self._groups(chunks):
+            members = [chunks[i] for i in idx]
+            width = len(members[0].tokens)
+            shape = self._shape(len(members), width, max(c.start + len(c.tokens) for c in members))
+            if width == 1 and self.graphs is not None:
+                shape = attrs.evolve(shape, batch=bucket(len(members)), key_blocks=bucket(shape.key_blocks, 4))
+            rows = [self._row(c) for c in members]
+            packed = pack_rows(shape, rows, self.pools.scratch_slots, self.pools.scratch_block)
+            if width == 1 and self.graphs is not None:
+                logits, _ = self.graphs.replay(shape, packed.pin_memory(), self._padding(shape))
+            else:
+                logits = self._decode_logits(packed.to(self.device), shape)
+            for c in members:
+                self._advance(c)
+            for j, i in enumerate(idx):
+                out[i] = logits[j]
+        return out
+
+    def forward_hidden(self, chunks: Sequence[ChunkLike]) -> list[torch.Tensor]:
+        """Run each chunk (eager, one group each); return its final hidden states [n, H] (the lm_head input)."""
+        with self._faults():
+            self._prepare(chunks)
+            out = []
+            for chunk in chunks:
+                shape = self._shape(1, len(chunk.tokens), chunk.start + len(chunk.tokens))
+                packed = pack_rows(shape, [self._row(chunk)], self.pools.scratch_slots, self.pools.scratch_block)
+                out.append(self._run_group(packed.to(self.device), shape)[0])
+                self._advance(chunk)
+            return out
+
+    def logits_from_hidden(self, hidden: torch.Tensor) -> torch.Tensor:
+        return hidden @ self.weights["lm_head.weight"].T
+
+    def forward(self, chunks: Sequence[ChunkLike]) -> list[torch.Tensor]:
+        """Run each chunk; return its logits [n, vocab] for every fed position."""
+        return [self.logits_from_hidden(h) for h in self.forward_hidden(chunks)]
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        if plan.snapshots:
+            raise unsupported("the snapshot ring for rollback", "ring_slots=0 (--ring-slots 0)")
+        if any(w.drafts for w in plan.work):
+            raise unsupported("speculative verify", "num_drafts=0 (--num-drafts 0)")
+        with self._faults():
+            for seq_id in plan.release:
+                self.release(seq_id)
+            for seq_id in plan.reset:
+                self.reset(seq_id)
+            work = plan.work
+            self._prepare(work)
+            logits = self._last_logits(work)
+            return StepResult(step=plan.step, outcomes=self._sample(work, logits))
+
+    def _sample(self, work: Sequence[SeqWork], logits: dict[int, torch.Tensor]) -> tuple[SeqOutcome, ...]:
+        sampled = [i for i, w in enumerate(work) if w.sample]
+        tokens: dict[int, int] = {}
+        if sampled:
+            rows = torch.stack([logits[i] for i in sampled])
+            # one device->host copy for every greedy row; the rest bring their logits to the CPU sampler
+            greedy = torch.argmax(rows, dim=-1).tolist()
+            full = [j for j, i in enumerate(sampled)
+                    if not work[i].sampling.greedy or work[i].banned or work[i].sampling.logprobs]
+            host = rows[full].float().cpu() if full else None
+            for j, i in enumerate(sampled):
+                tokens[i] = greedy[j]
+            for n, j in enumerate(full):
+                i = sampled[j]
+                w = work[i]
+                assert host is not None
+                pick = host[n]
+                if w.banned:  # a rollback's re-steer: these tokens may not be sampled here
+                    pick = pick.clone()
+                    pick[list(w.banned)] = float("-inf")
+                tokens[i] = sample_token(pick, w.sampling, position=w.end)
+        outcomes = []
+        for i, w in enumerate(work):
+            token = tokens.get(i)
+            logprob, top = None, ()
+            if token is not None and w.sampling.logprobs:
+                logprob, top = logprobs_of(logits[i].float().cpu(), token, w.sampling.top_logprobs)
+            outcomes.append(SeqOutcome(seq_id=w.seq_id, cursors=self.cursors(w.seq_id), token=token, logprob=logprob,
+                                       top_logprobs=top))
+        return tuple(outcomes)
+
+    def _faults(self) -> _FaultGuard:
+        return _FaultGuard()
+
+
+class _FaultGuard:
+    """Turns a sticky CUDA error into DeviceFault(fatal=True): the context is dead, the engine must stop."""
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: object) -> bool:
+        if isinstance(exc, RuntimeError) and not isinstance(exc, DeviceFault):
+            text = str(exc).lower()
+            if any(m in text for m in _FATAL_MARKERS):
+                raise DeviceFault(f"fatal CUDA error: {exc}", fatal=True) from exc
+        return False
+
+
+def _ngram_one(history: list[int], ngram_size: int, heads_per_ngram: int, eos: int, tables: NgramTables) -> list[int]:
+    """atlas.model.ngram.ngram_ids for the last token of `history` (context + 1 token), on plain ints."""
+    p = len(history) - 1
+    mult, sizes, offsets = tables.multipliers, tables.head_vocab_sizes, tables.head_offsets
+    ids: list[int] = []
+    mixed = history[p] * mult[0]
+    for order in range(2, ngram_size + 1):
+        src = p - (order - 1)
+        # the token `order - 1` back, unless an EOS lies between (the n-gram restarts after EOS)
+        shifted = eos if src < 0 or eos in history[src:p] else history[src]
+        mixed ^= shifted * mult[order - 1]
+        lo = (order - 2) * heads_per_ngram
+        ids.extend(mixed % sizes[h] + offsets[h] for h in range(lo, lo + heads_per_ngram))
+    return ids

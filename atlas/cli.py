@@ -29,6 +29,7 @@ def serve(
     ring_slots: int = typer.Option(None, help="boundary snapshots per sequence for rollback (0: declines)"),
     num_drafts: int = typer.Option(None, help="speculative decoding: drafts per verify (0: off)"),
     drafter: str = typer.Option(None, help="speculative drafter: mtp | ngram"),
+    threads: int = typer.Option(None, help="torch CPU threads for the engine (default: cores - 1)"),
     enable_fault_injection: bool = typer.Option(False, hidden=True, help="tests only: fault-injection hooks"),
 ) -> None:
     """Serve the OpenAI-compatible API. Exits non-zero if the engine dies of a fatal fault."""
@@ -36,7 +37,7 @@ def serve(
 
     code = run_server(model, host=host, port=port, trace=trace, api_key=api_key, backend=backend,
                       max_seq_len=max_seq_len, max_batch_size=max_batch_size, ring_slots=ring_slots,
-                      loop_watchdog=loop_watchdog, num_drafts=num_drafts, drafter=drafter,
+                      loop_watchdog=loop_watchdog, num_drafts=num_drafts, drafter=drafter, threads=threads,
                       enable_fault_injection=enable_fault_injection)
     raise typer.Exit(code)
 

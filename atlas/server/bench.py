@@ -181,7 +181,8 @@ def bench_serve(cfg: BenchConfig, *, launch: dict[str, Any] | None = None) -> di
     """Run the benchmark; with `launch` (build_engine's arguments), against an in-process server."""
     if launch is None:
         return asyncio.run(run_bench(cfg))
-    from atlas.server.serve import build_engine, serve_in_thread
+    from atlas.server.serve import build_engine, serve_in_thread, set_engine_threads
 
+    set_engine_threads()  # the engine shares this process with the server and the load generator
     with serve_in_thread(build_engine(**launch), api_key=cfg.api_key) as served:
         return asyncio.run(run_bench(attrs.evolve(cfg, base_url=served.url)))

@@ -98,3 +98,30 @@ def test_random_model_builds_from_a_config() -> None:
     dev = CudaBackend(model, num_kv_blocks=8, block_size=16, dtype=torch.float32, device="cpu")
     logits = dev.forward([Chunk(0, (1, 2, 3), 0, (0,))])[0]
     assert logits.shape == (3, model.spec.vocab_size) and torch.isfinite(logits).all()
+
+
+class EagerGraphs:
+    """Stands in for DecodeGraphs on the CPU: the same padded, bucketed decode groups, run eagerly."""
+
+    def __init__(self, backend: CudaBackend) -> None:
+        self.backend = backend
+        self.shapes: set = set()
+
+    def replay(self, shape, packed, padding):
+        self.shapes.add(shape)
+        logits = self.backend._decode_logits(packed, shape)
+        return logits, logits.argmax(-1)
+
+
+def test_padded_decode_buckets_give_the_reference_tokens(tiny) -> None:
+    """Decode rows padded to a power-of-two batch (scratch slots and KV block) and key blocks, as the CUDA
+    graphs run them: the padding changes no real row's tokens."""
+    config = EngineConfig(max_seq_len=128, max_batch_size=3, prefill_chunk_tokens=32)
+    want = tokens_of(tiny, "cpu", config)
+    engine = build_cuda_engine(Engine, tiny, model="atlas-tiny", config=config, trace=None, backend="cuda-fp32",
+                               device="cpu", cuda_graphs=False, sink=RecordingSink())
+    fake = engine.backend.graphs = EagerGraphs(engine.backend)  # type: ignore[attr-defined]
+    got = [r.token_ids for r in generate(engine, PROMPTS, [SamplingParams(max_tokens=24, ignore_eos=True)] * 3)]
+    assert got == want
+    assert {s.batch for s in fake.shapes} >= {4} and all(s.key_blocks in (4, 8) for s in fake.shapes)
+    assert any(s.qsa_select for s in fake.shapes) and any(not s.qsa_select for s in fake.shapes)

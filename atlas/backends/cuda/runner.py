@@ -247,7 +247,8 @@ class CudaBackend:
             rows = [self._row(c) for c in members]
             packed = pack_rows(shape, rows, self.pools.scratch_slots, self.pools.scratch_block)
             if width == 1 and self.graphs is not None:
-                logits, _ = self.graphs.replay(shape, packed.pin_memory(), self._padding(shape))
+                host = packed.pin_memory() if self.device.type == "cuda" else packed
+                logits, _ = self.graphs.replay(shape, host, self._padding(shape))
             else:
                 logits = self._decode_logits(packed.to(self.device), shape)
             for c in members:

@@ -153,11 +153,15 @@ async def _respond_whole(ctx: ServingContext, request: Request, stream: RequestS
 
     consumer = asyncio.ensure_future(consume())
     watcher = asyncio.ensure_future(_until_disconnect(request))
-    await asyncio.wait({consumer, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    watcher.cancel()
-    if not consumer.done():  # the client went away: nobody will read an answer
-        consumer.cancel()
-        stream.cancel()
+    try:
+        await asyncio.wait({consumer, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:  # also when this handler is itself cancelled (a shutdown): the request must not run on
+        watcher.cancel()
+        client_left = not consumer.done()
+        if client_left:
+            consumer.cancel()
+            stream.cancel()
+    if client_left:  # nobody will read an answer
         return Response(status_code=499)
     try:
         consumer.result()

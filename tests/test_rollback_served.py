@@ -5,6 +5,7 @@ client), so it ends with `stop` and the typed reason in the response and the tra
 from __future__ import annotations
 
 import json
+import time
 
 import httpx
 import pytest
@@ -48,8 +49,13 @@ def test_a_looping_request_is_served_after_a_rollback_and_traced(tiny, tmp_path)
         whole = http.post("/v1/completions", json=body)
         with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
             chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
-        metrics = {line.split("{")[0]: float(line.split()[-1]) for line in http.get("/metrics").text.splitlines()
-                   if line.startswith("atlas:num_rollback")}
+        want = {"atlas:num_rollbacks_total": 1.0, "atlas:num_rollback_declines_total": 1.0}
+        for _ in range(200):  # the loop refreshes its stats just after it hands out a step's outputs
+            metrics = {line.split("{")[0]: float(line.split()[-1]) for line in http.get("/metrics").text.splitlines()
+                       if line.startswith("atlas:num_rollback")}
+            if metrics == want:
+                break
+            time.sleep(0.01)
 
     assert whole.status_code == 200
     choice = whole.json()["choices"][0]
@@ -58,7 +64,7 @@ def test_a_looping_request_is_served_after_a_rollback_and_traced(tiny, tmp_path)
     assert loop in choice["text"] and loop * 2 not in choice["text"]  # one copy kept, then re-steered
     assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
     assert "rollback declined: streamed" in chunks[-1]["choices"][0]["finish_detail"]
-    assert metrics == {"atlas:num_rollbacks_total": 1.0, "atlas:num_rollback_declines_total": 1.0}
+    assert metrics == want
 
     reader = TraceReader(trace)
     try:

@@ -250,9 +250,13 @@ class EngineLoop:
                     break
                 if self._force_step or self.engine.has_unfinished():
                     self._force_step = False
-                    self._dispatch(self.engine.step())
+                    outputs = self.engine.step()
                     self.steps_run += 1
-                self._refresh_stats()
+                    # stats first: a client that has its answer reads /metrics that already count it
+                    self._refresh_stats()
+                    self._dispatch(outputs)
+                else:
+                    self._refresh_stats()
                 time.sleep(0)  # hand the GIL to the HTTP thread between steps, however fast they are
         except EngineDead as exc:
             self._die(str(exc) or "fatal fault")

@@ -87,7 +87,7 @@ def bench_serve(
 def generate(
     prompt: list[str] = typer.Option(..., "--prompt", help="a prompt; repeat for several"),
     model: str = typer.Option("atlas-tiny", help="checkpoint directory, or the built-in atlas-tiny"),
-    backend: str = typer.Option("cpu", help="cpu | null"),
+    backend: str = typer.Option("cpu", help="cpu | cuda | cuda-fp32 | null"),
     max_tokens: int = typer.Option(None, help="default: what max_seq_len leaves"),
     temperature: float = typer.Option(0.0),
     top_p: float = typer.Option(1.0),
@@ -225,6 +225,24 @@ def replay_check(file: str, run_id: int = typer.Option(None, help="default: the 
         return
     typer.echo(f"event {report.index}: {report.problem}")
     raise typer.Exit(1)
+
+
+@bench_app.command("gpu")
+def bench_gpu(
+    config: str = typer.Option(None, help="model config.json (default: benchmarks/configs/qwen4exp-2p7b.json)"),
+    out: str = typer.Option(None, help="directory for bench.json and the decode profile"),
+    transformers: bool = typer.Option(True, help="also measure transformers on the same config"),
+) -> None:
+    """The CUDA backend on a GPU with random bf16 weights: prefill 2048, decode at batch 1/16/64, floors,
+    the control plane's share, and transformers on the same config (see docs/BENCHMARKS.md)."""
+    from pathlib import Path
+
+    from atlas.bench import DEFAULT_CONFIG, run, table
+
+    target = Path(out) if out else None
+    if target is not None:
+        target.mkdir(parents=True, exist_ok=True)
+    typer.echo(table(run(Path(config) if config else DEFAULT_CONFIG, out=target, with_transformers=transformers)))
 
 
 def main() -> None:

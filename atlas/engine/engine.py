@@ -471,6 +471,7 @@ class Engine:
                 cursors = restore(seq.seq_id, decision.slot, decision.boundary)
             except ValueError as exc:
                 log.warning("rollback refused by the backend", seq_id=seq.seq_id, error=str(exc))
+                self._check_refused_restore(seq)
                 decision = RollbackDecline(seq.seq_id, DeclineReason.BACKEND_REFUSED, keep)
             else:
                 self._emit(RolledBack(step, seq.seq_id, decision.boundary, decision.slot, keep, decision.ban_token,
@@ -482,6 +483,16 @@ class Engine:
         self._emit(RollbackDeclined(step, seq.seq_id, reason, keep, period))
         self._rollback_declines += 1
         return FinishReason.STOP, f"content loop (period {period}): rollback declined: {reason}"
+
+    def _check_refused_restore(self, seq: SequenceState) -> None:
+        """A refused restore must have changed nothing: the data plane's cursors are still the control plane's
+        (a restore that rewinds some layers and then fails leaves the sequence torn)."""
+        cur = self.backend.cursors(seq.seq_id)
+        n = seq.cursor.computed
+        if (cur.kv_tokens, cur.qsa_ingested, cur.ssm_position, cur.ple_position, cur.drafter_rows) != (
+                n, seq.qsa.ingested, n, n, seq.drafter.rows):
+            self._violation(InvariantViolation(self._event_index, "BackendCursors", "a refused restore changes nothing",
+                                               {"seq_id": seq.seq_id, "computed": n, "backend": attrs.asdict(cur)}))
 
     def _rewind_outputs(self, seq: SequenceState) -> None:
         """After a rollback: the stop checker and the held-back output as if the dropped tokens never came."""

@@ -89,6 +89,9 @@ class ControlState:
     finished_count: int = 0
     outcomes_hash: int = 0  # folds in every finished request's reason and detail, in order
     seq_digest: int = 0  # XOR of the live sequences' fingerprints
+    # sequences an engine error ended (a failed step, a refused verify commit, a fatal fault): their
+    # RequestFinished must say `error`, never `stop` or `length`
+    failing: set[int] = attrs.Factory(set)
 
     @classmethod
     def create(cls, caps: Capacities) -> ControlState:
@@ -168,6 +171,7 @@ class ControlState:
         if seq.on_device:
             self.pending_release.append(seq.seq_id)
         self.seq_digest ^= seq.fingerprint
+        self.failing.discard(seq.seq_id)
         seq.cursor.phase = Phase.FINISHED
         del self.seqs[seq.seq_id]
         del self.by_request[seq.request_id]
@@ -186,6 +190,9 @@ class ControlState:
         FinishReason(e.reason)  # refuses an unknown reason
         if self.inflight is not None and e.seq_id in self.inflight.seqs:
             raise TransitionRefused("Request", "finish of a sequence whose step is in flight", seq_id=e.seq_id)
+        if e.seq_id in self.failing and e.reason != FinishReason.ERROR.value:
+            raise TransitionRefused("Request", "an engine error is reported as `error`, never `stop` or `length`",
+                                    seq_id=e.seq_id, reason=e.reason, detail=e.detail)
         self._finish(seq, e.reason, e.detail)
         return (e.seq_id,)
 
@@ -224,6 +231,10 @@ class ControlState:
         if e.drafts and len(e.drafts) != len(e.seqs):
             raise TransitionRefused("Engine", "drafts aligned with the planned sequences", drafts=len(e.drafts),
                                     seqs=len(e.seqs))
+        fed_total = sum(e.fed) + sum(len(d) for d in e.drafts)
+        if fed_total > self.caps.max_batch_tokens:  # the size every per-step buffer is derived from
+            raise TransitionRefused("Scheduler", "a step feeds at most max_batch_tokens (drafts included)",
+                                    fed=fed_total, max_batch_tokens=self.caps.max_batch_tokens)
         admitted = set(e.admitted)
         new_blocks = {row[0]: len(row) - 1 for row in e.alloc}
         bs = self.caps.block_size
@@ -284,6 +295,7 @@ class ControlState:
         bs = self.caps.block_size
         seqs = self.seqs
         work = []
+        refused: list[int] = []
         for i, (seq_id, fed, token) in enumerate(zip(plan.seqs, plan.fed, e.tokens, strict=True)):
             seq = seqs.get(seq_id)
             if seq is None:
@@ -291,6 +303,7 @@ class ControlState:
             drafts = plan.drafts[i] if plan.drafts else ()
             accepted = e.accepted[i] if e.accepted else 0
             if drafts and accepted == -1 and token == -1:
+                refused.append(seq_id)
                 continue  # its commit was refused: nothing moves, the request fails next
             if drafts:
                 seq.check_verify(drafts, accepted, token, bs)
@@ -300,6 +313,7 @@ class ControlState:
                                             accepted=accepted)
                 seq.check_advance(fed, token, bs)
             work.append((seq, fed, token, drafts, accepted))
+        self.failing.update(refused)
         for seq, fed, token, drafts, accepted in work:  # every check passed: commit them all
             if drafts:
                 self.pool.release(seq.seq_id, seq.commit_verify(drafts, accepted, token, bs))
@@ -379,6 +393,10 @@ class ControlState:
             kind = "fatal" if e.fatal else "step_error"
             self.pending_faults = [f for f in self.pending_faults if f[0] != kind]
         # a failed step executed nothing: its sequences end with error next (RequestFinished)
+        if not e.injected and self.inflight is not None:
+            self.failing.update(self.inflight.seqs)
+        if e.fatal:
+            self.failing.update(self.seqs)
         self.inflight = None
         self.inflight_hash = 0
         if e.fatal:

@@ -232,3 +232,12 @@ def test_the_official_client_sees_a_failed_stream_as_an_error() -> None:
                 pass
         with pytest.raises(openai.InternalServerError, match="injected step_error"):
             client.completions.create(model="atlas-tiny", prompt="hi", max_tokens=20, extra_headers=FAULT)
+
+
+def test_fault_injection_is_off_unless_enabled() -> None:
+    with serve_in_thread(_engine()) as served, httpx.Client(base_url=served.url, timeout=30) as http:
+        r = http.post("/v1/completions", headers={"x-atlas-inject-fault": "fatal"},
+                      json={"prompt": "hi", "max_tokens": 3, "ignore_eos": True})
+        assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "length"
+        assert http.post("/debug/inject_fault", json={"kind": "fatal"}).status_code == 404
+        assert http.get("/health").status_code == 200 and served.engine_loop.dead is None

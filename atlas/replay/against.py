@@ -52,16 +52,19 @@ class Failure:
 
 
 def failure_of(events: Iterable[tuple[int, str, dict[str, Any]]]) -> Failure | None:
-    """The first failure among (index, kind, payload) events, or None."""
+    """The run's failure among (index, kind, payload) events, or None: its invariant violation (what stopped
+    the engine; a fault before it is often its cause, but the violation names the broken promise), else its
+    first engine fault that no one injected."""
+    fault = None
     for index, kind, p in events:
         if kind == "invariant_violated":
             fields = ", ".join(f"{k}={v}" for k, v in p["fields"].items())
             return Failure("invariant", p["machine"], p["message"], p["event_index"], fields)
-        if kind == "engine_faulted" and not p["injected"]:
+        if kind == "engine_faulted" and not p["injected"] and fault is None:
             error = p["error"]
             exc_type = error.split(":", 1)[0] if ":" in error else error
-            return Failure("fault", "fatal" if p["fatal"] else "step_error", exc_type, index, error)
-    return None
+            fault = Failure("fault", "fatal" if p["fatal"] else "step_error", exc_type, index, error)
+    return fault
 
 
 def recorded_failure(recorded: list[EventRecord]) -> Failure | None:
@@ -167,7 +170,7 @@ def replay_rows(run: RunRecord, recorded: list[EventRecord], *, build: Callable[
     sink = RecordingSink()
     engine = build(run, sink, **engine_kwargs)
     try:
-        note = redrive(engine, recorded)
+        note = redrive(engine, recorded, to_end=True)
     finally:
         engine.close()
     return sink.rows, note

@@ -54,9 +54,9 @@ class LoopingNullBackend(NullBackend):
 
 def _row_blind_cpu(loaded: Any, caps: Capacities) -> Any:
     from atlas.backends.cpu import CpuBackend
-    from atlas.engine.drafters.lane import inert_bound
 
-    bound = inert_bound(caps)
+    # the model's own bound, from the capacities (never the engine's lane: a lane bug must not move it)
+    bound = caps.qsa_budget + caps.qsa_ratio - 1 if caps.num_qsa_layers and caps.qsa_budget else None
 
     class RowBlindCpuBackend(CpuBackend):
         name = "cpu-row-blind"

@@ -16,10 +16,11 @@ from typing import Any
 
 import attrs
 
-from atlas.config import Capacities, EngineConfig
+from atlas.config import Capacities
 from atlas.engine.engine import Engine, RecordingSink
 from atlas.engine.outputs import AdmissionError, EngineDead, QueueFull
 from atlas.engine.sampling import SamplingParams
+from atlas.replay.scenarios import engine_for_run
 from atlas.replay.store import EventRecord, RunRecord, TraceReader
 from atlas.state.control import ControlState
 from atlas.state.events import INPUT_KINDS, Event, InvariantViolated
@@ -84,9 +85,10 @@ def _drive_input(engine: Engine, rec: EventRecord) -> None:
         raise ValueError(f"not an input event: {rec.kind}")
 
 
-def redrive(engine: Engine, recorded: list[EventRecord], progress: Progress | None = None) -> str:
-    """Feed the recorded inputs to `engine` where they happened and step it until the run's end. Returns how
-    the replay ended.
+def redrive(engine: Engine, recorded: list[EventRecord], progress: Progress | None = None, *,
+            to_end: bool = False, max_steps: int = 100_000) -> str:
+    """Feed the recorded inputs to `engine` where they happened and step it until the run's end (`to_end`:
+    until every request finished, however long the trace was). Returns how the replay ended.
 
     An input is driven when the replay has produced exactly as many events as preceded it in the trace: the
     input's position in the event stream, not only its step stamp, since a step can emit events (a fired
@@ -95,14 +97,14 @@ def redrive(engine: Engine, recorded: list[EventRecord], progress: Progress | No
     sink = engine._sink
     produced = (lambda: len(sink.rows)) if isinstance(sink, RecordingSink) else (lambda: engine._event_index)
     i = 0
-    while True:
+    for _ in range(max_steps):
         try:
             while i < len(inputs) and inputs[i].index <= produced():
                 _drive_input(engine, inputs[i])
                 i += 1
-            if i == len(inputs) and (not engine.has_unfinished() or produced() >= len(recorded)):
+            if i == len(inputs) and (not engine.has_unfinished() or produced() >= len(recorded) and not to_end):
                 return "ended"
-            if produced() > len(recorded):
+            if produced() > len(recorded) and not to_end:
                 return "the replay ran past the trace's end"
             before = produced()
             engine.step()
@@ -114,6 +116,7 @@ def redrive(engine: Engine, recorded: list[EventRecord], progress: Progress | No
             if i < len(inputs):  # idle before the next input's place in the trace: the run diverged earlier
                 return f"idle after {produced()} events; the next input is event {inputs[i].index}"
             return "ended"
+    return f"stopped after {max_steps} steps"
 
 
 def compare(recorded: list[EventRecord], actual: list[tuple[int, int, Event, str]]) -> Divergence | None:
@@ -150,8 +153,7 @@ def verify(path_or_url: str | Path, run_id: int | None = None, *, progress: Prog
     finally:
         reader.close()
     sink = RecordingSink()
-    engine = Engine.from_model(run.model, backend=run.backend, config=EngineConfig.from_json(run.config),
-                               sink=sink, **(engine_kwargs or {}))
+    engine = engine_for_run(run, sink, **(engine_kwargs or {}))
     try:
         note = redrive(engine, recorded, progress)
     finally:
@@ -179,10 +181,12 @@ def check_state_only(path_or_url: str | Path, run_id: int | None = None) -> Stat
     state = ControlState.create(Capacities(**run.capacities))
     for rec in recorded:
         e = rec.event()
+        if isinstance(e, InvariantViolated):  # the run itself recorded a violation: the trace fails there
+            return StateCheckReport(len(recorded), f"recorded invariant violation in {e.machine}: {e.message} "
+                                    f"{e.fields}", e.event_index)
         try:
             touched = state.apply(e)
-            if not isinstance(e, InvariantViolated):
-                check_invariants(state, touched, rec.index)
+            check_invariants(state, touched, rec.index)
         except TransitionRefused as exc:
             return StateCheckReport(len(recorded), f"refused: {exc} {exc.fields}", rec.index)
         except InvariantViolation as exc:

@@ -245,5 +245,10 @@ def bench_gpu(
     typer.echo(table(run(Path(config) if config else DEFAULT_CONFIG, out=target, with_transformers=transformers)))
 
 
+from atlas.replay.commands import register as _register_replay_commands  # noqa: E402 (after the sub-apps)
+
+_register_replay_commands(trace_app, replay_app)
+
+
 def main() -> None:
     app()

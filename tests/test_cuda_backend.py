@@ -4,8 +4,13 @@ its host-side n-gram ids equal the reference's; unsupported features are refused
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
+
+if not torch.cuda.is_available():  # the Triton kernels run interpreted on a CPU (before atlas_kernels loads)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from atlas.backends.cpu.runner import Chunk
 from atlas.backends.cuda import CudaBackend, random_model
@@ -125,3 +130,30 @@ def test_padded_decode_buckets_give_the_reference_tokens(tiny) -> None:
     assert got == want
     assert {s.batch for s in fake.shapes} >= {4} and all(s.key_blocks in (4, 8) for s in fake.shapes)
     assert any(s.qsa_select for s in fake.shapes) and any(not s.qsa_select for s in fake.shapes)
+
+
+def test_triton_gdn_kernels_in_the_batched_forward_match_the_torch_path(tiny) -> None:
+    """The kernel wrapper's layouts (unrepeated key heads, log decay, state slots read from the packed group
+    buffer) in a real batched forward: chunked prefill per sequence, then one decode group of 3 sequences.
+    Interpreted on the CPU (TRITON_INTERPRET=1, as tests/test_kernels_*.py), compiled on a GPU."""
+    from atlas.backends.base import SeqWork, StepPlan
+    from atlas.backends.cuda.runner import triton_gdn
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    kernel = triton_gdn()
+    assert kernel is not None
+    plain = CudaBackend(tiny, num_kv_blocks=32, block_size=16, dtype=torch.float32, device=device, max_batch_size=4,
+                        kernels=False, cuda_graphs=False)
+    fused = CudaBackend(tiny, num_kv_blocks=32, block_size=16, dtype=torch.float32, device=device, max_batch_size=4,
+                        kernels=False, cuda_graphs=False)
+    fused.gdn_kernel = kernel
+    prompts = [PROMPTS[1], PROMPTS[2], PROMPTS[0][:40]]
+    tables = [tuple(range(8 * i, 8 * i + 8)) for i in range(3)]
+    prefill = StepPlan(step=0, work=tuple(SeqWork(i, tuple(p), 0, tables[i], True) for i, p in enumerate(prompts)))
+    decode = [SeqWork(i, (40 + i,), len(p), tables[i], True) for i, p in enumerate(prompts)]
+    for backend in (plain, fused):
+        backend.execute(prefill)
+        backend._prepare(decode)
+    want, got = plain._last_logits(decode), fused._last_logits(decode)
+    for i in range(3):
+        assert torch.allclose(got[i], want[i], rtol=0, atol=1e-4), (i, (got[i] - want[i]).abs().max())

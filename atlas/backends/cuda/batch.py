@@ -46,7 +46,7 @@ class Group:
         b, t, kb = shape.batch, shape.width, shape.key_blocks
         tokens = packed[:, :t]
         start = packed[:, t]
-        slots = packed[:, t + 1]
+        slots = packed[:, t + 1].contiguous()  # kernels index slots as a dense [B] array
         table = packed[:, t + 2 : t + 2 + kb]
         ngram = None
         if shape.ple_layers:

@@ -50,10 +50,9 @@ def unsupported(feature: str, knob: str) -> NotImplementedError:
     return NotImplementedError(f"the CUDA backend does not support {feature} yet: set {knob}")
 
 
-def _load_kernels(device: torch.device, dtype: torch.dtype) -> GdnKernel | None:
-    """The Triton GDN kernels (decode: recurrent update; prefill: chunked), or None for the torch loop."""
-    if device.type != "cuda":
-        return None
+def triton_gdn() -> GdnKernel | None:
+    """The Triton GDN kernels (decode: recurrent update; prefill: chunked), or None when atlas_kernels is not
+    importable. On a CPU they run only under TRITON_INTERPRET=1 (tests)."""
     try:
         from atlas_kernels.gdn_chunk import gdn_chunk_prefill
         from atlas_kernels.gdn_recurrent import gdn_recurrent
@@ -118,7 +117,7 @@ class CudaBackend:
         self.pools = DevicePools(spec, num_kv_blocks=num_kv_blocks, block_size=block_size, max_seqs=max_batch_size,
                                  scratch_slots=bucket(max_batch_size), dtype=self.dtype, device=self.device)
         use_kernels = self.dtype != torch.float32 if kernels is None else kernels
-        self.gdn_kernel = _load_kernels(self.device, self.dtype) if use_kernels else None
+        self.gdn_kernel = triton_gdn() if use_kernels and self.device.type == "cuda" else None
         if kernels and self.gdn_kernel is None:
             raise ValueError("kernels=True needs a CUDA device and atlas_kernels (the kernels/ package) importable")
         use_graphs = self.device.type == "cuda" if cuda_graphs is None else cuda_graphs

@@ -8,6 +8,7 @@ floor is refused at load naming both numbers, and the derived table is logged at
 from __future__ import annotations
 
 import math
+import os
 from typing import Any
 
 import attrs
@@ -73,6 +74,15 @@ class EngineConfig:
     # overrides of derived sizes (None = derived); each is checked against its floor
     scratch_rows: int | None = attrs.field(default=None, validator=_positive)
     qsa_index_capacity: int | None = attrs.field(default=None, validator=_positive)
+    # prefix caching (atlas.engine.prefix_cache): off by default because a config without the field (every
+    # trace recorded before it) must replay as recorded; `atlas serve` and `atlas generate` turn it on.
+    # prefix_snapshots: recurrent snapshots the cache keeps (LRU; None = derived, 4 x max_batch_size).
+    enable_prefix_caching: bool = False
+    prefix_snapshots: int | None = attrs.field(default=None, validator=_positive)
+    # the MTP drafter's prompt context: the drafter is prefilled over the prompt, and a finished turn's rows
+    # are carried to the next warm turn. One switch for both (carry without prefill is unreachable); resolved
+    # from ATLAS_NO_MTP_DRAFTER_CONTEXT at engine start (resolve_drafter_context)
+    drafter_context: bool = True
 
     def to_json(self) -> dict[str, Any]:
         return attrs.asdict(self)
@@ -111,6 +121,10 @@ class Capacities:
     # keys and drafter rows are positional: a restore only moves their cursors). Defaults: older traces.
     ring_slot_bytes: int = 0
     ring_bytes_per_seq: int = 0  # ring_slots x ring_slot_bytes
+    prefix_caching: bool = False
+    prefix_snapshots: int = 0  # recurrent snapshots the prefix cache keeps (0: prefix caching off)
+    prefix_snapshot_bytes: int = 0  # one prefix snapshot without its QSA keys and tail KV (ring_slot_bytes)
+    drafter_context: bool = True  # MTP drafter prefilled over the prompt and carried across turns
 
     def table(self) -> dict[str, int | str]:
         return attrs.asdict(self)
@@ -248,7 +262,25 @@ def derive_capacities(config: EngineConfig, spec: Any = None, *, activation_byte
         ring_slot_bytes=ring_slot_bytes(spec, activation_bytes),
         ring_bytes_per_seq=config.ring_slots * ring_slot_bytes(spec, activation_bytes),
         max_waiting=config.max_waiting,
+        prefix_caching=config.enable_prefix_caching,
+        prefix_snapshots=(config.prefix_snapshots or 4 * config.max_batch_size) if config.enable_prefix_caching else 0,
+        prefix_snapshot_bytes=ring_slot_bytes(spec, activation_bytes) if config.enable_prefix_caching else 0,
+        drafter_context=config.drafter_context,
     )
+
+
+NO_DRAFTER_CONTEXT_ENV = "ATLAS_NO_MTP_DRAFTER_CONTEXT"
+
+
+def resolve_drafter_context(config: EngineConfig, environ: Any = None) -> EngineConfig:
+    """The drafter-context switch, resolved once at engine start: only ATLAS_NO_MTP_DRAFTER_CONTEXT=1
+    disables it (prefill and carry together); any other value, or none, leaves the config as it is."""
+    env = os.environ if environ is None else environ
+    if env.get(NO_DRAFTER_CONTEXT_ENV) == "1" and config.drafter_context:
+        config = attrs.evolve(config, drafter_context=False)
+    log.info("MTP drafter context", prefill=config.drafter_context, carry=config.drafter_context,
+             switch=f"{NO_DRAFTER_CONTEXT_ENV}={env.get(NO_DRAFTER_CONTEXT_ENV, '')}")
+    return config
 
 
 def log_capacities(caps: Capacities, *, model: str, backend: str) -> None:

@@ -34,6 +34,8 @@ class SeqWork:
     # a verify when non-empty: the drafts are fed after `tokens` (exactly one, the last sampled token) at
     # [end, end + len(drafts)), verdicts come back per row, and nothing is committed until commit_verify
     drafts: tuple[int, ...] = ()
+    # the MTP drafter's lowest pair key (0: it sees the prompt; prompt_len - 1 with its context off)
+    drafter_first_key: int = 0
 
     @property
     def end(self) -> int:
@@ -51,6 +53,14 @@ class StepPlan:
     # (seq_id, position, slot): after the work, store the sequence's state (its work ends at `position`) into
     # its ring slot, for a later rollback (Backend.restore_boundary)
     snapshots: tuple[tuple[int, int, int], ...] = ()
+    # prefix caching (atlas.state.prefix.PrefixOrders), in this order, before the releases and the work:
+    # (seq_id, position, key, evicted): store the sequence's state at `position` as prefix snapshot `key`
+    prefix_stores: tuple[tuple[int, int, int, int], ...] = ()
+    carry_drop: bool = False  # drop the carried drafter entry
+    carry_store: int = -1  # keep this released sequence's drafter rows as the carried entry
+    # (seq_id, key, position, block table, drafter first key, drafter last key, adopt): after the releases,
+    # start the sequence at `position` from prefix snapshot `key` (the drafter from the carry when adopt)
+    prefix_restores: tuple[tuple[int, int, int, tuple[int, ...], int, int, bool], ...] = ()
 
 
 @attrs.frozen

@@ -23,6 +23,7 @@ from atlas.engine.drafters import Drafter, make_drafter
 from atlas.engine.drafters.lane import SpeculativeLane, Verified, planned_drafts
 from atlas.engine.factory import TINY_MODEL, build_engine, build_engine_for_loaded
 from atlas.engine.outputs import AdmissionError, EngineDead, FinishReason, QueueFull, RequestOutput
+from atlas.engine.prefix_lane import PrefixLane
 from atlas.engine.rollback import (
     DeclineReason,
     RollbackDecline,
@@ -126,6 +127,15 @@ class EngineStats:
     spec_acceptance_unconditional: tuple[float, ...] = ()
     spec_acceptance_conditional: tuple[float, ...] = ()
     spec_latched_off_total: int = 0
+    # prefix caching and the drafter carry (atlas.engine.prefix_lane.PrefixStats); coverage = drafter rows /
+    # prompt length when a new turn's prefill completes, warm (prefix hit) and cold turns
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    prefix_tokens_saved: int = 0
+    prefix_tokens_replayed: int = 0
+    carry_adopted_total: int = 0
+    drafter_coverage_warm: float = 0.0
+    drafter_coverage_cold: float = 0.0
 
 
 class Engine:
@@ -179,6 +189,8 @@ class Engine:
             # snapshots the control plane records but no data plane holds would only ever decline
             raise CapacityError(f"ring_slots {self.capacities.ring_slots} needs a backend with a snapshot ring; "
                                 f"backend {getattr(backend, 'name', '?')!r} has none (set ring_slots 0)")
+        # prefix caching and the drafter carry: None when prefix caching is off
+        self._prefix = PrefixLane(self.capacities, backend) if self.capacities.prefix_caching else None
         log_capacities(self.capacities, model=model_name, backend=getattr(backend, "name", "?"))
 
     @classmethod
@@ -275,6 +287,8 @@ class Engine:
         if self.state.pending_faults:
             self._fire_faults(outputs)
         drafts = self._lane.propose(self.state, self._emit) if self._lane is not None else {}
+        if self._prefix is not None:  # waiting sequences that hit the cache start running from it
+            self._prefix.admit(self.state, self._emit, self.state.step)
         decided = schedule(self.state, {seq_id: len(d) for seq_id, d in drafts.items()})
         if decided.idle and not self.state.pending_release:
             return outputs
@@ -284,10 +298,17 @@ class Engine:
             self._preemptions += 1
         planned = StepPlanned(step, decided.admitted, decided.seqs, decided.fed, decided.alloc,
                               tuple(self.state.pending_release), decided.preempt, planned_drafts(drafts, decided))
+        if self._prefix is not None:
+            self._prefix.admitted(self.state, decided.admitted, self._emit, step)
+            prefix_orders = PrefixLane.capture(self.state)  # the plan's; StepPlanned clears them
+            prefilled = [s for s in planned.seqs if not self.state.seqs[s].cursor.decoding]
         self._emit(planned)
         snapshots = plan_snapshots(self.state.seqs, planned.seqs, planned.fed, self.capacities.snapshot_interval)
         try:
-            result = self.backend.execute(self._plan(planned, snapshots))
+            plan = self._plan(planned, snapshots)
+            if self._prefix is not None:
+                plan = PrefixLane.into(plan, prefix_orders)
+            result = self.backend.execute(plan)
         except DeviceFault as exc:
             if exc.fatal:
                 self._die(step, f"fatal device fault: {exc}", injected=False)
@@ -308,6 +329,8 @@ class Engine:
         for snap in snapshots:
             self._emit(BoundarySnapshotted(step, snap.seq_id, snap.position, snap.slot, snap.evicted))
         self._finish_sampled(planned, by_seq, outputs, verified)
+        if self._prefix is not None:
+            self._prefix.after_step(self.state, prefilled, self._emit, step)
         return outputs
 
     def _executed(self, planned: StepPlanned, outcomes: list[SeqOutcome], verified: dict[int, Verified]
@@ -340,7 +363,7 @@ class Engine:
             start = seq.cursor.computed
             end = start + n
             work.append(SeqWork(seq_id, tuple(tokens[start:end]), start, tuple(seq.blocks), end == len(tokens),
-                                seq.params, drafts=verify,
+                                seq.params, drafts=verify, drafter_first_key=seq.drafter.first_key,
                                 banned=seq.banned.get(end, ()) if end == len(tokens) else ()))
         orders = tuple((o.seq_id, o.position, o.slot) for o in snapshots)
         return StepPlan(planned.step, tuple(work), planned.release, planned.reset, snapshots=orders)
@@ -424,6 +447,8 @@ class Engine:
                 ended = watched
             request_id, prompt_len, generated = seq.request_id, seq.cursor.prompt_len, seq.cursor.generated
             if ended is not None:
+                if self._prefix is not None:
+                    self._prefix.on_finish(self.state, seq, ended[0], self._emit, planned.step)
                 self._emit(RequestFinished(o.seq_id, ended[0].value, ended[1]))
                 del self._stops[o.seq_id]
                 self._held.pop(o.seq_id, None)
@@ -608,7 +633,16 @@ class Engine:
             rollbacks_total=self._rollbacks,
             rollback_declines_total=self._rollback_declines,
             **self._spec_stats(),
+            **self._prefix_stats(),
         )
+
+    def _prefix_stats(self) -> dict[str, Any]:
+        if self._prefix is None:
+            return {}
+        s = self._prefix.stats
+        return {"prefix_cache_queries": s.queries, "prefix_cache_hits": s.hits, "prefix_tokens_saved": s.tokens_saved,
+                "prefix_tokens_replayed": s.tokens_replayed, "carry_adopted_total": s.carry_adopted,
+                "drafter_coverage_warm": s.warm_coverage, "drafter_coverage_cold": s.cold_coverage}
 
     def _spec_stats(self) -> dict[str, Any]:
         if self._lane is None:

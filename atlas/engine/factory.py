@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from atlas.config import Capacities, EngineConfig, derive_capacities
+from atlas.config import Capacities, EngineConfig, derive_capacities, resolve_drafter_context
 
 if TYPE_CHECKING:
     from atlas.engine.engine import Engine, EventSink
@@ -29,7 +29,7 @@ def open_trace(trace: str, *, model: str, fingerprint: str, backend: str, config
 def build_engine(cls: type[Engine], model: str, backend: str, config: EngineConfig | None, trace: str | None,
                  **kwargs: Any) -> Engine:
     config = config or EngineConfig()
-    if backend == "cpu":
+    if backend == "cpu":  # build_engine_for_loaded resolves the drafter-context switch
         from atlas.model import load_model
 
         return build_engine_for_loaded(cls, load_model(model), model=model, config=config, trace=trace, **kwargs)
@@ -41,6 +41,7 @@ def build_engine(cls: type[Engine], model: str, backend: str, config: EngineConf
                                  **kwargs)
     if backend != "null":
         raise ValueError(f"unknown backend {backend!r} (cpu, cuda, cuda-fp32, null)")
+    config = resolve_drafter_context(config)
     from atlas.backends.null import ByteTokenizer, NullBackend
 
     model_name = TINY_MODEL if model == TINY_MODEL else Path(model).name
@@ -59,7 +60,7 @@ def build_engine_for_loaded(cls: type[Engine], loaded: Any, *, model: str, confi
                             trace: str | None, dtype: Any = None, **kwargs: Any) -> Engine:
     from atlas.backends.cpu import CpuBackend
 
-    config = config or EngineConfig()
+    config = resolve_drafter_context(config or EngineConfig())  # once, at start, before the trace's run row
     caps = derive_capacities(config, loaded.spec, activation_bytes=(dtype or loaded.dtype).itemsize)
     # speculative decoding: per-token intermediates for verifies of caps.verify_width rows, and the MTP
     # drafter's rows when it drafts

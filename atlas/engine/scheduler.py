@@ -15,6 +15,7 @@ from collections.abc import Iterator, Mapping
 import attrs
 
 from atlas.state.control import ControlState
+from atlas.state.prefix import free_order
 
 
 def plan_chunks(total: int, budget: int) -> list[int]:
@@ -43,8 +44,8 @@ class _FreeBlocks:
     """The pool's free blocks as this step would hand them out, without touching the pool: blocks freed by
     this step's preemptions first (newest first), then the pool's free list from its end."""
 
-    def __init__(self, free: dict[int, None]) -> None:
-        self._base: Iterator[int] = reversed(free)
+    def __init__(self, free: dict[int, None], cached: dict[int, int] | None = None) -> None:
+        self._base: Iterator[int] = free_order(free, cached or {})  # prefix-cached blocks last, LRU first
         self.available = len(free)
         self._reclaimed: list[int] = []
 
@@ -67,7 +68,7 @@ def schedule(state: ControlState, drafts: Mapping[int, int] | None = None) -> Sc
     caps = state.caps
     bs = caps.block_size
     budget = caps.max_batch_tokens
-    free = _FreeBlocks(state.pool.free)
+    free = _FreeBlocks(state.pool.free, state.prefix.hash_of if state.prefix is not None else None)
     seqs = state.seqs
     preempted: list[int] = []
     work: list[int] = []

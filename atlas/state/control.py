@@ -15,13 +15,19 @@ import attrs
 
 from atlas.config import Capacities
 from atlas.engine.outputs import FinishReason
+from atlas.engine.prefix_cache import CarriedEntry, PrefixCache
 from atlas.engine.sampling import SamplingParams
 from atlas.state.events import (
     BoundarySnapshotted,
+    CarryAdopted,
+    CarryReleased,
+    CarryStored,
     EngineFaulted,
     Event,
     FaultInjected,
     InvariantViolated,
+    PrefixCacheHit,
+    PrefixSnapshotted,
     RequestArrived,
     RequestCancelled,
     RequestFinished,
@@ -41,6 +47,16 @@ from atlas.state.machines import (
     SequenceCursor,
     SsmRing,
     TransitionRefused,
+)
+from atlas.state.prefix import (
+    PrefixOrders,
+    carry_adopted,
+    carry_released,
+    carry_stored,
+    forget_blocks,
+    prefix_hit,
+    prefix_snapshotted,
+    register_blocks,
 )
 
 _MASK = (1 << 64) - 1
@@ -89,13 +105,19 @@ class ControlState:
     finished_count: int = 0
     outcomes_hash: int = 0  # folds in every finished request's reason and detail, in order
     seq_digest: int = 0  # XOR of the live sequences' fingerprints
+    # prefix caching (atlas.state.prefix): the index (None when off), the drafter carry, the data-plane
+    # orders its events queued for the next plan
+    prefix: PrefixCache | None = None
+    carry: CarriedEntry | None = None
+    prefix_orders: PrefixOrders = attrs.Factory(PrefixOrders)
     # sequences an engine error ended (a failed step, a refused verify commit, a fatal fault): their
     # RequestFinished must say `error`, never `stop` or `length`
     failing: set[int] = attrs.Factory(set)
 
     @classmethod
     def create(cls, caps: Capacities) -> ControlState:
-        return cls(caps=caps, pool=BlockPool.create(caps.num_kv_blocks))
+        prefix = PrefixCache(caps.block_size, caps.prefix_snapshots) if caps.prefix_caching else None
+        return cls(caps=caps, pool=BlockPool.create(caps.num_kv_blocks), prefix=prefix)
 
     # ------------------------------------------------------------------------------------------ digest
 
@@ -104,6 +126,9 @@ class ControlState:
         g = _mix(g ^ (len(self.waiting) << 32) ^ len(self.running) ^ (self.finished_count << 16))
         g = _mix(g ^ (len(self.pending_release) << 8) ^ len(self.pending_faults) ^ (self.dead << 62))
         g = _mix(g ^ self.inflight_hash ^ self.outcomes_hash)
+        if self.prefix is not None:
+            carried = -1 if self.carry is None else self.carry.last_pair_key
+            g = _mix(g ^ len(self.prefix.blocks) ^ (len(self.prefix.snapshots) << 24) ^ (carried << 40))
         return f"{g ^ self.seq_digest:016x}"
 
     def _refresh(self, seq: Sequence) -> None:
@@ -266,12 +291,18 @@ class ControlState:
             seq = self.seqs[seq_id]
             seq.cursor.phase = Phase.RUNNING
             seq.on_device = True
+            # the drafter sees the prompt unless its context is off (then its keys start at the first decode)
+            seq.drafter.first_key = 0 if self.caps.drafter_context else seq.cursor.prompt_len - 1
             self.waiting.remove(seq_id)
             insort(self.running, seq_id)
         for row in e.alloc:
             self.pool.allocate(row[0], row[1:])
+            if self.prefix is not None:  # a cached block handed out again is evicted
+                for b in row[1:]:
+                    self.prefix.evict_block(b)
             self.seqs[row[0]].blocks.extend(row[1:])
         self.pending_release.clear()
+        self.prefix_orders.clear()
         self.inflight = e
         self.inflight_hash = hash((e.seqs, e.fed, e.alloc, e.release, e.reset) + ((e.drafts,) if e.drafts else ())
                                   ) & _MASK
@@ -319,6 +350,7 @@ class ControlState:
                 self.pool.release(seq.seq_id, seq.commit_verify(drafts, accepted, token, bs))
             else:
                 seq.commit_advance(fed, token)
+            register_blocks(self, seq)
             self._refresh(seq)
         self.inflight = None
         self.inflight_hash = 0
@@ -373,13 +405,14 @@ class ControlState:
             raise TransitionRefused("Request", "rollback attempts count up from 1", seq_id=e.seq_id,
                                     attempt=e.attempt, taken=seq.rollbacks)
         # the data plane's restored cursors must be the boundary's, before anything here moves
-        rows = min(seq.drafter.rows, max(0, e.boundary - 1))
+        rows = seq.drafter.rows_at(e.boundary)
         expected = {"kv_tokens": e.boundary, "qsa_ingested": e.boundary, "ssm_position": e.boundary,
                     "ple_position": e.boundary, "drafter_rows": rows}
         if e.cursors != expected:
             raise TransitionRefused("BackendCursors", "the restored cursors are the boundary's", seq_id=e.seq_id,
                                     cursors=e.cursors, expected=expected)
         freed = seq.rollback(e.boundary, e.slot, e.keep, e.ban_token, e.blocks_freed, self.caps.block_size)
+        forget_blocks(self, seq.blocks + freed, e.boundary)
         self.pool.release(seq.seq_id, freed)
         self._refresh(seq)
         return (e.seq_id,)
@@ -422,4 +455,9 @@ _HANDLERS = {
     RollbackDeclined: ControlState._declined,
     SpeculationLatchedOff: ControlState._latched,
     InvariantViolated: ControlState._violated,
+    PrefixCacheHit: prefix_hit,
+    PrefixSnapshotted: prefix_snapshotted,
+    CarryStored: carry_stored,
+    CarryAdopted: carry_adopted,
+    CarryReleased: carry_released,
 }

@@ -226,6 +226,67 @@ class RollbackDeclined(Event):
     period: int
 
 
+@event("prefix_cache_hit", 1)
+class PrefixCacheHit(Event):
+    """A waiting sequence starts running from the prefix cache: it shares `blocks` (cached full blocks, a
+    reference each), gets `tail_block` (-1: none) for the partial block the snapshot supplies, and every
+    cursor moves to `position` (the snapshot's): KV, QSA keys, recurrent and PLE state. `matched`: tokens
+    covered by cached blocks; `replay` = matched - position of them are recomputed. The drafter holds keys
+    drafter_first_key .. drafter_last_key (none when last < first): adopted from the carry, or none."""
+
+    step: int
+    seq_id: int
+    key: int
+    position: int
+    matched: int
+    replay: int
+    blocks: tuple[int, ...] = attrs.field(converter=_ints)
+    tail_block: int
+    drafter_first_key: int
+    drafter_last_key: int
+
+
+@event("prefix_snapshotted", 1)
+class PrefixSnapshotted(Event):
+    """The data plane stores the sequence's recurrent state at `position` (its computed tokens) as prefix
+    snapshot `key` before the next step's work, evicting snapshot `evicted` (-1: none)."""
+
+    step: int
+    seq_id: int
+    position: int
+    key: int
+    evicted: int
+
+
+@event("carry_stored", 1)
+class CarryStored(Event):
+    """A finishing sequence's drafter rows (keys first_key .. last_pair_key) become the one carried entry,
+    replacing any other; the data plane keeps them when it releases the sequence."""
+
+    step: int
+    seq_id: int
+    first_key: int
+    last_pair_key: int
+
+
+@event("carry_adopted", 1)
+class CarryAdopted(Event):
+    """A prefix hit kept `rows_kept` carried drafter rows (the prompt agrees with the carried tokens on
+    `common` tokens); `rows_to_append` pair keys are missing and come from its own prefill."""
+
+    step: int
+    seq_id: int
+    rows_kept: int
+    rows_to_append: int
+    common: int
+
+
+@event("carry_released", 1)
+class CarryReleased(Event):
+    step: int
+    reason: str  # "cold turn", "unusable"
+
+
 @event("request_finished", 1)
 class RequestFinished(Event):
     seq_id: int

@@ -77,12 +77,16 @@ def check_sequence(seq: Sequence, block_size: int, index: int, drafts_in_flight:
         _fail(index, "SsmRing", "each snapshot in its own slot of the ring", seq_id=seq.seq_id, slots=slots,
               ring_slots=seq.ring.slots)
     d = seq.drafter
-    if d.rows > max(0, c.computed - 1) or d.last_pair_key >= max(0, c.computed - 1) and d.rows:
-        _fail(index, "DrafterCarry", "drafter keys < computed - 1", seq_id=seq.seq_id, rows=d.rows,
+    if d.rows and (d.last_pair_key >= n - 1 or d.rows != d.last_pair_key - d.first_key + 1 or d.first_key < 0):
+        _fail(index, "DrafterCarry", "drafter keys first_key .. last_pair_key, contiguous, < seq_len - 1",
+              seq_id=seq.seq_id, rows=d.rows, first_key=d.first_key, last_pair_key=d.last_pair_key, seq_len=n)
+    if not d.carried and d.rows and d.last_pair_key > c.computed - 2:
+        _fail(index, "DrafterCarry", "only carried rows run ahead of the fed tokens", seq_id=seq.seq_id,
               last_pair_key=d.last_pair_key, computed=c.computed)
-    if d.mtp and c.phase is Phase.RUNNING and d.rows != max(0, c.computed - 1):
-        _fail(index, "DrafterCarry", "an MTP drafter holds every pair key of the fed tokens (rows == computed - 1)",
-              seq_id=seq.seq_id, rows=d.rows, computed=c.computed)
+    if d.mtp and c.phase is Phase.RUNNING and c.computed - 2 >= d.first_key and d.last_pair_key < c.computed - 2:
+        _fail(index, "DrafterCarry", "an MTP drafter holds every pair key of the fed tokens from its first key",
+              seq_id=seq.seq_id, rows=d.rows, first_key=d.first_key, last_pair_key=d.last_pair_key,
+              computed=c.computed)
     if d.carried and c.computed == 0:
         _fail(index, "DrafterCarry", "a carry implies a prefill", seq_id=seq.seq_id)
 
@@ -114,14 +118,19 @@ def audit(state: ControlState, index: int) -> None:
     """Every invariant of every machine, including block ownership. O(blocks + tokens): tests and debug."""
     pool = state.pool
     owner: dict[int, int] = {}
+    owners: dict[int, int] = {}  # block -> live sequences holding it (prefix-cached blocks are shared)
+    cached = state.prefix.hash_of if state.prefix is not None else {}
     for seq in state.seqs.values():
         check_sequence(seq, state.caps.block_size, index, _drafts_in_flight(state, seq.seq_id))
+        if len(set(seq.blocks)) != len(seq.blocks):
+            _fail(index, "BlockPool", "a sequence holds a block once", seq_id=seq.seq_id, blocks=seq.blocks)
         for b in seq.blocks:
-            if b in owner:
+            if b in owner and b not in cached:
                 _fail(index, "BlockPool", "a block has one owner", block=b, owners=[owner[b], seq.seq_id])
             owner[b] = seq.seq_id
+            owners[b] = owners.get(b, 0) + 1
     for b in range(pool.total):
-        expected = 1 if b in owner else 0
+        expected = owners.get(b, 0)
         if pool.refs[b] != expected or (b in pool.free) != (expected == 0):
             _fail(index, "BlockPool", "ref counts match owners and the free list", block=b, ref=pool.refs[b],
                   owner=owner.get(b), free=b in pool.free)

@@ -127,8 +127,11 @@ class SsmRing:
 @attrs.define(slots=True)
 class DrafterCarry:
     """MTP drafter pair-key rows held for a sequence. Pair key k is (embed(t_{k+1}), hidden_k): with an MTP
-    drafter (`mtp`) a sequence that fed `computed` tokens holds keys 0 .. computed - 2, all built from the
-    target's hidden; keys of drafts and of the drafter's own hidden are transient and never held.
+    drafter (`mtp`) a sequence that fed `computed` tokens holds keys first_key .. computed - 2 (contiguous),
+    all built from the target's hidden; keys of drafts and of the drafter's own hidden are transient and
+    never held. first_key is 0 when the drafter saw the whole prompt, prompt_len - 1 when the drafter
+    context is off, position - 1 after a prefix hit without a usable carry. A carry adopted on a prefix hit
+    (`carried`) may hold keys past computed - 2 (up to the prompt's): the prefill skips them.
     `latched`: the speculative lane is off for the sequence (sticky)."""
 
     rows: int = 0
@@ -136,11 +139,25 @@ class DrafterCarry:
     carried: bool = False
     mtp: bool = False
     latched: bool = False
+    first_key: int = 0
 
     def follow(self, computed: int) -> None:
         if self.mtp:
-            self.rows = max(0, computed - 1)
-            self.last_pair_key = self.rows - 1 if self.rows else -1
+            self.hold(self.first_key, max(self.last_pair_key, computed - 2))
+
+    def hold(self, first_key: int, last_pair_key: int) -> None:
+        """Keys first_key .. last_pair_key (none when last < first)."""
+        self.first_key = first_key
+        self.rows = max(0, last_pair_key - first_key + 1)
+        self.last_pair_key = last_pair_key if self.rows else -1
+
+    def rows_at(self, position: int) -> int:
+        """Rows left after a rewind to `position` fed tokens (key k needs token k + 1)."""
+        return max(0, min(self.last_pair_key, position - 2) - self.first_key + 1) if self.rows else 0
+
+    def rewind(self, position: int) -> None:
+        if self.rows:
+            self.hold(self.first_key, min(self.last_pair_key, position - 2))
 
 
 @attrs.define(slots=True)
@@ -164,6 +181,8 @@ class Sequence:
     rollbacks: int = 0  # content-loop rollbacks taken
     # position -> tokens the sampler may not pick there (the re-steer of a rollback)
     banned: dict[int, tuple[int, ...]] = attrs.Factory(dict)
+    # prefix caching: chain hashes of the sequence's full blocks of computed tokens (prefix_cache.chain_hash)
+    prefix_chain: list[int] = attrs.Factory(list)
 
     def advance(self, fed: int, token: int, block_size: int) -> None:
         """Feed `fed` tokens (all cursors move together), then append `token` (-1: nothing sampled)."""
@@ -268,9 +287,9 @@ class Sequence:
         self.qsa.ingested = boundary
         self.ring.truncate_after(boundary)
         # drafter rows are positional like KV: the ones past the boundary go (pair key k needs token k + 1)
-        self.drafter.rows = min(self.drafter.rows, max(0, boundary - 1))
-        self.drafter.last_pair_key = self.drafter.rows - 1 if self.drafter.rows else -1
+        self.drafter.rewind(boundary)
         self.drafter.carried = False
+        del self.prefix_chain[boundary // block_size:]
         self.banned[keep] = (*self.banned.get(keep, ()), ban_token)
         self.rollbacks += 1
         return freed
@@ -287,6 +306,7 @@ class Sequence:
         self.drafter.rows = 0
         self.drafter.last_pair_key = -1
         self.drafter.carried = False
+        self.prefix_chain.clear()
         self.on_device = False
         self.preemptions += 1
 

@@ -48,10 +48,16 @@ class Proposal:
 @attrs.define
 class DrafterState:
     kv: KvPool
-    rows: int = 0  # pair keys held: 0 .. rows - 1
-    # the target's final hidden at every fed position; rewinding keeps the exact hidden of the new end
-    target_hidden: list[torch.Tensor] = attrs.Factory(list)
+    rows: int = 0  # pair keys held: first_key .. first_key + rows - 1, key k in slot k - first_key
+    # the target's final hidden at every fed position; rewinding keeps the exact hidden of the new end. After
+    # a prefix hit the positions before the snapshot are None (only hidden_{position - 1} comes with it)
+    target_hidden: list[torch.Tensor | None] = attrs.Factory(list)
     proposal: Proposal | None = None
+    first_key: int = 0  # 0: the drafter saw the prompt; later when its context is off or after a prefix hit
+
+    @property
+    def last_key(self) -> int:
+        return self.first_key + self.rows - 1
 
     @property
     def capacity(self) -> int:
@@ -68,8 +74,8 @@ class MtpDrafter:
         self.spec, self.w, self.dtype, self.exact = spec, w, dtype, exact
         self.layers = mtp_layers(w)
 
-    def empty(self) -> DrafterState:
-        return DrafterState(kv=KvPool(self.spec, 1, _BLOCK, self.dtype, layers=self.layers))
+    def empty(self, first_key: int = 0) -> DrafterState:
+        return DrafterState(kv=KvPool(self.spec, 1, _BLOCK, self.dtype, layers=self.layers), first_key=first_key)
 
     def _reserve(self, state: DrafterState, slots: int) -> None:
         if slots <= state.capacity:
@@ -84,14 +90,16 @@ class MtpDrafter:
 
     def _forward(self, state: DrafterState, tokens: torch.Tensor, hidden: torch.Tensor, first_key: int
                  ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Pair keys first_key.. (stored at the same slots): (logits [n, vocab], drafter hidden [n, H])."""
+        """Pair keys first_key.. (stored at slots from first_key - state.first_key: rows are compacted, RoPE
+        stays in sequence space): (logits [n, vocab], drafter hidden [n, H])."""
         if self.exact and tokens.shape[0] > 1:  # one row at a time, like the target (see CpuBackend.exact)
             outs = [self._forward(state, tokens[i : i + 1], hidden[i : i + 1], first_key + i)
                     for i in range(tokens.shape[0])]
             return torch.cat([o[0] for o in outs]), torch.cat([o[1] for o in outs])
         spec, w, eps = self.spec, self.w, self.spec.rms_norm_eps
         n = tokens.shape[0]
-        self._reserve(state, first_key + n)
+        slot = first_key - state.first_key
+        self._reserve(state, slot + n)
         emb = rms_norm(w["embed_tokens.weight"][tokens], w["mtp.pre_fc_norm_embedding.weight"], eps)
         x = torch.cat([emb, rms_norm(hidden, w["mtp.pre_fc_norm_hidden.weight"], eps)], dim=-1) @ w["mtp.fc.weight"].T
         cos, sin = rope_table(torch.arange(first_key + 1, first_key + 1 + n), spec.rotary_dim, spec.rope_theta,
@@ -100,7 +108,7 @@ class MtpDrafter:
         for layer in self.layers:
             pre = f"mtp.layers.{layer}."
             h = rms_norm(x, w[pre + "input_layernorm.weight"], eps)
-            attn, _ = attention_forward(spec, w, pre + "self_attn.", layer, h, cos, sin, state.kv, table, first_key,
+            attn, _ = attention_forward(spec, w, pre + "self_attn.", layer, h, cos, sin, state.kv, table, slot,
                                         None)
             x = x + attn
             h = rms_norm(x, w[pre + "post_attention_layernorm.weight"], eps)
@@ -114,27 +122,31 @@ class MtpDrafter:
         if start != len(state.target_hidden):
             raise ValueError(f"drafter holds hiddens for {len(state.target_hidden)} positions, fed at {start}")
         end = start + len(tokens)
-        first = max(start, 1)  # position 0 completes no key
-        if state.rows != max(0, start - 1):
-            raise ValueError(f"drafter rows {state.rows} do not end where the feed starts (key {start - 1})")
+        # position j completes key j - 1; keys below first_key are never built, held (carried) ones are skipped
+        first = max(start, 1, state.last_key + 2 if state.rows else state.first_key + 1)
+        if start > (state.last_key + 2 if state.rows else state.first_key + 1):
+            raise ValueError(f"drafter keys end at {state.last_key} (first {state.first_key}): a feed at {start} "
+                             "would leave a hole")
         state.proposal = None
         state.target_hidden.extend(hidden.unbind(0))
         if first >= end:
             return
         ids = torch.tensor(list(tokens[first - start :]), dtype=torch.long)
-        pair_hidden = torch.stack(state.target_hidden[first - 1 : end - 1])
+        pair_hidden = torch.stack(state.target_hidden[first - 1 : end - 1])  # type: ignore[arg-type]
         self._forward(state, ids, pair_hidden, first - 1)
-        state.rows = end - 1
+        state.rows = end - 1 - state.first_key
 
     def propose(self, state: DrafterState, next_token: int, k: int, params: SamplingParams) -> tuple[int, ...]:
         """Draft k tokens after `next_token` (sampled at position `computed`, not yet fed). Transient rows
         only: state.rows does not move."""
         computed = len(state.target_hidden)
-        if computed == 0 or state.rows != computed - 1:
-            raise ValueError(f"drafter rows {state.rows} are not complete for {computed} fed tokens")
+        complete = state.last_key == computed - 2 if state.rows else state.first_key >= computed - 1
+        if computed == 0 or not complete or state.target_hidden[-1] is None:
+            raise ValueError(f"drafter keys {state.first_key}..{state.last_key} are not complete for {computed} "
+                             "fed tokens")
         drafts: list[int] = []
         qs: list[torch.Tensor | None] = []
-        token, hidden = next_token, state.target_hidden[-1][None]
+        token, hidden = next_token, state.target_hidden[-1][None]  # type: ignore[index]
         for i in range(k):
             logits, hidden = self._forward(state, torch.tensor([token]), hidden, computed - 1 + i)
             # the token this row drafts sits at position computed + 1 + i
@@ -148,5 +160,20 @@ class MtpDrafter:
         """Back to `position` fed tokens: keys 0 .. position - 2 stay (they were built from verified
         tokens and the target's hiddens, which a rewind does not change)."""
         del state.target_hidden[position:]
-        state.rows = max(0, position - 1)
+        state.rows = max(0, min(state.last_key, position - 2) - state.first_key + 1)
         state.proposal = None
+
+    def adopt(self, carried: DrafterState, last_key: int, position: int, hidden: torch.Tensor | None
+              ) -> DrafterState:
+        """A sequence resuming at `position` from a prefix snapshot keeps the carried keys up to `last_key`
+        (rows past it are overwritten by its own appends, never read) and the snapshot's hidden_{position-1}."""
+        state = DrafterState(kv=carried.kv, rows=max(0, last_key - carried.first_key + 1),
+                             first_key=carried.first_key)
+        state.target_hidden = [None] * (position - 1) + [hidden]
+        return state
+
+    def resumed(self, first_key: int, position: int, hidden: torch.Tensor | None) -> DrafterState:
+        """A sequence resuming at `position` without a carry: no rows, keys from `first_key` on."""
+        state = self.empty(first_key)
+        state.target_hidden = [None] * (position - 1) + [hidden]
+        return state

@@ -17,6 +17,7 @@ from atlas.backends.base import BackendCursors, SeqOutcome, SeqWork, StepPlan, S
 from atlas.backends.cpu.decoder import forward_chunk
 from atlas.backends.cpu.drafter import DrafterState, MtpDrafter
 from atlas.backends.cpu.mtp import mtp_forward
+from atlas.backends.cpu.prefix_store import PrefixEntry, PrefixStore
 from atlas.backends.cpu.ring import RestoreRefused, SnapshotRing
 from atlas.backends.cpu.state import KvPool, SequenceState, StateSnapshot
 from atlas.backends.cpu.verify import PendingVerify, check_commit, run_verify
@@ -84,6 +85,10 @@ class CpuBackend:
         self.drafter = MtpDrafter(self.spec, self.weights, self.dtype, exact) if mtp_drafter else None
         self._drafts: dict[int, DrafterState] = {}
         self._pending: dict[int, PendingVerify] = {}
+        # prefix caching: snapshots by prefix key and the drafter carry (atlas.backends.cpu.prefix_store), and
+        # each sequence's last block table (a snapshot copies the KV rows of the block it ends in)
+        self.prefix = PrefixStore()
+        self._tables: dict[int, tuple[int, ...]] = {}
 
     # -- per-sequence state -------------------------------------------------------------------------
 
@@ -103,6 +108,72 @@ class CpuBackend:
         self.ring.release(seq_id)
         self._pending.pop(seq_id, None)
         self._drafts.pop(seq_id, None)
+        self._tables.pop(seq_id, None)
+
+    # -- prefix caching -----------------------------------------------------------------------------
+
+    def store_prefix(self, seq_id: int, position: int, key: int, evicted: int) -> None:
+        """Store the sequence's state at `position` (its current one) as prefix snapshot `key`."""
+        s = self._seqs.get(seq_id)
+        if s is None or s.kv_tokens != position or seq_id in self._pending:
+            raise RestoreRefused(f"sequence {seq_id}: a prefix snapshot at {position} needs the sequence at exactly "
+                                 f"that position, committed (holds {None if s is None else s.kv_tokens})")
+        bs = self.block_size
+        tail_keys: dict[int, torch.Tensor] = {}
+        tail_values: dict[int, torch.Tensor] = {}
+        if position % bs:
+            slots = self.kv.slots(self._tables[seq_id], position - position % bs, position)
+            for layer in self.kv.keys:
+                k, v = self.kv.read(layer, slots)
+                tail_keys[layer], tail_values[layer] = k.clone(), v.clone()
+        d = self._drafts.get(seq_id)
+        hidden = d.target_hidden[position - 1] if d is not None else None
+        entry = PrefixEntry(self.snapshot(seq_id), {layer: keys[:position].clone() for layer, keys in s.qsa_keys.items()},
+                            tail_keys, tail_values, hidden)
+        self.prefix.store(key, entry, evicted)
+
+    def restore_prefix(self, seq_id: int, key: int, position: int, block_table: tuple[int, ...], drafter_first_key: int,
+                       drafter_last_key: int, adopt: bool) -> None:
+        """Start the sequence at `position` from prefix snapshot `key`: the shared blocks of `block_table` hold
+        the KV of the full blocks already; the snapshot's tail rows go into the block `position` ends in."""
+        entry = self.prefix.get(key, position)
+        if adopt and (self.prefix.carry is None or self.drafter is None):
+            raise RestoreRefused(f"sequence {seq_id}: adoption of a drafter carry this backend does not hold")
+        snap = entry.state
+        self._seqs[seq_id] = SequenceState(
+            kv_tokens=position, ssm_position=position, ple_position=position,
+            qsa_keys={layer: keys.clone() for layer, keys in entry.qsa_keys.items()},
+            gdn_conv=copy.deepcopy(snap.gdn_conv), gdn_recurrent=copy.deepcopy(snap.gdn_recurrent),
+            ple_context=None if snap.ple_context is None else snap.ple_context.clone(),
+            ple_conv=copy.deepcopy(snap.ple_conv),
+        )
+        if entry.tail_keys:
+            slots = self.kv.slots(block_table, position - position % self.block_size, position)
+            for layer in self.kv.keys:
+                self.kv.write(layer, slots, entry.tail_keys[layer], entry.tail_values[layer])
+        self._tables[seq_id] = block_table
+        self.ring.release(seq_id)
+        self._pending.pop(seq_id, None)
+        if self.drafter is not None:
+            if adopt:
+                self._drafts[seq_id] = self.drafter.adopt(self.prefix.carry, drafter_last_key, position,  # type: ignore[arg-type]
+                                                          entry.last_hidden)
+                self.prefix.carry = None
+            else:
+                self._drafts[seq_id] = self.drafter.resumed(drafter_first_key, position, entry.last_hidden)
+
+    def _apply_prefix_orders(self, plan: StepPlan) -> None:
+        """Stores (before anything moves), the carry, the releases, then the restores."""
+        for seq_id, position, key, evicted in plan.prefix_stores:
+            self.store_prefix(seq_id, position, key, evicted)
+        if plan.carry_drop:
+            self.prefix.carry = None
+        if plan.carry_store >= 0:
+            self.prefix.carry = self._drafts.get(plan.carry_store)
+        for seq_id in plan.release:
+            self.release(seq_id)
+        for seq_id, key, position, table, first_key, last_key, adopt in plan.prefix_restores:
+            self.restore_prefix(seq_id, key, position, tuple(table), first_key, last_key, adopt)
 
     def cursors(self, seq_id: int) -> BackendCursors:
         s = self._seqs.get(seq_id)
@@ -173,6 +244,9 @@ class CpuBackend:
         for chunk in chunks:
             if chunk.start == 0:
                 self.reset(chunk.seq_id)
+                if chunk.seq_id in self._drafts:
+                    self._drafts[chunk.seq_id].first_key = getattr(chunk, "drafter_first_key", 0)
+            self._tables[chunk.seq_id] = tuple(chunk.block_table)
             tokens = torch.tensor(chunk.tokens, dtype=torch.long)
             table = tuple(chunk.block_table)
             state = self._seqs[chunk.seq_id]
@@ -222,8 +296,7 @@ class CpuBackend:
         return mtp_forward(self.spec, self.weights, hidden, torch.tensor(list(next_tokens), dtype=torch.long), first_key)
 
     def execute(self, plan: StepPlan) -> StepResult:
-        for seq_id in plan.release:
-            self.release(seq_id)
+        self._apply_prefix_orders(plan)
         for seq_id in plan.reset:
             self.reset(seq_id)
         ends = {w.seq_id: w.end for w in plan.work}
@@ -282,6 +355,7 @@ class CpuBackend:
         pending = run_verify(self.spec, self.weights, self.kv, self._seqs[work.seq_id], tokens, work.start,
                              tuple(work.block_table))
         self._pending[work.seq_id] = pending
+        self._tables[work.seq_id] = tuple(work.block_table)
         logits = self.logits_from_hidden(pending.hidden)
         proposals = None
         d = self._drafts.get(work.seq_id)

@@ -1,0 +1,192 @@
+"""The engine's side of prefix caching and the drafter carry, kept out of `Engine.step`'s way.
+
+Per step:
+- `admit` (before the scheduler): each waiting sequence whose tokens hit the cache starts running from the
+  hit (PrefixCacheHit, then CarryAdopted when it keeps the carried drafter rows);
+- `admitted` (after it): a cold new turn releases the carried entry (CarryReleased);
+- `after_step`: every sequence that fed a prefill chunk this step stores a snapshot where the chunk ended
+  (PrefixSnapshotted), and warm/cold drafter coverage is sampled when a prompt's prefill completes;
+- `on_finish` (before a stop/length RequestFinished): a snapshot at the sequence's end and, with the drafter
+  context on, its drafter rows as the carried entry (CarryStored).
+Decisions depend only on the control-plane state, so replay reproduces them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import attrs
+import structlog
+
+from atlas.backends.base import StepPlan
+from atlas.config import Capacities, CapacityError
+from atlas.engine.outputs import FinishReason
+from atlas.engine.prefix_cache import plan_adoption
+from atlas.state.control import ControlState
+from atlas.state.events import (
+    CarryAdopted,
+    CarryReleased,
+    CarryStored,
+    Event,
+    PrefixCacheHit,
+    PrefixSnapshotted,
+)
+from atlas.state.machines import Sequence
+from atlas.state.prefix import PrefixOrders, expected_first_key, free_order
+
+log = structlog.get_logger("atlas.prefix")
+
+Emit = Callable[[Event], None]
+
+
+@attrs.define
+class PrefixStats:
+    queries: int = 0  # admissions looked up (hits + cold admissions)
+    hits: int = 0
+    tokens_saved: int = 0  # prefill tokens not fed thanks to hits (the resume positions)
+    tokens_replayed: int = 0  # cached-block tokens fed again (between the snapshot and the matched blocks)
+    carry_adopted: int = 0
+    carry_rows_kept: int = 0
+    carry_rows_appended: int = 0
+    # drafter rows / prompt length when a new turn's prefill completes, warm (prefix hit) and cold turns
+    warm_prompt_tokens: int = 0
+    warm_drafter_rows: int = 0
+    cold_prompt_tokens: int = 0
+    cold_drafter_rows: int = 0
+
+    @property
+    def warm_coverage(self) -> float:
+        return self.warm_drafter_rows / self.warm_prompt_tokens if self.warm_prompt_tokens else 0.0
+
+    @property
+    def cold_coverage(self) -> float:
+        return self.cold_drafter_rows / self.cold_prompt_tokens if self.cold_prompt_tokens else 0.0
+
+
+class PrefixLane:
+    def __init__(self, caps: Capacities, backend: object) -> None:
+        if not callable(getattr(backend, "restore_prefix", None)):
+            raise CapacityError(f"enable_prefix_caching needs a backend with prefix snapshots; backend "
+                                f"{getattr(backend, 'name', '?')!r} has none (turn prefix caching off)")
+        self.caps = caps
+        self.stats = PrefixStats()
+        self._turns: dict[int, bool] = {}  # new turns whose prefill is running -> warm (hit) or cold
+
+    # -- admission ------------------------------------------------------------------------------------
+
+    def admit(self, state: ControlState, emit: Emit, step: int) -> None:
+        cache = state.prefix
+        assert cache is not None
+        caps, bs, pool = self.caps, self.caps.block_size, state.pool
+        slots = caps.max_batch_size - len(state.running)
+        available = len(pool.free)
+        for seq_id in list(state.waiting):  # arrival order; a miss leaves the sequence to the scheduler
+            if slots <= 0:
+                break
+            seq = state.seqs[seq_id]
+            tokens = seq.cursor.tokens
+            hit = cache.lookup(tokens)
+            if hit is None:
+                continue
+            revived = sum(1 for b in hit.blocks if pool.refs[b] == 0)
+            need = -(-min(len(tokens), hit.position + caps.max_batch_tokens) // bs) - len(hit.blocks)
+            if available - revived < need:  # the first chunk's blocks must be free; no preemption for a hit
+                break
+            tail = -1
+            if hit.position % bs:
+                tail = next(b for b in free_order(pool.free, cache.hash_of) if b not in hit.blocks)
+            first, last, adopt = self._drafter_keys(state, seq, hit.position, emit, step)
+            emit(PrefixCacheHit(step, seq_id, hit.key, hit.position, hit.matched, hit.replay, hit.blocks, tail,
+                                first, last))
+            if adopt is not None:
+                appended = len(tokens) - 2 - adopt.last_pair_key
+                emit(CarryAdopted(step, seq_id, adopt.rows, appended, adopt.common))
+                self.stats.carry_adopted += 1
+                self.stats.carry_rows_kept += adopt.rows
+                self.stats.carry_rows_appended += appended
+            self.stats.queries += 1
+            self.stats.hits += 1
+            self.stats.tokens_saved += hit.position
+            self.stats.tokens_replayed += hit.replay
+            if seq.preemptions == 0:
+                self._turns[seq_id] = True
+            slots -= 1
+            available -= revived + need
+
+    def _drafter_keys(self, state: ControlState, seq: Sequence, position: int, emit: Emit, step: int):
+        """The drafter keys a hit starts with: the carry's usable rows, else none from the snapshot on. A carry
+        the prompt cannot use is released (one slot: it is another session's)."""
+        if not seq.drafter.mtp:
+            return 0, -1, None
+        adopt = None
+        if state.carry is not None and seq.preemptions == 0:
+            adopt = plan_adoption(state.carry, seq.cursor.tokens, position)
+            if adopt is None:
+                emit(CarryReleased(step, "unusable"))
+        if adopt is not None:
+            return adopt.first_key, adopt.last_pair_key, adopt
+        first = expected_first_key(state, seq, position)
+        return first, first - 1, None
+
+    def admitted(self, state: ControlState, admitted: tuple[int, ...], emit: Emit, step: int) -> None:
+        """Cold admissions (the scheduler's): counted as queries; a new cold turn releases the carry."""
+        for seq_id in admitted:
+            seq = state.seqs[seq_id]
+            self.stats.queries += 1
+            if seq.preemptions == 0:
+                self._turns[seq_id] = False
+                if state.carry is not None:
+                    emit(CarryReleased(step, "cold turn"))
+
+    # -- snapshots and the carry ----------------------------------------------------------------------
+
+    def after_step(self, state: ControlState, prefilled: list[int], emit: Emit, step: int) -> None:
+        for seq_id in prefilled:
+            seq = state.seqs.get(seq_id)
+            if seq is None or not seq.on_device or seq.cursor.computed == 0:
+                continue
+            self._snapshot(state, seq, emit, step)
+            if seq_id in self._turns and seq.cursor.computed >= seq.cursor.prompt_len:
+                self._coverage(seq, self._turns.pop(seq_id))
+
+    def on_finish(self, state: ControlState, seq: Sequence, reason: FinishReason, emit: Emit, step: int) -> None:
+        """Before a finished sequence's RequestFinished: its end becomes a snapshot and, with the drafter
+        context on, its drafter rows the carried entry. An error's state is not trusted: nothing is kept."""
+        self._turns.pop(seq.seq_id, None)
+        if reason not in (FinishReason.STOP, FinishReason.LENGTH) or not seq.on_device or seq.cursor.computed == 0:
+            return
+        self._snapshot(state, seq, emit, step)
+        d = seq.drafter
+        if self.caps.drafter_context and d.mtp and d.rows:
+            emit(CarryStored(step, seq.seq_id, d.first_key, d.last_pair_key))
+
+    def _snapshot(self, state: ControlState, seq: Sequence, emit: Emit, step: int) -> None:
+        cache = state.prefix
+        assert cache is not None
+        snap = cache.snapshot_for(seq.cursor.tokens, seq.cursor.computed, seq.prefix_chain)
+        evicted = cache.placement(snap.key)
+        if evicted is not None:
+            emit(PrefixSnapshotted(step, seq.seq_id, snap.position, snap.key, evicted))
+
+    def _coverage(self, seq: Sequence, warm: bool) -> None:
+        if not seq.drafter.mtp:
+            return
+        if warm:
+            self.stats.warm_prompt_tokens += seq.cursor.prompt_len
+            self.stats.warm_drafter_rows += seq.drafter.rows
+        else:
+            self.stats.cold_prompt_tokens += seq.cursor.prompt_len
+            self.stats.cold_drafter_rows += seq.drafter.rows
+
+    # -- the plan -------------------------------------------------------------------------------------
+
+    @staticmethod
+    def capture(state: ControlState) -> PrefixOrders:
+        """The orders the next StepPlanned clears, copied before it is applied."""
+        o = state.prefix_orders
+        return PrefixOrders(list(o.stores), list(o.restores), o.carry_store, o.carry_drop)
+
+    @staticmethod
+    def into(plan: StepPlan, orders: PrefixOrders) -> StepPlan:
+        return attrs.evolve(plan, prefix_stores=tuple(orders.stores), carry_drop=orders.carry_drop,
+                            carry_store=orders.carry_store, prefix_restores=tuple(orders.restores))

@@ -101,7 +101,7 @@ def rows_of(run: RunRecord, program: Program, build: Callable[..., Engine] = eng
 
 
 def candidates(program: Program) -> Iterator[Program]:
-    """Smaller programs, the boldest edits first: drop an input, then shrink one."""
+    """Smaller programs, the boldest edits first: drop an input, then shrink or shorten one."""
     n = len(program)
     for k in reversed(range(n)):
         yield program[:k] + program[k + 1:]
@@ -117,6 +117,10 @@ def candidates(program: Program) -> Iterator[Program]:
             if budget > 1:
                 edits += [attrs.evolve(i, params={**i.params, "max_tokens": m})
                           for m in (1, budget // 2, budget - 1)]
+                # the same length in fewer steps: generated tokens moved into the prompt (one prefill chunk
+                # feeds many tokens, a decode one)
+                edits += [attrs.evolve(i, prompt=p + (p[-1],) * d, params={**i.params, "max_tokens": budget - d})
+                          for d in sorted({budget - 1, budget // 2})]
             if i.stream:
                 edits.append(attrs.evolve(i, stream=False))
         for e in edits:

@@ -6,7 +6,7 @@ Measures, on one GPU, with random bf16 weights built on the device from a config
 - decode ms/step and tokens/s at batch 1, 16 and 64 through the engine (CUDA graphs), against the bytes of
   weights a step must read / copy bandwidth, and the control plane's share of the step (engine time outside
   Backend.execute);
-- a profile of one eager batch-1 decode step (where the time goes, by kernel);
+- profiles of an eager 2048-token prefill and batch-1 decode step (kernel count, device time by kernel);
 - transformers (Qwen4ExpForCausalLM, same config, random bf16 weights, sdpa): prefill 2048 and decode at
   batch 1 and 16 (difference of two greedy generate() lengths).
 """
@@ -27,13 +27,14 @@ DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "benchmarks" / "config
 
 def _median_ms(fn: Callable[[], Any], repeat: int = 10) -> float:
     """Median wall time of fn() in ms, with the device synchronised around each call (one warm-up)."""
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
     fn()
-    torch.cuda.synchronize()
+    sync()
     times = []
     for _ in range(repeat):
         start = time.perf_counter()
         fn()
-        torch.cuda.synchronize()
+        sync()
         times.append((time.perf_counter() - start) * 1e3)
     return statistics.median(times)
 
@@ -164,32 +165,47 @@ def bench_decode(model: Any, batch: int, prompt_len: int = 140, steps: int = 40)
             "control_plane_share": (wall - execute) / wall, "steps_timed": len(decode)}
 
 
-def profile_decode(model: Any, out: Path | None) -> list[tuple[str, float]]:
-    """One eager batch-1 decode step under the profiler: device time by kernel, largest first."""
+def profile_steps(model: Any, out: Path | None) -> dict[str, Any]:
+    """An eager 2048-token prefill and an eager batch-1 decode step under the profiler: device time by
+    kernel (largest first), how many kernels ran, and the step's wall time, so a missed goal says where
+    its time goes (launch-bound: many small kernels; or a few slow ones)."""
+    from atlas.backends.base import SeqWork, StepPlan
     from atlas.backends.cuda.runner import CudaBackend
 
-    backend = CudaBackend(model, num_kv_blocks=16, block_size=16, max_batch_size=1, cuda_graphs=False)
-    from atlas.backends.base import SeqWork, StepPlan
+    device = next(iter(model.weights.values())).device
+    backend = CudaBackend(model, num_kv_blocks=160, block_size=16, max_batch_size=1, cuda_graphs=False,
+                          device=device, dtype=model.dtype)
+    table = tuple(range(160))
+    prompt = tuple(torch.randint(0, model.spec.vocab_size, (2048,)).tolist())
+    steps = {"prefill_2048": SeqWork(0, prompt, 0, table, True), "decode_b1": SeqWork(0, (8,), 2048, table, True)}
+    result: dict[str, Any] = {}
+    for name, work in steps.items():
+        if name == "prefill_2048":  # warm: kernel compiles and cuBLAS handles stay out of the profile
+            backend.execute(StepPlan(step=0, work=(work,)))
+            backend.reset(0)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA,
+                                                torch.profiler.ProfilerActivity.CPU]) as prof:
+            start = time.perf_counter()
+            backend.execute(StepPlan(step=1, work=(work,)))
+            wall = (time.perf_counter() - start) * 1e3
+        kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        by_kernel = [(e.key, e.device_time_total / 1e3) for e in prof.key_averages() if e.device_time_total > 0]
+        by_kernel.sort(key=lambda r: -r[1])
+        result[name] = {"wall_ms": wall, "kernels": len(kernels),
+                        "device_ms": sum(e.device_time_total for e in kernels) / 1e3, "top": by_kernel[:12]}
+        if out is not None:
+            (out / f"profile_{name}.txt").write_text(prof.key_averages().table(sort_by="cuda_time_total", row_limit=40))
+    return result
 
-    backend.execute(StepPlan(step=0, work=(SeqWork(0, tuple(range(100, 240)), 0, tuple(range(10)), True),)))
-    work = SeqWork(0, (7,), 140, tuple(range(10)), True)
-    backend.execute(StepPlan(step=1, work=(work,)))
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        backend.execute(StepPlan(step=2, work=(SeqWork(0, (8,), 141, tuple(range(10)), True),)))
-    rows = [(e.key, e.device_time_total / 1e3) for e in prof.key_averages()]
-    rows.sort(key=lambda r: -r[1])
-    if out is not None:
-        (out / "profile_decode_b1.txt").write_text(prof.key_averages().table(sort_by="cuda_time_total", row_limit=40))
-    return rows[:15]
 
-
-def bench_transformers(config: dict, *, prefill_tokens: int = 2048, batches: tuple[int, ...] = (1, 16)) -> dict:
+def bench_transformers(config: dict, *, prefill_tokens: int = 2048, batches: tuple[int, ...] = (1, 16),
+                       device: str = "cuda") -> dict:
     import transformers as tf
 
     cfg = tf.Qwen4ExpTextConfig(**{k: v for k, v in config.items() if k not in ("model_type", "transformers_version")})
     cfg._attn_implementation = "sdpa"
     torch.manual_seed(0)
-    with torch.device("cuda"):
+    with torch.device(device):
         previous = torch.get_default_dtype()
         torch.set_default_dtype(torch.bfloat16)
         try:
@@ -202,11 +218,11 @@ def bench_transformers(config: dict, *, prefill_tokens: int = 2048, batches: tup
         with torch.no_grad():
             model.generate(ids, max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0)
 
-    ids = torch.randint(0, cfg.vocab_size, (1, prefill_tokens), device="cuda")
+    ids = torch.randint(0, cfg.vocab_size, (1, prefill_tokens), device=device)
     prefill_ms = _median_ms(lambda: gen(ids, 1), repeat=2)
     result["prefill"] = {"tokens": prefill_tokens, "ms": prefill_ms, "tokens_per_s": prefill_tokens / prefill_ms * 1e3}
     for batch in batches:
-        ids = torch.randint(0, cfg.vocab_size, (batch, 140), device="cuda")
+        ids = torch.randint(0, cfg.vocab_size, (batch, 140), device=device)
         short = _median_ms(lambda ids=ids: gen(ids, 2), repeat=2)
         long = _median_ms(lambda ids=ids: gen(ids, 10), repeat=2)
         step = (long - short) / 8
@@ -246,7 +262,7 @@ def run(config_path: Path = DEFAULT_CONFIG, *, out: Path | None = None, batches:
         d["over_floor"] = d["ms_per_step"] / d["floor_ms"]
         report[f"decode_b{batch}"] = d
         save()
-    report["profile_decode_b1"] = profile_decode(model, out)
+    report["profile"] = profile_steps(model, out)
     save()
     del model
     torch.cuda.empty_cache()
@@ -278,8 +294,9 @@ def table(report: dict) -> str:
                                  for k, v in t.items() if k.startswith("decode_b")))
     elif t:
         lines.append(f"transformers: {t}")
-    lines.append("profile, eager batch-1 decode step (device ms by kernel): " + ", ".join(
-        f"{name[:40]} {ms:.3f}" for name, ms in report.get("profile_decode_b1", [])[:8]))
+    for name, prof in report.get("profile", {}).items():
+        lines.append(f"profile {name} (eager): wall {prof['wall_ms']:.1f} ms, {prof['kernels']} kernels, device "
+                     f"{prof['device_ms']:.1f} ms; top: " + ", ".join(f"{k[:32]} {ms:.2f}" for k, ms in prof["top"][:5]))
     return "\n".join(lines)
 
 

@@ -14,7 +14,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from atlas.backends.cpu.hyper import hyper_inject, hyper_mix
+from atlas.backends.cpu.hyper import hyper_inject
 from atlas.backends.cpu.moe import dense_mlp
 from atlas.backends.cpu.norms import acc_dtype, gated_rms_norm, l2_normalise, rms_norm
 from atlas.backends.cpu.rope import apply_rope
@@ -25,6 +25,53 @@ from atlas.model.spec import FULL_ATTENTION, ModelSpec, MoeSpec
 # (q, k, v, g, beta, state_pool, slots) -> out [B, T, Hv, dv]; q/k [B, T, Hk, dk] raw (the kernel
 # l2-normalises and scales), g the log decay. None: the torch loop below.
 GdnKernel = Callable[..., torch.Tensor]
+
+
+def fuse_weights(spec: ModelSpec, w: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """One GEMM where the reference runs several over the same input (a decode step is launch-bound:
+    every kernel saved counts): GDN's four input projections, attention's q/k/v (+ QSA index) projections,
+    a hyper-connection's mix-down and inject weights, and MoE's router + shared-expert gate/up + its gate.
+    The parts are dropped, so no weight is held twice. Results are split back per part."""
+    w = dict(w)
+
+    def fuse(name: str, parts: list[str]) -> None:
+        present = [p for p in parts if p in w]
+        w[name] = torch.cat([w.pop(p) for p in present], dim=0).contiguous()
+
+    for layer in range(spec.num_layers):
+        pre = f"layers.{layer}."
+        if spec.layer_types[layer] == FULL_ATTENTION:
+            a = pre + "self_attn."
+            fuse(a + "fused_in.weight", [a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight",
+                                         a + "indexer.index_qk_proj.weight"])
+        else:
+            g = pre + "linear_attn."
+            fuse(g + "fused_in.weight", [g + f"in_proj_{p}.weight" for p in ("qkv", "z", "b", "a")])
+        if spec.has_hyper_connections:
+            for hc in ("attn_hyper_connection.", "mlp_hyper_connection."):
+                fuse(pre + hc + "fused_down.weight", [pre + hc + "input_mix_weight_down.weight",
+                                                      pre + hc + "block_inject_weight.weight"])
+        m = pre + "mlp."
+        if spec.moe_layers[layer] and spec.moe is not None:
+            fuse(m + "fused_in.weight", [m + "gate.weight", m + "shared_expert.gate_proj.weight",
+                                         m + "shared_expert.up_proj.weight", m + "shared_expert_gate.weight"])
+    return w
+
+
+def hyper_mix(spec: ModelSpec, w: dict[str, torch.Tensor], pre: str, streams: torch.Tensor, *, combine: bool
+              ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """atlas.backends.cpu.hyper.hyper_mix with the mix-down and inject weights in one GEMM (fuse_weights)."""
+    hc, hidden, eps = spec.hc_count, spec.hidden_size, spec.rms_norm_eps
+    normed = rms_norm(streams, w[pre + "hc_norm.weight"], eps, group=hidden)
+    if combine:
+        down, inject = (normed @ w[pre + "fused_down.weight"].T).split([spec.hc_lowrank, hc], dim=-1)
+    else:
+        down, inject = normed @ w[pre + "input_mix_weight_down.weight"].T, None
+    mix = torch.sigmoid(F.silu(down / hc) @ w[pre + "input_mix_weight_up.weight"].T).unflatten(-1, (hc, hidden))
+    mixed = (mix * normed.unflatten(-1, (hc, hidden))).mean(dim=-2)
+    if inject is None:
+        return mixed, None
+    return mixed, 2 * torch.sigmoid(inject / hc)
 
 
 def rope_table(positions: torch.Tensor, rotary_dim: int, theta: float, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -77,10 +124,8 @@ def gdn_layer(spec: ModelSpec, w: dict[str, torch.Tensor], pre: str, x: torch.Te
     """x [B, T, H] -> [B, T, H] through one Gated DeltaNet layer."""
     b, t, _ = x.shape
     nk, nv, dk, dv = spec.gdn_k_heads, spec.gdn_v_heads, spec.gdn_k_dim, spec.gdn_v_dim
-    qkv = x @ w[pre + "in_proj_qkv.weight"].T
-    z = (x @ w[pre + "in_proj_z.weight"].T).view(b, t, nv, dv)
-    beta_raw = x @ w[pre + "in_proj_b.weight"].T
-    a = x @ w[pre + "in_proj_a.weight"].T
+    qkv, z, beta_raw, a = (x @ w[pre + "fused_in.weight"].T).split([spec.gdn_conv_dim, nv * dv, nv, nv], dim=-1)
+    z = z.reshape(b, t, nv, dv)
     mixed = causal_conv_pooled(conv_pool, grp.slots, qkv.transpose(1, 2), w[pre + "conv1d.weight"])
     mixed = F.silu(mixed).transpose(1, 2)  # [B, T, C]
     q, k, v = mixed.split([nk * dk, nk * dk, nv * dv], dim=-1)
@@ -138,10 +183,12 @@ def attention_layer(spec: ModelSpec, w: dict[str, torch.Tensor], pre: str, layer
     nh, nkv, hd = spec.num_heads, spec.num_kv_heads, spec.head_dim
     rows = b * t
     xr = x.reshape(rows, -1)
-    q, gate = (xr @ w[pre + "q_proj.weight"].T).view(rows, nh, 2 * hd).chunk(2, dim=-1)
+    index_width = (spec.qsa.n_heads + 1) * spec.qsa.head_dim if spec.qsa is not None else 0
+    q, k, v, qk = (xr @ w[pre + "fused_in.weight"].T).split([nh * 2 * hd, nkv * hd, nkv * hd, index_width], dim=-1)
+    q, gate = q.reshape(rows, nh, 2 * hd).chunk(2, dim=-1)
     q = rms_norm(q, w[pre + "q_norm.weight"], spec.rms_norm_eps)
-    k = rms_norm((xr @ w[pre + "k_proj.weight"].T).view(rows, nkv, hd), w[pre + "k_norm.weight"], spec.rms_norm_eps)
-    v = (xr @ w[pre + "v_proj.weight"].T).view(rows, nkv, hd)
+    k = rms_norm(k.reshape(rows, nkv, hd), w[pre + "k_norm.weight"], spec.rms_norm_eps)
+    v = v.reshape(rows, nkv, hd)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
 
     k_pool, v_pool = pools.keys[layer].view(-1, nkv, hd), pools.values[layer].view(-1, nkv, hd)
@@ -154,7 +201,6 @@ def attention_layer(spec: ModelSpec, w: dict[str, torch.Tensor], pre: str, layer
     mask = key_pos[None, None, :] <= grp.positions[..., None]  # [B, T, L]
 
     if spec.qsa is not None:
-        qk = xr @ w[pre + "indexer.index_qk_proj.weight"].T
         heads, d = spec.qsa.n_heads, spec.qsa.head_dim
         iq, raw = qk.split([heads * d, d], dim=-1)
         raw_pool = pools.index_keys[layer].view(-1, d)
@@ -180,24 +226,33 @@ def attention_layer(spec: ModelSpec, w: dict[str, torch.Tensor], pre: str, layer
 def moe_layer(moe: MoeSpec, w: dict[str, torch.Tensor], pre: str, x: torch.Tensor, *, eager: bool) -> torch.Tensor:
     """x [R, H] -> [R, H]: top-k routed experts + sigmoid-gated shared expert.
 
-    eager: group tokens by expert (host sync on the set of experts; right for prefill, where each expert
+    eager: group tokens by expert (one host sync for the counts; right for prefill, where each expert
     sees many tokens). Otherwise fixed shapes for CUDA graphs: with fewer routed slots than experts, the
     chosen experts' weights are gathered per slot; else every expert runs on every row, weighted by a
     routing matrix that is zero off the top-k (decode at batch >= E / top_k touches most experts anyway)."""
-    logits = x @ w[pre + "gate.weight"].T
+    shared_width = moe.shared_intermediate_size
+    logits, shared_gate, shared_up, shared_scale = (x @ w[pre + "fused_in.weight"].T).split(
+        [moe.num_experts, shared_width, shared_width, 1], dim=-1)
     probs = torch.softmax(logits.to(acc_dtype(x.dtype)), dim=-1)
     top_w, top_i = torch.topk(probs, moe.top_k, dim=-1)
     if moe.norm_topk_prob:
         top_w = top_w / top_w.sum(dim=-1, keepdim=True)
     top_w = top_w.to(x.dtype)
-    gate_up, down = w[pre + "experts.gate_up_proj"], w[pre + "experts.down_proj"]
     rows = x.shape[0]
+    gate_up, down = w[pre + "experts.gate_up_proj"], w[pre + "experts.down_proj"]
     if eager:
-        routed = torch.zeros_like(x)
-        for expert in torch.unique(top_i).tolist():  # ascending, as the reference sums them
-            tokens, slots = torch.where(top_i == expert)
-            g, u = (x[tokens] @ gate_up[expert].T).chunk(2, dim=-1)
-            routed.index_add_(0, tokens, ((F.silu(g) * u) @ down[expert].T) * top_w[tokens, slots, None])
+        # (token, slot) pairs sorted by expert: one host sync for the counts, each pair's output written once
+        # (no atomics), then summed over the slots in a fixed order
+        pairs = top_i.flatten()
+        order = torch.argsort(pairs, stable=True)
+        counts = torch.bincount(pairs, minlength=moe.num_experts).tolist()
+        outs = torch.empty(rows * moe.top_k, x.shape[-1], dtype=x.dtype, device=x.device)
+        for expert, picked in enumerate(torch.split(order, counts)):
+            if not counts[expert]:
+                continue
+            g, u = (x[picked // moe.top_k] @ gate_up[expert].T).chunk(2, dim=-1)
+            outs[picked] = (F.silu(g) * u) @ down[expert].T
+        routed = (outs.view(rows, moe.top_k, -1) * top_w[..., None]).sum(dim=1)
     elif rows * moe.top_k < moe.num_experts:
         gu = torch.einsum("rh,rkih->rki", x, gate_up[top_i])
         g, u = gu.chunk(2, dim=-1)
@@ -209,8 +264,8 @@ def moe_layer(moe: MoeSpec, w: dict[str, torch.Tensor], pre: str, x: torch.Tenso
         out = torch.bmm(F.silu(g) * u, down.transpose(1, 2))  # [E, R, H]
         weights = torch.zeros(rows, moe.num_experts, dtype=x.dtype, device=x.device).scatter_(1, top_i, top_w)
         routed = torch.einsum("re,erh->rh", weights, out)
-    shared = dense_mlp(w, pre + "shared_expert.", x)
-    return routed + torch.sigmoid(x @ w[pre + "shared_expert_gate.weight"].T) * shared
+    shared = (F.silu(shared_gate) * shared_up) @ w[pre + "shared_expert.down_proj.weight"].T
+    return routed + torch.sigmoid(shared_scale) * shared
 
 
 def ple_layer(spec: ModelSpec, w: dict[str, torch.Tensor], pre: str, streams: torch.Tensor, ids: torch.Tensor,
@@ -273,11 +328,11 @@ def forward_group(spec: ModelSpec, w: dict[str, torch.Tensor], pools: DevicePool
             rank = spec.ple.layers.index(layer)
             streams = streams + ple_layer(spec, w, pre + "ple.", streams, grp.ngram_ids[rank], grp,
                                           pools.ple_conv[layer])
-        block_in, inject = hyper_mix(w, pre + "attn_hyper_connection.", streams, hc, eps, combine=True)
+        block_in, inject = hyper_mix(spec, w, pre + "attn_hyper_connection.", streams, combine=True)
         assert inject is not None
         streams = hyper_inject(streams, mixer(layer, block_in), inject)
-        block_in, inject = hyper_mix(w, pre + "mlp_hyper_connection.", streams, hc, eps, combine=True)
+        block_in, inject = hyper_mix(spec, w, pre + "mlp_hyper_connection.", streams, combine=True)
         assert inject is not None
         streams = hyper_inject(streams, ffn(layer, block_in), inject)
-    final, _ = hyper_mix(w, "hyper_connection_mixer.", streams, hc, eps, combine=False)
+    final, _ = hyper_mix(spec, w, "hyper_connection_mixer.", streams, combine=False)
     return final

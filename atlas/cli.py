@@ -29,6 +29,8 @@ def serve(
     ring_slots: int = typer.Option(None, help="boundary snapshots per sequence for rollback (0: declines)"),
     num_drafts: int = typer.Option(None, help="speculative decoding: drafts per verify (0: off)"),
     drafter: str = typer.Option(None, help="speculative drafter: mtp | ngram"),
+    prefix_caching: bool = typer.Option(None, "--prefix-caching/--no-prefix-caching",
+                                        help="reuse KV + recurrent state of shared prefixes (default: on for cpu)"),
     threads: int = typer.Option(None, help="torch CPU threads for the engine (default: cores - 1)"),
     enable_fault_injection: bool = typer.Option(False, hidden=True, help="tests only: fault-injection hooks"),
 ) -> None:
@@ -38,7 +40,7 @@ def serve(
     code = run_server(model, host=host, port=port, trace=trace, api_key=api_key, backend=backend,
                       max_seq_len=max_seq_len, max_batch_size=max_batch_size, ring_slots=ring_slots,
                       loop_watchdog=loop_watchdog, num_drafts=num_drafts, drafter=drafter, threads=threads,
-                      enable_fault_injection=enable_fault_injection)
+                      enable_fault_injection=enable_fault_injection, prefix_caching=prefix_caching)
     raise typer.Exit(code)
 
 
@@ -100,6 +102,8 @@ def generate(
     prefill_chunk_tokens: int = typer.Option(256),
     num_drafts: int = typer.Option(0, help="speculative decoding: drafts per verify (0 = off)"),
     drafter: str = typer.Option("mtp", help="mtp | ngram"),
+    prefix_caching: bool = typer.Option(None, "--prefix-caching/--no-prefix-caching",
+                                        help="reuse KV + recurrent state of shared prefixes (default: on for cpu)"),
     trace: str = typer.Option(None, help="record the run: a SQLite path or a SQLAlchemy URL"),
 ) -> None:
     """Generate from prompts with the engine (greedy by default) and print each completion."""
@@ -124,7 +128,8 @@ def generate(
     structlog.configure(logger_factory=structlog.PrintLoggerFactory(_Stderr()))  # stdout is the completions
     config = EngineConfig(max_seq_len=max_seq_len, max_batch_size=max_batch_size,
                           prefill_chunk_tokens=max(prefill_chunk_tokens, max_batch_size), num_drafts=num_drafts,
-                          drafter=drafter)
+                          drafter=drafter,
+                          enable_prefix_caching=backend == "cpu" if prefix_caching is None else prefix_caching)
     engine = Engine.from_model(model, backend=backend, config=config, trace=trace)  # type: ignore[arg-type]
     params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_tokens, seed=seed,
                             stop=tuple(stop or ()), ignore_eos=ignore_eos)
@@ -174,6 +179,17 @@ def trace_show(file: str, run_id: int = typer.Option(None, help="default: the la
                       f"{sp['drafts_accepted']}/{sp['drafts_proposed']} drafts accepted, p1 {sp['p1']}, "
                       f"by position unconditional {sp['p_unconditional']} conditional {sp['p_conditional']}, "
                       f"latched off {sp['latched_off']}")
+    if s.prefix:
+        px = s.prefix
+        console.print(f"prefix cache: {px.get('hits', 0)} hits, {px.get('tokens_saved', 0)} prefill tokens saved "
+                      f"({px.get('tokens_replayed', 0)} replayed), {px.get('snapshotted', 0)} snapshots; drafter carry: "
+                      f"{px.get('carry_stored', 0)} stored, {px.get('carry_adopted', 0)} adopted "
+                      f"({px.get('carry_rows_kept', 0)} rows kept, {px.get('carry_rows_appended', 0)} appended), "
+                      f"{px.get('carry_released', 0)} released")
+        for q in s.requests:
+            if q.prefix_cached:
+                console.print(f"  {q.request_id}: resumed at {q.prefix_cached} of {q.prompt_tokens} prompt tokens, "
+                              f"{q.carry_rows} drafter rows carried")
     table = Table("request", "seq", "prompt", "completion", "arrived", "finished", "preempted", "finish", "detail")
     for q in s.requests:
         table.add_row(q.request_id, str(q.seq_id), str(q.prompt_tokens), str(q.completion_tokens),

@@ -23,6 +23,8 @@ class RequestSummary:
     finish_step: int | None = None
     preemptions: int = 0
     rollbacks: int = 0  # content-loop rollbacks taken (each drops the tokens past its `keep`)
+    prefix_cached: int = 0  # prefill tokens a prefix-cache hit resumed past (0: cold)
+    carry_rows: int = 0  # MTP drafter rows it kept from the carried entry
 
 
 @attrs.frozen
@@ -36,6 +38,9 @@ class TraceSummary:
     # speculative decoding, from step_planned drafts and step_executed verdict bits (AcceptanceStats.summary);
     # None when nothing drafted
     speculation: dict | None = None
+    # prefix caching and the drafter carry (hits, tokens saved and replayed, carry stored/adopted/released);
+    # None when the trace has none of their events
+    prefix: dict | None = None
 
     @property
     def outcome_counts(self) -> dict[str, int]:
@@ -53,6 +58,7 @@ def summarize(path_or_url: str | Path, run_id: int | None = None) -> TraceSummar
         drafts: list[list[int]] = []
         accept = AcceptanceStats()
         latched = 0
+        prefix: Counter[str] = Counter()
         steps = 0
         n = 0
         for rec in reader.events(run.run_id):
@@ -81,6 +87,14 @@ def summarize(path_or_url: str | Path, run_id: int | None = None) -> TraceSummar
                 r.completion_tokens = p["keep"] - r.prompt_tokens
             elif rec.kind == "sequence_preempted":
                 by_seq[p["seq_id"]].preemptions += 1
+            elif rec.kind == "prefix_cache_hit":
+                by_seq[p["seq_id"]].prefix_cached = p["position"]
+                prefix.update(hits=1, tokens_saved=p["position"], tokens_replayed=p["replay"])
+            elif rec.kind == "carry_adopted":
+                by_seq[p["seq_id"]].carry_rows = p["rows_kept"]
+                prefix.update(carry_adopted=1, carry_rows_kept=p["rows_kept"], carry_rows_appended=p["rows_to_append"])
+            elif rec.kind in ("prefix_snapshotted", "carry_stored", "carry_released"):
+                prefix[rec.kind.replace("prefix_", "")] += 1
             elif rec.kind in ("request_finished", "request_cancelled"):
                 r = by_seq[p["seq_id"]]
                 r.finish_reason = p.get("reason", "cancelled")
@@ -96,4 +110,5 @@ def summarize(path_or_url: str | Path, run_id: int | None = None) -> TraceSummar
     speculation = None
     if accept.verify_steps or latched:
         speculation = {**accept.summary(), "latched_off": latched}
-    return TraceSummary(run, n, steps, dict(sorted(counts.items())), list(by_seq.values()), faults, speculation)
+    return TraceSummary(run, n, steps, dict(sorted(counts.items())), list(by_seq.values()), faults, speculation,
+                        dict(prefix) if prefix else None)

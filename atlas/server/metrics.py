@@ -31,6 +31,10 @@ _GAUGES = (
     ("atlas:engine_step", "Scheduler steps taken.", "step"),
     ("atlas:spec_decode_tokens_per_verify", "Tokens emitted per verify step (accepted drafts + 1).",
      "spec_tokens_per_verify"),
+    ("atlas:drafter_coverage_warm", "MTP drafter rows / prompt length when a warm (prefix-hit) turn's prefill "
+     "completes.", "drafter_coverage_warm"),
+    ("atlas:drafter_coverage_cold", "MTP drafter rows / prompt length when a cold turn's prefill completes.",
+     "drafter_coverage_cold"),
 )
 _COUNTERS = (
     ("atlas:prompt_tokens", "Prompt tokens of admitted requests.", "prompt_tokens_total"),
@@ -46,6 +50,10 @@ _COUNTERS = (
     ("atlas:spec_decode_num_accepted_tokens", "Draft tokens accepted.", "spec_drafts_accepted"),
     ("atlas:spec_decode_num_latched_off", "Sequences whose speculative lane latched off at the QSA inert bound.",
      "spec_latched_off_total"),
+    ("atlas:prefix_cache_queries", "Admissions looked up in the prefix cache.", "prefix_cache_queries"),
+    ("atlas:prefix_cache_hits", "Admissions that resumed from the prefix cache.", "prefix_cache_hits"),
+    ("atlas:prefix_cache_tokens_saved", "Prefill tokens skipped by prefix-cache hits.", "prefix_tokens_saved"),
+    ("atlas:drafter_carry_adopted", "Warm turns that kept the carried MTP drafter rows.", "carry_adopted_total"),
 )
 
 

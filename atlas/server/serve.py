@@ -69,12 +69,15 @@ def build_engine(
     loop_watchdog: bool = False,
     num_drafts: int | None = None,
     drafter: str | None = None,
+    prefix_caching: bool | None = None,
 ) -> Any:
     from atlas.config import EngineConfig
     from atlas.engine.engine import Engine
 
     knobs = {"max_seq_len": max_seq_len, "max_batch_size": max_batch_size, "ring_slots": ring_slots,
-             "loop_watchdog": loop_watchdog or None, "num_drafts": num_drafts, "drafter": drafter}
+             "loop_watchdog": loop_watchdog or None, "num_drafts": num_drafts, "drafter": drafter,
+             # prefix caching: on by default where the backend stores prefix snapshots (cpu)
+             "enable_prefix_caching": backend == "cpu" if prefix_caching is None else prefix_caching}
     config = EngineConfig(**{k: v for k, v in knobs.items() if v is not None})
     return Engine.from_model(model=model or "atlas-tiny", backend=backend, config=config, trace=trace)
 
@@ -166,6 +169,7 @@ def serve(
     threads: int | None = None,
     enable_fault_injection: bool = False,
     log_level: str = "info",
+    prefix_caching: bool | None = None,
 ) -> int:
     """Serve until stopped. Returns the process exit status: 0, EXIT_BAD_CONFIG when the engine cannot be
     built (the reason is logged), or EXIT_ENGINE_DEAD after a fatal fault."""
@@ -173,7 +177,7 @@ def serve(
     try:
         engine = build_engine(model, backend=backend, trace=trace, max_seq_len=max_seq_len,
                               max_batch_size=max_batch_size, ring_slots=ring_slots, loop_watchdog=loop_watchdog,
-                              num_drafts=num_drafts, drafter=drafter)
+                              num_drafts=num_drafts, drafter=drafter, prefix_caching=prefix_caching)
     except (ValueError, OSError) as exc:  # CapacityError is a ValueError: it names the knob and numbers
         log.error("cannot start the engine", error=str(exc))
         return EXIT_BAD_CONFIG

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from atlas.backends.cpu.hyper import hyper_inject
 from atlas.backends.cpu.moe import dense_mlp
-from atlas.backends.cpu.norms import acc_dtype, gated_rms_norm, l2_normalise, rms_norm
+from atlas.backends.cpu.norms import acc_dtype, l2_normalise
 from atlas.backends.cpu.rope import apply_rope
 from atlas.backends.cuda.batch import Group
 from atlas.backends.cuda.pools import DevicePools
@@ -27,19 +27,28 @@ from atlas.model.spec import FULL_ATTENTION, ModelSpec, MoeSpec
 GdnKernel = Callable[..., torch.Tensor]
 
 
-def fuse_weights(spec: ModelSpec, w: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """One GEMM where the reference runs several over the same input (a decode step is launch-bound:
-    every kernel saved counts): GDN's four input projections, attention's q/k/v (+ QSA index) projections,
-    a hyper-connection's mix-down and inject weights, and MoE's router + shared-expert gate/up + its gate.
-    The parts are dropped, so no weight is held twice. Results are split back per part."""
+def prepare_weights(spec: ModelSpec, w: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The weights in the shapes the batched forward wants (a decode step is launch-bound: every kernel saved
+    counts). One GEMM where the reference runs several over the same input: GDN's four input projections,
+    attention's q/k/v (+ QSA index) projections, a hyper-connection's mix-down and inject weights (with their
+    common 1/hc folded in), MoE's router + shared-expert gate/up + its gate; the parts are dropped, so no
+    weight is held twice. Zero-centred norm weights become plain scales (1 + w); GDN's A_log becomes
+    -exp(A_log) in fp32."""
     w = dict(w)
 
     def fuse(name: str, parts: list[str]) -> None:
         present = [p for p in parts if p in w]
         w[name] = torch.cat([w.pop(p) for p in present], dim=0).contiguous()
 
+    acc = acc_dtype(next(iter(w.values())).dtype)
+    for name in [n for n in w if _is_zero_centred_norm(n)]:
+        w[name] = (1.0 + w[name].to(acc)).to(w[name].dtype)  # now a plain RMSNorm scale: one op fewer per norm
     for layer in range(spec.num_layers):
         pre = f"layers.{layer}."
+        if spec.layer_types[layer] != FULL_ATTENTION:  # the decay's constant factor, once
+            g = pre + "linear_attn."
+            w[g + "neg_exp_A"] = -w.pop(g + "A_log").to(acc).exp()
+            w[g + "dt_bias"] = w[g + "dt_bias"].to(acc)
         if spec.layer_types[layer] == FULL_ATTENTION:
             a = pre + "self_attn."
             fuse(a + "fused_in.weight", [a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight",
@@ -51,27 +60,51 @@ def fuse_weights(spec: ModelSpec, w: dict[str, torch.Tensor]) -> dict[str, torch
             for hc in ("attn_hyper_connection.", "mlp_hyper_connection."):
                 fuse(pre + hc + "fused_down.weight", [pre + hc + "input_mix_weight_down.weight",
                                                       pre + hc + "block_inject_weight.weight"])
+                w[pre + hc + "fused_down.weight"] /= spec.hc_count  # both products are divided by hc: fold it
         m = pre + "mlp."
         if spec.moe_layers[layer] and spec.moe is not None:
             fuse(m + "fused_in.weight", [m + "gate.weight", m + "shared_expert.gate_proj.weight",
                                          m + "shared_expert.up_proj.weight", m + "shared_expert_gate.weight"])
+    if spec.has_hyper_connections:
+        w["hyper_connection_mixer.input_mix_weight_down.weight"] = (
+            w["hyper_connection_mixer.input_mix_weight_down.weight"] / spec.hc_count)
     return w
+
+
+def _is_zero_centred_norm(name: str) -> bool:
+    # every RMSNorm weight but GDN's gated output norm is zero-centred: x * rsqrt(mean(x^2) + eps) * (1 + w)
+    ends = ("norm.weight", "layernorm.weight", "norm_key.weight", "norm_query.weight", "norm_conv.weight")
+    return name.endswith(ends) and not name.endswith("linear_attn.norm.weight")
+
+
+def rms_norm(x: torch.Tensor, scale: torch.Tensor, eps: float, group: int | None = None) -> torch.Tensor:
+    """RMSNorm with a plain scale (prepare_weights turned each zero-centred weight w into 1 + w), over groups
+    of `group` features if set. torch's rms_norm: one fused kernel where torch has one (CUDA)."""
+    if group is None:
+        return F.rms_norm(x, (x.shape[-1],), scale, eps)
+    y = F.rms_norm(x.unflatten(-1, (-1, group)), (group,), None, eps).flatten(-2)
+    return y * scale
+
+
+def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float, act: str) -> torch.Tensor:
+    """GDN's output norm: plain RMSNorm times act(gate) (atlas.backends.cpu.norms.gated_rms_norm)."""
+    return F.rms_norm(x, (x.shape[-1],), weight, eps) * (F.silu(gate) if act == "silu" else torch.sigmoid(gate))
 
 
 def hyper_mix(spec: ModelSpec, w: dict[str, torch.Tensor], pre: str, streams: torch.Tensor, *, combine: bool
               ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """atlas.backends.cpu.hyper.hyper_mix with the mix-down and inject weights in one GEMM (fuse_weights)."""
+    """atlas.backends.cpu.hyper.hyper_mix with the mix-down and inject weights in one GEMM (prepare_weights)."""
     hc, hidden, eps = spec.hc_count, spec.hidden_size, spec.rms_norm_eps
     normed = rms_norm(streams, w[pre + "hc_norm.weight"], eps, group=hidden)
-    if combine:
+    if combine:  # 1/hc is folded into the weights (prepare_weights)
         down, inject = (normed @ w[pre + "fused_down.weight"].T).split([spec.hc_lowrank, hc], dim=-1)
     else:
         down, inject = normed @ w[pre + "input_mix_weight_down.weight"].T, None
-    mix = torch.sigmoid(F.silu(down / hc) @ w[pre + "input_mix_weight_up.weight"].T).unflatten(-1, (hc, hidden))
+    mix = torch.sigmoid(F.silu(down) @ w[pre + "input_mix_weight_up.weight"].T).unflatten(-1, (hc, hidden))
     mixed = (mix * normed.unflatten(-1, (hc, hidden))).mean(dim=-2)
     if inject is None:
         return mixed, None
-    return mixed, 2 * torch.sigmoid(inject / hc)
+    return mixed, 2 * torch.sigmoid(inject)
 
 
 def rope_table(positions: torch.Tensor, rotary_dim: int, theta: float, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -88,18 +121,15 @@ def causal_conv_pooled(pool: torch.Tensor, slots: torch.Tensor, new: torch.Tenso
                        dilation: int = 1) -> torch.Tensor:
     """Depthwise causal conv of new columns [B, C, T] continuing each slot's state pool[slot] [C, S];
     updates the pool in place and returns out [B, C, T] (fp32 accumulation, in new's dtype)."""
-    b, c, t = new.shape
     state_len = pool.shape[-1]
     k = weight.shape[-1]
     cols = torch.cat([pool[slots].to(new.dtype), new], dim=-1)  # [B, C, S + T]
-    base = state_len - (k - 1) * dilation  # first column the first new output reads
-    acc = acc_dtype(new.dtype)
-    out = torch.zeros(b, c, t, dtype=acc, device=new.device)
-    for j in range(k):
-        lo = base + j * dilation
-        out += weight[None, :, 0, j, None].to(acc) * cols[:, :, lo : lo + t].to(acc)
     pool[slots] = cols[:, :, -state_len:].to(pool.dtype)
-    return out.to(new.dtype)
+    base = state_len - (k - 1) * dilation  # first column the first new output reads
+    span = (k - 1) * dilation + 1
+    windows = cols[:, :, base:].unfold(-1, span, 1)[..., ::dilation]  # [B, C, T, K], a view
+    acc = acc_dtype(new.dtype)
+    return (windows.to(acc) * weight[None, :, None, 0, :].to(acc)).sum(-1).to(new.dtype)
 
 
 def gdn_recurrence(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
@@ -130,7 +160,7 @@ def gdn_layer(spec: ModelSpec, w: dict[str, torch.Tensor], pre: str, x: torch.Te
     mixed = F.silu(mixed).transpose(1, 2)  # [B, T, C]
     q, k, v = mixed.split([nk * dk, nk * dk, nv * dv], dim=-1)
     acc = acc_dtype(x.dtype)
-    g = -w[pre + "A_log"].to(acc).exp() * F.softplus(a.to(acc) + w[pre + "dt_bias"].to(acc))
+    g = w[pre + "neg_exp_A"] * F.softplus(a.to(acc) + w[pre + "dt_bias"])
     beta = torch.sigmoid(beta_raw).to(acc)
     if kernel is not None:
         out = kernel(q.reshape(b, t, nk, dk), k.reshape(b, t, nk, dk), v.reshape(b, t, nv, dv), g, beta,

@@ -21,7 +21,7 @@ import torch
 from atlas.backends.base import BackendCursors, DeviceFault, SeqOutcome, SeqWork, StepPlan, StepResult
 from atlas.backends.cuda.batch import Group, GroupShape, Row, pack_rows
 from atlas.backends.cuda.graphs import DecodeGraphs, bucket
-from atlas.backends.cuda.layers import GdnKernel, forward_group, fuse_weights
+from atlas.backends.cuda.layers import GdnKernel, forward_group, prepare_weights
 from atlas.backends.cuda.pools import DevicePools
 from atlas.engine.sampling import logprobs_of, sample_token
 from atlas.model.loader import LoadedModel
@@ -110,7 +110,7 @@ class CudaBackend:
             # parity mode: full fp32 products (TF32 would round operands to 10-bit mantissas)
             torch.backends.cuda.matmul.allow_tf32 = False
             torch.backends.cudnn.allow_tf32 = False
-        self.weights = fuse_weights(spec, {
+        self.weights = prepare_weights(spec, {
             k: t.to(device=self.device, dtype=self.dtype if t.is_floating_point() else t.dtype)
             for k, t in model.weights.items() if not k.startswith("mtp.")})
         self.block_size = block_size

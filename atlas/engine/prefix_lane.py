@@ -80,9 +80,9 @@ class PrefixLane:
         caps, bs, pool = self.caps, self.caps.block_size, state.pool
         slots = caps.max_batch_size - len(state.running)
         available = len(pool.free)
-        for seq_id in list(state.waiting):  # arrival order; a miss leaves the sequence to the scheduler
-            if slots <= 0:
-                break
+        # arrival order, only as many as there are batch slots (a sequence waiting for a slot is not hashed again
+        # every step); a miss leaves the sequence to the scheduler's cold admission
+        for seq_id in state.waiting[:max(0, slots)]:
             seq = state.seqs[seq_id]
             tokens = seq.cursor.tokens
             hit = cache.lookup(tokens)
@@ -110,7 +110,6 @@ class PrefixLane:
             self.stats.tokens_replayed += hit.replay
             if seq.preemptions == 0:
                 self._turns[seq_id] = True
-            slots -= 1
             available -= revived + need
 
     def _drafter_keys(self, state: ControlState, seq: Sequence, position: int, emit: Emit, step: int):

@@ -89,7 +89,8 @@ def test_decode_ngram_ids_equal_the_reference() -> None:
 
 
 def test_unsupported_features_are_refused_at_start(tiny) -> None:
-    for config, knob in ((EngineConfig(num_drafts=2), "num_drafts=0"), (EngineConfig(ring_slots=2), "ring_slots=0")):
+    for config, knob in ((EngineConfig(num_drafts=2), "num_drafts=0"), (EngineConfig(ring_slots=2), "ring_slots=0"),
+                         (EngineConfig(enable_prefix_caching=True), "enable_prefix_caching=False")):
         with pytest.raises(NotImplementedError, match=knob):
             build_cuda_engine(Engine, tiny, model="atlas-tiny", config=config, trace=None, device="cpu")
 

@@ -20,6 +20,8 @@ def check_config(config: EngineConfig) -> None:
         raise unsupported("speculative decoding", f"num_drafts=0 (got {config.num_drafts}; --num-drafts 0)")
     if config.ring_slots:
         raise unsupported("the snapshot ring for rollback", f"ring_slots=0 (got {config.ring_slots}; --ring-slots 0)")
+    if getattr(config, "enable_prefix_caching", False):
+        raise unsupported("prefix caching", "enable_prefix_caching=False (--no-prefix-caching)")
 
 
 # backend name -> activation dtype; the name is what a trace records, so a replay rebuilds the same mode

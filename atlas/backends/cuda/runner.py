@@ -7,7 +7,7 @@ parity mode (plain torch ops, no Triton kernels, no TF32), whose greedy tokens e
 
 Not supported yet, and refused where they would be asked for (by the factory at start, and here if a plan
 carries them anyway): speculative verify (num_drafts > 0), the snapshot ring for rollback
-(ring_slots > 0), the MTP drafter.
+(ring_slots > 0), the MTP drafter, prefix caching (enable_prefix_caching).
 """
 
 from __future__ import annotations
@@ -281,6 +281,8 @@ class CudaBackend:
             raise unsupported("the snapshot ring for rollback", "ring_slots=0 (--ring-slots 0)")
         if any(w.drafts for w in plan.work):
             raise unsupported("speculative verify", "num_drafts=0 (--num-drafts 0)")
+        if plan.prefix_stores or plan.prefix_restores or plan.carry_drop or plan.carry_store >= 0:
+            raise unsupported("prefix caching", "enable_prefix_caching=False (--no-prefix-caching)")
         with self._faults():
             for seq_id in plan.release:
                 self.release(seq_id)

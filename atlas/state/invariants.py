@@ -136,6 +136,18 @@ def audit(state: ControlState, index: int) -> None:
                   owner=owner.get(b), free=b in pool.free)
     if pool.used != len(owner):
         _fail(index, "BlockPool", "used == blocks owned", used=pool.used, owned=len(owner))
+    if state.prefix is not None:  # only committed tokens are cached: never a block holding draft positions
+        bs = state.caps.block_size
+        for seq in state.seqs.values():
+            for i, b in enumerate(seq.blocks):
+                h = state.prefix.hash_of.get(b)
+                if h is None:
+                    continue
+                if (i >= len(seq.prefix_chain) or seq.prefix_chain[i] != h or (i + 1) * bs > seq.cursor.computed
+                        or state.prefix.blocks[h].tokens != tuple(seq.cursor.tokens[i * bs:(i + 1) * bs])):
+                    _fail(index, "PrefixCache", "a cached block a sequence holds is one of its full blocks of "
+                          "computed tokens, same chain and tokens", seq_id=seq.seq_id, block=b, index=i,
+                          computed=seq.cursor.computed, chain=len(seq.prefix_chain))
     live = sorted(state.seqs)
     queued = sorted(state.waiting + state.running)
     if live != queued or state.waiting != sorted(state.waiting) or state.running != sorted(state.running):

@@ -29,11 +29,11 @@ def main() -> None:
     args = parser.parse_args()
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.CRITICAL))
     ok = True
-    print(f"{'variant':42} {'invariant':15} {'examples':>8} {'shrunk':>7} {'minimised':>9} {'seconds':>8}")
+    print(f"{'variant':46} {'invariant':15} {'examples':>8} {'shrunk':>7} {'minimised':>9} {'seconds':>8}")
     for name in args.variants:
         d = hunt(name, args.max_examples)
         ok &= d.examples is not None and d.minimized_events is not None and d.minimized_events <= 20
-        print(f"{name:42} {d.machine:15} {d.examples or 'missed':>8} {d.hypothesis_events or '-':>7} "
+        print(f"{name:46} {d.machine:15} {d.examples or 'missed':>8} {d.hypothesis_events or '-':>7} "
               f"{d.minimized_events or '-':>9} {d.seconds:8.1f}")
     print("acceptance (<= 200 examples, <= 20 events):", "met" if ok else "NOT met")
     sys.exit(0 if ok else 1)

@@ -124,3 +124,26 @@ def test_scripted_drafter_choices_are_re_driven_from_the_trace(tmp_path: Path) -
     report = against(path)  # no script given: the recorded choices are proposed again
     assert report.outcome == PASSES and report.divergence is None, report.describe()
     assert verify(path, engine_kwargs={"drafter": script}).identical
+
+
+def test_an_uninjected_fault_is_the_failure_when_no_invariant_broke(tmp_path: Path, monkeypatch) -> None:
+    # the lane's bound bug alone: the row-blind backend refuses the crossing verify, the request ends with
+    # `error` (correctly), so the run's failure is that fault: still there under the bug, gone without it
+    import atlas.engine.drafters.lane as lane_module
+
+    bound = lane_module.inert_bound
+    path = tmp_path / "fault.db"
+    with monkeypatch.context() as m:
+        m.setattr(lane_module, "inert_bound", lambda caps: bound(caps) + caps.verify_width - 1)
+        s = SCENARIOS["verify_crosses_qsa_bound_error_as_stop"]
+        engine = build_engine(s.model, s.backend, s.config, trace=str(path))
+        try:
+            run_program(engine, s.program)
+        finally:
+            engine.close()
+        still = against(path)
+    assert still.outcome == STILL_THERE and still.divergence is None
+    assert (still.recorded.kind, still.recorded.machine, still.recorded.message) == ("fault", "step_error",
+                                                                                      "ValueError")
+    gone = against(path)
+    assert gone.outcome == FAILURE_GONE and gone.divergence.actual_kind == "speculation_latched_off"

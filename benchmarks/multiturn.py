@@ -70,6 +70,7 @@ def run_leg(loaded, prefix: bool, args: argparse.Namespace, layout: str) -> dict
     stats = engine.stats()
     return {
         "prefix_caching": prefix,
+        "drafter_context": engine.config.drafter_context,
         "layout": layout,
         "warm_turns": len(warm_ttft),
         "warm_ttft_median_s": statistics.median(warm_ttft),
@@ -112,9 +113,10 @@ def main() -> None:
             leg.pop("answers")
         results += [on, off]
         print(f"{layout}: {on['warm_turns']} warm turns, tokens equal on/off")
-        print(f"  drafter coverage on warm turns: {on['drafter_coverage_warm']:.1%} (cold turns "
-              f"{on['drafter_coverage_cold']:.1%}; prefix caching off: every turn is cold and the drafter is "
-              f"prefilled over the whole prompt); carry adopted {on['carry_adopted']}x")
+        context = "on" if on["drafter_context"] else "off (ATLAS_NO_MTP_DRAFTER_CONTEXT=1)"
+        print(f"  drafter context {context}; coverage on warm turns: {on['drafter_coverage_warm']:.1%} (cold turns "
+              f"{on['drafter_coverage_cold']:.1%}; with prefix caching off every turn is cold); carry adopted "
+              f"{on['carry_adopted']}x")
         print(f"  prefill tokens saved: {on['prefill_tokens_saved']} of {on['warm_prompt_tokens']} warm prompt tokens "
               f"({on['saved_fraction']:.1%}), {on['prefill_tokens_replayed']} replayed; hits {on['prefix_cache_hits']}"
               f"/{on['prefix_cache_queries']}")

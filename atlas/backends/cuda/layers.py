@@ -22,8 +22,8 @@ from atlas.backends.cuda.batch import Group
 from atlas.backends.cuda.pools import DevicePools
 from atlas.model.spec import FULL_ATTENTION, ModelSpec, MoeSpec
 
-# (q, k, v, g, beta, state_pool, slots) -> out [B, T, Hv, dv]; q/k [B, T, Hk, dk] raw (the kernel
-# l2-normalises and scales), g the log decay. None: the torch loop below.
+# (q, k, v, a, b, A_log, dt_bias, state_pool, slots) -> out [B, T, Hv, dv]; q/k [B, T, Hk, dk] raw (the
+# kernel l2-normalises and scales), a/b the raw gate projections [B, T, Hv]. None: the torch loop below.
 GdnKernel = Callable[..., torch.Tensor]
 
 
@@ -47,7 +47,7 @@ def prepare_weights(spec: ModelSpec, w: dict[str, torch.Tensor]) -> dict[str, to
         pre = f"layers.{layer}."
         if spec.layer_types[layer] != FULL_ATTENTION:  # the decay's constant factor, once
             g = pre + "linear_attn."
-            w[g + "neg_exp_A"] = -w.pop(g + "A_log").to(acc).exp()
+            w[g + "neg_exp_A"] = -w[g + "A_log"].to(acc).exp()
             w[g + "dt_bias"] = w[g + "dt_bias"].to(acc)
         if spec.layer_types[layer] == FULL_ATTENTION:
             a = pre + "self_attn."
@@ -160,12 +160,12 @@ def gdn_layer(spec: ModelSpec, w: dict[str, torch.Tensor], pre: str, x: torch.Te
     mixed = F.silu(mixed).transpose(1, 2)  # [B, T, C]
     q, k, v = mixed.split([nk * dk, nk * dk, nv * dv], dim=-1)
     acc = acc_dtype(x.dtype)
-    g = w[pre + "neg_exp_A"] * F.softplus(a.to(acc) + w[pre + "dt_bias"])
-    beta = torch.sigmoid(beta_raw).to(acc)
-    if kernel is not None:
-        out = kernel(q.reshape(b, t, nk, dk), k.reshape(b, t, nk, dk), v.reshape(b, t, nv, dv), g, beta,
-                     state_pool, grp.slots)
+    if kernel is not None:  # the kernel computes the gates from the raw projections (decode: in-kernel)
+        out = kernel(q.reshape(b, t, nk, dk), k.reshape(b, t, nk, dk), v.reshape(b, t, nv, dv), a, beta_raw,
+                     w[pre + "A_log"], w[pre + "dt_bias"], state_pool, grp.slots)
     else:
+        g = w[pre + "neg_exp_A"] * F.softplus(a.to(acc) + w[pre + "dt_bias"])
+        beta = torch.sigmoid(beta_raw).to(acc)
         # each key head serves nv / nk consecutive value heads
         q = q.reshape(b, t, nk, dk).repeat_interleave(nv // nk, dim=2).to(acc)
         k = k.reshape(b, t, nk, dk).repeat_interleave(nv // nk, dim=2).to(acc)

@@ -55,15 +55,17 @@ def triton_gdn() -> GdnKernel | None:
     importable. On a CPU they run only under TRITON_INTERPRET=1 (tests)."""
     try:
         from atlas_kernels.gdn_chunk import gdn_chunk_prefill
-        from atlas_kernels.gdn_recurrent import gdn_recurrent
+        from atlas_kernels.gdn_recurrent import gdn_recurrent_gated
     except ImportError:
         return None
 
-    def gdn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-            pool: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    def gdn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor, b_raw: torch.Tensor,
+            a_log: torch.Tensor, dt_bias: torch.Tensor, pool: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         b, t = q.shape[:2]
-        if t == 1:
-            return gdn_recurrent(q, k, v, g, beta, pool, slots)[0]
+        if t == 1:  # g and beta computed in the kernel: no separate elementwise launches per layer
+            return gdn_recurrent_gated(q, k, v, a, b_raw, a_log, dt_bias, pool, slots)[0]
+        g = -a_log.float().exp() * torch.nn.functional.softplus(a.float() + dt_bias.float())
+        beta = torch.sigmoid(b_raw).float()
         cu = torch.arange(b + 1, device=q.device, dtype=torch.int32) * t
         out = gdn_chunk_prefill(q.reshape(b * t, *q.shape[2:]), k.reshape(b * t, *k.shape[2:]),
                                 v.reshape(b * t, *v.shape[2:]), g.reshape(b * t, -1), beta.reshape(b * t, -1),

@@ -33,14 +33,14 @@ def build_engine(cls: type[Engine], model: str, backend: str, config: EngineConf
         from atlas.model import load_model
 
         return build_engine_for_loaded(cls, load_model(model), model=model, config=config, trace=trace, **kwargs)
-    if backend in ("cuda", "cuda-fp32"):
+    if backend.startswith("cuda"):  # cuda, cuda-fp32, cuda-invariant, cuda-fp32-invariant
         from atlas.backends.cuda.factory import build_cuda_engine
         from atlas.model import load_model
 
         return build_cuda_engine(cls, load_model(model), model=model, backend=backend, config=config, trace=trace,
                                  **kwargs)
     if backend != "null":
-        raise ValueError(f"unknown backend {backend!r} (cpu, cuda, cuda-fp32, null)")
+        raise ValueError(f"unknown backend {backend!r} (cpu, cuda[-fp32][-invariant], null)")
     config = resolve_drafter_context(config)
     from atlas.backends.null import ByteTokenizer, NullBackend
 

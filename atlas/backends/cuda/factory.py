@@ -24,25 +24,32 @@ def check_config(config: EngineConfig) -> None:
         raise unsupported("prefix caching", "enable_prefix_caching=False (--no-prefix-caching)")
 
 
-# backend name -> activation dtype; the name is what a trace records, so a replay rebuilds the same mode
-BACKEND_DTYPES = {"cuda": torch.bfloat16, "cuda-fp32": torch.float32}
+# the backend name is what a trace records, so it names the whole mode and a replay rebuilds the same one:
+# "cuda" (bf16, fp32 recurrent state), "-fp32" the parity mode, "-invariant" batch-invariant decode
+BACKENDS = ("cuda", "cuda-fp32", "cuda-invariant", "cuda-fp32-invariant")
+
+
+def parse_backend(name: str) -> tuple[torch.dtype, bool]:
+    """(activation dtype, batch invariant) of a CUDA backend name."""
+    if name not in BACKENDS:
+        raise ValueError(f"unknown CUDA backend {name!r} ({', '.join(BACKENDS)})")
+    return (torch.float32 if "-fp32" in name else torch.bfloat16), name.endswith("-invariant")
 
 
 def build_cuda_engine(cls: type[Engine], loaded: Any, *, model: str, config: EngineConfig | None, trace: str | None,
                       backend: str = "cuda", device: str = "cuda", cuda_graphs: bool | None = None,
                       **kwargs: Any) -> Engine:
-    """The engine on the CUDA backend: "cuda" is bf16 (fp32 recurrent state), "cuda-fp32" the parity mode."""
+    """The engine on the CUDA backend in the mode `backend` names (BACKENDS)."""
     from atlas.backends.cuda.runner import CudaBackend
     from atlas.engine.factory import open_trace
 
     config = config or EngineConfig()
     check_config(config)
-    if backend not in BACKEND_DTYPES:
-        raise ValueError(f"unknown CUDA backend {backend!r} ({', '.join(BACKEND_DTYPES)})")
-    dtype = BACKEND_DTYPES[backend]
+    dtype, invariant = parse_backend(backend)
     caps = derive_capacities(config, loaded.spec, activation_bytes=dtype.itemsize)
     data_plane = CudaBackend(loaded, num_kv_blocks=caps.num_kv_blocks, block_size=caps.block_size, dtype=dtype,
-                             max_batch_size=caps.max_batch_size, device=device, cuda_graphs=cuda_graphs)
+                             max_batch_size=caps.max_batch_size, device=device, cuda_graphs=cuda_graphs,
+                             batch_invariant=invariant, max_blocks_per_seq=caps.kv_blocks_per_seq)
     sink = kwargs.pop("sink", None)
     if trace is not None:
         sink = open_trace(trace, model=model, fingerprint=loaded.fingerprint, backend=backend, config=config, caps=caps)

@@ -4,6 +4,7 @@ A step's work is split into groups (atlas.backends.cuda.batch): every one-token 
 group, replayed from a CUDA graph per batch bucket, and each longer prefill chunk in a group of its own,
 eager. bf16 weights and activations with fp32 recurrent state by default; dtype=torch.float32 is the
 parity mode (plain torch ops, no Triton kernels, no TF32), whose greedy tokens equal the CPU backend's.
+batch_invariant=True pads every decode group to one shape, so a request's tokens do not depend on the batch.
 
 Not supported yet, and refused where they would be asked for (by the factory at start, and here if a plan
 carries them anyway): speculative verify (num_drafts > 0), the snapshot ring for rollback
@@ -94,6 +95,8 @@ class CudaBackend:
         ring_slots: int = 0,
         verify_width: int = 1,
         mtp_drafter: bool = False,
+        batch_invariant: bool = False,
+        max_blocks_per_seq: int | None = None,
     ) -> None:
         if ring_slots:
             raise unsupported("the snapshot ring for rollback", f"ring_slots=0 (got {ring_slots}; --ring-slots 0)")
@@ -117,6 +120,11 @@ class CudaBackend:
             for k, t in model.weights.items() if not k.startswith("mtp.")})
         self.block_size = block_size
         self.max_batch_size = max_batch_size
+        # batch invariance: every decode group padded to the same rows and key blocks, so every GEMM, softmax and
+        # kernel sees the same shapes whatever else is in the batch, and a row's bits depend on its own inputs
+        # only (a request's tokens alone equal its tokens in any batch). Costs a full batch's work per step.
+        self.batch_invariant = batch_invariant
+        self.max_blocks_per_seq = max_blocks_per_seq or num_kv_blocks
         self.pools = DevicePools(spec, num_kv_blocks=num_kv_blocks, block_size=block_size, max_seqs=max_batch_size,
                                  scratch_slots=bucket(max_batch_size), dtype=self.dtype, device=self.device)
         use_kernels = self.dtype != torch.float32 if kernels is None else kernels
@@ -244,7 +252,9 @@ class CudaBackend:
             members = [chunks[i] for i in idx]
             width = len(members[0].tokens)
             shape = self._shape(len(members), width, max(c.start + len(c.tokens) for c in members))
-            if width == 1 and self.graphs is not None:
+            if width == 1 and self.batch_invariant:
+                shape = attrs.evolve(shape, batch=bucket(self.max_batch_size), key_blocks=self.max_blocks_per_seq)
+            elif width == 1 and self.graphs is not None:
                 shape = attrs.evolve(shape, batch=bucket(len(members)), key_blocks=bucket(shape.key_blocks, 4))
             rows = [self._row(c) for c in members]
             packed = pack_rows(shape, rows, self.pools.scratch_slots, self.pools.scratch_block)

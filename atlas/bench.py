@@ -136,8 +136,9 @@ def _run_steps(engine: Any, prompts: list[list[int]], max_tokens: int) -> list[f
     return [(b - a) * 1e3 for a, b in zip(stamps, stamps[1:], strict=False)]
 
 
-def bench_prefill(model: Any, tokens: int = 2048, repeat: int = 3) -> dict[str, float]:
+def bench_prefill(model: Any, tokens: int = 2048, repeat: int = 3, moe: str = "grouped") -> dict[str, Any]:
     engine, timed = _engine(model, batch=1, max_seq_len=tokens + 16, chunk=tokens)
+    timed.inner.prefill_moe = moe
     g = torch.Generator().manual_seed(1)
     steps = []
     for _ in range(repeat + 1):  # the first compiles the chunked-prefill kernel
@@ -148,7 +149,7 @@ def bench_prefill(model: Any, tokens: int = 2048, repeat: int = 3) -> dict[str, 
     engine.close()
     wall = statistics.median(s[0] for s in steps[1:])
     execute = statistics.median(s[1] for s in steps[1:])
-    return {"tokens": tokens, "ms": wall, "tokens_per_s": tokens / wall * 1e3, "execute_ms": execute}
+    return {"tokens": tokens, "moe": moe, "ms": wall, "tokens_per_s": tokens / wall * 1e3, "execute_ms": execute}
 
 
 def bench_decode(model: Any, batch: int, prompt_len: int = 140, steps: int = 40) -> dict[str, float]:
@@ -250,9 +251,11 @@ def run(config_path: Path = DEFAULT_CONFIG, *, out: Path | None = None, batches:
     report["parameters"] = sum(t.numel() for t in model.weights.values())
     bw, rate = report["ceilings"]["copy_gb_s"] * 1e9, report["ceilings"]["bf16_tflop_s"] * 1e12
     flops = prefill_flops(model, 2048)
-    prefill = bench_prefill(model)
-    prefill.update(flops=flops, floor_ms=flops / rate * 1e3, achieved_of_matmul_rate=flops / (prefill["ms"] / 1e3) / rate)
-    report["prefill"] = prefill
+    variants = [bench_prefill(model, moe=moe) for moe in ("grouped", "dense")]
+    for v in variants:
+        v.update(flops=flops, floor_ms=flops / rate * 1e3, achieved_of_matmul_rate=flops / (v["ms"] / 1e3) / rate)
+    report["prefill"] = min(variants, key=lambda v: v["ms"])
+    report["prefill_variants"] = variants
     save()
     for batch in batches:
         d = bench_decode(model, batch)
@@ -279,8 +282,9 @@ def table(report: dict) -> str:
     c = report["ceilings"]
     p = report["prefill"]
     lines = [f"device {report['device']}: copy {c['copy_gb_s']:.0f} GB/s, bf16 matmul {c['bf16_tflop_s']:.0f} TFLOP/s",
-             f"prefill 2048: {p['ms']:.1f} ms, {p['tokens_per_s']:.0f} tok/s; floor {p['floor_ms']:.1f} ms; "
-             f"{100 * p['achieved_of_matmul_rate']:.1f}% of the matmul rate",
+             f"prefill 2048: {p['ms']:.1f} ms, {p['tokens_per_s']:.0f} tok/s (MoE {p['moe']}); floor "
+             f"{p['floor_ms']:.1f} ms; {100 * p['achieved_of_matmul_rate']:.1f}% of the matmul rate; variants: "
+             + ", ".join(f"{v['moe']} {v['ms']:.1f} ms" for v in report.get("prefill_variants", [])),
              "| batch | ms/step | tok/s | floor ms (weights) | x floor | floor ms (+state) | control plane |",
              "|---|---|---|---|---|---|---|"]
     for key in sorted((k for k in report if k.startswith("decode_b")), key=lambda k: int(k[8:])):

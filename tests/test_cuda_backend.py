@@ -178,3 +178,13 @@ def test_batch_invariant_decode_is_bitwise_the_same_alone_and_in_a_batch(tiny, d
         backend._prepare(decode)
         logits.append(backend._last_logits(decode)[0])
     assert torch.equal(logits[0], logits[1])
+
+
+def test_dense_prefill_moe_gives_the_reference_tokens(tiny) -> None:
+    """The prefill MoE variant the benchmark compares (every expert on every token) changes no token."""
+    config = EngineConfig(max_seq_len=128, max_batch_size=3, prefill_chunk_tokens=32)
+    engine = build_cuda_engine(Engine, tiny, model="atlas-tiny", config=config, trace=None, backend="cuda-fp32",
+                               device="cpu", cuda_graphs=False, sink=RecordingSink())
+    engine.backend.prefill_moe = "dense"  # type: ignore[attr-defined]
+    got = [r.token_ids for r in generate(engine, PROMPTS, [SamplingParams(max_tokens=24, ignore_eos=True)] * 3)]
+    assert got == tokens_of(tiny, "cpu", config)

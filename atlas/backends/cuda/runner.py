@@ -125,6 +125,11 @@ class CudaBackend:
         # only (a request's tokens alone equal its tokens in any batch). Costs a full batch's work per step.
         self.batch_invariant = batch_invariant
         self.max_blocks_per_seq = max_blocks_per_seq or num_kv_blocks
+        # MoE in prefill chunks: "grouped" runs each expert on its tokens (one host sync a layer, ~7 launches an
+        # expert); "dense" runs every expert on every token (top_k / num_experts of the FLOPs useful, no sync,
+        # ~5 launches a layer). Which wins depends on whether prefill is launch- or FLOP-bound: the benchmark
+        # times both.
+        self.prefill_moe = "grouped"
         self.pools = DevicePools(spec, num_kv_blocks=num_kv_blocks, block_size=block_size, max_seqs=max_batch_size,
                                  scratch_slots=bucket(max_batch_size), dtype=self.dtype, device=self.device)
         use_kernels = self.dtype != torch.float32 if kernels is None else kernels
@@ -194,7 +199,8 @@ class CudaBackend:
     def _run_group(self, packed: torch.Tensor, shape: GroupShape) -> torch.Tensor:
         grp = Group.view(packed, shape, self.block_size)
         # decode groups take the fixed-shape MoE path (graph-capturable); prefill groups group tokens by expert
-        return forward_group(self.spec, self.weights, self.pools, grp, eager_moe=shape.width > 1,
+        return forward_group(self.spec, self.weights, self.pools, grp,
+                             eager_moe=shape.width > 1 and self.prefill_moe == "grouped",
                              gdn_kernel=self.gdn_kernel)
 
     def _decode_logits(self, packed: torch.Tensor, shape: GroupShape) -> torch.Tensor:

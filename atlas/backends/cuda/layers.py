@@ -1,9 +1,9 @@
 """The decoder's math over a `Group` of B sequences x T tokens, batched on the device.
 
-The same formulas as the CPU reference (atlas.backends.cpu; its norms, hyper-connection and dense-MLP
-functions are device-agnostic and used as they are), with per-sequence state read from and written back
-to slot-indexed pools. No host synchronisation on the decode path (`eager_moe=False`), so a decode group
-can be captured in a CUDA graph.
+The same formulas as the CPU reference (atlas.backends.cpu; its rotary, hyper-connection inject and dense-MLP
+functions are device-agnostic and used as they are), arranged for fewer kernels (prepare_weights), with
+per-sequence state read from and written back to slot-indexed pools. No host synchronisation on the decode
+path (`eager_moe=False`), so a decode group can be captured in a CUDA graph.
 """
 
 from __future__ import annotations

@@ -107,6 +107,9 @@ class CudaBackend:
         self.model = model
         self.spec = spec = model.spec
         self.device = torch.device(device)
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise RuntimeError("the CUDA backend needs an NVIDIA GPU and torch.cuda.is_available() is False here "
+                               "(use --backend cpu)")
         self.dtype = dtype or torch.bfloat16
         if spec.qsa is not None and block_size % spec.qsa.ratio:
             raise ValueError(f"block_size {block_size} must be a multiple of the QSA ratio {spec.qsa.ratio}: pooled "

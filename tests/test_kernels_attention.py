@@ -87,7 +87,7 @@ def test_row_result_does_not_depend_on_the_batch() -> None:
 def test_benchmark_shapes_on_gpu(qsa: bool) -> None:
     """Hq 16, Hkv 2, D 128 (qwen4exp-2p7b), page 16, 8 sequences of up to 6000 tokens, verify of 4 rows."""
     gen = torch.Generator().manual_seed(8)
-    seq_lens = [6000, 17, 2051, 2052, 4096, 300, 5000, 2]
+    seq_lens = [6000, 17, 2051, 2052, 4096, 300, 5000, 4]  # each >= the 4 verify rows (their own keys)
     k_pool, v_pool, block_tables, lens = random_paged_kv(gen, seq_lens, 16, 2, 128, torch.bfloat16)
     q = torch.randn(len(seq_lens), 4, 16, 128, generator=gen).to(DEVICE, torch.bfloat16)
     selected = counts = None

@@ -42,6 +42,15 @@ class SeqWork:
         return self.start + len(self.tokens)
 
 
+class ChunkLike(Protocol):
+    """What a backend's forward takes: a SeqWork, or a bare chunk in tests and LLM.logits."""
+
+    seq_id: int
+    tokens: tuple[int, ...]
+    start: int
+    block_table: tuple[int, ...]
+
+
 @attrs.frozen
 class StepPlan:
     step: int

@@ -23,7 +23,7 @@ from atlas.config import Capacities
 from atlas.engine.drafters.base import DraftRequest
 from atlas.engine.engine import Engine, RecordingSink
 from atlas.replay.scenarios import engine_for_run
-from atlas.replay.store import EventRecord, RunRecord, TraceReader
+from atlas.replay.store import EventRecord, RunRecord, read_run
 from atlas.replay.verify import Divergence, compare, redrive
 from atlas.state.control import ControlState
 
@@ -178,12 +178,7 @@ def replay_rows(run: RunRecord, recorded: list[EventRecord], *, build: Callable[
 
 def against(path_or_url: str | Path, run_id: int | None = None, *, build: Callable[..., Engine] = engine_for_run,
             **engine_kwargs: Any) -> AgainstReport:
-    reader = TraceReader(path_or_url)
-    try:
-        run = reader.run(run_id)
-        recorded = list(reader.events(run.run_id))
-    finally:
-        reader.close()
+    run, recorded = read_run(path_or_url, run_id)
     rows, note = replay_rows(run, recorded, build=build, **engine_kwargs)
     return AgainstReport(run, len(recorded), len(rows), compare(recorded, rows), recorded_failure(recorded),
                          actual_failure(rows), note)

@@ -21,7 +21,7 @@ from atlas.engine.outputs import AdmissionError, EngineDead, QueueFull
 from atlas.engine.sampling import SamplingParams
 from atlas.replay.against import Failure, actual_failure, recorded_failure
 from atlas.replay.scenarios import engine_for_run
-from atlas.replay.store import EventRecord, RunRecord, TraceReader, TraceWriter
+from atlas.replay.store import EventRecord, RunRecord, TraceWriter, read_run
 from atlas.state.events import Event
 
 Rows = list[tuple[int, int, Event, str]]
@@ -189,12 +189,7 @@ def minimize(path_or_url: str | Path, out: str | Path, run_id: int | None = None
              build: Callable[..., Engine] = engine_for_run, max_runs: int = 2000,
              **engine_kwargs: Any) -> Minimized:
     """Minimise the failing run of a trace under today's code and write the result to `out`."""
-    reader = TraceReader(path_or_url)
-    try:
-        run = reader.run(run_id)
-        recorded = list(reader.events(run.run_id))
-    finally:
-        reader.close()
+    run, recorded = read_run(path_or_url, run_id)
     target = recorded_failure(recorded)
     if target is None:
         raise ValueError("the trace records no failure: nothing to minimise")

@@ -180,3 +180,13 @@ class TraceReader:
 
     def close(self) -> None:
         self.db.dispose()
+
+
+def read_run(path_or_url: str | Path, run_id: int | None = None) -> tuple[RunRecord, list[EventRecord]]:
+    """One run of a trace (the last one unless `run_id` says) and all of its events, upcast, in order."""
+    reader = TraceReader(path_or_url)
+    try:
+        run = reader.run(run_id)
+        return run, list(reader.events(run.run_id))
+    finally:
+        reader.close()

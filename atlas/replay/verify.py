@@ -21,7 +21,7 @@ from atlas.engine.engine import Engine, RecordingSink
 from atlas.engine.outputs import AdmissionError, EngineDead, QueueFull
 from atlas.engine.sampling import SamplingParams
 from atlas.replay.scenarios import engine_for_run
-from atlas.replay.store import EventRecord, RunRecord, TraceReader
+from atlas.replay.store import EventRecord, RunRecord, read_run
 from atlas.state.control import ControlState
 from atlas.state.events import INPUT_KINDS, Event, InvariantViolated
 from atlas.state.invariants import InvariantViolation, check_invariants
@@ -146,12 +146,7 @@ def compare(recorded: list[EventRecord], actual: list[tuple[int, int, Event, str
 
 def verify(path_or_url: str | Path, run_id: int | None = None, *, progress: Progress | None = None,
            engine_kwargs: dict[str, Any] | None = None) -> VerifyReport:
-    reader = TraceReader(path_or_url)
-    try:
-        run = reader.run(run_id)
-        recorded = list(reader.events(run.run_id))
-    finally:
-        reader.close()
+    run, recorded = read_run(path_or_url, run_id)
     sink = RecordingSink()
     engine = engine_for_run(run, sink, **(engine_kwargs or {}))
     try:
@@ -172,12 +167,7 @@ class StateCheckReport:
 def check_state_only(path_or_url: str | Path, run_id: int | None = None) -> StateCheckReport:
     """Apply the recorded events to the state machines alone; report the first refusal, violation or
     digest mismatch. Needs no model: it audits what the trace claims happened."""
-    reader = TraceReader(path_or_url)
-    try:
-        run = reader.run(run_id)
-        recorded = list(reader.events(run.run_id))
-    finally:
-        reader.close()
+    run, recorded = read_run(path_or_url, run_id)
     state = ControlState.create(Capacities(**run.capacities))
     for rec in recorded:
         e = rec.event()

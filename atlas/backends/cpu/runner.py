@@ -8,12 +8,11 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Sequence
-from typing import Protocol
 
 import attrs
 import torch
 
-from atlas.backends.base import BackendCursors, SeqOutcome, SeqWork, StepPlan, StepResult
+from atlas.backends.base import BackendCursors, ChunkLike, SeqOutcome, SeqWork, StepPlan, StepResult
 from atlas.backends.cpu.decoder import forward_chunk
 from atlas.backends.cpu.drafter import DrafterState, MtpDrafter
 from atlas.backends.cpu.mtp import mtp_forward
@@ -24,13 +23,6 @@ from atlas.backends.cpu.verify import PendingVerify, check_commit, run_verify
 from atlas.engine.sampling import SamplingParams, logprobs_of, sample_token
 from atlas.engine.speculative import RowVerdict, VerifyRefused, verify_rows
 from atlas.model.loader import LoadedModel
-
-
-class ChunkLike(Protocol):
-    seq_id: int
-    tokens: tuple[int, ...]
-    start: int
-    block_table: tuple[int, ...]
 
 
 @attrs.frozen

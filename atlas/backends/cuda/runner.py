@@ -14,12 +14,19 @@ carries them anyway): speculative verify (num_drafts > 0), the snapshot ring for
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol
 
 import attrs
 import torch
 
-from atlas.backends.base import BackendCursors, DeviceFault, SeqOutcome, SeqWork, StepPlan, StepResult
+from atlas.backends.base import (
+    BackendCursors,
+    ChunkLike,
+    DeviceFault,
+    SeqOutcome,
+    SeqWork,
+    StepPlan,
+    StepResult,
+)
 from atlas.backends.cuda.batch import Group, GroupShape, Row, pack_rows
 from atlas.backends.cuda.graphs import DecodeGraphs, bucket
 from atlas.backends.cuda.layers import GdnKernel, forward_group, prepare_weights
@@ -31,13 +38,6 @@ from atlas.model.ngram import NgramTables, ngram_ids, ngram_tables
 # the sticky CUDA error classes: after one of these the context is dead and every later call fails
 _FATAL_MARKERS = ("illegal memory access", "misaligned address", "device-side assert", "unspecified launch failure",
                   "illegal instruction", "an illegal", "uncorrectable ecc")
-
-
-class ChunkLike(Protocol):
-    seq_id: int
-    tokens: tuple[int, ...]
-    start: int
-    block_table: tuple[int, ...]
 
 
 @attrs.define

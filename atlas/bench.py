@@ -115,7 +115,8 @@ class TimedBackend:
 def _engine(model: Any, *, batch: int, max_seq_len: int, chunk: int) -> tuple[Any, TimedBackend]:
     from atlas.backends.cuda.factory import build_cuda_engine
     from atlas.config import EngineConfig
-    from atlas.engine.engine import Engine, RecordingSink
+    from atlas.engine.engine import Engine
+    from atlas.engine.records import RecordingSink
 
     config = EngineConfig(max_seq_len=max_seq_len, max_batch_size=batch, prefill_chunk_tokens=max(chunk, batch))
     engine = build_cuda_engine(Engine, model, model=model.name, config=config, trace=None, backend="cuda",

@@ -12,7 +12,8 @@ import torch
 from atlas.backends.cpu import CpuBackend
 from atlas.backends.cpu.runner import Chunk
 from atlas.config import EngineConfig, derive_capacities, resolve_drafter_context
-from atlas.engine.engine import Engine, RecordingSink
+from atlas.engine.engine import Engine
+from atlas.engine.records import RecordingSink
 from atlas.engine.sampling import SamplingParams
 from atlas.model import load_model
 from atlas.state.control import ControlState

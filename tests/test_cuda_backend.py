@@ -17,8 +17,9 @@ from atlas.backends.cuda import CudaBackend, random_model
 from atlas.backends.cuda.factory import build_cuda_engine
 from atlas.backends.cuda.runner import _ngram_one
 from atlas.config import EngineConfig
-from atlas.engine.engine import Engine, RecordingSink
+from atlas.engine.engine import Engine
 from atlas.engine.offline import generate
+from atlas.engine.records import RecordingSink
 from atlas.engine.sampling import SamplingParams
 from atlas.model import load_model
 from atlas.model.ngram import ngram_ids, ngram_tables

@@ -7,8 +7,9 @@ import pytest
 from atlas.backends.base import BackendCursors, DeviceFault, SeqOutcome, StepPlan, StepResult
 from atlas.backends.null import ByteTokenizer, NullBackend
 from atlas.config import EngineConfig
-from atlas.engine.engine import Engine, RecordingSink
+from atlas.engine.engine import Engine
 from atlas.engine.outputs import AdmissionError, EngineDead, FinishReason, QueueFull, RequestOutput
+from atlas.engine.records import RecordingSink
 from atlas.engine.sampling import SamplingParams
 from atlas.state.invariants import InvariantViolation
 

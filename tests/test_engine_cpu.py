@@ -11,9 +11,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from atlas.config import EngineConfig
-from atlas.engine.engine import Engine, RecordingSink
+from atlas.engine.engine import Engine
 from atlas.engine.offline import generate
 from atlas.engine.outputs import FinishReason
+from atlas.engine.records import RecordingSink
 from atlas.engine.sampling import SamplingParams
 from atlas.model import load_model
 from atlas.replay.verify import verify

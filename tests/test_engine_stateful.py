@@ -10,8 +10,9 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from atlas.backends.null import ByteTokenizer, NullBackend
 from atlas.config import EngineConfig
-from atlas.engine.engine import Engine, RecordingSink
+from atlas.engine.engine import Engine
 from atlas.engine.outputs import FinishReason
+from atlas.engine.records import RecordingSink
 from atlas.engine.sampling import SamplingParams
 from atlas.state.invariants import audit
 from atlas.state.machines import Phase

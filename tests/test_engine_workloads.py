@@ -9,8 +9,9 @@ from hypothesis import strategies as st
 
 from atlas.backends.null import ByteTokenizer, NullBackend
 from atlas.config import EngineConfig
-from atlas.engine.engine import Engine, RecordingSink
+from atlas.engine.engine import Engine
 from atlas.engine.outputs import FinishReason
+from atlas.engine.records import RecordingSink
 from atlas.engine.sampling import SamplingParams
 from atlas.state.invariants import audit
 

@@ -13,7 +13,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from atlas.config import EngineConfig
-from atlas.engine.engine import Engine, RecordingSink
+from atlas.engine.engine import Engine
+from atlas.engine.records import RecordingSink
 from atlas.engine.sampling import SamplingParams
 from atlas.model import load_model
 from atlas.state.events import CarryAdopted, PrefixCacheHit

@@ -14,8 +14,9 @@ import torch
 from atlas.backends.base import StepPlan, StepResult
 from atlas.backends.cpu import CpuBackend
 from atlas.config import EngineConfig, derive_capacities
-from atlas.engine.engine import Engine, RecordingSink
+from atlas.engine.engine import Engine
 from atlas.engine.outputs import FinishReason, RequestOutput
+from atlas.engine.records import RecordingSink
 from atlas.engine.sampling import SamplingParams
 from atlas.engine.watchdog import WatchdogConfig, detect_loop
 from atlas.model import load_model

@@ -14,8 +14,9 @@ from test_rollback_engine import PATTERN, LoopingBackend, config
 
 from atlas.backends.cpu import CpuBackend
 from atlas.config import derive_capacities
-from atlas.engine.engine import Engine, RecordingSink
+from atlas.engine.engine import Engine
 from atlas.engine.factory import open_trace
+from atlas.engine.records import RecordingSink
 from atlas.model import load_model
 from atlas.replay.store import TraceReader
 from atlas.replay.summary import summarize

@@ -15,7 +15,8 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from atlas.backends.cpu import CpuBackend
 from atlas.backends.cpu.runner import Chunk
 from atlas.config import EngineConfig
-from atlas.engine.engine import Engine, RecordingSink
+from atlas.engine.engine import Engine
+from atlas.engine.records import RecordingSink
 from atlas.engine.sampling import SamplingParams
 from atlas.model import load_model
 from atlas.state.events import RollbackDeclined, RolledBack

@@ -10,9 +10,10 @@ import torch
 from atlas.backends.cpu import CpuBackend
 from atlas.config import EngineConfig, derive_capacities
 from atlas.engine.drafters import DraftRequest, ScriptedDrafter
-from atlas.engine.engine import Engine, RecordingSink
+from atlas.engine.engine import Engine
 from atlas.engine.offline import generate
 from atlas.engine.outputs import FinishReason
+from atlas.engine.records import RecordingSink
 from atlas.engine.sampling import SamplingParams
 from atlas.model import load_model
 from atlas.state.events import SpeculationLatchedOff, StepExecuted, StepPlanned

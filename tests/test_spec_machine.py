@@ -17,9 +17,10 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from atlas.config import EngineConfig
 from atlas.engine.drafters import DraftRequest, ScriptedDrafter
-from atlas.engine.engine import Engine, RecordingSink
+from atlas.engine.engine import Engine
 from atlas.engine.offline import generate
 from atlas.engine.outputs import FinishReason
+from atlas.engine.records import RecordingSink
 from atlas.engine.sampling import SamplingParams
 from atlas.model import load_model
 from atlas.state.events import SequencePreempted, StepExecuted, StepPlanned

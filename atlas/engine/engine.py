@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from typing import Any, Literal, Protocol
+from typing import Any, Literal
 
 import attrs
 import structlog
@@ -24,6 +24,7 @@ from atlas.engine.drafters.lane import SpeculativeLane, Verified, planned_drafts
 from atlas.engine.factory import TINY_MODEL, build_engine, build_engine_for_loaded
 from atlas.engine.outputs import AdmissionError, EngineDead, FinishReason, QueueFull, RequestOutput
 from atlas.engine.prefix_lane import PrefixLane
+from atlas.engine.records import EngineStats, EventSink, _Held
 from atlas.engine.rollback import (
     DeclineReason,
     RollbackDecline,
@@ -57,85 +58,6 @@ from atlas.state.machines import Sequence as SequenceState
 from atlas.state.machines import TransitionRefused
 
 log = structlog.get_logger("atlas.engine")
-
-
-class EventSink(Protocol):
-    def append(self, index: int, step: int, e: Event, digest: str) -> None: ...
-
-    def flush(self) -> None: ...
-
-    def close(self) -> None: ...
-
-
-@attrs.define
-class _Held:
-    """A non-streaming request's output so far, handed out in one RequestOutput when it ends."""
-
-    tokens: list[int] = attrs.Factory(list)
-    logprobs: list[float] = attrs.Factory(list)
-    top: list[tuple[tuple[int, float], ...]] = attrs.Factory(list)
-
-    def add(self, token: int, logprobs: tuple[float, ...], top: tuple) -> None:
-        self.tokens.append(token)
-        self.logprobs.extend(logprobs)
-        self.top.extend(top)
-
-    def truncate(self, n: int) -> None:
-        del self.tokens[n:]
-        del self.logprobs[n:]
-        del self.top[n:]
-
-
-class RecordingSink:
-    """Keeps events in memory (replay verify, tests)."""
-
-    def __init__(self) -> None:
-        self.rows: list[tuple[int, int, Event, str]] = []
-
-    def append(self, index: int, step: int, e: Event, digest: str) -> None:
-        self.rows.append((index, step, e, digest))
-
-    def flush(self) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-
-@attrs.frozen
-class EngineStats:
-    step: int
-    num_running: int
-    num_waiting: int
-    kv_blocks_total: int
-    kv_blocks_used: int
-    kv_usage: float
-    invariant_checks: int
-    trace_events_written: int
-    prompt_tokens_total: int
-    generation_tokens_total: int
-    preemptions_total: int
-    rollbacks_total: int = 0
-    rollback_declines_total: int = 0
-    # speculative decoding (atlas.engine.speculative.AcceptanceStats): per draft position, unconditional
-    # rates (each row's own verdict, bias-free) and conditional ones (given every earlier draft accepted)
-    spec_verify_steps: int = 0
-    spec_drafts_proposed: int = 0
-    spec_drafts_accepted: int = 0
-    spec_tokens_per_verify: float = 0.0
-    spec_acceptance_p1: float = 0.0
-    spec_acceptance_unconditional: tuple[float, ...] = ()
-    spec_acceptance_conditional: tuple[float, ...] = ()
-    spec_latched_off_total: int = 0
-    # prefix caching and the drafter carry (atlas.engine.prefix_lane.PrefixStats); coverage = drafter rows /
-    # prompt length when a new turn's prefill completes, warm (prefix hit) and cold turns
-    prefix_cache_queries: int = 0
-    prefix_cache_hits: int = 0
-    prefix_tokens_saved: int = 0
-    prefix_tokens_replayed: int = 0
-    carry_adopted_total: int = 0
-    drafter_coverage_warm: float = 0.0
-    drafter_coverage_cold: float = 0.0
 
 
 class Engine:

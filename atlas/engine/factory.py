@@ -9,7 +9,8 @@ from typing import TYPE_CHECKING, Any
 from atlas.config import Capacities, EngineConfig, derive_capacities, resolve_drafter_context
 
 if TYPE_CHECKING:
-    from atlas.engine.engine import Engine, EventSink
+    from atlas.engine.engine import Engine
+    from atlas.engine.records import EventSink
 
 TINY_MODEL = "atlas-tiny"
 

@@ -21,7 +21,8 @@ import attrs
 
 from atlas.config import Capacities
 from atlas.engine.drafters.base import DraftRequest
-from atlas.engine.engine import Engine, RecordingSink
+from atlas.engine.engine import Engine
+from atlas.engine.records import RecordingSink
 from atlas.replay.scenarios import engine_for_run
 from atlas.replay.store import EventRecord, RunRecord, read_run
 from atlas.replay.verify import Divergence, compare, redrive

@@ -16,8 +16,9 @@ from typing import Any
 
 import attrs
 
-from atlas.engine.engine import Engine, RecordingSink
+from atlas.engine.engine import Engine
 from atlas.engine.outputs import AdmissionError, EngineDead, QueueFull
+from atlas.engine.records import RecordingSink
 from atlas.engine.sampling import SamplingParams
 from atlas.replay.against import Failure, actual_failure, recorded_failure
 from atlas.replay.scenarios import engine_for_run

@@ -23,7 +23,8 @@ from atlas.backends.null import ByteTokenizer, NullBackend
 from atlas.config import Capacities, EngineConfig, derive_capacities
 
 if TYPE_CHECKING:
-    from atlas.engine.engine import Engine, EventSink
+    from atlas.engine.engine import Engine
+    from atlas.engine.records import EventSink
     from atlas.replay.store import RunRecord
 
 LOOP_TOKEN = 65  # "A": a period-1 loop, the shortest the watchdog can see

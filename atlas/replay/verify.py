@@ -17,8 +17,9 @@ from typing import Any
 import attrs
 
 from atlas.config import Capacities
-from atlas.engine.engine import Engine, RecordingSink
+from atlas.engine.engine import Engine
 from atlas.engine.outputs import AdmissionError, EngineDead, QueueFull
+from atlas.engine.records import RecordingSink
 from atlas.engine.sampling import SamplingParams
 from atlas.replay.scenarios import engine_for_run
 from atlas.replay.store import EventRecord, RunRecord, read_run

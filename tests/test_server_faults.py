@@ -127,7 +127,7 @@ def test_a_full_waiting_queue_answers_503_quickly() -> None:
                 assert waiting.status_code == 200  # admitted to the waiting queue
                 start = time.monotonic()
                 refused = http.post("/v1/completions", json={"prompt": "w", "max_tokens": 2})
-                assert time.monotonic() - start < 2.0
+                assert time.monotonic() - start < 5.0  # not a speed target: a refusal, not a 30 s timeout
                 assert refused.status_code == 503
                 assert refused.json()["error"]["code"] == "queue_full"
                 assert "max_waiting 1" in refused.json()["error"]["message"]

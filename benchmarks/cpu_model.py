@@ -1,4 +1,4 @@
-"""CPU prefill and decode throughput: Atlas's reference backend vs transformers, same checkpoint, 2 threads.
+"""CPU prefill and decode throughput: Atlas's reference backend (exact and whole-chunk modes) vs transformers.
 
     .venv/bin/python benchmarks/cpu_model.py                  # atlas-tiny (written to a temp dir)
     .venv/bin/python benchmarks/cpu_model.py --model DIR --prompt-len 512 --decode-tokens 64
@@ -25,13 +25,14 @@ def _best_of(repeats: int, fn) -> float:
     return best
 
 
-def bench_atlas(model_dir: Path, prompt: list[int], decode: list[int], repeats: int) -> tuple[float, float]:
+def bench_atlas(model_dir: Path, prompt: list[int], decode: list[int], repeats: int, *, exact: bool
+                ) -> tuple[float, float]:
     from atlas.backends.cpu import Chunk, CpuBackend
     from atlas.model import load_model
 
     model = load_model(model_dir)
     blocks = -(-(len(prompt) + len(decode)) // 16)
-    backend = CpuBackend(model, num_kv_blocks=blocks, block_size=16)
+    backend = CpuBackend(model, num_kv_blocks=blocks, block_size=16, exact=exact)
     table = range(blocks)
 
     def prefill() -> None:
@@ -97,7 +98,13 @@ def main() -> None:
         print(f"model {args.model}, prompt {args.prompt_len} tokens, decode {args.decode_tokens} tokens, "
               f"{args.threads} threads, fp32, batch 1, best of {args.repeats}")
         print(f"{'':14s}{'prefill tok/s':>15s}{'decode tok/s':>15s}")
-        for name, fn in (("atlas cpu", bench_atlas), ("transformers", bench_transformers)):
+        # exact (the default): token by token, bitwise chunk-invariant; whole chunks: one pass per chunk
+        runs = (
+            ("atlas exact", lambda *a: bench_atlas(*a, exact=True)),
+            ("atlas chunks", lambda *a: bench_atlas(*a, exact=False)),
+            ("transformers", bench_transformers),
+        )
+        for name, fn in runs:
             prefill, dec = fn(model_dir, prompt, decode, args.repeats)
             print(f"{name:14s}{prefill:15.1f}{dec:15.1f}")
 

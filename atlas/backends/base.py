@@ -51,6 +51,18 @@ class ChunkLike(Protocol):
     block_table: tuple[int, ...]
 
 
+def check_chunk(chunk: ChunkLike, vocab_size: int, held: int) -> None:
+    """Refuse a chunk a backend cannot run, before anything moves: empty, a token outside the vocabulary, or a
+    start other than 0 (a fresh sequence) or the `held` tokens the backend has for the sequence."""
+    if not chunk.tokens:
+        raise ValueError(f"sequence {chunk.seq_id}: empty chunk at position {chunk.start}")
+    bad = [t for t in chunk.tokens if not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f"sequence {chunk.seq_id}: token ids {bad[:5]} outside the vocabulary [0, {vocab_size})")
+    if chunk.start != 0 and chunk.start != held:
+        raise ValueError(f"sequence {chunk.seq_id}: chunk starts at {chunk.start} but the backend holds {held} tokens")
+
+
 @attrs.frozen
 class StepPlan:
     step: int

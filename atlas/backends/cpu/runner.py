@@ -12,7 +12,15 @@ from collections.abc import Sequence
 import attrs
 import torch
 
-from atlas.backends.base import BackendCursors, ChunkLike, SeqOutcome, SeqWork, StepPlan, StepResult
+from atlas.backends.base import (
+    BackendCursors,
+    ChunkLike,
+    SeqOutcome,
+    SeqWork,
+    StepPlan,
+    StepResult,
+    check_chunk,
+)
 from atlas.backends.cpu.decoder import forward_chunk
 from atlas.backends.cpu.drafter import DrafterState, MtpDrafter
 from atlas.backends.cpu.mtp import mtp_forward
@@ -260,15 +268,8 @@ class CpuBackend:
         return out
 
     def _check_chunk(self, chunk: ChunkLike) -> None:
-        if not chunk.tokens:
-            raise ValueError(f"sequence {chunk.seq_id}: empty chunk at position {chunk.start}")
-        vocab = self.spec.vocab_size
-        bad = [t for t in chunk.tokens if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"sequence {chunk.seq_id}: token ids {bad[:5]} outside the vocabulary [0, {vocab})")
         held = self._seqs[chunk.seq_id].kv_tokens if chunk.seq_id in self._seqs else 0
-        if chunk.start != 0 and chunk.start != held:
-            raise ValueError(f"sequence {chunk.seq_id}: chunk starts at {chunk.start} but the backend holds {held} tokens")
+        check_chunk(chunk, self.spec.vocab_size, held)
         self.kv.slots(tuple(chunk.block_table), chunk.start, chunk.start + len(chunk.tokens))  # raises if short
 
     def logits_from_hidden(self, hidden: torch.Tensor) -> torch.Tensor:

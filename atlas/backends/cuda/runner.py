@@ -26,6 +26,7 @@ from atlas.backends.base import (
     SeqWork,
     StepPlan,
     StepResult,
+    check_chunk,
 )
 from atlas.backends.cuda.batch import Group, GroupShape, Row, pack_rows
 from atlas.backends.cuda.graphs import DecodeGraphs, bucket
@@ -216,15 +217,8 @@ class CudaBackend:
     # -- compute ------------------------------------------------------------------------------------
 
     def _check_chunk(self, chunk: ChunkLike) -> None:
-        if not chunk.tokens:
-            raise ValueError(f"sequence {chunk.seq_id}: empty chunk at position {chunk.start}")
-        vocab = self.spec.vocab_size
-        bad = [t for t in chunk.tokens if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"sequence {chunk.seq_id}: token ids {bad[:5]} outside the vocabulary [0, {vocab})")
         held = self._seqs[chunk.seq_id].position if chunk.seq_id in self._seqs else 0
-        if chunk.start != 0 and chunk.start != held:
-            raise ValueError(f"sequence {chunk.seq_id}: chunk starts at {chunk.start} but the backend holds {held} tokens")
+        check_chunk(chunk, self.spec.vocab_size, held)
         end = chunk.start + len(chunk.tokens)
         needed = -(-end // self.block_size)
         table = chunk.block_table[:needed]

@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 from atlas_kernels import _interpreter_compat  # noqa: F401  (CPU interpreter fix)
-from atlas_kernels.reference import L2_EPS
+from atlas_kernels.reference import L2_EPS, check_gdn_state_pool
 
 CHUNK = 64
 
@@ -122,11 +122,7 @@ def gdn_chunk_prefill(
     """
     num_k_heads, dk = k.shape[1], k.shape[2]
     num_v_heads, dv = v.shape[1], v.shape[2]
-    if num_v_heads % num_k_heads:
-        raise ValueError(f"value heads {num_v_heads} must be a multiple of key heads {num_k_heads}")
-    if state_pool.dtype != torch.float32 or tuple(state_pool.shape[1:]) != (num_v_heads, dk, dv):
-        raise ValueError(f"state pool must be fp32 [slots, {num_v_heads}, {dk}, {dv}], got "
-                         f"{state_pool.dtype} {tuple(state_pool.shape)}")
+    check_gdn_state_pool(state_pool, num_k_heads, num_v_heads, dk, dv)
     q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
     assert state_pool.is_contiguous()
     if precision is None:

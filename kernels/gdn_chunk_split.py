@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 from atlas_kernels import _interpreter_compat  # noqa: F401  (CPU interpreter fix)
 from atlas_kernels.gdn_chunk import CHUNK
-from atlas_kernels.reference import L2_EPS
+from atlas_kernels.reference import L2_EPS, check_gdn_state_pool
 
 
 @triton.jit
@@ -162,11 +162,7 @@ def gdn_chunk_prefill_split(
     pipeline stages its three [64, 128] fp32 operand tiles would need 426 KB, over the 227 KB limit."""
     num_k_heads, dk = k.shape[1], k.shape[2]
     num_v_heads, dv = v.shape[1], v.shape[2]
-    if num_v_heads % num_k_heads:
-        raise ValueError(f"value heads {num_v_heads} must be a multiple of key heads {num_k_heads}")
-    if state_pool.dtype != torch.float32 or tuple(state_pool.shape[1:]) != (num_v_heads, dk, dv):
-        raise ValueError(f"state pool must be fp32 [slots, {num_v_heads}, {dk}, {dv}], got "
-                         f"{state_pool.dtype} {tuple(state_pool.shape)}")
+    check_gdn_state_pool(state_pool, num_k_heads, num_v_heads, dk, dv)
     q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
     assert state_pool.is_contiguous()
     precision = "ieee" if v.dtype == torch.float32 else "tf32"

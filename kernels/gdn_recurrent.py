@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 from atlas_kernels import _interpreter_compat  # noqa: F401  (CPU interpreter fix)
-from atlas_kernels.reference import L2_EPS
+from atlas_kernels.reference import L2_EPS, check_gdn_state_pool
 
 
 @triton.jit
@@ -139,11 +139,7 @@ def gdn_recurrent_gated(
 def _launch(q, k, v, g, beta, gating, state_pool, slots, store_states, commit, out_dtype, block_v):
     num_seqs, num_tokens, num_k_heads, dk = k.shape
     num_v_heads, dv = v.shape[2], v.shape[3]
-    if num_v_heads % num_k_heads:
-        raise ValueError(f"value heads {num_v_heads} must be a multiple of key heads {num_k_heads}")
-    if state_pool.dtype != torch.float32 or tuple(state_pool.shape[1:]) != (num_v_heads, dk, dv):
-        raise ValueError(f"state pool must be fp32 [slots, {num_v_heads}, {dk}, {dv}], got "
-                         f"{state_pool.dtype} {tuple(state_pool.shape)}")
+    check_gdn_state_pool(state_pool, num_k_heads, num_v_heads, dk, dv)
     assert state_pool.is_contiguous()
     qk_stride = _token_stride(q)
     if qk_stride is None or _token_stride(k) != qk_stride:

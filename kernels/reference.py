@@ -15,6 +15,15 @@ from torch.nn import functional as F
 L2_EPS = 1e-6  # transformers' l2norm, matching flash-linear-attention
 
 
+def check_gdn_state_pool(state_pool: torch.Tensor, num_k_heads: int, num_v_heads: int, dk: int, dv: int) -> None:
+    """The contract every GDN kernel shares: GQA-style heads, and an fp32 [slots, Hv, dk, dv] state pool."""
+    if num_v_heads % num_k_heads:
+        raise ValueError(f"value heads {num_v_heads} must be a multiple of key heads {num_k_heads}")
+    if state_pool.dtype != torch.float32 or tuple(state_pool.shape[1:]) != (num_v_heads, dk, dv):
+        raise ValueError(f"state pool must be fp32 [slots, {num_v_heads}, {dk}, {dv}], got "
+                         f"{state_pool.dtype} {tuple(state_pool.shape)}")
+
+
 def l2_normalize(x: torch.Tensor, eps: float = L2_EPS) -> torch.Tensor:
     """x * rsqrt(sum(x^2) + eps) over the last dim."""
     x = x.float()

@@ -11,7 +11,7 @@ def __getattr__(name: str):  # lazy, so `import atlas` stays cheap for the CLI a
 
         return LLM
     if name == "SamplingParams":
-        from atlas.engine.sampling import SamplingParams
+        from atlas.sampling.params import SamplingParams
 
         return SamplingParams
     raise AttributeError(name)

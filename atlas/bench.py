@@ -113,14 +113,12 @@ class TimedBackend:
 
 
 def _engine(model: Any, *, batch: int, max_seq_len: int, chunk: int) -> tuple[Any, TimedBackend]:
-    from atlas.backends.cuda.factory import build_cuda_engine
     from atlas.config import EngineConfig
-    from atlas.engine.engine import Engine
     from atlas.engine.records import RecordingSink
+    from atlas.registry import build_engine
 
     config = EngineConfig(max_seq_len=max_seq_len, max_batch_size=batch, prefill_chunk_tokens=max(chunk, batch))
-    engine = build_cuda_engine(Engine, model, model=model.name, config=config, trace=None, backend="cuda",
-                               sink=RecordingSink())
+    engine = build_engine(model.name, "cuda", config, sink=RecordingSink(), loaded=model)
     timed = TimedBackend(engine.backend)
     engine.backend = timed
     return engine, timed
@@ -171,8 +169,8 @@ def profile_steps(model: Any, out: Path | None) -> dict[str, Any]:
     """An eager 2048-token prefill and an eager batch-1 decode step under the profiler: device time by
     kernel (largest first), how many kernels ran, and the step's wall time, so a missed goal says where
     its time goes (launch-bound: many small kernels; or a few slow ones)."""
-    from atlas.backends.base import SeqWork, StepPlan
     from atlas.backends.cuda.runner import CudaBackend
+    from atlas.plan import SeqWork, StepPlan
 
     device = next(iter(model.weights.values())).device
     backend = CudaBackend(model, num_kv_blocks=160, block_size=16, max_batch_size=1, cuda_graphs=False,

@@ -114,7 +114,6 @@ def generate(
     from rich.progress import Progress
 
     from atlas.config import EngineConfig
-    from atlas.engine.engine import Engine
     from atlas.engine.offline import generate as run_generate
     from atlas.engine.sampling import SamplingParams
 
@@ -130,7 +129,9 @@ def generate(
                           prefill_chunk_tokens=max(prefill_chunk_tokens, max_batch_size), num_drafts=num_drafts,
                           drafter=drafter,
                           enable_prefix_caching=backend == "cpu" if prefix_caching is None else prefix_caching)
-    engine = Engine.from_model(model, backend=backend, config=config, trace=trace)  # type: ignore[arg-type]
+    from atlas.registry import build_engine
+
+    engine = build_engine(model, backend, config, trace=trace)
     params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_tokens, seed=seed,
                             stop=tuple(stop or ()), ignore_eos=ignore_eos)
     console = Console(stderr=True)

@@ -12,13 +12,8 @@ import os
 from typing import Any
 
 import attrs
-import structlog
 
-log = structlog.get_logger("atlas.config")
-
-
-class CapacityError(ValueError):
-    """A knob, or an override, is below what the rest of the configuration needs. Names both numbers."""
+from atlas.errors import CapacityError
 
 
 def _positive(_inst: object, attr: attrs.Attribute, value: int | None) -> None:
@@ -72,9 +67,8 @@ class EngineConfig:
     watchdog_window: int = attrs.field(default=768, validator=_positive)
     max_rollbacks: int = attrs.field(default=2, validator=_non_negative)
     # overrides of derived sizes (None = derived); each is checked against its floor
-    scratch_rows: int | None = attrs.field(default=None, validator=_positive)
     qsa_index_capacity: int | None = attrs.field(default=None, validator=_positive)
-    # prefix caching (atlas.engine.prefix_cache): off by default because a config without the field (every
+    # prefix caching (atlas.state.prefix_index): off by default because a config without the field (every
     # trace recorded before it) must replay as recorded; `atlas serve` and `atlas generate` turn it on.
     # prefix_snapshots: recurrent snapshots the cache keeps (LRU; None = derived, 4 x max_batch_size).
     enable_prefix_caching: bool = False
@@ -102,32 +96,34 @@ class Capacities:
     max_batch_tokens: int  # tokens fed per step, all sequences together
     block_size: int
     num_kv_blocks: int
-    kv_blocks_per_seq: int  # blocks one sequence of max_seq_len needs
-    scratch_rows: int  # per-layer activation rows a step may touch (tokens x verify width)
+    kv_blocks_per_seq: int  # blocks one sequence of max_seq_len needs (sizes the CUDA block tables)
     verify_width: int  # num_drafts + 1: rows per verify, and per-token intermediates a backend holds per sequence
     drafter: str  # "" when speculation is off
     drafter_rows: int  # MTP drafter pair keys one sequence may hold (max_seq_len - 1), 0 without an MTP drafter
     qsa_index_capacity: int  # raw index keys one sequence may hold
     qsa_ratio: int  # tokens per pooled QSA block (1 when the model has no QSA layers)
     qsa_budget: int  # tokens QSA selects from complete blocks (0 = no QSA)
-    num_attention_layers: int
-    num_qsa_layers: int
-    num_gdn_layers: int
+    num_qsa_layers: int  # whether the QSA inert bound applies (the speculative lane's latch)
     ngram_size: int  # PLE n-gram order (0 = no PLE): a prefill chunk carries the previous ngram_size-1 tokens
     ring_slots: int
     snapshot_interval: int
     max_waiting: int
     # one ring slot: GDN conv + recurrent state of every GDN layer, PLE context + short-conv state (KV, QSA
-    # keys and drafter rows are positional: a restore only moves their cursors). Defaults: older traces.
+    # keys and drafter rows are positional: a restore only moves their cursors). The backends size their ring and
+    # prefix-snapshot storage by it and refuse a snapshot of another size. Defaults: older traces.
     ring_slot_bytes: int = 0
-    ring_bytes_per_seq: int = 0  # ring_slots x ring_slot_bytes
     prefix_caching: bool = False
     prefix_snapshots: int = 0  # recurrent snapshots the prefix cache keeps (0: prefix caching off)
-    prefix_snapshot_bytes: int = 0  # one prefix snapshot without its QSA keys and tail KV (ring_slot_bytes)
     drafter_context: bool = True  # MTP drafter prefilled over the prompt and carried across turns
 
     def table(self) -> dict[str, int | str]:
         return attrs.asdict(self)
+
+    @classmethod
+    def from_table(cls, table: dict[str, Any]) -> Capacities:
+        """A trace's recorded capacities; fields an older engine derived and this one does not are dropped."""
+        known = {f.name for f in attrs.fields(cls)}
+        return cls(**{k: v for k, v in table.items() if k in known})
 
 
 def _spec_get(spec: Any, name: str, default: Any) -> Any:
@@ -227,12 +223,6 @@ def derive_capacities(config: EngineConfig, spec: Any = None, *, activation_byte
     )
     verify_width = config.num_drafts + 1
     max_batch_tokens = config.prefill_chunk_tokens
-    scratch_rows = _check_floor(
-        "scratch_rows",
-        config.scratch_rows,
-        max_batch_tokens * verify_width,
-        f"prefill_chunk_tokens {max_batch_tokens} x verify width {verify_width}",
-    )
     qsa_index_capacity = _check_floor(
         "qsa_index_capacity",
         config.qsa_index_capacity,
@@ -246,25 +236,20 @@ def derive_capacities(config: EngineConfig, spec: Any = None, *, activation_byte
         block_size=config.block_size,
         num_kv_blocks=num_kv_blocks,
         kv_blocks_per_seq=kv_blocks_per_seq,
-        scratch_rows=scratch_rows,
         verify_width=verify_width,
         drafter=config.drafter if config.num_drafts else "",
         drafter_rows=config.max_seq_len - 1 if config.num_drafts and config.drafter == "mtp" else 0,
         qsa_index_capacity=qsa_index_capacity,
         qsa_ratio=shape.qsa_ratio,
         qsa_budget=shape.qsa_budget,
-        num_attention_layers=shape.attention,
         num_qsa_layers=shape.qsa,
-        num_gdn_layers=shape.gdn,
         ngram_size=shape.ngram_size,
         ring_slots=config.ring_slots,
         snapshot_interval=config.snapshot_interval,
         ring_slot_bytes=ring_slot_bytes(spec, activation_bytes),
-        ring_bytes_per_seq=config.ring_slots * ring_slot_bytes(spec, activation_bytes),
         max_waiting=config.max_waiting,
         prefix_caching=config.enable_prefix_caching,
         prefix_snapshots=(config.prefix_snapshots or 4 * config.max_batch_size) if config.enable_prefix_caching else 0,
-        prefix_snapshot_bytes=ring_slot_bytes(spec, activation_bytes) if config.enable_prefix_caching else 0,
         drafter_context=config.drafter_context,
     )
 
@@ -278,10 +263,16 @@ def resolve_drafter_context(config: EngineConfig, environ: Any = None) -> Engine
     env = os.environ if environ is None else environ
     if env.get(NO_DRAFTER_CONTEXT_ENV) == "1" and config.drafter_context:
         config = attrs.evolve(config, drafter_context=False)
-    log.info("MTP drafter context", prefill=config.drafter_context, carry=config.drafter_context,
+    _log().info("MTP drafter context", prefill=config.drafter_context, carry=config.drafter_context,
              switch=f"{NO_DRAFTER_CONTEXT_ENV}={env.get(NO_DRAFTER_CONTEXT_ENV, '')}")
     return config
 
 
 def log_capacities(caps: Capacities, *, model: str, backend: str) -> None:
-    log.info("capacities derived", model=model, backend=backend, **caps.table())
+    _log().info("capacities derived", model=model, backend=backend, **caps.table())
+
+
+def _log():  # structlog is imported on first use: the control plane imports this module and must stay light
+    import structlog
+
+    return structlog.get_logger("atlas.config")

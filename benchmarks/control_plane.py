@@ -15,12 +15,12 @@ import tempfile
 import time
 from pathlib import Path
 
-from atlas.backends.base import BackendCursors, SeqOutcome, StepPlan, StepResult
 from atlas.backends.null import ByteTokenizer
 from atlas.config import EngineConfig
 from atlas.engine.engine import Engine
-from atlas.engine.sampling import SamplingParams
+from atlas.plan import BackendCursors, SeqOutcome, StepPlan, StepResult
 from atlas.replay.store import TraceWriter
+from atlas.sampling.params import SamplingParams
 
 
 class FixedTokenBackend:

@@ -30,8 +30,8 @@ import torch
 
 from atlas.config import EngineConfig
 from atlas.engine.engine import Engine
-from atlas.engine.sampling import SamplingParams
 from atlas.model import load_model
+from atlas.sampling.params import SamplingParams
 
 
 def session_prompts(rng: random.Random, system: int) -> list[int]:

@@ -13,15 +13,15 @@ import time
 from pathlib import Path
 
 from atlas.config import EngineConfig
-from atlas.engine.engine import Engine
-from atlas.engine.sampling import SamplingParams
+from atlas.registry import build_engine
 from atlas.replay.store import TraceReader
 from atlas.replay.verify import check_state_only
+from atlas.sampling.params import SamplingParams
 
 
 def record(path: Path, requests: int, max_tokens: int) -> None:
     config = EngineConfig(max_seq_len=1024, max_batch_size=64, prefill_chunk_tokens=512, block_size=16)
-    engine = Engine.from_model("atlas-tiny", backend="null", config=config, trace=str(path))
+    engine = build_engine("atlas-tiny", backend="null", config=config, trace=str(path))
     for i in range(requests):
         engine.add_request(f"r{i}", [(i * 13 + k) % 256 for k in range(32 + i % 64)],
                            SamplingParams(max_tokens=max_tokens, temperature=0.7, seed=i, ignore_eos=True))

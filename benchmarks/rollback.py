@@ -24,13 +24,13 @@ from pathlib import Path
 
 import torch
 
-from atlas.backends.base import SeqWork, StepPlan
 from atlas.backends.cpu import CpuBackend
 from atlas.backends.cpu.runner import Chunk
 from atlas.backends.cpu.state import StateSnapshot
 from atlas.config import EngineConfig, derive_capacities
 from atlas.model import load_model
 from atlas.model.spec import ModelSpec
+from atlas.plan import SeqWork, StepPlan
 
 BENCH_CONFIG = Path(__file__).resolve().parents[1] / ".." / "shared" / "bench" / "qwen4exp-2p7b-config.json"
 
@@ -82,8 +82,8 @@ def main() -> None:
     for name, spec, width in (("atlas-tiny (fp32)", tiny.spec, 4), ("atlas-tiny (bf16)", tiny.spec, 2),
                               ("qwen4exp-2p7b (bf16)", bench_spec, 2)):
         caps = derive_capacities(config, spec, activation_bytes=width)
-        print(f"{name:<34} {caps.ring_slot_bytes:>12,} {caps.ring_bytes_per_seq:>14,} "
-              f"{caps.ring_bytes_per_seq / 2**20:>9.2f}")
+        per_seq = caps.ring_slots * caps.ring_slot_bytes
+        print(f"{name:<34} {caps.ring_slot_bytes:>12,} {per_seq:>14,} {per_seq / 2**20:>9.2f}")
     synthetic = synthetic_snapshot(bench_spec, torch.bfloat16)
     # the derived figure is exactly the tensors a snapshot holds
     assert snapshot_bytes(synthetic) == derive_capacities(config, bench_spec, activation_bytes=2).ring_slot_bytes

@@ -14,11 +14,12 @@ from atlas.backends.cpu.runner import Chunk
 from atlas.config import EngineConfig, derive_capacities, resolve_drafter_context
 from atlas.engine.engine import Engine
 from atlas.engine.records import RecordingSink
-from atlas.engine.sampling import SamplingParams
+from atlas.errors import TransitionRefused
 from atlas.model import load_model
+from atlas.registry import build_engine
+from atlas.sampling.params import SamplingParams
 from atlas.state.control import ControlState
 from atlas.state.events import CarryAdopted, CarryReleased, CarryStored, PrefixCacheHit, RequestArrived
-from atlas.state.machines import TransitionRefused
 
 torch.set_num_threads(1)
 TINY = load_model("atlas-tiny")
@@ -49,7 +50,7 @@ def prefill(engine: Engine, rid: str, prompt: list[int]) -> int:
 
 
 def events(engine: Engine, kind: type) -> list:
-    return [e for _, _, e, _ in engine._sink.rows if isinstance(e, kind)]  # type: ignore[union-attr]
+    return [e for _, _, e, _ in engine.sink.rows if isinstance(e, kind)]  # type: ignore[union-attr]
 
 
 def assert_equals_cold_prefill(engine: Engine, seq_id: int, prompt: list[int]) -> None:
@@ -57,7 +58,7 @@ def assert_equals_cold_prefill(engine: Engine, seq_id: int, prompt: list[int]) -
     fresh = CpuBackend(TINY, num_kv_blocks=64, block_size=4, mtp_drafter=True)
     fresh.reset(seq_id)
     fresh.forward([Chunk(seq_id, prompt, 0, tuple(range(64)))])
-    warm, cold = backend._seqs[seq_id], fresh._seqs[seq_id]  # type: ignore[attr-defined]
+    warm, cold = backend.store.seqs[seq_id], fresh.store.seqs[seq_id]  # type: ignore[attr-defined]
     assert backend.cursors(seq_id) == fresh.cursors(seq_id)
     for name in ("gdn_conv", "gdn_recurrent", "ple_conv", "qsa_keys"):
         for layer, t in getattr(cold, name).items():
@@ -69,7 +70,7 @@ def assert_equals_cold_prefill(engine: Engine, seq_id: int, prompt: list[int]) -
         k, v = backend.kv.read(layer, slots)
         rk, rv = fresh.kv.read(layer, fresh.kv.slots(tuple(range(64)), 0, len(prompt)))
         assert torch.equal(k, rk) and torch.equal(v, rv), layer
-    d, ref = backend._drafts[seq_id], fresh._drafts[seq_id]  # type: ignore[attr-defined]
+    d, ref = backend.store.drafts[seq_id], fresh.store.drafts[seq_id]  # type: ignore[attr-defined]
     assert d.first_key == 0 and d.rows == ref.rows == len(prompt) - 1
     for layer in ref.kv.keys:
         n = ref.rows
@@ -79,7 +80,7 @@ def assert_equals_cold_prefill(engine: Engine, seq_id: int, prompt: list[int]) -
 
 @pytest.mark.parametrize("retokenised", [0, 3])
 def test_warm_turn_equals_a_cold_prefill_to_the_bit(retokenised: int) -> None:
-    engine = Engine.from_loaded(TINY, model="atlas-tiny", config=config(), sink=RecordingSink(), full_audit=True)
+    engine = build_engine("atlas-tiny", "cpu", config(), loaded=TINY, sink=RecordingSink(), full_audit=True)
     first = list(range(20, 57))
     answer = finish(engine, "t0", first)
     kept = answer[: len(answer) - 1 - retokenised]
@@ -97,14 +98,14 @@ def test_warm_turn_equals_a_cold_prefill_to_the_bit(retokenised: int) -> None:
 
 
 def test_a_cold_turn_releases_the_carry() -> None:
-    engine = Engine.from_loaded(TINY, model="atlas-tiny", config=config(), sink=RecordingSink(), full_audit=True)
+    engine = build_engine("atlas-tiny", "cpu", config(), loaded=TINY, sink=RecordingSink(), full_audit=True)
     finish(engine, "t0", list(range(20, 50)))
     assert engine.state.carry is not None
     finish(engine, "other", list(range(100, 130)))  # an unrelated session: no hit
     released = events(engine, CarryReleased)
     assert [e.reason for e in released] == ["cold turn"]
     assert engine.state.carry is not None and engine.state.carry.seq_id == 1  # the new turn's own, at its end
-    assert engine.backend.prefix.carry is not None  # type: ignore[attr-defined]
+    assert engine.backend.store.prefix.carry is not None  # type: ignore[attr-defined]
 
 
 @pytest.mark.parametrize("value,on", [(None, True), ("0", True), ("", True), ("true", True), ("yes", True),
@@ -117,7 +118,7 @@ def test_only_the_value_1_turns_the_drafter_context_off(value: str | None, on: b
 
 
 def test_context_off_drafts_blind_and_never_carries() -> None:
-    engine = Engine.from_loaded(TINY, model="atlas-tiny", config=config(drafter_context=False), sink=RecordingSink(),
+    engine = build_engine("atlas-tiny", "cpu", config(drafter_context=False), loaded=TINY, sink=RecordingSink(),
                                 full_audit=True)
     first = list(range(20, 50))
     answer = finish(engine, "t0", first)

@@ -9,11 +9,11 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from atlas.backends.base import SeqWork, StepPlan
 from atlas.backends.cpu import Chunk, CpuBackend
-from atlas.engine.sampling import SamplingParams
 from atlas.model import load_model
 from atlas.model.weights import mtp_shapes
+from atlas.plan import SeqWork, StepPlan
+from atlas.sampling.params import SamplingParams
 
 
 @pytest.fixture(scope="module")
@@ -102,21 +102,21 @@ def test_snapshot_restore_rewinds_every_state(tiny):
     backend = CpuBackend(tiny, num_kv_blocks=8)
     ids = _prompt(40, 4)
     backend.forward([Chunk(0, ids[:25], 0, range(8))])
-    snap = backend.snapshot(0)
+    snap = backend.store.copy_state(0)
     first = backend.forward([Chunk(0, ids[25:], 25, range(8))])[0]
     # continue differently, then rewind and replay the original continuation
-    backend.restore(0, snap)
+    backend.store.rewind(0, snap)
     backend.forward([Chunk(0, [65, 66, 67], 25, range(8))])
     assert backend.cursors(0).kv_tokens == 28
-    backend.restore(0, snap)
+    backend.store.rewind(0, snap)
     c = backend.cursors(0)
     assert (c.kv_tokens, c.qsa_ingested, c.ssm_position, c.ple_position) == (25, 25, 25, 25)
     again = backend.forward([Chunk(0, ids[25:], 25, range(8))])[0]
     assert torch.equal(first, again)
-    later = backend.snapshot(0)
-    backend.restore(0, snap)
+    later = backend.store.copy_state(0)
+    backend.store.rewind(0, snap)
     with pytest.raises(ValueError, match="cannot restore to position 40"):
-        backend.restore(0, later)
+        backend.store.rewind(0, later)
 
 
 def test_bad_chunks_are_refused_without_changing_state(tiny):
@@ -222,7 +222,7 @@ def test_any_chunking_gives_the_single_chunk_logits_bitwise(tiny, cuts):
         backend.forward([Chunk(0, ids[a:b], a, range(3))])[0] for a, b in zip(bounds, bounds[1:], strict=False)
     ]
     assert torch.equal(torch.cat(rows), whole)
-    want, got = reference.snapshot(0), backend.snapshot(0)
+    want, got = reference.store.copy_state(0), backend.store.copy_state(0)
     for layer, state in want.gdn_recurrent.items():
         assert torch.equal(got.gdn_recurrent[layer], state) and torch.equal(got.gdn_conv[layer], want.gdn_conv[layer])
     for layer, state in want.ple_conv.items():

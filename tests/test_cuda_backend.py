@@ -12,18 +12,19 @@ import torch
 if not torch.cuda.is_available():  # the Triton kernels run interpreted on a CPU (before atlas_kernels loads)
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+
 from atlas.backends.cpu.runner import Chunk
 from atlas.backends.cuda import CudaBackend, random_model
-from atlas.backends.cuda.factory import build_cuda_engine
 from atlas.backends.cuda.runner import _ngram_one
 from atlas.config import EngineConfig
-from atlas.engine.engine import Engine
 from atlas.engine.offline import generate
 from atlas.engine.records import RecordingSink
-from atlas.engine.sampling import SamplingParams
+from atlas.errors import CapabilityError
 from atlas.model import load_model
 from atlas.model.ngram import ngram_ids, ngram_tables
 from atlas.model.tiny import EOS, TINY_CONFIG
+from atlas.registry import build_engine
+from atlas.sampling.params import SamplingParams
 
 PROMPTS = [
     list(b"The quick brown fox jumps over the lazy dog. " * 2),  # 90 tokens: past the inert bound (19)
@@ -41,10 +42,10 @@ def tiny():
 def tokens_of(tiny, backend: str, config: EngineConfig, prompts=PROMPTS, max_tokens: int = 24) -> list[tuple[int, ...]]:
     params = [SamplingParams(max_tokens=max_tokens, ignore_eos=True)] * len(prompts)
     if backend == "cpu":
-        engine = Engine.from_loaded(tiny, model="atlas-tiny", config=config, sink=RecordingSink())
+        engine = build_engine("atlas-tiny", "cpu", config, loaded=tiny, sink=RecordingSink())
     else:
-        engine = build_cuda_engine(Engine, tiny, model="atlas-tiny", config=config, trace=None, backend=backend,
-                                   device="cpu", cuda_graphs=False, sink=RecordingSink())
+        engine = build_engine("atlas-tiny", backend, config, loaded=tiny, sink=RecordingSink(),
+                              backend_options={"device": "cpu", "cuda_graphs": False})
     return [r.token_ids for r in generate(engine, prompts, params)]
 
 
@@ -90,10 +91,10 @@ def test_decode_ngram_ids_equal_the_reference() -> None:
 
 
 def test_unsupported_features_are_refused_at_start(tiny) -> None:
-    for config, knob in ((EngineConfig(num_drafts=2), "num_drafts=0"), (EngineConfig(ring_slots=2), "ring_slots=0"),
-                         (EngineConfig(enable_prefix_caching=True), "enable_prefix_caching=False")):
-        with pytest.raises(NotImplementedError, match=knob):
-            build_cuda_engine(Engine, tiny, model="atlas-tiny", config=config, trace=None, device="cpu")
+    for config, knob in ((EngineConfig(num_drafts=2), "num_drafts 0"), (EngineConfig(ring_slots=2), "ring_slots 0"),
+                         (EngineConfig(enable_prefix_caching=True), "enable_prefix_caching False")):
+        with pytest.raises(CapabilityError, match=knob):
+            build_engine("atlas-tiny", "cuda", config, loaded=tiny, backend_options={"device": "cpu"})
 
 
 def test_random_model_builds_from_a_config() -> None:
@@ -125,8 +126,8 @@ def test_padded_decode_buckets_give_the_reference_tokens(tiny) -> None:
     graphs run them: the padding changes no real row's tokens."""
     config = EngineConfig(max_seq_len=128, max_batch_size=3, prefill_chunk_tokens=32)
     want = tokens_of(tiny, "cpu", config)
-    engine = build_cuda_engine(Engine, tiny, model="atlas-tiny", config=config, trace=None, backend="cuda-fp32",
-                               device="cpu", cuda_graphs=False, sink=RecordingSink())
+    engine = build_engine("atlas-tiny", "cuda-fp32", config, loaded=tiny, sink=RecordingSink(),
+                          backend_options={"device": "cpu", "cuda_graphs": False})
     fake = engine.backend.graphs = EagerGraphs(engine.backend)  # type: ignore[attr-defined]
     got = [r.token_ids for r in generate(engine, PROMPTS, [SamplingParams(max_tokens=24, ignore_eos=True)] * 3)]
     assert got == want
@@ -138,8 +139,8 @@ def test_triton_gdn_kernels_in_the_batched_forward_match_the_torch_path(tiny) ->
     """The kernel wrapper's layouts (unrepeated key heads, log decay, state slots read from the packed group
     buffer) in a real batched forward: chunked prefill per sequence, then one decode group of 3 sequences.
     Interpreted on the CPU (TRITON_INTERPRET=1, as tests/test_kernels_*.py), compiled on a GPU."""
-    from atlas.backends.base import SeqWork, StepPlan
     from atlas.backends.cuda.runner import triton_gdn
+    from atlas.plan import SeqWork, StepPlan
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     kernel = triton_gdn()
@@ -166,7 +167,7 @@ def test_batch_invariant_decode_is_bitwise_the_same_alone_and_in_a_batch(tiny, d
     """batch_invariant pads every decode group to one shape: a sequence's logits are bit-identical decoded
     alone or with 12 others (without it they differ in the last bits here: GEMMs of 1 and 13 rows round
     differently)."""
-    from atlas.backends.base import SeqWork, StepPlan
+    from atlas.plan import SeqWork, StepPlan
 
     logits = []
     for batch in (1, 13):
@@ -184,8 +185,8 @@ def test_batch_invariant_decode_is_bitwise_the_same_alone_and_in_a_batch(tiny, d
 def test_dense_prefill_moe_gives_the_reference_tokens(tiny) -> None:
     """The prefill MoE variant the benchmark compares (every expert on every token) changes no token."""
     config = EngineConfig(max_seq_len=128, max_batch_size=3, prefill_chunk_tokens=32)
-    engine = build_cuda_engine(Engine, tiny, model="atlas-tiny", config=config, trace=None, backend="cuda-fp32",
-                               device="cpu", cuda_graphs=False, sink=RecordingSink())
+    engine = build_engine("atlas-tiny", "cuda-fp32", config, loaded=tiny, sink=RecordingSink(),
+                          backend_options={"device": "cpu", "cuda_graphs": False})
     engine.backend.prefill_moe = "dense"  # type: ignore[attr-defined]
     got = [r.token_ids for r in generate(engine, PROMPTS, [SamplingParams(max_tokens=24, ignore_eos=True)] * 3)]
     assert got == tokens_of(tiny, "cpu", config)

@@ -12,11 +12,11 @@ import pytest
 import torch
 
 from atlas.config import EngineConfig
-from atlas.engine.engine import Engine
 from atlas.engine.offline import generate
 from atlas.engine.records import RecordingSink
-from atlas.engine.sampling import SamplingParams
+from atlas.registry import build_engine
 from atlas.replay.verify import verify
+from atlas.sampling.params import SamplingParams
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")]
 
@@ -30,7 +30,7 @@ PROMPTS = [
 
 def run_tokens(backend: str, config: EngineConfig, prompts: list[list[int]], max_tokens: int = 64,
                trace: str | None = None, **kwargs) -> list[tuple[int, ...]]:
-    engine = Engine.from_model("atlas-tiny", backend=backend, config=config, trace=trace,  # type: ignore[arg-type]
+    engine = build_engine("atlas-tiny", backend=backend, config=config, trace=trace,  # type: ignore[arg-type]
                                sink=None if trace else RecordingSink(), **kwargs)
     out = [r.token_ids for r in generate(engine, prompts, SamplingParams(max_tokens=max_tokens, ignore_eos=True))]
     engine.close()
@@ -84,8 +84,8 @@ def test_tokens_alone_and_in_a_batch_of_64(backend: str) -> None:
 
 
 def test_a_sticky_cuda_error_is_a_fatal_device_fault() -> None:
-    from atlas.backends.base import DeviceFault
     from atlas.backends.cuda.runner import _FaultGuard
+    from atlas.errors import DeviceFault
 
     with pytest.raises(DeviceFault) as caught, _FaultGuard():
         raise RuntimeError("CUDA error: an illegal memory access was encountered")

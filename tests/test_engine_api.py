@@ -2,16 +2,17 @@
 
 from __future__ import annotations
 
+import attrs
 import pytest
 
-from atlas.backends.base import BackendCursors, DeviceFault, SeqOutcome, StepPlan, StepResult
 from atlas.backends.null import ByteTokenizer, NullBackend
 from atlas.config import EngineConfig
 from atlas.engine.engine import Engine
-from atlas.engine.outputs import AdmissionError, EngineDead, FinishReason, QueueFull, RequestOutput
+from atlas.engine.outputs import FinishReason, RequestOutput
 from atlas.engine.records import RecordingSink
-from atlas.engine.sampling import SamplingParams
-from atlas.state.invariants import InvariantViolation
+from atlas.errors import AdmissionError, DeviceFault, EngineDead, InvariantViolation, QueueFull
+from atlas.plan import BackendCursors, SeqOutcome, StepPlan, StepResult
+from atlas.sampling.params import SamplingParams
 
 CONFIG = EngineConfig(max_seq_len=64, max_batch_size=4, prefill_chunk_tokens=16, block_size=4, max_waiting=3)
 
@@ -44,7 +45,7 @@ class ScriptedBackend(NullBackend):
                 cursors = BackendCursors(cursors.kv_tokens, cursors.qsa_ingested - 1, cursors.ssm_position,
                                          cursors.ple_position)
             outcomes.append(SeqOutcome(o.seq_id, cursors, token))
-        return StepResult(result.step, tuple(outcomes))
+        return attrs.evolve(result, outcomes=tuple(outcomes))
 
 
 def engine_with(backend: NullBackend | None = None, config: EngineConfig = CONFIG) -> Engine:
@@ -81,7 +82,7 @@ def test_admission_names_the_numbers_and_the_knob() -> None:
     engine.add_request("a", [1, 2], SamplingParams(max_tokens=2))
     with pytest.raises(AdmissionError, match="already in use"):
         engine.add_request("a", [1, 2], SamplingParams(max_tokens=2))
-    assert not engine._sink.rows[1:]  # refusals record nothing
+    assert not engine.sink.rows[1:]  # refusals record nothing
 
 
 def test_a_full_waiting_queue_raises_queue_full() -> None:
@@ -194,9 +195,9 @@ def test_a_fatal_fault_records_flushes_and_kills_the_engine(how: str) -> None:
         engine.inject_fault("fatal")
     with pytest.raises(EngineDead):
         engine.step()
-    kinds = [e.kind for _, _, e, _ in engine._sink.rows]
+    kinds = [e.kind for _, _, e, _ in engine.sink.rows]
     assert kinds[-2:] == ["engine_faulted", "request_finished"]
-    assert engine._sink.rows[-2][2].fatal and engine._sink.rows[-1][2].reason == "error"
+    assert engine.sink.rows[-2][2].fatal and engine.sink.rows[-1][2].reason == "error"
     for call in (engine.step, lambda: engine.add_request("b", [1], SamplingParams()), lambda: engine.cancel("a")):
         with pytest.raises(EngineDead):
             call()
@@ -211,9 +212,9 @@ def test_a_backend_cursor_desync_is_caught_at_the_step_that_made_it() -> None:
         engine.step()
     v = info.value
     assert v.machine == "BackendCursors" and v.fields["step"] == 3 and v.fields["backend"]["qsa_ingested"] == 7
-    last = engine._sink.rows[-1][2]
+    last = engine.sink.rows[-1][2]
     assert last.kind == "invariant_violated" and last.event_index == v.event_index
-    assert engine._sink.rows[v.event_index][2].kind == "step_executed"
+    assert engine.sink.rows[v.event_index][2].kind == "step_executed"
     with pytest.raises(EngineDead):
         engine.step()
 

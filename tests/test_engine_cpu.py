@@ -15,9 +15,10 @@ from atlas.engine.engine import Engine
 from atlas.engine.offline import generate
 from atlas.engine.outputs import FinishReason
 from atlas.engine.records import RecordingSink
-from atlas.engine.sampling import SamplingParams
 from atlas.model import load_model
+from atlas.registry import build_engine
 from atlas.replay.verify import verify
+from atlas.sampling.params import SamplingParams
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +40,7 @@ PARAMS = [
 
 
 def run(tiny, config: EngineConfig, prompts=PROMPTS, params=PARAMS) -> tuple[list[tuple[int, ...]], Engine]:
-    engine = Engine.from_loaded(tiny, model="atlas-tiny", config=config, sink=RecordingSink(), full_audit=True)
+    engine = build_engine("atlas-tiny", "cpu", config, loaded=tiny, sink=RecordingSink(), full_audit=True)
     results = generate(engine, prompts, params)
     assert all(r.finish_reason is FinishReason.LENGTH for r in results)
     return [r.token_ids for r in results], engine
@@ -79,7 +80,7 @@ def _reference(tiny) -> list[tuple[int, ...]]:
 
 def test_a_cpu_run_replays_event_for_event(tmp_path: Path) -> None:
     path = tmp_path / "cpu.db"
-    engine = Engine.from_model("atlas-tiny", backend="cpu", trace=str(path),
+    engine = build_engine("atlas-tiny", backend="cpu", trace=str(path),
                                config=EngineConfig(max_seq_len=96, max_batch_size=2, prefill_chunk_tokens=8))
     generate(engine, PROMPTS[1:], PARAMS[1:])
     engine.close()

@@ -13,7 +13,7 @@ from atlas.config import EngineConfig
 from atlas.engine.engine import Engine
 from atlas.engine.outputs import FinishReason
 from atlas.engine.records import RecordingSink
-from atlas.engine.sampling import SamplingParams
+from atlas.sampling.params import SamplingParams
 from atlas.state.invariants import audit
 from atlas.state.machines import Phase
 

@@ -12,7 +12,7 @@ from atlas.config import EngineConfig
 from atlas.engine.engine import Engine
 from atlas.engine.outputs import FinishReason
 from atlas.engine.records import RecordingSink
-from atlas.engine.sampling import SamplingParams
+from atlas.sampling.params import SamplingParams
 from atlas.state.invariants import audit
 
 
@@ -131,7 +131,7 @@ def test_a_tight_pool_preempts_and_the_tokens_do_not_change() -> None:
             for i in range(4)]
     engine = make_engine(config, full_audit=True)
     results = run(engine, reqs)
-    kinds = [e.kind for _, _, e, _ in engine._sink.rows]
+    kinds = [e.kind for _, _, e, _ in engine.sink.rows]
     assert engine.stats().preemptions_total > 0 and "sequence_preempted" in kinds
     for i, r in enumerate(reqs):
         assert results[f"r{i}"]["reason"] is FinishReason.LENGTH
@@ -157,7 +157,7 @@ def test_every_step_stays_within_the_token_budget_and_prompts_are_fed_exactly() 
             SamplingParams(max_tokens=9)), Req(2, (3,) * 41, SamplingParams(max_tokens=3))]
     run(engine, reqs)
     fed_per_seq: dict[int, list[int]] = {}
-    for _, _, e, _ in engine._sink.rows:
+    for _, _, e, _ in engine.sink.rows:
         if e.kind == "step_planned":
             assert sum(e.fed) <= 7 and len(e.seqs) <= 3
             for seq_id, n in zip(e.seqs, e.fed, strict=True):

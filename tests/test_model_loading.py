@@ -10,8 +10,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from atlas.errors import ModelLoadError
 from atlas.llm import LLM
-from atlas.model import ModelLoadError, load_model
+from atlas.model import load_model
 from atlas.model.tiny import save
 from atlas.model.tokenizer import ByteTokenizer, load_tokenizer
 

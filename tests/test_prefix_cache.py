@@ -8,7 +8,11 @@ import attrs
 import pytest
 
 from atlas.config import EngineConfig, derive_capacities
-from atlas.engine.prefix_cache import (
+from atlas.errors import TransitionRefused
+from atlas.state.control import ControlState
+from atlas.state.events import PrefixCacheHit, RequestArrived
+from atlas.state.prefix import free_order
+from atlas.state.prefix_index import (
     ROOT,
     CarriedEntry,
     PrefixCache,
@@ -16,10 +20,6 @@ from atlas.engine.prefix_cache import (
     chain_hash,
     plan_adoption,
 )
-from atlas.state.control import ControlState
-from atlas.state.events import PrefixCacheHit, RequestArrived
-from atlas.state.machines import TransitionRefused
-from atlas.state.prefix import free_order
 
 BS = 4
 

@@ -13,11 +13,11 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from atlas.config import EngineConfig
-from atlas.engine.engine import Engine
 from atlas.engine.outputs import FinishReason
 from atlas.engine.records import RecordingSink
-from atlas.engine.sampling import SamplingParams
 from atlas.model import load_model
+from atlas.registry import build_engine
+from atlas.sampling.params import SamplingParams
 from atlas.state.events import PrefixCacheHit, RollbackDeclined, RolledBack
 from atlas.state.invariants import audit
 from atlas.state.machines import Phase
@@ -27,9 +27,8 @@ TINY = load_model("atlas-tiny")
 CONFIG = EngineConfig(max_seq_len=64, max_batch_size=3, prefill_chunk_tokens=16, block_size=4, num_kv_blocks=40,
                       ring_slots=3, snapshot_interval=3, max_rollbacks=3, max_waiting=4, enable_prefix_caching=True,
                       prefix_snapshots=5, num_drafts=2, drafter="mtp")
-REFERENCE = Engine.from_loaded(TINY, model="atlas-tiny",
-                               config=EngineConfig(max_seq_len=64, max_batch_size=1, prefill_chunk_tokens=16,
-                                                   block_size=4))
+REFERENCE = build_engine("atlas-tiny", "cpu", EngineConfig(max_seq_len=64, max_batch_size=1, prefill_chunk_tokens=16,
+                                                         block_size=4), loaded=TINY)
 _COLD: dict[tuple[tuple[int, ...], int], list[int]] = {}
 
 
@@ -48,7 +47,7 @@ def cold_tokens(prompt: list[int], n: int) -> list[int]:
 class PrefixMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
-        self.engine = Engine.from_loaded(TINY, model="atlas-tiny", config=CONFIG, sink=RecordingSink(),
+        self.engine = build_engine("atlas-tiny", "cpu", CONFIG, loaded=TINY, sink=RecordingSink(),
                                          full_audit=True)
         self.sessions: list[list[int]] = [list(range(20, 38)), list(range(60, 72))]  # last finished turn's tokens
         self.requests: dict[str, tuple[int, list[int], int]] = {}  # rid -> (session, prompt, max_tokens)
@@ -117,21 +116,23 @@ class PrefixMachine(RuleBasedStateMachine):
         c = seq.cursor
         keep = data.draw(st.integers(max(c.prompt_len + 1, c.seq_len - 6), c.seq_len - 1))
         rid = seq.request_id
-        outcome = self.engine._roll_back(seq, keep, 0, state.step)
+        outcome = self.engine.roll_back(seq.seq_id, keep, 0)
         self.touched.add(rid)
         if outcome != "rolled_back":
             self.engine.cancel(rid)
         else:
-            assert isinstance(self.engine._sink.rows[-1][2], RolledBack)  # type: ignore[union-attr]
+            assert isinstance(self.engine.sink.rows[-1][2], RolledBack)  # type: ignore[union-attr]
 
     @invariant()
     def every_machine_and_the_data_plane_agree(self) -> None:
         state = self.engine.state
         audit(state, -1)
         backend = self.engine.backend
+        pending = {r.seq_id for r in state.orders.rollbacks}  # restored by the next plan
         for seq_id in state.running:
             seq = state.seqs[seq_id]
-            if not seq.on_device or seq.cursor.phase is not Phase.RUNNING or not backend.has_sequence(seq_id):  # type: ignore[attr-defined]
+            if (not seq.on_device or seq.cursor.phase is not Phase.RUNNING or not backend.has_sequence(seq_id)  # type: ignore[attr-defined]
+                    or seq_id in pending):
                 continue
             cur = backend.cursors(seq_id)
             n = seq.cursor.computed
@@ -139,9 +140,9 @@ class PrefixMachine(RuleBasedStateMachine):
                 continue
             assert (cur.kv_tokens, cur.qsa_ingested, cur.ssm_position, cur.ple_position) == (n, n, n, n)
             assert cur.drafter_rows == seq.drafter.rows
-            d = backend._drafts[seq_id]  # type: ignore[attr-defined]
+            d = backend.store.drafts[seq_id]  # type: ignore[attr-defined]
             assert d.first_key == seq.drafter.first_key
-            assert backend.ring.positions(seq_id) == {slot: pos for pos, slot in seq.ring.snapshots}  # type: ignore[attr-defined]
+            assert backend.store.ring.positions(seq_id) == {slot: pos for pos, slot in seq.ring.snapshots}  # type: ignore[attr-defined]
 
     def teardown(self) -> None:
         while self.engine.has_unfinished():
@@ -150,7 +151,7 @@ class PrefixMachine(RuleBasedStateMachine):
         audit(self.engine.state, -1)
         assert pool.used == 0 and len(pool.free) == pool.total and not any(pool.refs)
         # what the run exercised (pytest --hypothesis-show-statistics)
-        rows = [e for _, _, e, _ in self.engine._sink.rows]  # type: ignore[union-attr]
+        rows = [e for _, _, e, _ in self.engine.sink.rows]  # type: ignore[union-attr]
         hit = {e.seq_id for e in rows if isinstance(e, PrefixCacheHit)}
         event(f"prefix hits: {min(3, sum(isinstance(e, PrefixCacheHit) for e in rows))}+")
         event(f"rollbacks: {min(2, sum(isinstance(e, RolledBack) for e in rows))}+")

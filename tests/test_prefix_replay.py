@@ -12,11 +12,12 @@ from typer.testing import CliRunner
 from atlas.cli import app
 from atlas.config import EngineConfig
 from atlas.engine.engine import Engine
-from atlas.engine.sampling import SamplingParams
 from atlas.model import load_model
+from atlas.registry import build_engine
 from atlas.replay.store import TraceReader
 from atlas.replay.summary import summarize
 from atlas.replay.verify import check_state_only, verify
+from atlas.sampling.params import SamplingParams
 from atlas.state.invariants import audit
 
 torch.set_num_threads(1)
@@ -38,15 +39,14 @@ def drive(engine: Engine, requests: list[tuple[str, list[int], int]]) -> dict[st
 
 
 def cold(prompt: list[int], n: int) -> list[int]:
-    engine = Engine.from_loaded(TINY, model="atlas-tiny", config=EngineConfig(max_seq_len=64, block_size=4,
-                                                                              max_batch_size=2,
-                                                                              prefill_chunk_tokens=16))
+    engine = build_engine("atlas-tiny", "cpu", EngineConfig(max_seq_len=64, block_size=4, max_batch_size=2,
+                                                             prefill_chunk_tokens=16), loaded=TINY)
     return drive(engine, [("c", prompt, n)])["c"]
 
 
 def test_traced_multiturn_run_with_preemption_replays(tmp_path: Path) -> None:
     path = tmp_path / "prefix.db"
-    engine = Engine.from_loaded(TINY, model="atlas-tiny", config=CONFIG, trace=str(path), full_audit=True)
+    engine = build_engine("atlas-tiny", "cpu", CONFIG, loaded=TINY, trace=str(path), full_audit=True)
     first = list(range(30, 60))
     a1 = drive(engine, [("a1", first, 6)])["a1"]
     second = first + a1[:-1] + [7, 8, 9]

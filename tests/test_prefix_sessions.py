@@ -15,8 +15,9 @@ from hypothesis import strategies as st
 from atlas.config import EngineConfig
 from atlas.engine.engine import Engine
 from atlas.engine.records import RecordingSink
-from atlas.engine.sampling import SamplingParams
 from atlas.model import load_model
+from atlas.registry import build_engine
+from atlas.sampling.params import SamplingParams
 from atlas.state.events import CarryAdopted, PrefixCacheHit
 from atlas.state.invariants import audit
 
@@ -35,7 +36,7 @@ def config(prefix: bool, drafts: int) -> EngineConfig:
 
 
 _COLD: dict[tuple[int, ...], list[int]] = {}
-_REFERENCE = Engine.from_loaded(TINY, model="atlas-tiny", config=config(False, 0))
+_REFERENCE = build_engine("atlas-tiny", "cpu", config(False, 0), loaded=TINY)
 
 
 def cold_tokens(prompt: list[int]) -> list[int]:
@@ -103,7 +104,7 @@ openers = st.lists(st.lists(st.integers(3, 250), min_size=6, max_size=30), min_s
 @settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(script=st.lists(turn, min_size=3, max_size=7), starts=openers)
 def test_sessions_equal_cold_runs(prefix: bool, script: list, starts: list[list[int]]) -> None:
-    engine = Engine.from_loaded(TINY, model="atlas-tiny", config=config(prefix, 0), full_audit=True)
+    engine = build_engine("atlas-tiny", "cpu", config(prefix, 0), loaded=TINY, full_audit=True)
     run_script(engine, script, starts)
     check_no_leaks(engine)
     stats = engine.stats()
@@ -115,7 +116,7 @@ def test_sessions_equal_cold_runs(prefix: bool, script: list, starts: list[list[
 @settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(script=st.lists(turn, min_size=3, max_size=6), starts=openers)
 def test_sessions_with_mtp_drafts_equal_cold_runs(script: list, starts: list[list[int]]) -> None:
-    engine = Engine.from_loaded(TINY, model="atlas-tiny", config=config(True, 2), sink=RecordingSink(),
+    engine = build_engine("atlas-tiny", "cpu", config(True, 2), loaded=TINY, sink=RecordingSink(),
                                 full_audit=True)
     run_script(engine, script, starts)
     check_no_leaks(engine)
@@ -124,12 +125,12 @@ def test_sessions_with_mtp_drafts_equal_cold_runs(script: list, starts: list[lis
 def test_one_session_hits_and_adopts_every_warm_turn() -> None:
     """The plain multi-turn case, as an example that always runs: every warm turn hits, adopts the carry,
     and resumes past the previous prompt."""
-    engine = Engine.from_loaded(TINY, model="atlas-tiny", config=config(True, 2), sink=RecordingSink(),
+    engine = build_engine("atlas-tiny", "cpu", config(True, 2), loaded=TINY, sink=RecordingSink(),
                                 full_audit=True)
     script = [(0, 0, False, [40, 41, 42], False), (0, 2, True, [43, 44], False), (0, 1, False, [45], False)]
     run_script(engine, script, [list(range(10, 40)), [5] * 6, [6] * 6])
     check_no_leaks(engine)
-    events = [e for _, _, e, _ in engine._sink.rows]  # type: ignore[union-attr]
+    events = [e for _, _, e, _ in engine.sink.rows]  # type: ignore[union-attr]
     hits = [e for e in events if isinstance(e, PrefixCacheHit)]
     adopted = [e for e in events if isinstance(e, CarryAdopted)]
     assert len(hits) == 2 and len(adopted) == 2

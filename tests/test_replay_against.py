@@ -13,10 +13,10 @@ from typer.testing import CliRunner
 
 from atlas.cli import app
 from atlas.config import EngineConfig
+from atlas.registry import build_engine
 from atlas.replay.against import FAILURE_GONE, NEW_FAILURE, PASSES, STILL_THERE, against, field_diff
 from atlas.replay.jsonl import export_jsonl, import_jsonl
 from atlas.replay.minimize import run_program
-from atlas.replay.scenarios import build_engine
 from atlas.replay.store import TraceReader
 from atlas.replay.verify import verify
 

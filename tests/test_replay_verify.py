@@ -13,11 +13,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from atlas.config import EngineConfig
-from atlas.engine.engine import Engine
-from atlas.engine.outputs import EngineDead
-from atlas.engine.sampling import SamplingParams
+from atlas.errors import EngineDead
+from atlas.registry import build_engine
 from atlas.replay.store import TraceReader
 from atlas.replay.verify import check_state_only, verify
+from atlas.sampling.params import SamplingParams
 
 CONFIG = EngineConfig(max_seq_len=48, max_batch_size=3, prefill_chunk_tokens=8, block_size=4, num_kv_blocks=14)
 
@@ -25,7 +25,7 @@ CONFIG = EngineConfig(max_seq_len=48, max_batch_size=3, prefill_chunk_tokens=8, 
 def record(path: Path | str, *, fatal_at: int | None = None, config: EngineConfig = CONFIG,
            arrivals: list[tuple[int, int, int, float]] | None = None) -> None:
     """A run with staggered arrivals, a cancellation, an injected step error and a tight KV pool."""
-    engine = Engine.from_model("atlas-tiny", backend="null", config=config, trace=str(path))
+    engine = build_engine("atlas-tiny", backend="null", config=config, trace=str(path))
     arrivals = arrivals or [(0, 20, 12, 0.0), (0, 9, 20, 0.9), (2, 30, 10, 0.0), (5, 4, 25, 0.7), (9, 15, 8, 0.0)]
     try:
         for it in range(400):
@@ -123,7 +123,7 @@ def test_inputs_replay_at_their_place_in_the_event_stream(tmp_path: Path) -> Non
     # a step that only fires a fault emits events without advancing the step counter: an arrival after it,
     # stamped with the same step, must still replay after those events
     path = tmp_path / "order.db"
-    engine = Engine.from_model("atlas-tiny", backend="null", config=CONFIG, trace=str(path))
+    engine = build_engine("atlas-tiny", backend="null", config=CONFIG, trace=str(path))
     engine.inject_fault("step_error", "nobody")
     engine.step()
     engine.add_request("a", [1, 2, 3], SamplingParams(max_tokens=3))

@@ -11,16 +11,17 @@ import attrs
 import pytest
 import torch
 
-from atlas.backends.base import StepPlan, StepResult
 from atlas.backends.cpu import CpuBackend
 from atlas.config import EngineConfig, derive_capacities
 from atlas.engine.engine import Engine
 from atlas.engine.outputs import FinishReason, RequestOutput
 from atlas.engine.records import RecordingSink
-from atlas.engine.sampling import SamplingParams
 from atlas.engine.watchdog import WatchdogConfig, detect_loop
 from atlas.model import load_model
-from atlas.state.events import BoundarySnapshotted, RequestFinished, RollbackDeclined, RolledBack
+from atlas.plan import StepPlan, StepResult
+from atlas.registry import build_engine
+from atlas.sampling.params import SamplingParams
+from atlas.state.events import BoundarySnapshotted, RequestFinished, RollbackDeclined, RolledBack, StepPlanned
 from atlas.state.invariants import audit
 
 PROMPT = list(b"Loop test: ")  # 11 tokens
@@ -52,7 +53,7 @@ class LoopingBackend:
                 else:
                     o = attrs.evolve(o, token=scripted)
             outcomes.append(o)
-        return StepResult(result.step, tuple(outcomes))
+        return attrs.evolve(result, outcomes=tuple(outcomes))
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
@@ -91,7 +92,7 @@ def run(engine: Engine, requests: dict[str, bool], max_tokens: int = 60) -> dict
 
 
 def events(engine: Engine, kind: type) -> list[Any]:
-    return [e for _, _, e, _ in engine._sink.rows if isinstance(e, kind)]  # type: ignore[union-attr]
+    return [e for _, _, e, _ in engine.sink.rows if isinstance(e, kind)]  # type: ignore[union-attr]
 
 
 def test_a_looping_request_is_rolled_back_once_and_completes(tiny) -> None:
@@ -105,8 +106,10 @@ def test_a_looping_request_is_rolled_back_once_and_completes(tiny) -> None:
     keep = rb.keep - len(PROMPT)
     assert keep == 6 + len(PATTERN)  # the first copy of the loop is kept, the second one is where it re-steers
     assert out.new_token_ids[6:keep] == PATTERN and out.new_token_ids[keep] != rb.ban_token == PATTERN[0]
-    assert rb.cursors == {"kv_tokens": rb.boundary, "qsa_ingested": rb.boundary, "ssm_position": rb.boundary,
-                          "ple_position": rb.boundary, "drafter_rows": 0}
+    rows = [e for _, _, e, _ in engine.sink.rows]  # type: ignore[union-attr]
+    after = rows[rows.index(rb) + 1:]
+    plan = next(e for e in after if isinstance(e, StepPlanned))
+    assert plan.restored == (rb.seq_id,)  # the data plane's restore is the next plan's order
     assert len(PROMPT) <= rb.boundary < rb.keep
     assert detect_loop(out.new_token_ids, WatchdogConfig(8, 4, 24, 64)) is None
     snaps = events(engine, BoundarySnapshotted)
@@ -121,7 +124,7 @@ def test_the_rolled_back_run_is_deterministic_event_for_event(tiny) -> None:
     for _ in range(2):
         engine = looping_engine(tiny, config())
         run(engine, {"a": False, "b": False}, max_tokens=50)
-        traces.append([(e.kind, e.payload(), digest) for _, _, e, digest in engine._sink.rows])  # type: ignore[union-attr]
+        traces.append([(e.kind, e.payload(), digest) for _, _, e, digest in engine.sink.rows])  # type: ignore[union-attr]
     assert traces[0] == traces[1]
     assert sum(kind == "rolled_back" for kind, _, _ in traces[0]) == 2
 
@@ -153,7 +156,7 @@ def test_a_decline_mutates_nothing(tiny) -> None:
     engine.add_request("r", PROMPT, SamplingParams(max_tokens=60, ignore_eos=True))
     while not events(engine, RollbackDeclined):
         engine.step()
-    rows = engine._sink.rows  # type: ignore[union-attr]
+    rows = engine.sink.rows  # type: ignore[union-attr]
     i = next(k for k, row in enumerate(rows) if isinstance(row[2], RollbackDeclined))
     assert rows[i][3] == rows[i - 1][3]  # the digest after the decline is the digest before it
     assert isinstance(rows[i + 1][2], RequestFinished)
@@ -171,7 +174,7 @@ def test_a_traced_run_with_the_ring_and_watchdog_on_replays(tiny, tmp_path) -> N
     from atlas.replay.verify import verify
 
     trace = tmp_path / "ring.sqlite"
-    engine = Engine.from_loaded(tiny, model="atlas-tiny", config=config(), trace=str(trace))
+    engine = build_engine("atlas-tiny", "cpu", config(), loaded=tiny, trace=str(trace))
     run(engine, {"a": False, "b": True}, max_tokens=20)
     engine.close()
     reader = TraceReader(trace)

@@ -10,12 +10,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from atlas.backends.base import SeqWork, StepPlan
 from atlas.backends.cpu import CpuBackend
-from atlas.backends.cpu.ring import RestoreRefused
 from atlas.backends.cpu.runner import Chunk
 from atlas.engine.rollback import is_boundary
+from atlas.errors import RestoreRefused
 from atlas.model import load_model
+from atlas.plan import RingRestore, RingSnapshot, SeqWork, StepPlan
 from atlas.state.machines import SsmRing
 
 BLOCK = 16
@@ -39,11 +39,11 @@ def fed_with_snapshots(tiny, tokens: list[int], prompt_len: int, interval: int,
         orders = ()
         if is_boundary(end, prompt_len, interval):
             slot, evicted = ring.place()
-            orders = ((0, end, slot),)
+            orders = (RingSnapshot(0, end, slot),)
         work = SeqWork(0, tuple(tokens[start:end]), start, TABLE, sample=False)
         backend.execute(StepPlan(step, (work,), snapshots=orders))
-        for _, position, slot in orders:
-            ring.record(position, slot, ring.place()[1])
+        for o in orders:
+            ring.record(o.position, o.slot, ring.place()[1])
         start, step = end, step + 1
     return backend, ring
 
@@ -56,7 +56,9 @@ def fresh(tiny, tokens: list[int]) -> CpuBackend:
 
 def assert_same_state(a: CpuBackend, b: CpuBackend, positions: int) -> None:
     assert a.cursors(0) == b.cursors(0)
-    sa, sb = a._seqs[0], b._seqs[0]
+    if positions == a.cursors(0).kv_tokens:
+        assert a.store.state_digest(0) == b.store.state_digest(0)
+    sa, sb = a.store.seqs[0], b.store.seqs[0]
     for name in ("gdn_conv", "gdn_recurrent", "ple_conv", "qsa_keys"):
         da, db = getattr(sa, name), getattr(sb, name)
         assert da.keys() == db.keys()
@@ -78,9 +80,9 @@ def test_after_rollback_to_b_the_sequence_is_a_fresh_one_fed_b_tokens(tiny, data
     tokens = data.draw(st.lists(st.integers(0, 255), min_size=prompt_len + extra, max_size=prompt_len + extra))
     rolled, ring = fed_with_snapshots(tiny, tokens, prompt_len, interval, slots)
     boundary, slot = data.draw(st.sampled_from(ring.snapshots))
-    cursors = rolled.restore_boundary(0, slot, boundary)
+    cursors = rolled.store.restore(RingRestore(0, slot, boundary))
     assert cursors.kv_tokens == cursors.qsa_ingested == cursors.ssm_position == cursors.ple_position == boundary
-    assert all(p <= boundary for p in rolled.ring.positions(0).values())
+    assert all(p <= boundary for p in rolled.store.ring.positions(0).values())
     reference = fresh(tiny, tokens[:boundary])
     assert_same_state(rolled, reference, boundary)
     # the next logits, and the ones after, are the fresh sequence's to the bit (selection active past 19)
@@ -95,7 +97,7 @@ def test_rollback_past_the_qsa_inert_bound_is_exact(tiny) -> None:
     rolled, ring = fed_with_snapshots(tiny, tokens, prompt_len=10, interval=12, slots=3)
     assert [p for p, _ in ring.snapshots] == [46, 58, 70]  # 10, 22, 34 were evicted: the newest three stay
     boundary, slot = ring.snapshots[0]
-    rolled.restore_boundary(0, slot, boundary)
+    rolled.store.restore(RingRestore(0, slot, boundary))
     reference = fresh(tiny, tokens[:boundary])
     assert_same_state(rolled, reference, boundary)
     nxt = [Chunk(0, tokens[boundary:], boundary, TABLE)]  # crosses more blocks, all selection-active
@@ -109,18 +111,18 @@ def test_a_refused_restore_changes_nothing(tiny) -> None:
     before = fresh(tiny, tokens)
     for slot, position in ((s0, p1), (s1, p0), (5, p0), (s0, 999)):
         with pytest.raises(RestoreRefused):
-            backend.restore_boundary(0, slot, position)
+            backend.store.restore(RingRestore(0, slot, position))
         assert_same_state(backend, before, len(tokens))
-        assert backend.ring.positions(0) == {s0: p0, s1: p1}
+        assert backend.store.ring.positions(0) == {s0: p0, s1: p1}
     with pytest.raises(RestoreRefused):
-        backend.restore_boundary(3, s0, p0)  # a sequence the backend does not hold
+        backend.store.restore(RingRestore(3, s0, p0))  # a sequence the backend does not hold
 
 
 def test_a_misplaced_snapshot_order_fails_the_step_before_anything_moves(tiny) -> None:
     backend = CpuBackend(tiny, num_kv_blocks=len(TABLE), block_size=BLOCK, ring_slots=2)
     work = SeqWork(0, (1, 2, 3), 0, TABLE, sample=False)
     with pytest.raises(ValueError, match="not where its work ends"):
-        backend.execute(StepPlan(0, (work,), snapshots=((0, 2, 0),)))
+        backend.execute(StepPlan(0, (work,), snapshots=(RingSnapshot(0, 2, 0),)))
     with pytest.raises(ValueError, match="ring slot 2"):
-        backend.execute(StepPlan(0, (work,), snapshots=((0, 3, 2),)))
-    assert not backend.has_sequence(0) and backend.ring.positions(0) == {}
+        backend.execute(StepPlan(0, (work,), snapshots=(RingSnapshot(0, 3, 2),)))
+    assert not backend.has_sequence(0) and backend.store.ring.positions(0) == {}

@@ -10,11 +10,12 @@ import pytest
 
 from atlas.config import EngineConfig, derive_capacities
 from atlas.engine.rollback import DeclineReason, RollbackDecline, RollbackPlan, plan_rollback, plan_snapshots
-from atlas.engine.sampling import SamplingParams
+from atlas.errors import TransitionRefused
+from atlas.sampling.params import SamplingParams
 from atlas.state import events as ev
 from atlas.state.control import ControlState
 from atlas.state.invariants import audit
-from atlas.state.machines import SsmRing, TransitionRefused
+from atlas.state.machines import SsmRing
 
 CAPS = derive_capacities(EngineConfig(max_seq_len=64, max_batch_size=2, prefill_chunk_tokens=16, block_size=4,
                                       num_kv_blocks=32, ring_slots=2, snapshot_interval=4))
@@ -101,29 +102,30 @@ def rolled_back(state: ControlState, s: int, **change: Any) -> ev.RolledBack:
     plan = plan_rollback(state.seqs[s], 13, max_rollbacks=2, block_size=4)
     assert isinstance(plan, RollbackPlan)
     fields = dict(step=state.step, seq_id=s, boundary=plan.boundary, slot=plan.slot, keep=plan.keep,
-                  ban_token=plan.ban_token, blocks_freed=plan.blocks_freed, period=3, attempt=1,
-                  cursors={**dict.fromkeys(CURSORS, plan.boundary), "drafter_rows": 0})
+                  ban_token=plan.ban_token, blocks_freed=plan.blocks_freed, period=3, attempt=1)
     return ev.RolledBack(**{**fields, **change})
 
 
 def test_one_event_rewinds_every_cursor_and_frees_the_blocks_past_the_kept_tokens() -> None:
     state, s = decoding(12)
     seq = state.seqs[s]
-    tokens, used = list(seq.cursor.tokens), state.pool.used
+    tokens, used, held = list(seq.cursor.tokens), state.pool.used, seq.cursor.computed
     state.apply(rolled_back(state, s))
     audit(state, -1)
     assert seq.cursor.tokens == tokens[:13] and seq.cursor.computed == seq.qsa.ingested == 10
     assert len(seq.blocks) == 4 and state.pool.used == used - 1
     assert seq.ring.snapshots == [(10, 1)] and seq.banned == {13: (tokens[13],)} and seq.rollbacks == 1
+    # the data plane's restore is queued for the next plan, with the cursors it holds before it
+    (order,) = state.orders.rollbacks
+    assert (order.seq_id, order.slot, order.position, order.held) == (s, 1, 10, (held, held, held, held, 0))
 
 
 @pytest.mark.parametrize("change, why", [
     (dict(slot=0), "does not hold"),
-    (dict(boundary=14, slot=0, cursors={**dict.fromkeys(CURSORS, 14), "drafter_rows": 0}), "boundary < keep"),
+    (dict(boundary=14, slot=0), "does not hold|boundary < keep"),
     (dict(ban_token=-5), "banned token"),
     (dict(blocks_freed=0), "exactly the blocks"),
     (dict(attempt=2), "count up from 1"),
-    (dict(cursors={**dict.fromkeys(CURSORS, 10), "kv_tokens": 11, "drafter_rows": 0}), "restored cursors"),
 ])
 def test_a_refused_rollback_changes_nothing(change: dict, why: str) -> None:
     state, s = decoding(12)
@@ -148,13 +150,16 @@ def test_a_v1_arrival_upcasts_to_a_non_streaming_request() -> None:
 
 
 def test_a_ring_on_a_backend_without_one_is_refused_at_load() -> None:
+    from atlas.backends.base import Capabilities
     from atlas.backends.null import ByteTokenizer
-    from atlas.config import CapacityError
     from atlas.engine.engine import Engine
+    from atlas.errors import CapabilityError
 
     class NoRing:
         name = "no-ring"
+        capabilities = Capabilities()
 
-    with pytest.raises(CapacityError, match="ring_slots 2 needs a backend with a snapshot ring"):
+    with pytest.raises(CapabilityError, match="'no-ring' does not support the snapshot ring for rollback: set "
+                                              "ring_slots 0 \\(got 2"):
         Engine(NoRing(), tokenizer=ByteTokenizer(), config=EngineConfig(ring_slots=2))  # type: ignore[arg-type]
     Engine(NoRing(), tokenizer=ByteTokenizer(), config=EngineConfig(ring_slots=0))  # type: ignore[arg-type]

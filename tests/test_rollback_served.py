@@ -15,9 +15,9 @@ from test_rollback_engine import PATTERN, LoopingBackend, config
 from atlas.backends.cpu import CpuBackend
 from atlas.config import derive_capacities
 from atlas.engine.engine import Engine
-from atlas.engine.factory import open_trace
 from atlas.engine.records import RecordingSink
 from atlas.model import load_model
+from atlas.registry import open_trace
 from atlas.replay.store import TraceReader
 from atlas.replay.summary import summarize
 from atlas.replay.verify import check_state_only, compare, redrive
@@ -73,9 +73,10 @@ def test_a_looping_request_is_served_after_a_rollback_and_traced(tiny, tmp_path)
     finally:
         reader.close()
     (rolled,) = [e.payload for e in recorded if e.kind == "rolled_back"]
-    b = rolled["boundary"]
-    assert rolled["cursors"] == {"kv_tokens": b, "qsa_ingested": b, "ssm_position": b, "ple_position": b,
-                                 "drafter_rows": 0}
+    # the restore ran as an order of the next plan
+    at = next(i for i, e in enumerate(recorded) if e.kind == "rolled_back")
+    nxt = next(e for e in recorded[at:] if e.kind == "step_planned")
+    assert nxt.payload["restored"] == [rolled["seq_id"]]
     assert rolled["keep"] == len(PROMPT) + 10 and rolled["ban_token"] == PATTERN[0]
     (declined,) = [e.payload for e in recorded if e.kind == "rollback_declined"]
     assert declined["reason"] == "streamed"
@@ -88,7 +89,7 @@ def test_a_looping_request_is_served_after_a_rollback_and_traced(tiny, tmp_path)
     assert check_state_only(trace).problem is None
     replayed = looping_engine(RecordingSink())
     assert redrive(replayed, recorded) == "ended"
-    assert compare(recorded, replayed._sink.rows) is None  # type: ignore[union-attr]
+    assert compare(recorded, replayed.sink.rows) is None  # type: ignore[union-attr]
     summary = {r.request_id: r for r in summarize(trace).requests}
     held = next(r for r in summary.values() if r.finish_reason == "length")
     assert held.completion_tokens == 60 and held.rollbacks == 1  # the dropped loop is not counted

@@ -17,8 +17,9 @@ from atlas.backends.cpu.runner import Chunk
 from atlas.config import EngineConfig
 from atlas.engine.engine import Engine
 from atlas.engine.records import RecordingSink
-from atlas.engine.sampling import SamplingParams
 from atlas.model import load_model
+from atlas.registry import build_engine
+from atlas.sampling.params import SamplingParams
 from atlas.state.events import RollbackDeclined, RolledBack
 from atlas.state.invariants import audit
 from atlas.state.machines import Phase
@@ -36,15 +37,15 @@ def assert_never_took(engine: Engine, seq_id: int, tokens: list[int], boundary: 
     fresh = CpuBackend(TINY, num_kv_blocks=16, block_size=4, mtp_drafter=with_drafter)
     fresh.reset(seq_id)
     fresh.forward([Chunk(seq_id, tokens[:boundary], 0, tuple(range(16)))])
-    rolled, reference = backend._seqs[seq_id], fresh._seqs[seq_id]  # type: ignore[attr-defined]
+    rolled, reference = backend.store.seqs[seq_id], fresh.store.seqs[seq_id]  # type: ignore[attr-defined]
     assert backend.cursors(seq_id) == fresh.cursors(seq_id)
     for name in ("gdn_conv", "gdn_recurrent", "ple_conv", "qsa_keys"):
         for layer, t in getattr(reference, name).items():
             assert torch.equal(getattr(rolled, name)[layer], t), (name, layer)
     assert torch.equal(rolled.ple_context, reference.ple_context)
     if with_drafter:  # the MTP drafter's pair keys and the target hiddens it drafts from
-        d, ref = backend._drafts[seq_id], fresh._drafts[seq_id]  # type: ignore[attr-defined]
-        assert d.rows == ref.rows == max(0, boundary - 1) and d.proposal is None
+        d, ref = backend.store.drafts[seq_id], fresh.store.drafts[seq_id]  # type: ignore[attr-defined]
+        assert d.rows == ref.rows == max(0, boundary - 1)
         assert all(torch.equal(a, b) for a, b in zip(d.target_hidden, ref.target_hidden, strict=True))
         for layer in ref.kv.keys:
             n = ref.rows
@@ -57,7 +58,7 @@ class RollbackMachine(RuleBasedStateMachine):
 
     def __init__(self) -> None:
         super().__init__()
-        self.engine = Engine.from_loaded(TINY, model="atlas-tiny", config=self.config, sink=RecordingSink(),
+        self.engine = build_engine("atlas-tiny", "cpu", self.config, loaded=TINY, sink=RecordingSink(),
                                          full_audit=True)
         self.arrivals = 0
         self.rollbacks = 0
@@ -105,21 +106,26 @@ class RollbackMachine(RuleBasedStateMachine):
         recent = st.integers(max(c.prompt_len + 1, c.seq_len - 9), c.seq_len - 1) if c.generated >= 2 else st.nothing()
         keep = data.draw(st.one_of(recent, recent, st.integers(c.prompt_len - 1, c.seq_len + 1)))
         tokens = list(c.tokens)
-        before, events = self.digest(), len(self.engine._sink.rows)  # type: ignore[union-attr]
+        before, events = self.digest(), len(self.engine.sink.rows)  # type: ignore[union-attr]
         if not c.prompt_len < keep < c.seq_len:
             try:
-                self.engine._roll_back(seq, keep, 0, state.step)
+                self.engine.roll_back(seq.seq_id, keep, 0)
             except ValueError:
-                assert self.digest() == before and len(self.engine._sink.rows) == events  # type: ignore[union-attr]
+                assert self.digest() == before and len(self.engine.sink.rows) == events  # type: ignore[union-attr]
                 return
             raise AssertionError(f"target {keep} outside ({c.prompt_len}, {c.seq_len}) was not refused")
-        outcome = self.engine._roll_back(seq, keep, 0, state.step)
-        last = self.engine._sink.rows[-1]  # type: ignore[union-attr]
+        outcome = self.engine.roll_back(seq.seq_id, keep, 0)
+        last = self.engine.sink.rows[-1]  # type: ignore[union-attr]
         if outcome == "rolled_back":
             e = last[2]
             assert isinstance(e, RolledBack) and c.tokens == tokens[:keep] and c.computed == e.boundary
             assert seq.banned[keep][-1] == tokens[keep]
-            assert_never_took(self.engine, seq.seq_id, tokens, e.boundary)
+            # the restore is the next plan's order: after that step (which re-feeds from the boundary) the data
+            # plane is a fresh sequence fed the same tokens, to the bit
+            self.engine.step()
+            live = state.seqs.get(seq.seq_id)
+            if live is not None and live.on_device and live.cursor.computed >= e.boundary:
+                assert_never_took(self.engine, seq.seq_id, list(live.cursor.tokens), live.cursor.computed)
             self.rollbacks += 1
         else:
             assert isinstance(last[2], RollbackDeclined) and last[3] == before  # declined: nothing moved
@@ -131,14 +137,15 @@ class RollbackMachine(RuleBasedStateMachine):
         state = self.engine.state
         audit(state, -1)
         backend = self.engine.backend
+        pending = {r.seq_id for r in state.orders.rollbacks}  # restored by the next plan
         for seq_id in state.running:
             seq = state.seqs[seq_id]
-            if not seq.on_device or seq.cursor.phase is not Phase.RUNNING:
+            if not seq.on_device or seq.cursor.phase is not Phase.RUNNING or seq_id in pending:
                 continue
             cur = backend.cursors(seq_id)
             n = seq.cursor.computed
             assert (cur.kv_tokens, cur.qsa_ingested, cur.ssm_position, cur.ple_position) == (n, n, n, n)
-            assert backend.ring.positions(seq_id) == {slot: pos for pos, slot in seq.ring.snapshots}  # type: ignore[attr-defined]
+            assert backend.store.ring.positions(seq_id) == {slot: pos for pos, slot in seq.ring.snapshots}  # type: ignore[attr-defined]
             if not seq.preemptions and not seq.rollbacks:
                 # every boundary reached was snapshotted (a verify never steps over one); the newest R are kept
                 c, interval = seq.cursor, self.config.snapshot_interval

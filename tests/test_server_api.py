@@ -9,7 +9,7 @@ import openai
 import pytest
 
 from atlas.config import EngineConfig
-from atlas.engine.engine import Engine
+from atlas.registry import build_engine
 from atlas.server.serve import Served, serve_in_thread
 
 API_KEY = "test-key-123"
@@ -17,7 +17,7 @@ API_KEY = "test-key-123"
 
 @pytest.fixture(scope="module")
 def served() -> Iterator[Served]:
-    engine = Engine.from_model("atlas-tiny", backend="cpu", config=EngineConfig(max_seq_len=256, max_batch_size=8))
+    engine = build_engine("atlas-tiny", backend="cpu", config=EngineConfig(max_seq_len=256, max_batch_size=8))
     with serve_in_thread(engine, api_key=API_KEY) as s:
         yield s
 

@@ -8,7 +8,7 @@ import shutil
 import httpx
 
 from atlas.config import EngineConfig
-from atlas.engine.engine import Engine
+from atlas.registry import build_engine
 from atlas.server.chat import load_chat_template
 from atlas.server.serve import serve_in_thread
 
@@ -22,7 +22,7 @@ def test_a_checkpoint_is_served_with_its_own_name_and_chat_template(hf_checkpoin
     shutil.copytree(source, model_dir)
     (model_dir / "tokenizer_config.json").write_text(json.dumps({"chat_template": TEMPLATE}))
     config = EngineConfig(max_seq_len=128, max_batch_size=4)
-    engine = Engine.from_model(str(model_dir), backend="cpu", config=config)
+    engine = build_engine(str(model_dir), backend="cpu", config=config)
     with serve_in_thread(engine, chat_template=load_chat_template(model_dir)) as served, \
             httpx.Client(base_url=served.url, timeout=60) as http:
         assert [m["id"] for m in http.get("/v1/models").json()["data"]] == ["my-checkpoint"]

@@ -17,6 +17,7 @@ import pytest
 
 from atlas.config import EngineConfig
 from atlas.engine.engine import Engine
+from atlas.registry import build_engine
 from atlas.replay.store import TraceReader
 from atlas.server.metrics import sample_value
 from atlas.server.serve import EXIT_ENGINE_DEAD, Served, serve_in_thread
@@ -25,7 +26,7 @@ FAULT = {"x-atlas-inject-fault": "step_error"}
 
 
 def _engine(**config: int) -> Engine:
-    return Engine.from_model("atlas-tiny", backend="null", config=EngineConfig(**config))
+    return build_engine("atlas-tiny", backend="null", config=EngineConfig(**config))
 
 
 def sse_events(response: httpx.Response) -> list[dict | str]:

@@ -13,6 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from atlas.config import EngineConfig
 from atlas.engine.engine import Engine
+from atlas.registry import build_engine
 from atlas.server.bench import BenchConfig, format_report, run_bench
 from atlas.server.serve import serve_in_thread
 
@@ -23,7 +24,7 @@ CONCURRENCY = 32
 def _engine() -> Engine:
     # a batch smaller than the concurrency and a tight KV pool, so requests wait, and may be preempted
     config = EngineConfig(max_seq_len=512, max_batch_size=12, num_kv_blocks=64)
-    return Engine.from_model("atlas-tiny", backend="null", config=config)
+    return build_engine("atlas-tiny", backend="null", config=config)
 
 
 # every 9th request (odd, so streamed and whole ones alike) has an injected step error: errors must end
@@ -142,7 +143,7 @@ def test_load_every_request_ends_once_and_the_books_balance() -> None:
 
 def test_bench_serve_reports_latency_figures() -> None:
     # the CPU backend: its steps take long enough that every token arrives in a chunk of its own
-    engine = Engine.from_model("atlas-tiny", backend="cpu", config=EngineConfig(max_seq_len=256, max_batch_size=8))
+    engine = build_engine("atlas-tiny", backend="cpu", config=EngineConfig(max_seq_len=256, max_batch_size=8))
     with serve_in_thread(engine) as served:
         cfg = BenchConfig(base_url=served.url, num_prompts=16, input_len=16, output_len=8, max_concurrency=8,
                           request_rate=200.0)
@@ -172,7 +173,7 @@ async def _abandon_after(client: httpx.AsyncClient, body: dict, chunks: int) -> 
 def test_clients_walking_away_mid_stream_leave_nothing_behind() -> None:
     rng = random.Random(7)
     config = EngineConfig(max_seq_len=2048, max_batch_size=8, num_kv_blocks=256)
-    with serve_in_thread(Engine.from_model("atlas-tiny", backend="null", config=config)) as served:
+    with serve_in_thread(build_engine("atlas-tiny", backend="null", config=config)) as served:
 
         async def churn() -> list[str]:
             limit = asyncio.Semaphore(16)

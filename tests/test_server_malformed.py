@@ -9,7 +9,7 @@ import httpx
 import pytest
 
 from atlas.config import EngineConfig
-from atlas.engine.engine import Engine
+from atlas.registry import build_engine
 from atlas.server.app import DEFAULT_MAX_BODY_BYTES
 from atlas.server.serve import Served, serve_in_thread
 
@@ -101,7 +101,7 @@ CORPUS: list[tuple[str, bytes, int, str | None]] = [
 
 @pytest.fixture(scope="module")
 def served() -> Iterator[Served]:
-    engine = Engine.from_model("atlas-tiny", backend="null", config=EngineConfig(max_seq_len=512))
+    engine = build_engine("atlas-tiny", backend="null", config=EngineConfig(max_seq_len=512))
     with serve_in_thread(engine) as s:
         yield s
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from atlas.engine.sampling import SamplingParams
+from atlas.sampling.params import SamplingParams
 from atlas.server.errors import APIError
 from atlas.server.schemas import ChatCompletionRequest, CompletionRequest, parse_body
 

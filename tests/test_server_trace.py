@@ -7,7 +7,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 
 from atlas.config import EngineConfig
-from atlas.engine.engine import Engine
+from atlas.registry import build_engine
 from atlas.replay.store import TraceReader
 from atlas.replay.verify import verify
 from atlas.server.serve import serve_in_thread
@@ -15,7 +15,7 @@ from atlas.server.serve import serve_in_thread
 
 def test_a_served_run_is_traced_and_replays(tmp_path) -> None:
     trace = tmp_path / "served.sqlite"
-    engine = Engine.from_model("atlas-tiny", backend="cpu", trace=str(trace),
+    engine = build_engine("atlas-tiny", backend="cpu", trace=str(trace),
                                config=EngineConfig(max_seq_len=256, max_batch_size=4))
     served_ids: list[str] = []
     with serve_in_thread(engine, enable_fault_injection=True) as served, \

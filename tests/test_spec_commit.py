@@ -1,19 +1,18 @@
-"""The exact partial-accept commit on the CPU backend: after a K-wide verify that accepts n drafts, the
-sequence's state is bitwise the state of one that decoded those n + 1 tokens one at a time (GDN conv and
-recurrent state, PLE context and short conv, QSA raw keys, KV rows, MTP drafter rows, next logits), and a
-refused commit changes nothing."""
+"""The exact partial-accept commit on the CPU backend: after a K-wide verify that accepts n drafts (committed
+by the backend in the same execute), the sequence's state is bitwise the state of one that decoded those n + 1
+tokens one at a time (GDN conv and recurrent state, PLE context and short conv, QSA raw keys, KV rows, MTP
+drafter rows, next logits), and a refused commit changes nothing."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from atlas.backends.base import SeqWork, StepPlan
 from atlas.backends.cpu import CpuBackend
 from atlas.backends.cpu.mtp import mtp_forward
-from atlas.engine.sampling import SamplingParams
-from atlas.engine.speculative import VerifyRefused
+from atlas.errors import VerifyRefused
 from atlas.model import load_model
+from atlas.plan import SeqWork, StepPlan
 
 BLOCKS = tuple(range(8))  # 8 blocks of 16: 128 positions
 PROMPT = list(b"speculative commit: the state after n of K!")  # 43 tokens: past the QSA inert bound (19)
@@ -45,7 +44,7 @@ def greedy_continuation(tiny, n: int) -> list[int]:
 
 
 def assert_same_state(a: CpuBackend, b: CpuBackend) -> None:
-    sa, sb = a._seqs[0], b._seqs[0]
+    sa, sb = a.store.seqs[0], b.store.seqs[0]
     assert (sa.kv_tokens, sa.ssm_position, sa.ple_position) == (sb.kv_tokens, sb.ssm_position, sb.ple_position)
     for layer in sa.gdn_conv:
         assert torch.equal(sa.gdn_conv[layer], sb.gdn_conv[layer])
@@ -60,12 +59,13 @@ def assert_same_state(a: CpuBackend, b: CpuBackend) -> None:
     for layer in a.kv.keys:
         assert torch.equal(a.kv.read(layer, slots)[0], b.kv.read(layer, slots)[0])
         assert torch.equal(a.kv.read(layer, slots)[1], b.kv.read(layer, slots)[1])
-    da, db = a._drafts[0], b._drafts[0]
+    da, db = a.store.drafts[0], b.store.drafts[0]
     assert da.rows == db.rows == sa.kv_tokens - 1
     rows = torch.arange(da.rows)
     for layer in da.kv.keys:
         assert torch.equal(da.kv.read(layer, rows)[0], db.kv.read(layer, rows)[0])
     assert a.cursors(0) == b.cursors(0)
+    assert a.store.state_digest(0) == b.store.state_digest(0)
 
 
 @pytest.mark.parametrize(("k", "accepted"), [(2, 0), (2, 1), (3, 1), (5, 0), (5, 2), (5, 4)])
@@ -85,8 +85,8 @@ def test_commit_of_n_accepted_equals_decoding_them_one_at_a_time(tiny, k: int, a
     if accepted < k - 1:
         assert not o.verdicts[accepted].accept
     assert [v.token for v in o.verdicts[: n + 1]] == ref[1 : n + 2]  # drafts kept, then the correction
-    assert spec.cursors(0).kv_tokens == len(PROMPT)  # nothing committed by the verify itself
-    spec.commit_verify(0, n + 1)
+    assert o.accepted == n and o.token == ref[n + 1]  # committed in the same execute
+    assert spec.cursors(0).kv_tokens == len(PROMPT) + n + 1
 
     plain = backend(tiny)
     feed(plain, PROMPT, 0)
@@ -103,21 +103,19 @@ def test_commit_of_n_accepted_equals_decoding_them_one_at_a_time(tiny, k: int, a
 def test_a_refused_commit_changes_nothing(tiny) -> None:
     b = backend(tiny, width=3)
     first = feed(b, PROMPT, 0)
-    before = b.snapshot(0)
+    before = b.store.state_digest(0)
     cursors = b.cursors(0)
-    rows = b._drafts[0].rows
-    (o,) = b.execute(StepPlan(1, (SeqWork(0, (first,), len(PROMPT), BLOCKS, True, drafts=(1, 2)),))).outcomes
+    rows = b.store.drafts[0].rows
+    b.verify(SeqWork(0, (first,), len(PROMPT), BLOCKS, True, drafts=(1, 2)))  # rows fed, waiting for the commit
     for bad in (0, 4):  # nothing accepted at all, or more rows than the verify fed
         with pytest.raises(VerifyRefused):
-            b.commit_verify(0, bad)
-    assert b.cursors(0) == cursors and b._drafts[0].rows == rows
-    after = b.snapshot(0)
-    for layer in before.gdn_recurrent:
-        assert torch.equal(before.gdn_recurrent[layer], after.gdn_recurrent[layer])
-    b.commit_verify(0, 1)  # still committable after the refusals
+            b.store.commit(0, bad)
+    assert b.cursors(0) == cursors and b.store.drafts[0].rows == rows
+    assert b.store.state_digest(0) == before
+    b.store.commit(0, 1)  # still committable after the refusals
     assert b.cursors(0).kv_tokens == len(PROMPT) + 1
     with pytest.raises(VerifyRefused):  # a verify commits once
-        b.commit_verify(0, 1)
+        b.store.commit(0, 1)
 
 
 def test_a_verify_wider_than_the_intermediate_pool_is_refused_before_anything_runs(tiny) -> None:
@@ -133,10 +131,10 @@ def test_incremental_drafter_rows_match_the_stateless_reference(tiny) -> None:
     prompt's next one equals the stateless reference over all pair keys (chunked prefill included)."""
     b = backend(tiny)
     b.execute(StepPlan(0, (SeqWork(0, tuple(PROMPT[:20]), 0, BLOCKS, False),)))
-    nxt = feed(b, PROMPT[20:], 20, step=1)
-    assert b._drafts[0].rows == len(PROMPT) - 1
-    drafts = b.propose_drafts(0, nxt, 2, SamplingParams())
-    assert b._drafts[0].rows == len(PROMPT) - 1  # proposing keeps no row
+    (o,) = b.execute(StepPlan(1, (SeqWork(0, tuple(PROMPT[20:]), 20, BLOCKS, True, propose=2),))).outcomes
+    nxt, drafts = o.token, o.drafts
+    assert nxt is not None and len(drafts) == 2  # proposed in the same execute, for the next step
+    assert b.store.drafts[0].rows == len(PROMPT) - 1  # proposing keeps no row
     hidden = b.forward_hidden([SeqWork(0, tuple(PROMPT), 0, BLOCKS, True)])[0]  # the target's hidden per position
     logits, own = mtp_forward(tiny.spec, b.weights, hidden, torch.tensor([*PROMPT[1:], nxt]))
     assert drafts[0] == int(torch.argmax(logits[-1]))

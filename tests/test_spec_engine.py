@@ -4,6 +4,7 @@ sampling with speculation is keyed (replays, batch-invariant), and acceptance st
 
 from __future__ import annotations
 
+import pytest
 import structlog
 import torch
 
@@ -14,8 +15,10 @@ from atlas.engine.engine import Engine
 from atlas.engine.offline import generate
 from atlas.engine.outputs import FinishReason
 from atlas.engine.records import RecordingSink
-from atlas.engine.sampling import SamplingParams
+from atlas.errors import CapabilityError
 from atlas.model import load_model
+from atlas.registry import build_engine
+from atlas.sampling.params import SamplingParams
 from atlas.state.events import SpeculationLatchedOff, StepExecuted, StepPlanned
 
 torch.set_num_threads(1)
@@ -24,7 +27,7 @@ PROMPTS = [list(b"short"), list(b"twelve chars")]
 PARAMS = SamplingParams(max_tokens=16)
 OFF = EngineConfig(max_seq_len=64, max_batch_size=2, prefill_chunk_tokens=32)
 SPEC = EngineConfig(max_seq_len=64, max_batch_size=2, prefill_chunk_tokens=32, num_drafts=3, drafter="scripted")
-REFERENCE = [r.token_ids for r in generate(Engine.from_loaded(TINY, model="atlas-tiny", config=OFF), PROMPTS,
+REFERENCE = [r.token_ids for r in generate(build_engine("atlas-tiny", "cpu", OFF, loaded=TINY), PROMPTS,
                                            [PARAMS] * 2)]
 
 
@@ -41,11 +44,11 @@ def engine_on(backend: CpuBackend, config: EngineConfig = SPEC, drafter=None) ->
 
 
 def events(engine: Engine) -> list:
-    return [e for _, _, e, _ in engine._sink.rows]  # type: ignore[union-attr]
+    return [e for _, _, e, _ in engine.sink.rows]  # type: ignore[union-attr]
 
 
 def test_a_backend_that_cannot_select_per_row_latches_the_lane_off_before_the_bound() -> None:
-    backend = CpuBackend(TINY, num_kv_blocks=8, verify_width=4, verify_crosses_qsa_bound=False)
+    backend = CpuBackend(TINY, num_kv_blocks=8, verify_width=4, per_row_qsa_verify=False)
     engine = engine_on(backend)
     with structlog.testing.capture_logs() as logs:
         results = generate(engine, PROMPTS, [PARAMS] * 2)
@@ -74,7 +77,7 @@ def test_a_backend_that_cannot_select_per_row_latches_the_lane_off_before_the_bo
 
 def test_speculation_crosses_the_bound_on_the_cpu_backend() -> None:
     """The CPU backend selects per verify row: no latch, and the tokens are still speculation off's."""
-    engine = Engine.from_loaded(TINY, model="atlas-tiny", config=SPEC, sink=RecordingSink(), full_audit=True,
+    engine = build_engine("atlas-tiny", "cpu", SPEC, loaded=TINY, sink=RecordingSink(), full_audit=True,
                                 drafter=ScriptedDrafter(oracle))
     assert [r.token_ids for r in generate(engine, PROMPTS, [PARAMS] * 2)] == REFERENCE
     assert not any(isinstance(e, SpeculationLatchedOff) for e in events(engine))
@@ -85,19 +88,25 @@ def test_speculation_crosses_the_bound_on_the_cpu_backend() -> None:
 class TruncatedVerdicts(CpuBackend):
     """Returns one verdict too few for sequence 1's verifies: a malformed result, not a clean token."""
 
-    def _verify(self, work):  # type: ignore[no-untyped-def]
-        verdicts = super()._verify(work)
+    def verify(self, work):  # type: ignore[no-untyped-def]
+        verdicts = super().verify(work)
         return verdicts[:-1] if work.seq_id == 1 else verdicts
 
 
 class ShallowIntermediates(CpuBackend):
     """Loses the per-token intermediates past row 0 before sequence 1's commit (a pool shallower than K)."""
 
-    def commit_verify(self, seq_id: int, rows: int):  # type: ignore[no-untyped-def]
-        if seq_id == 1:
-            pending = self._pending[seq_id]
-            self._pending[seq_id] = type(pending)(pending.start, pending.tokens, pending.states[:1], pending.hidden)
-        return super().commit_verify(seq_id, rows)
+    def __init__(self, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
+        super().__init__(*args, **kwargs)
+        store, commit = self.store, self.store.commit
+
+        def shallow(seq_id: int, rows: int):  # type: ignore[no-untyped-def]
+            if seq_id == 1:
+                pending = store.pending[seq_id]
+                store.pending[seq_id] = type(pending)(pending.start, pending.tokens, pending.states[:1], pending.hidden)
+            return commit(seq_id, rows)
+
+        store.commit = shallow  # type: ignore[method-assign]
 
 
 def test_a_refused_verify_or_commit_ends_that_request_with_error_only() -> None:
@@ -110,11 +119,9 @@ def test_a_refused_verify_or_commit_ends_that_request_with_error_only() -> None:
         assert engine.state.pool.used == 0
 
 
-def test_a_verify_wider_than_the_backends_intermediates_fails_the_step_not_the_engine() -> None:
-    engine = engine_on(CpuBackend(TINY, num_kv_blocks=8, verify_width=2))
-    results = generate(engine, PROMPTS, [PARAMS] * 2)
-    assert {r.finish_reason for r in results} == {FinishReason.ERROR}
-    assert not engine.dead
+def test_a_verify_wider_than_the_backends_intermediates_is_refused_at_start() -> None:
+    with pytest.raises(CapabilityError, match="num_drafts 3 needs verify width 4; backend 'cpu' holds 2"):
+        engine_on(CpuBackend(TINY, num_kv_blocks=8, verify_width=2))
 
 
 def test_sampled_speculation_is_keyed_and_batch_invariant() -> None:
@@ -123,7 +130,7 @@ def test_sampled_speculation_is_keyed_and_batch_invariant() -> None:
     config = EngineConfig(max_seq_len=64, max_batch_size=2, prefill_chunk_tokens=32, num_drafts=2, drafter="mtp")
 
     def run(prompts, ps):  # type: ignore[no-untyped-def]
-        engine = Engine.from_loaded(TINY, model="atlas-tiny", config=config, full_audit=True)
+        engine = build_engine("atlas-tiny", "cpu", config, loaded=TINY, full_audit=True)
         return [r.token_ids for r in generate(engine, prompts, ps)], engine
 
     batched, engine = run(PROMPTS, params)
@@ -145,7 +152,7 @@ def test_logprobs_with_speculation_are_speculation_offs() -> None:
                 tops += o.new_top_logprobs
         return tokens, lps, tops
 
-    off = run(Engine.from_loaded(TINY, model="atlas-tiny", config=OFF))
+    off = run(build_engine("atlas-tiny", "cpu", OFF, loaded=TINY))
     on = run(engine_on(CpuBackend(TINY, num_kv_blocks=8, verify_width=4)))
     assert on[0] == off[0] and len(on[1]) == len(off[1]) == 12
     assert on[1] == off[1] and on[2] == off[2]  # bitwise: a verify row's logits are a decode's
@@ -157,7 +164,7 @@ def test_a_stop_inside_a_verify_cuts_the_commit_there() -> None:
     stop_text = bytes(REFERENCE[0][4:6]).decode("utf-8", errors="replace")
     for params in (SamplingParams(max_tokens=16, stop_token_ids=(stop_token,)),
                    SamplingParams(max_tokens=16, stop=(stop_text,))):
-        off = generate(Engine.from_loaded(TINY, model="atlas-tiny", config=OFF), PROMPTS, [params] * 2)
+        off = generate(build_engine("atlas-tiny", "cpu", OFF, loaded=TINY), PROMPTS, [params] * 2)
         engine = engine_on(CpuBackend(TINY, num_kv_blocks=8, verify_width=4))
         on = generate(engine, PROMPTS, [params] * 2)
         assert [(r.token_ids, r.finish_reason, r.text) for r in on] == [(r.token_ids, r.finish_reason, r.text)

@@ -21,8 +21,9 @@ from atlas.engine.engine import Engine
 from atlas.engine.offline import generate
 from atlas.engine.outputs import FinishReason
 from atlas.engine.records import RecordingSink
-from atlas.engine.sampling import SamplingParams
 from atlas.model import load_model
+from atlas.registry import build_engine
+from atlas.sampling.params import SamplingParams
 from atlas.state.events import SequencePreempted, StepExecuted, StepPlanned
 from atlas.state.invariants import audit
 
@@ -36,7 +37,7 @@ OFF = EngineConfig(max_seq_len=40, max_batch_size=1, prefill_chunk_tokens=40)
 
 
 def reference() -> list[tuple[int, ...]]:
-    engine = Engine.from_loaded(TINY, model="atlas-tiny", config=OFF)
+    engine = build_engine("atlas-tiny", "cpu", OFF, loaded=TINY)
     return [r.token_ids for r in generate(engine, PROMPTS, [PARAMS] * len(PROMPTS))]
 
 
@@ -49,7 +50,7 @@ class SpeculativeMachine(RuleBasedStateMachine):
         self.patterns: list[int] = [0]
         self.calls = 0
         self.prompt_of: dict[str, int] = {}
-        self.engine = Engine.from_loaded(TINY, model="atlas-tiny", config=CONFIG, sink=RecordingSink(),
+        self.engine = build_engine("atlas-tiny", "cpu", CONFIG, loaded=TINY, sink=RecordingSink(),
                                          full_audit=True, drafter=ScriptedDrafter(self.script))
         self.tokens: dict[str, list[int]] = {}
         self.finished: dict[str, FinishReason] = {}
@@ -126,7 +127,7 @@ def verifies(engine: Engine) -> list[tuple[int, int, tuple[int, ...], int]]:
     out: list[tuple[int, int, tuple[int, ...], int]] = []
     computed: dict[int, int] = {}
     plan = None
-    for _, _, e, _ in engine._sink.rows:  # type: ignore[union-attr]
+    for _, _, e, _ in engine.sink.rows:  # type: ignore[union-attr]
         if isinstance(e, StepPlanned):
             plan = e
         elif isinstance(e, SequencePreempted):
@@ -158,7 +159,7 @@ def test_a_full_accept_and_a_full_reject_are_both_exercised() -> None:
 @pytest.mark.parametrize("drafter", ["mtp", "ngram"])
 def test_the_real_drafters_give_the_tokens_of_speculation_off(drafter: str) -> None:
     config = EngineConfig(max_seq_len=40, max_batch_size=4, prefill_chunk_tokens=16, num_drafts=3, drafter=drafter)
-    engine = Engine.from_loaded(TINY, model="atlas-tiny", config=config, sink=RecordingSink(), full_audit=True)
+    engine = build_engine("atlas-tiny", "cpu", config, loaded=TINY, sink=RecordingSink(), full_audit=True)
     results = generate(engine, PROMPTS, [PARAMS] * len(PROMPTS))
     assert [r.token_ids for r in results] == REFERENCE
     stats = engine.stats()

@@ -13,12 +13,12 @@ from atlas.engine.sampling import SamplingParams, filtered_probs, sample_token
 from atlas.engine.speculative import (
     AcceptanceStats,
     RowVerdict,
-    VerifyRefused,
     accepted_prefix,
     draft_from,
     row_verdict,
     verify_rows,
 )
+from atlas.errors import VerifyRefused
 
 VOCAB = 8
 SEEDS = 5000

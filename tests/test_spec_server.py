@@ -6,7 +6,7 @@ from __future__ import annotations
 import httpx
 
 from atlas.config import EngineConfig
-from atlas.engine.engine import Engine
+from atlas.registry import build_engine
 from atlas.server.serve import serve_in_thread
 
 
@@ -21,7 +21,7 @@ def test_metrics_report_acceptance_by_position() -> None:
     texts = {}
     for drafts in (0, 2):
         config = EngineConfig(max_seq_len=128, max_batch_size=4, num_drafts=drafts, drafter="mtp")
-        with serve_in_thread(Engine.from_model("atlas-tiny", backend="cpu", config=config)) as served:
+        with serve_in_thread(build_engine("atlas-tiny", backend="cpu", config=config)) as served:
             texts[drafts] = [completion(served.url, p) for p in ("speculate", "the cat sat on the mat")]
             metrics = httpx.get(f"{served.url}/metrics", timeout=60).text
     assert texts[2] == texts[0]

@@ -10,19 +10,19 @@ from typer.testing import CliRunner
 
 from atlas.cli import app
 from atlas.config import EngineConfig
-from atlas.engine.engine import Engine
 from atlas.engine.offline import generate
-from atlas.engine.sampling import SamplingParams
 from atlas.model import load_model
+from atlas.registry import build_engine
 from atlas.replay.summary import summarize
 from atlas.replay.verify import verify
+from atlas.sampling.params import SamplingParams
 
 
 def test_acceptance_statistics_come_from_the_trace_and_the_run_replays(tmp_path: Path) -> None:
     torch.set_num_threads(1)
     trace = str(tmp_path / "spec.db")
     config = EngineConfig(max_seq_len=96, max_batch_size=2, prefill_chunk_tokens=32, num_drafts=3, drafter="ngram")
-    engine = Engine.from_loaded(load_model("atlas-tiny"), model="atlas-tiny", config=config, trace=trace)
+    engine = build_engine("atlas-tiny", "cpu", config, loaded=load_model("atlas-tiny"), trace=trace)
     prompts = [list(b"one two three, one two three, one two three, one two"), list(b"abcabcabcabcab")]
     params = [SamplingParams(max_tokens=24, ignore_eos=True), SamplingParams(max_tokens=20, temperature=0.8, seed=1)]
     results = generate(engine, prompts, params)

@@ -8,11 +8,12 @@ from typing import Any
 import pytest
 
 from atlas.config import EngineConfig, derive_capacities
-from atlas.engine.sampling import SamplingParams
+from atlas.errors import InvariantViolation, TransitionRefused, UnknownEvent
+from atlas.sampling.params import SamplingParams
 from atlas.state import events as ev
 from atlas.state.control import ControlState
-from atlas.state.invariants import InvariantViolation, audit, check_invariants
-from atlas.state.machines import Phase, TransitionRefused
+from atlas.state.invariants import audit, check_invariants
+from atlas.state.machines import Phase
 
 CAPS = derive_capacities(EngineConfig(max_seq_len=64, max_batch_size=4, prefill_chunk_tokens=16,
                                       block_size=8, num_kv_blocks=10))
@@ -163,7 +164,7 @@ def test_old_versions_upcast_on_read() -> None:
     try:
         assert ev.decode("test_widget", 1, {"label": "w", "size": 2}) == Widget("w", 2, "grey")
         assert ev.decode("test_widget", 3, {"name": "w", "size": 2, "colour": "red"}) == Widget("w", 2, "red")
-        with pytest.raises(ev.UnknownEvent, match="newer"):
+        with pytest.raises(UnknownEvent, match="newer"):
             ev.upcast("test_widget", 4, {})
     finally:
         del ev.EVENT_TYPES["test_widget"], ev.UPCASTERS[("test_widget", 1)], ev.UPCASTERS[("test_widget", 2)]

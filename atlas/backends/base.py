@@ -1,45 +1,158 @@
-"""The boundary between deciding and computing: StepPlan in, StepResult out.
+"""What a backend is: the Backend protocol, its declared Capabilities, and the StateStore contract.
 
-Both are plain values (no tensors), so the control plane can log, diff and replay them. A backend owns
-every tensor: weights, paged KV, QSA raw index keys, GDN conv/recurrent state, PLE n-gram context and
-short-conv state. It never decides; it executes the plan and reports its own cursors, which the engine
-checks against the state machines after every step.
+A backend owns every tensor: weights, paged KV, QSA raw index keys, GDN conv/recurrent state, PLE n-gram
+context and short-conv state, the MTP drafter's rows. It never decides; it executes one StepPlan
+(atlas.plan) per step and reports its own cursors, which the engine checks against the state machines after
+every step. What it can do is a frozen Capabilities record, checked against the configuration once, when
+the engine is built (`Capabilities.check`): one clear error naming the knob, never a feature probe later.
+
+Per-sequence data-plane state is behind the `StateStore` contract: snapshot at a boundary, restore, commit
+the first rows of a verify, release, prefix-snapshot store/load and the drafter carry, each covering the KV
+rows, QSA keys, GDN conv and recurrent state, PLE state and drafter rows together. The CPU reference
+implements it over immutable per-chunk states, the CUDA backend over slot pools in device memory; the
+conformance tests (tests/backends/test_state_store.py) run against any backend that declares it.
 """
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import attrs
 
-from atlas.engine.sampling import SamplingParams
-from atlas.engine.speculative import RowVerdict
+from atlas.errors import CapabilityError, RestoreRefused
+from atlas.plan import (
+    BackendCursors,
+    CarryOrder,
+    PrefixRestore,
+    PrefixStore,
+    RingRestore,
+    RingSnapshot,
+    StepPlan,
+    StepResult,
+)
 
 
 @attrs.frozen
-class SeqWork:
-    """One sequence's share of a step: feed `tokens` at positions [start, start + len(tokens))."""
+class Capabilities:
+    """What a backend can do, declared once (frozen), read by the engine builder and the lanes."""
 
-    seq_id: int
-    tokens: tuple[int, ...]
-    start: int
-    # KV block ids in order; block i holds positions [i * block_size, (i + 1) * block_size). It covers at
-    # least start + len(tokens) positions.
-    block_table: tuple[int, ...]
-    # sample one token from the logits of the last fed position (last prefill chunk, or decode)
-    sample: bool
-    sampling: SamplingParams = SamplingParams()
-    # tokens the sampler may not pick at the sampled position (a content-loop rollback's re-steer)
-    banned: tuple[int, ...] = ()
-    # a verify when non-empty: the drafts are fed after `tokens` (exactly one, the last sampled token) at
-    # [end, end + len(drafts)), verdicts come back per row, and nothing is committed until commit_verify
-    drafts: tuple[int, ...] = ()
-    # the MTP drafter's lowest pair key (0: it sees the prompt; prompt_len - 1 with its context off)
-    drafter_first_key: int = 0
+    verify: bool = False  # K-wide verify of drafts with the accepted prefix committed exactly
+    per_row_qsa_verify: bool = False  # QSA selection per verify row: a verify across the inert bound is exact
+    mtp_drafting: bool = False  # the backend's own MTP drafter proposes (SeqWork.propose)
+    snapshot_ring: bool = False  # boundary snapshots and restores (content-loop rollback)
+    prefix_snapshots: bool = False  # prefix-cache snapshots and the drafter carry
+    batch_invariant: bool = False  # a request's tokens do not depend on the batch it runs in
+    fp32_parity: bool = False  # fp32 numerics whose greedy tokens equal the CPU reference's
+    max_verify_width: int = 1  # rows per verify the backend holds per-token intermediates for
+    prompt_logprobs: bool = False  # logprobs of prompt tokens (SeqWork.prompt_logprobs)
 
-    @property
-    def end(self) -> int:
-        return self.start + len(self.tokens)
+    def check(self, config: Any, caps: Any, backend: str, *, custom_drafter: bool = False) -> None:
+        """Refuse, before anything runs, a configuration this backend cannot serve (atlas.config types)."""
+        def refuse(feature: str, knob: str) -> CapabilityError:
+            return CapabilityError(f"backend {backend!r} does not support {feature}: set {knob}")
+
+        if config.num_drafts:
+            if not self.verify:
+                raise refuse("speculative decoding", f"num_drafts 0 (got {config.num_drafts}; --num-drafts 0)")
+            if caps.verify_width > self.max_verify_width:
+                raise CapabilityError(f"num_drafts {config.num_drafts} needs verify width {caps.verify_width}; "
+                                      f"backend {backend!r} holds {self.max_verify_width} rows per verify")
+            if config.drafter == "mtp" and not custom_drafter and not self.mtp_drafting:
+                raise refuse("the MTP drafter (the model has no mtp.* weights, or the backend runs none)",
+                             "--drafter ngram, or num_drafts 0")
+        if config.ring_slots and not self.snapshot_ring:
+            raise refuse("the snapshot ring for rollback", f"ring_slots 0 (got {config.ring_slots}; --ring-slots 0)")
+        if config.enable_prefix_caching and not self.prefix_snapshots:
+            raise refuse("prefix caching", "enable_prefix_caching False (--no-prefix-caching)")
+
+
+@runtime_checkable
+class Backend(Protocol):
+    name: str
+    capabilities: Capabilities
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        """Run one plan (atlas.plan's order). A refused order or commit is reported per sequence
+        (SeqOutcome.refused / StepResult.refused); anything else that goes wrong raises, and the engine fails the
+        plan's requests (DeviceFault(fatal=True): the engine dies)."""
+        ...
+
+    def cursors(self, seq_id: int) -> BackendCursors: ...
+
+
+@runtime_checkable
+class StateStore(Protocol):
+    """Per-sequence data-plane state. Every method checks its preconditions first and raises RestoreRefused
+    (VerifyRefused for a commit) having changed nothing."""
+
+    def reset(self, seq_id: int) -> None:
+        """Back to empty (a sequence starting afresh, or preempted); its KV blocks are the caller's."""
+        ...
+
+    def release(self, seq_id: int) -> None:
+        """Drop everything held for the sequence (finished); unknown sequences are ignored."""
+        ...
+
+    def snapshot(self, order: RingSnapshot) -> None:
+        """Store the sequence's state, which must be exactly at `order.position`, into its ring slot."""
+        ...
+
+    def restore(self, order: RingRestore) -> BackendCursors:
+        """Rewind every cursor and all state to the ring snapshot at `order.position`, dropping later ones."""
+        ...
+
+    def commit(self, seq_id: int, rows: int) -> BackendCursors:
+        """Keep the first `rows` rows of the sequence's pending verify (1 <= rows <= K), dropping the rest."""
+        ...
+
+    def store_prefix(self, order: PrefixStore) -> None: ...
+
+    def load_prefix(self, order: PrefixRestore) -> None: ...
+
+    def carry(self, order: CarryOrder) -> None: ...
+
+    def cursors(self, seq_id: int) -> BackendCursors: ...
+
+    def state_digest(self, seq_id: int, *, drafter: bool = True) -> str:
+        """A digest of every state byte the sequence's data-plane state holds up to its position (KV rows,
+        QSA keys, GDN conv + recurrent, PLE, and the drafter rows unless `drafter` is False): equal digests mean
+        equal states."""
+        ...
+
+
+@attrs.frozen
+class OrdersDone:
+    """What running a plan's orders left: sequences whose restore was refused (why), and the cursors of every
+    sequence a rollback restore named, refused or not (StepResult.touched when it has no work in the plan)."""
+
+    refused: dict[int, str]
+    restored: dict[int, BackendCursors]
+
+
+def run_orders(store: StateStore, plan: StepPlan) -> OrdersDone:
+    """Steps 1-4 of a plan (atlas.plan): prefix stores, the carry, releases, resets, then the restores.
+    A refused restore leaves its sequence as it was and is reported; the step goes on for the others."""
+    for o in plan.prefix_stores:
+        store.store_prefix(o)
+    store.carry(plan.carry)
+    for seq_id in plan.release:
+        store.release(seq_id)
+    for seq_id in plan.reset:
+        store.reset(seq_id)
+    refused: dict[int, str] = {}
+    restored: dict[int, BackendCursors] = {}
+    for r in plan.restores:
+        try:
+            restored[r.seq_id] = store.restore(r)
+        except RestoreRefused as exc:
+            refused[r.seq_id] = f"rollback restore refused: {exc}"
+            restored[r.seq_id] = store.cursors(r.seq_id)  # what it left: a refusal must have moved nothing
+    for p in plan.prefix_restores:
+        try:
+            store.load_prefix(p)
+        except RestoreRefused as exc:
+            refused[p.seq_id] = f"prefix restore refused: {exc}"
+    return OrdersDone(refused, restored)
 
 
 class ChunkLike(Protocol):
@@ -61,93 +174,3 @@ def check_chunk(chunk: ChunkLike, vocab_size: int, held: int) -> None:
         raise ValueError(f"sequence {chunk.seq_id}: token ids {bad[:5]} outside the vocabulary [0, {vocab_size})")
     if chunk.start != 0 and chunk.start != held:
         raise ValueError(f"sequence {chunk.seq_id}: chunk starts at {chunk.start} but the backend holds {held} tokens")
-
-
-@attrs.frozen
-class StepPlan:
-    step: int
-    work: tuple[SeqWork, ...]
-    # sequences whose data-plane state is dropped before the work runs (finished, cancelled)
-    release: tuple[int, ...] = ()
-    # sequences whose data-plane state is reset to empty before the work runs (preempted, requeued)
-    reset: tuple[int, ...] = ()
-    # (seq_id, position, slot): after the work, store the sequence's state (its work ends at `position`) into
-    # its ring slot, for a later rollback (Backend.restore_boundary)
-    snapshots: tuple[tuple[int, int, int], ...] = ()
-    # prefix caching (atlas.state.prefix.PrefixOrders), in this order, before the releases and the work:
-    # (seq_id, position, key, evicted): store the sequence's state at `position` as prefix snapshot `key`
-    prefix_stores: tuple[tuple[int, int, int, int], ...] = ()
-    carry_drop: bool = False  # drop the carried drafter entry
-    carry_store: int = -1  # keep this released sequence's drafter rows as the carried entry
-    # (seq_id, key, position, block table, drafter first key, drafter last key, adopt): after the releases,
-    # start the sequence at `position` from prefix snapshot `key` (the drafter from the carry when adopt)
-    prefix_restores: tuple[tuple[int, int, int, tuple[int, ...], int, int, bool], ...] = ()
-
-
-@attrs.frozen
-class BackendCursors:
-    """What the data plane says it holds for one sequence. Each must equal the control plane's view."""
-
-    kv_tokens: int  # positions written to KV (attention layers)
-    qsa_ingested: int  # raw index keys ingested (QSA layers; equals kv_tokens when the model has none)
-    ssm_position: int  # tokens folded into GDN conv + recurrent state
-    ple_position: int  # tokens folded into the PLE n-gram context and short-conv state
-    drafter_rows: int = 0  # MTP drafter pair keys held
-
-
-@attrs.frozen
-class SeqOutcome:
-    seq_id: int
-    cursors: BackendCursors
-    token: int | None = None  # sampled token when SeqWork.sample
-    logprob: float | None = None
-    top_logprobs: tuple[tuple[int, float], ...] = ()
-    verdicts: tuple[RowVerdict, ...] = ()  # a verify's per-row verdicts (K = drafts + 1), else empty
-
-
-@attrs.frozen
-class StepResult:
-    step: int
-    outcomes: tuple[SeqOutcome, ...]
-
-
-class DeviceFault(RuntimeError):
-    """A fault raised by the data plane. `fatal` faults (sticky CUDA errors) mean the context is dead."""
-
-    def __init__(self, message: str, *, fatal: bool) -> None:
-        super().__init__(message)
-        self.fatal = fatal
-
-
-class Backend(Protocol):
-    name: str
-
-    def execute(self, plan: StepPlan) -> StepResult: ...
-
-    def cursors(self, seq_id: int) -> BackendCursors: ...
-
-
-class RollbackBackend(Backend, Protocol):
-    """A backend with a snapshot ring (StepPlan.snapshots fill it)."""
-
-    def restore_boundary(self, seq_id: int, slot: int, position: int) -> BackendCursors:
-        """Rewind every cursor and all recurrent state of the sequence to the snapshot at `position` held in
-        `slot`, dropping the snapshots past it; pre-validates and raises ValueError having changed nothing."""
-        ...
-
-
-class SpeculativeBackend(Backend, Protocol):
-    """A backend that can verify drafts. `verify_crosses_qsa_bound`: verify applies QSA selection per row,
-    so a verify across the inert bound is exact (False makes the engine latch the lane off before one could
-    cross)."""
-
-    verify_crosses_qsa_bound: bool
-
-    def commit_verify(self, seq_id: int, rows: int) -> BackendCursors:
-        """Keep the first `rows` rows of the sequence's pending verify (1 <= rows <= K), dropping the rest
-        from every cursor; pre-validates every layer and raises VerifyRefused having changed nothing."""
-        ...
-
-    def propose_drafts(self, seq_id: int, next_token: int, k: int, params: SamplingParams) -> tuple[int, ...]:
-        """Drafts from the backend's own drafter (MTP) for the token after `next_token`."""
-        ...

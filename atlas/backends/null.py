@@ -10,7 +10,19 @@ from __future__ import annotations
 
 import attrs
 
-from atlas.backends.base import BackendCursors, SeqOutcome, StepPlan, StepResult
+from atlas.backends.base import Capabilities, run_orders
+from atlas.errors import RestoreRefused, VerifyRefused
+from atlas.plan import (
+    BackendCursors,
+    CarryOrder,
+    PrefixRestore,
+    PrefixStore,
+    RingRestore,
+    RingSnapshot,
+    SeqOutcome,
+    StepPlan,
+    StepResult,
+)
 
 _MASK = (1 << 64) - 1
 BYTE_VOCAB = 256
@@ -41,12 +53,14 @@ def _mix(h: int) -> int:
 
 @attrs.define
 class _SeqData:
-    fed: int = 0
+    fed: int = 0  # tokens folded in: its KV, recurrent and PLE cursors
     rolling: int = 0
+    keys: int = 0  # its QSA keys (moved with `fed` by every honest operation; separate so a desync can show)
 
 
 class NullBackend:
     name = "null"
+    capabilities = Capabilities(snapshot_ring=True, batch_invariant=True)
 
     def __init__(self, vocab_size: int = ByteTokenizer.vocab_size, eos_token_id: int | None = BYTE_VOCAB,
                  eos_rate: int = 0) -> None:
@@ -68,15 +82,55 @@ class NullBackend:
             token = (token + 1) % self.vocab_size
         return token
 
+    # -- the StateStore contract, as far as a backend without tensors has state --------------------
+
+    def reset(self, seq_id: int) -> None:
+        self._seqs.pop(seq_id, None)
+        self._ring.pop(seq_id, None)
+
+    def release(self, seq_id: int) -> None:
+        self.reset(seq_id)
+
+    def snapshot(self, order: RingSnapshot) -> None:
+        data = self._seqs[order.seq_id]
+        if data.fed == order.position:  # a misplaced snapshot is not stored: the restore will refuse it
+            self._ring.setdefault(order.seq_id, {})[order.slot] = _SeqData(data.fed, data.rolling, data.keys)
+
+    def restore(self, order: RingRestore) -> BackendCursors:
+        seq_id, slot, position = order.seq_id, order.slot, order.position
+        snap = self._ring.get(seq_id, {}).get(slot)
+        if seq_id not in self._seqs or snap is None or snap.fed != position or position > self._seqs[seq_id].fed:
+            raise RestoreRefused(f"sequence {seq_id}: no snapshot at {position} in ring slot {slot}")
+        self._seqs[seq_id] = _SeqData(snap.fed, snap.rolling, snap.keys)
+        ring = self._ring[seq_id]
+        for s in [s for s, held in ring.items() if held.fed > position]:
+            del ring[s]
+        return self.cursors(seq_id)
+
+    def commit(self, seq_id: int, rows: int) -> BackendCursors:
+        raise VerifyRefused("the null backend verifies no drafts")
+
+    def store_prefix(self, order: PrefixStore) -> None:
+        raise RestoreRefused("the null backend keeps no prefix snapshots")
+
+    def load_prefix(self, order: PrefixRestore) -> None:
+        raise RestoreRefused("the null backend keeps no prefix snapshots")
+
+    def carry(self, order: CarryOrder) -> None:
+        if order.drop or order.store >= 0:
+            raise RestoreRefused("the null backend keeps no drafter carry")
+
+    def state_digest(self, seq_id: int, *, drafter: bool = True) -> str:
+        data = self._seqs.get(seq_id)
+        return "absent" if data is None else f"{data.fed}:{data.rolling:016x}"
+
     def execute(self, plan: StepPlan) -> StepResult:
-        for seq_id in plan.release:
-            self._seqs.pop(seq_id, None)
-            self._ring.pop(seq_id, None)
-        for seq_id in plan.reset:
-            self._seqs.pop(seq_id, None)
-            self._ring.pop(seq_id, None)
+        done = run_orders(self, plan)
         outcomes = []
         for w in plan.work:
+            if w.seq_id in done.refused:
+                outcomes.append(SeqOutcome(w.seq_id, self.cursors(w.seq_id), accepted=-1, refused=done.refused[w.seq_id]))
+                continue
             data = self._seqs.get(w.seq_id)
             if data is None:
                 data = self._seqs[w.seq_id] = _SeqData()
@@ -86,34 +140,25 @@ class NullBackend:
                     h = (h * 0x100000001B3 + t + 1) & _MASK
                 data.rolling = h
                 data.fed += len(w.tokens)
+                data.keys += len(w.tokens)
             token = None
             if w.sample:
                 seed = None if w.sampling.greedy else w.sampling.seed
                 token = self._pick(data, seed, data.fed)
                 while token in w.banned:  # a rollback's re-steer: the next id that is not banned
                     token = (token + 1) % self.vocab_size
-            n = data.fed
-            outcomes.append(SeqOutcome(w.seq_id, BackendCursors(n, n, n, n, 0), token))
-        for seq_id, position, slot in plan.snapshots:
-            data = self._seqs[seq_id]
-            if data.fed == position:  # a misplaced snapshot is not stored: the restore will refuse it
-                self._ring.setdefault(seq_id, {})[slot] = _SeqData(data.fed, data.rolling)
-        return StepResult(plan.step, tuple(outcomes))
-
-    def restore_boundary(self, seq_id: int, slot: int, position: int) -> BackendCursors:
-        snap = self._ring.get(seq_id, {}).get(slot)
-        if seq_id not in self._seqs or snap is None or snap.fed != position or position > self._seqs[seq_id].fed:
-            raise ValueError(f"sequence {seq_id}: no snapshot at {position} in ring slot {slot}")
-        self._seqs[seq_id] = _SeqData(snap.fed, snap.rolling)
-        ring = self._ring[seq_id]
-        for s in [s for s, held in ring.items() if held.fed > position]:
-            del ring[s]
-        return self.cursors(seq_id)
+            outcomes.append(SeqOutcome(w.seq_id, self.cursors(w.seq_id), token))
+        for s in plan.snapshots:
+            self.snapshot(s)
+        in_work = {w.seq_id for w in plan.work}
+        return StepResult(plan.step, tuple(outcomes),
+                          touched=tuple((s, c) for s, c in done.restored.items() if s not in in_work),
+                          refused=tuple((s, why) for s, why in done.refused.items() if s not in in_work))
 
     def cursors(self, seq_id: int) -> BackendCursors:
         data = self._seqs.get(seq_id, _SeqData())
         n = data.fed
-        return BackendCursors(n, n, n, n, 0)
+        return BackendCursors(n, data.keys, n, n, 0)
 
     def live_sequences(self) -> list[int]:
         return sorted(self._seqs)

@@ -7,8 +7,9 @@ from collections.abc import Callable, Sequence
 import attrs
 
 from atlas.engine.engine import Engine
-from atlas.engine.outputs import FinishReason, QueueFull
-from atlas.engine.sampling import SamplingParams
+from atlas.engine.outputs import FinishReason
+from atlas.errors import QueueFull
+from atlas.sampling.params import SamplingParams
 
 
 @attrs.frozen

@@ -2,32 +2,9 @@
 
 from __future__ import annotations
 
-from enum import Enum
-
 import attrs
 
-
-class FinishReason(str, Enum):  # noqa: UP042 (str() stays "FinishReason.STOP"; .value is the wire form)
-    STOP = "stop"  # EOS, a stop string or stop token, or a deliberate hard stop (with its detail)
-    LENGTH = "length"  # max_tokens, or the capacity left, ran out
-    ERROR = "error"  # the engine failed this request; never reported as stop or length
-    CANCELLED = "cancelled"  # the client went away (not an OpenAI finish_reason; never sent to a client)
-
-
-class AdmissionError(ValueError):
-    """A request refused before anything ran (HTTP 400). The message names the knob and the numbers."""
-
-    def __init__(self, message: str, *, param: str | None = None) -> None:
-        super().__init__(message)
-        self.param = param
-
-
-class QueueFull(RuntimeError):
-    """The waiting queue is at its bound (EngineConfig.max_waiting): try again later (HTTP 503/429)."""
-
-
-class EngineDead(RuntimeError):
-    """The engine hit a fatal fault; nothing more can run in this process."""
+from atlas.state.machines import FinishReason
 
 
 @attrs.frozen

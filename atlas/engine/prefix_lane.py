@@ -1,9 +1,10 @@
 """The engine's side of prefix caching and the drafter carry, kept out of `Engine.step`'s way.
 
-Per step:
+Per step, each a generator of events that reads the live state between them (the engine applies every
+event before the next decision is made):
 - `admit` (before the scheduler): each waiting sequence whose tokens hit the cache starts running from the
   hit (PrefixCacheHit, then CarryAdopted when it keeps the carried drafter rows);
-- `admitted` (after it): a cold new turn releases the carried entry (CarryReleased);
+- `admitted` (the scheduler's cold admissions): a cold new turn releases the carried entry (CarryReleased);
 - `after_step`: every sequence that fed a prefill chunk this step stores a snapshot where the chunk ended
   (PrefixSnapshotted), and warm/cold drafter coverage is sampled when a prompt's prefill completes;
 - `on_finish` (before a stop/length RequestFinished): a snapshot at the sequence's end and, with the drafter
@@ -13,15 +14,13 @@ Decisions depend only on the control-plane state, so replay reproduces them.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Iterator
 
 import attrs
 import structlog
 
-from atlas.backends.base import StepPlan
-from atlas.config import Capacities, CapacityError
+from atlas.config import Capacities
 from atlas.engine.outputs import FinishReason
-from atlas.engine.prefix_cache import plan_adoption
 from atlas.state.control import ControlState
 from atlas.state.events import (
     CarryAdopted,
@@ -32,11 +31,10 @@ from atlas.state.events import (
     PrefixSnapshotted,
 )
 from atlas.state.machines import Sequence
-from atlas.state.prefix import PrefixOrders, expected_first_key, free_order
+from atlas.state.prefix import expected_first_key, free_order
+from atlas.state.prefix_index import plan_adoption
 
 log = structlog.get_logger("atlas.prefix")
-
-Emit = Callable[[Event], None]
 
 
 @attrs.define
@@ -64,20 +62,17 @@ class PrefixStats:
 
 
 class PrefixLane:
-    def __init__(self, caps: Capacities, backend: object) -> None:
-        if not callable(getattr(backend, "restore_prefix", None)):
-            raise CapacityError(f"enable_prefix_caching needs a backend with prefix snapshots; backend "
-                                f"{getattr(backend, 'name', '?')!r} has none (turn prefix caching off)")
+    def __init__(self, caps: Capacities) -> None:
         self.caps = caps
         self.stats = PrefixStats()
         self._turns: dict[int, bool] = {}  # new turns whose prefill is running -> warm (hit) or cold
 
     # -- admission ------------------------------------------------------------------------------------
 
-    def admit(self, state: ControlState, emit: Emit, step: int) -> None:
+    def admit(self, state: ControlState) -> Iterator[Event]:
         cache = state.prefix
         assert cache is not None
-        caps, bs, pool = self.caps, self.caps.block_size, state.pool
+        caps, bs, pool, step = self.caps, self.caps.block_size, state.pool, state.step
         slots = caps.max_batch_size - len(state.running)
         available = len(pool.free)
         # arrival order, only as many as there are batch slots (a sequence waiting for a slot is not hashed again
@@ -95,12 +90,14 @@ class PrefixLane:
             tail = -1
             if hit.position % bs:
                 tail = next(b for b in free_order(pool.free, cache.hash_of) if b not in hit.blocks)
-            first, last, adopt = self._drafter_keys(state, seq, hit.position, emit, step)
-            emit(PrefixCacheHit(step, seq_id, hit.key, hit.position, hit.matched, hit.replay, hit.blocks, tail,
+            first, last, adopt, release = self._drafter_keys(state, seq, hit.position)
+            if release:
+                yield CarryReleased(step, "unusable")
+            yield (PrefixCacheHit(step, seq_id, hit.key, hit.position, hit.matched, hit.replay, hit.blocks, tail,
                                 first, last))
             if adopt is not None:
                 appended = len(tokens) - 2 - adopt.last_pair_key
-                emit(CarryAdopted(step, seq_id, adopt.rows, appended, adopt.common))
+                yield CarryAdopted(step, seq_id, adopt.rows, appended, adopt.common)
                 self.stats.carry_adopted += 1
                 self.stats.carry_rows_kept += adopt.rows
                 self.stats.carry_rows_appended += appended
@@ -112,60 +109,62 @@ class PrefixLane:
                 self._turns[seq_id] = True
             available -= revived + need
 
-    def _drafter_keys(self, state: ControlState, seq: Sequence, position: int, emit: Emit, step: int):
-        """The drafter keys a hit starts with: the carry's usable rows, else none from the snapshot on. A carry
-        the prompt cannot use is released (one slot: it is another session's)."""
+    def _drafter_keys(self, state: ControlState, seq: Sequence, position: int):
+        """The drafter keys a hit starts with: the carry's usable rows, else none from the snapshot on; and
+        whether the carry goes first, when the prompt cannot use it (one slot: it is another session's)."""
         if not seq.drafter.mtp:
-            return 0, -1, None
+            return 0, -1, None, False
         adopt = None
+        release = False
         if state.carry is not None and seq.preemptions == 0:
             adopt = plan_adoption(state.carry, seq.cursor.tokens, position)
-            if adopt is None:
-                emit(CarryReleased(step, "unusable"))
+            release = adopt is None
         if adopt is not None:
-            return adopt.first_key, adopt.last_pair_key, adopt
+            return adopt.first_key, adopt.last_pair_key, adopt, False
         first = expected_first_key(state, seq, position)
-        return first, first - 1, None
+        return first, first - 1, None, release
 
-    def admitted(self, state: ControlState, admitted: tuple[int, ...], emit: Emit, step: int) -> None:
+    def admitted(self, state: ControlState, admitted: tuple[int, ...]) -> Iterator[Event]:
         """Cold admissions (the scheduler's): counted as queries; a new cold turn releases the carry."""
+        released = False
         for seq_id in admitted:
             seq = state.seqs[seq_id]
             self.stats.queries += 1
             if seq.preemptions == 0:
                 self._turns[seq_id] = False
-                if state.carry is not None:
-                    emit(CarryReleased(step, "cold turn"))
+                if state.carry is not None and not released:
+                    released = True
+                    yield CarryReleased(state.step, "cold turn")
 
     # -- snapshots and the carry ----------------------------------------------------------------------
 
-    def after_step(self, state: ControlState, prefilled: list[int], emit: Emit, step: int) -> None:
+    def after_step(self, state: ControlState, prefilled: list[int], step: int) -> Iterator[Event]:
         for seq_id in prefilled:
             seq = state.seqs.get(seq_id)
             if seq is None or not seq.on_device or seq.cursor.computed == 0:
                 continue
-            self._snapshot(state, seq, emit, step)
+            yield from self._snapshot(state, seq, step)
             if seq_id in self._turns and seq.cursor.computed >= seq.cursor.prompt_len:
                 self._coverage(seq, self._turns.pop(seq_id))
 
-    def on_finish(self, state: ControlState, seq: Sequence, reason: FinishReason, emit: Emit, step: int) -> None:
+    def on_finish(self, state: ControlState, seq: Sequence, reason: FinishReason, step: int) -> Iterator[Event]:
         """Before a finished sequence's RequestFinished: its end becomes a snapshot and, with the drafter
         context on, its drafter rows the carried entry. An error's state is not trusted: nothing is kept."""
         self._turns.pop(seq.seq_id, None)
         if reason not in (FinishReason.STOP, FinishReason.LENGTH) or not seq.on_device or seq.cursor.computed == 0:
             return
-        self._snapshot(state, seq, emit, step)
+        yield from self._snapshot(state, seq, step)
         d = seq.drafter
         if self.caps.drafter_context and d.mtp and d.rows:
-            emit(CarryStored(step, seq.seq_id, d.first_key, d.last_pair_key))
+            yield CarryStored(step, seq.seq_id, d.first_key, d.last_pair_key)
 
-    def _snapshot(self, state: ControlState, seq: Sequence, emit: Emit, step: int) -> None:
+    def _snapshot(self, state: ControlState, seq: Sequence, step: int) -> Iterator[Event]:
         cache = state.prefix
         assert cache is not None
         snap = cache.snapshot_for(seq.cursor.tokens, seq.cursor.computed, seq.prefix_chain)
         evicted = cache.placement(snap.key)
         if evicted is not None:
-            emit(PrefixSnapshotted(step, seq.seq_id, snap.position, snap.key, evicted))
+            yield PrefixSnapshotted(step, seq.seq_id, snap.position, snap.key, evicted)
 
     def _coverage(self, seq: Sequence, warm: bool) -> None:
         if not seq.drafter.mtp:
@@ -176,16 +175,3 @@ class PrefixLane:
         else:
             self.stats.cold_prompt_tokens += seq.cursor.prompt_len
             self.stats.cold_drafter_rows += seq.drafter.rows
-
-    # -- the plan -------------------------------------------------------------------------------------
-
-    @staticmethod
-    def capture(state: ControlState) -> PrefixOrders:
-        """The orders the next StepPlanned clears, copied before it is applied."""
-        o = state.prefix_orders
-        return PrefixOrders(list(o.stores), list(o.restores), o.carry_store, o.carry_drop)
-
-    @staticmethod
-    def into(plan: StepPlan, orders: PrefixOrders) -> StepPlan:
-        return attrs.evolve(plan, prefix_stores=tuple(orders.stores), carry_drop=orders.carry_drop,
-                            carry_store=orders.carry_store, prefix_restores=tuple(orders.restores))

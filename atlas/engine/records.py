@@ -3,7 +3,7 @@ and the held-back output of a non-streaming request."""
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Any, Protocol
 
 import attrs
 
@@ -87,3 +87,32 @@ class EngineStats:
     carry_adopted_total: int = 0
     drafter_coverage_warm: float = 0.0
     drafter_coverage_cold: float = 0.0
+
+
+def engine_stats(engine: Any) -> EngineStats:
+    """The statistics of an atlas.engine.engine.Engine."""
+    state, counts = engine.state, engine.book.counts
+    pool = state.pool
+    extra: dict[str, Any] = {}
+    spec = engine.lanes.spec
+    if spec is not None:
+        acc = spec.stats
+        unc = acc.p_unconditional()
+        extra.update(spec_verify_steps=acc.verify_steps, spec_drafts_proposed=acc.drafts_proposed,
+                     spec_drafts_accepted=acc.drafts_accepted, spec_tokens_per_verify=acc.tokens_per_verify,
+                     spec_acceptance_p1=unc[0] if unc else 0.0, spec_acceptance_unconditional=tuple(unc),
+                     spec_acceptance_conditional=tuple(acc.p_conditional()),
+                     spec_latched_off_total=spec.latched_total)
+    prefix = engine.lanes.prefix
+    if prefix is not None:
+        s = prefix.stats
+        extra.update(prefix_cache_queries=s.queries, prefix_cache_hits=s.hits, prefix_tokens_saved=s.tokens_saved,
+                     prefix_tokens_replayed=s.tokens_replayed, carry_adopted_total=s.carry_adopted,
+                     drafter_coverage_warm=s.warm_coverage, drafter_coverage_cold=s.cold_coverage)
+    return EngineStats(
+        step=state.step, num_running=len(state.running), num_waiting=len(state.waiting), kv_blocks_total=pool.total,
+        kv_blocks_used=pool.used, kv_usage=pool.used / pool.total, invariant_checks=engine.journal.checks,
+        trace_events_written=engine.journal.index if engine.sink is not None else 0,
+        prompt_tokens_total=counts.prompt_tokens, generation_tokens_total=counts.generated_tokens,
+        preemptions_total=state.preemptions_total, rollbacks_total=counts.rollbacks,
+        rollback_declines_total=counts.rollback_declines, **extra)

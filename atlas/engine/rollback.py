@@ -10,7 +10,8 @@ tokens b..keep-1 are fed again (exact: the backend's bits depend only on the tok
 token that opened the loop is banned at position `keep`, so the resample there takes another path. A loop
 that opens at the first generated token cannot be re-steered (no snapshot lies before it) and declines.
 
-Declines, each a typed reason, are decided before anything moves; the request then ends with `stop`.
+Declines, each a typed reason, are decided before anything moves; the request then ends with `stop`. The data
+plane's restore is an order of the next plan (atlas.plan.RingRestore).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from enum import Enum
 
 import attrs
 
+from atlas.plan import RingSnapshot
 from atlas.state.machines import Phase, Sequence
 
 
@@ -47,16 +49,6 @@ class RollbackDecline:
     keep: int
 
 
-@attrs.frozen
-class SnapshotOrder:
-    """Store sequence `seq_id`'s state at `position` (the end of its work in this step) into `slot`."""
-
-    seq_id: int
-    position: int
-    slot: int
-    evicted: int  # the position the slot held before, -1 if free
-
-
 def is_boundary(position: int, prompt_len: int, interval: int) -> bool:
     return position >= prompt_len and (position - prompt_len) % interval == 0
 
@@ -69,7 +61,7 @@ def next_boundary(computed: int, prompt_len: int, interval: int) -> int:
 
 
 def plan_snapshots(seqs: dict[int, Sequence], work: tuple[int, ...], fed: tuple[int, ...],
-                   interval: int) -> tuple[SnapshotOrder, ...]:
+                   interval: int) -> tuple[RingSnapshot, ...]:
     """The snapshots a step takes after its work: a sequence whose work ends on a boundary it does not
     hold yet. Deterministic in plan order."""
     orders = []
@@ -81,7 +73,7 @@ def plan_snapshots(seqs: dict[int, Sequence], work: tuple[int, ...], fed: tuple[
         last = seq.ring.snapshots[-1][0] if seq.ring.snapshots else -1
         if end > last and is_boundary(end, seq.cursor.prompt_len, interval):
             slot, evicted = seq.ring.place()
-            orders.append(SnapshotOrder(seq_id, end, slot, evicted))
+            orders.append(RingSnapshot(seq_id, end, slot, evicted))
     return tuple(orders)
 
 

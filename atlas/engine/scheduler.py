@@ -1,4 +1,4 @@
-"""The scheduler: a pure function from the control-plane state to the next step's decisions.
+"""The batching decision: a pure function from the control-plane state to the next step's work.
 
 Continuous batching under one token budget per step (Capacities.max_batch_tokens): running sequences
 first, in arrival order (a decode takes one token, an unfinished prefill takes a chunk of what is left),
@@ -61,7 +61,7 @@ class _FreeBlocks:
         self.available += len(blocks)
 
 
-def schedule(state: ControlState, drafts: Mapping[int, int] | None = None) -> Schedule:
+def batch(state: ControlState, drafts: Mapping[int, int] | None = None) -> Schedule:
     """`drafts`: how many drafts each decoding sequence offers. A verify takes 1 + drafts tokens of budget
     and KV for all of them; drafts are cut to what the budget leaves, never below a plain decode."""
     drafts = drafts or {}

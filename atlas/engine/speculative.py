@@ -23,6 +23,7 @@ import attrs
 import torch
 
 from atlas.engine.sampling import SamplingParams, filtered_probs, logprobs_of, sample_token, uniform_for
+from atlas.errors import VerifyRefused
 
 # salts keep the acceptance draw and the residual draw of a position independent of each other and of the
 # plain sampling draw at that position (which the bonus token reuses, so a verify's last row samples the
@@ -41,11 +42,6 @@ class RowVerdict:
     token: int
     logprob: float | None = None
     top_logprobs: tuple[tuple[int, float], ...] = ()
-
-
-class VerifyRefused(ValueError):
-    """The verdicts cannot be turned into an exact commit (wrong count, a draft that is not the token it
-    accepts, a token outside the vocabulary). The request ends with `error`, never `stop`."""
 
 
 def keyed_uniform(seed: int, position: int, salt: int) -> float:

@@ -13,7 +13,7 @@ from typing import Protocol
 import attrs
 
 from atlas.engine.outputs import FinishReason
-from atlas.engine.sampling import SamplingParams
+from atlas.sampling.params import SamplingParams
 
 
 class Tokenizer(Protocol):

@@ -2,48 +2,21 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 from pathlib import Path
 
-import attrs
 import torch
 
-from atlas.model.spec import ModelSpec, load_spec
-from atlas.model.tokenizer import Tokenizer, load_tokenizer
+from atlas.model.loaded import TINY_MODEL_NAME, LoadedModel, fingerprint
+from atlas.model.spec import load_spec
+from atlas.model.tiny import build_tiny
+from atlas.model.tokenizer import load_tokenizer
 from atlas.model.weights import load_weights, normalise, read_safetensors
-
-TINY_MODEL_NAME = "atlas-tiny"
-
-
-@attrs.frozen
-class LoadedModel:
-    name: str  # "atlas-tiny" or the checkpoint dir's basename
-    spec: ModelSpec
-    weights: dict[str, torch.Tensor]  # Atlas's names and layouts (atlas.model.weights)
-    tokenizer: Tokenizer
-    fingerprint: str  # sha256 over the config and every tensor's name, shape and bytes
-    dtype: torch.dtype
-
-    @property
-    def has_mtp(self) -> bool:
-        return any(k.startswith("mtp.") for k in self.weights)
-
-
-def fingerprint(config: dict, tensors: dict[str, torch.Tensor]) -> str:
-    h = hashlib.sha256(json.dumps(config, sort_keys=True).encode())
-    for name in sorted(tensors):
-        t = tensors[name].contiguous()
-        h.update(f"{name}:{tuple(t.shape)}:{t.dtype}".encode())
-        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
-    return h.hexdigest()
 
 
 def load_model(name_or_dir: str | Path, dtype: torch.dtype = torch.float32) -> LoadedModel:
     """The model behind a name: "atlas-tiny" is built in memory; anything else is a checkpoint dir."""
     if str(name_or_dir) == TINY_MODEL_NAME:
-        from atlas.model.tiny import build_tiny
-
         return build_tiny(dtype=dtype)
     root = Path(name_or_dir)
     spec = load_spec(root)

@@ -12,6 +12,8 @@ from typing import Any
 
 import attrs
 
+from atlas.errors import ModelLoadError
+
 # model_type -> family. `*_text` types are the text towers of the multimodal configs; the multimodal
 # types themselves carry the text config nested under `text_config`.
 SUPPORTED_MODEL_TYPES: dict[str, str] = {
@@ -29,10 +31,6 @@ FULL_ATTENTION = "full_attention"
 # attention layers with a `QsaSpec`.
 _LAYER_TYPE_ALIASES = {"linear_attention": LINEAR_ATTENTION, "full_attention": FULL_ATTENTION,
                        "indexed_attention": FULL_ATTENTION}
-
-
-class ModelLoadError(ValueError):
-    """A checkpoint Atlas cannot serve: the message names the file, tensor, field or value at fault."""
 
 
 @attrs.frozen

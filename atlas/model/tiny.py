@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from atlas.model.loader import TINY_MODEL_NAME, LoadedModel, fingerprint
+from atlas.model.loaded import TINY_MODEL_NAME, LoadedModel, fingerprint
 from atlas.model.ngram import ngram_tables
 from atlas.model.spec import ModelSpec
 from atlas.model.tokenizer import ByteTokenizer

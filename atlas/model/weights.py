@@ -20,8 +20,9 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from atlas.errors import ModelLoadError
 from atlas.model.ngram import ngram_tables
-from atlas.model.spec import FULL_ATTENTION, ModelLoadError, ModelSpec
+from atlas.model.spec import FULL_ATTENTION, ModelSpec
 
 _PREFIXES = ("model.language_model.", "language_model.model.", "model.")
 _DROPPED = re.compile(r"^(model\.visual\.|visual\.|model\.vision_tower\.)")

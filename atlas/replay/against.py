@@ -23,7 +23,7 @@ from atlas.config import Capacities
 from atlas.engine.drafters.base import DraftRequest
 from atlas.engine.engine import Engine
 from atlas.engine.records import RecordingSink
-from atlas.replay.scenarios import engine_for_run
+from atlas.registry import engine_for_run
 from atlas.replay.store import EventRecord, RunRecord, read_run
 from atlas.replay.verify import Divergence, compare, redrive
 from atlas.state.control import ControlState
@@ -148,7 +148,7 @@ class RecordedDrafter:
 
 def recorded_drafts(run: RunRecord, recorded: list[EventRecord]) -> dict[tuple[int, int], tuple[int, ...]]:
     """(seq_id, token count when planned) -> drafts, from the trace's StepPlanned events."""
-    state = ControlState.create(Capacities(**run.capacities))
+    state = ControlState.create(Capacities.from_table(run.capacities))
     out: dict[tuple[int, int], tuple[int, ...]] = {}
     for rec in recorded:
         e = rec.event()
@@ -181,5 +181,6 @@ def against(path_or_url: str | Path, run_id: int | None = None, *, build: Callab
             **engine_kwargs: Any) -> AgainstReport:
     run, recorded = read_run(path_or_url, run_id)
     rows, note = replay_rows(run, recorded, build=build, **engine_kwargs)
-    return AgainstReport(run, len(recorded), len(rows), compare(recorded, rows), recorded_failure(recorded),
+    return AgainstReport(run, len(recorded), len(rows), compare(recorded, rows, digests=run.digests_comparable),
+                         recorded_failure(recorded),
                          actual_failure(rows), note)

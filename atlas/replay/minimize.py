@@ -17,12 +17,12 @@ from typing import Any
 import attrs
 
 from atlas.engine.engine import Engine
-from atlas.engine.outputs import AdmissionError, EngineDead, QueueFull
 from atlas.engine.records import RecordingSink
-from atlas.engine.sampling import SamplingParams
+from atlas.errors import AdmissionError, EngineDead, QueueFull
+from atlas.registry import engine_for_run
 from atlas.replay.against import Failure, actual_failure, recorded_failure
-from atlas.replay.scenarios import engine_for_run
 from atlas.replay.store import EventRecord, RunRecord, TraceWriter, read_run
+from atlas.sampling.params import SamplingParams
 from atlas.state.events import Event
 
 Rows = list[tuple[int, int, Event, str]]

@@ -19,6 +19,12 @@ import sqlalchemy as sa
 
 from atlas.state.events import EVENT_TYPES, Event, upcast
 
+# The trace schema: 2 since prefix keys, the in-flight plan's digest share and every persisted hash are specified
+# functions of bytes (atlas.hashing) and rollbacks restore as an order of the next plan. The run row's config
+# carries it as "trace_schema" (absent: 1). Schema-1 digests used Python's tuple hash for the in-flight plan, so
+# a replay compares a schema-1 trace's events and payloads (upcast) but not its digests.
+TRACE_SCHEMA = 2
+
 metadata = sa.MetaData()
 
 runs = sa.Table(
@@ -89,6 +95,15 @@ class RunRecord:
     seed: int | None
     config: dict[str, Any]
     capacities: dict[str, Any]
+
+    @property
+    def schema(self) -> int:
+        return int(self.config.get("trace_schema", 1))
+
+    @property
+    def digests_comparable(self) -> bool:
+        """Whether this engine computes the trace's digests the same way (schema 2 on)."""
+        return self.schema >= 2
 
 
 @attrs.frozen

@@ -178,11 +178,11 @@ def format_report(result: dict[str, Any], cfg: BenchConfig) -> str:
 
 
 def bench_serve(cfg: BenchConfig, *, launch: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Run the benchmark; with `launch` (build_engine's arguments), against an in-process server."""
+    """Run the benchmark; with `launch` (engine_for_serving's arguments), against an in-process server."""
     if launch is None:
         return asyncio.run(run_bench(cfg))
-    from atlas.server.serve import build_engine, serve_in_thread, set_engine_threads
+    from atlas.server.serve import engine_for_serving, serve_in_thread, set_engine_threads
 
     set_engine_threads()  # the engine shares this process with the server and the load generator
-    with serve_in_thread(build_engine(**launch), api_key=cfg.api_key) as served:
+    with serve_in_thread(engine_for_serving(**launch), api_key=cfg.api_key) as served:
         return asyncio.run(run_bench(attrs.evolve(cfg, base_url=served.url)))

@@ -21,8 +21,9 @@ from typing import Any, Literal, Protocol
 import attrs
 import structlog
 
-from atlas.engine.outputs import EngineDead, FinishReason, RequestOutput
-from atlas.engine.sampling import SamplingParams
+from atlas.engine.outputs import FinishReason, RequestOutput
+from atlas.errors import EngineDead
+from atlas.sampling.params import SamplingParams
 
 log = structlog.get_logger(__name__)
 

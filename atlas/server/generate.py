@@ -18,8 +18,9 @@ import attrs
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from atlas.engine.outputs import AdmissionError, EngineDead, FinishReason, QueueFull, RequestOutput
-from atlas.engine.sampling import SamplingParams
+from atlas.engine.outputs import FinishReason, RequestOutput
+from atlas.errors import AdmissionError, EngineDead, QueueFull
+from atlas.sampling.params import SamplingParams
 from atlas.server.chat import ChatTemplate
 from atlas.server.engine_loop import EngineLoop, EngineStopped, FaultKind, RequestStream
 from atlas.server.errors import APIError, bad_request, engine_dead, engine_error, shutting_down

@@ -12,7 +12,7 @@ from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from atlas.engine.sampling import SamplingParams
+from atlas.sampling.params import SamplingParams
 from atlas.server.errors import APIError, bad_request
 
 MAX_INT32 = 2**31 - 1

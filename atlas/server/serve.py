@@ -15,6 +15,7 @@ import attrs
 import structlog
 import uvicorn
 
+from atlas.registry import build_engine as registry_build
 from atlas.server.app import DEFAULT_MAX_HEADER_BYTES, create_app
 from atlas.server.chat import load_chat_template
 from atlas.server.engine_loop import EngineLoop
@@ -58,7 +59,7 @@ def set_engine_threads(threads: int | None = None) -> int:
     return threads
 
 
-def build_engine(
+def engine_for_serving(
     model: str | None,
     *,
     backend: str = "cpu",
@@ -72,14 +73,13 @@ def build_engine(
     prefix_caching: bool | None = None,
 ) -> Any:
     from atlas.config import EngineConfig
-    from atlas.engine.engine import Engine
 
     knobs = {"max_seq_len": max_seq_len, "max_batch_size": max_batch_size, "ring_slots": ring_slots,
              "loop_watchdog": loop_watchdog or None, "num_drafts": num_drafts, "drafter": drafter,
              # prefix caching: on by default where the backend stores prefix snapshots (cpu)
              "enable_prefix_caching": backend == "cpu" if prefix_caching is None else prefix_caching}
     config = EngineConfig(**{k: v for k, v in knobs.items() if v is not None})
-    return Engine.from_model(model=model or "atlas-tiny", backend=backend, config=config, trace=trace)
+    return registry_build(model or "atlas-tiny", backend, config, trace=trace)
 
 
 class ServerThread:
@@ -175,7 +175,7 @@ def serve(
     built (the reason is logged), or EXIT_ENGINE_DEAD after a fatal fault."""
     set_engine_threads(threads)
     try:
-        engine = build_engine(model, backend=backend, trace=trace, max_seq_len=max_seq_len,
+        engine = engine_for_serving(model, backend=backend, trace=trace, max_seq_len=max_seq_len,
                               max_batch_size=max_batch_size, ring_slots=ring_slots, loop_watchdog=loop_watchdog,
                               num_drafts=num_drafts, drafter=drafter, prefix_caching=prefix_caching)
     except (ValueError, OSError) as exc:  # CapacityError is a ValueError: it names the knob and numbers

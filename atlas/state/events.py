@@ -16,6 +16,8 @@ from typing import Any, ClassVar
 
 import attrs
 
+from atlas.errors import UnknownEvent
+
 
 class Event:
     """Base of every event. Subclasses are frozen attrs classes registered with @event(kind, version)."""
@@ -58,10 +60,6 @@ def upcaster(kind: str, from_version: int) -> Callable[[Callable], Callable]:
         return fn
 
     return register
-
-
-class UnknownEvent(ValueError):
-    pass
 
 
 def upcast(kind: str, version: int, payload: dict[str, Any]) -> dict[str, Any]:
@@ -134,7 +132,7 @@ class SequencePreempted(Event):
     reason: str
 
 
-@event("step_planned", 2)
+@event("step_planned", 3)
 class StepPlanned(Event):
     step: int
     admitted: tuple[int, ...] = attrs.field(converter=_ints)  # waiting -> running this step
@@ -146,11 +144,18 @@ class StepPlanned(Event):
     # speculative decoding: drafts verified after the fed token, aligned with seqs (() = a plain feed); the
     # whole field is () when nothing drafts this step
     drafts: tuple[tuple[int, ...], ...] = attrs.field(default=(), converter=_int_rows)
+    # sequences whose content-loop rollback the data plane restores before the work (RingRestore orders)
+    restored: tuple[int, ...] = attrs.field(default=(), converter=_ints)
 
 
 @upcaster("step_planned", 1)
 def _planned_v1(payload: dict[str, Any]) -> dict[str, Any]:
     return {**payload, "drafts": []}  # v1 predates speculative decoding
+
+
+@upcaster("step_planned", 2)
+def _planned_v2(payload: dict[str, Any]) -> dict[str, Any]:
+    return {**payload, "restored": []}  # v2 restored a rollback between steps, outside any plan
 
 
 @event("step_executed", 2)
@@ -197,11 +202,12 @@ class BoundarySnapshotted(Event):
     evicted: int  # the position whose snapshot the slot held before, -1 if it was free
 
 
-@event("rolled_back", 1)
+@event("rolled_back", 2)
 class RolledBack(Event):
-    """One event rewinds every cursor to `boundary`: tokens (kept up to `keep`, to be fed again from
-    `boundary`), KV (blocks past `keep` freed), QSA keys, GDN and PLE state, drafter rows; `ban_token` is
-    banned at position `keep`. `cursors` are the data plane's own after its restore."""
+    """One event rewinds every control-plane cursor to `boundary`: tokens (kept up to `keep`, to be fed again
+    from `boundary`), KV (blocks past `keep` freed), QSA keys, GDN and PLE state, drafter rows; `ban_token` is
+    banned at position `keep`. The data plane's restore is an order of the next plan (RingRestore); its
+    cursors are checked against the control plane's after that step."""
 
     step: int
     seq_id: int
@@ -212,7 +218,12 @@ class RolledBack(Event):
     blocks_freed: int
     period: int  # the loop's period, as the watchdog saw it
     attempt: int  # 1 for the request's first rollback
-    cursors: dict[str, int]
+
+
+@upcaster("rolled_back", 1)
+def _rolled_back_v1(payload: dict[str, Any]) -> dict[str, Any]:
+    # v1 restored the data plane between steps and recorded its cursors here; v2 checks them after the step
+    return {k: v for k, v in payload.items() if k != "cursors"}
 
 
 @event("rollback_declined", 1)

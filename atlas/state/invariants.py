@@ -9,23 +9,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from atlas.engine.outputs import EngineDead
+from atlas.errors import InvariantViolation
 from atlas.state.control import ControlState
 from atlas.state.machines import Phase, Sequence
-
-
-class InvariantViolation(EngineDead):
-    """A state machine broke an invariant. Carries the event index, the machine and the field values.
-
-    It is an EngineDead: the control plane can no longer be trusted, so the engine stops."""
-
-    def __init__(self, event_index: int, machine: str, message: str, fields: dict[str, Any]) -> None:
-        shown = ", ".join(f"{k}={v}" for k, v in fields.items())
-        super().__init__(f"invariant violated at event {event_index} in {machine}: {message} ({shown})")
-        self.event_index = event_index
-        self.machine = machine
-        self.message = message
-        self.fields = fields
 
 
 def _fail(index: int, machine: str, message: str, **fields: Any) -> None:

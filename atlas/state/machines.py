@@ -7,24 +7,23 @@ token count, KV, QSA keys, recurrent state, PLE context and drafter rows never d
 
 from __future__ import annotations
 
-from enum import IntEnum
-from typing import Any
+from enum import Enum, IntEnum
 
 import attrs
 
-from atlas.engine.sampling import SamplingParams
+from atlas.errors import TransitionRefused
+from atlas.sampling.params import SamplingParams
 
 _MASK = (1 << 64) - 1
 
 
-class TransitionRefused(RuntimeError):
-    """A transition's precondition does not hold; nothing was changed."""
+class FinishReason(str, Enum):  # noqa: UP042 (str() stays "FinishReason.STOP"; .value is the wire form)
+    STOP = "stop"  # EOS, a stop string or stop token, or a deliberate hard stop (with its detail)
+    LENGTH = "length"  # max_tokens, or the capacity left, ran out
+    ERROR = "error"  # the engine failed this request; never reported as stop or length
+    CANCELLED = "cancelled"  # the client went away (not an OpenAI finish_reason; never sent to a client)
 
-    def __init__(self, machine: str, why: str, **fields: Any) -> None:
-        super().__init__(f"{machine}: {why}")
-        self.machine = machine
-        self.why = why
-        self.fields = fields
+
 
 
 class Phase(IntEnum):

@@ -1,7 +1,7 @@
-"""Control-plane transitions of the prefix cache and the drafter carry (registered in ControlState).
+"""Control-plane transitions of the prefix cache and the drafter carry (registered on ControlState).
 
 Each validates everything first and refuses (TransitionRefused) before changing anything. What the data
-plane must do for them is queued on the state (`PrefixOrders`) and handed to the next StepPlan, which
+plane must do for them is queued on the state (`ControlState.orders`) and handed to the next StepPlan, which
 clears it: stores before the releases of that plan, restores after them, before any work.
 """
 
@@ -9,33 +9,14 @@ from __future__ import annotations
 
 from bisect import insort
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
 
-import attrs
-
-from atlas.engine.prefix_cache import ROOT, CarriedEntry, chain_hash, plan_adoption
+from atlas.errors import TransitionRefused
+from atlas.hashing import ROOT, block_key
+from atlas.plan import PrefixRestore, PrefixStore
+from atlas.state.control import ControlState, transition
 from atlas.state.events import CarryAdopted, CarryReleased, CarryStored, PrefixCacheHit, PrefixSnapshotted
-from atlas.state.machines import Phase, Sequence, TransitionRefused
-
-if TYPE_CHECKING:
-    from atlas.state.control import ControlState
-
-
-@attrs.define
-class PrefixOrders:
-    """Data-plane work the prefix events queued for the next plan."""
-
-    stores: list[tuple[int, int, int, int]] = attrs.Factory(list)  # (seq_id, position, key, evicted)
-    # (seq_id, key, position, block table, drafter first key, drafter last key, adopt the carry)
-    restores: list[tuple[int, int, int, tuple[int, ...], int, int, bool]] = attrs.Factory(list)
-    carry_store: int = -1  # the sequence whose drafter rows the data plane keeps when it releases it
-    carry_drop: bool = False  # drop the carried entry the data plane holds (before carry_store's)
-
-    def clear(self) -> None:
-        self.stores.clear()
-        self.restores.clear()
-        self.carry_store = -1
-        self.carry_drop = False
+from atlas.state.machines import Phase, Sequence
+from atlas.state.prefix_index import CarriedEntry, plan_adoption
 
 
 def free_order(free: dict[int, None], cached: dict[int, int]) -> Iterator[int]:
@@ -67,6 +48,7 @@ def _need_prefix(state: ControlState, what: str) -> None:
         raise TransitionRefused("Engine", f"{what} while a step is in flight", inflight=state.inflight.step)
 
 
+@transition(PrefixCacheHit)
 def prefix_hit(state: ControlState, e: PrefixCacheHit) -> tuple[int, ...]:
     _need_prefix(state, "prefix hit")
     cache = state.prefix
@@ -125,12 +107,12 @@ def prefix_hit(state: ControlState, e: PrefixCacheHit) -> tuple[int, ...]:
     cache.touch(e.key)
     state.waiting.remove(e.seq_id)
     insort(state.running, e.seq_id)
-    state.prefix_orders.restores.append((e.seq_id, e.key, e.position, tuple(blocks), e.drafter_first_key,
-                                         e.drafter_last_key, adopt is not None))
-    state._refresh(seq)
+    state.orders.restores.append(PrefixRestore(e.seq_id, e.key, e.position, tuple(blocks), e.drafter_first_key,
+                                               e.drafter_last_key, adopt is not None))
     return (e.seq_id,)
 
 
+@transition(PrefixSnapshotted)
 def prefix_snapshotted(state: ControlState, e: PrefixSnapshotted) -> tuple[int, ...]:
     _need_prefix(state, "prefix snapshot")
     cache = state.prefix
@@ -148,7 +130,7 @@ def prefix_snapshotted(state: ControlState, e: PrefixSnapshotted) -> tuple[int, 
         raise TransitionRefused("PrefixCache", "a prefix snapshot goes where placement() puts it",
                                 seq_id=e.seq_id, key=e.key, expected=snap.key, evicted=e.evicted)
     cache.store(snap, e.evicted)
-    state.prefix_orders.stores.append((e.seq_id, e.position, e.key, e.evicted))
+    state.orders.stores.append(PrefixStore(e.seq_id, e.position, e.key, e.evicted))
     return (e.seq_id,)
 
 
@@ -162,7 +144,7 @@ def register_blocks(state: ControlState, seq: Sequence) -> None:
     tokens = seq.cursor.tokens
     for i in range(len(chain), seq.cursor.computed // bs):
         span = tokens[i * bs:(i + 1) * bs]
-        h = chain_hash(chain[-1] if chain else ROOT, span)
+        h = block_key(chain[-1] if chain else ROOT, span)
         chain.append(h)
         cache.register_block(seq.blocks[i], h, span)
 
@@ -176,6 +158,7 @@ def forget_blocks(state: ControlState, blocks: list[int], boundary: int) -> None
         state.prefix.evict_block(b)
 
 
+@transition(CarryStored)
 def carry_stored(state: ControlState, e: CarryStored) -> tuple[int, ...]:
     if not state.caps.drafter_context:
         raise TransitionRefused("DrafterCarry", "a carry without the drafter prefill is unreachable",
@@ -190,10 +173,11 @@ def carry_stored(state: ControlState, e: CarryStored) -> tuple[int, ...]:
                                 held=[d.first_key, d.last_pair_key])
     state.carry = CarriedEntry(e.seq_id, tuple(seq.cursor.tokens[:d.last_pair_key + 2]), d.first_key,
                                d.last_pair_key)
-    state.prefix_orders.carry_store = e.seq_id
+    state.orders.carry_store = e.seq_id
     return (e.seq_id,)
 
 
+@transition(CarryAdopted)
 def carry_adopted(state: ControlState, e: CarryAdopted) -> tuple[int, ...]:
     seq = state.seq(e.seq_id)  # the hit moved the rows; this records what they were
     if not seq.drafter.carried or seq.drafter.rows != e.rows_kept:
@@ -202,11 +186,12 @@ def carry_adopted(state: ControlState, e: CarryAdopted) -> tuple[int, ...]:
     return (e.seq_id,)
 
 
+@transition(CarryReleased)
 def carry_released(state: ControlState, e: CarryReleased) -> tuple[int, ...]:
     if state.carry is None:
         raise TransitionRefused("DrafterCarry", "release of a carry that is not held", reason=e.reason)
-    if state.prefix_orders.carry_store == state.carry.seq_id:
-        state.prefix_orders.carry_store = -1  # stored and released between two plans: never kept
-    state.prefix_orders.carry_drop = True  # whatever the data plane holds from before goes too
+    if state.orders.carry_store == state.carry.seq_id:
+        state.orders.carry_store = -1  # stored and released between two plans: never kept
+    state.orders.carry_drop = True  # whatever the data plane holds from before goes too
     state.carry = None
     return ()

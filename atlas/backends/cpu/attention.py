@@ -8,10 +8,9 @@ from __future__ import annotations
 
 import torch
 
-from atlas.backends.cpu.norms import acc_dtype, rms_norm
 from atlas.backends.cpu.qsa import index_projections, selection_mask
-from atlas.backends.cpu.rope import apply_rope
 from atlas.backends.cpu.state import KvPool
+from atlas.backends.ops import acc_dtype, apply_rope, rms_norm
 from atlas.model.spec import ModelSpec
 
 

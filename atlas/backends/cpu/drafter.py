@@ -21,13 +21,12 @@ import attrs
 import torch
 
 from atlas.backends.cpu.attention import attention_forward
-from atlas.backends.cpu.moe import dense_mlp, moe_block
-from atlas.backends.cpu.norms import rms_norm
-from atlas.backends.cpu.rope import rope_table
+from atlas.backends.cpu.moe import moe_block
 from atlas.backends.cpu.state import KvPool
-from atlas.engine.sampling import SamplingParams
+from atlas.backends.ops import dense_mlp, rms_norm, rope_table
 from atlas.engine.speculative import draft_from
 from atlas.model.spec import ModelSpec
+from atlas.sampling.params import SamplingParams
 
 _BLOCK = 16
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from atlas.backends.cpu.norms import acc_dtype, gated_rms_norm, l2_normalise
+from atlas.backends.ops import acc_dtype, gated_rms_norm, l2_normalise
 from atlas.model.spec import ModelSpec
 
 

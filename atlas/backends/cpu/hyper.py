@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from atlas.backends.cpu.norms import rms_norm
+from atlas.backends.ops import rms_norm
 
 
 def hyper_mix(
@@ -22,7 +22,3 @@ def hyper_mix(
     inject = 2 * torch.sigmoid((normed @ w[pre + "block_inject_weight.weight"].T) / hc)
     return mixed, inject
 
-
-def hyper_inject(streams: torch.Tensor, block_out: torch.Tensor, inject: torch.Tensor) -> torch.Tensor:
-    """Add the block output [n, H] to every stream, weighted per stream by inject [n, hc]."""
-    return streams + (block_out.unsqueeze(-2) * inject.unsqueeze(-1)).flatten(-2)

@@ -1,18 +1,12 @@
-"""Feed-forward blocks: the dense SwiGLU MLP and the sparse MoE block with a gated shared expert."""
+"""The sparse MoE block with a gated shared expert (the dense SwiGLU MLP is atlas.backends.ops.dense_mlp)."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-from atlas.backends.cpu.norms import acc_dtype
+from atlas.backends.ops import acc_dtype, dense_mlp
 from atlas.model.spec import MoeSpec
-
-
-def dense_mlp(w: dict[str, torch.Tensor], pre: str, x: torch.Tensor) -> torch.Tensor:
-    gate = x @ w[pre + "gate_proj.weight"].T
-    up = x @ w[pre + "up_proj.weight"].T
-    return (F.silu(gate) * up) @ w[pre + "down_proj.weight"].T
 
 
 def moe_block(moe: MoeSpec, w: dict[str, torch.Tensor], pre: str, x: torch.Tensor) -> torch.Tensor:

@@ -12,10 +12,9 @@ from __future__ import annotations
 import torch
 
 from atlas.backends.cpu.attention import attention_forward
-from atlas.backends.cpu.moe import dense_mlp, moe_block
-from atlas.backends.cpu.norms import rms_norm
-from atlas.backends.cpu.rope import rope_table
+from atlas.backends.cpu.moe import moe_block
 from atlas.backends.cpu.state import KvPool
+from atlas.backends.ops import dense_mlp, rms_norm, rope_table
 from atlas.model.spec import ModelSpec
 
 _BLOCK = 16

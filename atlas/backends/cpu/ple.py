@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from atlas.backends.cpu.gdn import causal_conv
-from atlas.backends.cpu.norms import rms_norm
+from atlas.backends.ops import rms_norm
 from atlas.model.ngram import ngram_ids, ngram_tables
 from atlas.model.spec import ModelSpec
 

@@ -13,8 +13,8 @@ import attrs
 import torch
 
 from atlas.backends.cpu.drafter import DrafterState
-from atlas.backends.cpu.ring import RestoreRefused
 from atlas.backends.cpu.state import StateSnapshot
+from atlas.errors import RestoreRefused
 
 
 @attrs.frozen

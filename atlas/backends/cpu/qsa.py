@@ -13,8 +13,7 @@ import math
 
 import torch
 
-from atlas.backends.cpu.norms import acc_dtype, rms_norm
-from atlas.backends.cpu.rope import apply_rope, rope_table
+from atlas.backends.ops import acc_dtype, apply_rope, rms_norm, rope_table
 from atlas.model.spec import ModelSpec
 
 

@@ -9,10 +9,7 @@ says which (position, slot) pairs exist; this is where their tensors live.
 from __future__ import annotations
 
 from atlas.backends.cpu.state import StateSnapshot
-
-
-class RestoreRefused(ValueError):
-    """A restore whose preconditions do not hold; nothing was changed."""
+from atlas.errors import RestoreRefused
 
 
 class SnapshotRing:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import attrs
 import torch
 
-from atlas.backends.cpu.norms import acc_dtype
+from atlas.backends.ops import acc_dtype
 from atlas.model.spec import ModelSpec
 
 
@@ -66,6 +66,14 @@ class StateSnapshot:
     gdn_recurrent: dict[int, torch.Tensor]
     ple_context: torch.Tensor | None
     ple_conv: dict[int, torch.Tensor]
+
+    @property
+    def nbytes(self) -> int:
+        """What it holds, the quantity Capacities.ring_slot_bytes derives."""
+        tensors = [*self.gdn_conv.values(), *self.gdn_recurrent.values(), *self.ple_conv.values()]
+        if self.ple_context is not None:
+            tensors.append(self.ple_context)
+        return sum(t.numel() * t.element_size() for t in tensors)
 
 
 class KvPool:

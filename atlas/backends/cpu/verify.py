@@ -19,7 +19,7 @@ import torch
 
 from atlas.backends.cpu.decoder import forward_chunk
 from atlas.backends.cpu.state import KvPool, SequenceState
-from atlas.engine.speculative import VerifyRefused
+from atlas.errors import VerifyRefused
 from atlas.model.spec import ModelSpec
 
 

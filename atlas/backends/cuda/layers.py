@@ -1,8 +1,8 @@
 """The decoder's math over a `Group` of B sequences x T tokens, batched on the device.
 
-The same formulas as the CPU reference (atlas.backends.cpu; its rotary, hyper-connection inject and dense-MLP
-functions are device-agnostic and used as they are), arranged for fewer kernels (prepare_weights), with
-per-sequence state read from and written back to slot-indexed pools. No host synchronisation on the decode
+The same formulas as the CPU reference (the shared ops of atlas.backends.ops and the decoder skeleton of
+atlas.backends.decoder), arranged for fewer kernels (prepare_weights), with per-sequence state read from and
+written back to slot-indexed pools. No host synchronisation on the decode
 path (`eager_moe=False`), so a decode group can be captured in a CUDA graph.
 """
 
@@ -14,12 +14,10 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from atlas.backends.cpu.hyper import hyper_inject
-from atlas.backends.cpu.moe import dense_mlp
-from atlas.backends.cpu.norms import acc_dtype, l2_normalise
-from atlas.backends.cpu.rope import apply_rope
 from atlas.backends.cuda.batch import Group
 from atlas.backends.cuda.pools import DevicePools
+from atlas.backends.decoder import decoder_stack
+from atlas.backends.ops import acc_dtype, apply_rope, dense_mlp, l2_normalise, rope_table
 from atlas.model.spec import FULL_ATTENTION, ModelSpec, MoeSpec
 
 # (q, k, v, a, b, A_log, dt_bias, state_pool, slots) -> out [B, T, Hv, dv]; q/k [B, T, Hk, dk] raw (the
@@ -87,7 +85,7 @@ def rms_norm(x: torch.Tensor, scale: torch.Tensor, eps: float, group: int | None
 
 
 def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float, act: str) -> torch.Tensor:
-    """GDN's output norm: plain RMSNorm times act(gate) (atlas.backends.cpu.norms.gated_rms_norm)."""
+    """GDN's output norm: plain RMSNorm times act(gate) (atlas.backends.ops.gated_rms_norm)."""
     return F.rms_norm(x, (x.shape[-1],), weight, eps) * (F.silu(gate) if act == "silu" else torch.sigmoid(gate))
 
 
@@ -105,16 +103,6 @@ def hyper_mix(spec: ModelSpec, w: dict[str, torch.Tensor], pre: str, streams: to
     if inject is None:
         return mixed, None
     return mixed, 2 * torch.sigmoid(inject)
-
-
-def rope_table(positions: torch.Tensor, rotary_dim: int, theta: float, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin [n, rotary_dim] for positions [n] on their device (atlas.backends.cpu.rope's formula)."""
-    acc = acc_dtype(dtype)
-    idx = torch.arange(0, rotary_dim, 2, dtype=torch.int64, device=positions.device).to(acc)
-    inv_freq = 1.0 / (theta ** (idx / rotary_dim))
-    freqs = positions.to(acc)[:, None] * inv_freq[None, :]
-    emb = torch.cat([freqs, freqs], dim=-1)
-    return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
 def causal_conv_pooled(pool: torch.Tensor, slots: torch.Tensor, new: torch.Tensor, weight: torch.Tensor,
@@ -319,50 +307,45 @@ def ple_layer(spec: ModelSpec, w: dict[str, torch.Tensor], pre: str, streams: to
     return gated + F.silu(conv).transpose(1, 2)
 
 
+class _GroupOps:
+    """The layer ops of one group: batched [B, T, ...] tensors, state in the pools at the group's slots."""
+
+    def __init__(self, spec: ModelSpec, w: dict[str, torch.Tensor], pools: DevicePools, grp: Group, *,
+                 eager_moe: bool, gdn_kernel: GdnKernel | None) -> None:
+        self.spec, self.w, self.pools, self.grp = spec, w, pools, grp
+        self.eager_moe, self.gdn_kernel = eager_moe, gdn_kernel
+        dtype = w["embed_tokens.weight"].dtype
+        self.cos, self.sin = rope_table(grp.positions.reshape(-1), spec.rotary_dim, spec.rope_theta, dtype)
+
+    def mixer(self, layer: int, x: torch.Tensor) -> torch.Tensor:
+        spec, w, pre = self.spec, self.w, f"layers.{layer}."
+        if spec.layer_types[layer] == FULL_ATTENTION:
+            return attention_layer(spec, w, pre + "self_attn.", layer, x, self.grp, self.pools, self.cos, self.sin)
+        return gdn_layer(spec, w, pre + "linear_attn.", x, self.grp, self.pools.gdn_conv[layer],
+                         self.pools.gdn_state[layer], self.gdn_kernel)
+
+    def ffn(self, layer: int, x: torch.Tensor) -> torch.Tensor:
+        b, t = self.grp.tokens.shape
+        pre = f"layers.{layer}.mlp."
+        rows = x.reshape(b * t, -1)
+        if self.spec.moe_layers[layer] and self.spec.moe is not None:
+            return moe_layer(self.spec.moe, self.w, pre, rows, eager=self.eager_moe).view(b, t, -1)
+        return dense_mlp(self.w, pre, rows).view(b, t, -1)
+
+    def norm(self, x: torch.Tensor, name: str) -> torch.Tensor:
+        return rms_norm(x, self.w[name], self.spec.rms_norm_eps)  # a plain scale since prepare_weights
+
+    def ple(self, layer: int, rank: int, streams: torch.Tensor) -> torch.Tensor:
+        assert self.grp.ngram_ids is not None
+        return ple_layer(self.spec, self.w, f"layers.{layer}.ple.", streams, self.grp.ngram_ids[rank], self.grp,
+                         self.pools.ple_conv[layer])
+
+    def hyper_mix(self, pre: str, streams: torch.Tensor, *, combine: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return hyper_mix(self.spec, self.w, pre, streams, combine=combine)
+
+
 def forward_group(spec: ModelSpec, w: dict[str, torch.Tensor], pools: DevicePools, grp: Group, *,
                   eager_moe: bool, gdn_kernel: GdnKernel | None = None) -> torch.Tensor:
     """Feed the group's tokens through the stack: the final hidden states [B, T, H]."""
-    b, t = grp.tokens.shape
-    dtype = w["embed_tokens.weight"].dtype
-    cos, sin = rope_table(grp.positions.reshape(-1), spec.rotary_dim, spec.rope_theta, dtype)
-
-    def mixer(layer: int, x: torch.Tensor) -> torch.Tensor:
-        pre = f"layers.{layer}."
-        if spec.layer_types[layer] == FULL_ATTENTION:
-            return attention_layer(spec, w, pre + "self_attn.", layer, x, grp, pools, cos, sin)
-        return gdn_layer(spec, w, pre + "linear_attn.", x, grp, pools.gdn_conv[layer], pools.gdn_state[layer],
-                         gdn_kernel)
-
-    def ffn(layer: int, x: torch.Tensor) -> torch.Tensor:
-        pre = f"layers.{layer}.mlp."
-        rows = x.reshape(b * t, -1)
-        if spec.moe_layers[layer] and spec.moe is not None:
-            return moe_layer(spec.moe, w, pre, rows, eager=eager_moe).view(b, t, -1)
-        return dense_mlp(w, pre, rows).view(b, t, -1)
-
-    x = w["embed_tokens.weight"][grp.tokens]  # [B, T, H]
-    eps = spec.rms_norm_eps
-    if not spec.has_hyper_connections:
-        for layer in range(spec.num_layers):
-            pre = f"layers.{layer}."
-            x = x + mixer(layer, rms_norm(x, w[pre + "input_layernorm.weight"], eps))
-            x = x + ffn(layer, rms_norm(x, w[pre + "post_attention_layernorm.weight"], eps))
-        return rms_norm(x, w["norm.weight"], eps)
-
-    hc = spec.hc_count
-    streams = x.repeat(1, 1, hc)
-    for layer in range(spec.num_layers):
-        pre = f"layers.{layer}."
-        if spec.ple is not None and layer in spec.ple.layers:
-            assert grp.ngram_ids is not None
-            rank = spec.ple.layers.index(layer)
-            streams = streams + ple_layer(spec, w, pre + "ple.", streams, grp.ngram_ids[rank], grp,
-                                          pools.ple_conv[layer])
-        block_in, inject = hyper_mix(spec, w, pre + "attn_hyper_connection.", streams, combine=True)
-        assert inject is not None
-        streams = hyper_inject(streams, mixer(layer, block_in), inject)
-        block_in, inject = hyper_mix(spec, w, pre + "mlp_hyper_connection.", streams, combine=True)
-        assert inject is not None
-        streams = hyper_inject(streams, ffn(layer, block_in), inject)
-    final, _ = hyper_mix(spec, w, "hyper_connection_mixer.", streams, combine=False)
-    return final
+    ops = _GroupOps(spec, w, pools, grp, eager_moe=eager_moe, gdn_kernel=gdn_kernel)
+    return decoder_stack(spec, w["embed_tokens.weight"][grp.tokens], ops)

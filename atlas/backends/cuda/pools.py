@@ -10,11 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from atlas.errors import SlotsExhausted
 from atlas.model.spec import ModelSpec
-
-
-class SlotsExhausted(RuntimeError):
-    pass
 
 
 class DevicePools:

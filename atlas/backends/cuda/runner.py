@@ -6,9 +6,7 @@ eager. bf16 weights and activations with fp32 recurrent state by default; dtype=
 parity mode (plain torch ops, no Triton kernels, no TF32), whose greedy tokens equal the CPU backend's.
 batch_invariant=True pads every decode group to one shape, so a request's tokens do not depend on the batch.
 
-Not supported yet, and refused where they would be asked for (by the factory at start, and here if a plan
-carries them anyway): speculative verify (num_drafts > 0), the snapshot ring for rollback
-(ring_slots > 0), the MTP drafter, prefix caching (enable_prefix_caching).
+Its Capabilities declare what it supports; the engine builder refuses any other configuration at start.
 """
 
 from __future__ import annotations
@@ -18,23 +16,28 @@ from collections.abc import Sequence
 import attrs
 import torch
 
-from atlas.backends.base import (
-    BackendCursors,
-    ChunkLike,
-    DeviceFault,
-    SeqOutcome,
-    SeqWork,
-    StepPlan,
-    StepResult,
-    check_chunk,
-)
+from atlas.backends.base import Capabilities, ChunkLike, check_chunk, run_orders
 from atlas.backends.cuda.batch import Group, GroupShape, Row, pack_rows
 from atlas.backends.cuda.graphs import DecodeGraphs, bucket
 from atlas.backends.cuda.layers import GdnKernel, forward_group, prepare_weights
 from atlas.backends.cuda.pools import DevicePools
+from atlas.config import Capacities
 from atlas.engine.sampling import logprobs_of, sample_token
+from atlas.errors import DeviceFault, RestoreRefused, VerifyRefused
 from atlas.model.loader import LoadedModel
 from atlas.model.ngram import NgramTables, ngram_ids, ngram_tables
+from atlas.plan import (
+    BackendCursors,
+    CarryOrder,
+    PrefixRestore,
+    PrefixStore,
+    RingRestore,
+    RingSnapshot,
+    SeqOutcome,
+    SeqWork,
+    StepPlan,
+    StepResult,
+)
 
 # the sticky CUDA error classes: after one of these the context is dead and every later call fails
 _FATAL_MARKERS = ("illegal memory access", "misaligned address", "device-side assert", "unspecified launch failure",
@@ -48,8 +51,16 @@ class _SeqState:
     ple_context: list[int] = attrs.field(factory=list)
 
 
-def unsupported(feature: str, knob: str) -> NotImplementedError:
-    return NotImplementedError(f"the CUDA backend does not support {feature} yet: set {knob}")
+# the backend name is what a trace records, so it names the whole mode and a replay rebuilds the same one:
+# "cuda" (bf16, fp32 recurrent state), "-fp32" the parity mode, "-invariant" batch-invariant decode
+MODES = ("cuda", "cuda-fp32", "cuda-invariant", "cuda-fp32-invariant")
+
+
+def parse_backend(name: str) -> tuple[torch.dtype, bool]:
+    """(activation dtype, batch invariant) of a CUDA backend name."""
+    if name not in MODES:
+        raise ValueError(f"unknown CUDA backend {name!r} ({', '.join(MODES)})")
+    return (torch.float32 if "-fp32" in name else torch.bfloat16), name.endswith("-invariant")
 
 
 def triton_gdn() -> GdnKernel | None:
@@ -78,10 +89,6 @@ def triton_gdn() -> GdnKernel | None:
 
 
 class CudaBackend:
-    name = "cuda"
-    # speculative decoding is refused (see the module docstring); the engine reads this flag only with drafts
-    verify_crosses_qsa_bound = False
-
     def __init__(
         self,
         model: LoadedModel,
@@ -93,18 +100,11 @@ class CudaBackend:
         device: str | torch.device = "cuda",
         kernels: bool | None = None,
         cuda_graphs: bool | None = None,
-        ring_slots: int = 0,
-        verify_width: int = 1,
-        mtp_drafter: bool = False,
         batch_invariant: bool = False,
         max_blocks_per_seq: int | None = None,
+        name: str = "cuda",
     ) -> None:
-        if ring_slots:
-            raise unsupported("the snapshot ring for rollback", f"ring_slots=0 (got {ring_slots}; --ring-slots 0)")
-        if verify_width > 1:
-            raise unsupported("speculative verify", f"num_drafts=0 (verify width {verify_width}; --num-drafts 0)")
-        if mtp_drafter:
-            raise unsupported("the MTP drafter", "num_drafts=0 (--num-drafts 0)")
+        self.name = name
         self.model = model
         self.spec = spec = model.spec
         self.device = torch.device(device)
@@ -145,6 +145,19 @@ class CudaBackend:
         self._seqs: dict[int, _SeqState] = {}
         self._ple_tables = ([ngram_tables(spec.ple, spec.vocab_size, r) for r in range(len(spec.ple.layers))]
                             if spec.ple is not None else [])
+        self.capabilities = Capabilities(batch_invariant=batch_invariant, fp32_parity=self.dtype == torch.float32)
+
+    @classmethod
+    def for_capacities(cls, model: LoadedModel, caps: Capacities, *, dtype: torch.dtype | None = None,
+                       **kwargs: object) -> CudaBackend:
+        """The backend sized by the engine's capacities."""
+        return cls(model, num_kv_blocks=caps.num_kv_blocks, block_size=caps.block_size, dtype=dtype,
+                   max_batch_size=caps.max_batch_size, max_blocks_per_seq=caps.kv_blocks_per_seq,
+                   **kwargs)  # type: ignore[arg-type]
+
+    @property
+    def num_kv_blocks(self) -> int:
+        return self.pools.num_kv_blocks
 
     # -- per-sequence state -------------------------------------------------------------------------
 
@@ -169,6 +182,29 @@ class CudaBackend:
         s = self._seqs.get(seq_id)
         p = 0 if s is None else s.position
         return BackendCursors(kv_tokens=p, qsa_ingested=p, ssm_position=p, ple_position=p)
+
+    # the StateStore contract's orders this backend does not declare (Capabilities): never planned for it
+    def snapshot(self, order: RingSnapshot) -> None:
+        raise RestoreRefused(f"backend {self.name!r} keeps no snapshot ring")
+
+    def restore(self, order: RingRestore) -> BackendCursors:
+        raise RestoreRefused(f"backend {self.name!r} keeps no snapshot ring")
+
+    def commit(self, seq_id: int, rows: int) -> BackendCursors:
+        raise VerifyRefused(f"backend {self.name!r} verifies no drafts")
+
+    def store_prefix(self, order: PrefixStore) -> None:
+        raise RestoreRefused(f"backend {self.name!r} keeps no prefix snapshots")
+
+    def load_prefix(self, order: PrefixRestore) -> None:
+        raise RestoreRefused(f"backend {self.name!r} keeps no prefix snapshots")
+
+    def carry(self, order: CarryOrder) -> None:
+        if order.drop or order.store >= 0:
+            raise RestoreRefused(f"backend {self.name!r} keeps no drafter carry")
+
+    def state_digest(self, seq_id: int, *, drafter: bool = True) -> str:
+        raise NotImplementedError("state digests of the CUDA backend")
 
     # -- groups ---------------------------------------------------------------------------------------
 
@@ -292,17 +328,8 @@ class CudaBackend:
         return [self.logits_from_hidden(h) for h in self.forward_hidden(chunks)]
 
     def execute(self, plan: StepPlan) -> StepResult:
-        if plan.snapshots:
-            raise unsupported("the snapshot ring for rollback", "ring_slots=0 (--ring-slots 0)")
-        if any(w.drafts for w in plan.work):
-            raise unsupported("speculative verify", "num_drafts=0 (--num-drafts 0)")
-        if plan.prefix_stores or plan.prefix_restores or plan.carry_drop or plan.carry_store >= 0:
-            raise unsupported("prefix caching", "enable_prefix_caching=False (--no-prefix-caching)")
         with self._faults():
-            for seq_id in plan.release:
-                self.release(seq_id)
-            for seq_id in plan.reset:
-                self.reset(seq_id)
+            run_orders(self, plan)
             work = plan.work
             self._prepare(work)
             logits = self._last_logits(work)

@@ -1,13 +1,13 @@
-"""The drafter interface and the factory that picks one from EngineConfig.drafter."""
+"""The engine-side drafter interface (n-gram, scripted; the MTP drafter runs inside the backend)."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import Protocol
 
 import attrs
 
-from atlas.engine.sampling import SamplingParams
+from atlas.sampling.params import SamplingParams
 
 
 @attrs.frozen
@@ -34,16 +34,3 @@ class Drafter(Protocol):
         """Up to request.k draft tokens for the positions after request.tokens (fewer, or none, is fine)."""
         ...
 
-
-def make_drafter(kind: str, backend: Any) -> Drafter:
-    """The drafter EngineConfig.drafter names. "scripted" has no default script: a test passes its own."""
-    from atlas.engine.drafters.mtp import MtpDrafter
-    from atlas.engine.drafters.ngram import NgramDrafter
-
-    if kind == "mtp":
-        return MtpDrafter(backend)
-    if kind == "ngram":
-        return NgramDrafter()
-    if kind == "scripted":
-        raise ValueError("drafter 'scripted' needs a script: pass drafter=ScriptedDrafter(...) to the Engine")
-    raise ValueError(f"unknown drafter {kind!r} (mtp, ngram, scripted)")

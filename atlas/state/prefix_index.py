@@ -1,7 +1,7 @@
 """The prefix cache's index: pure Python, no tensors, owned by the control plane.
 
-KV blocks are keyed by content, chained over full blocks: block i's hash is hash(hash of block i - 1, its
-tokens), so equal hashes mean equal prefixes; the tokens are re-checked on a hit anyway. A cached block is a
+KV blocks are keyed by content, chained over full blocks: block i's key is block_key(key of block i - 1, its
+tokens) (atlas.hashing: BLAKE2b over the token bytes), so equal hashes mean equal prefixes; the tokens are re-checked on a hit anyway. A cached block is a
 pool block whose KV holds committed tokens only (it is registered once every position in it is computed,
 never over draft positions). Live sequences may share a cached block (reference counts in the BlockPool);
 an unreferenced cached block sits on the free list and is evictable, least recently used first.
@@ -23,19 +23,8 @@ from collections.abc import Sequence
 
 import attrs
 
-_MASK = (1 << 64) - 1
-ROOT = 0x5BD1E995  # the chain hash of the empty prefix
-
-
-def chain_hash(parent: int, tokens: Sequence[int]) -> int:
-    """Hash of a full block given its parent's chain hash. Tuples of ints hash the same in every process
-    (PYTHONHASHSEED salts only str and bytes), so hits replay."""
-    return hash((parent, tuple(tokens))) & _MASK
-
-
-def snapshot_key(chain: int, tail: Sequence[int]) -> int:
-    """Key of a snapshot ending `len(tail)` tokens into the block after the chain `chain`."""
-    return hash((chain, tuple(tail), 1)) & _MASK
+from atlas.hashing import ROOT, snapshot_key
+from atlas.hashing import block_key as chain_hash
 
 
 def block_chain(tokens: Sequence[int], block_size: int, start: int = 0, parent: int = ROOT) -> list[int]:

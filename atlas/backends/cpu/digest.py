@@ -1,0 +1,54 @@
+"""A digest of every state byte a sequence holds on the CPU backend (StateStore.state_digest): the KV rows of
+positions 0 .. kv_tokens - 1 through its block table, the QSA raw keys, GDN conv + recurrent state, PLE context
++ short-conv state and the MTP drafter's rows. Equal digests mean equal states (BLAKE2b over the bytes)."""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+import torch
+
+
+def _feed(h: hashlib.blake2b, name: str, t: torch.Tensor | None) -> None:
+    h.update(name.encode())
+    if t is None:
+        h.update(b"-")
+        return
+    t = t.detach().contiguous()
+    h.update(str(tuple(t.shape)).encode())
+    h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+
+
+def sequence_digest(store: Any, seq_id: int, *, drafter: bool = True) -> str:
+    """`store`: an atlas.backends.cpu.store.CpuStateStore (seqs, tables, kv, drafts)."""
+    h = hashlib.blake2b(digest_size=16, person=b"atlas.state")
+    s = store.seqs.get(seq_id)
+    if s is None:
+        return "absent"
+    h.update(f"{s.kv_tokens}:{s.ssm_position}:{s.ple_position}".encode())
+    table = store.tables.get(seq_id)
+    if table is not None and s.kv_tokens:
+        slots = store.kv.slots(table, 0, s.kv_tokens)
+        for layer in sorted(store.kv.keys):
+            k, v = store.kv.read(layer, slots)
+            _feed(h, f"k{layer}", k)
+            _feed(h, f"v{layer}", v)
+    for layer in sorted(s.qsa_keys):
+        _feed(h, f"q{layer}", s.qsa_keys[layer])
+    for layer in sorted(s.gdn_conv):
+        _feed(h, f"c{layer}", s.gdn_conv[layer])
+        _feed(h, f"r{layer}", s.gdn_recurrent[layer])
+    _feed(h, "pc", s.ple_context)
+    for layer in sorted(s.ple_conv):
+        _feed(h, f"p{layer}", s.ple_conv[layer])
+    d = store.drafts.get(seq_id) if drafter else None
+    if d is not None:
+        h.update(f"d{d.first_key}:{d.rows}".encode())
+        if d.rows:
+            slots = torch.arange(d.rows)
+            for layer in sorted(d.kv.keys):
+                k, v = d.kv.read(layer, slots)
+                _feed(h, f"dk{layer}", k)
+                _feed(h, f"dv{layer}", v)
+    return h.hexdigest()

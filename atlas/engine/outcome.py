@@ -1,0 +1,136 @@
+"""The fold of a step's result into events, and the checks of what the data plane reports. Pure functions:
+no model, no backend; tests give them a plan and a hand-made StepResult.
+
+    events = outcome(state, plan, result, vocab_size)      # StepExecuted, BoundarySnapshotted
+    journal.apply_all(events)
+    journal.check(cursor_violation(state, plan, result))   # every data-plane cursor == the control plane's
+
+A verify's commit is the backend's (it applies the shared verdict functions in the same execute); the
+engine checks the count it reports against its verdicts. A commit the backend refused (accepted -1), or
+verdicts that cannot be committed exactly, end that request with `error`: the sequence is `failing`.
+"""
+
+from __future__ import annotations
+
+import attrs
+
+from atlas.engine.speculative import accepted_prefix, verdict_bits
+from atlas.errors import InvariantViolation, VerifyRefused
+from atlas.plan import BackendCursors, SeqOutcome, StepPlan, StepResult
+from atlas.state.control import ControlState
+from atlas.state.events import BoundarySnapshotted, Event, StepExecuted
+
+
+@attrs.frozen
+class Outcome:
+    events: tuple[Event, ...]
+    ordered: tuple[SeqOutcome, ...]  # the backend's outcomes in plan order
+    refused: dict[int, str]  # sequences whose verify was refused (or could not be committed), and why
+
+
+def align(plan: StepPlan, result: StepResult, vocab_size: int | None, index: int) -> tuple[SeqOutcome, ...]:
+    """The outcomes in plan order; a missing or extra outcome, or a token where none belongs, is a desync."""
+    by_id = {o.seq_id: o for o in result.outcomes}
+    ordered = [by_id.get(w.seq_id) for w in plan.work]
+    problem = None
+    if result.step != plan.step or len(result.outcomes) != len(plan.work) or None in ordered:
+        problem = "one outcome per planned sequence"
+    else:
+        for w, o in zip(plan.work, ordered, strict=True):
+            assert o is not None
+            if o.refused is not None:
+                continue
+            if w.drafts:
+                if o.accepted >= 0 and (o.token is None or not o.verdicts):
+                    problem = f"verdicts and the token after them for a verify (seq {w.seq_id})"
+                    break
+                continue
+            if w.sample != (o.token is not None) or (w.sample and vocab_size is not None
+                                                     and not 0 <= o.token < vocab_size):  # type: ignore[operator]
+                problem = f"a token exactly for the sampled sequences (seq {w.seq_id}: {o.token})"
+                break
+    if problem:
+        raise InvariantViolation(index, "Backend", problem, {
+            "step": plan.step, "result_step": result.step, "planned": [w.seq_id for w in plan.work],
+            "returned": [o.seq_id for o in result.outcomes]})
+    return tuple(ordered)  # type: ignore[arg-type]
+
+
+def outcome(state: ControlState, plan: StepPlan, result: StepResult, vocab_size: int | None, index: int) -> Outcome:
+    """StepExecuted (every cursor moves by its fed count, or 1 + accepted for a verify) and the ring snapshots
+    the backend took. Raises InvariantViolation when the result cannot be the plan's."""
+    ordered = align(plan, result, vocab_size, index)
+    tokens: list[int] = []
+    accepted: list[int] = []
+    bits: list[int] = []
+    refused: dict[int, str] = {}
+    for w, o in zip(plan.work, ordered, strict=True):
+        if not w.drafts and o.refused is not None:  # one of its orders was refused: nothing ran for it
+            refused[w.seq_id] = o.refused
+            tokens.append(-1)
+            accepted.append(-1)
+            bits.append(0)
+            continue
+        if not w.drafts:
+            tokens.append(-1 if o.token is None else o.token)
+            accepted.append(0)
+            bits.append(0)
+            continue
+        why = o.refused if o.accepted < 0 else None
+        if why is None:
+            try:
+                n = accepted_prefix(o.verdicts, w.drafts, vocab_size)
+            except VerifyRefused as exc:
+                why = str(exc)
+            else:
+                if n != o.accepted or o.token != o.verdicts[n].token:
+                    raise InvariantViolation(index, "Backend", "a verify commits the accepted chain of its verdicts",
+                                             {"step": plan.step, "seq_id": w.seq_id, "committed": o.accepted,
+                                              "verdicts_accept": n, "token": o.token})
+        if why is not None:
+            refused[w.seq_id] = f"verify commit refused: {why or 'by the backend'}"
+            tokens.append(-1)
+            accepted.append(-1)
+            bits.append(0)
+            continue
+        tokens.append(o.token)  # type: ignore[arg-type]
+        accepted.append(o.accepted)
+        bits.append(verdict_bits(o.verdicts, len(w.drafts)))
+    if any(w.drafts for w in plan.work) or refused:
+        events: list[Event] = [StepExecuted(plan.step, tuple(tokens), tuple(accepted), tuple(bits))]
+    else:
+        events = [StepExecuted(plan.step, tuple(tokens))]
+    events += [BoundarySnapshotted(plan.step, s.seq_id, s.position, s.slot, s.evicted) for s in plan.snapshots]
+    for seq_id, why in result.refused:  # an order refused for a sequence with no work in the plan
+        refused[seq_id] = why
+    return Outcome(tuple(events), ordered, refused)
+
+
+def expected_cursors(state: ControlState, seq_id: int) -> BackendCursors | None:
+    """What the data plane must hold for a live sequence, or None when nothing is owed (gone, or failing)."""
+    seq = state.seqs.get(seq_id)
+    if seq is None or seq_id in state.failing:
+        return None
+    n = seq.cursor.computed
+    return BackendCursors(n, seq.qsa.ingested, n, n, seq.drafter.rows)
+
+
+def cursor_violation(state: ControlState, plan: StepPlan, result: StepResult, index: int
+                     ) -> InvariantViolation | None:
+    """After the step's events: every sequence the plan touched holds exactly what the control plane says, and a
+    refused rollback restore left the data plane where it was."""
+    reported = [(o.seq_id, o.cursors) for o in result.outcomes] + list(result.touched)
+    refused = {o.seq_id for o in result.outcomes if o.refused is not None} | {s for s, _ in result.refused}
+    held = {r.seq_id: r.held for r in plan.restores}
+    for seq_id, cur in reported:
+        if seq_id in refused and seq_id in held and held[seq_id]:
+            if cur.as_tuple() != held[seq_id]:
+                return InvariantViolation(index, "BackendCursors", "a refused restore changes nothing", {
+                    "step": plan.step, "seq_id": seq_id, "held": list(held[seq_id]), "backend": attrs.asdict(cur)})
+            continue
+        want = expected_cursors(state, seq_id)
+        if want is not None and cur.as_tuple() != want.as_tuple():
+            return InvariantViolation(index, "BackendCursors", "data-plane cursors equal the control plane's", {
+                "step": plan.step, "seq_id": seq_id, "computed": want.kv_tokens, "qsa_ingested": want.qsa_ingested,
+                "drafter_rows": want.drafter_rows, "backend": attrs.asdict(cur)})
+    return None

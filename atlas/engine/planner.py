@@ -1,0 +1,87 @@
+"""A step's decisions and its plan, both pure functions of the control-plane state.
+
+    for e in schedule(state, lanes): journal.apply(e)   # prefix hits, latches, preemptions, the carry, StepPlanned
+    plan = plan_step(state, lanes)                       # the StepPlan of the step now in flight
+
+`schedule` is a generator: each decision reads the state as the events before it left it (a prefix hit takes
+blocks and a batch slot the next hit must see), and never mutates it; the caller applies every event. The
+plan is then read off the state alone: the StepPlanned in flight, the orders the events between the last
+step and this one queued (rollback restores, prefix stores and restores, the carry), and each sequence's
+block table, drafts and bans. No part of it is patched in afterwards.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import attrs
+
+from atlas.engine.drafters.lane import SpeculativeLane
+from atlas.engine.prefix_lane import PrefixLane
+from atlas.engine.rollback import plan_snapshots
+from atlas.engine.scheduler import Schedule, batch
+from atlas.plan import SeqWork, StepPlan
+from atlas.state.control import ControlState
+from atlas.state.events import Event, SequencePreempted, StepPlanned
+
+
+@attrs.define
+class Lanes:
+    """The optional parts of a step: speculative decoding and prefix caching (None when off)."""
+
+    spec: SpeculativeLane | None = None
+    prefix: PrefixLane | None = None
+
+
+def planned_drafts(drafts: dict[int, tuple[int, ...]], decided: Schedule) -> tuple[tuple[int, ...], ...]:
+    """The drafts each planned sequence verifies, as the scheduler cut them (aligned with decided.seqs)."""
+    if not decided.drafts:
+        return ()
+    return tuple(drafts[seq_id][:k] if k else () for seq_id, k in zip(decided.seqs, decided.drafts, strict=True))
+
+
+def schedule(state: ControlState, lanes: Lanes) -> Iterator[Event]:
+    """The step's events, in order; nothing when there is nothing to do."""
+    if lanes.prefix is not None:  # waiting sequences that hit the cache start running from it
+        yield from lanes.prefix.admit(state)
+    drafts: dict[int, tuple[int, ...]] = {}
+    if lanes.spec is not None:
+        yield from lanes.spec.latches(state)
+        drafts = lanes.spec.drafts(state)
+    decided = batch(state, {seq_id: len(d) for seq_id, d in drafts.items()})
+    o = state.orders
+    if decided.idle and not (state.pending_release or o.stores or o.restores or o.rollbacks or o.carry_drop
+                             or o.carry_store >= 0):
+        return
+    step = state.step
+    for seq_id in decided.preempt:
+        yield SequencePreempted(seq_id, len(state.seqs[seq_id].blocks), "kv blocks exhausted")
+    if lanes.prefix is not None:
+        yield from lanes.prefix.admitted(state, decided.admitted)
+    yield StepPlanned(step, decided.admitted, decided.seqs, decided.fed, decided.alloc, tuple(state.pending_release),
+                      decided.preempt, planned_drafts(drafts, decided),
+                      tuple(r.seq_id for r in state.orders.rollbacks))
+
+
+def plan_step(state: ControlState, lanes: Lanes) -> StepPlan:
+    """The data plane's work for the step in flight (after its StepPlanned was applied)."""
+    planned = state.inflight
+    assert planned is not None, "plan_step needs a step in flight"
+    seqs = state.seqs
+    drafts = planned.drafts or ((),) * len(planned.seqs)
+    work = []
+    for seq_id, n, verify in zip(planned.seqs, planned.fed, drafts, strict=True):
+        seq = seqs[seq_id]
+        c = seq.cursor
+        start, end = c.computed, c.computed + n
+        sample = end == len(c.tokens)
+        propose = lanes.spec.proposes(seq) if lanes.spec is not None and sample else 0
+        work.append(SeqWork(seq_id, tuple(c.tokens[start:end]), start, tuple(seq.blocks), sample, seq.params,
+                            banned=seq.banned.get(end, ()) if sample else (), drafts=verify,
+                            drafter_first_key=seq.drafter.first_key, propose=propose))
+    snapshots = plan_snapshots(seqs, planned.seqs, planned.fed, state.caps.snapshot_interval)
+    o = state.inflight_orders
+    return StepPlan(planned.step, tuple(work), planned.release, planned.reset,
+                    snapshots=snapshots,
+                    restores=tuple(o.rollbacks), prefix_stores=tuple(o.stores), prefix_restores=tuple(o.restores),
+                    carry=o.carry)

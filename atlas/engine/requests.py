@@ -1,0 +1,180 @@
+"""The requests' side of a step: stop conditions, the content-loop watchdog, finishes and the outputs.
+
+`RequestBook.settle` runs after a step's StepExecuted: per sequence that produced tokens, in plan order, each
+token goes through its StopChecker (EOS, stop ids, stop strings, the budget); a sequence that did not end is
+shown to the watchdog, whose loop becomes a rollback (RolledBack: the restore is an order of the next plan) or,
+when that cannot be made exact, a decline and a `stop`. It is a generator of events that reads the state as
+the events before it left it; the engine applies each. RequestOutputs are collected as it goes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Literal
+
+import attrs
+
+from atlas.config import EngineConfig
+from atlas.engine.outputs import FinishReason, RequestOutput
+from atlas.engine.planner import Lanes
+from atlas.engine.records import _Held
+from atlas.engine.rollback import RollbackPlan, plan_rollback
+from atlas.engine.stopping import StopChecker, Tokenizer
+from atlas.engine.watchdog import WatchdogConfig, detect_loop
+from atlas.plan import SeqOutcome, StepPlan
+from atlas.sampling.params import SamplingParams
+from atlas.state.control import ControlState
+from atlas.state.events import Event, RequestFinished, RollbackDeclined, RolledBack
+from atlas.state.machines import Sequence
+
+Sampled = tuple[int, float | None, tuple[tuple[int, float], ...]]
+
+
+@attrs.define
+class RequestCounts:
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    rollbacks: int = 0
+    rollback_declines: int = 0
+
+
+class RequestBook:
+    def __init__(self, tokenizer: Tokenizer, config: EngineConfig, *, detokenize: bool = True) -> None:
+        self.tokenizer = tokenizer if detokenize else None
+        self.eos = tuple(getattr(tokenizer, "eos_token_ids", ()))
+        self.config = config
+        self.watchdog = WatchdogConfig(config.watchdog_max_period, config.watchdog_min_repeats,
+                                       config.watchdog_min_span, config.watchdog_window) if config.loop_watchdog else None
+        self.stops: dict[int, StopChecker] = {}
+        # non-streaming requests: tokens held back until the request ends, so a rollback never retracts text
+        self.held: dict[int, _Held] = {}
+        self.pending: list[RequestOutput] = []  # outputs made between steps (cancels), handed out by the next
+        self.counts = RequestCounts()
+
+    def admit(self, seq_id: int, params: SamplingParams, max_new: int, prompt_len: int, stream: bool) -> None:
+        if not stream:
+            self.held[seq_id] = _Held()
+        self.stops[seq_id] = StopChecker.create(params, max_new, self.eos)
+        self.counts.prompt_tokens += prompt_len
+
+    def forget(self, seq_id: int) -> None:
+        self.stops.pop(seq_id, None)
+        self.held.pop(seq_id, None)
+
+    def take_pending(self) -> list[RequestOutput]:
+        out, self.pending = self.pending, []
+        return out
+
+    # -------------------------------------------------------------------------------------------- finishes
+
+    def finish_error(self, state: ControlState, seq_id: int, detail: str, out: list[RequestOutput]) -> Iterator[Event]:
+        seq = state.seqs[seq_id]
+        request_id, prompt_len, generated = seq.request_id, seq.cursor.prompt_len, seq.cursor.generated
+        yield RequestFinished(seq_id, FinishReason.ERROR.value, detail)
+        self.forget(seq_id)
+        out.append(RequestOutput(request_id, finished=True, finish_reason=FinishReason.ERROR, finish_detail=detail,
+                                 prompt_tokens=prompt_len, completion_tokens=generated))
+
+    def settle(self, state: ControlState, plan: StepPlan, ordered: tuple[SeqOutcome, ...], refused: dict[int, str],
+               lanes: Lanes, out: list[RequestOutput]) -> Iterator[Event]:
+        for w, o in zip(plan.work, ordered, strict=True):
+            if w.seq_id in refused:
+                yield from self.finish_error(state, w.seq_id, refused[w.seq_id], out)
+                continue
+            if w.drafts:
+                n = o.accepted
+                sampled: list[Sampled] = [(v.token, v.logprob, v.top_logprobs) for v in o.verdicts[:n + 1]]
+            else:
+                sampled = [] if o.token is None else [(o.token, o.logprob, o.top_logprobs)]
+            if sampled:
+                yield from self._sampled(state, state.seqs[w.seq_id], sampled, plan.step, lanes, out)
+        in_work = {w.seq_id for w in plan.work}
+        for seq_id, why in refused.items():  # an order refused for a sequence with no work in the plan
+            if seq_id not in in_work and seq_id in state.seqs:
+                yield from self.finish_error(state, seq_id, why, out)
+
+    def _sampled(self, state: ControlState, seq: Sequence, sampled: list[Sampled], step: int, lanes: Lanes,
+                 out: list[RequestOutput]) -> Iterator[Event]:
+        stop = self.stops[seq.seq_id]
+        p = seq.params
+        held = self.held.get(seq.seq_id)
+        new_tokens: list[int] = []
+        logprobs: list[float] = []
+        top: list[tuple[tuple[int, float], ...]] = []
+        ended = None
+        for token, token_logprob, token_top in sampled:
+            self.counts.generated_tokens += 1
+            ended = stop.on_token(token, self.tokenizer)
+            lp = (token_logprob,) if p.logprobs and token_logprob is not None else ()
+            tp = (token_top,) if p.logprobs and p.top_logprobs else ()
+            new_tokens.append(token)
+            logprobs.extend(lp)
+            top.extend(tp)
+            if held is not None:
+                held.add(token, lp, tp)
+            if ended is not None:  # a verify's tokens past a stop are the engine's, never the request's
+                break
+        if ended is None and self.watchdog is not None:
+            watched = yield from self._watch(state, seq, step)
+            if watched == "rolled_back":  # the tokens are gone with the loop; a held request goes on
+                return
+            ended = watched
+        request_id, prompt_len = seq.request_id, seq.cursor.prompt_len
+        if ended is not None:
+            if lanes.prefix is not None:
+                yield from lanes.prefix.on_finish(state, seq, ended[0], step)
+            yield RequestFinished(seq.seq_id, ended[0].value, ended[1])
+            self.forget(seq.seq_id)
+        if held is None or ended is not None:
+            token_ids, lps, tps = tuple(new_tokens), tuple(logprobs), tuple(top)
+            if held is not None:  # the whole completion, in one output
+                token_ids, lps, tps = tuple(held.tokens), tuple(held.logprobs), tuple(held.top)
+            out.append(RequestOutput(
+                request_id, new_token_ids=token_ids, new_logprobs=lps, new_top_logprobs=tps,
+                finished=ended is not None, finish_reason=None if ended is None else ended[0],
+                finish_detail=None if ended is None else ended[1], prompt_tokens=prompt_len,
+                completion_tokens=stop.count,
+                new_text=stop.take_text(ended is not None) if self.tokenizer is not None else "",
+            ))
+
+    # ----------------------------------------------------------------------------------------- rollback
+
+    def _watch(self, state: ControlState, seq: Sequence, step: int
+               ) -> Iterator[Event]:  # returns (FinishReason, detail) | "rolled_back" | None
+        assert self.watchdog is not None
+        c = seq.cursor
+        verdict = detect_loop(c.tokens[c.prompt_len:], self.watchdog)
+        if verdict is None:
+            return None
+        return (yield from self.roll_back(state, seq, c.prompt_len + verdict.opens_at, verdict.period, step))
+
+    def roll_back(self, state: ControlState, seq: Sequence, keep: int, period: int, step: int
+                  ) -> Iterator[Event]:  # returns "rolled_back" or the finish (`stop` with the decline's reason)
+        """Rewind `seq` so that it keeps tokens[:keep] and resamples position `keep` with the token there banned,
+        or decline. A target outside (prompt_len, seq_len) raises ValueError having changed nothing."""
+        decision = plan_rollback(seq, keep, max_rollbacks=self.config.max_rollbacks,
+                                 block_size=state.caps.block_size)
+        if isinstance(decision, RollbackPlan):
+            yield RolledBack(step, seq.seq_id, decision.boundary, decision.slot, keep, decision.ban_token,
+                             decision.blocks_freed, period, seq.rollbacks + 1)
+            self.counts.rollbacks += 1
+            self._rewind_outputs(seq)
+            return "rolled_back"
+        reason = decision.reason.value
+        yield RollbackDeclined(step, seq.seq_id, reason, keep, period)
+        self.counts.rollback_declines += 1
+        return FinishReason.STOP, f"content loop (period {period}): rollback declined: {reason}"
+
+    def _rewind_outputs(self, seq: Sequence) -> None:
+        """After a rollback: the stop checker and the held-back output as if the dropped tokens never came."""
+        c = seq.cursor
+        stop = StopChecker.create(seq.params, seq.max_new, self.eos)
+        for t in c.tokens[c.prompt_len:]:
+            stop.on_token(t, self.tokenizer)
+        self.stops[seq.seq_id] = stop
+        held = self.held.get(seq.seq_id)
+        if held is not None:
+            held.truncate(c.generated)
+
+
+Watched = tuple[FinishReason, str] | Literal["rolled_back"] | None

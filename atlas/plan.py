@@ -1,0 +1,182 @@
+"""The boundary between deciding and computing: one `StepPlan` down, one `StepResult` up.
+
+Both are plain values (no tensors), so the control plane can log, diff and replay them, and they live below
+both sides: the engine builds plans, the state machines queue their orders, the backends execute them.
+
+A backend runs one plan in this order (atlas.backends.orders.run_orders and each backend's execute):
+  1. prefix stores (the state of sequences exactly where it is, before anything moves);
+  2. the drafter carry (drop, then store);
+  3. releases, then resets;
+  4. restores: rollback rewinds to a ring slot, prefix-cache hits from a prefix snapshot;
+  5. the work: prefill chunks, decodes and verifies; a verify's accepted prefix is committed in the same
+     call (the backend applies the shared verdict functions, the engine checks the count it reports);
+  6. ring snapshots at the end of the work that lands on a boundary;
+  7. drafts for the next step (MTP) after each sampled token that asked for them.
+"""
+
+from __future__ import annotations
+
+import attrs
+
+from atlas.sampling.params import SamplingParams
+
+
+@attrs.frozen
+class RowVerdict:
+    """The target's verdict on one verify row. `token` is what the row emits if the chain reaches it: the
+    draft when accepted, else the correction (or, on the last row, the bonus token)."""
+
+    accept: bool
+    token: int
+    logprob: float | None = None
+    top_logprobs: tuple[tuple[int, float], ...] = ()
+
+
+@attrs.frozen
+class SeqWork:
+    """One sequence's share of a step: feed `tokens` at positions [start, start + len(tokens))."""
+
+    seq_id: int
+    tokens: tuple[int, ...]
+    start: int
+    # KV block ids in order; block i holds positions [i * block_size, (i + 1) * block_size). It covers at
+    # least start + len(tokens) + len(drafts) positions.
+    block_table: tuple[int, ...]
+    # sample one token from the logits of the last fed position (last prefill chunk, or decode)
+    sample: bool
+    sampling: SamplingParams = SamplingParams()
+    # tokens the sampler may not pick at the sampled position (a content-loop rollback's re-steer)
+    banned: tuple[int, ...] = ()
+    # a verify when non-empty: the drafts are fed after `tokens` (exactly one, the last sampled token) at
+    # [end, end + len(drafts)), verdicts come back per row, and the accepted prefix is committed
+    drafts: tuple[int, ...] = ()
+    # the MTP drafter's lowest pair key (0: it sees the prompt; prompt_len - 1 with its context off)
+    drafter_first_key: int = 0
+    # drafts the backend's own drafter (MTP) proposes after this step's sampled token, for the next step
+    propose: int = 0
+    # prompt logprobs: None off; n >= 0: the logprob of every fed token after the first under the logits of
+    # the position before it, with the n best alternatives
+    prompt_logprobs: int | None = None
+
+    @property
+    def end(self) -> int:
+        return self.start + len(self.tokens)
+
+
+@attrs.frozen
+class RingSnapshot:
+    """After the work: store the sequence's state (its work ends at `position`) into its ring `slot`."""
+
+    seq_id: int
+    position: int
+    slot: int
+    evicted: int = -1  # the position the slot held before, -1 if it was free
+
+
+@attrs.frozen
+class RingRestore:
+    """Before the work: rewind every cursor of the sequence to the snapshot at `position` in ring `slot`,
+    dropping the snapshots past it (a content-loop rollback). `held`: the cursors the data plane holds before
+    it (BackendCursors.as_tuple()); a refused restore must leave them so."""
+
+    seq_id: int
+    slot: int
+    position: int
+    held: tuple[int, ...] = ()
+
+
+@attrs.frozen
+class PrefixStore:
+    """Before anything moves: store the sequence's state at `position` (its current one) as prefix snapshot
+    `key`, evicting prefix snapshot `evicted` (-1: none)."""
+
+    seq_id: int
+    position: int
+    key: int
+    evicted: int
+
+
+@attrs.frozen
+class PrefixRestore:
+    """After the releases: start the sequence at `position` from prefix snapshot `key`; `block_table` holds
+    the shared full blocks (and the tail block the snapshot's partial KV rows go into). The drafter holds
+    keys first_key .. last_key: adopted from the carry when `adopt`, else none (first_key - 1 == last_key)."""
+
+    seq_id: int
+    key: int
+    position: int
+    block_table: tuple[int, ...]
+    drafter_first_key: int
+    drafter_last_key: int
+    adopt: bool
+
+
+@attrs.frozen
+class CarryOrder:
+    """The drafter carry: drop the carried entry, and/or keep released sequence `store`'s rows as it."""
+
+    drop: bool = False
+    store: int = -1
+
+
+@attrs.frozen
+class StepPlan:
+    step: int
+    work: tuple[SeqWork, ...]
+    # sequences whose data-plane state is dropped before the work runs (finished, cancelled)
+    release: tuple[int, ...] = ()
+    # sequences whose data-plane state is reset to empty before the work runs (preempted, requeued)
+    reset: tuple[int, ...] = ()
+    snapshots: tuple[RingSnapshot, ...] = ()
+    restores: tuple[RingRestore, ...] = ()
+    prefix_stores: tuple[PrefixStore, ...] = ()
+    prefix_restores: tuple[PrefixRestore, ...] = ()
+    carry: CarryOrder = CarryOrder()
+
+    @property
+    def idle(self) -> bool:
+        return not (self.work or self.release or self.reset or self.restores or self.prefix_stores
+                    or self.prefix_restores or self.carry.drop or self.carry.store >= 0)
+
+
+@attrs.frozen
+class BackendCursors:
+    """What the data plane says it holds for one sequence. Each must equal the control plane's view."""
+
+    kv_tokens: int  # positions written to KV (attention layers)
+    qsa_ingested: int  # raw index keys ingested (QSA layers; equals kv_tokens when the model has none)
+    ssm_position: int  # tokens folded into GDN conv + recurrent state
+    ple_position: int  # tokens folded into the PLE n-gram context and short-conv state
+    drafter_rows: int = 0  # MTP drafter pair keys held
+
+    def as_tuple(self) -> tuple[int, int, int, int, int]:
+        return (self.kv_tokens, self.qsa_ingested, self.ssm_position, self.ple_position, self.drafter_rows)
+
+
+PromptLogprob = tuple[float | None, tuple[tuple[int, float], ...]]
+
+
+@attrs.frozen
+class SeqOutcome:
+    seq_id: int
+    cursors: BackendCursors
+    token: int | None = None  # sampled token when SeqWork.sample (a verify: the token after the kept drafts)
+    logprob: float | None = None
+    top_logprobs: tuple[tuple[int, float], ...] = ()
+    verdicts: tuple[RowVerdict, ...] = ()  # a verify's per-row verdicts (K = drafts + 1), else empty
+    # a verify: drafts the backend committed (0..K-1); -1 when the backend refused the sequence's commit or one
+    # of its orders (`refused` says why): nothing moved for it, and the request ends with `error`
+    accepted: int = 0
+    refused: str | None = None
+    drafts: tuple[int, ...] = ()  # proposed for the next step (SeqWork.propose)
+    prompt_logprobs: tuple[PromptLogprob, ...] = ()  # one per fed token (SeqWork.prompt_logprobs)
+
+
+@attrs.frozen
+class StepResult:
+    step: int
+    outcomes: tuple[SeqOutcome, ...]
+    # cursors of the sequences the plan's orders moved that have no work in it (a restore without a re-feed)
+    touched: tuple[tuple[int, BackendCursors], ...] = ()
+    # sequences without work in the plan whose order the backend refused (nothing moved for them), and why
+    refused: tuple[tuple[int, str], ...] = ()

@@ -1,0 +1,148 @@
+"""One registry builds an Engine for every backend name: `build_engine(model, backend, config, ...)`.
+
+Names (what a trace's run row records, so a replay rebuilds the same data plane and numerics):
+- "cpu": the reference backend (atlas.backends.cpu);
+- "null": no tensors, a deterministic token function (control-plane tests and benchmarks);
+- "cuda", "cuda-fp32", "cuda-invariant", "cuda-fp32-invariant": the CUDA backend's modes (bf16 / fp32 parity,
+  batch-invariant or not);
+- "null-looping", "cpu-row-blind": the failure library's scenario backends (atlas.replay.scenarios).
+`LLM`, the CLI, the server and replay all build through here; the backend's capabilities are checked
+against the config once, in `Engine.__init__` (atlas.backends.base.Capabilities.check).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import attrs
+
+from atlas.config import Capacities, EngineConfig, derive_capacities, resolve_drafter_context
+
+if TYPE_CHECKING:
+    from atlas.engine.engine import Engine
+    from atlas.engine.records import EventSink
+    from atlas.replay.store import RunRecord
+
+TINY_MODEL = "atlas-tiny"
+CUDA_BACKENDS = ("cuda", "cuda-fp32", "cuda-invariant", "cuda-fp32-invariant")
+SCENARIO_BACKENDS = ("null-looping", "cpu-row-blind")
+BACKENDS = ("cpu", "null", *CUDA_BACKENDS, *SCENARIO_BACKENDS)
+
+
+@attrs.frozen
+class DataPlane:
+    """A built backend and what the engine needs to know about the model it serves."""
+
+    backend: Any
+    tokenizer: Any
+    spec: Any
+    caps: Capacities
+    model_name: str
+    fingerprint: str
+
+
+def _load(model: str, loaded: Any, dtype: Any) -> Any:
+    if loaded is not None:
+        return loaded
+    from atlas.model import load_model
+
+    return load_model(model) if dtype is None else load_model(model, dtype=dtype)
+
+
+def _cpu(model: str, config: EngineConfig, *, loaded: Any = None, dtype: Any = None, **options: Any) -> DataPlane:
+    from atlas.backends.cpu import CpuBackend
+
+    loaded = _load(model, loaded, None)
+    caps = derive_capacities(config, loaded.spec, activation_bytes=(dtype or loaded.dtype).itemsize)
+    backend = CpuBackend.for_capacities(loaded, caps, dtype=dtype, **options)
+    return DataPlane(backend, loaded.tokenizer, loaded.spec, caps, loaded.name, loaded.fingerprint)
+
+
+def _null(model: str, config: EngineConfig, **_: Any) -> DataPlane:
+    from atlas.backends.null import ByteTokenizer, NullBackend
+
+    name = TINY_MODEL if model == TINY_MODEL else Path(model).name
+    return DataPlane(NullBackend(), ByteTokenizer(), None, derive_capacities(config, None), name, f"null:{name}")
+
+
+def _cuda(model: str, config: EngineConfig, *, backend: str, loaded: Any = None, dtype: Any = None,
+          **options: Any) -> DataPlane:
+    from atlas.backends.cuda.runner import CudaBackend, parse_backend
+
+    act_dtype, invariant = parse_backend(backend)
+    loaded = _load(model, loaded, None)
+    caps = derive_capacities(config, loaded.spec, activation_bytes=act_dtype.itemsize)
+    data_plane = CudaBackend.for_capacities(loaded, caps, dtype=act_dtype, batch_invariant=invariant, name=backend,
+                                            **options)
+    return DataPlane(data_plane, loaded.tokenizer, loaded.spec, caps, loaded.name, loaded.fingerprint)
+
+
+def _scenario(model: str, config: EngineConfig, *, backend: str, loaded: Any = None, **_: Any) -> DataPlane:
+    from atlas.backends.null import ByteTokenizer
+    from atlas.replay.scenarios import looping_null, row_blind_cpu
+
+    if backend == "null-looping":
+        caps = derive_capacities(config, None)
+        return DataPlane(looping_null(), ByteTokenizer(), None, caps, model or TINY_MODEL, f"null:{model}")
+    loaded = _load(model, loaded, None)
+    caps = derive_capacities(config, loaded.spec, activation_bytes=loaded.dtype.itemsize)
+    return DataPlane(row_blind_cpu(loaded, caps), loaded.tokenizer, loaded.spec, caps, model or TINY_MODEL,
+                     loaded.fingerprint)
+
+
+def data_plane(model: str, backend: str, config: EngineConfig, **options: Any) -> DataPlane:
+    """The backend `backend` names, built for `model` and sized by `config`'s capacities."""
+    factory: Callable[..., DataPlane]
+    if backend == "cpu":
+        factory = _cpu
+    elif backend == "null":
+        factory = _null
+    elif backend in CUDA_BACKENDS:
+        return _cuda(model, config, backend=backend, **options)
+    elif backend in SCENARIO_BACKENDS:
+        return _scenario(model, config, backend=backend, **options)
+    else:
+        raise ValueError(f"unknown backend {backend!r} ({', '.join(BACKENDS)})")
+    return factory(model, config, **options)
+
+
+def open_trace(trace: str, *, model: str, fingerprint: str, backend: str, config: EngineConfig,
+               caps: Capacities) -> EventSink:
+    from atlas import __version__
+    from atlas.replay.store import TRACE_SCHEMA, TraceWriter, git_revision
+
+    return TraceWriter(trace, run={
+        "engine_version": __version__, "git_revision": git_revision(), "model": model,
+        "model_fingerprint": fingerprint, "backend": backend, "seed": None,
+        "config": {**config.to_json(), "trace_schema": TRACE_SCHEMA}, "capacities": caps.table(),
+    })
+
+
+def build_engine(model: str = TINY_MODEL, backend: str = "cpu", config: EngineConfig | None = None,
+                 trace: str | None = None, *, sink: EventSink | None = None, loaded: Any = None, dtype: Any = None,
+                 backend_options: dict[str, Any] | None = None, **engine_kwargs: Any) -> Engine:
+    """The engine for (model, backend, config). `trace` records a new run (a SQLite path or any SQLAlchemy URL);
+    `sink` collects events in memory instead. `loaded`: an already loaded model (atlas.model.LoadedModel), with
+    `model` the name or dir the trace records so that a replay can load it again. `backend_options` go to the
+    backend's constructor (e.g. device=, cuda_graphs= for CUDA); `engine_kwargs` to Engine."""
+    from atlas.engine.engine import Engine
+
+    config = resolve_drafter_context(config or EngineConfig())  # once, at start, before the trace's run row
+    options = dict(backend_options or {})
+    if loaded is not None:
+        options["loaded"] = loaded
+    if dtype is not None:
+        options["dtype"] = dtype
+    made = data_plane(model, backend, config, **options)
+    if trace is not None:
+        sink = open_trace(trace, model=model, fingerprint=made.fingerprint, backend=backend, config=config,
+                          caps=made.caps)
+    return Engine(made.backend, tokenizer=made.tokenizer, config=config, capacities=made.caps, spec=made.spec,
+                  model_name=made.model_name, sink=sink, fingerprint=made.fingerprint, **engine_kwargs)
+
+
+def engine_for_run(run: RunRecord, sink: EventSink, **kwargs: Any) -> Engine:
+    """A fresh engine like the one that recorded `run` (atlas.replay.store.RunRecord), its events going to `sink`."""
+    return build_engine(run.model, run.backend, EngineConfig.from_json(run.config), sink=sink, **kwargs)

@@ -1,0 +1,229 @@
+"""Transitions of a step (planned, executed), of preemption, of the snapshot ring and rollback, and of the
+speculative lane's latch (registered on ControlState)."""
+
+from __future__ import annotations
+
+from bisect import insort
+
+from atlas.errors import TransitionRefused
+from atlas.hashing import ints_key
+from atlas.plan import RingRestore
+from atlas.state.control import ControlState, transition
+from atlas.state.events import (
+    BoundarySnapshotted,
+    RollbackDeclined,
+    RolledBack,
+    SequencePreempted,
+    SpeculationLatchedOff,
+    StepExecuted,
+    StepPlanned,
+)
+from atlas.state.machines import Phase, Sequence
+from atlas.state.orders import PlanOrders
+from atlas.state.prefix import forget_blocks, register_blocks
+
+
+@transition(SequencePreempted)
+def preempted(state: ControlState, e: SequencePreempted) -> tuple[int, ...]:
+    seq = state.seq(e.seq_id)
+    if e.blocks_freed != len(seq.blocks):
+        raise TransitionRefused("BlockPool", "preemption frees every block of the sequence",
+                                seq_id=e.seq_id, blocks_freed=e.blocks_freed, blocks=len(seq.blocks))
+    seq.reset()  # validates the phase before anything moves
+    state.pool.release(seq.seq_id, seq.blocks)
+    seq.blocks.clear()
+    state.running.remove(seq.seq_id)
+    insort(state.waiting, seq.seq_id)
+    state.orders.forget(seq.seq_id)
+    state.preemptions_total += 1
+    return (e.seq_id,)
+
+
+def _check_drafts(state: ControlState, seq: Sequence, fed: int, drafts: tuple[int, ...]) -> None:
+    c = seq.cursor
+    if fed != 1 or not c.decoding:
+        raise TransitionRefused("Speculative", "drafts only for a decoding sequence feeding its last token",
+                                seq_id=seq.seq_id, fed=fed, computed=c.computed, seq_len=len(c.tokens))
+    if seq.drafter.latched:
+        raise TransitionRefused("Speculative", "drafts for a sequence whose lane is latched off", seq_id=seq.seq_id)
+    if len(drafts) > state.caps.verify_width - 1 or c.generated + len(drafts) + 1 > seq.max_new:
+        raise TransitionRefused("Speculative", "drafts within the verify width and the request's budget",
+                                seq_id=seq.seq_id, drafts=len(drafts), verify_width=state.caps.verify_width,
+                                generated=c.generated, max_new=seq.max_new)
+
+
+def _check_plan(state: ControlState, e: StepPlanned) -> None:
+    if e.step != state.step:
+        raise TransitionRefused("Engine", "steps are planned in order", step=e.step, expected=state.step)
+    if state.inflight is not None:
+        raise TransitionRefused("Engine", "a step is already in flight", inflight=state.inflight.step)
+    if len(e.seqs) != len(e.fed):
+        raise TransitionRefused("Engine", "one fed count per planned sequence", seqs=len(e.seqs), fed=len(e.fed))
+    for seq_id in e.admitted:
+        if state.seq(seq_id).cursor.phase is not Phase.WAITING:
+            raise TransitionRefused("Request", "admission of a sequence that is not waiting", seq_id=seq_id)
+    if list(e.release) != state.pending_release:
+        raise TransitionRefused("Engine", "the plan releases exactly the finished sequences",
+                                release=list(e.release), pending=list(state.pending_release))
+    if list(e.restored) != [r.seq_id for r in state.orders.rollbacks]:
+        raise TransitionRefused("SsmRing", "the plan restores exactly the rolled-back sequences",
+                                restored=list(e.restored), queued=[r.seq_id for r in state.orders.rollbacks])
+    if e.drafts and len(e.drafts) != len(e.seqs):
+        raise TransitionRefused("Engine", "drafts aligned with the planned sequences", drafts=len(e.drafts),
+                                seqs=len(e.seqs))
+    fed_total = sum(e.fed) + sum(len(d) for d in e.drafts)
+    if fed_total > state.caps.max_batch_tokens:  # the size every per-step buffer is derived from
+        raise TransitionRefused("Scheduler", "a step feeds at most max_batch_tokens (drafts included)",
+                                fed=fed_total, max_batch_tokens=state.caps.max_batch_tokens)
+    admitted = set(e.admitted)
+    new_blocks = {row[0]: len(row) - 1 for row in e.alloc}
+    bs = state.caps.block_size
+    for i, (seq_id, n) in enumerate(zip(e.seqs, e.fed, strict=True)):
+        seq = state.seq(seq_id)
+        c = seq.cursor
+        drafts = e.drafts[i] if e.drafts else ()
+        if c.phase is not Phase.RUNNING and seq_id not in admitted:
+            raise TransitionRefused("Scheduler", "work for a sequence that is neither running nor admitted",
+                                    seq_id=seq_id, phase=c.phase.name)
+        if n < 1 or c.computed + n > len(c.tokens):
+            raise TransitionRefused("SequenceCursor", "fed tokens beyond the known tokens", seq_id=seq_id,
+                                    computed=c.computed, fed=n, seq_len=len(c.tokens))
+        if drafts:
+            _check_drafts(state, seq, n, drafts)
+        end = c.computed + n + len(drafts)  # a verify writes KV for its draft positions too
+        if end > (len(seq.blocks) + new_blocks.get(seq_id, 0)) * bs:
+            raise TransitionRefused("BlockPool", "KV written past the sequence's blocks", seq_id=seq_id,
+                                    end=end, blocks=len(seq.blocks) + new_blocks.get(seq_id, 0))
+    claimed: set[int] = set()
+    for row in e.alloc:
+        state.seq(row[0])
+        for b in row[1:]:
+            if b in claimed or not 0 <= b < state.pool.total or b not in state.pool.free:
+                raise TransitionRefused("BlockPool", "allocation of a block that is not free", seq_id=row[0], block=b)
+            claimed.add(b)
+
+
+@transition(StepPlanned)
+def planned(state: ControlState, e: StepPlanned) -> tuple[int, ...]:
+    _check_plan(state, e)
+    for seq_id in e.admitted:
+        seq = state.seqs[seq_id]
+        seq.cursor.phase = Phase.RUNNING
+        seq.on_device = True
+        # the drafter sees the prompt unless its context is off (then its keys start at the first decode)
+        seq.drafter.first_key = 0 if state.caps.drafter_context else seq.cursor.prompt_len - 1
+        state.waiting.remove(seq_id)
+        insort(state.running, seq_id)
+    for row in e.alloc:
+        state.pool.allocate(row[0], row[1:])
+        if state.prefix is not None:  # a cached block handed out again is evicted
+            for b in row[1:]:
+                state.prefix.evict_block(b)
+        state.seqs[row[0]].blocks.extend(row[1:])
+    state.pending_release.clear()
+    state.inflight_orders, state.orders = state.orders, PlanOrders()  # the plan carries them; new ones queue anew
+    state.inflight = e
+    state.inflight_hash = ints_key(b"atlas.plan", (e.seqs, e.fed, *e.alloc, e.release, e.reset, e.restored,
+                                                   *e.drafts))
+    state.step = e.step + 1
+    return tuple(e.admitted) + tuple(row[0] for row in e.alloc)
+
+
+@transition(StepExecuted)
+def executed(state: ControlState, e: StepExecuted) -> tuple[int, ...]:
+    plan = state.inflight
+    if plan is None or plan.step != e.step:
+        raise TransitionRefused("Engine", "execution of a step that was not planned", step=e.step,
+                                inflight=None if plan is None else plan.step)
+    if len(e.tokens) != len(plan.seqs):
+        raise TransitionRefused("Engine", "one token slot per planned sequence", tokens=len(e.tokens),
+                                seqs=len(plan.seqs))
+    if (e.accepted or e.verdicts or plan.drafts) and not len(e.accepted) == len(e.verdicts) == len(plan.seqs):
+        raise TransitionRefused("Speculative", "accepted counts and verdicts aligned with the planned sequences",
+                                accepted=len(e.accepted), verdicts=len(e.verdicts), seqs=len(plan.seqs))
+    bs = state.caps.block_size
+    seqs = state.seqs
+    work = []
+    refused: list[Sequence] = []
+    for i, (seq_id, fed, token) in enumerate(zip(plan.seqs, plan.fed, e.tokens, strict=True)):
+        seq = seqs.get(seq_id)
+        if seq is None:
+            raise TransitionRefused("Request", "token for a sequence that is not live", seq_id=seq_id)
+        drafts = plan.drafts[i] if plan.drafts else ()
+        accepted = e.accepted[i] if e.accepted else 0
+        if accepted == -1 and token == -1:
+            refused.append(seq)
+            continue  # its commit (or an order for it) was refused: nothing moves, the request fails next
+        if drafts:
+            seq.check_verify(drafts, accepted, token, bs)
+        else:
+            if accepted:
+                raise TransitionRefused("Speculative", "accepted drafts without a verify", seq_id=seq_id,
+                                        accepted=accepted)
+            seq.check_advance(fed, token, bs)
+        work.append((seq, fed, token, drafts, accepted))
+    for seq in refused:  # the blocks its drafts took go now; the request ends with `error` next
+        state.failing.add(seq.seq_id)
+        keep = -(-len(seq.cursor.tokens) // bs)
+        freed = seq.blocks[keep:]
+        del seq.blocks[keep:]
+        state.pool.release(seq.seq_id, freed)
+    for seq, fed, token, drafts, accepted in work:  # every check passed: commit them all
+        if drafts:
+            state.pool.release(seq.seq_id, seq.commit_verify(drafts, accepted, token, bs))
+        else:
+            seq.commit_advance(fed, token)
+        register_blocks(state, seq)
+    state.inflight = None
+    state.inflight_hash = 0
+    state.inflight_orders = PlanOrders()
+    return plan.seqs
+
+
+@transition(SpeculationLatchedOff)
+def latched(state: ControlState, e: SpeculationLatchedOff) -> tuple[int, ...]:
+    seq = state.running_between_steps(e.seq_id, "speculation latch")
+    if seq.drafter.latched:
+        raise TransitionRefused("Speculative", "the lane latches off once", seq_id=e.seq_id)
+    if e.position != seq.cursor.computed:
+        raise TransitionRefused("Speculative", "latched at the sequence's computed tokens", seq_id=e.seq_id,
+                                position=e.position, computed=seq.cursor.computed)
+    seq.drafter.latched = True
+    return (e.seq_id,)
+
+
+@transition(BoundarySnapshotted)
+def snapshotted(state: ControlState, e: BoundarySnapshotted) -> tuple[int, ...]:
+    seq = state.running_between_steps(e.seq_id, "snapshot")
+    if e.position != seq.cursor.computed:
+        raise TransitionRefused("SsmRing", "a snapshot holds the sequence's computed tokens", seq_id=e.seq_id,
+                                position=e.position, computed=seq.cursor.computed)
+    seq.ring.record(e.position, e.slot, e.evicted)
+    return (e.seq_id,)
+
+
+@transition(RolledBack)
+def rolled_back(state: ControlState, e: RolledBack) -> tuple[int, ...]:
+    """Every control-plane cursor moves to the boundary now; the data plane's restore is an order of the next
+    plan (RingRestore), and the data plane's cursors are checked against these after that step."""
+    seq = state.running_between_steps(e.seq_id, "rollback")
+    if e.attempt != seq.rollbacks + 1:
+        raise TransitionRefused("Request", "rollback attempts count up from 1", seq_id=e.seq_id,
+                                attempt=e.attempt, taken=seq.rollbacks)
+    c = seq.cursor
+    held = (c.computed, seq.qsa.ingested, c.computed, c.computed, seq.drafter.rows)
+    rollbacks = state.orders.rollbacks
+    earlier = next((i for i, r in enumerate(rollbacks) if r.seq_id == e.seq_id), None)
+    if earlier is not None:  # a second rollback before the data plane ran the first: the data plane still holds
+        held = rollbacks.pop(earlier).held  # the first one's position, and this boundary's snapshot (b2 <= b1)
+    freed = seq.rollback(e.boundary, e.slot, e.keep, e.ban_token, e.blocks_freed, state.caps.block_size)
+    forget_blocks(state, seq.blocks + freed, e.boundary)
+    state.pool.release(seq.seq_id, freed)
+    rollbacks.append(RingRestore(e.seq_id, e.slot, e.boundary, held))
+    return (e.seq_id,)
+
+
+@transition(RollbackDeclined)
+def declined(state: ControlState, e: RollbackDeclined) -> tuple[int, ...]:
+    state.seq(e.seq_id)  # a decline moves nothing; the request's finish follows as its own event
+    return (e.seq_id,)

@@ -117,33 +117,43 @@ def token_mask(ids_or_mask: torch.Tensor, vocab: int) -> torch.Tensor:
 
 
 def penalised(logits: torch.Tensor, rows: Rows, banned: torch.Tensor | None = None,
-              seen: torch.Tensor | None = None) -> torch.Tensor:
-    """float64 logits [B, V] after the repetition penalty on `seen` tokens and -inf on `banned` ones (each a
-    [B, V] bool mask or [B, L] ids padded with -1)."""
-    x = logits.to(torch.float64)
-    vocab = x.shape[-1]
+              seen: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x, key): x the float64 logits [B, V] after the repetition penalty on `seen` tokens and -inf on
+    `banned` ones (each a [B, V] bool mask or [B, L] ids padded with -1); key is ordered exactly like x and
+    float64(key) == x: without a penalty, the float32 logits themselves, whose sort costs half a float64 one
+    (measured on one CPU core at V = 65,536: 5.3 vs 10.3 ms), so sorted(key) / T is sorted(x / T) bit for bit."""
+    vocab = logits.shape[-1]
+    key = logits if logits.dtype in (torch.float32, torch.float64) else logits.to(torch.float32)
+    if banned is not None:
+        key = key.masked_fill(token_mask(banned, vocab), _NEG_INF)
+    x = key.to(torch.float64)
     if seen is not None:
         pen = rows.penalty[:, None]
         hit = token_mask(seen, vocab) & (pen != 1.0)
-        x = torch.where(hit, torch.where(x > 0, x / pen, x * pen), x)
-    if banned is not None:
-        x = x.masked_fill(token_mask(banned, vocab), _NEG_INF)
-    return x
+        x = key = torch.where(hit, torch.where(x > 0, x / pen, x * pen), x)
+    return x, key
 
 
 def scaled(x: torch.Tensor, rows: Rows) -> torch.Tensor:
     """z = x / temperature (greedy rows divided by 1: their z is only ever argmax'd)."""
-    t = torch.where(rows.temperature > 0, rows.temperature, 1.0)
-    return x / t[:, None]
+    return x / _temperature(rows)[:, None]
 
 
-def kept(z: torch.Tensor, rows: Rows) -> torch.Tensor:
-    """The kept set [B, V] bool of scaled logits z: min_p, top_k, then top_p over what those keep."""
+def _temperature(rows: Rows) -> torch.Tensor:
+    return torch.where(rows.temperature > 0, rows.temperature, 1.0)
+
+
+def kept(z: torch.Tensor, rows: Rows, key: torch.Tensor | None = None) -> torch.Tensor:
+    """The kept set [B, V] bool of scaled logits z: min_p, top_k, then top_p over what those keep. `key`, if
+    given, is ordered exactly like z and float64(key) / T == z (the cheaper tensor to sort)."""
     zmax = z.max(dim=-1, keepdim=True).values
     if not rows.filtered:  # min_p alone: elementwise, no sort
         return (z - zmax) >= rows.log_min_p[:, None]
     vocab = z.shape[-1]
-    s = torch.sort(z, dim=-1, descending=True).values
+    if key is None:
+        s = torch.sort(z, dim=-1, descending=True).values
+    else:
+        s = torch.sort(key, dim=-1, descending=True).values.to(torch.float64) / _temperature(rows)[:, None]
     k = torch.where(rows.top_k > 0, rows.top_k.clamp(max=vocab), vocab)
     kth = s.gather(1, (k - 1)[:, None])
     prefix = ((s - zmax) >= rows.log_min_p[:, None]) & (s >= kth)  # both monotone in s: a prefix
@@ -167,21 +177,21 @@ def gumbel_argmax(z: torch.Tensor, keep: torch.Tensor, rows: Rows, salt: int) ->
 def sample(logits: torch.Tensor, rows: Rows, *, banned: torch.Tensor | None = None,
            seen: torch.Tensor | None = None, salt: int = SAMPLE_SALT) -> torch.Tensor:
     """The token [B] int64 of every row of logits [B, V] (any float dtype, any device)."""
-    x = penalised(logits, rows, banned, seen)
-    greedy = x.argmax(dim=-1)  # first maximum: the lowest index among ties, on every device
+    x, key = penalised(logits, rows, banned, seen)
+    greedy = key.argmax(dim=-1)  # first maximum: the lowest index among ties, on every device
     if not rows.sampled:
         return greedy
     z = scaled(x, rows)
-    return torch.where(rows.temperature > 0, gumbel_argmax(z, kept(z, rows), rows, salt), greedy)
+    return torch.where(rows.temperature > 0, gumbel_argmax(z, kept(z, rows, key), rows, salt), greedy)
 
 
 def distribution(logits: torch.Tensor, rows: Rows, *, banned: torch.Tensor | None = None,
                  seen: torch.Tensor | None = None) -> torch.Tensor:
     """The target distribution [B, V] float64 that `sample` draws from (greedy rows: the point mass on the
     argmax)."""
-    x = penalised(logits, rows, banned, seen)
+    x, key = penalised(logits, rows, banned, seen)
     z = scaled(x, rows)
-    keep = kept(z, rows)
+    keep = kept(z, rows, key)
     e = torch.where(keep, torch.exp(z - z.max(dim=-1, keepdim=True).values), 0.0)
     p = e / e.sum(dim=-1, keepdim=True)
     point = torch.zeros_like(p).scatter_(1, x.argmax(dim=-1, keepdim=True), 1.0)

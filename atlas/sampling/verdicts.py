@@ -56,13 +56,13 @@ def judge(logits: torch.Tensor, drafts: torch.Tensor, rows: Rows, *, proposals: 
     """Verdicts on N independent rows: logits [N, V], drafts [N] int64 (-1: no draft, a plain sample), rows
     at the drafted positions, proposals [N, V] (the drafter's q; rows where has_q [N] is False are point
     masses). Returns (accept [N] bool, token [N] int64)."""
-    x = penalised(logits, rows, banned, seen)
+    x, key = penalised(logits, rows, banned, seen)
     has_d = drafts >= 0
     d = drafts.clamp(min=0)[:, None]
-    s = x.argmax(dim=-1)
+    s = key.argmax(dim=-1)
     if rows.sampled:
         z = scaled(x, rows)
-        keep = kept(z, rows)
+        keep = kept(z, rows, key)
         s = torch.where(rows.temperature > 0, gumbel_argmax(z, keep, rows, SAMPLE_SALT), s)
     accept = has_d & (s == d[:, 0])
     if proposals is None or not rows.sampled:
@@ -112,12 +112,12 @@ def verify(logits: torch.Tensor, drafts: torch.Tensor, num_drafts: torch.Tensor,
 def draft(logits: torch.Tensor, rows: Rows) -> tuple[torch.Tensor, torch.Tensor]:
     """The drafter-side draw: tokens [B] from the drafter's logits on keyed noise (DRAFT_SALT, independent of
     the target's draws) and its proposal distribution q [B, V] float64 (greedy rows: the point mass)."""
-    x = penalised(logits, rows)
+    x, key = penalised(logits, rows)
+    greedy = key.argmax(dim=-1)
     if not rows.sampled:
-        tokens = x.argmax(dim=-1)
-        return tokens, torch.zeros_like(x).scatter_(1, tokens[:, None], 1.0)
+        return greedy, torch.zeros_like(x).scatter_(1, greedy[:, None], 1.0)
     z = scaled(x, rows)
-    tokens = torch.where(rows.temperature > 0, gumbel_argmax(z, kept(z, rows), rows, DRAFT_SALT), x.argmax(dim=-1))
+    tokens = torch.where(rows.temperature > 0, gumbel_argmax(z, kept(z, rows, key), rows, DRAFT_SALT), greedy)
     return tokens, distribution(logits, rows)
 
 

@@ -1,12 +1,14 @@
 """Per-step cost of the keyed sampler (atlas.sampling.keyed.sample) against a plain argmax, at decode batch sizes.
 
     python3 benchmarks/sampling.py [--device cpu|cuda] [--vocab 65536] [--batches 1,16,64] [--smoke]
-                                   [--no-graph] [--json PATH]
+                                   [--no-graph] [--torch-ops] [--json PATH]
 
 Cases per batch: `argmax` (what a greedy decode step costs today), the keyed sampler on all-greedy rows,
 temperature 0.8 (no sort), temperature 0.8 + top_p 0.95 (the sort path), + top_k 50 + min_p 0.05, and
 temperature 0.8 + top_p 0.95 with 5 top logprobs. On CUDA every case is captured in a CUDA graph (as the
-decode step replays it; --no-graph times eager launches) and timed by CUDA events; on the CPU by
+decode step replays it; --no-graph times eager launches) and timed by CUDA events; the draw is the fused
+kernel atlas_kernels.keyed_sample unless --torch-ops (ATLAS_SAMPLER_KERNEL=0: the torch reference ops, to see
+what the fusion buys). On the CPU times are by
 perf_counter. Times are medians in ms per step. `host rows` is the host's share: packing the B rows'
 parameters (RowBatch.of), which the GPU path pays on the CPU before its one host->device copy. The goal of issue 15 ("seeded sampling within 5% of greedy
 ms/step") compares `sampled - argmax` here with the greedy decode step of `benchmarks/gpu_run.sh`.
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -119,10 +122,13 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=None)
     ap.add_argument("--smoke", action="store_true", help="tiny sizes, two reps: checks the script runs")
     ap.add_argument("--no-graph", action="store_true", help="CUDA: time eager launches, not a graph replay")
+    ap.add_argument("--torch-ops", action="store_true", help="CUDA: the torch reference ops, not the fused kernel")
     ap.add_argument("--threads", type=int, default=1, help="CPU threads (torch.set_num_threads)")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    if args.torch_ops:
+        os.environ["ATLAS_SAMPLER_KERNEL"] = "0"  # read at the first draw
     dev = torch.device(args.device)
     dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if dev.type == "cuda" else torch.float32)
     vocab, batches = args.vocab, [int(b) for b in args.batches.split(",")]
@@ -130,7 +136,8 @@ def main() -> None:
     if args.smoke:
         vocab, batches, reps = 4096, [1, 4], 2
     print(f"# keyed sampler, vocab {vocab}, logits {dtype}, device {dev}"
-          f"{'' if dev.type == 'cpu' else (' eager' if args.no_graph else ' CUDA graph')}, median of {reps}, ms/step")
+          f"{'' if dev.type == 'cpu' else (' eager' if args.no_graph else ' CUDA graph')}"
+          f"{' torch ops' if args.torch_ops or dev.type == 'cpu' else ' fused kernel'}, median of {reps}, ms/step")
     results = []
     for b in batches:
         logits = (torch.randn(b, vocab, generator=torch.Generator().manual_seed(b)) * 3).to(dev, dtype)

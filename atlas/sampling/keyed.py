@@ -30,6 +30,7 @@ far below what bf16 logits perturb.
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Sequence
 
 import attrs
@@ -143,17 +144,12 @@ def _temperature(rows: Rows) -> torch.Tensor:
     return torch.where(rows.temperature > 0, rows.temperature, 1.0)
 
 
-def kept(z: torch.Tensor, rows: Rows, key: torch.Tensor | None = None) -> torch.Tensor:
-    """The kept set [B, V] bool of scaled logits z: min_p, top_k, then top_p over what those keep. `key`, if
-    given, is ordered exactly like z and float64(key) / T == z (the cheaper tensor to sort)."""
-    zmax = z.max(dim=-1, keepdim=True).values
-    if not rows.filtered:  # min_p alone: elementwise, no sort
-        return (z - zmax) >= rows.log_min_p[:, None]
-    vocab = z.shape[-1]
-    if key is None:
-        s = torch.sort(z, dim=-1, descending=True).values
-    else:
-        s = torch.sort(key, dim=-1, descending=True).values.to(torch.float64) / _temperature(rows)[:, None]
+def threshold(key: torch.Tensor, rows: Rows) -> torch.Tensor:
+    """`last` [B] float64: the scaled value of the last token top_k and top_p keep (after min_p), so the kept set
+    is {z - z_max >= log_min_p} & {z >= last}. `key` is ordered like x and float64(key) == x (see penalised)."""
+    vocab = key.shape[-1]
+    s = torch.sort(key, dim=-1, descending=True).values.to(torch.float64) / _temperature(rows)[:, None]
+    zmax = s[:, :1]  # fl(max(x) / T) == max(fl(x / T)): rounding is monotone
     k = torch.where(rows.top_k > 0, rows.top_k.clamp(max=vocab), vocab)
     kth = s.gather(1, (k - 1)[:, None])
     prefix = ((s - zmax) >= rows.log_min_p[:, None]) & (s >= kth)  # both monotone in s: a prefix
@@ -163,26 +159,66 @@ def kept(z: torch.Tensor, rows: Rows, key: torch.Tensor | None = None) -> torch.
     # the smallest prefix reaching top_p; top_p == 1 is off outright (rounding must not drop tiny tokens)
     reach = (before < rows.top_p[:, None] * cum[:, -1:]) | (rows.top_p[:, None] >= 1.0)
     n = (prefix & reach).sum(dim=-1, keepdim=True)
-    last = s.gather(1, (n - 1).clamp(min=0))
-    return z >= last
+    return s.gather(1, (n - 1).clamp(min=0))[:, 0]
 
 
-def gumbel_argmax(z: torch.Tensor, keep: torch.Tensor, rows: Rows, salt: int) -> torch.Tensor:
-    """argmax over `keep` of z + keyed Gumbel noise: one exact draw from softmax(z) on the kept set."""
+def kept_mask(z: torch.Tensor, rows: Rows, last: torch.Tensor | None) -> torch.Tensor:
+    """The kept set [B, V] bool of scaled logits z: min_p, then z >= last (top_k and top_p) when given."""
+    keep = (z - z.max(dim=-1, keepdim=True).values) >= rows.log_min_p[:, None]
+    return keep if last is None else keep & (z >= last[:, None])
+
+
+def kept(key: torch.Tensor, rows: Rows) -> torch.Tensor:
+    """The kept set [B, V] bool: min_p, top_k, then top_p over what those keep (`key` as in penalised)."""
+    z = scaled(key.to(torch.float64), rows)
+    return kept_mask(z, rows, threshold(key, rows) if rows.filtered else None)
+
+
+def keyed_argmax(key: torch.Tensor, rows: Rows, last: torch.Tensor | None, salt: int) -> torch.Tensor:
+    """Per row: temperature > 0: argmax over the kept set of z + keyed Gumbel noise, one exact draw from
+    softmax(z) on that set (z = float64(key) / T); temperature 0: argmax of key, the lowest index among ties.
+    On a GPU with atlas_kernels importable this is one fused kernel (atlas_kernels.keyed_sample, tested to
+    give the same tokens); ATLAS_SAMPLER_KERNEL=0 keeps the torch ops."""
+    fused = _fused() if key.is_cuda else None
+    if fused is not None:
+        t = _temperature(rows)
+        zmax = key.max(dim=-1).values.to(torch.float64) / t
+        bound = torch.full_like(zmax, _NEG_INF) if last is None else last
+        return fused(key, rows.temperature, rows.log_min_p, bound, zmax, rows.seed, rows.position, salt)
+    return _keyed_argmax_torch(key, rows, last, salt)
+
+
+def _keyed_argmax_torch(key: torch.Tensor, rows: Rows, last: torch.Tensor | None, salt: int) -> torch.Tensor:
+    z = scaled(key.to(torch.float64), rows)
+    keep = kept_mask(z, rows, last)
     ka, kb = row_keys(rows.seed, rows.position, salt)
     g = gumbel(token_words(ka, kb, z.shape[-1]))
-    return torch.where(keep, g.add_(z), _NEG_INF).argmax(dim=-1)
+    drawn = torch.where(keep, g.add_(z), _NEG_INF).argmax(dim=-1)
+    return torch.where(rows.temperature > 0, drawn, key.argmax(dim=-1))
+
+
+_FUSED: list = []
+
+
+def _fused():  # the kernel's launcher, or None
+    if not _FUSED:
+        fn = None
+        if os.environ.get("ATLAS_SAMPLER_KERNEL", "1") != "0":
+            try:
+                from atlas_kernels.keyed_sample import keyed_argmax as fn
+            except ImportError:
+                fn = None
+        _FUSED.append(fn)
+    return _FUSED[0]
 
 
 def sample(logits: torch.Tensor, rows: Rows, *, banned: torch.Tensor | None = None,
            seen: torch.Tensor | None = None, salt: int = SAMPLE_SALT) -> torch.Tensor:
     """The token [B] int64 of every row of logits [B, V] (any float dtype, any device)."""
-    x, key = penalised(logits, rows, banned, seen)
-    greedy = key.argmax(dim=-1)  # first maximum: the lowest index among ties, on every device
+    _, key = penalised(logits, rows, banned, seen)
     if not rows.sampled:
-        return greedy
-    z = scaled(x, rows)
-    return torch.where(rows.temperature > 0, gumbel_argmax(z, kept(z, rows, key), rows, salt), greedy)
+        return key.argmax(dim=-1)  # first maximum: the lowest index among ties, on every device
+    return keyed_argmax(key, rows, threshold(key, rows) if rows.filtered else None, salt)
 
 
 def distribution(logits: torch.Tensor, rows: Rows, *, banned: torch.Tensor | None = None,
@@ -191,10 +227,10 @@ def distribution(logits: torch.Tensor, rows: Rows, *, banned: torch.Tensor | Non
     argmax)."""
     x, key = penalised(logits, rows, banned, seen)
     z = scaled(x, rows)
-    keep = kept(z, rows, key)
+    keep = kept_mask(z, rows, threshold(key, rows) if rows.filtered else None)
     e = torch.where(keep, torch.exp(z - z.max(dim=-1, keepdim=True).values), 0.0)
     p = e / e.sum(dim=-1, keepdim=True)
-    point = torch.zeros_like(p).scatter_(1, x.argmax(dim=-1, keepdim=True), 1.0)
+    point = torch.zeros_like(p).scatter_(1, key.argmax(dim=-1, keepdim=True), 1.0)
     return torch.where((rows.temperature > 0)[:, None], p, point)
 
 

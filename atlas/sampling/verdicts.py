@@ -28,13 +28,14 @@ from atlas.sampling.keyed import (
     SAMPLE_SALT,
     Rows,
     distribution,
-    gumbel_argmax,
-    kept,
+    kept_mask,
+    keyed_argmax,
     keyed_uniform,
     logprobs,
     penalised,
     rows_of,
     scaled,
+    threshold,
 )
 from atlas.sampling.params import SamplingParams
 
@@ -59,22 +60,26 @@ def judge(logits: torch.Tensor, drafts: torch.Tensor, rows: Rows, *, proposals: 
     x, key = penalised(logits, rows, banned, seen)
     has_d = drafts >= 0
     d = drafts.clamp(min=0)[:, None]
-    s = key.argmax(dim=-1)
-    if rows.sampled:
-        z = scaled(x, rows)
-        keep = kept(z, rows, key)
-        s = torch.where(rows.temperature > 0, gumbel_argmax(z, keep, rows, SAMPLE_SALT), s)
+    if not rows.sampled:
+        s = key.argmax(dim=-1)
+        return has_d & (s == d[:, 0]), s
+    last = threshold(key, rows) if rows.filtered else None
+    s = keyed_argmax(key, rows, last, SAMPLE_SALT)  # what a plain decode at the row's position samples
     accept = has_d & (s == d[:, 0])
-    if proposals is None or not rows.sampled:
+    if proposals is None:
         return accept, s
-    e = torch.where(keep, torch.exp(z - z.max(dim=-1, keepdim=True).values), 0.0)
+    z = scaled(x, rows)
+    e = torch.where(kept_mask(z, rows, last), torch.exp(z - z.max(dim=-1, keepdim=True).values), 0.0)
     p = e / e.sum(dim=-1, keepdim=True)
     q = proposals.to(torch.float64)
     p_d, q_d = p.gather(1, d)[:, 0], q.gather(1, d)[:, 0]
     q_accept = (q_d > 0) & (keyed_uniform(rows, ACCEPT_SALT) * q_d < p_d)
     residual = torch.clamp(p - q, min=0.0)
     residual = torch.where(residual.sum(dim=-1, keepdim=True) > 0, residual, p)  # p == q: a reject has prob 0
-    correction = gumbel_argmax(torch.log(residual), residual > 0, rows, RESIDUAL_SALT)
+    # a draw proportional to the residual: Gumbel-max on its log at temperature 1, nothing else filtered
+    unit = attrs.evolve(rows, temperature=torch.ones_like(rows.temperature),
+                        log_min_p=torch.full_like(rows.log_min_p, _NEG_INF), filtered=False)
+    correction = keyed_argmax(torch.log(residual), unit, None, RESIDUAL_SALT)
     use_q = has_d & (rows.temperature > 0)
     if has_q is not None:
         use_q = use_q & has_q
@@ -112,12 +117,11 @@ def verify(logits: torch.Tensor, drafts: torch.Tensor, num_drafts: torch.Tensor,
 def draft(logits: torch.Tensor, rows: Rows) -> tuple[torch.Tensor, torch.Tensor]:
     """The drafter-side draw: tokens [B] from the drafter's logits on keyed noise (DRAFT_SALT, independent of
     the target's draws) and its proposal distribution q [B, V] float64 (greedy rows: the point mass)."""
-    x, key = penalised(logits, rows)
-    greedy = key.argmax(dim=-1)
+    _, key = penalised(logits, rows)
     if not rows.sampled:
-        return greedy, torch.zeros_like(x).scatter_(1, greedy[:, None], 1.0)
-    z = scaled(x, rows)
-    tokens = torch.where(rows.temperature > 0, gumbel_argmax(z, kept(z, rows, key), rows, DRAFT_SALT), greedy)
+        greedy = key.argmax(dim=-1)
+        return greedy, torch.zeros_like(key, dtype=torch.float64).scatter_(1, greedy[:, None], 1.0)
+    tokens = keyed_argmax(key, rows, threshold(key, rows) if rows.filtered else None, DRAFT_SALT)
     return tokens, distribution(logits, rows)
 
 

@@ -112,3 +112,29 @@ def test_greedy_rows_ignore_a_proposal() -> None:
     out = verify(logits[None], torch.tensor([[best]]), torch.tensor([1]), rows_of([SamplingParams()], [0]),
                  proposals=q, has_q=torch.ones(1, 1, dtype=torch.bool))
     assert out.accept[0].tolist() == [True, False] and out.tokens[0].tolist() == [best, int(logits[1].argmax())]
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+def test_cuda_verdicts_equal_the_cpus_without_a_host_sync() -> None:
+    g = torch.Generator().manual_seed(8)
+    b, k, vocab = 32, 4, 32768
+    logits = (torch.randn(b, k, vocab, generator=g) * 2).to(torch.bfloat16).float()
+    drafts = logits[:, :-1].argmax(dim=-1)  # often accepted: long chains
+    drafts[::3, 1] = 7
+    counts = torch.randint(0, k, (b,), generator=g)
+    params = [SamplingParams(temperature=0.9, seed=s, top_p=0.95 if s % 2 else 1.0) for s in range(b)]
+    starts = list(range(100, 100 + b))
+    q = torch.softmax(torch.randn(b, k - 1, vocab, generator=g), dim=-1).double()
+    has_q = torch.rand(b, k - 1, generator=g) < 0.5
+    want = verify(logits, drafts, counts, rows_of(params, starts), proposals=q, has_q=has_q)
+    dev = [t.cuda() for t in (logits, drafts, counts, q, has_q)]
+    rows = rows_of(params, starts, "cuda")
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        got = verify(dev[0], dev[1], dev[2], rows, proposals=dev[3], has_q=dev[4])
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.equal(got.accept.cpu(), want.accept) and torch.equal(got.tokens.cpu(), want.tokens)
+    assert torch.equal(got.accepted.cpu(), want.accepted) and int(want.accepted.max()) >= 1

@@ -77,7 +77,7 @@ class Rows:
 
     def at(self, position: torch.Tensor, repeat: int) -> Rows:
         """Every row repeated `repeat` times (row-major), with the positions given [B * repeat]."""
-        r = lambda t: t.repeat_interleave(repeat)  # noqa: E731
+        r = lambda t: t[:, None].expand(-1, repeat).reshape(-1)  # noqa: E731 - no output-size sync
         return Rows(r(self.temperature), r(self.top_p), r(self.log_min_p), r(self.penalty), r(self.top_k),
                     r(self.seed), position, self.sampled, self.filtered)
 
@@ -123,22 +123,22 @@ def token_mask(ids_or_mask: torch.Tensor, vocab: int) -> torch.Tensor:
 
 
 def penalised(logits: torch.Tensor, rows: Rows, banned: torch.Tensor | None = None,
-              seen: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(x, key): x the float64 logits [B, V] after the repetition penalty on `seen` tokens and -inf on
-    `banned` ones (each a [B, V] bool mask or [B, L] ids padded with -1); key is ordered exactly like x and
-    float64(key) == x: without a penalty, the logits themselves in their own dtype (bf16/fp32 convert to float64
-    exactly), whose sort costs half a float64 one or less (one CPU core, V = 65,536: fp32 5.3 ms, fp64 10.3 ms),
-    so sorted(key) / T is sorted(x / T) bit for bit, and the fused kernel reads them without a cast pass."""
+              seen: torch.Tensor | None = None) -> torch.Tensor:
+    """The logits [B, V] after the repetition penalty on `seen` tokens and -inf on `banned` ones (each a [B, V]
+    bool mask or [B, L] ids padded with -1): the sampler's `key`. Without a penalty it stays in the logits' own
+    dtype (bf16/fp32 convert to float64 exactly, so float64(key) is the exact value and sorted(key) / T is
+    sorted(x / T) bit for bit): no float64 copy for greedy rows, a sort of half the width or less (one CPU
+    core, V = 65,536: fp32 5.3 ms, fp64 10.3 ms), and the fused kernel reads it without a cast pass."""
     vocab = logits.shape[-1]
     key = logits
     if banned is not None:
         key = key.masked_fill(token_mask(banned, vocab), _NEG_INF)
-    x = key.to(torch.float64)
     if seen is not None:
+        x = key.to(torch.float64)
         pen = rows.penalty[:, None]
         hit = token_mask(seen, vocab) & (pen != 1.0)
-        x = key = torch.where(hit, torch.where(x > 0, x / pen, x * pen), x)
-    return x, key
+        key = torch.where(hit, torch.where(x > 0, x / pen, x * pen), x)
+    return key
 
 
 def scaled(x: torch.Tensor, rows: Rows) -> torch.Tensor:
@@ -152,7 +152,7 @@ def _temperature(rows: Rows) -> torch.Tensor:
 
 def threshold(key: torch.Tensor, rows: Rows) -> torch.Tensor:
     """`last` [B] float64: the scaled value of the last token top_k and top_p keep (after min_p), so the kept set
-    is {z - z_max >= log_min_p} & {z >= last}. `key` is ordered like x and float64(key) == x (see penalised)."""
+    is {z - z_max >= log_min_p} & {z >= last}. `key` is the penalised logits (see penalised)."""
     vocab = key.shape[-1]
     s = torch.sort(key, dim=-1, descending=True).values.to(torch.float64) / _temperature(rows)[:, None]
     zmax = s[:, :1]  # fl(max(x) / T) == max(fl(x / T)): rounding is monotone
@@ -175,7 +175,7 @@ def kept_mask(z: torch.Tensor, rows: Rows, last: torch.Tensor | None) -> torch.T
 
 
 def kept(key: torch.Tensor, rows: Rows) -> torch.Tensor:
-    """The kept set [B, V] bool: min_p, top_k, then top_p over what those keep (`key` as in penalised)."""
+    """The kept set [B, V] bool: min_p, top_k, then top_p over what those keep (`key`: penalised logits)."""
     z = scaled(key.to(torch.float64), rows)
     return kept_mask(z, rows, threshold(key, rows) if rows.filtered else None)
 
@@ -230,7 +230,7 @@ def _fused():  # the kernel's launcher, or None
 def sample(logits: torch.Tensor, rows: Rows, *, banned: torch.Tensor | None = None,
            seen: torch.Tensor | None = None, salt: int = SAMPLE_SALT) -> torch.Tensor:
     """The token [B] int64 of every row of logits [B, V] (any float dtype, any device)."""
-    _, key = penalised(logits, rows, banned, seen)
+    key = penalised(logits, rows, banned, seen)
     if not rows.sampled:
         return key.argmax(dim=-1)  # first maximum: the lowest index among ties, on every device
     return keyed_argmax(key, rows, threshold(key, rows) if rows.filtered else None, salt)
@@ -240,8 +240,8 @@ def distribution(logits: torch.Tensor, rows: Rows, *, banned: torch.Tensor | Non
                  seen: torch.Tensor | None = None) -> torch.Tensor:
     """The target distribution [B, V] float64 that `sample` draws from (greedy rows: the point mass on the
     argmax)."""
-    x, key = penalised(logits, rows, banned, seen)
-    z = scaled(x, rows)
+    key = penalised(logits, rows, banned, seen)
+    z = scaled(key.to(torch.float64), rows)
     keep = kept_mask(z, rows, threshold(key, rows) if rows.filtered else None)
     e = torch.where(keep, torch.exp(z - z.max(dim=-1, keepdim=True).values), 0.0)
     p = e / e.sum(dim=-1, keepdim=True)

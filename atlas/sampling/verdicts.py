@@ -57,7 +57,7 @@ def judge(logits: torch.Tensor, drafts: torch.Tensor, rows: Rows, *, proposals: 
     """Verdicts on N independent rows: logits [N, V], drafts [N] int64 (-1: no draft, a plain sample), rows
     at the drafted positions, proposals [N, V] (the drafter's q; rows where has_q [N] is False are point
     masses). Returns (accept [N] bool, token [N] int64)."""
-    x, key = penalised(logits, rows, banned, seen)
+    key = penalised(logits, rows, banned, seen)
     has_d = drafts >= 0
     d = drafts.clamp(min=0)[:, None]
     if not rows.sampled:
@@ -68,7 +68,7 @@ def judge(logits: torch.Tensor, drafts: torch.Tensor, rows: Rows, *, proposals: 
     accept = has_d & (s == d[:, 0])
     if proposals is None:
         return accept, s
-    z = scaled(x, rows)
+    z = scaled(key.to(torch.float64), rows)
     e = torch.where(kept_mask(z, rows, last), torch.exp(z - z.max(dim=-1, keepdim=True).values), 0.0)
     p = e / e.sum(dim=-1, keepdim=True)
     q = proposals.to(torch.float64)
@@ -117,7 +117,7 @@ def verify(logits: torch.Tensor, drafts: torch.Tensor, num_drafts: torch.Tensor,
 def draft(logits: torch.Tensor, rows: Rows) -> tuple[torch.Tensor, torch.Tensor]:
     """The drafter-side draw: tokens [B] from the drafter's logits on keyed noise (DRAFT_SALT, independent of
     the target's draws) and its proposal distribution q [B, V] float64 (greedy rows: the point mass)."""
-    _, key = penalised(logits, rows)
+    key = penalised(logits, rows)
     if not rows.sampled:
         greedy = key.argmax(dim=-1)
         return greedy, torch.zeros_like(key, dtype=torch.float64).scatter_(1, greedy[:, None], 1.0)

@@ -7,7 +7,9 @@ noise keyed by (seed, position, salt, token id) (atlas.sampling.hashing). Gumbel
 softmax(z) restricted to the kept set. Temperature 0 is the greedy argmax, lowest index among ties.
 
 No host synchronisation and fixed shapes (CUDA-graph capturable): which code path runs (greedy only, no
-sort, sort) is chosen from the host-side parameters (`RowBatch.mode`), never from tensor values.
+sort, sort) is chosen from the host-side parameters (`RowBatch.mode`), never from tensor values. On a GPU the
+draw itself (row keys, words, noise, kept test, argmax) is one fused kernel, atlas_kernels.keyed_sample, that
+computes the same words and the same correctly rounded z as the torch ops here (the CPU reference).
 
 A row's token depends on its own logits and parameters only: never on the batch, its order or its padding.
 Every step is elementwise or a per-row max/argmax/sort, which are exact. Where the CPU and a GPU can differ

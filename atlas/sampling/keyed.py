@@ -157,17 +157,16 @@ def threshold(key: torch.Tensor, rows: Rows) -> torch.Tensor:
     is {z - z_max >= log_min_p} & {z >= last}. `key` is the penalised logits (see penalised)."""
     vocab = key.shape[-1]
     s = torch.sort(key, dim=-1, descending=True).values.to(torch.float64) / _temperature(rows)[:, None]
-    zmax = s[:, :1]  # fl(max(x) / T) == max(fl(x / T)): rounding is monotone
+    d = s - s[:, :1]  # z - z_max: s[:, 0] = fl(max(x) / T) == max(fl(x / T)), rounding is monotone
     k = torch.where(rows.top_k > 0, rows.top_k.clamp(max=vocab), vocab)
-    kth = s.gather(1, (k - 1)[:, None])
-    prefix = ((s - zmax) >= rows.log_min_p[:, None]) & (s >= kth)  # both monotone in s: a prefix
-    e = torch.where(prefix, torch.exp(s - zmax), 0.0)
-    cum = torch.cumsum(e, dim=-1)
-    before = torch.cat([torch.zeros_like(cum[:, :1]), cum[:, :-1]], dim=1)  # exact exclusive prefix sums
-    # the smallest prefix reaching top_p; top_p == 1 is off outright (rounding must not drop tiny tokens)
-    reach = (before < rows.top_p[:, None] * cum[:, -1:]) | (rows.top_p[:, None] >= 1.0)
-    n = (prefix & reach).sum(dim=-1, keepdim=True)
-    return s.gather(1, (n - 1).clamp(min=0))[:, 0]
+    prefix = (d >= rows.log_min_p[:, None]) & (s >= s.gather(1, (k - 1)[:, None]))  # both monotone in s
+    cum = torch.cumsum(torch.where(prefix, torch.exp(d), 0.0), dim=-1)
+    # the smallest prefix reaching top_p: token j is kept while the mass before it, cum[j - 1], is below
+    # top_p * total (token 0 always); top_p == 1 is off outright (rounding must not drop tiny tokens)
+    reach = 1 + (cum[:, :-1] < rows.top_p[:, None] * cum[:, -1:]).sum(dim=-1)
+    n = prefix.sum(dim=-1)
+    n = torch.where(rows.top_p >= 1.0, n, torch.minimum(n, reach))
+    return s.gather(1, (n - 1).clamp(min=0)[:, None])[:, 0]
 
 
 def kept_mask(z: torch.Tensor, rows: Rows, last: torch.Tensor | None) -> torch.Tensor:

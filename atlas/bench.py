@@ -127,7 +127,7 @@ def _engine(model: Any, *, batch: int, max_seq_len: int, chunk: int) -> tuple[An
 def _run_steps(engine: Any, prompts: list[list[int]], max_tokens: int) -> list[float]:
     """Generate; the wall time of every engine step in ms."""
     from atlas.engine.offline import generate
-    from atlas.engine.sampling import SamplingParams
+    from atlas.sampling.params import SamplingParams
 
     stamps = [time.perf_counter()]
     generate(engine, prompts, SamplingParams(max_tokens=max_tokens, ignore_eos=True),

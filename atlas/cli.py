@@ -115,7 +115,7 @@ def generate(
 
     from atlas.config import EngineConfig
     from atlas.engine.offline import generate as run_generate
-    from atlas.engine.sampling import SamplingParams
+    from atlas.sampling.params import SamplingParams
 
     class _Stderr:  # resolved at each write, so a replaced sys.stderr (tests, redirection) is followed
         def write(self, text: str) -> int:

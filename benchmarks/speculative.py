@@ -27,7 +27,7 @@ def run(model, prompt: list[int], max_tokens: int, num_drafts: int, drafter, rep
     from atlas.config import EngineConfig
     from atlas.engine.engine import Engine
     from atlas.engine.offline import generate
-    from atlas.engine.sampling import SamplingParams
+    from atlas.sampling.params import SamplingParams
 
     kind = drafter if isinstance(drafter, str) else "scripted"
     config = EngineConfig(max_seq_len=len(prompt) + max_tokens + 8, max_batch_size=1,

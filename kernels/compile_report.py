@@ -19,7 +19,16 @@ from typing import Any
 
 import attrs
 import triton
-from atlas_kernels import conv, gdn_chunk, gdn_chunk_split, gdn_recurrent, norms, paged_attention, qsa
+from atlas_kernels import (
+    conv,
+    gdn_chunk,
+    gdn_chunk_split,
+    gdn_recurrent,
+    keyed_sample,
+    norms,
+    paged_attention,
+    qsa,
+)
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from triton.runtime.jit import JITFunction
@@ -157,11 +166,22 @@ def norm_cases() -> list[CompileReport]:
     ]
 
 
+def keyed_sample_cases() -> list[CompileReport]:
+    reports = []
+    for logits in ("bf16", "fp32"):  # the bf16 model, and the fp32 parity mode (a penalty makes them fp64)
+        types = dict(key_ptr=f"*{logits}", temp_ptr="*fp64", lmp_ptr="*fp64", last_ptr="*fp64", zmax_ptr="*fp64",
+                     seed_ptr="*i64", pos_ptr="*i64", best_val_ptr="*fp64", best_idx_ptr="*i64", vocab="i32",
+                     chunk="i32", start_a="i64", start_b="i64", splits="i32")
+        reports.append(compile_for_hopper(keyed_sample._keyed_argmax_kernel, types,
+                                          dict(BLOCK=keyed_sample.BLOCK), 4, f"{logits} logits, block 1024"))
+    return reports
+
+
 def all_reports() -> list[CompileReport]:
     """The kernels at the benchmark model's (qwen4exp-2p7b) sizes, in the configurations the wrappers pick."""
     return [gdn_recurrent_case(), gdn_recurrent_case(64, store_states=True, fused_gating=True), gdn_chunk_case(),
             *gdn_chunk_split_cases(), conv_case(),
-            *attention_cases(), *qsa_cases(), *norm_cases()]
+            *attention_cases(), *qsa_cases(), *norm_cases(), *keyed_sample_cases()]
 
 
 def main() -> None:

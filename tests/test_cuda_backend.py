@@ -24,6 +24,7 @@ from atlas.model import load_model
 from atlas.model.ngram import ngram_ids, ngram_tables
 from atlas.model.tiny import EOS, TINY_CONFIG
 from atlas.registry import build_engine
+from atlas.sampling.keyed import sample
 from atlas.sampling.params import SamplingParams
 
 PROMPTS = [
@@ -114,11 +115,18 @@ class EagerGraphs:
     def __init__(self, backend: CudaBackend) -> None:
         self.backend = backend
         self.shapes: set = set()
+        self.sampled_modes: set = set()
 
     def replay(self, shape, packed, padding):
         self.shapes.add(shape)
-        logits = self.backend._decode_logits(packed, shape)
-        return logits, logits.argmax(-1)
+        self.logits = self.backend._decode_logits(packed, shape)
+        return self.logits, self.logits.argmax(-1)
+
+    def sample(self, shape, batch):
+        """The sampler graph's work, eagerly: every padded row of the last replay's logits."""
+        assert batch.packed.shape[0] == shape.batch == self.logits.shape[0]
+        self.sampled_modes.add(batch.mode)
+        return sample(self.logits, batch.to(self.logits.device))
 
 
 def test_padded_decode_buckets_give_the_reference_tokens(tiny) -> None:
@@ -133,6 +141,51 @@ def test_padded_decode_buckets_give_the_reference_tokens(tiny) -> None:
     assert got == want
     assert {s.batch for s in fake.shapes} >= {4} and all(s.key_blocks in (4, 8) for s in fake.shapes)
     assert any(s.qsa_select for s in fake.shapes) and any(not s.qsa_select for s in fake.shapes)
+
+
+SAMPLED = [
+    SamplingParams(max_tokens=20, ignore_eos=True, temperature=0.9, seed=11),
+    SamplingParams(max_tokens=20, ignore_eos=True, temperature=0.7, top_p=0.9, top_k=40, seed=3, logprobs=True,
+                   top_logprobs=3),
+    SamplingParams(max_tokens=20, ignore_eos=True, temperature=1.1, min_p=0.05, seed=7, logprobs=True),
+]
+
+
+def sampled_run(engine) -> tuple[dict, dict]:
+    """Tokens and logprobs per request of SAMPLED over PROMPTS (the engine's own outputs, step by step)."""
+    tokens: dict = {}
+    lps: dict = {}
+    for i, (prompt, params) in enumerate(zip(PROMPTS, SAMPLED, strict=True)):
+        engine.add_request(f"r{i}", prompt, params)
+    while engine.has_unfinished():
+        for out in engine.step():
+            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+            tops = out.new_top_logprobs or ((),) * len(out.new_logprobs)
+            lps.setdefault(out.request_id, []).extend(zip(out.new_logprobs, tops, strict=True))
+    return tokens, lps
+
+
+def test_seeded_sampling_on_the_device_path_gives_the_cpu_backends_tokens(tiny) -> None:
+    """Sampled rows go through the batched keyed sampler (eager, and the sampler-graph path over padded graph
+    rows): the same tokens as the CPU reference's per-row sampler, and the same logprobs."""
+    config = EngineConfig(max_seq_len=128, max_batch_size=3, prefill_chunk_tokens=32)
+    want, want_lp = sampled_run(build_engine("atlas-tiny", "cpu", config, loaded=tiny, sink=RecordingSink()))
+    for graphs in (False, True):
+        engine = build_engine("atlas-tiny", "cuda-fp32", config, loaded=tiny, sink=RecordingSink(),
+                              backend_options={"device": "cpu", "cuda_graphs": False})
+        if graphs:
+            fake = engine.backend.graphs = EagerGraphs(engine.backend)  # type: ignore[attr-defined]
+        got, got_lp = sampled_run(engine)
+        assert got == want, graphs
+        assert [len(t) for t in got.values()] == [20, 20, 20]
+        assert not want_lp["r0"] and not got_lp["r0"]  # r0 asked for none
+        for rid in ("r1", "r2"):
+            rows = want_lp[rid]
+            assert len(got_lp[rid]) == len(rows) == 20 and len(rows[0][1]) == (3 if rid == "r1" else 0)
+            for (lp, top), (lp2, top2) in zip(rows, got_lp[rid], strict=True):
+                assert lp2 == pytest.approx(lp, abs=1e-4)
+                assert [t for t, _ in top2] == [t for t, _ in top]
+    assert "filtered" in fake.sampled_modes  # steps holding row 1 (top_p, top_k) sample on the sort path
 
 
 def test_triton_gdn_kernels_in_the_batched_forward_match_the_torch_path(tiny) -> None:

@@ -30,8 +30,8 @@ PROMPTS = [
 
 def run_tokens(backend: str, config: EngineConfig, prompts: list[list[int]], max_tokens: int = 64,
                trace: str | None = None, **kwargs) -> list[tuple[int, ...]]:
-    engine = build_engine("atlas-tiny", backend=backend, config=config, trace=trace,  # type: ignore[arg-type]
-                               sink=None if trace else RecordingSink(), **kwargs)
+    engine = build_engine("atlas-tiny", backend, config, trace=trace, sink=None if trace else RecordingSink(),
+                          backend_options=kwargs)
     out = [r.token_ids for r in generate(engine, prompts, SamplingParams(max_tokens=max_tokens, ignore_eos=True))]
     engine.close()
     return out
@@ -45,6 +45,28 @@ def test_fp32_greedy_tokens_equal_the_cpu_backend_for_64_tokens() -> None:
     assert [len(t) for t in got] == [64] * len(PROMPTS)
     assert got == want
     assert eager == want
+
+
+SEEDED = [SamplingParams(max_tokens=48, ignore_eos=True, temperature=0.8, seed=1),
+          SamplingParams(max_tokens=48, ignore_eos=True, temperature=0.8, top_p=0.95, seed=2),
+          SamplingParams(max_tokens=48, ignore_eos=True, temperature=1.1, top_k=40, min_p=0.05, seed=3),
+          SamplingParams(max_tokens=48, ignore_eos=True)]
+
+
+def test_fp32_seeded_sampling_on_the_gpu_equals_the_cpu_backends_tokens() -> None:
+    """The keyed sampler on the device (the sampler graph after the decode graph, the fused draw kernel) and on
+    the CPU reference: the same logits (fp32 parity) give the same tokens."""
+    config = EngineConfig(max_seq_len=256, max_batch_size=4, prefill_chunk_tokens=64)
+
+    def run(backend: str, **kwargs) -> list[tuple[int, ...]]:
+        engine = build_engine("atlas-tiny", backend, config, sink=RecordingSink(), backend_options=kwargs)
+        out = [r.token_ids for r in generate(engine, PROMPTS, SEEDED)]
+        engine.close()
+        return out
+
+    want = run("cpu")
+    assert run("cuda-fp32") == want
+    assert run("cuda-fp32", cuda_graphs=False) == want
 
 
 @pytest.mark.parametrize("backend", ["cuda", "cuda-fp32"])

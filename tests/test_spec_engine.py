@@ -171,3 +171,24 @@ def test_a_stop_inside_a_verify_cuts_the_commit_there() -> None:
                                                                        for r in off]
         assert FinishReason.STOP in {r.finish_reason for r in on}
         assert engine.state.pool.used == 0
+
+
+def test_point_mass_drafts_never_change_a_sampled_requests_tokens() -> None:
+    """Scripted and n-gram drafts are point masses, judged on the decode's own keyed draw (a verify row's logits
+    are a decode's, bitwise): with them a sampled request's tokens are exactly its tokens with speculation off,
+    however many drafts are accepted."""
+    params = [SamplingParams(max_tokens=16, temperature=0.9, seed=5),
+              SamplingParams(max_tokens=16, temperature=1.2, seed=6, top_k=40, top_p=0.9)]
+    off = [r.token_ids for r in generate(build_engine("atlas-tiny", "cpu", OFF, loaded=TINY), PROMPTS, params)]
+
+    def half_right(req: DraftRequest) -> list[int]:  # the sampled reference's next tokens, every other one wrong
+        ref = off[PROMPTS.index(list(req.tokens[: req.prompt_len]))]
+        return [t if i % 2 == 0 else (t + 1) % 256 for i, t in enumerate(ref[req.generated : req.generated + req.k])]
+
+    engine = engine_on(CpuBackend(TINY, num_kv_blocks=8, verify_width=4), drafter=ScriptedDrafter(half_right))
+    assert [r.token_ids for r in generate(engine, PROMPTS, params)] == off
+    stats = engine.stats()
+    assert stats.spec_drafts_accepted > 0 and stats.spec_drafts_accepted < stats.spec_drafts_proposed
+    ngram = EngineConfig(max_seq_len=64, max_batch_size=2, prefill_chunk_tokens=32, num_drafts=3, drafter="ngram")
+    assert [r.token_ids for r in generate(build_engine("atlas-tiny", "cpu", ngram, loaded=TINY), PROMPTS,
+                                          params)] == off

@@ -9,16 +9,12 @@ from collections import Counter
 import pytest
 import torch
 
-from atlas.engine.sampling import SamplingParams, filtered_probs, sample_token
-from atlas.engine.speculative import (
-    AcceptanceStats,
-    RowVerdict,
-    accepted_prefix,
-    draft_from,
-    row_verdict,
-    verify_rows,
-)
 from atlas.errors import VerifyRefused
+from atlas.plan import RowVerdict
+from atlas.sampling.acceptance import AcceptanceStats, accepted_prefix
+from atlas.sampling.keyed import filtered_probs, sample_token
+from atlas.sampling.params import SamplingParams
+from atlas.sampling.verdicts import draft_from, row_verdict, verify_rows
 
 VOCAB = 8
 SEEDS = 5000

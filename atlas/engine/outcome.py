@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import attrs
 
-from atlas.engine.speculative import accepted_prefix, verdict_bits
 from atlas.errors import InvariantViolation, VerifyRefused
 from atlas.plan import BackendCursors, SeqOutcome, StepPlan, StepResult
+from atlas.sampling.acceptance import accepted_prefix, verdict_bits
 from atlas.state.control import ControlState
 from atlas.state.events import BoundarySnapshotted, Event, StepExecuted
 

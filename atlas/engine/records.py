@@ -68,7 +68,7 @@ class EngineStats:
     preemptions_total: int
     rollbacks_total: int = 0
     rollback_declines_total: int = 0
-    # speculative decoding (atlas.engine.speculative.AcceptanceStats): per draft position, unconditional
+    # speculative decoding (atlas.sampling.acceptance.AcceptanceStats): per draft position, unconditional
     # rates (each row's own verdict, bias-free) and conditional ones (given every earlier draft accepted)
     spec_verify_steps: int = 0
     spec_drafts_proposed: int = 0

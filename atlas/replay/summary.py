@@ -7,8 +7,8 @@ from pathlib import Path
 
 import attrs
 
-from atlas.engine.speculative import AcceptanceStats
 from atlas.replay.store import RunRecord, TraceReader
+from atlas.sampling.acceptance import AcceptanceStats
 
 
 @attrs.define

@@ -24,9 +24,9 @@ from atlas.backends.cpu.attention import attention_forward
 from atlas.backends.cpu.moe import moe_block
 from atlas.backends.cpu.state import KvPool
 from atlas.backends.ops import dense_mlp, rms_norm, rope_table
-from atlas.engine.speculative import draft_from
 from atlas.model.spec import ModelSpec
 from atlas.sampling.params import SamplingParams
+from atlas.sampling.verdicts import draft_from
 
 _BLOCK = 16
 

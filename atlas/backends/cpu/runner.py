@@ -20,11 +20,12 @@ from atlas.backends.cpu.state import KvPool
 from atlas.backends.cpu.store import CpuStateStore
 from atlas.backends.cpu.verify import run_verify
 from atlas.config import Capacities
-from atlas.engine.sampling import logprobs_of, sample_token
-from atlas.engine.speculative import accepted_prefix, verify_rows
 from atlas.errors import VerifyRefused
 from atlas.model.loader import LoadedModel
 from atlas.plan import BackendCursors, RowVerdict, SeqOutcome, SeqWork, StepPlan, StepResult
+from atlas.sampling.acceptance import accepted_prefix
+from atlas.sampling.keyed import logprobs_of, sample_token
+from atlas.sampling.verdicts import verify_rows
 
 
 @attrs.frozen

@@ -4,6 +4,11 @@ QSA selection runs), replayed with a static input buffer.
 Capture runs the forward for real, so it is warmed up and captured on an all-padding input (scratch state
 slots, the scratch KV block): no live sequence's state is touched. The QSA-selected path is captured like
 the dense one (it has no host synchronisation), so no decode falls back to eager because of QSA.
+
+The keyed sampler (atlas.sampling.keyed) is captured too, one graph per (decode shape, sampler mode), reading
+the decode graph's static logits and a static [B, COLUMNS] buffer of packed per-row parameters: a sampled
+decode step is two replays, one host->device copy of the rows and one device->host copy of the tokens.
+All-greedy steps use the argmax captured with the forward and run no sampler graph.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import attrs
 import torch
 
 from atlas.backends.cuda.batch import GroupShape
+from atlas.sampling.keyed import COLUMNS, RowBatch, Rows, sample
 
 
 def bucket(n: int, smallest: int = 1) -> int:
@@ -32,6 +38,13 @@ class _Captured:
     greedy: torch.Tensor  # static output [B] argmax
 
 
+@attrs.define
+class _CapturedSampler:
+    graph: torch.cuda.CUDAGraph
+    rows: torch.Tensor  # static input [B, COLUMNS] int64: the packed per-row parameters
+    tokens: torch.Tensor  # static output [B] int64
+
+
 class DecodeGraphs:
     """`run(packed, shape) -> logits [B, vocab]` captured per shape and replayed."""
 
@@ -39,6 +52,7 @@ class DecodeGraphs:
         self._run = run
         self._device = device
         self._graphs: dict[GroupShape, _Captured] = {}
+        self._samplers: dict[tuple[GroupShape, str], _CapturedSampler] = {}
         self._pool = torch.cuda.graph_pool_handle()  # graphs replay one at a time: one memory pool
 
     def __len__(self) -> int:
@@ -67,3 +81,31 @@ class DecodeGraphs:
         captured.packed.copy_(packed_host, non_blocking=packed_host.is_pinned())
         captured.graph.replay()
         return captured.logits, captured.greedy
+
+    def sample(self, shape: GroupShape, batch: RowBatch) -> torch.Tensor:
+        """The keyed sampler's tokens [B] (device) for the logits the graph for `shape` last produced; `batch`
+        holds one packed row per graph row (padding rows greedy)."""
+        captured = self._graphs[shape]
+        if not batch.sampled:
+            return captured.greedy
+        key = (shape, batch.mode)
+        sampler = self._samplers.get(key) or self._capture_sampler(key, captured.logits, batch)
+        sampler.rows.copy_(batch.packed, non_blocking=batch.packed.is_pinned())
+        sampler.graph.replay()
+        return sampler.tokens
+
+    def _capture_sampler(self, key: tuple[GroupShape, str], logits: torch.Tensor, batch: RowBatch
+                         ) -> _CapturedSampler:
+        rows = torch.zeros(logits.shape[0], COLUMNS, dtype=torch.int64, device=self._device)
+        rows.copy_(batch.packed)
+        stream = torch.cuda.Stream(self._device)
+        stream.wait_stream(torch.cuda.current_stream(self._device))
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                sample(logits, Rows.unpack(rows, batch.sampled, batch.filtered))
+        torch.cuda.current_stream(self._device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            tokens = sample(logits, Rows.unpack(rows, batch.sampled, batch.filtered))
+        self._samplers[key] = sampler = _CapturedSampler(graph, rows, tokens)
+        return sampler

@@ -22,7 +22,6 @@ from atlas.backends.cuda.graphs import DecodeGraphs, bucket
 from atlas.backends.cuda.layers import GdnKernel, forward_group, prepare_weights
 from atlas.backends.cuda.pools import DevicePools
 from atlas.config import Capacities
-from atlas.engine.sampling import logprobs_of, sample_token
 from atlas.errors import DeviceFault, RestoreRefused, VerifyRefused
 from atlas.model.loader import LoadedModel
 from atlas.model.ngram import NgramTables, ngram_ids, ngram_tables
@@ -38,6 +37,8 @@ from atlas.plan import (
     StepPlan,
     StepResult,
 )
+from atlas.sampling.keyed import RowBatch, logprobs, sample
+from atlas.sampling.params import SamplingParams
 
 # the sticky CUDA error classes: after one of these the context is dead and every later call fails
 _FATAL_MARKERS = ("illegal memory access", "misaligned address", "device-side assert", "unspecified launch failure",
@@ -143,6 +144,9 @@ class CudaBackend:
         use_graphs = self.device.type == "cuda" if cuda_graphs is None else cuda_graphs
         self.graphs = DecodeGraphs(self._decode_logits, self.device) if use_graphs else None
         self._seqs: dict[int, _SeqState] = {}
+        # the decode group replayed from a graph this step (its shape, its chunk indices): its rows are sampled
+        # by the sampler graph on the graph's own logits
+        self._replayed: tuple[GroupShape, list[int]] | None = None
         self._ple_tables = ([ngram_tables(spec.ple, spec.vocab_size, r) for r in range(len(spec.ple.layers))]
                             if spec.ple is not None else [])
         self.capabilities = Capabilities(batch_invariant=batch_invariant, fp32_parity=self.dtype == torch.float32)
@@ -287,6 +291,7 @@ class CudaBackend:
     def _last_logits(self, chunks: Sequence[ChunkLike]) -> dict[int, torch.Tensor]:
         """Feed the chunks; the logits of each one's last fed position, by chunk index ([vocab] each)."""
         out: dict[int, torch.Tensor] = {}
+        self._replayed = None
         for idx in self._groups(chunks):
             members = [chunks[i] for i in idx]
             width = len(members[0].tokens)
@@ -300,6 +305,7 @@ class CudaBackend:
             if width == 1 and self.graphs is not None:
                 host = packed.pin_memory() if self.device.type == "cuda" else packed
                 logits, _ = self.graphs.replay(shape, host, self._padding(shape))
+                self._replayed = (shape, idx)
             else:
                 logits = self._decode_logits(packed.to(self.device), shape)
             for c in members:
@@ -336,34 +342,56 @@ class CudaBackend:
             return StepResult(step=plan.step, outcomes=self._sample(work, logits))
 
     def _sample(self, work: Sequence[SeqWork], logits: dict[int, torch.Tensor]) -> tuple[SeqOutcome, ...]:
+        """The keyed sampler (atlas.sampling.keyed) on the device for every sampled row: decode rows replayed
+        from a graph through the sampler graph, the rest (prefill ends, banned tokens, eager mode) in one
+        batched call; one device->host copy of the tokens, and one of the logprobs when a row asks."""
         sampled = [i for i, w in enumerate(work) if w.sample]
-        tokens: dict[int, int] = {}
-        if sampled:
-            rows = torch.stack([logits[i] for i in sampled])
-            # one device->host copy for every greedy row; the rest bring their logits to the CPU sampler
-            greedy = torch.argmax(rows, dim=-1).tolist()
-            full = [j for j, i in enumerate(sampled)
-                    if not work[i].sampling.greedy or work[i].banned or work[i].sampling.logprobs]
-            host = rows[full].float().cpu() if full else None
-            for j, i in enumerate(sampled):
-                tokens[i] = greedy[j]
-            for n, j in enumerate(full):
-                i = sampled[j]
-                w = work[i]
-                assert host is not None
-                pick = host[n]
-                if w.banned:  # a rollback's re-steer: these tokens may not be sampled here
-                    pick = pick.clone()
-                    pick[list(w.banned)] = float("-inf")
-                tokens[i] = sample_token(pick, w.sampling, position=w.end)
+        if not sampled:
+            return tuple(SeqOutcome(seq_id=w.seq_id, cursors=self.cursors(w.seq_id)) for w in work)
+        pin = self.device.type == "cuda"
+        parts: list[torch.Tensor] = []
+        order: list[int] = []
+        in_graph: dict[int, int] = {}
+        if self._replayed is not None and self.graphs is not None:
+            shape, idx = self._replayed
+            in_graph = {i: j for j, i in enumerate(idx) if work[i].sample and not work[i].banned}
+        if in_graph:
+            params, positions = [SamplingParams()] * shape.batch, [0] * shape.batch
+            for i, j in in_graph.items():
+                params[j], positions[j] = work[i].sampling, work[i].end
+            parts.append(self.graphs.sample(shape, RowBatch.of(params, positions, pin=pin)))  # type: ignore[union-attr]
+            order.extend(-1 for _ in range(shape.batch))  # every graph row comes back; padding is dropped
+            for i, j in in_graph.items():
+                order[j] = i
+        rest = [i for i in sampled if i not in in_graph]
+        if rest:
+            rows = torch.stack([logits[i] for i in rest])
+            banned = None
+            if any(work[i].banned for i in rest):  # a rollback's re-steer: these tokens may not be sampled here
+                width = max(len(work[i].banned) for i in rest)
+                ids = torch.tensor([list(work[i].banned) + [-1] * (width - len(work[i].banned)) for i in rest],
+                                   dtype=torch.int64)
+                banned = (ids.pin_memory() if pin else ids).to(self.device, non_blocking=pin)
+            batch = RowBatch.of([work[i].sampling for i in rest], [work[i].end for i in rest], pin=pin)
+            parts.append(sample(rows, batch.to(self.device), banned=banned))
+            order.extend(rest)
+        chosen = {i: t for i, t in zip(order, torch.cat(parts).tolist(), strict=True) if i >= 0}  # one copy
+        asked = [i for i in sampled if work[i].sampling.logprobs]
+        lps: dict[int, tuple[float, tuple[tuple[int, float], ...]]] = {}
+        if asked:
+            top = max(work[i].sampling.top_logprobs for i in asked)
+            lp, values, ids = logprobs(torch.stack([logits[i] for i in asked]),
+                                       torch.tensor([chosen[i] for i in asked], device=self.device), top)
+            host = torch.cat([lp[:, None], values, ids.to(torch.float64)], dim=1).tolist()  # one copy
+            for r, i in enumerate(asked):
+                n = work[i].sampling.top_logprobs
+                lps[i] = host[r][0], tuple((int(t), v) for t, v in zip(host[r][1 + top : 1 + top + n],
+                                                                       host[r][1 : 1 + n], strict=True))
         outcomes = []
         for i, w in enumerate(work):
-            token = tokens.get(i)
-            logprob, top = None, ()
-            if token is not None and w.sampling.logprobs:
-                logprob, top = logprobs_of(logits[i].float().cpu(), token, w.sampling.top_logprobs)
-            outcomes.append(SeqOutcome(seq_id=w.seq_id, cursors=self.cursors(w.seq_id), token=token, logprob=logprob,
-                                       top_logprobs=top))
+            logprob, top_lp = lps.get(i, (None, ()))
+            outcomes.append(SeqOutcome(seq_id=w.seq_id, cursors=self.cursors(w.seq_id), token=chosen.get(i),
+                                       logprob=logprob, top_logprobs=top_lp))
         return tuple(outcomes)
 
     def _faults(self) -> _FaultGuard:

@@ -16,8 +16,8 @@ import structlog
 
 from atlas.config import Capacities
 from atlas.engine.drafters.base import Drafter, DraftRequest
-from atlas.engine.speculative import AcceptanceStats, verdict_bits
 from atlas.plan import StepPlan, StepResult
+from atlas.sampling.acceptance import AcceptanceStats, verdict_bits
 from atlas.state.control import ControlState
 from atlas.state.events import Event, SpeculationLatchedOff
 from atlas.state.machines import Sequence

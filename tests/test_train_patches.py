@@ -174,3 +174,15 @@ def test_mtp_head_is_atlas_drafter(tiny):
     with torch.no_grad():
         late = model.lm_head(head(embed[:, 10:], pair_hidden[:, 10:], first_key=10))[0]
     assert (atlas_late - late).abs().max().item() < 1e-4
+
+
+def test_router_balance_loss_is_transformers():
+    from transformers.models.qwen4_exp.modeling_qwen4_exp import load_balancing_loss_func
+
+    g = torch.Generator().manual_seed(4)
+    logits = tuple(torch.randn(30, 6, generator=g) * 2 for _ in range(3))
+    ours = train_patches.router_balance_loss(logits, 6, 2)
+    assert abs(ours.item() - load_balancing_loss_func(logits, 6, 2).item()) < 1e-5
+    # uniform router probabilities score top_k, whichever experts the ties pick
+    uniform = (torch.zeros(12, 4),)
+    assert train_patches.router_balance_loss(uniform, 4, 2).item() == pytest.approx(2.0)

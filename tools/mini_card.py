@@ -100,7 +100,7 @@ Tokenizer: byte-level BPE (`tokenizers`, GPT-2 pre-tokenizer), vocab {m['vocab_s
 | MTP head | {t['mtp']} |
 | patches | {'; '.join(t['patches'])} |
 
-Loss curve (train batch loss; {len(curve)} points in metrics.json):
+Loss curve (mean train loss since the previous point; {len(curve)} points in metrics.json):
 
 {_table(curve_rows, ['step', 'M tokens', 'elapsed s', 'loss', 'MTP loss', 'lr'])}
 

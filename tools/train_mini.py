@@ -38,6 +38,7 @@ import mini_eval
 import numpy as np
 import torch
 import torch.nn.functional as F
+import train_patches
 from mini_config import EOS_ID, SPECIAL_TOKENS, model_config
 from mini_mtp import build_models, mtp_loss, mtp_pairs
 
@@ -135,13 +136,11 @@ def param_groups(modules, weight_decay: float) -> list[dict]:
 def step_losses(model, trunk, head, x: torch.Tensor, mtp_soft: float
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One batch's (LM loss, router balance loss, MTP loss); the MTP head sees the trunk only detached."""
-    from transformers.models.qwen4_exp.modeling_qwen4_exp import load_balancing_loss_func
-
     cfg = model.config
     out = trunk(input_ids=x, use_cache=False, output_router_logits=True)
     logits = model.lm_head(out.last_hidden_state)
     loss = F.cross_entropy(logits[:, :-1].float().flatten(0, 1), x[:, 1:].flatten())
-    aux = load_balancing_loss_func(out.router_logits, cfg.num_experts, cfg.num_experts_per_tok)
+    aux = train_patches.router_balance_loss(out.router_logits, cfg.num_experts, cfg.num_experts_per_tok)
     embed, pair_hidden = mtp_pairs(model.model.embed_tokens.weight.detach(), out.last_hidden_state.detach(), x)
     drafts = F.linear(head(embed, pair_hidden), model.lm_head.weight.detach())
     return loss, aux, mtp_loss(drafts, logits, x, mtp_soft)
@@ -172,6 +171,9 @@ def train(args, model, head, stream: np.ndarray, device: torch.device, log: Log)
     start = time.perf_counter()
     step = epoch = 0
     stopped = None
+    # losses summed on the device between log points (no host sync per step); the curve holds interval means
+    sums = torch.zeros(3, device=device)
+    since = 0
     while step < total:
         epoch, x = next(batches)
         x = x.to(device, non_blocking=True)
@@ -186,6 +188,8 @@ def train(args, model, head, stream: np.ndarray, device: torch.device, log: Log)
         torch.nn.utils.clip_grad_norm_(head_params, 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
+        sums += torch.stack([loss.detach(), m_loss.detach(), aux.detach()]).float()
+        since += 1
         step += 1
         if not args.steps and step in CALIBRATION:
             sync(device)
@@ -198,8 +202,11 @@ def train(args, model, head, stream: np.ndarray, device: torch.device, log: Log)
                     f"-> {total} steps in {budget:.0f} s")
         if step % args.log_every == 0 or step == total or step == 1:
             elapsed = time.perf_counter() - start
+            means = (sums / since).tolist()
+            sums.zero_()
+            since = 0
             point = {"step": step, "tokens": step * args.batch * args.seq_len, "elapsed_s": round(elapsed, 2),
-                     "lr": lr, "loss": loss.item(), "mtp_loss": m_loss.item(), "aux": aux.item(), "epoch": epoch}
+                     "lr": lr, "loss": means[0], "mtp_loss": means[1], "aux": means[2], "epoch": epoch}
             curve.append(point)
             log(f"step {step}/{total} loss {point['loss']:.4f} mtp {point['mtp_loss']:.4f} aux {point['aux']:.3f} "
                 f"lr {lr:.2e} {point['tokens'] / max(elapsed, 1e-9):,.0f} tok/s epoch {epoch}")
@@ -271,8 +278,6 @@ def main(argv: list[str] | None = None) -> dict:
     timing["encode"] = time.perf_counter() - t
     log(f"tokenizer: vocab {tok.get_vocab_size()} on {used / 1e6:.1f} MB; train {len(train_stream):,} tokens, "
         f"held out {len(heldout_stream):,} ({timing['tokenizer']:.1f} s + {timing['encode']:.1f} s)")
-
-    import train_patches
 
     patches = [] if args.no_patches else train_patches.apply()
     torch.manual_seed(args.seed)

@@ -79,6 +79,15 @@ def dense_experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.
     return (act.reshape(tokens, experts * inter) @ down).to(hidden_states.dtype)
 
 
+def router_balance_loss(router_logits: tuple[torch.Tensor, ...], num_experts: int, top_k: int) -> torch.Tensor:
+    """transformers' load_balancing_loss_func (Switch Transformer's, pooled over layers) without its histc
+    (whose integer CUDA path this run would be first to try): E * sum_e f_e P_e, with f_e the share of top-k
+    assignments and P_e the mean router probability, both over every token of every layer."""
+    probs = torch.cat([torch.softmax(g.float(), dim=-1) for g in router_logits])  # [layers * N, E]
+    chosen = torch.zeros_like(probs).scatter_(1, probs.topk(top_k, dim=-1).indices, 1.0)
+    return num_experts * (chosen.mean(0) * probs.mean(0)).sum()
+
+
 def apply(gdn: bool = True, indexer: bool = True, experts: bool = True) -> list[str]:
     """Patch transformers' qwen4_exp module in place; returns what was patched (for the log and model card)."""
     from fast_gdn import chunk_gated_delta_rule

@@ -95,7 +95,7 @@ Tokenizer: byte-level BPE (`tokenizers`, GPT-2 pre-tokenizer), vocab {m['vocab_s
 | seed | {t['seed']} |
 | steps | {t['steps']} x batch {t['batch']} x {t['seq_len']} tokens = {t['tokens']:,} tokens ({t['epochs']:.2f} epochs) |
 | wall time | {t['train_s']:.0f} s training ({t['tokens_per_s']:,.0f} tokens/s); phases: {timing} |
-| optimiser | AdamW (betas 0.9/0.95, weight decay {t['weight_decay']} on matrices), lr {t['lr']:.1e}, {t['warmup']} warm-up steps, cosine to 10%, clip 1.0 |
+| optimiser | AdamW (betas 0.9/0.95, weight decay {t['weight_decay']} on matrices), lr {t['lr']:.1e}, {t['warmup_steps']} warm-up steps, cosine to 10%, clip 1.0 |
 | precision | {t['precision']} |
 | MTP head | {t['mtp']} |
 | patches | {'; '.join(t['patches'])} |

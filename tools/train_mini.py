@@ -164,6 +164,7 @@ def train(args, model, head, stream: np.ndarray, device: torch.device, log: Log)
                 f"{time.perf_counter() - log.t0:.0f} s of --total-minutes {args.total_minutes:g}")
             budget = max(left, 30.0)
     total = args.steps or 10**9  # until calibrated
+    warmup = args.warmup
     curve: list[dict] = []
     batches = windows(stream, args.seq_len, args.batch, args.seed)
     model.train()
@@ -177,7 +178,7 @@ def train(args, model, head, stream: np.ndarray, device: torch.device, log: Log)
     while step < total:
         epoch, x = next(batches)
         x = x.to(device, non_blocking=True)
-        lr = lr_at(step, total, args.warmup, args.lr)
+        lr = lr_at(step, total, warmup, args.lr)
         for group in opt.param_groups:
             group["lr"] = lr
         with autocast:
@@ -198,6 +199,8 @@ def train(args, model, head, stream: np.ndarray, device: torch.device, log: Log)
             else:
                 step_s = (time.perf_counter() - mark) / (CALIBRATION[1] - CALIBRATION[0])
                 total = max(step + 1, step + int((budget - (time.perf_counter() - start)) / step_s))
+                # a slow machine gets a proportionate warm-up (at most a tenth of the run), not a fixed 100 steps
+                warmup = min(warmup, max(CALIBRATION[1], total // 10))
                 log(f"calibrated: {step_s * 1000:.1f} ms/step ({args.batch * args.seq_len / step_s:,.0f} tokens/s) "
                     f"-> {total} steps in {budget:.0f} s")
         if step % args.log_every == 0 or step == total or step == 1:
@@ -208,7 +211,8 @@ def train(args, model, head, stream: np.ndarray, device: torch.device, log: Log)
             point = {"step": step, "tokens": step * args.batch * args.seq_len, "elapsed_s": round(elapsed, 2),
                      "lr": lr, "loss": means[0], "mtp_loss": means[1], "aux": means[2], "epoch": epoch}
             curve.append(point)
-            log(f"step {step}/{total} loss {point['loss']:.4f} mtp {point['mtp_loss']:.4f} aux {point['aux']:.3f} "
+            planned = total if total < 10**9 else "?"
+            log(f"step {step}/{planned} loss {point['loss']:.4f} mtp {point['mtp_loss']:.4f} aux {point['aux']:.3f} "
                 f"lr {lr:.2e} {point['tokens'] / max(elapsed, 1e-9):,.0f} tok/s epoch {epoch}")
             if not args.steps and elapsed > 1.15 * budget + 10:
                 stopped = f"wall clock: {elapsed:.0f} s > 1.15 x the {budget:.0f} s budget at step {step}"
@@ -217,9 +221,9 @@ def train(args, model, head, stream: np.ndarray, device: torch.device, log: Log)
     sync(device)
     train_s = time.perf_counter() - start
     tokens = step * args.batch * args.seq_len
-    return {"steps": step, "planned_steps": total, "budget_s": budget, "tokens": tokens, "train_s": train_s,
-            "tokens_per_s": tokens / train_s, "epochs": tokens / len(stream), "stopped_early": stopped,
-            "curve": curve}
+    return {"steps": step, "planned_steps": total, "warmup_steps": warmup, "budget_s": budget, "tokens": tokens,
+            "train_s": train_s, "tokens_per_s": tokens / train_s, "epochs": tokens / len(stream),
+            "stopped_early": stopped, "curve": curve}
 
 
 def round_to_bf16(*modules) -> None:
@@ -332,7 +336,8 @@ def main(argv: list[str] | None = None) -> dict:
         "corpus": stats.to_dict(),
         "training": {"seed": args.seed, "batch": args.batch, "seq_len": args.seq_len, "lr": args.lr,
                      "warmup": args.warmup, "weight_decay": args.weight_decay, "patches": patches,
-                     "precision": "bf16 autocast, fp32 master weights and GDN math" if args.bf16 else "fp32", "mtp": f"joint, on the detached trunk; soft-target weight {args.mtp_soft}",
+                     "precision": "bf16 autocast, fp32 master weights and GDN math" if args.bf16 else "fp32",
+                     "mtp": f"joint, on the detached trunk; soft-target weight {args.mtp_soft}",
                      **{k: v for k, v in run.items() if k != "curve"}},
         "loss_curve": run["curve"],
         "heldout": figures,

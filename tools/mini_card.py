@@ -100,6 +100,14 @@ Tokenizer: byte-level BPE (`tokenizers`, GPT-2 pre-tokenizer), vocab {m['vocab_s
 | MTP head | {t['mtp']} |
 | patches | {'; '.join(t['patches'])} |
 
+The MTP head trains jointly, on the trunk's detached final hidden states and the detached shared embedding and
+lm_head: the trunk's gradients are exactly those of its own loss (as if there were no head), while the head
+learns from the same batches what it would learn on the frozen trunk afterwards, without a second pass over
+the trunk; the cosine schedule's low-lr tail lets it settle on the final trunk. Its loss mixes the text's
+t_{{k+2}} with the trunk's distribution at k + 1, since a greedy verify accepts a draft that equals the trunk's
+argmax, not the text. The QSA indexer gets no gradient (its selection is a boolean mask, in transformers as here):
+it selects by its initial random projections, the same way in training and serving.
+
 Loss curve (mean train loss since the previous point; {len(curve)} points in metrics.json):
 
 {_table(curve_rows, ['step', 'M tokens', 'elapsed s', 'loss', 'MTP loss', 'lr'])}

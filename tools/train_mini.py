@@ -45,7 +45,7 @@ from mini_mtp import build_models, mtp_loss, mtp_pairs
 # per mode: what the GPU run uses, and the CPU smoke test's (tiny preset, small corpus, a few steps)
 DEFAULTS = {
     "mini": dict(batch=64, seq_len=512, lr=3e-3, warmup=100, vocab=4096, max_train_mb=160.0, max_heldout_mb=3.0,
-                 tokenizer_mb=16.0, eval_tokens=1_000_000, log_every=50, eval_batch=32, completion_tokens=96),
+                 tokenizer_mb=8.0, eval_tokens=1_000_000, log_every=50, eval_batch=32, completion_tokens=96),
     "tiny": dict(batch=8, seq_len=128, lr=3e-3, warmup=10, vocab=1024, max_train_mb=1.5, max_heldout_mb=0.25,
                  tokenizer_mb=0.5, eval_tokens=8192, log_every=5, eval_batch=8, completion_tokens=24),
 }

@@ -26,20 +26,25 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
-@pytest.fixture(scope="module")
-def run(tmp_path_factory):
+TOY = ["--device", "cpu", "--tiny", "--steps", "3", "--threads", "1", "--max-train-mb", "0.3",
+       "--max-heldout-mb", "0.1", "--tokenizer-mb", "0.1", "--vocab", "512", "--batch", "4", "--seq-len", "64",
+       "--eval-tokens", "512", "--sample-tokens", "200", "--completion-tokens", "2", "--log-every", "1"]
+
+
+def _main(args: list[str]) -> dict:
     import train_mini
     import train_patches
 
-    out = tmp_path_factory.mktemp("mini")
     try:
-        metrics = train_mini.main(["--device", "cpu", "--tiny", "--steps", "3", "--out", str(out), "--threads", "1",
-                                   "--max-train-mb", "0.3", "--max-heldout-mb", "0.1", "--tokenizer-mb", "0.1",
-                                   "--vocab", "512", "--batch", "4", "--seq-len", "64", "--eval-tokens", "512",
-                                   "--sample-tokens", "200", "--completion-tokens", "2", "--log-every", "1"])
+        return train_mini.main(args)
     finally:
         train_patches.restore()  # the run patched transformers' module; leave it as other tests expect
-    return out, metrics
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("mini")
+    return out, _main([*TOY, "--out", str(out)])
 
 
 def test_writes_the_eight_files_and_the_figures(run):
@@ -75,3 +80,19 @@ def test_atlas_loads_the_run_and_scores_the_sample_as_the_run_did(run):
         count += len(ids) - 1
     assert count == metrics["sample"]["tokens"]
     assert abs(nll / count - metrics["sample"]["loss"]) < 1e-3
+
+
+def test_an_eval_failure_keeps_the_trained_checkpoint(tmp_path, monkeypatch):
+    import mini_eval
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("eval broke")
+
+    monkeypatch.setattr(mini_eval, "heldout_figures", broken)
+    with pytest.raises(SystemExit):
+        _main([*TOY, "--steps", "1", "--out", str(tmp_path)])
+    assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "train.log",
+            "metrics.json"} <= {p.name for p in tmp_path.iterdir()}
+    metrics = json.loads((tmp_path / "metrics.json").read_text())
+    assert "eval broke" in metrics["eval_error"] and metrics["training"]["steps"] == 1
+    assert "eval failed" in (tmp_path / "train.log").read_text()

@@ -39,7 +39,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 import train_patches
-from mini_config import EOS_ID, SPECIAL_TOKENS, model_config
+from mini_config import EOS_ID, IM_END_ID, SPECIAL_TOKENS, model_config
 from mini_mtp import build_models, mtp_loss, mtp_pairs
 
 # per mode: what the GPU run uses, and the CPU smoke test's (tiny preset, small corpus, a few steps)
@@ -240,6 +240,36 @@ def hardware(device: torch.device) -> str:
     return f"CPU ({platform.machine()}), {torch.get_num_threads()} torch threads of {os.cpu_count()} cores"
 
 
+def evaluate(args, model, head, tok, heldout, heldout_stream: np.ndarray, device: torch.device, log: Log) -> dict:
+    """Every figure of the card, in fp32 on the saved (bf16-rounded) weights: held-out loss, the test sample,
+    greedy completions, and the bounds tests/test_atlas_mini.py holds Atlas's CPU backend to."""
+    torch.set_float32_matmul_precision("highest")
+    model.eval()
+    head.eval()
+    figures = mini_eval.heldout_figures(model, head, heldout_stream, args.seq_len, args.eval_batch,
+                                        args.eval_tokens, device)
+    log(f"held out: loss {figures['loss']:.4f} ppl {figures['perplexity']:.2f} top1 {figures['top1']:.3f} "
+        f"MTP p1 {figures['mtp_p1']:.3f} (draft = text {figures['mtp_top1_text']:.3f}) over {figures['tokens']:,}")
+    sample = mini_eval.sample_files(heldout, args.sample_tokens, tok)
+    sample_figs = mini_eval.sample_figures(model, head, tok, sample, device)
+    log(f"test sample: {len(sample)} files, {sample_figs['tokens']} tokens, loss {sample_figs['loss']:.4f}, "
+        f"MTP p1 {sample_figs['mtp_p1']:.3f}")
+    completions = []
+    for prompt in mini_eval.completion_prompts(heldout, 4):
+        text = mini_eval.greedy(model, tok, prompt, args.completion_tokens, (EOS_ID, IM_END_ID), device)
+        completions.append({"prompt": prompt, "completion": text})
+        log(f"completion {prompt!r} -> {text!r}")
+    return {
+        "heldout": figures,
+        "sample": sample_figs,
+        "sample_files": sample,
+        "acceptance": {"sample_loss_max": sample_figs["loss"] + SAMPLE_LOSS_MARGIN,
+                       "sample_mtp_p1_min": sample_figs["mtp_p1"] - SAMPLE_MTP_P1_MARGIN,
+                       "margins": {"loss": SAMPLE_LOSS_MARGIN, "mtp_p1": SAMPLE_MTP_P1_MARGIN}},
+        "completions": completions,
+    }
+
+
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     out = Path(args.out)
@@ -296,28 +326,11 @@ def main(argv: list[str] | None = None) -> dict:
     run = train(args, model, head, train_stream, device, log)
     timing["train"] = time.perf_counter() - t
 
-    t = time.perf_counter()
-    torch.set_float32_matmul_precision("highest")
+    # the weights go to disk before anything else can fail: an eval error must not lose the trained model
     round_to_bf16(model, head)
-    model.eval()
-    head.eval()
-    figures = mini_eval.heldout_figures(model, head, heldout_stream, args.seq_len, args.eval_batch,
-                                        args.eval_tokens, device)
-    log(f"held out: loss {figures['loss']:.4f} ppl {figures['perplexity']:.2f} top1 {figures['top1']:.3f} "
-        f"MTP p1 {figures['mtp_p1']:.3f} (draft = text {figures['mtp_top1_text']:.3f}) over {figures['tokens']:,}")
-    sample = mini_eval.sample_files(heldout, args.sample_tokens, tok)
-    sample_figs = mini_eval.sample_figures(model, head, tok, sample, device)
-    log(f"test sample: {len(sample)} files, {sample_figs['tokens']} tokens, loss {sample_figs['loss']:.4f}, "
-        f"MTP p1 {sample_figs['mtp_p1']:.3f}")
-    completions = []
-    for prompt in mini_eval.completion_prompts(heldout, 4):
-        text = mini_eval.greedy(model, tok, prompt, args.completion_tokens, (EOS_ID, 2), device)
-        completions.append({"prompt": prompt, "completion": text})
-        log(f"completion {prompt!r} -> {text!r}")
-    timing["eval"] = time.perf_counter() - t
-
     saved_config = mini_card.save_checkpoint(model.cpu(), head.cpu(), out)
-    (out / "heldout_sample.json").write_text(json.dumps({"files": sample, "figures": sample_figs}, indent=1) + "\n")
+    model.to(device)
+    head.to(device)
     features = ("GDN + QSA full attention (ratio {r}, budget {b}, inert bound {i}), PLE on layers {p}, {h} "
                 "hyper-connection streams, MoE {e} experts top-{k} + shared expert, MTP head ({m} layer)").format(
         r=config["indexer_compress_ratio"], b=config["indexer_budget"],
@@ -340,15 +353,22 @@ def main(argv: list[str] | None = None) -> dict:
                      "mtp": f"joint, on the detached trunk; soft-target weight {args.mtp_soft}",
                      **{k: v for k, v in run.items() if k != "curve"}},
         "loss_curve": run["curve"],
-        "heldout": figures,
-        "sample": sample_figs,
-        "acceptance": {"sample_loss_max": sample_figs["loss"] + SAMPLE_LOSS_MARGIN,
-                       "sample_mtp_p1_min": sample_figs["mtp_p1"] - SAMPLE_MTP_P1_MARGIN,
-                       "margins": {"loss": SAMPLE_LOSS_MARGIN, "mtp_p1": SAMPLE_MTP_P1_MARGIN}},
-        "completions": completions,
-        "timing_s": {k: round(v, 2) for k, v in timing.items()},
         "config": saved_config,
     }
+    t = time.perf_counter()
+    try:
+        metrics.update(evaluate(args, model, head, tok, heldout, heldout_stream, device, log))
+    except Exception as exc:  # keep what the run produced: the checkpoint is saved, the metrics say what failed
+        import traceback
+
+        log("eval failed:\n" + traceback.format_exc())
+        metrics["eval_error"] = repr(exc)
+        (out / "metrics.json").write_text(json.dumps(metrics, indent=1) + "\n")
+        raise SystemExit(1) from exc
+    timing["eval"] = time.perf_counter() - t
+    metrics["timing_s"] = {k: round(v, 2) for k, v in timing.items()}
+    (out / "heldout_sample.json").write_text(json.dumps({"files": metrics.pop("sample_files"),
+                                                         "figures": metrics["sample"]}, indent=1) + "\n")
     metrics["files"] = {p.name: p.stat().st_size for p in sorted(out.iterdir()) if p.is_file()}
     (out / "metrics.json").write_text(json.dumps(metrics, indent=1) + "\n")
     (out / "README.md").write_text(mini_card.model_card(metrics))

@@ -64,20 +64,21 @@ def main() -> None:
     args = p.parse_args()
     torch.set_num_threads(args.threads)
 
+    import indexer_loss
     import train_patches
     from mini_config import model_config
     from mini_mtp import build_models
     from train_mini import step_losses
 
-    patched = [] if args.no_patches else train_patches.apply()
+    patched = [] if args.no_patches else [*train_patches.apply(), indexer_loss.apply()]
     torch.manual_seed(0)
     config = model_config(args.preset)
     model, head = build_models(config, torch.device("cpu"))
 
     def step(batch: int) -> None:
         x = torch.randint(4, config["vocab_size"], (batch, args.seq_len), generator=torch.Generator().manual_seed(1))
-        loss, aux, m_loss = step_losses(model, model.model, head, x, 0.5)
-        (loss + 0.01 * aux + m_loss).backward()
+        loss, aux, m_loss, i_loss = step_losses(model, model.model, head, x, 0.5)
+        (loss + 0.01 * aux + m_loss + i_loss).backward()
         model.zero_grad(set_to_none=True)
         head.zero_grad(set_to_none=True)
 
@@ -98,7 +99,7 @@ def main() -> None:
     tokens = args.batch * args.seq_len
     ops, flops, nbytes = counted(args.batch)
     print(f"train step, {args.preset} preset, batch {args.batch} x {args.seq_len}, {args.threads} thread(s), "
-          f"patches: {len(patched)}/3")
+          f"patches: {len(patched)}/4")
     print(f"  CPU: {step_s * 1000:.0f} ms/step, {tokens / step_s:,.0f} tokens/s; the first step grew peak memory by "
           f"{peak_gb:.1f} GiB")
     print(f"  per step: {ops:,} kernel-launching ops, {flops / 1e9:.1f} GFLOP in matmuls, "

@@ -43,6 +43,14 @@ def model_card(m: dict) -> str:
               f"{c['bytes_kept'][name] / 1e6:.1f}"] for name in c["trees"]]
     completions = "\n\n".join(f"```python\n{x['prompt']}{x['completion']}\n```" for x in m["completions"])
     timing = ", ".join(f"{k} {v:.1f} s" for k, v in m["timing_s"].items())
+    if t.get("indexer_loss", 0) > 0:
+        indexer = ("The QSA indexer, which the language-model loss cannot train (its selection is a boolean mask), "
+                   "learns by distillation (`tools/indexer_loss.py`, weight "
+                   f"{t['indexer_loss']}): its block scores against its layer's dense attention summed per block, "
+                   "KL over the queries whose selection is sparse, on a detached input.")
+    else:
+        indexer = ("The QSA indexer gets no gradient (its selection is a boolean mask): it selects by its initial "
+                   "random projections, the same way in training and serving.")
     return f"""# atlas-mini
 
 A small `qwen4_exp` model trained by Atlas itself (`tools/train_mini.py`), so that served outputs, MTP drafts,
@@ -105,8 +113,7 @@ lm_head: the trunk's gradients are exactly those of its own loss (as if there we
 learns from the same batches what it would learn on the frozen trunk afterwards, without a second pass over
 the trunk; the cosine schedule's low-lr tail lets it settle on the final trunk. Its loss mixes the text's
 t_{{k+2}} with the trunk's distribution at k + 1, since a greedy verify accepts a draft that equals the trunk's
-argmax, not the text. The QSA indexer gets no gradient (its selection is a boolean mask, in transformers as here):
-it selects by its initial random projections, the same way in training and serving.
+argmax, not the text. {indexer}
 
 Loss curve (mean train loss since the previous point; {len(curve)} points in metrics.json):
 

@@ -32,6 +32,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import indexer_loss
 import mini_card
 import mini_corpus
 import mini_eval
@@ -73,6 +74,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--sample-tokens", type=int, default=1024, help="tokens of held-out files kept for the tests")
     p.add_argument("--mtp-soft", type=float, default=0.5, help="weight of the trunk's distribution in the MTP loss")
     p.add_argument("--weight-decay", type=float, default=0.1)
+    p.add_argument("--indexer-loss", type=float, default=1.0,
+                   help="weight of the QSA indexer's distillation loss (tools/indexer_loss.py; 0: untrained indexer)")
     p.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=None,
                    help="bf16 autocast (default: on for cuda; --bf16 on the CPU tries the GPU's dtype paths)")
     p.add_argument("--compile", action="store_true", help="torch.compile the trunk (off: not tried on the GPU)")
@@ -134,8 +137,9 @@ def param_groups(modules, weight_decay: float) -> list[dict]:
 
 
 def step_losses(model, trunk, head, x: torch.Tensor, mtp_soft: float
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One batch's (LM loss, router balance loss, MTP loss); the MTP head sees the trunk only detached."""
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One batch's (LM loss, router balance loss, MTP loss, indexer loss): the MTP head and the indexer loss see
+    the trunk only detached (the indexer loss is 0 unless tools/indexer_loss.py is applied)."""
     cfg = model.config
     out = trunk(input_ids=x, use_cache=False, output_router_logits=True)
     logits = model.lm_head(out.last_hidden_state)
@@ -143,7 +147,7 @@ def step_losses(model, trunk, head, x: torch.Tensor, mtp_soft: float
     aux = train_patches.router_balance_loss(out.router_logits, cfg.num_experts, cfg.num_experts_per_tok)
     embed, pair_hidden = mtp_pairs(model.model.embed_tokens.weight.detach(), out.last_hidden_state.detach(), x)
     drafts = F.linear(head(embed, pair_hidden), model.lm_head.weight.detach())
-    return loss, aux, mtp_loss(drafts, logits, x, mtp_soft)
+    return loss, aux, mtp_loss(drafts, logits, x, mtp_soft), indexer_loss.collect(x.device)
 
 
 EVAL_RESERVE_S = 60.0  # eval + save of the mini preset: ~30 s expected on the GPU
@@ -173,7 +177,7 @@ def train(args, model, head, stream: np.ndarray, device: torch.device, log: Log)
     step = epoch = 0
     stopped = None
     # losses summed on the device between log points (no host sync per step); the curve holds interval means
-    sums = torch.zeros(3, device=device)
+    sums = torch.zeros(4, device=device)
     since = 0
     while step < total:
         epoch, x = next(batches)
@@ -182,14 +186,14 @@ def train(args, model, head, stream: np.ndarray, device: torch.device, log: Log)
         for group in opt.param_groups:
             group["lr"] = lr
         with autocast:
-            loss, aux, m_loss = step_losses(model, trunk, head, x, args.mtp_soft)
-        (loss + aux_coef * aux + m_loss).backward()
+            loss, aux, m_loss, i_loss = step_losses(model, trunk, head, x, args.mtp_soft)
+        (loss + aux_coef * aux + m_loss + args.indexer_loss * i_loss).backward()
         # clipped apart, so the head's gradients never scale the trunk's
         torch.nn.utils.clip_grad_norm_(trunk_params, 1.0)
         torch.nn.utils.clip_grad_norm_(head_params, 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        sums += torch.stack([loss.detach(), m_loss.detach(), aux.detach()]).float()
+        sums += torch.stack([loss.detach(), m_loss.detach(), aux.detach(), i_loss.detach()]).float()
         since += 1
         step += 1
         if not args.steps and step in CALIBRATION:
@@ -209,10 +213,12 @@ def train(args, model, head, stream: np.ndarray, device: torch.device, log: Log)
             sums.zero_()
             since = 0
             point = {"step": step, "tokens": step * args.batch * args.seq_len, "elapsed_s": round(elapsed, 2),
-                     "lr": lr, "loss": means[0], "mtp_loss": means[1], "aux": means[2], "epoch": epoch}
+                     "lr": lr, "loss": means[0], "mtp_loss": means[1], "aux": means[2], "indexer_loss": means[3],
+                     "epoch": epoch}
             curve.append(point)
             planned = total if total < 10**9 else "?"
             log(f"step {step}/{planned} loss {point['loss']:.4f} mtp {point['mtp_loss']:.4f} aux {point['aux']:.3f} "
+                f"indexer {point['indexer_loss']:.3f} "
                 f"lr {lr:.2e} {point['tokens'] / max(elapsed, 1e-9):,.0f} tok/s epoch {epoch}")
             if not args.steps and elapsed > 1.15 * budget + 10:
                 stopped = f"wall clock: {elapsed:.0f} s > 1.15 x the {budget:.0f} s budget at step {step}"
@@ -314,6 +320,10 @@ def main(argv: list[str] | None = None) -> dict:
         f"held out {len(heldout_stream):,} ({timing['tokenizer']:.1f} s + {timing['encode']:.1f} s)")
 
     patches = [] if args.no_patches else train_patches.apply()
+    if args.indexer_loss > 0:
+        if args.no_patches:
+            raise SystemExit("--indexer-loss needs the patched indexer: pass --indexer-loss 0 with --no-patches")
+        patches.append(indexer_loss.apply())
     torch.manual_seed(args.seed)
     config = model_config("tiny" if args.tiny else "mini", vocab_size=tok.get_vocab_size())
     model, head = build_models(config, device)
@@ -349,6 +359,7 @@ def main(argv: list[str] | None = None) -> dict:
         "corpus": stats.to_dict(),
         "training": {"seed": args.seed, "batch": args.batch, "seq_len": args.seq_len, "lr": args.lr,
                      "warmup": args.warmup, "weight_decay": args.weight_decay, "patches": patches,
+                     "indexer_loss": args.indexer_loss,
                      "precision": "bf16 autocast, fp32 master weights and GDN math" if args.bf16 else "fp32",
                      "mtp": f"joint, on the detached trunk; soft-target weight {args.mtp_soft}",
                      **{k: v for k, v in run.items() if k != "curve"}},

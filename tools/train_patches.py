@@ -26,43 +26,68 @@ import torch
 _ORIGINALS: dict[str, object] = {}
 
 
+def block_scores(indexer, hidden_states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Every query's score for every complete block of the sequence, [B, T, blocks] fp32 (differentiable):
+    sum_h relu(q_h . k_block) / sqrt(d), k_block the mean of the block's raw keys, normed, roped at its start."""
+    from transformers.models.qwen4_exp.modeling_qwen4_exp import apply_rotary_pos_emb
+
+    batch, seq, _ = hidden_states.shape
+    ratio, d, heads = indexer.compress_ratio, indexer.index_head_dim, indexer.index_n_heads
+    q, raw = indexer.index_qk_proj(hidden_states).split([heads * d, indexer.index_kv_heads * d], dim=-1)
+    q = indexer.q_layernorm(q.reshape(batch, seq, heads, d))
+    q = apply_rotary_pos_emb(q, cos=cos[:, -seq:], sin=sin[:, -seq:], unsqueeze_dim=2)
+    blocks = seq // ratio
+    pooled = raw[:, : blocks * ratio].reshape(batch, blocks, ratio, d).float().mean(dim=2).to(raw.dtype)
+    pooled = indexer.k_layernorm(pooled)
+    starts = torch.arange(blocks, device=hidden_states.device) * ratio
+    keys = apply_rotary_pos_emb(pooled.unsqueeze(2), cos=cos[:, starts], sin=sin[:, starts],
+                                unsqueeze_dim=2).squeeze(2)  # [B, blocks, d]
+    return torch.einsum("bthd,bnd->btnh", q.float(), keys.float()).relu().sum(-1) / math.sqrt(d)
+
+
+def visible_blocks(seq: int, ratio: int, device: torch.device) -> torch.Tensor:
+    """[T, blocks] bool: the complete blocks query t sees (those ending at or before t)."""
+    complete = (torch.arange(seq, device=device) + 1) // ratio
+    return torch.arange(seq // ratio, device=device)[None, :] < complete[:, None]
+
+
+@torch.no_grad()
+def selection_mask(scores: torch.Tensor, ratio: int, block_topk: int) -> torch.Tensor:
+    """Block scores [B, T, blocks] -> the [B, 1, T, T] bool mask of tokens each query attends."""
+    batch, seq, blocks = scores.shape
+    device = scores.device
+    positions = torch.arange(seq, device=device)
+    complete = (positions + 1) // ratio
+    scores = scores.masked_fill(~visible_blocks(seq, ratio, device), float("-inf"))
+    top = scores.topk(min(block_topk, blocks), dim=-1)
+    # a query with fewer complete blocks than block_topk keeps all of them: the -inf picks are dropped
+    picked = torch.where(top.values > float("-inf"), top.indices, blocks)
+    chosen = torch.zeros(batch, seq, blocks + 1, dtype=torch.bool, device=device).scatter_(-1, picked, True)
+    block_of = (positions // ratio).clamp_max(blocks)  # tokens past the last whole block map to the pad column
+    selected = chosen[:, :, block_of]  # [B, T, T]: token j of a chosen block
+    tail = positions[None, :] >= (complete * ratio)[:, None]  # the query's incomplete block
+    causal = positions[None, :] <= positions[:, None]
+    return ((selected | tail) & causal).unsqueeze(1)
+
+
 def fast_indexer_forward(self, hidden_states: torch.Tensor, position_embeddings, attention_mask: torch.Tensor,
                          cache=None, **kwargs) -> torch.Tensor:
-    """Qwen4ExpTextQSAIndexer.forward for a cache-free causal batch: [B, 1, T, T] bool selection mask."""
+    """Qwen4ExpTextQSAIndexer.forward for a cache-free causal batch: [B, 1, T, T] bool selection mask. With the
+    indexer loss on (tools/indexer_loss.py) and gradients enabled, the scores are also kept, differentiable in
+    the indexer's weights only (its input is detached), for that loss."""
     batch, seq, _ = hidden_states.shape
     if cache is not None or attention_mask.shape[-1] != seq or attention_mask.shape[-2] != seq:
         return _ORIGINALS["indexer"](self, hidden_states, position_embeddings, attention_mask, cache)
-    from transformers.models.qwen4_exp.modeling_qwen4_exp import apply_rotary_pos_emb
-
-    ratio, d, heads = self.compress_ratio, self.index_head_dim, self.index_n_heads
-    device = hidden_states.device
+    if seq < self.compress_ratio:
+        causal = torch.ones(seq, seq, dtype=torch.bool, device=hidden_states.device).tril()
+        return causal.expand(batch, 1, seq, seq)
+    cos, sin = position_embeddings  # [B, T, rotary_dim], positions 0..T-1
+    if getattr(self, "train_scores", False) and torch.is_grad_enabled():
+        scores = block_scores(self, hidden_states.detach(), cos, sin)
+        self.kept_scores = scores
+        return selection_mask(scores.detach(), self.compress_ratio, self.block_topk)
     with torch.no_grad():
-        cos, sin = position_embeddings  # [B, T, rotary_dim], positions 0..T-1
-        q, raw = self.index_qk_proj(hidden_states).split([heads * d, self.index_kv_heads * d], dim=-1)
-        q = self.q_layernorm(q.reshape(batch, seq, heads, d))
-        q = apply_rotary_pos_emb(q, cos=cos[:, -seq:], sin=sin[:, -seq:], unsqueeze_dim=2)
-        blocks = seq // ratio
-        positions = torch.arange(seq, device=device)
-        causal = positions[None, :] <= positions[:, None]
-        if blocks == 0:
-            return causal.expand(batch, 1, seq, seq)
-        pooled = raw[:, : blocks * ratio].reshape(batch, blocks, ratio, d).float().mean(dim=2).to(raw.dtype)
-        pooled = self.k_layernorm(pooled)
-        starts = torch.arange(blocks, device=device) * ratio
-        keys = apply_rotary_pos_emb(pooled.unsqueeze(2), cos=cos[:, starts], sin=sin[:, starts],
-                                    unsqueeze_dim=2).squeeze(2)  # [B, blocks, d]
-        scores = torch.einsum("bthd,bnd->btnh", q.float(), keys.float()).relu_().sum(-1) / math.sqrt(d)
-        complete = (positions + 1) // ratio  # complete blocks each query sees
-        visible = torch.arange(blocks, device=device)[None, :] < complete[:, None]  # [T, blocks]
-        scores = scores.masked_fill(~visible, float("-inf"))
-        top = scores.topk(min(self.block_topk, blocks), dim=-1)
-        # a query with fewer complete blocks than block_topk keeps all of them: the -inf picks are dropped
-        picked = torch.where(top.values > float("-inf"), top.indices, blocks)
-        chosen = torch.zeros(batch, seq, blocks + 1, dtype=torch.bool, device=device).scatter_(-1, picked, True)
-        block_of = (positions // ratio).clamp_max(blocks)  # tokens past the last whole block map to the pad column
-        selected = chosen[:, :, block_of]  # [B, T, T]: token j of a chosen block
-        tail = positions[None, :] >= (complete * ratio)[:, None]  # the query's incomplete block
-        return ((selected | tail) & causal).unsqueeze(1)
+        return selection_mask(block_scores(self, hidden_states, cos, sin), self.compress_ratio, self.block_topk)
 
 
 def dense_experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
@@ -119,3 +144,5 @@ def restore() -> None:
         hf.Qwen4ExpTextQSAIndexer.forward = _ORIGINALS["indexer"]
     if "experts" in _ORIGINALS:
         hf.Qwen4ExpTextExperts.forward = _ORIGINALS["experts"]
+    if "attention" in _ORIGINALS:  # tools/indexer_loss.py's
+        hf.Qwen4ExpTextAttention.forward = _ORIGINALS["attention"]

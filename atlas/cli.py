@@ -17,7 +17,7 @@ def version() -> None:
 
 @app.command()
 def serve(
-    model: str = typer.Option(None, help="checkpoint directory; the built-in atlas-tiny when omitted"),
+    model: str = typer.Option(None, help="checkpoint directory or atlas-mini; the built-in atlas-tiny when omitted"),
     host: str = typer.Option("127.0.0.1", help="bind address (loopback unless told otherwise)"),
     port: int = typer.Option(8000),
     trace: str = typer.Option(None, help="trace store: a SQLite path or a SQLAlchemy URL"),
@@ -51,7 +51,7 @@ app.add_typer(bench_app, name="bench")
 @bench_app.command("serve")
 def bench_serve(
     base_url: str = typer.Option(None, help="a running server; omitted: start one in-process"),
-    model: str = typer.Option(None, help="in-process server: checkpoint dir (atlas-tiny when omitted)"),
+    model: str = typer.Option(None, help="in-process server: checkpoint dir or atlas-mini (atlas-tiny when omitted)"),
     backend: str = typer.Option("cpu", help="in-process server: backend"),
     max_seq_len: int = typer.Option(None),
     max_batch_size: int = typer.Option(None),
@@ -88,7 +88,7 @@ def bench_serve(
 @app.command()
 def generate(
     prompt: list[str] = typer.Option(..., "--prompt", help="a prompt; repeat for several"),
-    model: str = typer.Option("atlas-tiny", help="checkpoint directory, or the built-in atlas-tiny"),
+    model: str = typer.Option("atlas-tiny", help="checkpoint directory, atlas-mini, or the built-in atlas-tiny"),
     backend: str = typer.Option("cpu", help="cpu | cuda | cuda-fp32 | null"),
     max_tokens: int = typer.Option(None, help="default: what max_seq_len leaves"),
     temperature: float = typer.Option(0.0),

@@ -152,3 +152,20 @@ def test_tied_embeddings_serve_the_lm_head(tiny_dir):
     _edit_config(tiny_dir, tie_word_embeddings=False)
     with pytest.raises(ModelLoadError, match=r"missing tensor lm_head\.weight"):
         load_model(tiny_dir)
+
+
+def test_atlas_mini_loads_by_name_from_the_repo_dir(tiny_dir, tmp_path, monkeypatch):
+    """"atlas-mini" stands for the repo's models/atlas-mini; without a checkpoint there the error says where it
+    comes from. (tests/test_atlas_mini.py checks the real checkpoint when it is there.)"""
+    import atlas.model.loader as loader
+
+    assert loader.MINI_MODEL_DIR == Path(loader.__file__).resolve().parents[2] / "models" / "atlas-mini"
+    empty = tmp_path / "atlas-mini"
+    empty.mkdir()
+    monkeypatch.setattr(loader, "MINI_MODEL_DIR", empty)
+    with pytest.raises(ModelLoadError, match=r"atlas-mini: no checkpoint in .*tools/train_mini.py"):
+        load_model("atlas-mini")
+    monkeypatch.setattr(loader, "MINI_MODEL_DIR", tiny_dir)
+    assert loader.model_dir("atlas-mini") == tiny_dir
+    assert loader.model_dir("atlas-tiny") is None and loader.model_dir(tmp_path) == tmp_path
+    assert load_model("atlas-mini").fingerprint == load_model(tiny_dir).fingerprint

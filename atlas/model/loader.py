@@ -1,4 +1,4 @@
-"""`load_model`: a checkpoint dir (or the built-in "atlas-tiny") -> `LoadedModel`."""
+"""`load_model`: a checkpoint dir, the built-in "atlas-tiny", or the repo's trained "atlas-mini" -> `LoadedModel`."""
 
 from __future__ import annotations
 
@@ -7,18 +7,38 @@ from pathlib import Path
 
 import torch
 
+from atlas.errors import ModelLoadError
 from atlas.model.loaded import TINY_MODEL_NAME, LoadedModel, fingerprint
 from atlas.model.spec import load_spec
 from atlas.model.tiny import build_tiny
 from atlas.model.tokenizer import load_tokenizer
 from atlas.model.weights import load_weights, normalise, read_safetensors
 
+MINI_MODEL_NAME = "atlas-mini"
+# the checkpoint tools/train_mini.py trained, committed in the repo; found next to the package, so the name
+# works from a checkout (and its editable install) whatever the working directory
+MINI_MODEL_DIR = Path(__file__).resolve().parents[2] / "models" / MINI_MODEL_NAME
+
+
+def model_dir(name_or_dir: str | Path) -> Path | None:
+    """The checkpoint dir a model name stands for: "atlas-mini" -> the repo's models/atlas-mini, a path -> itself,
+    "atlas-tiny" (built in memory) -> None."""
+    if str(name_or_dir) == TINY_MODEL_NAME:
+        return None
+    if str(name_or_dir) == MINI_MODEL_NAME:
+        if not (MINI_MODEL_DIR / "config.json").is_file():
+            raise ModelLoadError(f"atlas-mini: no checkpoint in {MINI_MODEL_DIR} (tools/train_mini.py trains it; "
+                                 "see tools/README.md)")
+        return MINI_MODEL_DIR
+    return Path(name_or_dir)
+
 
 def load_model(name_or_dir: str | Path, dtype: torch.dtype = torch.float32) -> LoadedModel:
-    """The model behind a name: "atlas-tiny" is built in memory; anything else is a checkpoint dir."""
-    if str(name_or_dir) == TINY_MODEL_NAME:
+    """The model behind a name: "atlas-tiny" is built in memory, "atlas-mini" is the repo's models/atlas-mini;
+    anything else is a checkpoint dir."""
+    root = model_dir(name_or_dir)
+    if root is None:
         return build_tiny(dtype=dtype)
-    root = Path(name_or_dir)
     spec = load_spec(root)
     config = json.loads((root / "config.json").read_text())
     # the fingerprint covers the normalised tensors, so a checkpoint's layout (shards, prefixes, per-expert

@@ -8,13 +8,13 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Any
 
 import attrs
 import structlog
 import uvicorn
 
+from atlas.model.loader import model_dir
 from atlas.registry import build_engine as registry_build
 from atlas.server.app import DEFAULT_MAX_HEADER_BYTES, create_app
 from atlas.server.chat import load_chat_template
@@ -182,7 +182,7 @@ def serve(
         log.error("cannot start the engine", error=str(exc))
         return EXIT_BAD_CONFIG
     engine_loop = EngineLoop(engine).start()
-    template = load_chat_template(Path(model) if model and Path(model).is_dir() else None)
+    template = load_chat_template(model_dir(model) if model else None)  # "atlas-mini" -> models/atlas-mini
     app = create_app(engine_loop, chat_template=template, api_key=api_key,
                      enable_fault_injection=enable_fault_injection)
     server = _StoppingServer(_uvicorn_config(app, host, port, log_level), engine_loop)

@@ -14,7 +14,9 @@
 set -o pipefail
 OUT=${OUT:-/tmp/atlas-mini}
 mkdir -p "$OUT"
-if ls .whl/*.whl >/dev/null 2>&1; then
+if [ "${SKIP_INSTALL:-0}" = 1 ]; then  # the caller installed the wheels (and set PYTHONPATH) already
+  :
+elif ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     || exit 1
   export PYTHONPATH=/tmp/site:$PWD

@@ -103,6 +103,9 @@ class SeqOutcome:
     logprob: float | None = None
     top_logprobs: tuple[tuple[int, float], ...] = ()
     verdicts: tuple[RowVerdict, ...] = ()  # a verify's per-row verdicts (K = drafts + 1), else empty
+    # SeqWork.sampling.prompt_logprobs set: (position, logprob, top) for every fed prompt position (logprob None
+    # at position 0), from the same forward that fed it
+    prompt_logprobs: tuple[tuple[int, float | None, tuple[tuple[int, float], ...]], ...] = ()
 
 
 @attrs.frozen

@@ -92,6 +92,8 @@ class Engine:
         self._dead: EngineDead | None = None
         self._stops: dict[int, StopChecker] = {}
         self._pending: list[RequestOutput] = []
+        # prompt logprobs by sequence (position -> (logprob, top)) until the request's first output carries them
+        self._prompt_lp: dict[int, dict[int, tuple[float | None, tuple[tuple[int, float], ...]]]] = {}
         self._invariant_checks = 0
         self._prompt_tokens = 0
         self._generated_tokens = 0
@@ -138,10 +140,17 @@ class Engine:
     # ------------------------------------------------------------------------------------------ inputs
 
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams, *,
-                    stream: bool = False) -> None:
+                    stream: bool = False, prompt_logprobs: int | None = None) -> None:
         """Admit a request. `stream`: its tokens are handed out as they are sampled (a rollback past them then
-        declines); otherwise they are held back and come in one RequestOutput when the request ends."""
+        declines); otherwise they are held back and come in one RequestOutput when the request ends.
+        `prompt_logprobs`: None off; N the logprob of every prompt token and its N best alternatives (0: none),
+        in the request's first output (RequestOutput.prompt_logprobs); recorded with the params."""
         self._check_alive()
+        if prompt_logprobs is not None:
+            if not callable(getattr(self.backend, "_prompt_logprobs", None)):
+                raise AdmissionError(f"prompt_logprobs: backend {getattr(self.backend, 'name', '?')!r} does not "
+                                     "compute them (use the cpu backend)", param="prompt_logprobs")
+            params = attrs.evolve(params, prompt_logprobs=prompt_logprobs)
         prompt = [int(t) for t in prompt_token_ids]
         cap = self.capacities.max_seq_len
         if not prompt:
@@ -183,6 +192,7 @@ class Engine:
         prompt_len, generated = seq.cursor.prompt_len, seq.cursor.generated
         self._emit(RequestCancelled(request_id, seq_id))
         self._stops.pop(seq_id, None)
+        self._prompt_lp.pop(seq_id, None)
         self._held.pop(seq_id, None)
         self._pending.append(RequestOutput(request_id, finished=True, finish_reason=FinishReason.CANCELLED,
                                            finish_detail="cancelled", prompt_tokens=prompt_len,
@@ -336,6 +346,8 @@ class Engine:
         tokenizer = self.tokenizer if self._detokenize else None
         verified = verified or {}
         for o in outcomes:
+            if o.prompt_logprobs:
+                self._prompt_lp.setdefault(o.seq_id, {}).update((pos, (lp, top)) for pos, lp, top in o.prompt_logprobs)
             v = verified.get(o.seq_id)
             if v is not None:  # a verify: its kept tokens, already cut at a stop (none when refused)
                 sampled = list(zip(v.tokens, v.logprobs, v.top_logprobs, strict=True))
@@ -389,7 +401,15 @@ class Engine:
                     prompt_tokens=prompt_len,
                     completion_tokens=generated,
                     new_text=stop.take_text(ended is not None) if tokenizer is not None else "",
+                    prompt_logprobs=self._take_prompt_logprobs(o.seq_id, prompt_len),
                 ))
+
+    def _take_prompt_logprobs(self, seq_id: int, prompt_len: int
+                              ) -> tuple[tuple[float | None, tuple[tuple[int, float], ...]], ...] | None:
+        got = self._prompt_lp.pop(seq_id, None)
+        if got is None:
+            return None
+        return tuple(got.get(pos, (None, ())) for pos in range(prompt_len))
 
     def _watch(self, seq: SequenceState, step: int) -> tuple[FinishReason, str] | Literal["rolled_back"] | None:
         """Run the content-loop watchdog on a sequence that just sampled: None when it does not loop. A loop is
@@ -460,6 +480,7 @@ class Engine:
         request_id, prompt_len, generated = seq.request_id, seq.cursor.prompt_len, seq.cursor.generated
         self._emit(RequestFinished(seq_id, FinishReason.ERROR.value, detail))
         self._stops.pop(seq_id, None)
+        self._prompt_lp.pop(seq_id, None)
         self._held.pop(seq_id, None)
         out.append(RequestOutput(request_id, finished=True, finish_reason=FinishReason.ERROR, finish_detail=detail,
                                  prompt_tokens=prompt_len, completion_tokens=generated))

@@ -52,6 +52,9 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: bool = False
     top_logprobs: int = attrs.field(default=0, validator=_check_logprobs)
+    # prompt-token logprobs (Engine.add_request(prompt_logprobs=N)): None off, N top alternatives (0: the actual
+    # token's only). Left out of to_json when None, so requests without it log exactly as before.
+    prompt_logprobs: int | None = attrs.field(default=None, validator=attrs.validators.optional(_check_logprobs))
 
     @property
     def greedy(self) -> bool:
@@ -61,6 +64,8 @@ class SamplingParams:
         d = attrs.asdict(self)
         d["stop"] = list(self.stop)
         d["stop_token_ids"] = list(self.stop_token_ids)
+        if d["prompt_logprobs"] is None:
+            del d["prompt_logprobs"]
         return d
 
     @classmethod

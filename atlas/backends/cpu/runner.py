@@ -89,6 +89,10 @@ class CpuBackend:
         # each sequence's last block table (a snapshot copies the KV rows of the block it ends in)
         self.prefix = PrefixStore()
         self._tables: dict[int, tuple[int, ...]] = {}
+        # prompt logprobs: the last fed row's logits of a sequence whose prompt continues in the next chunk
+        # (they score that chunk's first token)
+        self._prompt_tail: dict[int, torch.Tensor] = {}
+        self._prompt_scored: set[int] = set()  # sequences whose prompt is scored (its last chunk sampled)
 
     # -- per-sequence state -------------------------------------------------------------------------
 
@@ -100,6 +104,8 @@ class CpuBackend:
         self._seqs[seq_id] = SequenceState.empty(self.spec, self.dtype)
         self.ring.release(seq_id)
         self._pending.pop(seq_id, None)
+        self._prompt_tail.pop(seq_id, None)
+        self._prompt_scored.discard(seq_id)
         if self.drafter is not None:
             self._drafts[seq_id] = self.drafter.empty()
 
@@ -109,6 +115,8 @@ class CpuBackend:
         self._pending.pop(seq_id, None)
         self._drafts.pop(seq_id, None)
         self._tables.pop(seq_id, None)
+        self._prompt_tail.pop(seq_id, None)
+        self._prompt_scored.discard(seq_id)
 
     # -- prefix caching -----------------------------------------------------------------------------
 
@@ -321,13 +329,40 @@ class CpuBackend:
                 token = sample_token(pick, work.sampling, position=work.end)
                 if work.sampling.logprobs:
                     logprob, top = logprobs_of(row, token, work.sampling.top_logprobs)
+            prompt_lp = ()
+            if work.sampling.prompt_logprobs is not None and work.seq_id not in self._prompt_scored:
+                prompt_lp = self._prompt_logprobs(work, hidden[work.seq_id])
             outcomes.append(
                 SeqOutcome(seq_id=work.seq_id, cursors=self.cursors(work.seq_id), token=token, logprob=logprob,
-                           top_logprobs=top)
+                           top_logprobs=top, prompt_logprobs=prompt_lp)
             )
         for seq_id, _position, slot in plan.snapshots:
             self.ring.store(seq_id, slot, self.snapshot(seq_id))
         return StepResult(step=plan.step, outcomes=tuple(outcomes))
+
+    def _prompt_logprobs(self, work: SeqWork, hidden: torch.Tensor
+                         ) -> tuple[tuple[int, float | None, tuple[tuple[int, float], ...]], ...]:
+        """Each fed prompt token's logprob under the logits of the position before it (this chunk's rows, or
+        the previous chunk's last row), from the hidden states the prefill just computed."""
+        rows = self.logits_from_hidden(hidden)
+        n = work.sampling.prompt_logprobs or 0
+        out = []
+        for i, token in enumerate(work.tokens):
+            position = work.start + i
+            if position == 0:
+                out.append((0, None, ()))
+                continue
+            before = rows[i - 1] if i else self._prompt_tail.pop(work.seq_id, None)
+            if before is None:
+                raise ValueError(f"sequence {work.seq_id}: prompt logprobs at {position} need the logits of "
+                                 f"position {position - 1}, which no chunk of this request computed")
+            lp, alts = logprobs_of(before, token, n)
+            out.append((position, lp, alts))
+        if work.sample:  # the prompt's last chunk: what follows is generated, not scored
+            self._prompt_scored.add(work.seq_id)
+        else:  # the prompt goes on: its next token is scored by this chunk's last row
+            self._prompt_tail[work.seq_id] = rows[-1]
+        return tuple(out)
 
     # -- speculative decoding -----------------------------------------------------------------------
 

@@ -158,7 +158,8 @@ def generate(
     seed: int = typer.Option(0, help="sampling seed"),
     stop: list[str] = typer.Option(None, "--stop", help="a stop string; repeat for several"),
     ignore_eos: bool = typer.Option(False, help="keep generating past the end-of-sequence token"),
-    max_seq_len: int = typer.Option(1024, help="longest prompt + completion (lowered to the model's limit)"),
+    max_seq_len: int = typer.Option(None, help="longest prompt + completion (default: 1024, or the model's "
+                                               "max_position_embeddings when smaller)"),
     max_batch_size: int = typer.Option(16, help="sequences decoded together"),
     prefill_chunk_tokens: int = typer.Option(256, help="tokens per step, all sequences together"),
     num_drafts: int = typer.Option(0, help="speculative decoding: drafts per verify (0: off)"),
@@ -181,7 +182,7 @@ def generate(
     from atlas.threads import apply_threads
 
     apply_threads(threads)
-    max_seq_len = default_max_seq_len(model, None, max_seq_len)  # type: ignore[assignment]
+    max_seq_len = default_max_seq_len(model, max_seq_len, fallback=1024)
     from rich.console import Console
 
     from atlas.config import EngineConfig
@@ -310,8 +311,9 @@ def _report(exc: Exception) -> int:
         print(f"atlas: fatal engine fault: {_one_line(exc)} (the trace, if any, holds every event up to it)",
               file=sys.stderr)
         return EXIT_ENGINE_DEAD
-    if isinstance(exc, LookupError) and "trace" in str(exc):  # the store's "no run N in the trace"
-        print(f"atlas: {_one_line(exc)}; pass --run-id with one of them", file=sys.stderr)
+    if isinstance(exc, LookupError) and "trace" in str(exc):  # the store's "no run N" / "holds no run"
+        hint = "; pass --run-id with one of them" if "runs:" in str(exc) else ""
+        print(f"atlas: {_one_line(exc)}{hint}", file=sys.stderr)
         return EXIT_USAGE
     print(f"atlas: internal error: {type(exc).__name__}: {_one_line(exc)} (rerun with --debug for the traceback)",
           file=sys.stderr)

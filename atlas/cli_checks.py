@@ -109,9 +109,9 @@ def model_max_positions(model: str) -> int | None:
     return int(value) if isinstance(value, int) and value > 0 else None
 
 
-def default_max_seq_len(model: str, requested: int | None, fallback: int = DEFAULT_MAX_SEQ_LEN) -> int | None:
-    """`requested` when given (the engine refuses it past the model's limit, naming both numbers); else the
-    fallback, lowered to the model's max_position_embeddings when that is smaller. None keeps the engine's."""
+def default_max_seq_len(model: str, requested: int | None, fallback: int = DEFAULT_MAX_SEQ_LEN) -> int:
+    """`requested` when given (refused past the model's max_position_embeddings, naming both numbers); else the
+    fallback, lowered to the model's max_position_embeddings when that is smaller."""
     if requested is not None:
         limit = model_max_positions(model)
         if limit is not None and requested > limit:

@@ -211,6 +211,66 @@ def test_max_seq_len_defaults_to_the_models_limit_when_smaller(tiny_dir: Path) -
         default_max_seq_len(str(tiny_dir), 1000)
 
 
+def test_serve_a_checkpoint_under_a_served_model_name_at_the_models_limit(tiny_dir: Path) -> None:
+    """The README's curl names the model; a checkpoint dir served as `atlas-tiny` must answer to that name, and a
+    model whose max_position_embeddings (512) is below the default max_seq_len must be served, not refused."""
+    import signal
+    import socket
+    import time
+
+    import httpx
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-c", "from atlas.cli import main; main()", "serve", "--model",
+                             str(tiny_dir), "--tokenizer", "byte", "--served-model-name", "atlas-tiny", "--port",
+                             str(port)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 90
+        while True:
+            try:
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert proc.poll() is None and time.monotonic() < deadline, "the server did not start"
+            time.sleep(0.2)
+        card = httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0]
+        assert card["id"] == "atlas-tiny" and card["max_model_len"] == 512
+        r = httpx.post(f"{url}/v1/completions", json={"model": "atlas-tiny", "prompt": "Hello", "max_tokens": 4},
+                       timeout=60)
+        assert r.status_code == 200, r.text
+        assert httpx.post(f"{url}/v1/completions", json={"model": "tiny-512", "prompt": "Hello"},
+                          timeout=60).status_code == 404
+    finally:
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=30)
+
+
+def test_the_gpu_benchmark_command_fails_clearly_without_a_gpu(capsys) -> None:
+    if torch.cuda.is_available():
+        pytest.skip("needs a machine without a GPU")
+    code, out, err = atlas(capsys, "bench", "gpu", "--out", "/tmp/atlas-bench-nowhere")
+    assert code == 2 and out == ""
+    assert "needs a CUDA GPU" in one_line(err)
+    code, _, err = atlas(capsys, "bench", "gpu", "--config", "/nonexistent/config.json")
+    assert code == 2 and "--config" in one_line(err)
+
+
+def test_bench_serve_reports_progress_per_request() -> None:
+    from atlas.server.bench import BenchConfig, bench_serve
+
+    seen: list[tuple[int, int]] = []
+    cfg = BenchConfig(base_url="", num_prompts=5, input_len=8, output_len=2, max_concurrency=2)
+    result = bench_serve(cfg, launch={"model": None, "backend": "null", "max_seq_len": 64, "max_batch_size": 4},
+                         progress=lambda done, total: seen.append((done, total)), threads=1)
+    assert result["completed"] == 5
+    assert seen == [(n, 5) for n in range(1, 6)]
+
+
 # finding 6: replay against on a healthy generate trace
 
 

@@ -4,14 +4,19 @@ The order: an explicit `--threads N` (or `threads=N`), else `OMP_NUM_THREADS` wh
 meant it), else the measured default for the path: `EXACT_DEFAULT` for the exact token-by-token CPU path (what
 the engine, replay and `atlas.LLM` run) and `CHUNK_DEFAULT` for the whole-chunk path (benchmarks only).
 
-Measured on the 2-core machine this project runs on, shared with other agents' jobs (load 2.5-3.5), atlas-tiny:
-- the exact path feeds one token at a time, so every matmul is a matrix-vector product of a few microseconds and
-  a second thread only adds a barrier per op that waits for a core the other jobs hold: `benchmarks/cpu_model.py`
-  exact prefill 9.9 tok/s with torch's default 2 threads against 126 tok/s with 1 (decode 141 tok/s with 1; 2
-  threads measured negative: the timings were dominated by stalls), and `atlas generate` of 270 tokens 4.8-50 s
-  with 2 threads against 4.7-4.9 s with 1;
-- the whole-chunk path's prefill is one [256, H] GEMM per op, large enough to split, yet 2 threads gave 2218
-  prefill tok/s against 2186 with 1 (within the noise) and decode 117 against 127: not worth the oversubscription.
+Measured on the 2-core machine this project runs on, shared with other agents' jobs (backend-level
+timings of CpuBackend.forward, then whole commands), atlas-tiny unless said:
+- the exact path feeds one token at a time, so every matmul is a matrix-vector product of a few microseconds and a
+  second thread only adds a barrier per op that waits for a core another job holds. Threads 1 vs 2, interleaved,
+  3 rounds at load 2.1-2.6: exact prefill 115/147/123 vs 10/142/123 tok/s, decode 120/140/117 vs 20/132/120; a
+  hidden-512 variant: prefill 46/71/76 vs 12/72/66, decode 41/75/75 vs 66/70/51. Two threads won one of twelve
+  pairs (66 vs 41) and lost 4-11x whenever the other core was taken;
+- the whole-chunk path (benchmarks only) runs one [256, H] GEMM per op: 1597/2086/2069 vs 79/1859/1965 prefill
+  tok/s on atlas-tiny, 986/1005/1056 vs 87/1175/1140 on the hidden-512 variant: at best +12%, at worst 11x slower.
+- whole commands, default threads before (torch's 2) and after (1), interleaved, 3 rounds at load 7-9, 3-9 and
+  2-3: `atlas generate` of 270 tokens 122/205/66 s -> 21/14/8 s; `replay verify` of a served trace (16
+  requests, 330 events) >900 (killed)/>900/354 s -> 78/60/27 s; `benchmarks/cpu_model.py` 633/424/28 s ->
+  78/32/36 s (on the quietest round 2 threads were no worse: the gain is the collapse avoided, not speed).
 Rerun `benchmarks/cpu_model.py --threads N` on a bigger, idle machine before raising either default.
 """
 

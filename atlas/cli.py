@@ -1,10 +1,38 @@
-"""The `atlas` command."""
+"""The `atlas` command.
+
+Exit status: 0 success, 1 a check that failed (a divergent replay, failed requests), 2 a usage error (one
+line on stderr naming the knob, the value and what to do), 3 a fatal engine fault. `--debug` (anywhere on the
+line, or ATLAS_DEBUG=1) prints the traceback of an error instead of its one line. Logs go to stderr; stdout
+carries only results.
+"""
 
 from __future__ import annotations
 
+import os
+import sys
+
 import typer
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, help="Atlas: serve and replay hybrid LMs.")
+from atlas.cli_checks import TINY_MODEL, UsageError, check_backend, check_model, check_port, check_trace_out
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode=None, pretty_exceptions_enable=False,
+                  help="Atlas: serve and replay hybrid LMs. Add --debug to any command for tracebacks.")
+
+EXIT_USAGE = 2
+EXIT_ENGINE_DEAD = 3
+SERVE_BACKENDS = ("cpu", "cuda", "cuda-fp32", "cuda-invariant", "cuda-fp32-invariant", "null")
+GENERATE_BACKENDS = SERVE_BACKENDS
+DRAFTERS = ("mtp", "ngram")
+
+
+class EngineFatal(Exception):
+    """The engine died of a fatal fault while a command ran: exit status 3."""
+
+
+@app.callback()
+def _root(debug: bool = typer.Option(False, "--debug", help="print tracebacks of errors (also ATLAS_DEBUG=1)")
+          ) -> None:
+    """Atlas: serve and replay hybrid LMs."""
 
 
 @app.command()
@@ -15,32 +43,52 @@ def version() -> None:
     typer.echo(__version__)
 
 
+def _check_drafter(drafter: str | None) -> None:
+    if drafter is not None and drafter not in DRAFTERS:
+        raise UsageError(f"--drafter {drafter!r} is not a drafter; use mtp (the model's MTP head) or ngram "
+                         "(prompt lookup)")
+
+
 @app.command()
 def serve(
-    model: str = typer.Option(None, help="checkpoint directory or atlas-mini; the built-in atlas-tiny when omitted"),
+    model: str = typer.Option(None, help="checkpoint directory or atlas-mini (default: the built-in atlas-tiny)"),
     host: str = typer.Option("127.0.0.1", help="bind address (loopback unless told otherwise)"),
-    port: int = typer.Option(8000),
+    port: int = typer.Option(8000, help="TCP port"),
     trace: str = typer.Option(None, help="trace store: a SQLite path or a SQLAlchemy URL"),
     api_key: str = typer.Option(None, envvar="ATLAS_API_KEY", help="require 'Authorization: Bearer KEY'"),
-    backend: str = typer.Option("cpu", help="cpu | cuda | null"),
-    max_seq_len: int = typer.Option(None),
-    max_batch_size: int = typer.Option(None),
+    backend: str = typer.Option("cpu", help="cpu | cuda | cuda-fp32 | cuda-invariant | null"),
+    max_seq_len: int = typer.Option(None, help="longest prompt + completion, in tokens (default: 4096, or the "
+                                               "model's max_position_embeddings when smaller)"),
+    max_batch_size: int = typer.Option(None, help="sequences decoded together (default: 64)"),
     loop_watchdog: bool = typer.Option(False, help="roll content loops back (non-streaming requests)"),
     ring_slots: int = typer.Option(None, help="boundary snapshots per sequence for rollback (0: declines)"),
     num_drafts: int = typer.Option(None, help="speculative decoding: drafts per verify (0: off)"),
-    drafter: str = typer.Option(None, help="speculative drafter: mtp | ngram"),
+    drafter: str = typer.Option(None, help="speculative drafter: mtp | ngram (default: mtp)"),
     prefix_caching: bool = typer.Option(None, "--prefix-caching/--no-prefix-caching",
                                         help="reuse KV + recurrent state of shared prefixes (default: on for cpu)"),
-    threads: int = typer.Option(None, help="torch CPU threads for the engine (default: cores - 1)"),
+    threads: int = typer.Option(None, help="torch CPU threads (default: OMP_NUM_THREADS, else 1: measured best, "
+                                           "see atlas/threads.py)"),
     enable_fault_injection: bool = typer.Option(False, hidden=True, help="tests only: fault-injection hooks"),
+    served_model_name: str = typer.Option(None, help="the model id clients send and /v1/models lists (default: "
+                                                     "the checkpoint directory's name)"),
+    tokenizer: str = typer.Option("auto", help="auto: the checkpoint's tokenizer.json (required); byte: the byte "
+                                               "tokenizer, for a checkpoint without one"),
 ) -> None:
-    """Serve the OpenAI-compatible API. Exits non-zero if the engine dies of a fatal fault."""
+    """Serve the OpenAI-compatible API. Exits 3 if the engine dies of a fatal fault."""
+    check_backend(backend, SERVE_BACKENDS)
+    _check_drafter(drafter)
+    check_model(model or TINY_MODEL, tokenizer)
+    check_trace_out(trace)
+    check_port(host, port)
+    from atlas.cli_checks import default_max_seq_len
     from atlas.server.serve import serve as run_server
 
+    max_seq_len = default_max_seq_len(model or TINY_MODEL, max_seq_len) if model else max_seq_len
     code = run_server(model, host=host, port=port, trace=trace, api_key=api_key, backend=backend,
                       max_seq_len=max_seq_len, max_batch_size=max_batch_size, ring_slots=ring_slots,
                       loop_watchdog=loop_watchdog, num_drafts=num_drafts, drafter=drafter, threads=threads,
-                      enable_fault_injection=enable_fault_injection, prefix_caching=prefix_caching)
+                      enable_fault_injection=enable_fault_injection, prefix_caching=prefix_caching,
+                      served_model_name=served_model_name)
     raise typer.Exit(code)
 
 
@@ -50,33 +98,45 @@ app.add_typer(bench_app, name="bench")
 
 @bench_app.command("serve")
 def bench_serve(
-    base_url: str = typer.Option(None, help="a running server; omitted: start one in-process"),
-    model: str = typer.Option(None, help="in-process server: checkpoint dir or atlas-mini (atlas-tiny when omitted)"),
-    backend: str = typer.Option("cpu", help="in-process server: backend"),
-    max_seq_len: int = typer.Option(None),
-    max_batch_size: int = typer.Option(None),
-    num_prompts: int = typer.Option(100),
-    random_input_len: int = typer.Option(64),
-    random_output_len: int = typer.Option(32),
+    base_url: str = typer.Option(None, help="a running server (default: start one in-process)"),
+    model: str = typer.Option(None, help="in-process server: checkpoint directory or atlas-mini (default: atlas-tiny)"),
+    backend: str = typer.Option("cpu", help="in-process server: cpu | cuda | null"),
+    max_seq_len: int = typer.Option(None, help="in-process server: as for serve"),
+    max_batch_size: int = typer.Option(None, help="in-process server: as for serve"),
+    num_prompts: int = typer.Option(100, help="requests to send"),
+    random_input_len: int = typer.Option(64, help="prompt tokens per request"),
+    random_output_len: int = typer.Option(32, help="completion tokens per request (ignore_eos)"),
     request_rate: float = typer.Option(float("inf"), help="requests/s (Poisson); inf sends all at once"),
-    max_concurrency: int = typer.Option(None),
-    seed: int = typer.Option(0),
-    api_key: str = typer.Option(None, envvar="ATLAS_API_KEY"),
+    max_concurrency: int = typer.Option(None, help="requests in flight at most (default: unbounded)"),
+    seed: int = typer.Option(0, help="prompt seed"),
+    api_key: str = typer.Option(None, envvar="ATLAS_API_KEY", help="sent as 'Authorization: Bearer KEY'"),
     result_json: str = typer.Option(None, help="also write the figures to this JSON file"),
+    threads: int = typer.Option(None, help="in-process server: torch CPU threads (as for serve)"),
+    progress: bool = typer.Option(True, help="show requests done on stderr"),
 ) -> None:
     """Load-test a server like vLLM's bench serve: TTFT, TPOT, ITL (p50/p99) and throughput."""
     import json
 
+    from atlas.cli_support import progress_bar
     from atlas.server.bench import BenchConfig, format_report
     from atlas.server.bench import bench_serve as run_bench
 
+    if base_url is None:
+        from atlas.cli_checks import default_max_seq_len
+
+        check_backend(backend, SERVE_BACKENDS)
+        check_model(model or TINY_MODEL)
+        max_seq_len = default_max_seq_len(model, max_seq_len) if model else max_seq_len
+    if result_json:
+        check_trace_out(result_json, knob="--result-json")
     cfg = BenchConfig(base_url=base_url or "", num_prompts=num_prompts, input_len=random_input_len,
                       output_len=random_output_len, request_rate=request_rate, max_concurrency=max_concurrency,
                       seed=seed, api_key=api_key)
     launch = None
     if base_url is None:
         launch = {"model": model, "backend": backend, "max_seq_len": max_seq_len, "max_batch_size": max_batch_size}
-    result = run_bench(cfg, launch=launch)
+    with progress_bar("requests", num_prompts, enabled=progress) as update:
+        result = run_bench(cfg, launch=launch, progress=update, threads=threads)
     typer.echo(format_report(result, cfg))
     if result_json:
         with open(result_json, "w") as f:
@@ -88,58 +148,62 @@ def bench_serve(
 @app.command()
 def generate(
     prompt: list[str] = typer.Option(..., "--prompt", help="a prompt; repeat for several"),
-    model: str = typer.Option("atlas-tiny", help="checkpoint directory, atlas-mini, or the built-in atlas-tiny"),
-    backend: str = typer.Option("cpu", help="cpu | cuda | cuda-fp32 | null"),
-    max_tokens: int = typer.Option(None, help="default: what max_seq_len leaves"),
-    temperature: float = typer.Option(0.0),
-    top_p: float = typer.Option(1.0),
-    top_k: int = typer.Option(0),
-    seed: int = typer.Option(0),
+    model: str = typer.Option(TINY_MODEL, help="checkpoint directory, atlas-mini, or the built-in atlas-tiny"),
+    backend: str = typer.Option("cpu", help="cpu | cuda | cuda-fp32 | cuda-invariant | null"),
+    max_tokens: int = typer.Option(16, help="completion tokens per prompt, at most (16, as vLLM's and OpenAI's "
+                                            "completions default)"),
+    temperature: float = typer.Option(0.0, help="0: greedy"),
+    top_p: float = typer.Option(1.0, help="nucleus sampling mass"),
+    top_k: int = typer.Option(0, help="0: off"),
+    seed: int = typer.Option(0, help="sampling seed"),
     stop: list[str] = typer.Option(None, "--stop", help="a stop string; repeat for several"),
-    ignore_eos: bool = typer.Option(False),
-    max_seq_len: int = typer.Option(1024),
-    max_batch_size: int = typer.Option(16),
-    prefill_chunk_tokens: int = typer.Option(256),
-    num_drafts: int = typer.Option(0, help="speculative decoding: drafts per verify (0 = off)"),
+    ignore_eos: bool = typer.Option(False, help="keep generating past the end-of-sequence token"),
+    max_seq_len: int = typer.Option(None, help="longest prompt + completion (default: 1024, or the model's "
+                                               "max_position_embeddings when smaller)"),
+    max_batch_size: int = typer.Option(16, help="sequences decoded together"),
+    prefill_chunk_tokens: int = typer.Option(256, help="tokens per step, all sequences together"),
+    num_drafts: int = typer.Option(0, help="speculative decoding: drafts per verify (0: off)"),
     drafter: str = typer.Option("mtp", help="mtp | ngram"),
     prefix_caching: bool = typer.Option(None, "--prefix-caching/--no-prefix-caching",
                                         help="reuse KV + recurrent state of shared prefixes (default: on for cpu)"),
     trace: str = typer.Option(None, help="record the run: a SQLite path or a SQLAlchemy URL"),
+    threads: int = typer.Option(None, help="torch CPU threads (default: OMP_NUM_THREADS, else 1)"),
+    tokenizer: str = typer.Option("auto", help="auto: the checkpoint's tokenizer.json; byte: for one without"),
 ) -> None:
     """Generate from prompts with the engine (greedy by default) and print each completion."""
-    import sys
+    check_backend(backend, GENERATE_BACKENDS)
+    _check_drafter(drafter)
+    check_model(model, tokenizer)
+    check_trace_out(trace)
+    if max_tokens < 1:
+        raise UsageError(f"--max-tokens must be >= 1, got {max_tokens}")
+    from atlas.cli_checks import default_max_seq_len
+    from atlas.cli_support import progress_bar
+    from atlas.threads import apply_threads
 
-    import structlog
+    apply_threads(threads)
+    max_seq_len = default_max_seq_len(model, max_seq_len, fallback=1024)
     from rich.console import Console
-    from rich.progress import Progress
 
     from atlas.config import EngineConfig
     from atlas.engine.offline import generate as run_generate
+    from atlas.errors import EngineDead
     from atlas.sampling.params import SamplingParams
 
-    class _Stderr:  # resolved at each write, so a replaced sys.stderr (tests, redirection) is followed
-        def write(self, text: str) -> int:
-            return sys.stderr.write(text)
-
-        def flush(self) -> None:
-            sys.stderr.flush()
-
-    structlog.configure(logger_factory=structlog.PrintLoggerFactory(_Stderr()))  # stdout is the completions
     config = EngineConfig(max_seq_len=max_seq_len, max_batch_size=max_batch_size,
                           prefill_chunk_tokens=max(prefill_chunk_tokens, max_batch_size), num_drafts=num_drafts,
                           drafter=drafter,
                           enable_prefix_caching=backend == "cpu" if prefix_caching is None else prefix_caching)
     from atlas.registry import build_engine
 
-    engine = build_engine(model, backend, config, trace=trace)
+    engine = _open_engine(lambda: build_engine(model, backend, config, trace=trace), trace)
     params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_tokens, seed=seed,
                             stop=tuple(stop or ()), ignore_eos=ignore_eos)
-    console = Console(stderr=True)
     try:
-        with Progress(console=console, transient=True) as bar:
-            task = bar.add_task("generating", total=len(prompt))
-            results = run_generate(engine, [engine.tokenizer.encode(p) for p in prompt], params,
-                                   progress=lambda done, total: bar.update(task, completed=done))
+        with progress_bar("generating", len(prompt)) as update:
+            results = run_generate(engine, [engine.tokenizer.encode(p) for p in prompt], params, progress=update)
+    except EngineDead as exc:
+        raise EngineFatal(str(exc)) from exc
     finally:
         events = engine.stats().trace_events_written
         engine.close()
@@ -148,100 +212,20 @@ def generate(
                    f"({r.finish_detail})")
         typer.echo(r.text)
     if trace:
-        console.print(f"trace: {trace} ({events} events)")
+        Console(stderr=True).print(f"trace: {trace} ({events} events)", markup=False)
 
 
-trace_app = typer.Typer(no_args_is_help=True, help="Inspect recorded traces.")
-app.add_typer(trace_app, name="trace")
-replay_app = typer.Typer(no_args_is_help=True, help="Replay recorded traces.")
-app.add_typer(replay_app, name="replay")
+def _open_engine(build, trace: str | None):  # type: ignore[no-untyped-def]
+    """Build an engine; a trace path SQLite cannot open becomes a usage error naming the path."""
+    from sqlalchemy.exc import OperationalError
 
-
-@trace_app.command("show")
-def trace_show(file: str, run_id: int = typer.Option(None, help="default: the last run in the store")) -> None:
-    """Run summary, per-request outcome and event counts of a trace."""
-    from rich.console import Console
-    from rich.table import Table
-
-    from atlas.replay.summary import summarize
-
-    s = summarize(file, run_id)
-    console = Console()
-    r = s.run
-    console.print(f"run {r.run_id}: atlas {r.engine_version} (git {r.git_revision or '?'}), model {r.model} "
-                  f"[{r.model_fingerprint[:16]}], backend {r.backend}")
-    console.print(f"config: {r.config}")
-    console.print(f"{s.events} events over {s.steps} steps; outcomes: {s.outcome_counts}")
-    for fault in s.faults:
-        console.print(f"[red]{fault}[/red]")
-    if s.speculation:
-        sp = s.speculation
-        console.print(f"speculation: {sp['verify_steps']} verifies, {sp['tokens_per_verify']} tokens per verify, "
-                      f"{sp['drafts_accepted']}/{sp['drafts_proposed']} drafts accepted, p1 {sp['p1']}, "
-                      f"by position unconditional {sp['p_unconditional']} conditional {sp['p_conditional']}, "
-                      f"latched off {sp['latched_off']}")
-    if s.prefix:
-        px = s.prefix
-        console.print(f"prefix cache: {px.get('hits', 0)} hits, {px.get('tokens_saved', 0)} prefill tokens saved "
-                      f"({px.get('tokens_replayed', 0)} replayed), {px.get('snapshotted', 0)} snapshots; drafter carry: "
-                      f"{px.get('carry_stored', 0)} stored, {px.get('carry_adopted', 0)} adopted "
-                      f"({px.get('carry_rows_kept', 0)} rows kept, {px.get('carry_rows_appended', 0)} appended), "
-                      f"{px.get('carry_released', 0)} released")
-        for q in s.requests:
-            if q.prefix_cached:
-                console.print(f"  {q.request_id}: resumed at {q.prefix_cached} of {q.prompt_tokens} prompt tokens, "
-                              f"{q.carry_rows} drafter rows carried")
-    table = Table("request", "seq", "prompt", "completion", "arrived", "finished", "preempted", "finish", "detail")
-    for q in s.requests:
-        table.add_row(q.request_id, str(q.seq_id), str(q.prompt_tokens), str(q.completion_tokens),
-                      str(q.arrival_step), "-" if q.finish_step is None else str(q.finish_step), str(q.preemptions),
-                      q.finish_reason or "unfinished", q.finish_detail)
-    console.print(table)
-    counts = Table("event kind", "count")
-    for kind, n in s.event_counts.items():
-        counts.add_row(kind, str(n))
-    console.print(counts)
-
-
-@replay_app.command("verify")
-def replay_verify(
-    file: str,
-    run_id: int = typer.Option(None, help="default: the last run in the store"),
-    audit: bool = typer.Option(False, help="also audit every state machine in full after every event"),
-) -> None:
-    """Re-drive a trace's inputs through a fresh engine; exit 1 at the first divergent event."""
-    from rich.console import Console
-    from rich.progress import Progress
-
-    from atlas.replay.verify import verify
-
-    console = Console(stderr=True)
-    with Progress(console=console, transient=True) as bar:
-        task = bar.add_task("replaying", total=None)
-        report = verify(file, run_id, progress=lambda done, total: bar.update(task, completed=done, total=total),
-                        engine_kwargs={"full_audit": audit})
-    if not report.fingerprint_matches:
-        typer.echo(f"warning: model fingerprint {report.fingerprint[:16]} differs from the trace's "
-                   f"{report.run.model_fingerprint[:16]}")
-    if report.identical:
-        typer.echo(f"identical: {report.events_replayed} events replayed, every payload and digest matches")
-        return
-    typer.echo(report.divergence.describe())
-    raise typer.Exit(1)
-
-
-@replay_app.command("check")
-def replay_check(file: str, run_id: int = typer.Option(None, help="default: the last run in the store")) -> None:
-    """State-only replay: apply the trace's events to the state machines (no model), checking every invariant
-    and digest; exit 1 at the first problem."""
-    from atlas.replay.verify import check_state_only
-
-    report = check_state_only(file, run_id)
-    if report.problem is None:
-        typer.echo(f"consistent: {report.events} events applied, every invariant and digest holds")
-        return
-    typer.echo(f"event {report.index}: {report.problem}")
-    raise typer.Exit(1)
+    try:
+        return build()
+    except OperationalError as exc:
+        if trace is None:
+            raise
+        raise UsageError(f"--trace {trace!r} cannot be opened for writing ({exc.orig}); pick a path in a directory "
+                         "you can write to") from exc
 
 
 @bench_app.command("gpu")
@@ -254,6 +238,13 @@ def bench_gpu(
     the control plane's share, and transformers on the same config (see docs/BENCHMARKS.md)."""
     from pathlib import Path
 
+    import torch
+
+    if config is not None and not Path(config).is_file():
+        raise UsageError(f"--config {config!r} does not exist; pass a model config.json")
+    if not torch.cuda.is_available():
+        raise UsageError(f"atlas bench gpu needs a CUDA GPU and torch {torch.__version__} sees none; run it on the "
+                         "GPU machine (bash benchmarks/gpu_run.sh)")
     from atlas.bench import DEFAULT_CONFIG, run, table
 
     target = Path(out) if out else None
@@ -262,10 +253,73 @@ def bench_gpu(
     typer.echo(table(run(Path(config) if config else DEFAULT_CONFIG, out=target, with_transformers=transformers)))
 
 
+trace_app = typer.Typer(no_args_is_help=True, help="Inspect recorded traces.")
+app.add_typer(trace_app, name="trace")
+replay_app = typer.Typer(no_args_is_help=True, help="Replay recorded traces.")
+app.add_typer(replay_app, name="replay")
+
 from atlas.replay.commands import register as _register_replay_commands  # noqa: E402 (after the sub-apps)
 
 _register_replay_commands(trace_app, replay_app)
 
 
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split()) or type(exc).__name__
+
+
+def run(argv: list[str] | None = None) -> int:
+    """Run the command line; returns the exit status (errors already reported on stderr)."""
+    from atlas.cli_support import logs_to_stderr, plain_metavars
+
+    args = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in args or os.environ.get("ATLAS_DEBUG") == "1"
+    args = [a for a in args if a != "--debug"]
+    logs_to_stderr()
+    command = typer.main.get_command(app)
+    plain_metavars(command)
+    try:
+        rc = command.main(args=args, prog_name="atlas", standalone_mode=False)
+    except typer.Abort:
+        print("atlas: interrupted", file=sys.stderr)
+        return 130
+    except typer.TyperException as exc:  # the parser's own: a missing option, a non-integer, an unknown flag
+        if type(exc).__name__ == "NoArgsIsHelpError":  # `atlas trace` alone: the help, as click shows it
+            exc.show()  # type: ignore[attr-defined]
+            return int(getattr(exc, "exit_code", EXIT_USAGE))
+        if debug:
+            raise
+        ctx = getattr(exc, "ctx", None)
+        where = getattr(ctx, "command_path", None) or "atlas"
+        message = exc.format_message() if hasattr(exc, "format_message") else str(exc)
+        print(f"{where}: {_one_line(message)} (see {where} --help)", file=sys.stderr)
+        return int(getattr(exc, "exit_code", EXIT_USAGE))
+    except Exception as exc:
+        if debug:
+            raise
+        return _report(exc)
+    return rc if isinstance(rc, int) else 0
+
+
+def _report(exc: Exception) -> int:
+    from atlas.config import CapacityError
+    from atlas.model.spec import ModelLoadError
+    from atlas.threads import ThreadsError
+
+    if isinstance(exc, UsageError | CapacityError | ModelLoadError | ThreadsError):
+        print(f"atlas: {_one_line(exc)}", file=sys.stderr)
+        return EXIT_USAGE
+    if isinstance(exc, EngineFatal):
+        print(f"atlas: fatal engine fault: {_one_line(exc)} (the trace, if any, holds every event up to it)",
+              file=sys.stderr)
+        return EXIT_ENGINE_DEAD
+    if isinstance(exc, LookupError) and "trace" in str(exc):  # the store's "no run N" / "holds no run"
+        hint = "; pass --run-id with one of them" if "runs:" in str(exc) else ""
+        print(f"atlas: {_one_line(exc)}{hint}", file=sys.stderr)
+        return EXIT_USAGE
+    print(f"atlas: internal error: {type(exc).__name__}: {_one_line(exc)} (rerun with --debug for the traceback)",
+          file=sys.stderr)
+    return 1
+
+
 def main() -> None:
-    app()
+    sys.exit(run())

@@ -263,8 +263,9 @@ def resolve_drafter_context(config: EngineConfig, environ: Any = None) -> Engine
     env = os.environ if environ is None else environ
     if env.get(NO_DRAFTER_CONTEXT_ENV) == "1" and config.drafter_context:
         config = attrs.evolve(config, drafter_context=False)
-    _log().info("MTP drafter context", prefill=config.drafter_context, carry=config.drafter_context,
-             switch=f"{NO_DRAFTER_CONTEXT_ENV}={env.get(NO_DRAFTER_CONTEXT_ENV, '')}")
+    if config.num_drafts and config.drafter == "mtp":  # the line means nothing for n-gram or no drafting
+        _log().info("MTP drafter context", prefill=config.drafter_context, carry=config.drafter_context,
+                 switch=f"{NO_DRAFTER_CONTEXT_ENV}={env.get(NO_DRAFTER_CONTEXT_ENV, '')}")
     return config
 
 

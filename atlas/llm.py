@@ -35,12 +35,20 @@ class LLM:
         *,
         block_size: int = 16,
         num_kv_blocks: int = 256,
+        threads: int | None = None,
     ) -> None:
+        """`threads`: torch CPU threads, by the policy of atlas/threads.py (explicit, else OMP_NUM_THREADS,
+        else 1: measured best for the exact path on a small machine). Logs go to stderr unless the caller
+        configured structlog itself."""
+        from atlas.cli_support import logs_to_stderr
         from atlas.registry import BACKENDS, data_plane
+        from atlas.threads import apply_threads
 
         if backend not in BACKENDS or backend == "null":
             raise ValueError(f"backend {backend!r} cannot serve a model; one of "
                              f"{', '.join(b for b in BACKENDS if b != 'null')}")
+        logs_to_stderr(force=False)
+        self.threads = apply_threads(threads)
         self.model: LoadedModel = load_model(model, dtype=dtype)
         self._model_arg = str(model)  # what a trace records, so that a replay loads the same model
         self._backend_name = backend

@@ -54,8 +54,8 @@ class SeqWork:
     drafter_first_key: int = 0
     # drafts the backend's own drafter (MTP) proposes after this step's sampled token, for the next step
     propose: int = 0
-    # prompt logprobs: None off; n >= 0: the logprob of every fed token after the first under the logits of
-    # the position before it, with the n best alternatives
+    # prompt logprobs: None off; n >= 0: the logprob of every fed prompt token under the logits of the position
+    # before it (the previous chunk's last row for a chunk's first token), with the n best alternatives
     prompt_logprobs: int | None = None
 
     @property
@@ -141,19 +141,30 @@ class StepPlan:
 
 @attrs.frozen
 class BackendCursors:
-    """What the data plane says it holds for one sequence. Each must equal the control plane's view."""
+    """What the data plane says it holds for one sequence. Each must equal the control plane's view.
+
+    `stamps` is the measurement: one (kind, layer, position) per per-layer state of the sequence, each read from
+    the data plane's own position record written by the same operation that writes the data, never a host counter:
+    "kv" and "qsa" per attention / QSA layer (how many consecutive positions from 0 the paged KV / raw index keys
+    hold), "conv" and "gdn" per GDN layer, "ple" (layer -1: the n-gram context) and "ple_conv" per PLE layer,
+    "drafter" (layer -1: MTP pair keys held). The summary fields are the minimum over each kind."""
 
     kv_tokens: int  # positions written to KV (attention layers)
     qsa_ingested: int  # raw index keys ingested (QSA layers; equals kv_tokens when the model has none)
     ssm_position: int  # tokens folded into GDN conv + recurrent state
     ple_position: int  # tokens folded into the PLE n-gram context and short-conv state
     drafter_rows: int = 0  # MTP drafter pair keys held
+    stamps: tuple[tuple[str, int, int], ...] = ()
 
     def as_tuple(self) -> tuple[int, int, int, int, int]:
         return (self.kv_tokens, self.qsa_ingested, self.ssm_position, self.ple_position, self.drafter_rows)
 
 
-PromptLogprob = tuple[float | None, tuple[tuple[int, float], ...]]
+STAMP_KINDS = ("kv", "qsa", "conv", "gdn", "ple", "ple_conv", "drafter")  # BackendCursors.stamps' kinds
+
+
+# (position, logprob or None at position 0, top alternatives)
+PromptLogprob = tuple[int, float | None, tuple[tuple[int, float], ...]]
 
 
 @attrs.frozen

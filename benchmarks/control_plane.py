@@ -1,6 +1,6 @@
 """Control-plane throughput: schedule + apply + invariants + digest + SQLite trace, no tensors.
 
-    .venv/bin/python benchmarks/control_plane.py [--steps N] [--batches 1,64,256] [--no-trace]
+    .venv/bin/python benchmarks/control_plane.py [--steps N] [--batches 1,64,256] [--no-trace] [--smoke]
 
 A fixed-token backend (honest cursors, no compute) stands in for the model, so the figure is the cost
 the engine adds to every decode step. It prints sequence-steps per second (one sequence advanced by
@@ -15,6 +15,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from atlas.backends.base import Capabilities
 from atlas.backends.null import ByteTokenizer
 from atlas.config import EngineConfig
 from atlas.engine.engine import Engine
@@ -27,6 +28,7 @@ class FixedTokenBackend:
     """Returns token 65 for every sampled sequence and reports honest cursors; does nothing else."""
 
     name = "fixed"
+    capabilities = Capabilities()
 
     def __init__(self) -> None:
         self._fed: dict[int, int] = {}
@@ -83,7 +85,10 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=400)
     ap.add_argument("--batches", default="1,64,256")
     ap.add_argument("--no-trace", action="store_true")
+    ap.add_argument("--smoke", action="store_true", help="20 steps at batch 1 and 8: seconds, for CI")
     args = ap.parse_args()
+    if args.smoke:
+        args.steps, args.batches = 20, "1,8"
     import structlog
 
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(30))  # quiet the capacity table

@@ -2,13 +2,17 @@
 
     .venv/bin/python benchmarks/cpu_model.py                  # atlas-tiny (written to a temp dir)
     .venv/bin/python benchmarks/cpu_model.py --model DIR --prompt-len 512 --decode-tokens 64
+    .venv/bin/python benchmarks/cpu_model.py --smoke          # seconds: tiny sizes, one repeat (CI)
 
-Not a test: it prints figures. Both sides run fp32, batch 1, greedy decode of the same tokens.
+Not a test: it prints figures. Both sides run fp32, batch 1, greedy decode of the same tokens. Threads follow
+atlas/threads.py (OMP_NUM_THREADS, else the measured default of each path) unless --threads says.
+Decode is timed on its own (after a prefill that is not counted), best of --repeats.
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -21,6 +25,17 @@ def _best_of(repeats: int, fn) -> float:
     for _ in range(repeats):
         t0 = time.perf_counter()
         fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def _best_decode(repeats: int, prefill, decode) -> float:
+    """Best time of `decode()` alone, each time after an untimed `prefill()` that resets the sequence."""
+    best = float("inf")
+    for _ in range(repeats):
+        state = prefill()
+        t0 = time.perf_counter()
+        decode(state)
         best = min(best, time.perf_counter() - t0)
     return best
 
@@ -38,14 +53,13 @@ def bench_atlas(model_dir: Path, prompt: list[int], decode: list[int], repeats: 
     def prefill() -> None:
         backend.forward([Chunk(0, prompt, 0, table)])
 
-    def run_decode() -> None:
-        prefill()
+    def run_decode(_state: None) -> None:
         for i, t in enumerate(decode):
             backend.forward([Chunk(0, [t], len(prompt) + i, table)])
 
     t_prefill = _best_of(repeats, prefill)
-    t_total = _best_of(repeats, run_decode)
-    return len(prompt) / t_prefill, len(decode) / (t_total - t_prefill)
+    t_decode = _best_decode(repeats, prefill, run_decode)
+    return len(prompt) / t_prefill, len(decode) / t_decode
 
 
 def bench_transformers(model_dir: Path, prompt: list[int], decode: list[int], repeats: int) -> tuple[float, float]:
@@ -60,15 +74,14 @@ def bench_transformers(model_dir: Path, prompt: list[int], decode: list[int], re
         return model(input_ids=ids, use_cache=True)
 
     @torch.no_grad()
-    def run_decode() -> None:
-        out = prefill()
+    def run_decode(out) -> None:
         cache = getattr(out, "cache", None) or out.past_key_values
         for t in decode:
             out = model(input_ids=torch.tensor([[t]]), cache=cache, use_cache=True)
 
     t_prefill = _best_of(repeats, prefill)
-    t_total = _best_of(repeats, run_decode)
-    return len(prompt) / t_prefill, len(decode) / (t_total - t_prefill)
+    t_decode = _best_decode(repeats, prefill, run_decode)
+    return len(prompt) / t_prefill, len(decode) / t_decode
 
 
 def main() -> None:
@@ -76,10 +89,15 @@ def main() -> None:
     parser.add_argument("--model", default="atlas-tiny", help="checkpoint dir, or atlas-tiny")
     parser.add_argument("--prompt-len", type=int, default=256)
     parser.add_argument("--decode-tokens", type=int, default=64)
-    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch threads (default: OMP_NUM_THREADS, else the measured default of each path)")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--smoke", action="store_true", help="prompt 16, decode 4, one repeat: seconds, for CI")
+    parser.add_argument("--no-transformers", action="store_true", help="skip the transformers comparison")
     args = parser.parse_args()
-    torch.set_num_threads(args.threads)
+    if args.smoke:
+        args.prompt_len, args.decode_tokens, args.repeats = 16, 4, 1
+    from atlas.threads import apply_threads, resolve_threads
 
     with tempfile.TemporaryDirectory() as tmp:
         if args.model == "atlas-tiny":
@@ -95,18 +113,24 @@ def main() -> None:
         prompt = torch.randint(0, vocab, (args.prompt_len,), generator=g).tolist()
         decode = torch.randint(0, vocab, (args.decode_tokens,), generator=g).tolist()
 
+        threads = {exact: resolve_threads(args.threads, exact=exact) for exact in (True, False)}
         print(f"model {args.model}, prompt {args.prompt_len} tokens, decode {args.decode_tokens} tokens, "
-              f"{args.threads} threads, fp32, batch 1, best of {args.repeats}")
-        print(f"{'':14s}{'prefill tok/s':>15s}{'decode tok/s':>15s}")
+              f"threads {threads[True]} exact / {threads[False]} whole-chunk and transformers, fp32, batch 1, "
+              f"best of {args.repeats}", flush=True)
+        print(f"{'':14s}{'prefill tok/s':>15s}{'decode tok/s':>15s}", flush=True)
         # exact (the default): token by token, bitwise chunk-invariant; whole chunks: one pass per chunk
-        runs = (
-            ("atlas exact", lambda *a: bench_atlas(*a, exact=True)),
-            ("atlas chunks", lambda *a: bench_atlas(*a, exact=False)),
-            ("transformers", bench_transformers),
-        )
-        for name, fn in runs:
+        runs = [
+            ("atlas exact", True, lambda *a: bench_atlas(*a, exact=True)),
+            ("atlas chunks", False, lambda *a: bench_atlas(*a, exact=False)),
+            ("transformers", False, bench_transformers),
+        ]
+        if args.no_transformers:
+            runs.pop()
+        for n, (name, exact, fn) in enumerate(runs, start=1):
+            print(f"[{n}/{len(runs)}] measuring {name} ...", file=sys.stderr, flush=True)
+            apply_threads(args.threads, exact=exact)
             prefill, dec = fn(model_dir, prompt, decode, args.repeats)
-            print(f"{name:14s}{prefill:15.1f}{dec:15.1f}")
+            print(f"{name:14s}{prefill:15.1f}{dec:15.1f}", flush=True)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,10 @@
 """Time every atlas_kernels kernel on a GPU at the benchmark model's sizes, against the two ceilings measured
 in the same run: device copy bandwidth (bytes read + written) and the bf16 matmul rate.
 
-    python3 benchmarks/kernels.py [--config ../shared/bench/qwen4exp-2p7b-config.json] [--out DIR]
+    python3 benchmarks/kernels.py [--config benchmarks/configs/qwen4exp-2p7b.json] [--out DIR] [--dry-run]
+
+Without a CUDA GPU it exits with status 2 and one line; `--dry-run` (or `--smoke`) only loads the config and
+lists what would be timed (CI runs that, so a missing config fails there).
 
 Decode-sized kernels are timed as one whole decode step over all layers of their kind (18 GDN layers,
 6 attention layers), each layer with its own buffers as in the model, replayed from a CUDA graph: one layer's
@@ -32,16 +35,7 @@ from atlas_kernels.norms import gated_rms_norm, rms_norm
 from atlas_kernels.paged_attention import paged_attention
 from atlas_kernels.qsa import qsa_block_scores, qsa_pool_keys, qsa_select
 
-DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "shared/bench/qwen4exp-2p7b-config.json"
-# The fields used here, copied from qwen4exp-2p7b-config.json, for machines where ../shared is absent.
-FALLBACK_CONFIG = {
-    "hidden_size": 2048, "head_dim": 128, "num_attention_heads": 16, "num_key_value_heads": 2,
-    "linear_num_key_heads": 16, "linear_num_value_heads": 32, "linear_key_head_dim": 128,
-    "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4, "indexer_n_heads": 8, "indexer_head_dim": 128,
-    "indexer_budget": 2048, "indexer_compress_ratio": 4, "rms_norm_eps": 1e-6,
-    "rope_parameters": {"partial_rotary_factor": 0.25, "rope_theta": 1000000.0},
-    "layer_types": ["linear_attention"] * 3 + ["indexed_attention"],  # x 6
-}
+DEFAULT_CONFIG = Path(__file__).resolve().parent / "configs" / "qwen4exp-2p7b.json"
 DEV = "cuda"
 BF16 = torch.bfloat16
 # The sizes swept; module constants so a CPU smoke run (TRITON_INTERPRET=1) can shrink them.
@@ -54,12 +48,9 @@ results: list[dict] = []
 
 
 def load_config(path: Path) -> dict:
-    if path.exists():
-        return json.loads(path.read_text())
-    print(f"# {path} not found: using the copy of its fields in benchmarks/kernels.py", file=sys.stderr)
-    config = dict(FALLBACK_CONFIG)
-    config["layer_types"] = FALLBACK_CONFIG["layer_types"] * 6
-    return config
+    if not path.is_file():
+        raise SystemExit(f"kernels.py: --config {str(path)!r} does not exist; pass a model config.json")
+    return json.loads(path.read_text())
 
 
 def time_ms(fn: Callable[[], object], graph: bool = True) -> float:
@@ -345,10 +336,25 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".")))
     parser.add_argument("--only", default="", help="comma-separated subset: gdn,conv,attn,qsa,norms,chunk")
     parser.add_argument("--fp32-chunk", action="store_true", help="also time the fp32 (parity) chunked prefill")
+    parser.add_argument("--dry-run", "--smoke", action="store_true",
+                        help="load the config and list what would be timed; no GPU needed")
     args = parser.parse_args()
     cfg = load_config(args.config)
     gdn_layers = cfg["layer_types"].count("linear_attention")
     attn_layers = len(cfg["layer_types"]) - gdn_layers
+    groups = ("gdn", "conv", "attn", "qsa", "norms", "chunk")
+    unknown = [name for name in args.only.split(",") if name and name not in groups]
+    if unknown:
+        parser.error(f"--only {','.join(unknown)}: not a kernel group; use some of {','.join(groups)}")
+    if args.dry_run:
+        chosen = [name for name in args.only.split(",") if name] or list(groups)
+        print(f"dry run: {args.config.name}, {gdn_layers} GDN layers, {attn_layers} attention layers; would time "
+              f"{', '.join(chosen)}")
+        return
+    if not torch.cuda.is_available():
+        print(f"kernels.py needs a CUDA GPU and torch {torch.__version__} sees none; run it on the GPU machine "
+              "(--dry-run checks the arguments and the config here)", file=sys.stderr)
+        sys.exit(2)
     print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}; "
           f"{gdn_layers} GDN layers, {attn_layers} attention layers", flush=True)
     measure_ceilings()

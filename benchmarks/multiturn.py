@@ -1,7 +1,7 @@
 """Multi-turn chat on the CPU backend with atlas-tiny: prefix caching and the MTP drafter carry, on vs off.
 
     .venv/bin/python benchmarks/multiturn.py [--sessions 2] [--turns 4] [--system 160] [--user 24] [--answer 16]
-                                             [--drop 2] [--out results.json]
+                                             [--drop 2] [--out results.json] [--smoke]
 
 Each session starts with a `--system`-token prompt; every later turn's prompt is the previous prompt + the
 previous answer with its last `--drop` tokens re-tokenised (replaced, as a chat template does at the
@@ -26,11 +26,9 @@ import random
 import statistics
 import time
 
-import torch
-
 from atlas.config import EngineConfig
-from atlas.engine.engine import Engine
 from atlas.model import load_model
+from atlas.registry import build_engine
 from atlas.sampling.params import SamplingParams
 
 
@@ -41,7 +39,7 @@ def session_prompts(rng: random.Random, system: int) -> list[int]:
 def run_leg(loaded, prefix: bool, args: argparse.Namespace, layout: str) -> dict:
     config = EngineConfig(max_seq_len=args.max_seq_len, max_batch_size=2, prefill_chunk_tokens=256, block_size=16,
                           enable_prefix_caching=prefix, num_drafts=2, drafter="mtp")
-    engine = Engine.from_loaded(loaded, model="atlas-tiny", config=config)
+    engine = build_engine("atlas-tiny", "cpu", config, loaded=loaded)
     rng = random.Random(1234)
     prompts = [session_prompts(rng, args.system) for _ in range(args.sessions)]
     order = ([(s, t) for t in range(args.turns) for s in range(args.sessions)] if layout == "interleaved"
@@ -98,10 +96,15 @@ def main() -> None:
     p.add_argument("--answer", type=int, default=16)
     p.add_argument("--drop", type=int, default=2, help="answer tokens re-tokenised at each boundary")
     p.add_argument("--max-seq-len", type=int, default=1024)
-    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--threads", type=int, default=None, help="default: OMP_NUM_THREADS, else 1 (atlas/threads.py)")
     p.add_argument("--out", default=None)
+    p.add_argument("--smoke", action="store_true", help="2 sessions of 2 short turns: seconds, for CI")
     args = p.parse_args()
-    torch.set_num_threads(args.threads)
+    if args.smoke:
+        args.turns, args.system, args.user, args.answer = 2, 32, 8, 4
+    from atlas.threads import apply_threads
+
+    apply_threads(args.threads)
     loaded = load_model("atlas-tiny")
     results = []
     for layout in ("sequential", "interleaved"):

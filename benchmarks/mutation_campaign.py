@@ -1,7 +1,7 @@
 """Mutation campaign: how many generated workloads (hypothesis examples) it takes to catch each broken variant
 of the engine, and how small its failing trace minimises.
 
-    .venv/bin/python benchmarks/mutation_campaign.py [VARIANT ...] [--max-examples 200]
+    .venv/bin/python benchmarks/mutation_campaign.py [VARIANT ...] [--max-examples 200] [--smoke]
 
 Acceptance (issue 8): every variant detected within 200 examples and minimised to at most 20 events.
 The variants, scenarios and generator live in tests/fixtures (broken.py, library.py, campaign.py).
@@ -26,7 +26,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("variants", nargs="*", default=sorted(VARIANTS))
     parser.add_argument("--max-examples", type=int, default=200)
+    parser.add_argument("--smoke", action="store_true", help="the first variant only (CI: the machinery runs)")
     args = parser.parse_args()
+    if args.smoke:
+        args.variants = args.variants[:1]
+    unknown = [v for v in args.variants if v not in VARIANTS]
+    if unknown:
+        parser.error(f"unknown variant(s) {', '.join(unknown)}; known: {', '.join(sorted(VARIANTS))}")
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.CRITICAL))
     ok = True
     print(f"{'variant':46} {'invariant':15} {'examples':>8} {'shrunk':>7} {'minimised':>9} {'seconds':>8}")

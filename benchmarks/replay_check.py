@@ -1,6 +1,6 @@
 """State-only replay speed: `atlas replay check` over a large generated trace (null backend, 64 sequences at a time).
 
-    .venv/bin/python benchmarks/replay_check.py [--requests 256] [--max-tokens 200] [--trace PATH]
+    .venv/bin/python benchmarks/replay_check.py [--requests 256] [--max-tokens 200] [--trace PATH] [--smoke]
 
 Records the trace once (cached at --trace), then times check_state_only: reading the events from SQLite,
 upcasting, applying each to the state machines, checking the invariants it touched and its digest.
@@ -36,7 +36,13 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=200)
     parser.add_argument("--trace", type=Path, default=Path("/tmp/atlas_replay_check_bench.db"))
     parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--smoke", action="store_true", help="8 requests of 16 tokens in a fresh temp trace (CI)")
     args = parser.parse_args()
+    if args.smoke:
+        import tempfile
+
+        args.requests, args.max_tokens, args.repeat = 8, 16, 1
+        args.trace = Path(tempfile.mkdtemp(prefix="atlas-replay-check-")) / "smoke.db"
     if not args.trace.exists():
         record(args.trace, args.requests, args.max_tokens)
     reader = TraceReader(args.trace)

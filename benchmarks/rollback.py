@@ -1,10 +1,10 @@
 """The SSM snapshot ring: its memory per sequence, and what a rollback costs on the CPU backend.
 
-    .venv/bin/python benchmarks/rollback.py [--slots 4] [--interval 64] [--reps 50]
+    .venv/bin/python benchmarks/rollback.py [--slots 4] [--interval 64] [--reps 50] [--smoke]
 
 Memory comes from derive_capacities (Capacities.ring_slot_bytes: GDN conv + recurrent state of every GDN
 layer, PLE n-gram context + short-conv state; KV, QSA keys and drafter rows are positional, so a snapshot
-holds only their cursors), for atlas-tiny and the benchmark config ../shared/bench/qwen4exp-2p7b-config.json
+holds only their cursors), for atlas-tiny and the benchmark config benchmarks/configs/qwen4exp-2p7b.json
 in bf16 (recurrent state fp32).
 
 Cost, on atlas-tiny through the real CpuBackend: taking a snapshot (a deep copy of that state), restoring one
@@ -30,9 +30,9 @@ from atlas.backends.cpu.state import StateSnapshot
 from atlas.config import EngineConfig, derive_capacities
 from atlas.model import load_model
 from atlas.model.spec import ModelSpec
-from atlas.plan import SeqWork, StepPlan
+from atlas.plan import RingRestore, RingSnapshot, SeqWork, StepPlan
 
-BENCH_CONFIG = Path(__file__).resolve().parents[1] / ".." / "shared" / "bench" / "qwen4exp-2p7b-config.json"
+BENCH_CONFIG = Path(__file__).resolve().parent / "configs" / "qwen4exp-2p7b.json"  # in the repo: a clone has it
 
 
 def timed(fn, reps: int) -> float:
@@ -70,8 +70,14 @@ def main() -> None:
     ap.add_argument("--slots", type=int, default=4)
     ap.add_argument("--interval", type=int, default=64)
     ap.add_argument("--reps", type=int, default=50)
+    ap.add_argument("--threads", type=int, default=None, help="default: OMP_NUM_THREADS, else 1 (atlas/threads.py)")
+    ap.add_argument("--smoke", action="store_true", help="3 repetitions: seconds, for CI")
     args = ap.parse_args()
-    torch.set_num_threads(1)
+    if args.smoke:
+        args.reps = 3
+    from atlas.threads import apply_threads
+
+    apply_threads(args.threads)
     config = EngineConfig(max_seq_len=1024, max_batch_size=1, prefill_chunk_tokens=1024, ring_slots=args.slots,
                           snapshot_interval=args.interval)
 
@@ -93,15 +99,15 @@ def main() -> None:
     backend = CpuBackend(tiny, num_kv_blocks=64, block_size=16, ring_slots=args.slots)
     tokens = [(i * 31 + 7) % 256 for i in range(200)]
     backend.execute(StepPlan(0, (SeqWork(0, tuple(tokens[:136]), 0, table, sample=False),),
-                             snapshots=((0, 136, 0),)))
+                             snapshots=(RingSnapshot(0, 136, 0),)))
     backend.execute(StepPlan(1, (SeqWork(0, tuple(tokens[136:]), 136, table, sample=False),)))
-    take = timed(lambda: backend.snapshot(0), args.reps)
-    restore = timed(lambda: backend.restore_boundary(0, 0, 136), args.reps)
+    take = timed(lambda: backend.store.copy_state(0), args.reps)
+    restore = timed(lambda: backend.store.restore(RingRestore(0, 0, 136)), args.reps)
     refeed_tokens = max(1, args.interval // 2)
     follow = tokens[136 : 136 + refeed_tokens]
 
     def refeed() -> None:
-        backend.restore_boundary(0, 0, 136)
+        backend.store.restore(RingRestore(0, 0, 136))
         backend.forward_hidden([Chunk(0, follow, 136, table)])
 
     rollback = timed(refeed, max(3, args.reps // 10))

@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/speculative.py                      # atlas-tiny, 3 drafts, 96 new tokens
     .venv/bin/python benchmarks/speculative.py --num-drafts 2 --max-tokens 64 --threads 2
+    .venv/bin/python benchmarks/speculative.py --smoke              # 8 new tokens, one repeat (CI)
 
 Not a test: it prints figures. Every speculative run is checked to give speculation off's tokens (greedy).
 Drafters: n-gram prompt lookup on a repetitive prompt, the MTP head, and a scripted oracle that always
@@ -16,8 +17,6 @@ from __future__ import annotations
 import argparse
 import time
 
-import torch
-
 REPETITIVE = ("def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\n"
               "def mul(a, b):\n    return a * b\n\ndef div(a, b):\n    return a / b\n\ndef ")
 NATURAL = "The committee met on Tuesday to discuss the budget for next year, and after a long debate"
@@ -25,8 +24,8 @@ NATURAL = "The committee met on Tuesday to discuss the budget for next year, and
 
 def run(model, prompt: list[int], max_tokens: int, num_drafts: int, drafter, repeats: int):
     from atlas.config import EngineConfig
-    from atlas.engine.engine import Engine
     from atlas.engine.offline import generate
+    from atlas.registry import build_engine
     from atlas.sampling.params import SamplingParams
 
     kind = drafter if isinstance(drafter, str) else "scripted"
@@ -34,7 +33,7 @@ def run(model, prompt: list[int], max_tokens: int, num_drafts: int, drafter, rep
                           prefill_chunk_tokens=len(prompt) + 8, num_drafts=num_drafts, drafter=kind)
     best, tokens, stats = float("inf"), None, None
     for _ in range(repeats):
-        engine = Engine.from_loaded(model, model="atlas-tiny", config=config,
+        engine = build_engine("atlas-tiny", "cpu", config, loaded=model,
                                     **({} if isinstance(drafter, str) else {"drafter": drafter}))
         t0 = time.perf_counter()
         (r,) = generate(engine, [prompt], SamplingParams(max_tokens=max_tokens, ignore_eos=True))
@@ -48,9 +47,14 @@ def main() -> None:
     ap.add_argument("--num-drafts", type=int, default=3)
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--threads", type=int, default=None, help="default: OMP_NUM_THREADS, else 1 (atlas/threads.py)")
+    ap.add_argument("--smoke", action="store_true", help="8 new tokens, one repeat: seconds, for CI")
     args = ap.parse_args()
-    torch.set_num_threads(args.threads)
+    if args.smoke:
+        args.max_tokens, args.repeats = 8, 1
+    from atlas.threads import apply_threads
+
+    args.threads = apply_threads(args.threads)
 
     import structlog
 
@@ -64,7 +68,7 @@ def main() -> None:
     print(f"{'prompt':<11} {'drafter':<8} {'verifies':>8} {'tok/verify':>10} {'p1':>6} {'p_uncond by pos':<22} "
           f"{'off s':>7} {'on s':>7} {'speed-up':>8}")
     for name, text in (("repetitive", REPETITIVE), ("natural", NATURAL)):
-        prompt = model.tokenizer.encode(text)
+        prompt = model.tokenizer.encode(text)[: 40 if args.smoke else None]  # smoke: the prefill is token by token
         off_s, reference, _ = run(model, prompt, args.max_tokens, 0, "ngram", args.repeats)
 
         def oracle(req, reference=reference):  # the reference's next tokens: every draft is right

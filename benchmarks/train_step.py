@@ -61,7 +61,10 @@ def main() -> None:
     p.add_argument("--launch-us", type=float, default=12.0, help="host time per eager op on the GPU machine")
     p.add_argument("--bandwidth", type=float, default=2.0e12, help="bytes/s the small ops reach (of 4.1e12)")
     p.add_argument("--matmul-rate", type=float, default=1.0e14, help="FLOP/s for these small bf16 matmuls")
+    p.add_argument("--smoke", action="store_true", help="the tiny preset, batch 4 x 64, one timed step")
     args = p.parse_args()
+    if args.smoke:
+        args.preset, args.batch, args.seq_len, args.steps = "tiny", 4, 64, 1
     torch.set_num_threads(args.threads)
 
     import indexer_loss

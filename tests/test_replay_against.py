@@ -45,7 +45,7 @@ def test_a_clean_run_passes_with_no_divergence(tmp_path: Path) -> None:
     report = against(tmp_path / "clean.db")
     assert report.outcome == PASSES and report.divergence is None
     assert report.events_replayed == report.events_expected
-    assert "no divergence" in report.describe()
+    assert "identical: " in report.describe()
 
 
 def test_an_edited_token_is_the_first_divergence_with_its_field(tmp_path: Path) -> None:

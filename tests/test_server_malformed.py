@@ -77,7 +77,7 @@ CORPUS: list[tuple[str, bytes, int, str | None]] = [
     (COMPLETIONS, _j({"prompt": "x", "stop": [""]}), 400, "stop.0"),
     (COMPLETIONS, _j({"prompt": [-1]}), 400, "prompt.0"),
     (COMPLETIONS, _j({"prompt": [10**6]}), 400, "prompt"),  # outside the vocabulary
-    (COMPLETIONS, _j({"prompt": ["a", "b"]}), 400, None),
+    (COMPLETIONS, _j({"prompt": ["a"] * 129}), 400, None),  # more prompts than one request may carry
     (CHAT, _j({"messages": USER, "top_logprobs": 2}), 400, None),
     (CHAT, _j({"messages": USER, "logprobs": True, "top_logprobs": 21}), 400, "top_logprobs"),
     (CHAT, _j({"messages": USER, "max_completion_tokens": -5}), 400, "max_completion_tokens"),

@@ -38,11 +38,14 @@ def test_chat_max_completion_tokens_wins_and_logprobs_are_opt_in() -> None:
 
 
 def test_prompt_shapes() -> None:
-    assert parse_body(CompletionRequest, {"prompt": [1, 2]}).single_prompt() == [1, 2]
-    assert parse_body(CompletionRequest, {"prompt": ["one"]}).single_prompt() == "one"
-    assert parse_body(CompletionRequest, {"prompt": [[3, 4]]}).single_prompt() == [3, 4]
-    with pytest.raises(APIError, match="exactly one prompt"):
-        parse_body(CompletionRequest, {"prompt": [[3], [4]]})
+    assert parse_body(CompletionRequest, {"prompt": [1, 2]}).prompts() == [[1, 2]]
+    assert parse_body(CompletionRequest, {"prompt": ["one"]}).prompts() == ["one"]
+    assert parse_body(CompletionRequest, {"prompt": [[3, 4]]}).prompts() == [[3, 4]]
+    assert parse_body(CompletionRequest, {"prompt": [[3], [4]]}).prompts() == [[3], [4]]  # one choice each
+    with pytest.raises(APIError, match="at most 128 prompts"):
+        parse_body(CompletionRequest, {"prompt": ["a"] * 129})
+    with pytest.raises(APIError, match="stream with 2 prompts"):
+        parse_body(CompletionRequest, {"prompt": ["a", "b"], "stream": True})
 
 
 def test_content_parts_are_joined() -> None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Generator, Sequence
 from typing import Any, Literal, TypeVar
 
+import attrs
 import structlog
 
 from atlas.backends.base import Backend, Capabilities
@@ -91,10 +92,17 @@ class Engine:
     # ------------------------------------------------------------------------------------------ inputs
 
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams, *,
-                    stream: bool = False) -> None:
+                    stream: bool = False, prompt_logprobs: int | None = None) -> None:
         """Admit a request. `stream`: its tokens are handed out as they are sampled (a rollback past them then
-        declines); otherwise they are held back and come in one RequestOutput when the request ends."""
+        declines); otherwise they are held back and come in one RequestOutput when the request ends.
+        `prompt_logprobs`: None off; N the logprob of every prompt token and its N best alternatives (0: none),
+        in the request's first output (RequestOutput.prompt_logprobs); recorded with the params."""
         self._check_alive()
+        if prompt_logprobs is not None:
+            if not self.backend.capabilities.prompt_logprobs:
+                raise AdmissionError(f"prompt_logprobs: backend {self.backend.name!r} does not compute them",
+                                     param="prompt_logprobs")
+            params = attrs.evolve(params, prompt_logprobs=prompt_logprobs)
         prompt = [int(t) for t in prompt_token_ids]
         cap = self.capacities.max_seq_len
         if not prompt:

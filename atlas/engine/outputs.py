@@ -23,3 +23,6 @@ class RequestOutput:
     # text since the last output: never a partial UTF-8 character, never a prefix of a stop string that
     # could still complete; on a stop string the text ends before it
     new_text: str = ""
+    # with the request's first output when it asked for them: one (logprob, top alternatives) per prompt
+    # position, position 0's logprob None (nothing precedes it)
+    prompt_logprobs: tuple[tuple[float | None, tuple[tuple[int, float], ...]], ...] | None = None

@@ -76,9 +76,10 @@ def plan_step(state: ControlState, lanes: Lanes) -> StepPlan:
         start, end = c.computed, c.computed + n
         sample = end == len(c.tokens)
         propose = lanes.spec.proposes(seq) if lanes.spec is not None and sample else 0
+        scored = seq.params.prompt_logprobs if start < c.prompt_len else None  # prompt positions only
         work.append(SeqWork(seq_id, tuple(c.tokens[start:end]), start, tuple(seq.blocks), sample, seq.params,
                             banned=seq.banned.get(end, ()) if sample else (), drafts=verify,
-                            drafter_first_key=seq.drafter.first_key, propose=propose))
+                            drafter_first_key=seq.drafter.first_key, propose=propose, prompt_logprobs=scored))
     snapshots = plan_snapshots(seqs, planned.seqs, planned.fed, state.caps.snapshot_interval)
     o = state.inflight_orders
     return StepPlan(planned.step, tuple(work), planned.release, planned.reset,

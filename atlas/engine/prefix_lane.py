@@ -79,6 +79,8 @@ class PrefixLane:
         # every step); a miss leaves the sequence to the scheduler's cold admission
         for seq_id in state.waiting[:max(0, slots)]:
             seq = state.seqs[seq_id]
+            if seq.params.prompt_logprobs is not None:  # every prompt position must be fed to be scored
+                continue
             tokens = seq.cursor.tokens
             hit = cache.lookup(tokens)
             if hit is None:

@@ -50,6 +50,8 @@ class RequestBook:
         self.held: dict[int, _Held] = {}
         self.pending: list[RequestOutput] = []  # outputs made between steps (cancels), handed out by the next
         self.counts = RequestCounts()
+        # prompt logprobs by sequence (position -> (logprob, top)) until the request's first output carries them
+        self.prompt_lp: dict[int, dict[int, tuple[float | None, tuple[tuple[int, float], ...]]]] = {}
 
     def admit(self, seq_id: int, params: SamplingParams, max_new: int, prompt_len: int, stream: bool) -> None:
         if not stream:
@@ -60,6 +62,14 @@ class RequestBook:
     def forget(self, seq_id: int) -> None:
         self.stops.pop(seq_id, None)
         self.held.pop(seq_id, None)
+        self.prompt_lp.pop(seq_id, None)
+
+    def _take_prompt_logprobs(self, seq_id: int, prompt_len: int
+                              ) -> tuple[tuple[float | None, tuple[tuple[int, float], ...]], ...] | None:
+        got = self.prompt_lp.pop(seq_id, None)
+        if got is None:
+            return None
+        return tuple(got.get(pos, (None, ())) for pos in range(prompt_len))
 
     def take_pending(self) -> list[RequestOutput]:
         out, self.pending = self.pending, []
@@ -78,6 +88,8 @@ class RequestBook:
     def settle(self, state: ControlState, plan: StepPlan, ordered: tuple[SeqOutcome, ...], refused: dict[int, str],
                lanes: Lanes, out: list[RequestOutput]) -> Iterator[Event]:
         for w, o in zip(plan.work, ordered, strict=True):
+            if o.prompt_logprobs:
+                self.prompt_lp.setdefault(w.seq_id, {}).update((pos, (lp, top)) for pos, lp, top in o.prompt_logprobs)
             if w.seq_id in refused:
                 yield from self.finish_error(state, w.seq_id, refused[w.seq_id], out)
                 continue
@@ -120,6 +132,7 @@ class RequestBook:
                 return
             ended = watched
         request_id, prompt_len = seq.request_id, seq.cursor.prompt_len
+        scored = self._take_prompt_logprobs(seq.seq_id, prompt_len) if held is None or ended is not None else None
         if ended is not None:
             if lanes.prefix is not None:
                 yield from lanes.prefix.on_finish(state, seq, ended[0], step)
@@ -135,6 +148,7 @@ class RequestBook:
                 finish_detail=None if ended is None else ended[1], prompt_tokens=prompt_len,
                 completion_tokens=stop.count,
                 new_text=stop.take_text(ended is not None) if self.tokenizer is not None else "",
+                prompt_logprobs=scored,
             ))
 
     # ----------------------------------------------------------------------------------------- rollback

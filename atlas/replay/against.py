@@ -126,7 +126,7 @@ class AgainstReport:
         lines = [f"replayed {self.events_replayed} events against the current code "
                  f"(trace: {self.events_expected})"]
         lines.append(describe_divergence(self.divergence) if self.divergence else
-                     "no divergence: every event and digest matches")
+                     f"identical: {self.events_replayed} events replayed, every payload and digest matches")
         lines.append(f"recorded: {self.recorded.describe() if self.recorded else 'no failure'}")
         lines.append(f"today:    {self.actual.describe() if self.actual else 'no failure'}")
         lines.append(f"outcome: {self.outcome}")
@@ -164,23 +164,25 @@ def recorded_drafts(run: RunRecord, recorded: list[EventRecord]) -> dict[tuple[i
 
 
 def replay_rows(run: RunRecord, recorded: list[EventRecord], *, build: Callable[..., Engine] = engine_for_run,
-                **engine_kwargs: Any) -> tuple[list[tuple[int, int, Any, str]], str]:
+                progress: Callable[[int, int], None] | None = None, **engine_kwargs: Any
+                ) -> tuple[list[tuple[int, int, Any, str]], str]:
     """Re-drive the recorded inputs through a fresh engine; returns its events and how the replay ended."""
     if run.config.get("drafter") == "scripted" and run.config.get("num_drafts"):
         engine_kwargs.setdefault("drafter", RecordedDrafter(recorded_drafts(run, recorded)))
     sink = RecordingSink()
     engine = build(run, sink, **engine_kwargs)
     try:
-        note = redrive(engine, recorded, to_end=True)
+        note = redrive(engine, recorded, progress, to_end=True)
     finally:
         engine.close()
     return sink.rows, note
 
 
 def against(path_or_url: str | Path, run_id: int | None = None, *, build: Callable[..., Engine] = engine_for_run,
-            **engine_kwargs: Any) -> AgainstReport:
+            progress: Callable[[int, int], None] | None = None, **engine_kwargs: Any) -> AgainstReport:
+    """`progress(events_replayed, events_in_trace)` is called after every replayed step."""
     run, recorded = read_run(path_or_url, run_id)
-    rows, note = replay_rows(run, recorded, build=build, **engine_kwargs)
+    rows, note = replay_rows(run, recorded, build=build, progress=progress, **engine_kwargs)
     return AgainstReport(run, len(recorded), len(rows), compare(recorded, rows, digests=run.digests_comparable),
                          recorded_failure(recorded),
                          actual_failure(rows), note)

@@ -109,6 +109,10 @@ def summarize(path_or_url: str | Path, run_id: int | None = None) -> TraceSummar
         reader.close()
     speculation = None
     if accept.verify_steps or latched:
-        speculation = {**accept.summary(), "latched_off": latched}
+        # by position as vLLM counts it: accepted in the committed chain / drafted at that position (the
+        # unconditional row verdicts score rows after a rejection too, against a context the chain never kept)
+        chain = [round(a / n, 4) if n else 0.0 for a, n in zip(accept.conditional, accept.scored, strict=True)]
+        speculation = {**accept.summary(), "latched_off": latched, "scored": list(accept.scored),
+                       "accepted_by_position": list(accept.conditional), "p_by_position": chain}
     return TraceSummary(run, n, steps, dict(sorted(counts.items())), list(by_seq.values()), faults, speculation,
                         dict(prefix) if prefix else None)

@@ -85,6 +85,11 @@ def _drive_input(engine: Engine, rec: EventRecord) -> None:
         raise ValueError(f"not an input event: {rec.kind}")
 
 
+def _requests_in_flight(engine: Engine) -> bool:
+    """A request still waiting, running or with an output not yet taken (not mere releases)."""
+    return bool(engine.state.seqs or engine.book.pending)
+
+
 def redrive(engine: Engine, recorded: list[EventRecord], progress: Progress | None = None, *,
             to_end: bool = False, max_steps: int = 100_000) -> str:
     """Feed the recorded inputs to `engine` where they happened and step it until the run's end (`to_end`:
@@ -102,7 +107,10 @@ def redrive(engine: Engine, recorded: list[EventRecord], progress: Progress | No
             while i < len(inputs) and inputs[i].index <= produced():
                 _drive_input(engine, inputs[i])
                 i += 1
-            if i == len(inputs) and (not engine.has_unfinished() or produced() >= len(recorded) and not to_end):
+            if i == len(inputs) and (not engine.has_unfinished() or produced() >= len(recorded)
+                                     and (not to_end or not _requests_in_flight(engine))):
+                # past the trace's end with every request done, only housekeeping is left (the release step
+                # of a finished sequence, which a run that stopped once its requests ended never took)
                 return "ended"
             if produced() > len(recorded) and not to_end:
                 return "the replay ran past the trace's end"

@@ -9,7 +9,7 @@ DEFAULT_SEED = 0
 
 # fields added after traces were first recorded: to_json leaves them out at their defaults, so an old
 # trace's request payload replays byte for byte (the replay compares every event payload)
-_LATER_FIELDS = {"min_p": 0.0, "repetition_penalty": 1.0, "min_tokens": 0}
+_LATER_FIELDS = {"min_p": 0.0, "repetition_penalty": 1.0, "min_tokens": 0, "prompt_logprobs": None}
 
 
 def _check_temperature(_inst: object, _attr: attrs.Attribute, value: float) -> None:
@@ -78,6 +78,9 @@ class SamplingParams:
     repetition_penalty: float = attrs.field(default=1.0, validator=_check_repetition_penalty)
     # no stop (EOS, stop tokens, stop strings) before this many output tokens
     min_tokens: int = attrs.field(default=0, validator=_check_min_tokens)
+    # prompt-token logprobs (Engine.add_request(prompt_logprobs=N)): None off, N top alternatives (0: the actual
+    # token's only); recorded with the params, so a replay computes them again by the same exact forward
+    prompt_logprobs: int | None = attrs.field(default=None, validator=attrs.validators.optional(_check_logprobs))
 
     @property
     def greedy(self) -> bool:

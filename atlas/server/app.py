@@ -56,6 +56,31 @@ async def read_json(request: Request) -> Any:
         raise bad_request("the request body is not valid JSON", code="invalid_json") from None
 
 
+def _special_text(tokenizer: Any, token_id: int | None) -> str | None:
+    if token_id is None:
+        return None
+    try:
+        return tokenizer.decode([int(token_id)], skip_special_tokens=False) or None
+    except Exception:  # a tokenizer that cannot name the id: report nothing rather than a guess
+        return None
+
+
+def tokenizer_card(ctx: ServingContext) -> dict[str, Any]:
+    tok = ctx.tokenizer
+    eos_ids = list(getattr(tok, "eos_token_ids", ()) or ())
+    template = ctx.chat_template
+    return {
+        "tokenizer_class": type(tok).__name__,
+        "eos_token": template.eos_token or _special_text(tok, eos_ids[0] if eos_ids else None),
+        "eos_token_ids": eos_ids,
+        "bos_token": template.bos_token or None,
+        "pad_token": None,
+        "chat_template": template.source,
+        "model_max_length": ctx.max_seq_len,
+        "vocab_size": ctx.vocab_size,
+    }
+
+
 def create_app(
     engine_loop: EngineLoop,
     *,
@@ -148,6 +173,12 @@ def create_app(
         else:
             tokens = ctx.encode(body.prompt or "", param="prompt")
         return {"count": len(tokens), "max_model_len": ctx.max_seq_len, "tokens": tokens}
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info() -> dict[str, Any]:
+        # what lm-evaluation-harness's remote tokenizer reads (as vLLM serves it): special tokens as text and
+        # the chat template; /tokenize and /detokenize do the rest
+        return tokenizer_card(ctx)
 
     @app.post("/detokenize")
     async def detokenize(request: Request) -> dict[str, Any]:

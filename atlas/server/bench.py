@@ -14,6 +14,7 @@ import math
 import random
 import statistics
 import time
+from collections.abc import Callable
 from typing import Any
 
 import attrs
@@ -97,7 +98,8 @@ async def _one_request(client: httpx.AsyncClient, cfg: BenchConfig, prompt: list
     return record
 
 
-async def run_bench(cfg: BenchConfig) -> dict[str, Any]:
+async def run_bench(cfg: BenchConfig, progress: Callable[[int, int], None] | None = None) -> dict[str, Any]:
+    """`progress(done, total)` is called as each request ends."""
     prompts = random_prompts(cfg.num_prompts, cfg.input_len, cfg.seed)
     rng = random.Random(cfg.seed + 1)
     limit = asyncio.Semaphore(cfg.max_concurrency or cfg.num_prompts)
@@ -106,9 +108,16 @@ async def run_bench(cfg: BenchConfig) -> dict[str, Any]:
     async with httpx.AsyncClient(base_url=cfg.base_url, headers=headers, timeout=cfg.timeout_s,
                                  limits=pool) as client:
 
+        done = 0
+
         async def limited(prompt: list[int]) -> RequestRecord:
+            nonlocal done
             async with limit:
-                return await _one_request(client, cfg, prompt)
+                record = await _one_request(client, cfg, prompt)
+            done += 1
+            if progress is not None:
+                progress(done, cfg.num_prompts)
+            return record
 
         tasks = []
         start = time.perf_counter()
@@ -177,12 +186,14 @@ def format_report(result: dict[str, Any], cfg: BenchConfig) -> str:
     return "\n".join(lines)
 
 
-def bench_serve(cfg: BenchConfig, *, launch: dict[str, Any] | None = None) -> dict[str, Any]:
+def bench_serve(cfg: BenchConfig, *, launch: dict[str, Any] | None = None,
+                progress: Callable[[int, int], None] | None = None, threads: int | None = None) -> dict[str, Any]:
     """Run the benchmark; with `launch` (engine_for_serving's arguments), against an in-process server."""
     if launch is None:
-        return asyncio.run(run_bench(cfg))
+        return asyncio.run(run_bench(cfg, progress))
     from atlas.server.serve import engine_for_serving, serve_in_thread, set_engine_threads
 
-    set_engine_threads()  # the engine shares this process with the server and the load generator
+    set_engine_threads(threads)  # the engine shares this process with the server and the load generator
+
     with serve_in_thread(engine_for_serving(**launch), api_key=cfg.api_key) as served:
-        return asyncio.run(run_bench(attrs.evolve(cfg, base_url=served.url)))
+        return asyncio.run(run_bench(attrs.evolve(cfg, base_url=served.url), progress))

@@ -49,6 +49,7 @@ class _Arrival:
     arrived_at: float
     inject_fault: FaultKind | None = None
     stream: bool = False  # tokens handed out as sampled (SSE); otherwise held back until the request ends
+    prompt_logprobs: int | None = None  # Engine.add_request's: prompt-token logprobs in the first output
 
 
 @attrs.frozen
@@ -212,6 +213,7 @@ class EngineLoop:
         *,
         inject_fault: FaultKind | None = None,
         stream: bool = False,
+        prompt_logprobs: int | None = None,
     ) -> RequestStream:
         """Admit a request. Raises AdmissionError, QueueFull, EngineDead or EngineStopped before anything
         is streamed."""
@@ -220,7 +222,7 @@ class EngineLoop:
         outputs: asyncio.Queue[Any] = asyncio.Queue()
         arrival = _Arrival(
             request_id, tuple(prompt_token_ids), params, loop, admitted, outputs, time.perf_counter(), inject_fault,
-            stream,
+            stream, prompt_logprobs,
         )
         with self._lock:
             if self._dead is not None:
@@ -298,8 +300,9 @@ class EngineLoop:
 
     def _admit(self, arrival: _Arrival) -> None:
         try:
+            extra = {} if arrival.prompt_logprobs is None else {"prompt_logprobs": arrival.prompt_logprobs}
             self.engine.add_request(arrival.request_id, arrival.prompt_token_ids, arrival.params,
-                                    stream=arrival.stream)
+                                    stream=arrival.stream, **extra)
         except EngineDead as exc:
             arrival.loop.call_soon_threadsafe(_settle, arrival.admitted, exc)
             raise

@@ -22,6 +22,7 @@ from atlas.engine.outputs import FinishReason, RequestOutput
 from atlas.errors import AdmissionError, EngineDead, QueueFull
 from atlas.sampling.params import SamplingParams
 from atlas.server.chat import ChatTemplate
+from atlas.server.echo import echoed_logprobs, vllm_prompt_logprobs
 from atlas.server.engine_loop import EngineLoop, EngineStopped, FaultKind, RequestStream
 from atlas.server.errors import APIError, bad_request, engine_dead, engine_error, shutting_down
 from atlas.server.logprobs import chat_logprobs, completion_logprobs
@@ -71,14 +72,16 @@ class ServingContext:
 
 
 async def _submit(ctx: ServingContext, request: Request, request_id: str, prompt: list[int],
-                  params: SamplingParams, *, stream: bool = False) -> RequestStream:
+                  params: SamplingParams, *, stream: bool = False, prompt_logprobs: int | None = None
+                  ) -> RequestStream:
     if not prompt:
         raise bad_request("prompt: is empty; give at least one token", param="prompt", code="empty_prompt")
     fault: FaultKind | None = None
     if ctx.fault_injection and request.headers.get(FAULT_HEADER) in ("step_error", "fatal"):
         fault = request.headers[FAULT_HEADER]  # type: ignore[assignment]
+    extra = {} if prompt_logprobs is None else {"prompt_logprobs": prompt_logprobs}
     try:
-        return await ctx.engine_loop.submit(request_id, prompt, params, inject_fault=fault, stream=stream)
+        return await ctx.engine_loop.submit(request_id, prompt, params, inject_fault=fault, stream=stream, **extra)
     except AdmissionError as exc:
         raise bad_request(str(exc), param=exc.param, code="admission_refused") from None
     except QueueFull as exc:
@@ -100,9 +103,16 @@ class _Generation:
         self.prompt_tokens = 0
         self.completion_tokens = 0
         self.finish: RequestOutput | None = None
+        self.prompt_logprobs: Any = None  # with the first output, when the request asked for them
+        # a whole (non-streamed) answer's tokens, logprobs and alternatives
+        self.token_ids: list[int] = []
+        self.token_logprobs: list[float] = []
+        self.tops: list[Any] = []
 
     def absorb(self, out: RequestOutput) -> str:
         """Take one output; returns its new text."""
+        if out.prompt_logprobs is not None:
+            self.prompt_logprobs = out.prompt_logprobs
         self.prompt_tokens = out.prompt_tokens or self.prompt_tokens
         self.completion_tokens = max(self.completion_tokens, out.completion_tokens)
         if out.finished:
@@ -138,30 +148,30 @@ async def _until_disconnect(request: Request) -> None:
         pass
 
 
-async def _respond_whole(ctx: ServingContext, request: Request, stream: RequestStream, gen: _Generation,
-                         kind: Kind, request_id: str) -> Response:
-    token_ids: list[int] = []
-    logprobs: list[float] = []
-    tops: list[Any] = []
+async def _respond_whole(ctx: ServingContext, request: Request, streams: list[RequestStream], gens: list[_Generation],
+                         kind: Kind, request_id: str, body: CompletionRequest | ChatCompletionRequest,
+                         prompts: list[list[int]]) -> Response:
+    """One JSON answer for every prompt of the request (one choice each, `index` in prompt order)."""
 
-    async def consume() -> None:
+    async def consume(stream: RequestStream, gen: _Generation) -> None:
         async for batch in stream.batches():
             for out in batch:
                 gen.absorb(out)
-                token_ids.extend(out.new_token_ids)
-                logprobs.extend(out.new_logprobs)
-                tops.extend(out.new_top_logprobs)
+                gen.token_ids.extend(out.new_token_ids)
+                gen.token_logprobs.extend(out.new_logprobs)
+                gen.tops.extend(out.new_top_logprobs)
 
-    consumer = asyncio.ensure_future(consume())
+    consumer = asyncio.ensure_future(asyncio.gather(*(consume(st, g) for st, g in zip(streams, gens, strict=True))))
     watcher = asyncio.ensure_future(_until_disconnect(request))
     try:
         await asyncio.wait({consumer, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    finally:  # also when this handler is itself cancelled (a shutdown): the request must not run on
+    finally:  # also when this handler is itself cancelled (a shutdown): the requests must not run on
         watcher.cancel()
         client_left = not consumer.done()
         if client_left:
             consumer.cancel()
-            stream.cancel()
+            for st in streams:
+                st.cancel()
     if client_left:  # nobody will read an answer
         return Response(status_code=499)
     try:
@@ -170,21 +180,38 @@ async def _respond_whole(ctx: ServingContext, request: Request, stream: RequestS
         raise engine_dead(str(exc)) from None
     except EngineStopped:
         raise shutting_down() from None
-    failure = gen.failure()
-    if failure is not None:
-        raise failure
+    for gen in gens:
+        failure = gen.failure()
+        if failure is not None:
+            raise failure
+    choices = [_whole_choice(ctx, gen, kind, body, prompt, index)
+               for index, (gen, prompt) in enumerate(zip(gens, prompts, strict=True))]
+    usage = {key: sum(g.usage()[key] for g in gens) for key in ("prompt_tokens", "completion_tokens", "total_tokens")}
+    out = {"id": request_id, "object": "chat.completion" if kind == "chat" else "text_completion",
+           "created": int(time.time()), "model": ctx.model_name, "choices": choices, "usage": usage}
+    return JSONResponse(out, headers={"x-request-id": request_id})
+
+
+def _whole_choice(ctx: ServingContext, gen: _Generation, kind: Kind, body: CompletionRequest | ChatCompletionRequest,
+                  prompt: list[int], index: int) -> dict[str, Any]:
     assert gen.finish is not None and gen.finish.finish_reason is not None
+    logprobs = gen.logprobs(kind, gen.token_ids, gen.token_logprobs, gen.tops, 0)
+    text = gen.text
+    if isinstance(body, CompletionRequest) and body.echo:
+        text = ctx.decode(prompt) + text
+        if body.logprobs is not None:
+            logprobs = echoed_logprobs(ctx.decode, prompt, gen.prompt_logprobs, logprobs, body.logprobs)
     # finish_detail (an extension, like vLLM's stop_reason): why it stopped, e.g. a declined loop rollback
-    choice: dict[str, Any] = {"index": 0, "logprobs": gen.logprobs(kind, token_ids, logprobs, tops, 0),
-                              "finish_reason": gen.finish.finish_reason.value,
+    choice: dict[str, Any] = {"index": index, "logprobs": logprobs, "finish_reason": gen.finish.finish_reason.value,
                               "finish_detail": gen.finish.finish_detail}
     if kind == "chat":
-        choice["message"] = {"role": "assistant", "content": gen.text}
+        choice["message"] = {"role": "assistant", "content": text}
     else:
-        choice["text"] = gen.text
-    body = {"id": request_id, "object": "chat.completion" if kind == "chat" else "text_completion",
-            "created": int(time.time()), "model": ctx.model_name, "choices": [choice], "usage": gen.usage()}
-    return JSONResponse(body, headers={"x-request-id": request_id})
+        choice["text"] = text
+    if isinstance(body, CompletionRequest) and body.prompt_logprobs is not None:
+        choice["prompt_logprobs"] = vllm_prompt_logprobs(ctx.decode, prompt, gen.prompt_logprobs or (),
+                                                         body.prompt_logprobs)
+    return choice
 
 
 def _sse(payload: dict[str, Any]) -> bytes:
@@ -263,14 +290,27 @@ class _EventStream(StreamingResponse):
 
 
 async def _run(ctx: ServingContext, request: Request, kind: Kind, body: CompletionRequest | ChatCompletionRequest,
-               prompt: list[int]) -> Response:
+               prompts: list[list[int]]) -> Response:
     params = body.sampling_params()
     request_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
-    # SSE requests get their tokens as sampled; the others are held back whole (a rollback can rewind them)
-    stream = await _submit(ctx, request, request_id, prompt, params, stream=bool(body.stream))
-    gen = _Generation(ctx, params, request_id)
+    prompt_lp = body.engine_prompt_logprobs() if isinstance(body, CompletionRequest) else None
+    streams: list[RequestStream] = []
+    try:
+        for i, prompt in enumerate(prompts):
+            # every prompt is its own engine request (its own seed draw when the body gives none)
+            sub_id = request_id if len(prompts) == 1 else f"{request_id}-{i}"
+            sub_params = params if i == 0 or body.seed is not None else body.sampling_params()
+            # SSE requests get their tokens as sampled; the others are held back whole (a rollback can rewind)
+            streams.append(await _submit(ctx, request, sub_id, prompt, sub_params, stream=bool(body.stream),
+                                         prompt_logprobs=prompt_lp))
+    except BaseException:
+        for st in streams:  # admitted ones must not run for nobody
+            st.cancel()
+        raise
+    gens = [_Generation(ctx, params, request_id) for _ in prompts]
     if not body.stream:
-        return await _respond_whole(ctx, request, stream, gen, kind, request_id)
+        return await _respond_whole(ctx, request, streams, gens, kind, request_id, body, prompts)
+    (stream,), (gen,) = streams, gens
     events = _stream_events(ctx, stream, gen, kind, request_id, body.include_usage)
     return _EventStream(events, stream, media_type="text/event-stream",
                         headers={"cache-control": "no-cache", "x-request-id": request_id})
@@ -278,16 +318,22 @@ async def _run(ctx: ServingContext, request: Request, kind: Kind, body: Completi
 
 async def create_completion(ctx: ServingContext, request: Request, body: CompletionRequest) -> Response:
     ctx.check_model(body.model)
-    prompt = body.single_prompt()
-    if isinstance(prompt, str):
-        token_ids = ctx.encode(prompt, param="prompt")
-    else:
-        token_ids = list(prompt)
-        ctx.check_token_ids(token_ids, param="prompt")
-    return await _run(ctx, request, "completion", body, token_ids)
+    if body.stream and (body.echo or body.prompt_logprobs is not None):
+        raise bad_request("echo and prompt_logprobs are not supported with stream; send stream: false",
+                          param="echo" if body.echo else "prompt_logprobs")
+    token_lists = []
+    for i, prompt in enumerate(body.prompts()):
+        param = "prompt" if len(body.prompts()) == 1 else f"prompt.{i}"
+        if isinstance(prompt, str):
+            token_lists.append(ctx.encode(prompt, param=param))
+        else:
+            token_ids = list(prompt)
+            ctx.check_token_ids(token_ids, param=param)
+            token_lists.append(token_ids)
+    return await _run(ctx, request, "completion", body, token_lists)
 
 
 async def create_chat_completion(ctx: ServingContext, request: Request, body: ChatCompletionRequest) -> Response:
     ctx.check_model(body.model)
     text = ctx.render_chat(body.messages, body.add_generation_prompt)
-    return await _run(ctx, request, "chat", body, ctx.encode(text, param="messages"))
+    return await _run(ctx, request, "chat", body, [ctx.encode(text, param="messages")])

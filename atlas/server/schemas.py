@@ -18,6 +18,7 @@ from atlas.server.errors import APIError, bad_request
 MAX_INT32 = 2**31 - 1
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
+MAX_PROMPTS = 128  # prompts in one completions request (lm-eval's --batch_size sends that many); each is a request
 
 StopField = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]
 TokenId = Annotated[int, Field(ge=0, le=MAX_INT32)]
@@ -99,32 +100,43 @@ class _SamplingFields(_Strict):
 
 
 class CompletionRequest(_SamplingFields):
-    # a string, token ids, or a batch of exactly one of either
+    # a string, token ids, or a list of either (one choice per prompt, `index` in order)
     prompt: str | list[TokenId] | list[str] | list[list[TokenId]]
     logprobs: int | None = Field(default=None, ge=0, le=20)
+    # echo: the prompt comes back before the completion, with its tokens' logprobs when `logprobs` is set
+    # (what lm-evaluation-harness scores loglikelihood and multiple-choice tasks with)
     echo: bool = False
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=20)  # vLLM's extension: per-position top-N
     best_of: int | None = Field(default=None, ge=1, le=1)
     suffix: str | None = None
 
     @model_validator(mode="after")
-    def _one_prompt(self) -> CompletionRequest:
-        if self.echo:
-            raise ValueError("echo is not supported")
+    def _prompts(self) -> CompletionRequest:
         if self.suffix:
             raise ValueError("suffix is not supported")
         p = self.prompt
-        if isinstance(p, list) and p and isinstance(p[0], str | list) and len(p) != 1:
-            raise ValueError(f"exactly one prompt per request is supported, got {len(p)}")
+        if isinstance(p, list) and p and isinstance(p[0], str | list):
+            if len(p) > MAX_PROMPTS:
+                raise ValueError(f"at most {MAX_PROMPTS} prompts per request, got {len(p)}")
+            if self.stream and len(p) > 1:
+                raise ValueError(f"stream with {len(p)} prompts is not supported; send one prompt per streamed "
+                                 "request")
         return self
 
-    def single_prompt(self) -> str | list[int]:
+    def prompts(self) -> list[str | list[int]]:
         p = self.prompt
         if isinstance(p, list) and p and isinstance(p[0], str | list):
-            return p[0]  # type: ignore[return-value]
-        return p  # type: ignore[return-value]
+            return list(p)  # type: ignore[arg-type]
+        return [p]  # type: ignore[list-item]
 
     def top_logprobs_count(self) -> int | None:
         return self.logprobs
+
+    def engine_prompt_logprobs(self) -> int | None:
+        """What the engine must compute for the prompt: echo with logprobs needs the prompt tokens' logprobs
+        (and `logprobs` alternatives), prompt_logprobs its own count; the larger of the two."""
+        wanted = [n for n in (self.logprobs if self.echo else None, self.prompt_logprobs) if n is not None]
+        return max(wanted) if wanted else None
 
 
 class TextPart(_Strict):
@@ -153,11 +165,16 @@ class ChatCompletionRequest(_SamplingFields):
     add_generation_prompt: bool = True  # vLLM extension
     tools: list[Any] | None = None
     response_format: dict[str, Any] | None = None
+    # declared only to be refused: a field a client relies on is never silently ignored
+    echo: bool = False
+    prompt_logprobs: int | None = None
 
     @model_validator(mode="after")
     def _chat_rules(self) -> ChatCompletionRequest:
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs to be true")
+        if self.echo or self.prompt_logprobs is not None:
+            raise ValueError("echo and prompt_logprobs are supported on /v1/completions only")
         if self.tools:
             raise ValueError("tools are not supported")
         if self.response_format and self.response_format.get("type", "text") != "text":

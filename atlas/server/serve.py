@@ -44,19 +44,15 @@ def _uvicorn_config(app: Any, host: str, port: int, log_level: str) -> uvicorn.C
 
 
 def set_engine_threads(threads: int | None = None) -> int:
-    """Size torch's intra-op pool for the engine, leaving a core to the HTTP thread by default.
-
-    Measured on a shared 2-core machine (atlas-tiny, bench serve 16 prompts of 128 -> 64 tokens, 4
-    concurrent, 4 interleaved rounds): 1 thread gave 68/109/108/89 output tok/s against 57/74/73/79
-    with torch's default 2, whose workers spin against the event loop and the engine thread.
+    """Size torch's intra-op pool for the engine by the one policy of atlas/threads.py (explicit, else
+    OMP_NUM_THREADS, else 1). Measured for serving on a shared 2-core machine (atlas-tiny, bench serve 16
+    prompts of 128 -> 64 tokens, 4 concurrent, 4 interleaved rounds): 1 thread gave 68/109/108/89 output
+    tok/s against 57/74/73/79 with torch's default 2, whose workers spin against the event loop and the
+    engine thread.
     """
-    import torch
+    from atlas.threads import apply_threads
 
-    if threads is None:
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-        threads = max(1, cores - 1)
-    torch.set_num_threads(threads)
-    return threads
+    return apply_threads(threads)
 
 
 def engine_for_serving(
@@ -170,6 +166,7 @@ def serve(
     enable_fault_injection: bool = False,
     log_level: str = "info",
     prefix_caching: bool | None = None,
+    served_model_name: str | None = None,
 ) -> int:
     """Serve until stopped. Returns the process exit status: 0, EXIT_BAD_CONFIG when the engine cannot be
     built (the reason is logged), or EXIT_ENGINE_DEAD after a fatal fault."""
@@ -184,7 +181,7 @@ def serve(
     engine_loop = EngineLoop(engine).start()
     template = load_chat_template(model_dir(model) if model else None)  # "atlas-mini" -> models/atlas-mini
     app = create_app(engine_loop, chat_template=template, api_key=api_key,
-                     enable_fault_injection=enable_fault_injection)
+                     enable_fault_injection=enable_fault_injection, model_name=served_model_name)
     server = _StoppingServer(_uvicorn_config(app, host, port, log_level), engine_loop)
 
     def on_death(detail: str) -> None:
@@ -197,7 +194,7 @@ def serve(
     engine_loop.on_death(on_death)
     if enable_fault_injection:
         log.warning("fault injection is enabled: for tests only")
-    log.info("serving", model=engine.model_name, url=f"http://{host}:{port}", backend=backend, trace=trace)
+    log.info("serving", model=served_model_name or engine.model_name, url=f"http://{host}:{port}", backend=backend, trace=trace)
     try:
         server.run()
     finally:

@@ -22,7 +22,7 @@ from atlas.backends.cpu.verify import run_verify
 from atlas.config import Capacities
 from atlas.errors import VerifyRefused
 from atlas.model.loader import LoadedModel
-from atlas.plan import BackendCursors, RowVerdict, SeqOutcome, SeqWork, StepPlan, StepResult
+from atlas.plan import BackendCursors, PromptLogprob, RowVerdict, SeqOutcome, SeqWork, StepPlan, StepResult
 from atlas.sampling.acceptance import accepted_prefix
 from atlas.sampling.keyed import logprobs_of, sample_token
 from atlas.sampling.verdicts import verify_rows
@@ -200,6 +200,7 @@ class CpuBackend:
                           refused=tuple((s, why) for s, why in done.refused.items() if s not in in_work))
 
     def _sampled(self, w: SeqWork, hidden: torch.Tensor) -> SeqOutcome:
+        scored = self._prompt_logprobs(w, hidden) if w.prompt_logprobs is not None else ()
         token = logprob = None
         top: tuple[tuple[int, float], ...] = ()
         drafts: tuple[int, ...] = ()
@@ -214,7 +215,28 @@ class CpuBackend:
                 logprob, top = logprobs_of(row, token, w.sampling.top_logprobs)
             drafts = self._propose(w, token)
         return SeqOutcome(w.seq_id, self.cursors(w.seq_id), token=token, logprob=logprob, top_logprobs=top,
-                          drafts=drafts)
+                          drafts=drafts, prompt_logprobs=scored)
+
+    def _prompt_logprobs(self, w: SeqWork, hidden: torch.Tensor) -> tuple[PromptLogprob, ...]:
+        """Each fed prompt token's logprob under the logits of the position before it (this chunk's rows, or the
+        previous chunk's last row), from the hidden states this same exact forward computed."""
+        rows = self.logits_from_hidden(hidden)
+        tails = self.store.prompt_tail
+        out: list[PromptLogprob] = []
+        for i, token in enumerate(w.tokens):
+            position = w.start + i
+            if position == 0:
+                out.append((0, None, ()))
+                continue
+            before = rows[i - 1] if i else tails.pop(w.seq_id, None)
+            if before is None:
+                raise ValueError(f"sequence {w.seq_id}: prompt logprobs at {position} need the logits of position "
+                                 f"{position - 1}, which no chunk of this request computed")
+            lp, alts = logprobs_of(before, token, w.prompt_logprobs or 0)
+            out.append((position, lp, alts))
+        if not w.sample:  # the prompt goes on: its next token is scored by this chunk's last row
+            tails[w.seq_id] = rows[-1]
+        return tuple(out)
 
     def _propose(self, w: SeqWork, token: int) -> tuple[int, ...]:
         d = self.store.drafts.get(w.seq_id)

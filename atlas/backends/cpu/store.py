@@ -42,6 +42,9 @@ class CpuStateStore:
         self.tables: dict[int, tuple[int, ...]] = {}  # each sequence's last block table (snapshots copy tail rows)
         self.ring = SnapshotRing(ring_slots)
         self.prefix = PrefixStore()
+        # prompt logprobs: the last row's logits of a prompt chunk the next chunk continues (they score its first
+        # token)
+        self.prompt_tail: dict[int, torch.Tensor] = {}
 
     # -- lifecycle ------------------------------------------------------------------------------------
 
@@ -49,6 +52,7 @@ class CpuStateStore:
         self.seqs[seq_id] = SequenceState.empty(self.spec, self.dtype)
         self.ring.release(seq_id)
         self.pending.pop(seq_id, None)
+        self.prompt_tail.pop(seq_id, None)
         if self.drafter is not None:
             self.drafts[seq_id] = self.drafter.empty()
 
@@ -58,6 +62,7 @@ class CpuStateStore:
         self.pending.pop(seq_id, None)
         self.drafts.pop(seq_id, None)
         self.tables.pop(seq_id, None)
+        self.prompt_tail.pop(seq_id, None)
 
     def cursors(self, seq_id: int) -> BackendCursors:
         s = self.seqs.get(seq_id)

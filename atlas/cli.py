@@ -171,6 +171,8 @@ def trace_show(file: str, run_id: int = typer.Option(None, help="default: the la
                   f"[{r.model_fingerprint[:16]}], backend {r.backend}")
     console.print(f"config: {r.config}")
     console.print(f"{s.events} events over {s.steps} steps; outcomes: {s.outcome_counts}")
+    if s.end is not None and s.end.truncated:  # a killed run: say so before anything that looks complete
+        console.print(s.end.describe(), style="bold red", markup=False)
     for fault in s.faults:
         console.print(f"[red]{fault}[/red]")
     if s.speculation:
@@ -212,6 +214,7 @@ def replay_verify(
     from rich.console import Console
     from rich.progress import Progress
 
+    from atlas.replay.summary import run_end
     from atlas.replay.verify import verify
 
     console = Console(stderr=True)
@@ -222,10 +225,16 @@ def replay_verify(
     if not report.fingerprint_matches:
         typer.echo(f"warning: model fingerprint {report.fingerprint[:16]} differs from the trace's "
                    f"{report.run.model_fingerprint[:16]}")
+    end = run_end(file, run_id)
+    if report.identical and end.truncated:
+        typer.echo(f"{end.describe()}; the {report.events_replayed} events on disk replay identically")
+        raise typer.Exit(1)
     if report.identical:
         typer.echo(f"identical: {report.events_replayed} events replayed, every payload and digest matches")
         return
     typer.echo(report.divergence.describe())
+    if end.truncated:
+        typer.echo(end.describe())
     raise typer.Exit(1)
 
 
@@ -233,9 +242,15 @@ def replay_verify(
 def replay_check(file: str, run_id: int = typer.Option(None, help="default: the last run in the store")) -> None:
     """State-only replay: apply the trace's events to the state machines (no model), checking every invariant
     and digest; exit 1 at the first problem."""
+    from atlas.replay.summary import run_end
     from atlas.replay.verify import check_state_only
 
     report = check_state_only(file, run_id)
+    end = run_end(file, run_id)
+    if end.truncated:  # the events on disk may be consistent, but the run did not end there
+        typer.echo(f"{end.describe()}; the events on disk are "
+                   f"{'consistent' if report.problem is None else 'inconsistent: ' + str(report.problem)}")
+        raise typer.Exit(1)
     if report.problem is None:
         typer.echo(f"consistent: {report.events} events applied, every invariant and digest holds")
         return

@@ -581,6 +581,11 @@ class Engine:
     def dead(self) -> bool:
         return self._dead is not None
 
+    @property
+    def trace_sink(self) -> EventSink | None:
+        """Where events go: the server commits it after every step, before releasing that step's outputs."""
+        return self._sink
+
     def close(self) -> None:
         if self._sink is not None:
             self._sink.close()

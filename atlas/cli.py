@@ -21,7 +21,8 @@ def serve(
     host: str = typer.Option("127.0.0.1", help="bind address (loopback unless told otherwise)"),
     port: int = typer.Option(8000),
     trace: str = typer.Option(None, help="trace store: a SQLite path or a SQLAlchemy URL"),
-    api_key: str = typer.Option(None, envvar="ATLAS_API_KEY", help="require 'Authorization: Bearer KEY'"),
+    api_key: str = typer.Option(None, help="require 'Authorization: Bearer KEY' (visible in ps: prefer "
+                                "--api-key-file or the ATLAS_API_KEY variable; an empty key is an error)"),
     backend: str = typer.Option("cpu", help="cpu | cuda | null"),
     max_seq_len: int = typer.Option(None),
     max_batch_size: int = typer.Option(None),
@@ -33,14 +34,30 @@ def serve(
                                         help="reuse KV + recurrent state of shared prefixes (default: on for cpu)"),
     threads: int = typer.Option(None, help="torch CPU threads for the engine (default: cores - 1)"),
     enable_fault_injection: bool = typer.Option(False, hidden=True, help="tests only: fault-injection hooks"),
+    # -- auth, shutdown and connection bounds (atlas/server/auth.py, lifecycle.py, connections.py) --
+    api_key_file: str = typer.Option(None, help="read the API key from this file's first line"),
+    allow_unauthenticated: bool = typer.Option(False, help="serve a non-loopback --host without an API key"),
+    shutdown_grace: float = typer.Option(30.0, help="seconds in-flight requests get to finish on SIGTERM/SIGINT"),
+    max_connections: int = typer.Option(None, help="open connections at most (default: the fd limit - 256)"),
+    max_concurrency: int = typer.Option(4096, help="requests in flight at most (probes excepted), then 503"),
+    header_timeout: float = typer.Option(10.0, help="seconds for a request's headers to arrive, then 408"),
+    body_timeout: float = typer.Option(30.0, help="seconds for a request's body to arrive, then 408"),
+    keep_alive_timeout: float = typer.Option(5.0, help="seconds an idle keep-alive connection is held"),
 ) -> None:
-    """Serve the OpenAI-compatible API. Exits non-zero if the engine dies of a fatal fault."""
+    """Serve the OpenAI-compatible API. Exits 0 after SIGTERM/SIGINT (drained), 2 for a usage error, 3 if the
+    engine died of a fatal fault."""
+    from atlas.server.lifecycle import ServerSettings
+    from atlas.server.security import RequestLimits
     from atlas.server.serve import serve as run_server
 
+    settings = ServerSettings(max_connections=max_connections, header_timeout=header_timeout,
+                              keep_alive_timeout=keep_alive_timeout, shutdown_grace=shutdown_grace,
+                              requests=RequestLimits(body_timeout=body_timeout, max_concurrency=max_concurrency))
     code = run_server(model, host=host, port=port, trace=trace, api_key=api_key, backend=backend,
                       max_seq_len=max_seq_len, max_batch_size=max_batch_size, ring_slots=ring_slots,
                       loop_watchdog=loop_watchdog, num_drafts=num_drafts, drafter=drafter, threads=threads,
-                      enable_fault_injection=enable_fault_injection, prefix_caching=prefix_caching)
+                      enable_fault_injection=enable_fault_injection, prefix_caching=prefix_caching,
+                      api_key_file=api_key_file, allow_unauthenticated=allow_unauthenticated, settings=settings)
     raise typer.Exit(code)
 
 

@@ -147,7 +147,9 @@ def test_oversize_bodies_are_413(http: httpx.Client) -> None:
         for _ in range(DEFAULT_MAX_BODY_BYTES // 65536 + 2):
             yield b" " * 65536
 
-    assert_error_shape(http.post(COMPLETIONS, content=chunked()), 413)
+    r = http.post(COMPLETIONS, content=chunked(), headers={"content-type": "application/json"})
+    assert_error_shape(r, 413)
+    assert r.headers["connection"] == "close"  # the rest of that body is never read as a next request
 
 
 def test_oversize_headers_are_431(http: httpx.Client) -> None:

@@ -78,22 +78,34 @@ def bench_serve(
     request_rate: float = typer.Option(float("inf"), help="requests/s (Poisson); inf sends all at once"),
     max_concurrency: int = typer.Option(None),
     seed: int = typer.Option(0),
-    api_key: str = typer.Option(None, envvar="ATLAS_API_KEY"),
+    api_key: str = typer.Option(None, help="the server's key (or --api-key-file, or ATLAS_API_KEY)"),
+    api_key_file: str = typer.Option(None, help="read the server's key from this file's first line"),
     result_json: str = typer.Option(None, help="also write the figures to this JSON file"),
 ) -> None:
-    """Load-test a server like vLLM's bench serve: TTFT, TPOT, ITL (p50/p99) and throughput."""
+    """Load-test a server like vLLM's bench serve: TTFT, TPOT, ITL (p50/p99) and throughput. Stops at the first
+    401/403 with one line."""
     import json
 
-    from atlas.server.bench import BenchConfig, format_report
+    from atlas.server.auth import AuthConfigError, resolve_api_key
+    from atlas.server.bench import AuthRefused, BenchConfig, format_report
     from atlas.server.bench import bench_serve as run_bench
 
+    try:
+        key = resolve_api_key(api_key, api_key_file).api_key
+    except AuthConfigError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
     cfg = BenchConfig(base_url=base_url or "", num_prompts=num_prompts, input_len=random_input_len,
                       output_len=random_output_len, request_rate=request_rate, max_concurrency=max_concurrency,
-                      seed=seed, api_key=api_key)
+                      seed=seed, api_key=key)
     launch = None
     if base_url is None:
         launch = {"model": model, "backend": backend, "max_seq_len": max_seq_len, "max_batch_size": max_batch_size}
-    result = run_bench(cfg, launch=launch)
+    try:
+        result = run_bench(cfg, launch=launch)
+    except AuthRefused as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(1) from None
     typer.echo(format_report(result, cfg))
     if result_json:
         with open(result_json, "w") as f:

@@ -97,14 +97,14 @@ def create_app(
         vocab_size=getattr(engine.tokenizer, "vocab_size", None),
         fault_injection=enable_fault_injection,
     )
-    metrics = ServerMetrics(engine_loop, name)
+    lifecycle = lifecycle or Lifecycle()
+    metrics = ServerMetrics(engine_loop, name, lifecycle)
     engine_loop.observer = metrics
 
     app = FastAPI(title="Atlas", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.ctx = ctx
     app.state.metrics = metrics
     app.state.engine_loop = engine_loop
-    lifecycle = lifecycle or Lifecycle()
     app.state.lifecycle = lifecycle
     # added last = outermost: limits first, then the dead/draining/auth gate, then the routes
     app.add_middleware(GateMiddleware, engine_loop=engine_loop, api_key=api_key, lifecycle=lifecycle)

@@ -199,6 +199,9 @@ class EngineLoop:
         self._inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._subscribers: dict[str, _Subscriber] = {}
         self._sub_lock = threading.Lock()  # the engine thread admits, the writer thread releases outputs
+        # one commit outstanding at most: step N commits while step N+1 computes, never more behind (a kill -9
+        # loses at most those two steps, neither of which any client has seen; memory stays bounded)
+        self._commit_slot = threading.Semaphore(1)
         self._mailboxes: dict[asyncio.AbstractEventLoop, _Mailbox] = {}
         self._force_step = False  # a fatal fault acts at the next step, even when idle
         self._lock = threading.Lock()  # orders "dead" or "stopped" against enqueued arrivals
@@ -330,7 +333,13 @@ class EngineLoop:
             self._release(outputs, stats, None)
             return
         if self.commit_mode == "thread" and callable(getattr(sink, "commit_async", None)):
-            sink.commit_async(lambda error: self._release(outputs, stats, error))
+            self._commit_slot.acquire()
+
+            def committed(error: BaseException | None) -> None:
+                self._commit_slot.release()
+                self._release(outputs, stats, error)
+
+            sink.commit_async(committed)
             return
         try:
             sink.flush()

@@ -47,12 +47,16 @@ class ServerSettings:
 
 def uvicorn_config(app: Any, host: str, port: int, log_level: str, settings: ServerSettings) -> uvicorn.Config:
     limits = ConnectionLimits(settings.resolved_max_connections(), settings.header_timeout)
+    protocol = bounded_protocol(limits)
+    lifecycle = getattr(getattr(app, "state", None), "lifecycle", None)
+    if lifecycle is not None:  # /metrics reads the connection counts
+        lifecycle.connections = protocol.registry
     config = uvicorn.Config(
         app,
         host=host,
         port=port,
         # h11 bounds what it buffers while parsing headers: a backstop above the app's own 431 limit
-        http=bounded_protocol(limits),
+        http=protocol,
         h11_max_incomplete_event_size=4 * settings.requests.max_header_bytes,
         lifespan="off",
         log_level=log_level,

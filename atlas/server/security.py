@@ -171,3 +171,4 @@ class Lifecycle:
 
     draining: bool = False
     in_flight: InFlight = attrs.Factory(InFlight)
+    connections: Any = None  # the connection registry (connections.py), once a server runs the app

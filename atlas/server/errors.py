@@ -76,8 +76,10 @@ def redact_paths(text: str) -> str:
     return _PATH.sub("<path>", text)
 
 
-def shutting_down() -> APIError:
-    return APIError(503, "the server is shutting down; retry elsewhere or later", code="shutting_down")
+def shutting_down(detail: str | None = None) -> APIError:
+    """Refused or ended by a shutdown; `detail` says why this request (e.g. it outlived the grace)."""
+    message = detail if detail and detail != "the server is shutting down" else "the server is shutting down"
+    return APIError(503, f"{message}; retry elsewhere or later", code="shutting_down")
 
 
 def engine_error(detail: str | None, request_id: str | None = None) -> APIError:

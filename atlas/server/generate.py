@@ -84,8 +84,8 @@ async def _submit(ctx: ServingContext, request: Request, request_id: str, prompt
         raise APIError(503, f"the engine's waiting queue is full, retry later: {exc}", code="queue_full") from None
     except EngineDead as exc:
         raise engine_dead(str(exc)) from None
-    except EngineStopped:
-        raise shutting_down() from None
+    except EngineStopped as exc:
+        raise shutting_down(str(exc)) from None
 
 
 class _Generation:
@@ -167,8 +167,8 @@ async def _respond_whole(ctx: ServingContext, request: Request, stream: RequestS
         consumer.result()
     except EngineDead as exc:
         raise engine_dead(str(exc)) from None
-    except EngineStopped:
-        raise shutting_down() from None
+    except EngineStopped as exc:
+        raise shutting_down(str(exc)) from None
     failure = gen.failure()
     if failure is not None:
         raise failure
@@ -239,8 +239,8 @@ async def _stream_events(ctx: ServingContext, stream: RequestStream, gen: _Gener
     except EngineDead as exc:
         yield engine_dead(str(exc)).sse_event()
         yield DONE
-    except EngineStopped:
-        yield shutting_down().sse_event()
+    except EngineStopped as exc:
+        yield shutting_down(str(exc)).sse_event()
         yield DONE
     finally:
         stream.cancel()  # a no-op once finished; when the client went away, the engine frees its blocks

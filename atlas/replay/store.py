@@ -267,14 +267,14 @@ class TraceWriter:
             for _ in batch:
                 self._queue.task_done()
 
-    def inject_full_disk(self) -> None:
-        """Tests: SQLite's own 'database or disk is full' from the next commit that needs a new page
-        (max_page_count = the pages in use now)."""
+    def inject_full_disk(self, spare_pages: int = 0) -> None:
+        """Tests: SQLite's own 'database or disk is full' once the store needs more than `spare_pages` pages
+        beyond those in use now (PRAGMA max_page_count)."""
         with self._lock:
             if self._raw is None:
                 raise ValueError("inject_full_disk needs a SQLite trace")
             pages = int(self._raw.execute("PRAGMA page_count").fetchone()[0])
-            self._raw.execute(f"PRAGMA max_page_count = {pages}")
+            self._raw.execute(f"PRAGMA max_page_count = {pages + int(spare_pages)}")
 
     def close(self, *, ended: bool = True) -> None:
         """Commit what is buffered, then write the run-end marker (`ended` False keeps the run marked

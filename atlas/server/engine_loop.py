@@ -414,7 +414,7 @@ class EngineLoop:
             if inject is None:
                 log.warning("trace_full injected without a SQLite trace: ignored")
             else:
-                inject()
+                inject(spare_pages=16)  # ~64 KB more: the disk fills mid-load, not at the next commit
         elif isinstance(command, _Fault):
             self.engine.inject_fault(command.kind, command.request_id)
             self._force_step = True

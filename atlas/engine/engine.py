@@ -284,9 +284,12 @@ class Engine:
             tokens = seq.cursor.tokens
             start = seq.cursor.computed
             end = start + n
+            banned = seq.banned.get(end, ()) if end == len(tokens) else ()
+            if end == len(tokens) and seq.params.min_tokens and seq_id in self._stops:  # min_tokens: no EOS yet
+                banned = tuple(sorted({*banned, *self._stops[seq_id].banned_now()}))
             work.append(SeqWork(seq_id, tuple(tokens[start:end]), start, tuple(seq.blocks), end == len(tokens),
                                 seq.params, drafts=verify, drafter_first_key=seq.drafter.first_key,
-                                banned=seq.banned.get(end, ()) if end == len(tokens) else ()))
+                                banned=banned))
         orders = tuple((o.seq_id, o.position, o.slot) for o in snapshots)
         return StepPlan(planned.step, tuple(work), planned.release, planned.reset, snapshots=orders)
 

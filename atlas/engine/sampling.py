@@ -37,6 +37,27 @@ def _check_logprobs(_inst: object, _attr: attrs.Attribute, value: int) -> None:
         raise ValueError(f"top_logprobs must be in [0, 20], got {value}")
 
 
+def _check_min_p(_inst: object, _attr: attrs.Attribute, value: float) -> None:
+    if not 0.0 <= value <= 1.0:
+        raise ValueError(f"min_p must be in [0, 1], got {value}")
+
+
+def _check_repetition_penalty(_inst: object, _attr: attrs.Attribute, value: float) -> None:
+    if not value > 0.0:
+        raise ValueError(f"repetition_penalty must be > 0 (1 disables it), got {value}")
+
+
+def _check_min_tokens(_inst: object, _attr: attrs.Attribute, value: int) -> None:
+    if value < 0:
+        raise ValueError(f"min_tokens must be >= 0, got {value}")
+
+
+# added after traces were first recorded: left out of to_json at their defaults, so an old trace's
+# request_arrived params replay as recorded
+_LATER_FIELDS = {"min_p": 0.0, "repetition_penalty": 1.0, "min_tokens": 0, "include_stop_str_in_output": False,
+                 "skip_special_tokens": True}
+
+
 @attrs.frozen
 class SamplingParams:
     """What a request asks of sampling and stopping. Plain values only: it is logged in the trace."""
@@ -52,6 +73,20 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: bool = False
     top_logprobs: int = attrs.field(default=0, validator=_check_logprobs)
+    # the sampling math for these two lives with the sampler (atlas/sampling/, issue 12's helper)
+    min_p: float = attrs.field(default=0.0, validator=_check_min_p)
+    repetition_penalty: float = attrs.field(default=1.0, validator=_check_repetition_penalty)
+    # no EOS / stop token / stop string ends the request within its first min_tokens tokens (stopping.py;
+    # the engine also bans the stop tokens from being sampled there)
+    min_tokens: int = attrs.field(default=0, validator=_check_min_tokens)
+    # text only, but stop strings are matched on this text, so they can change where a request ends:
+    # recorded with the rest (vLLM's fields of the same names)
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+
+    def __attrs_post_init__(self) -> None:
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens {self.min_tokens} exceeds max_tokens {self.max_tokens}")
 
     @property
     def greedy(self) -> bool:
@@ -61,6 +96,9 @@ class SamplingParams:
         d = attrs.asdict(self)
         d["stop"] = list(self.stop)
         d["stop_token_ids"] = list(self.stop_token_ids)
+        for name, default in _LATER_FIELDS.items():
+            if d[name] == default:
+                del d[name]
         return d
 
     @classmethod

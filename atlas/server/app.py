@@ -170,7 +170,7 @@ def create_app(
         body = parse_body(TokenizeRequest, await read_json(request))
         ctx.check_model(body.model)
         if body.messages is not None:
-            tokens = ctx.encode(ctx.render_chat(body.messages, body.add_generation_prompt), param="messages")
+            tokens = ctx.encode_chat(body.messages, body.add_generation_prompt)
         else:
             tokens = ctx.encode(body.prompt or "", param="prompt")
         return {"count": len(tokens), "max_model_len": ctx.max_seq_len, "tokens": tokens}

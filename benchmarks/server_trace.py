@@ -6,10 +6,13 @@ server's default, `EngineLoop(commit="thread")`: one commit outstanding at most)
     .venv/bin/python benchmarks/server_trace.py --backend null          # the control plane alone
     python3 benchmarks/server_trace.py --backend cuda --batches 1,16,64 # GPU: qwen4exp-2p7b, random bf16 weights
 
-Prints, per batch: median decode step ms for each mode, the commit's own time per step (mean, p50, p99, us,
-timed around TraceWriter.commit in the inline mode), and each mode's overhead over no trace. On the GPU machine
-(see docs/BENCHMARKS.md): `run` with `bash benchmarks/gpu_run.sh` conventions, e.g.
-`TESTS=0 BENCH=0 bash benchmarks/gpu_run.sh; python3 benchmarks/server_trace.py --backend cuda`.
+Prints, per batch: median decode step ms for each mode (modes interleaved over --rounds rounds, the median of
+the rounds' medians, so a loaded machine's drift hits them alike), the commit's own time per step (mean, p50,
+p99, us, timed around TraceWriter.commit in the inline mode; the p99 is SQLite's WAL checkpoint, which fsyncs),
+and each mode's overhead over no trace. On the GPU machine (the project travels as wheels, docs/BENCHMARKS.md):
+
+    TESTS=0 BENCH=0 bash benchmarks/gpu_run.sh; PYTHONPATH=/tmp/site:$PWD python3 benchmarks/server_trace.py \
+        --backend cuda --batches 1,16,64
 """
 
 from __future__ import annotations
@@ -113,6 +116,7 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--warmup", type=int, default=None, help="untimed decode steps (default: 8 cuda, 2 else)")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds of the three modes")
     args = parser.parse_args()
     import torch
 
@@ -125,8 +129,10 @@ def main() -> None:
           f"{'commit us mean/p50/p99':>24} {'inline +%':>9} {'thread +%':>9}")
     with tempfile.TemporaryDirectory() as tmp:
         for batch in (int(b) for b in args.batches.split(",")):
-            r = {mode: run_mode(builder, mode, batch, args.steps, args.prompt_len, warmup, Path(tmp))
-                 for mode in ("none", "inline", "thread")}
+            rounds = [{mode: run_mode(builder, mode, batch, args.steps, args.prompt_len, warmup, Path(tmp))
+                       for mode in ("none", "inline", "thread")} for _ in range(args.rounds)]
+            r = {mode: {key: statistics.median(rd[mode][key] for rd in rounds) for key in rounds[0][mode]}
+                 for mode in rounds[0]}
             base = r["none"]["step_ms"]
             c = r["inline"]
             print(f"{batch:>5} {c['events_per_step']:>11.1f} {base:>8.3f} {c['step_ms']:>9.3f} "

@@ -29,6 +29,11 @@ from atlas.server.security import Lifecycle, RequestLimits
 log = structlog.get_logger(__name__)
 
 HANDLER_WRAP_UP_S = 5.0  # after the engine ended the rest: time for their handlers to write the ending
+# asyncio accepts up to `backlog` connections in one callback: with 4096, a flood's accept burst held the event
+# loop for ~1 s per iteration and a /health that needs several iterations took 8.7 s (20,000 idle connections,
+# loaded 2-core machine). So the accept batch is small and the kernel's queue is set large afterwards.
+ACCEPT_BATCH = 128
+LISTEN_QUEUE = 4096
 
 
 @attrs.frozen
@@ -63,7 +68,7 @@ def uvicorn_config(app: Any, host: str, port: int, log_level: str, settings: Ser
         timeout_keep_alive=max(1, round(settings.keep_alive_timeout)),
         timeout_graceful_shutdown=int(HANDLER_WRAP_UP_S),
         access_log=False,
-        backlog=4096,
+        backlog=ACCEPT_BATCH,
     )
     install_stdlib_redaction()  # uvicorn.Config configured the stdlib loggers just now
     return config
@@ -88,6 +93,16 @@ class AtlasServer(uvicorn.Server):
         else:
             self.exit_signal = sig
             self.should_exit = True
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets)
+        for server in getattr(self, "servers", []):
+            for listening in server.sockets or ():
+                dup = socket.fromfd(listening.fileno(), listening.family, listening.type)
+                try:
+                    dup.listen(LISTEN_QUEUE)  # the kernel's queue (the socket's, not the fd's), beyond the batch
+                finally:
+                    dup.close()
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         await self.drain()

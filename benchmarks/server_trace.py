@@ -39,17 +39,20 @@ def _pct(values: list[float], q: float) -> float:
 
 
 class Builder:
-    def __init__(self, backend: str, model: str | None) -> None:
+    def __init__(self, backend: str, model: str | None, device: str) -> None:
         self.backend = backend
         self.model = model
+        self.device = device
         self.loaded: Any = None
         if backend.startswith("cuda"):
             import torch
 
             from atlas.backends.cuda.random_model import random_model
+            from atlas.model.tiny import TINY_CONFIG
 
-            path = Path(model) if model else CONFIG
-            self.loaded = random_model(json.loads(path.read_text()), device="cuda", dtype=torch.bfloat16, seed=0)
+            config = TINY_CONFIG if model == "atlas-tiny" else json.loads(Path(model or CONFIG).read_text())
+            dtype = torch.float32 if "fp32" in backend or device == "cpu" else torch.bfloat16
+            self.loaded = random_model(config, device=device, dtype=dtype, seed=0)
 
     def engine(self, batch: int, max_seq_len: int, trace: Path | None) -> Engine:
         config = EngineConfig(max_seq_len=max_seq_len, max_batch_size=batch, prefill_chunk_tokens=max(4096, batch))
@@ -57,7 +60,8 @@ class Builder:
             from atlas.backends.cuda.factory import build_cuda_engine
 
             return build_cuda_engine(Engine, self.loaded, model=self.loaded.name, config=config,
-                                     trace=None if trace is None else str(trace), backend=self.backend)
+                                     trace=None if trace is None else str(trace), backend=self.backend,
+                                     device=self.device, cuda_graphs=None if self.device == "cuda" else False)
         return Engine.from_model(self.model or "atlas-tiny", backend=self.backend,  # type: ignore[arg-type]
                                  config=config, trace=None if trace is None else str(trace))
 
@@ -110,7 +114,9 @@ def run_mode(builder: Builder, mode: str, batch: int, steps: int, prompt_len: in
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--backend", default="cpu", help="null | cpu | cuda")
-    parser.add_argument("--model", default=None, help="cpu/null: checkpoint dir; cuda: a config.json")
+    parser.add_argument("--model", default=None,
+                        help="cpu/null: checkpoint dir; cuda: a config.json (default qwen4exp-2p7b) or atlas-tiny")
+    parser.add_argument("--device", default="cuda", help="cuda backends: the device (cpu: a smoke run)")
     parser.add_argument("--batches", default="1,8,32")
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--prompt-len", type=int, default=32)
@@ -122,7 +128,7 @@ def main() -> None:
 
     torch.set_num_threads(args.threads)
     warmup = args.warmup if args.warmup is not None else (8 if args.backend.startswith("cuda") else 2)
-    builder = Builder(args.backend, args.model)
+    builder = Builder(args.backend, args.model, args.device)
     print(f"backend {args.backend}, {args.steps} timed decode steps after {warmup} warm-up ones, prompts of "
           f"{args.prompt_len} tokens; commit = TraceWriter.commit (SQLite WAL, synchronous=NORMAL)")
     print(f"{'batch':>5} {'events/step':>11} {'none ms':>8} {'inline ms':>9} {'thread ms':>9} "

@@ -115,3 +115,25 @@ def test_stdlib_records_are_redacted_too() -> None:
         logger.removeHandler(handler)
     text = stream.getvalue()
     assert "Exception in ASGI application" in text and "ValueError" in text and KEY not in text
+
+
+def test_floods_of_one_kind_of_log_line_are_rate_limited() -> None:
+    import logging
+
+    from atlas.server.logconfig import install_stdlib_redaction
+
+    stream = io.StringIO()
+    handler = logging.StreamHandler(stream)
+    logger = logging.getLogger("asyncio")
+    logger.addHandler(handler)
+    try:
+        install_stdlib_redaction()
+        for _ in range(1000):
+            try:
+                raise OSError(24, "Too many open files")
+            except OSError:
+                logger.error("socket.accept() out of system resource", exc_info=True)
+    finally:
+        logger.removeHandler(handler)
+    lines = stream.getvalue().splitlines()
+    assert len(lines) == 1 and "Traceback" not in stream.getvalue()

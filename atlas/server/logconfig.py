@@ -71,25 +71,29 @@ class _StdlibRedaction(logging.Filter):
         return True
 
 
-class _AcceptErrorLimit(logging.Filter):
-    """asyncio logs a traceback for every failed accept (EMFILE at the fd limit): 3 million lines in 1.5
-    minutes under a flood. One line per `every` seconds, no traceback, with the count it stands for."""
+class _RateLimit(logging.Filter):
+    """One line per `every` seconds for records whose message contains `marker`, no traceback, with the count
+    it stands for. asyncio logs a traceback for every failed accept (EMFILE at the fd limit): 3 million lines in
+    1.5 minutes under a flood; uvicorn logs a line for every malformed request."""
 
-    def __init__(self, every: float = 10.0) -> None:
+    def __init__(self, marker: str, every: float = 10.0) -> None:
         super().__init__()
+        self.marker = marker
         self.every = every
         self._last = -float("inf")
         self._dropped = 0
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if "accept" not in str(record.msg):
+        if self.marker not in str(record.msg):
             return True
         now = time.monotonic()
         if now - self._last < self.every:
             self._dropped += 1
             return False
-        record.msg = f"{record.getMessage()} ({self._dropped} more like it since the last report)"
-        record.args, record.exc_info, record.exc_text = (), None, None
+        if self._dropped:
+            record.msg = f"{record.getMessage()} ({self._dropped} more like it since the last report)"
+            record.args = ()
+        record.exc_info, record.exc_text = None, None
         self._last, self._dropped = now, 0
         return True
 
@@ -118,8 +122,9 @@ def install_stdlib_redaction() -> None:
             if not any(isinstance(f, _StdlibRedaction) for f in handler.filters):
                 handler.addFilter(redaction)
     asyncio_log = logging.getLogger("asyncio")
-    if not any(isinstance(f, _AcceptErrorLimit) for f in asyncio_log.filters):
-        asyncio_log.addFilter(_AcceptErrorLimit())
+    for logger, marker in ((asyncio_log, "accept"), (logging.getLogger("uvicorn.error"), "Invalid HTTP request")):
+        if not any(isinstance(f, _RateLimit) and f.marker == marker for f in logger.filters):
+            logger.addFilter(_RateLimit(marker))
     if not asyncio_log.handlers and not logging.getLogger().handlers:
         # asyncio's records would reach Python's last-resort handler unfiltered: give them a redacting one
         handler = logging.StreamHandler()

@@ -182,7 +182,7 @@ def test_connections_keep_serving_after_the_bounds_fired() -> None:
         time.sleep(1.0)
         results: list[int] = []
 
-        def call() -> None:
+        def call(served: Served = served, results: list[int] = results) -> None:
             with httpx.Client(base_url=served.url, timeout=10) as http:
                 results.append(http.post("/v1/completions", json={"prompt": "x", "max_tokens": 3}).status_code)
 

@@ -74,7 +74,9 @@ def trace_url(path_or_url: str | Path) -> str:
     return text if "://" in text else f"sqlite:///{Path(text).expanduser()}"
 
 
-def open_database(path_or_url: str | Path) -> sa.Engine:
+def open_database(path_or_url: str | Path, *, create: bool = True) -> sa.Engine:
+    """The store's engine; `create` makes the tables a writer needs (a reader never writes: an old trace stays
+    byte for byte as it was, with no run_status table)."""
     url = trace_url(path_or_url)
     is_sqlite = url.startswith("sqlite")
     # the writer commits from its own thread: one connection, used by one thread at a time (under a lock)
@@ -88,7 +90,8 @@ def open_database(path_or_url: str | Path) -> sa.Engine:
             cur.execute("PRAGMA synchronous=NORMAL")  # WAL + NORMAL: durable across a process crash
             cur.close()
 
-    metadata.create_all(db)
+    if create:
+        metadata.create_all(db)
     return db
 
 
@@ -299,7 +302,8 @@ class TraceReader:
     def __init__(self, path_or_url: str | Path) -> None:
         if "://" not in str(path_or_url) and not Path(path_or_url).exists():
             raise FileNotFoundError(f"no trace at {path_or_url}")
-        self.db = open_database(path_or_url)
+        self.db = open_database(path_or_url, create=False)
+        self._has_status = sa.inspect(self.db).has_table("run_status")
 
     def runs(self) -> list[RunRecord]:
         with self.db.connect() as conn:
@@ -334,7 +338,9 @@ class TraceReader:
     def end(self, run_id: int) -> RunEnd:
         """Whether the run ended cleanly (its run-end marker), and where its events stop."""
         with self.db.connect() as conn:
-            marker = conn.execute(sa.select(run_status).where(run_status.c.run_id == run_id)).mappings().first()
+            marker = None
+            if self._has_status:  # a trace written before run-end markers has no such table
+                marker = conn.execute(sa.select(run_status).where(run_status.c.run_id == run_id)).mappings().first()
             last = conn.execute(sa.select(events.c.idx, events.c.step).where(events.c.run_id == run_id)
                                 .order_by(events.c.idx.desc()).limit(1)).first()
             n = int(conn.execute(sa.select(sa.func.count()).where(events.c.run_id == run_id)).scalar_one())

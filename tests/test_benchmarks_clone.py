@@ -29,6 +29,8 @@ EXPECT = {
     "rollback.py": "restore a snapshot",
     "speculative.py": "oracle",
     "sampling.py": "over argmax",
+    "server_flood.py": "verdict:",
+    "server_trace.py": "events/step",
     "train_step.py": "train step,",
 }
 

@@ -23,6 +23,7 @@ EXPECT = {
     "control_plane.py": "seq-steps/s",
     "cpu_model.py": "atlas chunks",
     "kernels.py": "dry run:",
+    "mini_figures.py": "watchdog shard",
     "multiturn.py": "tokens equal on/off",
     "mutation_campaign.py": "acceptance",
     "replay_check.py": "state-only check",

@@ -37,6 +37,7 @@ class DevicePools:
         self.scratch_slots = tuple(range(max_seqs, max_seqs + scratch_slots))
         self.device = device
         slots = max_seqs + scratch_slots
+        self.state_slots = slots
         kv_shape = (num_kv_blocks + 1, block_size, spec.num_kv_heads, spec.head_dim)
         zeros = dict(dtype=dtype, device=device)
         self.keys = {layer: torch.zeros(kv_shape, **zeros) for layer in spec.attention_layers}

@@ -145,8 +145,11 @@ class CudaBackend:
         if mtp_drafter:
             from atlas.backends.cuda.drafter import CudaMtpDrafter
 
-            self.drafter = CudaMtpDrafter(spec, model.weights, self.pools, dtype=self.dtype, device=self.device,
-                                          max_keys=self.max_blocks_per_seq * block_size)
+            # capacity: a sequence's keys, and the transient rows of the drafts proposed past them
+            self.drafter = CudaMtpDrafter(spec, model.weights, self.pools, shared=self.weights, dtype=self.dtype,
+                                          device=self.device,
+                                          capacity=self.max_blocks_per_seq * block_size + verify_width + 1,
+                                          exact=self.verify_mode == "rows")
         self.store = CudaStateStore(spec, self.pools, slot_bytes=snapshot_bytes, drafter=self.drafter)
         use_kernels = self.dtype != torch.float32 if kernels is None else kernels
         self.gdn_kernel = triton_gdn() if use_kernels and self.device.type == "cuda" else None
@@ -369,7 +372,7 @@ class CudaBackend:
                                          if i in scored else ())
             hidden = {w.seq_id: self.fed_hidden[i] for i, w in enumerate(plain)}
             if self.drafter is not None:
-                self.drafter.feed([(w.seq_id, w.start, w.tokens) for w in plain], hidden)
+                self.drafter.feed([(w.seq_id, w.start, w.tokens, w.drafter_first_key) for w in plain], hidden)
             for seq_id, run in run_verifies(self, verifies).items():
                 results[seq_id] = self._verified(run)
             for snap in plan.snapshots:

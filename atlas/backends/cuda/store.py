@@ -179,7 +179,7 @@ class CudaStateStore:
         self.pools.ring_store(s.slot, order.slot)
         s.ring[order.slot] = (order.position, list(s.ple_context))
         if self.drafter is not None:
-            self.drafter.snapshot(order.seq_id, order.position)
+            self.drafter.snapshot(order.seq_id, order.slot, order.position)
 
     def restore(self, order: RingRestore) -> BackendCursors:
         seq_id, position = order.seq_id, order.position
@@ -200,7 +200,7 @@ class CudaStateStore:
         s.ring = {slot: v for slot, v in s.ring.items() if v[0] <= position}
         self.prompt_tail.pop(seq_id, None)
         if self.drafter is not None:
-            self.drafter.rewind(seq_id, position)
+            self.drafter.rewind(seq_id, position, order.slot)
         return self.cursors(seq_id)
 
     # -- verify ---------------------------------------------------------------------------------------
@@ -237,6 +237,8 @@ class CudaStateStore:
         self.pools.inter_load(slots, torch.tensor([rows for _, rows in commits], device=dev))
         flat: list[int] = []
         values: list[int] = []
+        fed: list[tuple[int, int, tuple[int, ...], int]] = []
+        kept: dict[int, torch.Tensor] = {}
         bs = self.block_size
         for s, (seq_id, rows) in zip(states, commits, strict=True):
             start, tokens = s.pending  # type: ignore[misc]
@@ -246,11 +248,14 @@ class CudaStateStore:
             s.position = start + rows
             s.pending = None
             hidden = self.pending_hidden.pop(seq_id, None)
+            if self.drafter is not None and hidden is not None:  # the drafter's keys rebuilt from the target's hidden
+                fed.append((seq_id, start, tuple(tokens[:rows]), 0))
+                kept[seq_id] = hidden[:rows]
             if self.pools.ple_context_len:
                 s.ple_context = (s.ple_context + list(tokens[:rows]))[-self.pools.ple_context_len :]
-            if self.drafter is not None:
-                self.drafter.commit(seq_id, start, tokens[:rows], None if hidden is None else hidden[:rows])
         self.pools.stamp_rows(torch.tensor(flat, device=dev), torch.tensor(values, dtype=torch.int32, device=dev))
+        if fed:
+            self.drafter.feed(fed, kept)  # type: ignore[union-attr]
 
     def drop_pending(self, seq_id: int) -> None:
         s = self.seqs.get(seq_id)

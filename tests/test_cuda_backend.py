@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 
+import attrs
 import pytest
 import torch
 
@@ -91,11 +92,21 @@ def test_decode_ngram_ids_equal_the_reference() -> None:
             assert got == want
 
 
-def test_unsupported_features_are_refused_at_start(tiny) -> None:
-    for config, knob in ((EngineConfig(num_drafts=2), "num_drafts 0"), (EngineConfig(ring_slots=2), "ring_slots 0"),
-                         (EngineConfig(enable_prefix_caching=True), "enable_prefix_caching False")):
-        with pytest.raises(CapabilityError, match=knob):
-            build_engine("atlas-tiny", "cuda", config, loaded=tiny, backend_options={"device": "cpu"})
+def test_every_feature_is_declared_and_a_configuration_beyond_it_is_refused_at_start(tiny) -> None:
+    """Speculation, the ring, prefix caching and the MTP drafter are declared (tests/test_cuda_features.py runs
+    them); what the backend cannot hold is refused at start with the knob named."""
+    config = EngineConfig(num_drafts=3, ring_slots=2, enable_prefix_caching=True)
+    engine = build_engine("atlas-tiny", "cuda-fp32", config, loaded=tiny, backend_options={"device": "cpu"})
+    c = engine.backend.capabilities
+    assert (c.verify, c.per_row_qsa_verify, c.mtp_drafting, c.snapshot_ring, c.prefix_snapshots, c.fp32_parity,
+            c.max_verify_width, c.prompt_logprobs) == (True, True, True, True, True, True, 4, True)
+    assert engine.backend.pools.slot_bytes() == engine.capacities.ring_slot_bytes
+    no_mtp = attrs.evolve(tiny, weights={k: t for k, t in tiny.weights.items() if not k.startswith("mtp.")})
+    with pytest.raises(ValueError, match="no mtp"):
+        build_engine("atlas-tiny", "cuda-fp32", config, loaded=no_mtp, backend_options={"device": "cpu"})
+    narrow = CudaBackend(tiny, num_kv_blocks=64, dtype=torch.float32, device="cpu", verify_width=2)
+    with pytest.raises(CapabilityError, match="holds 2 rows per verify"):
+        narrow.capabilities.check(config, engine.capacities, "cuda-fp32")
 
 
 def test_random_model_builds_from_a_config() -> None:

@@ -7,6 +7,8 @@ state write at the step that dropped it."""
 
 from __future__ import annotations
 
+import os
+
 import attrs
 import pytest
 import torch
@@ -30,7 +32,9 @@ from atlas.state.events import CarryAdopted, InvariantViolated, PrefixCacheHit, 
 
 torch.set_num_threads(1)
 TINY = load_model("atlas-tiny")
-CPU_PATH = {"device": "cpu", "cuda_graphs": False}
+# the CPU path in CI; tests/test_cuda_gpu.py reruns this file with the device set to the GPU (eager: the graphs
+# are tested there)
+CPU_PATH = {"device": os.environ.get("ATLAS_CUDA_FEATURES_DEVICE", "cpu"), "cuda_graphs": False}
 PROMPTS = [
     list(b"The quick brown fox jumps over the lazy dog. " * 2),  # 90 tokens: past the inert bound
     list(b"hello"),  # crosses the bound while decoding (and verifying)
@@ -206,3 +210,27 @@ def test_a_dropped_gdn_state_write_is_caught_at_that_step() -> None:
     (violation,) = [e for _, _, e, _ in engine.sink.rows if isinstance(e, InvariantViolated)]  # type: ignore[union-attr]
     stamps = violation.fields["backend"]["stamps"]
     assert ["gdn", 1, 90 + 4] in [list(s) for s in stamps]  # layer 1's stamp stayed one token behind
+
+
+class EagerVerifyGraphs:
+    """Stands in for the wide verify's DecodeGraphs on the CPU: the same padded, bucketed [B, K] groups (scratch
+    rows, scratch slots), run eagerly."""
+
+    def __init__(self, backend) -> None:
+        self.backend, self.shapes = backend, set()
+
+    def replay(self, shape, packed, padding):
+        self.shapes.add(shape)
+        logits = self.backend._verify_logits(packed, shape)
+        return logits, logits.argmax(-1)
+
+
+def test_padded_wide_verify_buckets_give_speculation_offs_tokens() -> None:
+    """Wide verifies padded to a power-of-two batch and key blocks, as their CUDA graphs replay them: the padding
+    rows (writing only scratch slots and the scratch block) change no real row's tokens or state."""
+    engine = build_engine("atlas-tiny", "cuda-fp32", attrs.evolve(BASE, num_drafts=3, drafter="mtp"), loaded=TINY,
+                          full_audit=True, backend_options={**CPU_PATH, "verify_mode": "wide"})
+    fake = engine.backend.verify_graphs = EagerVerifyGraphs(engine.backend)  # type: ignore[attr-defined]
+    assert greedy(engine) == OFF
+    assert {s.batch for s in fake.shapes} >= {4} and all(s.pending and s.keep and 2 <= s.width <= 4 for s in fake.shapes)
+    assert any(s.qsa_select for s in fake.shapes)

@@ -157,6 +157,8 @@ class CudaBackend:
             raise ValueError("kernels=True needs a CUDA device and atlas_kernels (the kernels/ package) importable")
         use_graphs = self.device.type == "cuda" if cuda_graphs is None else cuda_graphs
         self.graphs = DecodeGraphs(self._decode_logits, self.device) if use_graphs else None
+        # wide verifies ([B, K] groups) replayed from graphs of their own: every row's logits come back
+        self.verify_graphs = DecodeGraphs(self._verify_logits, self.device) if use_graphs else None
         self._seqs = self.store.seqs
         # the decode group replayed from a graph this step (its shape, its chunk indices): its rows are sampled
         # by the sampler graph on the graph's own logits
@@ -246,6 +248,12 @@ class CudaBackend:
         # the last row's hidden, kept for the drafter (under a graph: the captured run's static tensor)
         self._hidden_out[shape] = last
         return last @ self.weights["lm_head.weight"].T
+
+    def _verify_logits(self, packed: torch.Tensor, shape: GroupShape) -> torch.Tensor:
+        """A wide verify group: every row's logits [B, K, vocab] (its hidden kept for the drafter's commit)."""
+        hidden = self._run_group(packed, shape)
+        self._hidden_out[shape] = hidden
+        return hidden @ self.weights["lm_head.weight"].T
 
     def _padding(self, shape: GroupShape) -> torch.Tensor:
         return pack_rows(shape, [], self.pools.scratch_slots, self.pools.scratch_block, self.block_size)

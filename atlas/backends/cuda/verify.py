@@ -69,7 +69,13 @@ def _feed(backend: Any, members: list[SeqWork], width: int) -> tuple[torch.Tenso
         shape = attrs.evolve(backend._shape(n, width, max(w.start + width for w in members)), pending=True, keep=True)
         if backend.batch_invariant:
             shape = attrs.evolve(shape, batch=bucket(backend.max_batch_size), key_blocks=backend.max_blocks_per_seq)
+        elif backend.verify_graphs is not None:
+            shape = attrs.evolve(shape, batch=bucket(n), key_blocks=bucket(shape.key_blocks, 4))
         packed = pack_rows(shape, rows, pools.scratch_slots, pools.scratch_block, backend.block_size)
+        if backend.verify_graphs is not None:  # replayed: a graph per (batch bucket, width, key blocks, QSA)
+            host = packed.pin_memory() if dev.type == "cuda" else packed
+            logits, _ = backend.verify_graphs.replay(shape, host, backend._padding(shape))
+            return logits[:n], backend._hidden_out[shape][:n].clone()
         hidden = backend._run_group(packed.to(dev), shape)[:n]
         return hidden @ head.T, hidden
     slots = torch.tensor([r[2] for r in rows], device=dev)

@@ -24,6 +24,7 @@ from atlas.engine.offline import generate
 from atlas.engine.records import RecordingSink
 from atlas.errors import InvariantViolation
 from atlas.model import load_model
+from atlas.plan import SeqWork, StepPlan
 from atlas.registry import build_engine, open_trace
 from atlas.replay.store import read_run
 from atlas.replay.verify import compare, redrive
@@ -234,3 +235,93 @@ def test_padded_wide_verify_buckets_give_speculation_offs_tokens() -> None:
     assert greedy(engine) == OFF
     assert {s.batch for s in fake.shapes} >= {4} and all(s.pending and s.keep and 2 <= s.width <= 4 for s in fake.shapes)
     assert any(s.qsa_select for s in fake.shapes)
+
+
+def test_prompt_logprobs_equal_the_cpu_references() -> None:
+    """Every prompt token's logprob under the position before it, chunked (the previous chunk's last row scores a
+    chunk's first token), with the top alternatives: the CPU reference's to fp32 rounding."""
+    config = EngineConfig(max_seq_len=128, max_batch_size=2, prefill_chunk_tokens=16)
+
+    def scored(engine: Engine) -> list:
+        params = SamplingParams(max_tokens=2, ignore_eos=True, prompt_logprobs=3)
+        engine.add_request("r0", PROMPTS[0][:40], params)
+        engine.add_request("r1", PROMPTS[1], params)
+        got: dict = {}
+        while engine.has_unfinished():
+            for o in engine.step():
+                if o.prompt_logprobs is not None:
+                    got[o.request_id] = o.prompt_logprobs
+        return [got["r0"], got["r1"]]
+
+    want = scored(build_engine("atlas-tiny", "cpu", config, loaded=TINY))
+    got = scored(cuda_engine(config))
+    assert [len(g) for g in got] == [40, 5]
+    for g, w in zip(got, want, strict=True):
+        assert g[0] == w[0] == (None, ())
+        for (lp, alts), (lp2, alts2) in zip(g[1:], w[1:], strict=True):
+            assert lp == pytest.approx(lp2, abs=1e-4)
+            assert [t for t, _ in alts] == [t for t, _ in alts2]
+
+
+def test_a_dropped_qsa_key_write_is_caught_at_that_step() -> None:
+    """Issue 13's other CUDA row: one decode's QSA raw-key writes (keys and their position stamps) go nowhere.
+    The layer's "qsa" stamp stays behind, and the step that dropped them is the one the cursor check names."""
+    engine = cuda_engine(BASE)
+    backend = engine.backend
+    pools = backend.pools  # type: ignore[attr-defined]
+    layer = next(iter(pools.index_keys))
+    execute, steps = backend.execute, {"n": 0}
+
+    def dropping(plan):
+        steps["n"] += 1
+        if steps["n"] != 6:
+            return execute(plan)
+        keys, pos = pools.index_keys[layer], pools.index_pos[layer]
+        pools.index_keys[layer], pools.index_pos[layer] = keys.clone(), pos.clone()  # this step writes elsewhere
+        try:
+            return execute(plan)
+        finally:
+            pools.index_keys[layer], pools.index_pos[layer] = keys, pos
+
+    backend.execute = dropping
+    with pytest.raises(InvariantViolation, match="data-plane cursors"):
+        greedy(engine, PROMPTS[:1], 12)
+    (violation,) = [e for _, _, e, _ in engine.sink.rows if isinstance(e, InvariantViolated)]  # type: ignore[union-attr]
+    assert violation.fields["step"] == 5  # the sixth step (steps count from 0)
+    stamps = {(k, lay): p for k, lay, p in violation.fields["backend"]["stamps"]}
+    assert stamps[("qsa", layer)] == stamps[("kv", layer)] - 1
+
+
+@pytest.mark.parametrize("accepted", [0, 2, 3])
+def test_a_wide_verify_that_accepts_n_is_n_plus_1_decodes_to_rounding(accepted: int) -> None:
+    """The contract's verify test (tests/test_state_store.py) on the one-forward verify: the same verdicts, the
+    same cursors and stamps, and every state byte within 1e-5 of n + 1 single decodes (its K-row GEMMs round
+    differently from a decode's 1-row ones, so not bitwise)."""
+    import test_state_store as conformance
+
+    caps = derive_capacities(conformance.CONFIG, TINY.spec, activation_bytes=4)
+
+    def make(mode: str) -> CudaBackend:
+        return CudaBackend.for_capacities(TINY, caps, dtype=torch.float32, name="cuda-fp32", verify_mode=mode,
+                                          **CPU_PATH)
+
+    prompt, table = conformance.PROMPT, conformance.table(0)
+    ref = conformance.greedy(make("rows"), 0, prompt, 5)
+    drafts = tuple(ref[1 : 1 + accepted]) + tuple((t + 1) % 256 for t in ref[1 + accepted : 4])
+    wide = make("wide")
+    conformance.feed(wide, 0, prompt, 0)
+    (o,) = wide.execute(StepPlan(1, (SeqWork(0, (ref[0],), len(prompt), table, True, drafts=drafts),))).outcomes
+    assert o.accepted == accepted and o.token == ref[accepted + 1]
+    plain = make("rows")
+    conformance.greedy(plain, 0, prompt, accepted + 2)
+    assert wide.cursors(0) == plain.cursors(0)
+    a, b = wide.store.seqs[0].slot, plain.store.seqs[0].slot
+    for name, t in wide.pools.state.items():
+        assert torch.allclose(t[a].double(), plain.pools.state[name][b].double(), rtol=0, atol=1e-5), name
+    n = o.cursors.kv_tokens
+    for layer, k in wide.pools.keys.items():
+        rows = k.view(-1, *k.shape[2:])[: n]
+        assert torch.allclose(rows, plain.pools.keys[layer].view(-1, *k.shape[2:])[: n], rtol=0, atol=1e-5)
+    for layer, k in wide.drafter.k.items():
+        r = o.cursors.drafter_rows
+        assert torch.allclose(k[a, :r], plain.drafter.k[layer][b, :r], rtol=0, atol=1e-5)

@@ -13,9 +13,10 @@ per-slot state has an int32 stamp per slot, the number of tokens folded into it,
 that updates the state and moved with it by snapshot, restore, commit and prefix load. A verify writes its KV
 stamps as -(position + 2) (pending: not counted) and the commit turns the kept rows' stamps positive.
 
-A verify of width K keeps the per-slot state after each of its rows in `inter[name]` [K + 1, slots, ...]
-(index 0: before the verify) until the commit selects one; the ring holds `ring[name]` [max_seqs, ring_slots,
-...] per live slot.
+A verify of width K keeps the per-slot state after each of its rows until the commit selects one: a row-by-row
+verify copies it into `inter[name]` [K + 1, slots, ...] (index 0: before the verify); a wide verify keeps the
+forward's own per-token tensors (`kept`: no copy, they are read once by the commit). The ring holds
+`ring[name]` [max_seqs, ring_slots, ...] per live slot.
 """
 
 from __future__ import annotations
@@ -28,7 +29,9 @@ from atlas.model.spec import ModelSpec
 
 class DevicePools:
     def __init__(self, spec: ModelSpec, *, num_kv_blocks: int, block_size: int, max_seqs: int, scratch_slots: int,
-                 dtype: torch.dtype, device: torch.device, verify_width: int = 1, ring_slots: int = 0) -> None:
+                 dtype: torch.dtype, device: torch.device, verify_width: int = 1, ring_slots: int = 0,
+                 inter: bool = True) -> None:
+        """`inter`: allocate the row-by-row verify's copies (a wide verify needs none: it keeps its own tensors)."""
         if num_kv_blocks <= 0 or block_size <= 0:
             raise ValueError(f"num_kv_blocks and block_size must be positive, got {num_kv_blocks} and {block_size}")
         self.num_kv_blocks, self.block_size = num_kv_blocks, block_size
@@ -87,7 +90,9 @@ class DevicePools:
         self.verify_width = verify_width
         self.inter: dict[str, torch.Tensor] = {}
         self.inter_stamps = torch.zeros(0, device=device)
-        if verify_width > 1:
+        # a wide verify's per-token state: name -> (state after each row [T, B, ...], stamps [T, B], slots [B])
+        self.kept: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        if verify_width > 1 and inter:
             self.inter = {n: torch.zeros(verify_width + 1, *t.shape, dtype=t.dtype, device=device)
                           for n, t in self.state.items()}
             self.inter_stamps = torch.zeros(verify_width + 1, *self.stamps.shape, dtype=torch.int32, device=device)
@@ -159,7 +164,14 @@ class DevicePools:
         self.inter_stamps[row][:, slots] = self.stamps[:, slots]
 
     def inter_load(self, slots: torch.Tensor, rows: torch.Tensor) -> None:
-        """state[slots[b]] = inter[rows[b]][slots[b]]: each sequence's kept verify row, selected on the device."""
+        """state[slots[b]] = the state after rows[b] rows of the slot's verify (row 0: before it), selected on the
+        device: from a wide verify's kept tensors, else from the row-by-row copies."""
+        if self.kept:  # rows >= 1 here: a commit keeps at least the verify's first row
+            for n, (per_token, stamps, kslots) in self.kept.items():
+                b = (kslots[None, :] == slots[:, None]).to(torch.int8).argmax(dim=1)  # each slot's row in the group
+                self.state[n][slots] = per_token[rows - 1, b].to(self.state[n].dtype)
+                self.stamps[self.index[n], slots] = stamps[rows - 1, b]
+            return
         for n, t in self.state.items():
             t[slots] = self.inter[n][rows, slots]
         self.stamps[:, slots] = self.inter_stamps[rows, :, slots].T
@@ -169,10 +181,8 @@ class DevicePools:
         """A group's update of per-slot state `name` at `slots`, with its stamps: the state after the group's last
         token (`final` [B, ...], stamp end), or with `keep` (a wide verify) the state after each token
         (`per_token` [T, B, ...]) into inter[1..T], the live state untouched."""
-        if keep:
-            t = positions.shape[1]
-            self.inter[name][1 : t + 1, slots] = per_token.to(self.inter[name].dtype)  # type: ignore[union-attr]
-            self.inter_stamps[1 : t + 1, self.index[name], slots] = (positions + 1).T.to(torch.int32)
+        if keep:  # kept by reference until the commit reads it (a graph's static tensor lives until its next replay)
+            self.kept[name] = (per_token, (positions + 1).T.to(torch.int32), slots)  # type: ignore[assignment]
         else:
             self.state[name][slots] = final.to(self.state[name].dtype)  # type: ignore[union-attr]
             self.stamp[name][slots] = (positions[:, -1] + 1).to(torch.int32)

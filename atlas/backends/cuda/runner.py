@@ -129,15 +129,16 @@ class CudaBackend:
         # ~5 launches a layer). Which wins depends on whether prefill is launch- or FLOP-bound: the benchmark
         # times both.
         self.prefill_moe = "grouped"
-        self.pools = DevicePools(spec, num_kv_blocks=num_kv_blocks, block_size=block_size, max_seqs=max_batch_size,
-                                 scratch_slots=bucket(max_batch_size), dtype=self.dtype, device=self.device,
-                                 verify_width=verify_width, ring_slots=ring_slots)
         # a verify of K rows: "rows" feeds them as K one-token groups (a decode's shapes, so a verify that accepts
         # n is bitwise n + 1 decodes: the fp32 parity mode's contract); "wide" as one [B, K] group keeping each
         # row's state (one forward: bf16, where a 1-row and a K-row GEMM round differently anyway)
         self.verify_mode = verify_mode or ("rows" if self.dtype == torch.float32 else "wide")
         if self.verify_mode not in ("rows", "wide"):
             raise ValueError(f"verify_mode {self.verify_mode!r}: 'rows' or 'wide'")
+        self.pools = DevicePools(spec, num_kv_blocks=num_kv_blocks, block_size=block_size, max_seqs=max_batch_size,
+                                 scratch_slots=bucket(max_batch_size), dtype=self.dtype, device=self.device,
+                                 verify_width=verify_width, ring_slots=ring_slots,
+                                 inter=self.verify_mode == "rows")
         has_mtp = any(k.startswith("mtp.") for k in model.weights)
         if mtp_drafter and not has_mtp:
             raise ValueError(f"mtp_drafter=True but model {model.name!r} has no mtp.* weights (use the n-gram drafter)")

@@ -254,6 +254,7 @@ class CudaStateStore:
             if self.pools.ple_context_len:
                 s.ple_context = (s.ple_context + list(tokens[:rows]))[-self.pools.ple_context_len :]
         self.pools.stamp_rows(torch.tensor(flat, device=dev), torch.tensor(values, dtype=torch.int32, device=dev))
+        self.pools.kept.clear()
         if fed:
             self.drafter.feed(fed, kept)  # type: ignore[union-attr]
 

@@ -65,6 +65,7 @@ def _feed(backend: Any, members: list[SeqWork], width: int) -> tuple[torch.Tenso
         rows.append((list(tokens), w.start, s.slot, list(w.block_table), backend._ngram_rows(s, tokens)))
     n = len(members)
     head = backend.weights["lm_head.weight"]
+    pools.kept.clear()
     if backend.verify_mode == "wide":
         shape = attrs.evolve(backend._shape(n, width, max(w.start + width for w in members)), pending=True, keep=True)
         if backend.batch_invariant:

@@ -216,7 +216,7 @@ def main() -> None:
     parser.add_argument("--batches", default=None, help="comma-separated decode batches (default 1,16,64)")
     args = parser.parse_args()
     setup = Setup(args.smoke, args.config)
-    batches = [int(b) for b in (args.batches or ("1,2" if args.smoke else "1,16,64")).split(",")]
+    batches = [int(b) for b in (args.batches or ("2" if args.smoke else "1,16,64")).split(",")]
     report: dict[str, Any] = {"backend": setup.backend, "model": setup.model.name,
                               "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"}
 
@@ -230,7 +230,7 @@ def main() -> None:
     report["speculative"] = []
     for batch in batches:
         report["speculative"] += bench_speculative(setup, batch, prompt_len=24 if args.smoke else 140,
-                                                   new=8 if args.smoke else 40)
+                                                   new=6 if args.smoke else 40)
         save()
     report["prefix"] = [bench_prefix(setup, shared) for shared in ((48,) if args.smoke else (2048, 16384))]
     save()

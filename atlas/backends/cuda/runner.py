@@ -165,6 +165,7 @@ class CudaBackend:
         # by the sampler graph on the graph's own logits
         self._replayed: tuple[GroupShape, list[int]] | None = None
         self._hidden_out: dict[GroupShape, torch.Tensor] = {}
+        self._kept_out: dict[GroupShape, dict] = {}
         self._ple_tables = ([ngram_tables(spec.ple, spec.vocab_size, r) for r in range(len(spec.ple.layers))]
                             if spec.ple is not None else [])
         # verify rows get their own QSA selection (qsa_selection masks per row by the row's own position), so a
@@ -254,6 +255,9 @@ class CudaBackend:
         """A wide verify group: every row's logits [B, K, vocab] (its hidden kept for the drafter's commit)."""
         hidden = self._run_group(packed, shape)
         self._hidden_out[shape] = hidden
+        # the per-token state tensors the commit selects from: under a graph, the captured run's static tensors
+        # (a replay runs no Python, so verify.py puts these back into pools.kept after each replay)
+        self._kept_out[shape] = dict(self.pools.kept)
         return hidden @ self.weights["lm_head.weight"].T
 
     def _padding(self, shape: GroupShape) -> torch.Tensor:

@@ -76,6 +76,7 @@ def _feed(backend: Any, members: list[SeqWork], width: int) -> tuple[torch.Tenso
         if backend.verify_graphs is not None:  # replayed: a graph per (batch bucket, width, key blocks, QSA)
             host = packed.pin_memory() if dev.type == "cuda" else packed
             logits, _ = backend.verify_graphs.replay(shape, host, backend._padding(shape))
+            pools.kept = dict(backend._kept_out[shape])  # the graph's static per-token tensors, this replay's rows
             return logits[:n], backend._hidden_out[shape][:n].clone()
         hidden = backend._run_group(packed.to(dev), shape)[:n]
         return hidden @ head.T, hidden

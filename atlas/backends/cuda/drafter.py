@@ -238,11 +238,11 @@ class CudaMtpDrafter:
         cos, sin = rope_table((key + 1).reshape(-1), spec.rotary_dim, spec.rope_theta, x.dtype)
         length = max(rows) + t
         stamp = (-(row + 2) if pending else row).to(torch.int32).reshape(-1)
-        sentinel = slot * self.capacity + (row[:, -1] + 1).clamp(max=self.capacity - 1)
-        past = row[:, -1] + 1 < self.capacity
         self.pos.view(-1).index_copy_(0, flat, stamp)
-        if not pending:  # the row past the new keys stops any stale chain
-            self.pos.view(-1)[sentinel[past]] = -1
+        # the row past the new keys stops any stale chain (indices on the host: no mask, no sync)
+        past = [s * self.capacity + r + t for s, r in zip(slots, rows, strict=True) if r + t < self.capacity]
+        if not pending and past:
+            self.pos.view(-1)[torch.tensor(past, device=dev)] = -1
         mask = torch.arange(length, device=dev)[None, None, :] <= row[..., None]  # [B, T, L]
         for layer in self.layers:
             pre = f"mtp.layers.{layer}."

@@ -206,11 +206,11 @@ def test_a_dropped_gdn_state_write_is_caught_at_that_step() -> None:
         put(name, slots, positions, final, per_token, keep)
 
     pools.put = dropping
-    with pytest.raises(InvariantViolation, match="data-plane cursors"):
+    with pytest.raises(InvariantViolation, match="position stamp"):
         greedy(engine, PROMPTS[:1], 12)
     (violation,) = [e for _, _, e, _ in engine.sink.rows if isinstance(e, InvariantViolated)]  # type: ignore[union-attr]
-    stamps = violation.fields["backend"]["stamps"]
-    assert ["gdn", 1, 90 + 4] in [list(s) for s in stamps]  # layer 1's stamp stayed one token behind
+    f = violation.fields  # named: layer 1's GDN stamp stayed one token behind
+    assert (f["layer"], f["state"], f["data_plane"], f["control_plane"]) == (1, "gdn", 90 + 4, 90 + 5), f
 
 
 class EagerVerifyGraphs:
@@ -285,12 +285,12 @@ def test_a_dropped_qsa_key_write_is_caught_at_that_step() -> None:
             pools.index_keys[layer], pools.index_pos[layer] = keys, pos
 
     backend.execute = dropping
-    with pytest.raises(InvariantViolation, match="data-plane cursors"):
+    with pytest.raises(InvariantViolation, match="position stamp"):
         greedy(engine, PROMPTS[:1], 12)
     (violation,) = [e for _, _, e, _ in engine.sink.rows if isinstance(e, InvariantViolated)]  # type: ignore[union-attr]
-    assert violation.fields["step"] == 5  # the sixth step (steps count from 0)
-    stamps = {(k, lay): p for k, lay, p in violation.fields["backend"]["stamps"]}
-    assert stamps[("qsa", layer)] == stamps[("kv", layer)] - 1
+    f = violation.fields
+    assert f["step"] == 5  # the sixth step (steps count from 0)
+    assert (f["layer"], f["state"]) == (layer, "qsa") and f["data_plane"] == f["control_plane"] - 1, f
 
 
 @pytest.mark.parametrize("accepted", [0, 2, 3])

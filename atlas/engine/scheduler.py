@@ -11,6 +11,7 @@ decisions become events that the engine applies.
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
+from typing import Any
 
 import attrs
 
@@ -84,7 +85,7 @@ def batch(state: ControlState, drafts: Mapping[int, int] | None = None) -> Sched
             continue
         seq = seqs[seq_id]
         c = seq.cursor
-        n = min(len(c.tokens) - c.computed, budget)
+        n = _to_branch(state, seq, c.computed, min(len(c.tokens) - c.computed, budget))
         k = min(drafts.get(seq_id, 0), budget - n) if c.decoding else 0
         if k:  # drafts never preempt anyone: cut them to the blocks that are free
             k = max(0, min(k, (len(seq.blocks) + free.available) * bs - c.computed - n))
@@ -112,7 +113,7 @@ def batch(state: ControlState, drafts: Mapping[int, int] | None = None) -> Sched
             if budget == 0 or slots == 0:
                 break
             seq = seqs[seq_id]
-            n = min(len(seq.cursor.tokens), budget)
+            n = _to_branch(state, seq, 0, min(len(seq.cursor.tokens), budget), cold=True)
             need = -(-n // bs)
             if need > free.available:
                 break
@@ -131,3 +132,21 @@ def batch(state: ControlState, drafts: Mapping[int, int] | None = None) -> Sched
         alloc=tuple(alloc),
         drafts=tuple(verified) if any(verified) else (),
     )
+
+
+def _to_branch(state: ControlState, seq: Any, computed: int, n: int, *, cold: bool = False) -> int:
+    """A prefill chunk of `n` tokens from `computed`, cut to end at the first branch point inside it, so the
+    prefix cache snapshots the recurrent state there (every prefill chunk's end is snapshotted): the request's
+    snapshot_points (the server's chat message boundaries), and for a cold admission the end of the full blocks
+    it shares with a cached chain that has no snapshot there (where this prompt branches off another: Marconi's
+    insertion at branch points; not for a preempted sequence coming back, whose own blocks those are). Prefix
+    caching off: chunks are never cut."""
+    if state.prefix is None or n <= 1:
+        return n
+    tokens = seq.cursor.tokens
+    points = [p for p in seq.params.snapshot_points if computed < p < computed + n]
+    if cold and seq.preemptions == 0:  # a preempted one finds its own old blocks: no branch there
+        shared = len(state.prefix.matched_blocks(tokens)[0]) * state.caps.block_size
+        if computed < shared < min(computed + n, len(tokens)):
+            points.append(shared)
+    return min(points, default=computed + n) - computed

@@ -10,7 +10,7 @@ DEFAULT_SEED = 0
 # fields added after traces were first recorded: to_json leaves them out at their defaults, so an old
 # trace's request payload replays byte for byte (the replay compares every event payload)
 _LATER_FIELDS = {"min_p": 0.0, "repetition_penalty": 1.0, "min_tokens": 0, "prompt_logprobs": None,
-                 "include_stop_str_in_output": False, "skip_special_tokens": True}
+                 "include_stop_str_in_output": False, "skip_special_tokens": True, "snapshot_points": ()}
 
 
 def _check_temperature(_inst: object, _attr: attrs.Attribute, value: float) -> None:
@@ -46,6 +46,15 @@ def _check_min_tokens(_inst: object, _attr: attrs.Attribute, value: int) -> None
 def _check_max_tokens(_inst: object, _attr: attrs.Attribute, value: int | None) -> None:
     if value is not None and value < 1:
         raise ValueError(f"max_tokens must be >= 1, got {value}")
+
+
+def _check_points(_inst: object, _attr: attrs.Attribute, value: tuple[int, ...]) -> None:
+    if any(p < 1 for p in value) or list(value) != sorted(set(value)):
+        raise ValueError(f"snapshot_points must be increasing prompt positions >= 1, got {list(value)}")
+
+
+def _ints(value: object) -> tuple[int, ...]:
+    return tuple(int(v) for v in value)  # type: ignore[attr-defined]
 
 
 def _check_logprobs(_inst: object, _attr: attrs.Attribute, value: int) -> None:
@@ -86,6 +95,10 @@ class SamplingParams:
     # with the rest (vLLM's fields of the same names)
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # prompt positions where the prefix cache should keep a recurrent snapshot (prefill chunks end there): the
+    # server sets the chat's message boundaries (the end of the system prompt and of each earlier turn), where
+    # the next chat or turn branches off. Positions at or past the prompt's end are ignored
+    snapshot_points: tuple[int, ...] = attrs.field(default=(), converter=_ints, validator=_check_points)
 
     def __attrs_post_init__(self) -> None:
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
@@ -99,8 +112,9 @@ class SamplingParams:
         d = attrs.asdict(self)
         d["stop"] = list(self.stop)
         d["stop_token_ids"] = list(self.stop_token_ids)
+        d["snapshot_points"] = list(self.snapshot_points)
         for name, default in _LATER_FIELDS.items():
-            if d[name] == default:
+            if d[name] == default or (isinstance(default, tuple) and tuple(d[name]) == default):
                 del d[name]
         return d
 

@@ -73,6 +73,21 @@ class ServingContext:
             _check_unicode(m["content"], "messages")
         return encode_chat(self.tokenizer, self.chat_template, plain, add_generation_prompt=add_generation_prompt)
 
+    def message_boundaries(self, messages: list[ChatMessage], prompt: list[int]) -> tuple[int, ...]:
+        """Where the chat's earlier messages end in `prompt` (the system prompt's end, each earlier turn's):
+        the points where other chats and the next turn branch off, so the prefix cache keeps a recurrent
+        snapshot there (SamplingParams.snapshot_points). A boundary the template does not render as a prefix
+        of the whole (a template that rewrites earlier turns) is left out."""
+        points = []
+        for i in range(max(1, len(messages) - MAX_BOUNDARIES), len(messages)):
+            head = encode_chat(self.tokenizer, self.chat_template, _plain(messages[:i]), add_generation_prompt=False)
+            if 0 < len(head) < len(prompt) and prompt[:len(head)] == head:
+                points.append(len(head))
+        return tuple(sorted(set(points)))
+
+
+MAX_BOUNDARIES = 8  # the last message boundaries a chat request marks (each costs one more tokenisation)
+
 
 def _check_unicode(text: str, param: str) -> None:
     try:
@@ -304,9 +319,9 @@ class _EventStream(StreamingResponse):
 
 
 async def _run(ctx: ServingContext, request: Request, kind: Kind, body: CompletionRequest | ChatCompletionRequest,
-               prompts: list[list[int]]) -> Response:
+               prompts: list[list[int]], snapshot_points: tuple[int, ...] = ()) -> Response:
     ctx.check_token_ids(body.stop_token_ids, param="stop_token_ids")
-    params = body.sampling_params()
+    params = attrs.evolve(body.sampling_params(), snapshot_points=snapshot_points)
     request_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
     prompt_lp = body.engine_prompt_logprobs() if isinstance(body, CompletionRequest) else None
     streams: list[RequestStream] = []
@@ -314,7 +329,8 @@ async def _run(ctx: ServingContext, request: Request, kind: Kind, body: Completi
         for i, prompt in enumerate(prompts):
             # every prompt is its own engine request (its own seed draw when the body gives none)
             sub_id = request_id if len(prompts) == 1 else f"{request_id}-{i}"
-            sub_params = params if i == 0 or body.seed is not None else body.sampling_params()
+            sub_params = params if i == 0 or body.seed is not None else attrs.evolve(body.sampling_params(),
+                                                                                      snapshot_points=snapshot_points)
             # SSE requests get their tokens as sampled; the others are held back whole (a rollback can rewind)
             streams.append(await _submit(ctx, request, sub_id, prompt, sub_params, stream=bool(body.stream),
                                          prompt_logprobs=prompt_lp))
@@ -350,4 +366,5 @@ async def create_completion(ctx: ServingContext, request: Request, body: Complet
 
 async def create_chat_completion(ctx: ServingContext, request: Request, body: ChatCompletionRequest) -> Response:
     ctx.check_model(body.model)
-    return await _run(ctx, request, "chat", body, [ctx.encode_chat(body.messages, body.add_generation_prompt)])
+    prompt = ctx.encode_chat(body.messages, body.add_generation_prompt)
+    return await _run(ctx, request, "chat", body, [prompt], ctx.message_boundaries(body.messages, prompt))

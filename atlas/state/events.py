@@ -83,11 +83,11 @@ def decode(kind: str, version: int, payload: dict[str, Any]) -> Event:
 
 
 def _ints(value: Any) -> tuple[int, ...]:
-    return tuple(int(v) for v in value)
+    return tuple(map(int, value))  # map, not a generator: half the cost of building a batch-64 step event
 
 
 def _int_rows(value: Any) -> tuple[tuple[int, ...], ...]:
-    return tuple(tuple(int(v) for v in row) for row in value)
+    return tuple(tuple(map(int, row)) for row in value)
 
 
 # ---------------------------------------------------------------------------------------------------- inputs

@@ -30,7 +30,12 @@ class Event:
         return {name: getattr(self, name) for name in _FIELD_NAMES[type(self)]}
 
     def payload_json(self) -> str:
-        return json.dumps(self.payload(), separators=(",", ":"))
+        return _ENCODE(self.payload())
+
+
+# json.dumps(payload, separators=(",", ":")) with its encoder built once: dumps builds a new JSONEncoder per
+# call when given separators (a third of the cost of encoding a batch-64 step event); same output
+_ENCODE = json.JSONEncoder(separators=(",", ":")).encode
 
 
 EVENT_TYPES: dict[str, type[Event]] = {}

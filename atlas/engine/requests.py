@@ -123,6 +123,8 @@ class RequestBook:
                         continue  # held back and not ended: no event, no output (and no generator made)
                 taken = (ended, [token], list(lp), list(tp))
             yield from self._settle_seq(state, seq, taken, plan.step, lanes, out)
+        if not refused:
+            return
         in_work = {w.seq_id for w in plan.work}
         for seq_id, why in refused.items():  # an order refused for a sequence with no work in the plan
             if seq_id not in in_work and seq_id in state.seqs:

@@ -68,6 +68,13 @@ def sequence_fingerprint(seq: Sequence) -> int:
     return h ^ (h >> 31)
 
 
+class Refreshed(tuple):  # type: ignore[type-arg]
+    """The ids a handler touched when it already refreshed their share of the digest itself (the batched
+    StepExecuted, in the pass that commits them): `apply` does not walk them again."""
+
+    __slots__ = ()
+
+
 @attrs.define(slots=True)
 class ControlState:
     caps: Capacities
@@ -129,6 +136,8 @@ class ControlState:
         if handler is None:
             raise TransitionRefused("ControlState", f"no transition for event kind {e.kind!r}")
         touched = handler(self, e)
+        if type(touched) is Refreshed:
+            return touched
         seqs = self.seqs
         acc = self.seq_digest
         for seq_id in touched:  # refresh(seq) for each, with the XOR kept in a local

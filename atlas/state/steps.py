@@ -8,7 +8,7 @@ from bisect import insort
 from atlas.errors import TransitionRefused
 from atlas.hashing import MASK64, ints_key
 from atlas.plan import RingRestore
-from atlas.state.control import ControlState, transition
+from atlas.state.control import ControlState, Refreshed, sequence_fingerprint, transition
 from atlas.state.events import (
     BoundarySnapshotted,
     RollbackDeclined,
@@ -157,7 +157,7 @@ def executed(state: ControlState, e: StepExecuted) -> tuple[int, ...]:
         state.inflight = None
         state.inflight_hash = 0
         state.inflight_orders = PlanOrders()
-        return plan.seqs
+        return Refreshed(plan.seqs)
     work = []
     refused: list[Sequence] = []
     for i, (seq_id, fed, token) in enumerate(zip(plan.seqs, plan.fed, e.tokens, strict=True)):
@@ -216,7 +216,8 @@ def _advance_all(state: ControlState, plan: StepPlanned, tokens: tuple[int, ...]
             seq.check_advance(fed, token, bs)  # raises (the conditions above are its own)
         work.append((seq, fed, token))
     prefix = state.prefix
-    for seq, fed, token in work:  # every check passed: commit them all
+    acc = state.seq_digest
+    for seq, fed, token in work:  # every check passed: commit them all (and refresh their digest share)
         c = seq.cursor
         end = c.computed + fed
         c.computed = end
@@ -229,6 +230,10 @@ def _advance_all(state: ControlState, plan: StepPlanned, tokens: tuple[int, ...]
             c.token_hash = (c.token_hash * 0x100000001B3 + token + 1) & MASK64
         if prefix is not None:
             register_blocks(state, seq)
+        fp = sequence_fingerprint(seq)
+        acc ^= seq.fingerprint ^ fp
+        seq.fingerprint = fp
+    state.seq_digest = acc
 
 
 @transition(SpeculationLatchedOff)

@@ -4,7 +4,8 @@
 
 A fixed-token backend (honest cursors, no compute) stands in for the model, so the figure is the cost
 the engine adds to every decode step. It prints sequence-steps per second (one sequence advanced by
-one step) at each batch size, with the trace on, and the trace's bytes per sequence-step.
+one step) at each batch size, with the trace on, the trace's bytes per sequence-step, and the control
+plane's time per decode step: the engine's wall time outside Backend.execute (issue 15's measure).
 """
 
 from __future__ import annotations
@@ -32,8 +33,15 @@ class FixedTokenBackend:
 
     def __init__(self) -> None:
         self._fed: dict[int, int] = {}
+        self.seconds = 0.0  # wall time inside execute: the data plane's share, left out of the control plane's
 
     def execute(self, plan: StepPlan) -> StepResult:
+        t0 = time.perf_counter()
+        result = self._execute(plan)
+        self.seconds += time.perf_counter() - t0
+        return result
+
+    def _execute(self, plan: StepPlan) -> StepResult:
         fed = self._fed
         for seq_id in plan.release:
             fed.pop(seq_id, None)
@@ -51,21 +59,24 @@ class FixedTokenBackend:
         return BackendCursors(n, n, n, n, 0)
 
 
-def measure(batch: int, steps: int, trace_dir: Path | None) -> tuple[float, float | None]:
+def measure(batch: int, steps: int, trace_dir: Path | None) -> tuple[float, float | None, float]:
+    """(sequence-steps/s, trace bytes per sequence-step, control-plane us per step outside execute)."""
     prompt_len, max_seq_len = 16, 16 + steps + 8
     config = EngineConfig(max_seq_len=max_seq_len, max_batch_size=batch, prefill_chunk_tokens=max(batch * prompt_len, 64),
                           block_size=16)
     sink = None
     path = None
     if trace_dir is not None:
-        path = trace_dir / f"bench-{batch}.db"
+        path = trace_dir / f"bench-{batch}-{time.perf_counter_ns()}.db"  # a fresh trace per run
         sink = TraceWriter(path, run={"engine_version": "bench", "git_revision": None, "model": "none",
                                       "model_fingerprint": "none", "backend": "fixed", "seed": None,
                                       "config": config.to_json(), "capacities": {}})
-    engine = Engine(FixedTokenBackend(), tokenizer=ByteTokenizer(), config=config, sink=sink)
+    backend = FixedTokenBackend()
+    engine = Engine(backend, tokenizer=ByteTokenizer(), config=config, sink=sink)
     for i in range(batch):
         engine.add_request(f"r{i}", [1 + i % 200] * prompt_len, SamplingParams(max_tokens=steps + 4, ignore_eos=True))
     engine.step()  # the prefill step: not part of the decode figure
+    backend.seconds = 0.0
     t0 = time.perf_counter()
     seq_steps = 0
     for _ in range(steps):
@@ -77,7 +88,7 @@ def measure(batch: int, steps: int, trace_dir: Path | None) -> tuple[float, floa
     if path is not None:
         size = sum(os.path.getsize(p) for p in path.parent.glob(path.name + "*"))
         bytes_per = size / seq_steps
-    return seq_steps / elapsed, bytes_per
+    return seq_steps / elapsed, bytes_per, (elapsed - backend.seconds) / steps * 1e6
 
 
 def main() -> None:
@@ -85,6 +96,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=400)
     ap.add_argument("--batches", default="1,64,256")
     ap.add_argument("--no-trace", action="store_true")
+    ap.add_argument("--repeat", type=int, default=1, help="runs per batch size; the fastest is shown")
     ap.add_argument("--smoke", action="store_true", help="20 steps at batch 1 and 8: seconds, for CI")
     args = ap.parse_args()
     if args.smoke:
@@ -94,11 +106,15 @@ def main() -> None:
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(30))  # quiet the capacity table
     with tempfile.TemporaryDirectory() as tmp:
         trace_dir = None if args.no_trace else Path(tmp)
-        print(f"{'batch':>6} {'seq-steps/s':>12} {'us/seq-step':>12} {'trace B/seq-step':>17}")
+        # control plane: the engine's wall time per decode step outside Backend.execute (the fastest run's)
+        print(f"{'batch':>6} {'seq-steps/s':>12} {'us/seq-step':>12} {'trace B/seq-step':>17} "
+              f"{'control plane us/step':>22}")
         for batch in (int(b) for b in args.batches.split(",")):
-            rate, bytes_per = measure(batch, args.steps, trace_dir)
+            runs = [measure(batch, args.steps, trace_dir) for _ in range(args.repeat)]
+            rate, bytes_per, _ = max(runs, key=lambda r: r[0])
+            plane_us = min(r[2] for r in runs)
             shown = "-" if bytes_per is None else f"{bytes_per:.1f}"
-            print(f"{batch:>6} {rate:>12,.0f} {1e6 / rate:>12.2f} {shown:>17}")
+            print(f"{batch:>6} {rate:>12,.0f} {1e6 / rate:>12.2f} {shown:>17} {plane_us:>22,.0f}")
 
 
 if __name__ == "__main__":

@@ -199,8 +199,10 @@ class Engine:
     def _fold(self, plan: StepPlan, result: StepResult, out: list[RequestOutput]) -> None:
         journal, state = self.journal, self.state
         assert state.inflight is not None
-        admitted = set(state.inflight.admitted)  # prefill chunks: every work but a running sequence's decode
-        prefilled = [w.seq_id for w in plan.work if len(w.tokens) > 1 or not w.sample or w.seq_id in admitted]
+        prefilled: list[int] = []
+        if self.lanes.prefix is not None:  # prefill chunks: every work but a running sequence's decode
+            admitted = set(state.inflight.admitted)
+            prefilled = [w.seq_id for w in plan.work if len(w.tokens) > 1 or not w.sample or w.seq_id in admitted]
         folded = outcome(state, plan, result, self.vocab_size, journal.index)
         journal.apply_all(folded.events)
         journal.check(cursor_violation(state, plan, result, journal.index - 1 - len(plan.snapshots)))

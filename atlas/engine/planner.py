@@ -79,18 +79,25 @@ def plan_step(state: ControlState, lanes: Lanes) -> StepPlan:
     assert planned is not None, "plan_step needs a step in flight"
     seqs = state.seqs
     drafts = planned.drafts or ((),) * len(planned.seqs)
+    spec = lanes.spec
+    eos = lanes.eos
     work = []
     for seq_id, n, verify in zip(planned.seqs, planned.fed, drafts, strict=True):
         seq = seqs[seq_id]
         c = seq.cursor
-        start, end = c.computed, c.computed + n
+        start = c.computed
+        end = start + n
         sample = end == len(c.tokens)
-        propose = lanes.spec.proposes(seq) if lanes.spec is not None and sample else 0
-        scored = seq.params.prompt_logprobs if start < c.prompt_len else None  # prompt positions only
-        banned = tuple(sorted({*seq.banned.get(end, ()), *min_tokens_ban(seq, lanes.eos)})) if sample else ()
-        work.append(SeqWork(seq_id, tuple(c.tokens[start:end]), start, tuple(seq.blocks), sample, seq.params,
-                            banned=banned, drafts=verify,
-                            drafter_first_key=seq.drafter.first_key, propose=propose, prompt_logprobs=scored))
+        p = seq.params
+        propose = spec.proposes(seq) if spec is not None and sample else 0
+        scored = p.prompt_logprobs if start < c.prompt_len else None  # prompt positions only
+        if sample and (seq.banned or p.min_tokens):  # else nothing is banned (the common case, no set built)
+            banned = tuple(sorted({*seq.banned.get(end, ()), *min_tokens_ban(seq, eos)}))
+        else:
+            banned = ()
+        work.append(SeqWork(seq_id, tuple(c.tokens[start:end]), start, tuple(seq.blocks), sample, p, banned=banned,
+                            drafts=verify, drafter_first_key=seq.drafter.first_key, propose=propose,
+                            prompt_logprobs=scored))
     snapshots = plan_snapshots(seqs, planned.seqs, planned.fed, state.caps.snapshot_interval)
     o = state.inflight_orders
     return StepPlan(planned.step, tuple(work), planned.release, planned.reset,

@@ -28,6 +28,8 @@ from atlas.state.events import Event, RequestFinished, RollbackDeclined, RolledB
 from atlas.state.machines import Sequence
 
 Sampled = tuple[int, float | None, tuple[tuple[int, float], ...]]
+# how the tokens ended the request (or None), the tokens it keeps, their logprobs, their top alternatives
+Taken = tuple[tuple[FinishReason, str] | None, list[int], list[float], list[tuple[tuple[int, float], ...]]]
 
 
 @attrs.define
@@ -87,6 +89,10 @@ class RequestBook:
 
     def settle(self, state: ControlState, plan: StepPlan, ordered: tuple[SeqOutcome, ...], refused: dict[int, str],
                lanes: Lanes, out: list[RequestOutput]) -> Iterator[Event]:
+        seqs = state.seqs
+        quiet = self.watchdog is None  # a held-back request that did not end then has nothing to emit
+        held = self.held
+        tokenizer = self.tokenizer
         for w, o in zip(plan.work, ordered, strict=True):
             if o.prompt_logprobs:
                 self.prompt_lp.setdefault(w.seq_id, {}).update((pos, (lp, top)) for pos, lp, top in o.prompt_logprobs)
@@ -96,27 +102,48 @@ class RequestBook:
             if w.drafts:
                 n = o.accepted
                 sampled: list[Sampled] = [(v.token, v.logprob, v.top_logprobs) for v in o.verdicts[:n + 1]]
-            else:
-                sampled = [] if o.token is None else [(o.token, o.logprob, o.top_logprobs)]
-            if sampled:
-                yield from self._sampled(state, state.seqs[w.seq_id], sampled, plan.step, lanes, out)
+                if not sampled:
+                    continue
+                seq = seqs[w.seq_id]
+                taken = self._take(seq, sampled)
+            elif o.token is None:
+                continue
+            else:  # one token: _take written out for it, the per-sequence path of every decode step
+                seq = seqs[w.seq_id]
+                token = o.token
+                p = seq.params
+                self.counts.generated_tokens += 1
+                ended = self.stops[w.seq_id].on_token(token, tokenizer)
+                lp = (o.logprob,) if p.logprobs and o.logprob is not None else ()
+                tp = (o.top_logprobs,) if p.logprobs and p.top_logprobs else ()
+                h = held.get(w.seq_id)
+                if h is not None:
+                    h.add(token, lp, tp)
+                    if quiet and ended is None:
+                        continue  # held back and not ended: no event, no output (and no generator made)
+                taken = (ended, [token], list(lp), list(tp))
+            yield from self._settle_seq(state, seq, taken, plan.step, lanes, out)
+        if not refused:
+            return
         in_work = {w.seq_id for w in plan.work}
         for seq_id, why in refused.items():  # an order refused for a sequence with no work in the plan
             if seq_id not in in_work and seq_id in state.seqs:
                 yield from self.finish_error(state, seq_id, why, out)
 
-    def _sampled(self, state: ControlState, seq: Sequence, sampled: list[Sampled], step: int, lanes: Lanes,
-                 out: list[RequestOutput]) -> Iterator[Event]:
+    def _take(self, seq: Sequence, sampled: list[Sampled]) -> Taken:
+        """Each sampled token through the stop checker (and into the held-back output): (how it ended or None,
+        the tokens the request keeps, their logprobs, their top alternatives)."""
         stop = self.stops[seq.seq_id]
         p = seq.params
         held = self.held.get(seq.seq_id)
+        tokenizer = self.tokenizer
         new_tokens: list[int] = []
         logprobs: list[float] = []
         top: list[tuple[tuple[int, float], ...]] = []
         ended = None
         for token, token_logprob, token_top in sampled:
             self.counts.generated_tokens += 1
-            ended = stop.on_token(token, self.tokenizer)
+            ended = stop.on_token(token, tokenizer)
             lp = (token_logprob,) if p.logprobs and token_logprob is not None else ()
             tp = (token_top,) if p.logprobs and p.top_logprobs else ()
             new_tokens.append(token)
@@ -126,6 +153,14 @@ class RequestBook:
                 held.add(token, lp, tp)
             if ended is not None:  # a verify's tokens past a stop are the engine's, never the request's
                 break
+        return ended, new_tokens, logprobs, top
+
+    def _settle_seq(self, state: ControlState, seq: Sequence, taken: Taken, step: int, lanes: Lanes,
+                    out: list[RequestOutput]) -> Iterator[Event]:
+        """After a sequence's tokens went through its stop checker: the watchdog, the finish, the output."""
+        ended, new_tokens, logprobs, top = taken
+        stop = self.stops[seq.seq_id]
+        held = self.held.get(seq.seq_id)
         if ended is None and self.watchdog is not None:
             watched = yield from self._watch(state, seq, step)
             if watched == "rolled_back":  # the tokens are gone with the loop; a held request goes on

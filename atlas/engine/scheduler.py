@@ -85,11 +85,12 @@ def batch(state: ControlState, drafts: Mapping[int, int] | None = None) -> Sched
             continue
         seq = seqs[seq_id]
         c = seq.cursor
-        n = _to_branch(state, seq, c.computed, min(len(c.tokens) - c.computed, budget))
-        k = min(drafts.get(seq_id, 0), budget - n) if c.decoding else 0
+        computed = c.computed
+        n = _to_branch(state, seq, computed, min(len(c.tokens) - computed, budget))
+        k = min(drafts.get(seq_id, 0), budget - n) if drafts and c.decoding else 0  # no drafts: k is 0
         if k:  # drafts never preempt anyone: cut them to the blocks that are free
-            k = max(0, min(k, (len(seq.blocks) + free.available) * bs - c.computed - n))
-        need = -(-(c.computed + n + k) // bs) - len(seq.blocks)
+            k = max(0, min(k, (len(seq.blocks) + free.available) * bs - computed - n))
+        need = -(-(computed + n + k) // bs) - len(seq.blocks)
         while need > free.available:
             victim = victims.pop()
             preempted.append(victim)

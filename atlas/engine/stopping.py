@@ -76,31 +76,34 @@ class StopChecker:
         # tokenizers (Atlas's byte tokenizer, Qwen's byte-level BPE), whose tokens decode independently of
         # context; a trailing U+FFFD is an incomplete character, held back until its last byte arrives.
         self.unread.append(token)
-        piece = decode(tokenizer, self.unread, self.params.skip_special_tokens)
+        skip = self.params.skip_special_tokens  # decode() with the flag's common value inline
+        piece = tokenizer.decode(self.unread) if skip else decode(tokenizer, self.unread, skip)
         if not piece.endswith("\ufffd"):
             self.text += piece
             self.unread.clear()
 
     def on_token(self, token: int, tokenizer: Tokenizer | None) -> tuple[FinishReason, str] | None:
         """Record a sampled token; the finish reason and detail if it ends the request."""
-        self.count += 1
-        may_stop = self.count > self.params.min_tokens  # min_tokens: only the budget ends it before
-        if may_stop and token in self.stop_ids:
-            is_eos = not self.params.ignore_eos and token not in self.params.stop_token_ids
+        self.count = count = self.count + 1
+        p = self.params
+        may_stop = count > p.min_tokens  # min_tokens: only the budget ends it before
+        stop_ids = self.stop_ids
+        if may_stop and token in stop_ids:
+            is_eos = not p.ignore_eos and token not in p.stop_token_ids
             return FinishReason.STOP, "eos" if is_eos else f"stop token {token}"
         if tokenizer is not None:
             self.tokenizer = tokenizer
             before = len(self.text)
-            if token not in self.stop_ids:  # a stop token inside min_tokens adds no text (it never does)
+            if token not in stop_ids:  # a stop token inside min_tokens adds no text (it never does)
                 self._append_text(token, tokenizer)
-            for stop in self.params.stop if may_stop else ():
+            for stop in p.stop if may_stop else ():
                 # only the new text, and the stop string's length before it, can hold a new occurrence
                 at = self.text.find(stop, max(0, before - len(stop) + 1))
                 if at >= 0:
-                    self.text = self.text[:at + len(stop) if self.params.include_stop_str_in_output else at]
+                    self.text = self.text[:at + len(stop) if p.include_stop_str_in_output else at]
                     self.cut = True
                     return FinishReason.STOP, f"stop string {stop!r}"
-        if self.count >= self.max_new:
+        if count >= self.max_new:
             if self.max_new_from_capacity:
                 return FinishReason.LENGTH, f"capacity: max_seq_len left room for {self.max_new} tokens"
             return FinishReason.LENGTH, f"max_tokens {self.max_new}"

@@ -21,10 +21,10 @@ from atlas.engine.engine import Engine
 from atlas.engine.records import RecordingSink
 from atlas.errors import AdmissionError, EngineDead, InvariantViolation, QueueFull, TransitionRefused
 from atlas.registry import engine_for_run
-from atlas.replay.store import EventRecord, RunRecord, read_run
+from atlas.replay.store import EventRecord, RunRecord, TraceReader, read_run
 from atlas.sampling.params import SamplingParams
 from atlas.state.control import ControlState
-from atlas.state.events import INPUT_KINDS, Event, InvariantViolated
+from atlas.state.events import EVENT_TYPES, INPUT_KINDS, Event, InvariantViolated
 from atlas.state.invariants import check_invariants
 
 Progress = Callable[[int, int], None]
@@ -177,21 +177,34 @@ class StateCheckReport:
 
 def check_state_only(path_or_url: str | Path, run_id: int | None = None) -> StateCheckReport:
     """Apply the recorded events to the state machines alone; report the first refusal, violation or
-    digest mismatch. Needs no model: it audits what the trace claims happened."""
-    run, recorded = read_run(path_or_url, run_id)
+    digest mismatch. Needs no model: it audits what the trace claims happened.
+
+    The events are built straight from the stored rows (no EventRecord in between), and the loop keeps what
+    it calls in locals: per event it is the state's apply, the invariants and the digest, nothing else."""
+    reader = TraceReader(path_or_url)
+    try:
+        run = reader.run(run_id)
+        rows = list(reader.rows(run.run_id))
+    finally:
+        reader.close()
+    total = len(rows)
     state = ControlState.create(Capacities.from_table(run.capacities))
-    for rec in recorded:
-        e = rec.event()
-        if isinstance(e, InvariantViolated):  # the run itself recorded a violation: the trace fails there
-            return StateCheckReport(len(recorded), f"recorded invariant violation in {e.machine}: {e.message} "
+    apply, digest = state.apply, state.digest
+    comparable = run.digests_comparable
+    types = EVENT_TYPES
+    for index, _step, kind, _version, payload, recorded_digest in rows:
+        e = types[kind](**payload)
+        if kind == "invariant_violated":  # the run itself recorded a violation: the trace fails there
+            assert isinstance(e, InvariantViolated)
+            return StateCheckReport(total, f"recorded invariant violation in {e.machine}: {e.message} "
                                     f"{e.fields}", e.event_index)
         try:
-            touched = state.apply(e)
-            check_invariants(state, touched, rec.index)
+            touched = apply(e)
+            check_invariants(state, touched, index)
         except TransitionRefused as exc:
-            return StateCheckReport(len(recorded), f"refused: {exc} {exc.fields}", rec.index)
+            return StateCheckReport(total, f"refused: {exc} {exc.fields}", index)
         except InvariantViolation as exc:
-            return StateCheckReport(len(recorded), str(exc), rec.index)
-        if run.digests_comparable and state.digest() != rec.digest:
-            return StateCheckReport(len(recorded), f"digest {state.digest()} != recorded {rec.digest}", rec.index)
-    return StateCheckReport(len(recorded), None)
+            return StateCheckReport(total, str(exc), index)
+        if comparable and digest() != recorded_digest:
+            return StateCheckReport(total, f"digest {digest()} != recorded {recorded_digest}", index)
+    return StateCheckReport(total, None)

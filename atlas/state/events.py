@@ -30,7 +30,12 @@ class Event:
         return {name: getattr(self, name) for name in _FIELD_NAMES[type(self)]}
 
     def payload_json(self) -> str:
-        return json.dumps(self.payload(), separators=(",", ":"))
+        return _ENCODE(self.payload())
+
+
+# json.dumps(payload, separators=(",", ":")) with its encoder built once: dumps builds a new JSONEncoder per
+# call when given separators (a third of the cost of encoding a batch-64 step event); same output
+_ENCODE = json.JSONEncoder(separators=(",", ":")).encode
 
 
 EVENT_TYPES: dict[str, type[Event]] = {}
@@ -83,11 +88,11 @@ def decode(kind: str, version: int, payload: dict[str, Any]) -> Event:
 
 
 def _ints(value: Any) -> tuple[int, ...]:
-    return tuple(int(v) for v in value)
+    return tuple(map(int, value))  # map, not a generator: half the cost of building a batch-64 step event
 
 
 def _int_rows(value: Any) -> tuple[tuple[int, ...], ...]:
-    return tuple(tuple(int(v) for v in row) for row in value)
+    return tuple(tuple(map(int, row)) for row in value)
 
 
 # ---------------------------------------------------------------------------------------------------- inputs

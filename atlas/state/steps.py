@@ -6,9 +6,9 @@ from __future__ import annotations
 from bisect import insort
 
 from atlas.errors import TransitionRefused
-from atlas.hashing import ints_key
+from atlas.hashing import MASK64, ints_key
 from atlas.plan import RingRestore
-from atlas.state.control import ControlState, transition
+from atlas.state.control import ControlState, Refreshed, sequence_fingerprint, transition
 from atlas.state.events import (
     BoundarySnapshotted,
     RollbackDeclined,
@@ -78,7 +78,16 @@ def _check_plan(state: ControlState, e: StepPlanned) -> None:
     admitted = set(e.admitted)
     new_blocks = {row[0]: len(row) - 1 for row in e.alloc}
     bs = state.caps.block_size
+    seqs = state.seqs
+    running = Phase.RUNNING
+    drafted = bool(e.drafts)
     for i, (seq_id, n) in enumerate(zip(e.seqs, e.fed, strict=True)):
+        seq = seqs.get(seq_id)
+        # the common case in one expression (every condition below holds); anything else goes through them
+        if (seq is not None and not drafted and (seq.cursor.phase is running or seq_id in admitted)
+                and n >= 1 and seq.cursor.computed + n <= len(seq.cursor.tokens)
+                and seq.cursor.computed + n <= (len(seq.blocks) + new_blocks.get(seq_id, 0)) * bs):
+            continue
         seq = state.seq(seq_id)
         c = seq.cursor
         drafts = e.drafts[i] if e.drafts else ()
@@ -143,6 +152,12 @@ def executed(state: ControlState, e: StepExecuted) -> tuple[int, ...]:
                                 accepted=len(e.accepted), verdicts=len(e.verdicts), seqs=len(plan.seqs))
     bs = state.caps.block_size
     seqs = state.seqs
+    if not plan.drafts and not e.accepted:  # no verify and nothing refused: every sequence advances
+        _advance_all(state, plan, e.tokens, bs)
+        state.inflight = None
+        state.inflight_hash = 0
+        state.inflight_orders = PlanOrders()
+        return Refreshed(plan.seqs)
     work = []
     refused: list[Sequence] = []
     for i, (seq_id, fed, token) in enumerate(zip(plan.seqs, plan.fed, e.tokens, strict=True)):
@@ -178,6 +193,47 @@ def executed(state: ControlState, e: StepExecuted) -> tuple[int, ...]:
     state.inflight_hash = 0
     state.inflight_orders = PlanOrders()
     return plan.seqs
+
+
+def _advance_all(state: ControlState, plan: StepPlanned, tokens: tuple[int, ...], bs: int) -> None:
+    """StepExecuted of a step without drafts: every sequence advances by its fed count. One pass checks them
+    all (Sequence.check_advance's conditions inline; a sequence that fails one goes through check_advance,
+    which refuses naming it), a second commits them (Sequence.commit_advance inline; DrafterCarry.follow
+    still called). The per-sequence method calls were 2.4 us of a batch-64 sequence-step's ~37 us."""
+    seqs = state.seqs
+    running = Phase.RUNNING
+    work = []
+    for seq_id, fed, token in zip(plan.seqs, plan.fed, tokens, strict=True):
+        seq = seqs.get(seq_id)
+        if seq is None:
+            raise TransitionRefused("Request", "token for a sequence that is not live", seq_id=seq_id)
+        c = seq.cursor
+        end = c.computed + fed
+        n = len(c.tokens)
+        sampled = token >= 0
+        if (c.phase is not running or fed < 1 or end > n or end > seq.qsa.capacity or end > len(seq.blocks) * bs
+                or sampled != (end == n) or (sampled and n - c.prompt_len >= seq.max_new)):
+            seq.check_advance(fed, token, bs)  # raises (the conditions above are its own)
+        work.append((seq, fed, token))
+    prefix = state.prefix
+    acc = state.seq_digest
+    for seq, fed, token in work:  # every check passed: commit them all (and refresh their digest share)
+        c = seq.cursor
+        end = c.computed + fed
+        c.computed = end
+        seq.qsa.ingested = end
+        d = seq.drafter
+        if d.mtp:
+            d.follow(end)
+        if token >= 0:
+            c.tokens.append(token)
+            c.token_hash = (c.token_hash * 0x100000001B3 + token + 1) & MASK64
+        if prefix is not None:
+            register_blocks(state, seq)
+        fp = sequence_fingerprint(seq)
+        acc ^= seq.fingerprint ^ fp
+        seq.fingerprint = fp
+    state.seq_digest = acc
 
 
 @transition(SpeculationLatchedOff)

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from atlas.backends.cuda.batch import Group
 from atlas.backends.cuda.pools import DevicePools
+from atlas.backends.cuda.tuning import Tuning
 from atlas.backends.decoder import decoder_stack
 from atlas.backends.ops import acc_dtype, apply_rope, dense_mlp, l2_normalise, rope_table
 from atlas.model.spec import FULL_ATTENTION, ModelSpec, MoeSpec
@@ -241,13 +242,16 @@ def attention_layer(spec: ModelSpec, w: dict[str, torch.Tensor], pre: str, layer
     return (out @ w[pre + "o_proj.weight"].T).view(b, t, -1)
 
 
-def moe_layer(moe: MoeSpec, w: dict[str, torch.Tensor], pre: str, x: torch.Tensor, *, eager: bool) -> torch.Tensor:
+def moe_layer(moe: MoeSpec, w: dict[str, torch.Tensor], pre: str, x: torch.Tensor, *, eager: bool = False,
+              mode: str | None = None) -> torch.Tensor:
     """x [R, H] -> [R, H]: top-k routed experts + sigmoid-gated shared expert.
 
     eager: group tokens by expert (one host sync for the counts; right for prefill, where each expert
     sees many tokens). Otherwise fixed shapes for CUDA graphs: with fewer routed slots than experts, the
     chosen experts' weights are gathered per slot; else every expert runs on every row, weighted by a
-    routing matrix that is zero off the top-k (decode at batch >= E / top_k touches most experts anyway)."""
+    routing matrix that is zero off the top-k (decode at batch >= E / top_k touches most experts anyway).
+    mode (Tuning.moe / prefill_moe) overrides eager: "grouped" is eager; "torch" / "dense" the fixed shapes."""
+    eager = mode == "grouped" if mode is not None else eager
     shared_width = moe.shared_intermediate_size
     logits, shared_gate, shared_up, shared_scale = (x @ w[pre + "fused_in.weight"].T).split(
         [moe.num_experts, shared_width, shared_width, 1], dim=-1)
@@ -311,9 +315,13 @@ class _GroupOps:
     """The layer ops of one group: batched [B, T, ...] tensors, state in the pools at the group's slots."""
 
     def __init__(self, spec: ModelSpec, w: dict[str, torch.Tensor], pools: DevicePools, grp: Group, *,
-                 eager_moe: bool, gdn_kernel: GdnKernel | None) -> None:
+                 eager_moe: bool, gdn_kernel: GdnKernel | None, tuning: Tuning | None = None,
+                 invariant: bool = False) -> None:
         self.spec, self.w, self.pools, self.grp = spec, w, pools, grp
-        self.eager_moe, self.gdn_kernel = eager_moe, gdn_kernel
+        self.gdn_kernel = gdn_kernel
+        self.tuning = tuning = tuning or Tuning()
+        # eager groups (prefill chunks) may sync with the host; the rest must stay graph-capturable
+        self.moe_mode = tuning.prefill_moe if eager_moe else tuning.moe
         dtype = w["embed_tokens.weight"].dtype
         self.cos, self.sin = rope_table(grp.positions.reshape(-1), spec.rotary_dim, spec.rope_theta, dtype)
 
@@ -329,7 +337,7 @@ class _GroupOps:
         pre = f"layers.{layer}.mlp."
         rows = x.reshape(b * t, -1)
         if self.spec.moe_layers[layer] and self.spec.moe is not None:
-            return moe_layer(self.spec.moe, self.w, pre, rows, eager=self.eager_moe).view(b, t, -1)
+            return moe_layer(self.spec.moe, self.w, pre, rows, mode=self.moe_mode).view(b, t, -1)
         return dense_mlp(self.w, pre, rows).view(b, t, -1)
 
     def norm(self, x: torch.Tensor, name: str) -> torch.Tensor:
@@ -345,7 +353,12 @@ class _GroupOps:
 
 
 def forward_group(spec: ModelSpec, w: dict[str, torch.Tensor], pools: DevicePools, grp: Group, *,
-                  eager_moe: bool, gdn_kernel: GdnKernel | None = None) -> torch.Tensor:
-    """Feed the group's tokens through the stack: the final hidden states [B, T, H]."""
-    ops = _GroupOps(spec, w, pools, grp, eager_moe=eager_moe, gdn_kernel=gdn_kernel)
+                  eager_moe: bool, gdn_kernel: GdnKernel | None = None, tuning: Tuning | None = None,
+                  invariant: bool = False) -> torch.Tensor:
+    """Feed the group's tokens through the stack: the final hidden states [B, T, H].
+
+    eager_moe: the group runs eagerly (a prefill chunk), so its MoE may take tuning.prefill_moe (which may
+    sync with the host); otherwise tuning.moe (graph-capturable). invariant: the backend is batch-invariant."""
+    ops = _GroupOps(spec, w, pools, grp, eager_moe=eager_moe, gdn_kernel=gdn_kernel, tuning=tuning,
+                    invariant=invariant)
     return decoder_stack(spec, w["embed_tokens.weight"][grp.tokens], ops)

@@ -21,6 +21,7 @@ from atlas.backends.cuda.batch import Group, GroupShape, Row, pack_rows
 from atlas.backends.cuda.graphs import DecodeGraphs, bucket
 from atlas.backends.cuda.layers import GdnKernel, forward_group, prepare_weights
 from atlas.backends.cuda.pools import DevicePools
+from atlas.backends.cuda.tuning import Tuning
 from atlas.config import Capacities
 from atlas.errors import DeviceFault, RestoreRefused, VerifyRefused
 from atlas.model.loader import LoadedModel
@@ -104,6 +105,7 @@ class CudaBackend:
         batch_invariant: bool = False,
         max_blocks_per_seq: int | None = None,
         name: str = "cuda",
+        tuning: Tuning | None = None,
     ) -> None:
         self.name = name
         self.model = model
@@ -130,11 +132,8 @@ class CudaBackend:
         # only (a request's tokens alone equal its tokens in any batch). Costs a full batch's work per step.
         self.batch_invariant = batch_invariant
         self.max_blocks_per_seq = max_blocks_per_seq or num_kv_blocks
-        # MoE in prefill chunks: "grouped" runs each expert on its tokens (one host sync a layer, ~7 launches an
-        # expert); "dense" runs every expert on every token (top_k / num_experts of the FLOPs useful, no sync,
-        # ~5 launches a layer). Which wins depends on whether prefill is launch- or FLOP-bound: the benchmark
-        # times both.
-        self.prefill_moe = "grouped"
+        # which implementation each part of a step uses (atlas.backends.cuda.tuning); the benchmark times them
+        self.tuning = tuning or Tuning()
         self.pools = DevicePools(spec, num_kv_blocks=num_kv_blocks, block_size=block_size, max_seqs=max_batch_size,
                                  scratch_slots=bucket(max_batch_size), dtype=self.dtype, device=self.device)
         use_kernels = self.dtype != torch.float32 if kernels is None else kernels
@@ -150,6 +149,15 @@ class CudaBackend:
         self._ple_tables = ([ngram_tables(spec.ple, spec.vocab_size, r) for r in range(len(spec.ple.layers))]
                             if spec.ple is not None else [])
         self.capabilities = Capabilities(batch_invariant=batch_invariant, fp32_parity=self.dtype == torch.float32)
+
+    @property
+    def prefill_moe(self) -> str:
+        """MoE of prefill chunks (Tuning.prefill_moe), settable as before."""
+        return self.tuning.prefill_moe
+
+    @prefill_moe.setter
+    def prefill_moe(self, mode: str) -> None:
+        self.tuning = attrs.evolve(self.tuning, prefill_moe=mode)
 
     @classmethod
     def for_capacities(cls, model: LoadedModel, caps: Capacities, *, dtype: torch.dtype | None = None,
@@ -242,10 +250,10 @@ class CudaBackend:
 
     def _run_group(self, packed: torch.Tensor, shape: GroupShape) -> torch.Tensor:
         grp = Group.view(packed, shape, self.block_size)
-        # decode groups take the fixed-shape MoE path (graph-capturable); prefill groups group tokens by expert
-        return forward_group(self.spec, self.weights, self.pools, grp,
-                             eager_moe=shape.width > 1 and self.prefill_moe == "grouped",
-                             gdn_kernel=self.gdn_kernel)
+        # decode groups take graph-capturable paths; prefill groups run eagerly (tuning.prefill_moe may sync)
+        return forward_group(self.spec, self.weights, self.pools, grp, eager_moe=shape.width > 1,
+                             gdn_kernel=self.gdn_kernel, tuning=self.tuning,
+                             invariant=self.batch_invariant)
 
     def _decode_logits(self, packed: torch.Tensor, shape: GroupShape) -> torch.Tensor:
         hidden = self._run_group(packed, shape)

@@ -1,0 +1,52 @@
+"""The CUDA backend's performance knobs: which implementation each part of a step uses.
+
+Every knob has a plain-torch setting (the reference arrangement, and the only one the fp32 parity mode and a
+CPU without TRITON_INTERPRET run) and faster ones (Triton kernels, flash attention, torch.compile) that
+the GPU benchmark times side by side (`VARIANTS`, `atlas bench gpu`), so the winners are chosen by
+measurement. Nothing here changes what a step computes beyond rounding (each kernel is tested against the
+torch path on random inputs).
+"""
+
+from __future__ import annotations
+
+import attrs
+
+MOE = ("torch", "triton")
+PREFILL_MOE = ("grouped", "dense", "triton", "grouped_mm")
+ATTENTION = ("torch", "sdpa")
+COMPILE = ("none", "default", "max-autotune-no-cudagraphs")
+
+
+def _one_of(options: tuple[str, ...]):  # type: ignore[no-untyped-def]
+    def check(instance: object, attribute: attrs.Attribute, value: str) -> None:
+        if value not in options:
+            raise ValueError(f"Tuning.{attribute.name} must be one of {', '.join(options)}, got {value!r}")
+    return check
+
+
+@attrs.frozen
+class Tuning:
+    # MoE of decode groups (fixed shapes, CUDA-graph safe): "torch" gathers the chosen experts' weights (rows
+    # x top_k < experts) or runs every expert on every row; "triton" routes on the device and runs grouped
+    # GEMMs that read each chosen expert's weights once, in place (atlas_kernels.moe_grouped)
+    moe: str = attrs.field(default="torch", validator=_one_of(MOE))
+    # MoE of prefill chunks (eager): "grouped" by expert with one host sync a layer, "dense" every expert on
+    # every token (no sync, top_k / experts of its FLOPs useful), "triton" the device-routed grouped kernels
+    # (no sync), "grouped_mm" torch._grouped_mm over expert-sorted rows (no sync; where torch has it)
+    prefill_moe: str = attrs.field(default="grouped", validator=_one_of(PREFILL_MOE))
+    # prefill attention: "torch" materialised fp32 scores, "sdpa" F.scaled_dot_product_attention (flash or
+    # memory-efficient kernels; the causal / QSA mask passed as a boolean mask where one is needed)
+    attention: str = attrs.field(default="torch", validator=_one_of(ATTENTION))
+    # torch.compile of the decode layers (one compiled function per layer kind, reused by every layer of
+    # that kind), captured under the decode CUDA graphs as before
+    compile_decode: str = attrs.field(default="none", validator=_one_of(COMPILE))
+
+    @property
+    def uses_triton(self) -> bool:
+        return self.moe == "triton" or self.prefill_moe == "triton"
+
+
+# the variants `atlas bench gpu` times (name -> knobs); "baseline" is the arrangement measured before
+VARIANTS: dict[str, Tuning] = {
+    "baseline": Tuning(),
+}

@@ -55,7 +55,8 @@ def serve(
     host: str = typer.Option("127.0.0.1", help="bind address (loopback unless told otherwise)"),
     port: int = typer.Option(8000, help="TCP port"),
     trace: str = typer.Option(None, help="trace store: a SQLite path or a SQLAlchemy URL"),
-    api_key: str = typer.Option(None, envvar="ATLAS_API_KEY", help="require 'Authorization: Bearer KEY'"),
+    api_key: str = typer.Option(None, help="require 'Authorization: Bearer KEY' (visible in ps: prefer "
+                                "--api-key-file or the ATLAS_API_KEY variable; an empty key is an error)"),
     backend: str = typer.Option("cpu", help="cpu | cuda | cuda-fp32 | cuda-invariant | null"),
     max_seq_len: int = typer.Option(None, help="longest prompt + completion, in tokens (default: 4096, or the "
                                                "model's max_position_embeddings when smaller)"),
@@ -73,22 +74,38 @@ def serve(
                                                      "the checkpoint directory's name)"),
     tokenizer: str = typer.Option("auto", help="auto: the checkpoint's tokenizer.json (required); byte: the byte "
                                                "tokenizer, for a checkpoint without one"),
+    # -- auth, shutdown and connection bounds (atlas/server/auth.py, lifecycle.py, connections.py) --
+    api_key_file: str = typer.Option(None, help="read the API key from this file's first line"),
+    allow_unauthenticated: bool = typer.Option(False, help="serve a non-loopback --host without an API key"),
+    shutdown_grace: float = typer.Option(30.0, help="seconds in-flight requests get to finish on SIGTERM/SIGINT"),
+    max_connections: int = typer.Option(None, help="open connections at most (default: the fd limit - 256)"),
+    max_concurrency: int = typer.Option(4096, help="requests in flight at most (probes excepted), then 503"),
+    header_timeout: float = typer.Option(10.0, help="seconds for a request's headers to arrive, then 408"),
+    body_timeout: float = typer.Option(30.0, help="seconds for a request's body to arrive, then 408"),
+    keep_alive_timeout: float = typer.Option(5.0, help="seconds an idle keep-alive connection is held"),
 ) -> None:
-    """Serve the OpenAI-compatible API. Exits 3 if the engine dies of a fatal fault."""
+    """Serve the OpenAI-compatible API. Exits 0 after SIGTERM/SIGINT (drained), 2 for a usage error, 3 if the
+    engine died of a fatal fault."""
     check_backend(backend, SERVE_BACKENDS)
     _check_drafter(drafter)
     check_model(model or TINY_MODEL, tokenizer)
     check_trace_out(trace)
     check_port(host, port)
     from atlas.cli_checks import default_max_seq_len
+    from atlas.server.lifecycle import ServerSettings
+    from atlas.server.security import RequestLimits
     from atlas.server.serve import serve as run_server
 
+    settings = ServerSettings(max_connections=max_connections, header_timeout=header_timeout,
+                              keep_alive_timeout=keep_alive_timeout, shutdown_grace=shutdown_grace,
+                              requests=RequestLimits(body_timeout=body_timeout, max_concurrency=max_concurrency))
     max_seq_len = default_max_seq_len(model or TINY_MODEL, max_seq_len) if model else max_seq_len
     code = run_server(model, host=host, port=port, trace=trace, api_key=api_key, backend=backend,
                       max_seq_len=max_seq_len, max_batch_size=max_batch_size, ring_slots=ring_slots,
                       loop_watchdog=loop_watchdog, num_drafts=num_drafts, drafter=drafter, threads=threads,
                       enable_fault_injection=enable_fault_injection, prefix_caching=prefix_caching,
-                      served_model_name=served_model_name)
+                      served_model_name=served_model_name, api_key_file=api_key_file,
+                      allow_unauthenticated=allow_unauthenticated, settings=settings)
     raise typer.Exit(code)
 
 
@@ -109,17 +126,25 @@ def bench_serve(
     request_rate: float = typer.Option(float("inf"), help="requests/s (Poisson); inf sends all at once"),
     max_concurrency: int = typer.Option(None, help="requests in flight at most (default: unbounded)"),
     seed: int = typer.Option(0, help="prompt seed"),
-    api_key: str = typer.Option(None, envvar="ATLAS_API_KEY", help="sent as 'Authorization: Bearer KEY'"),
+    api_key: str = typer.Option(None, help="the server's key (or --api-key-file, or ATLAS_API_KEY)"),
+    api_key_file: str = typer.Option(None, help="read the server's key from this file's first line"),
     result_json: str = typer.Option(None, help="also write the figures to this JSON file"),
     threads: int = typer.Option(None, help="in-process server: torch CPU threads (as for serve)"),
     progress: bool = typer.Option(True, help="show requests done on stderr"),
 ) -> None:
-    """Load-test a server like vLLM's bench serve: TTFT, TPOT, ITL (p50/p99) and throughput."""
+    """Load-test a server like vLLM's bench serve: TTFT, TPOT, ITL (p50/p99) and throughput. Stops at the first
+    401/403 with one line."""
     import json
 
     from atlas.cli_support import progress_bar
-    from atlas.server.bench import BenchConfig, format_report
+    from atlas.server.auth import AuthConfigError, resolve_api_key
+    from atlas.server.bench import AuthRefused, BenchConfig, format_report
     from atlas.server.bench import bench_serve as run_bench
+
+    try:
+        key = resolve_api_key(api_key, api_key_file).api_key
+    except AuthConfigError as exc:
+        raise UsageError(str(exc)) from None
 
     if base_url is None:
         from atlas.cli_checks import default_max_seq_len
@@ -131,12 +156,16 @@ def bench_serve(
         check_trace_out(result_json, knob="--result-json")
     cfg = BenchConfig(base_url=base_url or "", num_prompts=num_prompts, input_len=random_input_len,
                       output_len=random_output_len, request_rate=request_rate, max_concurrency=max_concurrency,
-                      seed=seed, api_key=api_key)
+                      seed=seed, api_key=key)
     launch = None
     if base_url is None:
         launch = {"model": model, "backend": backend, "max_seq_len": max_seq_len, "max_batch_size": max_batch_size}
-    with progress_bar("requests", num_prompts, enabled=progress) as update:
-        result = run_bench(cfg, launch=launch, progress=update, threads=threads)
+    try:
+        with progress_bar("requests", num_prompts, enabled=progress) as update:
+            result = run_bench(cfg, launch=launch, progress=update, threads=threads)
+    except AuthRefused as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(1) from None
     typer.echo(format_report(result, cfg))
     if result_json:
         with open(result_json, "w") as f:

@@ -75,7 +75,7 @@ class Engine:
         self.state = ControlState.create(self.capacities)
         self.journal = Journal(self.state, sink, full_audit=full_audit)
         self.book = RequestBook(tokenizer, config, detokenize=detokenize)
-        self.lanes = Lanes()
+        self.lanes = Lanes(eos=tuple(getattr(tokenizer, "eos_token_ids", ())))
         if config.num_drafts:
             self.lanes.spec = SpeculativeLane(drafter or make_drafter(config.drafter), self.capacities,
                                               config.num_drafts, self.vocab_size, per_row_qsa=caps.per_row_qsa_verify,
@@ -87,7 +87,10 @@ class Engine:
 
     @property
     def sink(self) -> EventSink | None:
+        """Where events go: the server commits it after every step, before releasing that step's outputs."""
         return self.journal.sink
+
+    trace_sink = sink
 
     # ------------------------------------------------------------------------------------------ inputs
 

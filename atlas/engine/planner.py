@@ -23,6 +23,7 @@ from atlas.engine.scheduler import Schedule, batch
 from atlas.plan import SeqWork, StepPlan
 from atlas.state.control import ControlState
 from atlas.state.events import Event, SequencePreempted, StepPlanned
+from atlas.state.machines import Sequence
 
 
 @attrs.define
@@ -31,6 +32,15 @@ class Lanes:
 
     spec: SpeculativeLane | None = None
     prefix: PrefixLane | None = None
+    eos: tuple[int, ...] = ()  # the tokenizer's EOS ids: banned, with the stop ids, while a request is in min_tokens
+
+
+def min_tokens_ban(seq: Sequence, eos: tuple[int, ...]) -> tuple[int, ...]:
+    """The stop tokens a sequence may not sample next: all of them while it is within min_tokens, none after."""
+    p = seq.params
+    if not p.min_tokens or seq.cursor.generated >= p.min_tokens:
+        return ()
+    return tuple(sorted({*p.stop_token_ids, *(() if p.ignore_eos else eos)}))
 
 
 def planned_drafts(drafts: dict[int, tuple[int, ...]], decided: Schedule) -> tuple[tuple[int, ...], ...]:
@@ -77,8 +87,9 @@ def plan_step(state: ControlState, lanes: Lanes) -> StepPlan:
         sample = end == len(c.tokens)
         propose = lanes.spec.proposes(seq) if lanes.spec is not None and sample else 0
         scored = seq.params.prompt_logprobs if start < c.prompt_len else None  # prompt positions only
+        banned = tuple(sorted({*seq.banned.get(end, ()), *min_tokens_ban(seq, lanes.eos)})) if sample else ()
         work.append(SeqWork(seq_id, tuple(c.tokens[start:end]), start, tuple(seq.blocks), sample, seq.params,
-                            banned=seq.banned.get(end, ()) if sample else (), drafts=verify,
+                            banned=banned, drafts=verify,
                             drafter_first_key=seq.drafter.first_key, propose=propose, prompt_logprobs=scored))
     snapshots = plan_snapshots(seqs, planned.seqs, planned.fed, state.caps.snapshot_interval)
     o = state.inflight_orders

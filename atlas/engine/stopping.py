@@ -1,14 +1,17 @@
 """Stop conditions and incremental detokenization, per request.
 
 The order of checks after each sampled token: a stop token (EOS unless ignore_eos, or a stop_token_id)
--> `stop`; a stop string in the text -> `stop`, with the text cut before it; the budget (max_tokens, or
-what max_seq_len leaves) -> `length`. Text is streamed in deltas that never contain an incomplete UTF-8
-character or a prefix of a stop string that could still complete.
+-> `stop`; a stop string in the text -> `stop`, with the text cut before it (after it, with
+include_stop_str_in_output); the budget (max_tokens, or what max_seq_len leaves) -> `length`. Within the
+first `min_tokens` tokens only the budget ends a request. Text is decoded with or without special tokens
+(skip_special_tokens) and streamed in deltas that never contain an incomplete UTF-8 character or a prefix of
+a stop string that could still complete; stop strings are matched on that same text.
 """
 
 from __future__ import annotations
 
-from typing import Protocol
+import inspect
+from typing import Any, Protocol
 
 import attrs
 
@@ -22,6 +25,27 @@ class Tokenizer(Protocol):
     def encode(self, text: str) -> list[int]: ...
 
     def decode(self, ids: list[int]) -> str: ...
+
+
+_SKIP_FLAG: dict[type, bool] = {}
+
+
+def _takes_skip_flag(tokenizer: Any) -> bool:
+    kind = type(tokenizer)
+    if kind not in _SKIP_FLAG:
+        try:
+            _SKIP_FLAG[kind] = "skip_special_tokens" in inspect.signature(tokenizer.decode).parameters
+        except (TypeError, ValueError):
+            _SKIP_FLAG[kind] = False
+    return _SKIP_FLAG[kind]
+
+
+def decode(tokenizer: Tokenizer, ids: list[int], skip_special_tokens: bool = True) -> str:
+    """tokenizer.decode, with special tokens kept when asked and the tokenizer knows of any (a tokenizer whose
+    decode takes no flag has none to show)."""
+    if not skip_special_tokens and _takes_skip_flag(tokenizer):
+        return tokenizer.decode(ids, skip_special_tokens=False)  # type: ignore[call-arg]
+    return tokenizer.decode(ids)
 
 
 @attrs.define(slots=True)
@@ -52,7 +76,7 @@ class StopChecker:
         # tokenizers (Atlas's byte tokenizer, Qwen's byte-level BPE), whose tokens decode independently of
         # context; a trailing U+FFFD is an incomplete character, held back until its last byte arrives.
         self.unread.append(token)
-        piece = tokenizer.decode(self.unread)
+        piece = decode(tokenizer, self.unread, self.params.skip_special_tokens)
         if not piece.endswith("\ufffd"):
             self.text += piece
             self.unread.clear()
@@ -60,18 +84,20 @@ class StopChecker:
     def on_token(self, token: int, tokenizer: Tokenizer | None) -> tuple[FinishReason, str] | None:
         """Record a sampled token; the finish reason and detail if it ends the request."""
         self.count += 1
-        if token in self.stop_ids:
+        may_stop = self.count > self.params.min_tokens  # min_tokens: only the budget ends it before
+        if may_stop and token in self.stop_ids:
             is_eos = not self.params.ignore_eos and token not in self.params.stop_token_ids
             return FinishReason.STOP, "eos" if is_eos else f"stop token {token}"
         if tokenizer is not None:
             self.tokenizer = tokenizer
             before = len(self.text)
-            self._append_text(token, tokenizer)
-            for stop in self.params.stop:
+            if token not in self.stop_ids:  # a stop token inside min_tokens adds no text (it never does)
+                self._append_text(token, tokenizer)
+            for stop in self.params.stop if may_stop else ():
                 # only the new text, and the stop string's length before it, can hold a new occurrence
                 at = self.text.find(stop, max(0, before - len(stop) + 1))
                 if at >= 0:
-                    self.text = self.text[:at]
+                    self.text = self.text[:at + len(stop) if self.params.include_stop_str_in_output else at]
                     self.cut = True
                     return FinishReason.STOP, f"stop string {stop!r}"
         if self.count >= self.max_new:
@@ -80,11 +106,18 @@ class StopChecker:
             return FinishReason.LENGTH, f"max_tokens {self.max_new}"
         return None
 
+    def banned_now(self) -> tuple[int, ...]:
+        """The stop tokens the sampler may not pick for the next token: all of them while it is within
+        min_tokens (so EOS never even appears there), none after."""
+        if self.count >= self.params.min_tokens:
+            return ()
+        return tuple(sorted(self.stop_ids))
+
     def take_text(self, finished: bool) -> str:
         """The text not yet handed out; while running, hold back what could still start a stop string."""
         if finished and self.unread and not self.cut and self.tokenizer is not None:
             # the request ended on an incomplete character: hand out what decoding makes of it
-            self.text += self.tokenizer.decode(self.unread)
+            self.text += decode(self.tokenizer, self.unread, self.params.skip_special_tokens)
             self.unread.clear()
         end = len(self.text)
         if not finished and self.params.stop:

@@ -63,11 +63,26 @@ class HfTokenizer:
         from tokenizers import Tokenizer as _Tokenizer
 
         self._tok = _Tokenizer.from_file(str(path))
+        self._text_tok: _Tokenizer | None = None  # a copy that parses no special tokens (encode_text)
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         self.eos_token_ids = eos_token_ids
 
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
+
+    def encode_text(self, text: str) -> list[int]:
+        """`text` as text: a special token's string in it is not that token (chat message content)."""
+        if self._text_tok is None:
+            from tokenizers import Tokenizer as _Tokenizer
+
+            self._text_tok = _Tokenizer.from_str(self._tok.to_str())
+            self._text_tok.encode_special_tokens = True
+        return self._text_tok.encode(text, add_special_tokens=False).ids
+
+    @property
+    def special_tokens(self) -> dict[str, int]:
+        """The special tokens' strings, which `encode` turns into their ids."""
+        return {t.content: i for i, t in self._tok.get_added_tokens_decoder().items() if t.special}
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(token_ids), skip_special_tokens=skip_special_tokens)

@@ -39,6 +39,7 @@ def register(trace_app: typer.Typer, replay_app: typer.Typer) -> None:
     ) -> None:
         """Re-drive a trace's inputs through a fresh engine; exit 1 at the first divergent event."""
         from atlas.cli_support import progress_bar
+        from atlas.replay.summary import run_end
         from atlas.replay.verify import verify
         from atlas.threads import apply_threads
 
@@ -49,20 +50,32 @@ def register(trace_app: typer.Typer, replay_app: typer.Typer) -> None:
         if not report.fingerprint_matches:
             typer.echo(f"warning: model fingerprint {report.fingerprint[:16]} differs from the trace's "
                        f"{report.run.model_fingerprint[:16]}", err=True)
+        end = run_end(file, run_id)
+        if report.identical and end.truncated:
+            typer.echo(f"{end.describe()}; the {report.events_replayed} events on disk replay identically")
+            raise typer.Exit(1)
         if report.identical:
             typer.echo(f"identical: {report.events_replayed} events replayed, every payload and digest matches")
             return
         typer.echo(report.divergence.describe())
+        if end.truncated:
+            typer.echo(end.describe())
         raise typer.Exit(1)
 
     @replay_app.command("check")
     def replay_check(file: str, run_id: int = typer.Option(None, help=RUN_ID_HELP)) -> None:
         """State-only replay: apply the trace's events to the state machines (no model), checking every invariant
         and digest; exit 1 at the first problem."""
+        from atlas.replay.summary import run_end
         from atlas.replay.verify import check_state_only
 
         check_trace_in(file)
         report = check_state_only(file, run_id)
+        end = run_end(file, run_id)
+        if end.truncated:  # the events on disk may be consistent, but the run did not end there
+            typer.echo(f"{end.describe()}; the events on disk are "
+                       f"{'consistent' if report.problem is None else 'inconsistent: ' + str(report.problem)}")
+            raise typer.Exit(1)
         if report.problem is None:
             typer.echo(f"consistent: {report.events} events applied, every invariant and digest holds")
             return

@@ -41,8 +41,11 @@ def export_jsonl(trace: str | Path, out: str | Path, run_id: int | None = None) 
         run = reader.run(run_id)
         n = 0
         with open(out, "w") as f:
-            header = {"format": FORMAT, "format_version": FORMAT_VERSION,
-                      "run": {name: getattr(run, name) for name in _RUN_FIELDS}}
+            header: dict[str, Any] = {"format": FORMAT, "format_version": FORMAT_VERSION,
+                                      "run": {name: getattr(run, name) for name in _RUN_FIELDS}}
+            end = reader.end(run.run_id)
+            if end.status != "unmarked":  # the run-end marker travels, so a truncated run stays truncated
+                header["end"] = {"ended": end.status == "ended"}
             f.write(_compact(header) + "\n")
             for row in raw_events(reader, run.run_id):
                 f.write(_compact(row) + "\n")
@@ -60,7 +63,9 @@ def import_jsonl(src: str | Path, trace: str | Path) -> int:
             raise ValueError(f"{src}: not an Atlas trace in JSON lines (header format {header.get('format')!r})")
         if header.get("format_version", 0) > FORMAT_VERSION:
             raise ValueError(f"{src}: format version {header['format_version']} is newer than {FORMAT_VERSION}")
-        writer = TraceWriter(trace, run=header["run"])
+        end = header.get("end")
+        writer = TraceWriter(trace, run=header["run"], mark_end=end is not None)
+        ok = False
         try:
             expected = 0
             for line in f:
@@ -70,11 +75,9 @@ def import_jsonl(src: str | Path, trace: str | Path) -> int:
                 if row["index"] != expected:
                     raise ValueError(f"{src}: event index {row['index']} where {expected} was due (gapless)")
                 expected += 1
-                writer._rows.append({"run_id": writer.run_id, "idx": row["index"], "step": row["step"],
-                                     "kind": row["kind"], "version": row["version"],
-                                     "payload": _compact(row["payload"]), "digest": row["digest"]})
-                if len(writer._rows) >= writer.batch_rows:
-                    writer.flush()
+                writer.append_row(row["index"], row["step"], row["kind"], row["version"], _compact(row["payload"]),
+                                  row["digest"])
+            ok = True
         finally:
-            writer.close()
+            writer.close(ended=ok and bool(end and end.get("ended")))
     return writer.run_id

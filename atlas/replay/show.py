@@ -47,6 +47,8 @@ def render(s: TraceSummary, console: Console) -> None:
         f"[{r.model_fingerprint[:16]}], backend {r.backend}")
     say(f"{s.events} events over {s.steps} steps; outcomes: "
         + (", ".join(f"{k} {v}" for k, v in s.outcome_counts.items()) or "no requests"))
+    if s.end is not None and s.end.truncated:  # a killed run: say so before anything that looks complete
+        console.print(s.end.describe(), style="bold red", markup=False, highlight=False)
     console.print(config_table(r.config))
     for fault in s.faults:
         console.print(fault, markup=False, highlight=False, style="red")

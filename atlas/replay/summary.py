@@ -7,7 +7,7 @@ from pathlib import Path
 
 import attrs
 
-from atlas.replay.store import RunRecord, TraceReader
+from atlas.replay.store import RunEnd, RunRecord, TraceReader
 from atlas.sampling.acceptance import AcceptanceStats
 
 
@@ -41,6 +41,8 @@ class TraceSummary:
     # prefix caching and the drafter carry (hits, tokens saved and replayed, carry stored/adopted/released);
     # None when the trace has none of their events
     prefix: dict | None = None
+    # how the recording ended: `truncated` when the run never wrote its run-end marker (kill -9, a full disk)
+    end: RunEnd | None = None
 
     @property
     def outcome_counts(self) -> dict[str, int]:
@@ -105,6 +107,7 @@ def summarize(path_or_url: str | Path, run_id: int | None = None) -> TraceSummar
                 faults.append(f"step {p['step']}: {kind}{' (injected)' if p['injected'] else ''}: {p['error']}")
             elif rec.kind == "invariant_violated":
                 faults.append(f"event {p['event_index']}: invariant violated in {p['machine']}: {p['message']}")
+        end = reader.end(run.run_id)
     finally:
         reader.close()
     speculation = None
@@ -115,4 +118,14 @@ def summarize(path_or_url: str | Path, run_id: int | None = None) -> TraceSummar
         speculation = {**accept.summary(), "latched_off": latched, "scored": list(accept.scored),
                        "accepted_by_position": list(accept.conditional), "p_by_position": chain}
     return TraceSummary(run, n, steps, dict(sorted(counts.items())), list(by_seq.values()), faults, speculation,
-                        dict(prefix) if prefix else None)
+                        dict(prefix) if prefix else None, end)
+
+
+def run_end(path_or_url: str | Path, run_id: int | None = None) -> RunEnd:
+    """How a run's recording ended (the last run unless `run_id` says): replay reports a truncated run as such,
+    never as a clean one."""
+    reader = TraceReader(path_or_url)
+    try:
+        return reader.end(reader.run(run_id).run_id)
+    finally:
+        reader.close()

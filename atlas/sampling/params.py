@@ -9,7 +9,8 @@ DEFAULT_SEED = 0
 
 # fields added after traces were first recorded: to_json leaves them out at their defaults, so an old
 # trace's request payload replays byte for byte (the replay compares every event payload)
-_LATER_FIELDS = {"min_p": 0.0, "repetition_penalty": 1.0, "min_tokens": 0, "prompt_logprobs": None}
+_LATER_FIELDS = {"min_p": 0.0, "repetition_penalty": 1.0, "min_tokens": 0, "prompt_logprobs": None,
+                 "include_stop_str_in_output": False, "skip_special_tokens": True}
 
 
 def _check_temperature(_inst: object, _attr: attrs.Attribute, value: float) -> None:
@@ -81,6 +82,14 @@ class SamplingParams:
     # prompt-token logprobs (Engine.add_request(prompt_logprobs=N)): None off, N top alternatives (0: the actual
     # token's only); recorded with the params, so a replay computes them again by the same exact forward
     prompt_logprobs: int | None = attrs.field(default=None, validator=attrs.validators.optional(_check_logprobs))
+    # text only, but stop strings are matched on this text, so they can change where a request ends: recorded
+    # with the rest (vLLM's fields of the same names)
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+
+    def __attrs_post_init__(self) -> None:
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens {self.min_tokens} exceeds max_tokens {self.max_tokens}")
 
     @property
     def greedy(self) -> bool:

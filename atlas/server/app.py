@@ -15,7 +15,7 @@ from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 
 from atlas.server.chat import ChatTemplate
@@ -30,20 +30,37 @@ from atlas.server.schemas import (
     TokenizeRequest,
     parse_body,
 )
-from atlas.server.security import GateMiddleware, LimitsMiddleware
+from atlas.server.security import (  # noqa: F401 (the size limits are re-exported for tests)
+    DEFAULT_MAX_BODY_BYTES,
+    DEFAULT_MAX_HEADER_BYTES,
+    GateMiddleware,
+    Lifecycle,
+    LimitsMiddleware,
+    RequestLimits,
+)
 
 log = structlog.get_logger(__name__)
-
-DEFAULT_MAX_BODY_BYTES = 1 << 20  # 1 MiB: far above any prompt max_seq_len allows, far below harm
-DEFAULT_MAX_HEADER_BYTES = 16 << 10
+JSON_TYPES = ("application/json",)  # with any parameters (charset=utf-8)
 
 
 def _reject_constant(name: str) -> None:
     raise ValueError(f"{name} is not a JSON number")
 
 
+class ClientGone(Exception):
+    """The client closed its connection before its body arrived: a normal event, answered to nobody."""
+
+
 async def read_json(request: Request) -> Any:
-    body = await request.body()
+    media_type = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
+    if media_type not in JSON_TYPES:
+        shown = repr(media_type[:64]) if media_type else "none"
+        raise APIError(415, f"content-type: send 'application/json' (got {shown})", param="content-type",
+                       code="unsupported_media_type")
+    try:
+        body = await request.body()
+    except ClientDisconnect:
+        raise ClientGone from None
     if not body:
         raise bad_request("the request body is empty; send a JSON object", code="invalid_body")
     try:
@@ -87,11 +104,12 @@ def create_app(
     model_name: str | None = None,
     chat_template: ChatTemplate | None = None,
     api_key: str | None = None,
-    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-    max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES,
+    limits: RequestLimits | None = None,
+    lifecycle: Lifecycle | None = None,
     enable_fault_injection: bool = False,
 ) -> FastAPI:
-    """Build the app around a started EngineLoop. The caller owns the loop (starts and stops it)."""
+    """Build the app around a started EngineLoop. The caller owns the loop (starts and stops it); `lifecycle`
+    is shared with the server that drains on shutdown."""
     engine = engine_loop.engine
     name = model_name or engine.model_name
     capacities = getattr(engine, "capacities", None)
@@ -104,20 +122,28 @@ def create_app(
         vocab_size=getattr(engine.tokenizer, "vocab_size", None),
         fault_injection=enable_fault_injection,
     )
-    metrics = ServerMetrics(engine_loop, name)
+    lifecycle = lifecycle or Lifecycle()
+    metrics = ServerMetrics(engine_loop, name, lifecycle)
     engine_loop.observer = metrics
 
     app = FastAPI(title="Atlas", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.ctx = ctx
     app.state.metrics = metrics
     app.state.engine_loop = engine_loop
-    # added last = outermost: limits first, then the dead/auth gate, then the routes
-    app.add_middleware(GateMiddleware, engine_loop=engine_loop, api_key=api_key)
-    app.add_middleware(LimitsMiddleware, max_body_bytes=max_body_bytes, max_header_bytes=max_header_bytes)
+    app.state.lifecycle = lifecycle
+    # added last = outermost: limits first, then the dead/draining/auth gate, then the routes
+    app.add_middleware(GateMiddleware, engine_loop=engine_loop, api_key=api_key, lifecycle=lifecycle)
+    app.add_middleware(LimitsMiddleware, limits=limits or RequestLimits(), counter=lifecycle.in_flight)
 
     @app.exception_handler(APIError)
     async def _api_error(_request: Request, exc: APIError) -> JSONResponse:
         return exc.response()
+
+    @app.exception_handler(ClientGone)
+    async def _client_gone(request: Request, _exc: ClientGone) -> Response:
+        # no traceback, no body, no headers: one debug line, and the connection goes
+        log.debug("client disconnected before its body arrived", path=request.url.path)
+        return Response(status_code=499, headers={"connection": "close"})
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -169,7 +195,7 @@ def create_app(
         body = parse_body(TokenizeRequest, await read_json(request))
         ctx.check_model(body.model)
         if body.messages is not None:
-            tokens = ctx.encode(ctx.render_chat(body.messages, body.add_generation_prompt), param="messages")
+            tokens = ctx.encode_chat(body.messages, body.add_generation_prompt)
         else:
             tokens = ctx.encode(body.prompt or "", param="prompt")
         return {"count": len(tokens), "max_model_len": ctx.max_seq_len, "tokens": tokens}
@@ -193,8 +219,8 @@ def create_app(
         async def inject_fault(request: Request) -> dict[str, str]:
             body = await read_json(request)
             kind = body.get("kind") if isinstance(body, dict) else None
-            if kind not in ("step_error", "fatal"):
-                raise bad_request("kind: must be 'step_error' or 'fatal'", param="kind")
+            if kind not in ("step_error", "fatal", "trace_full"):
+                raise bad_request("kind: must be 'step_error', 'fatal' or 'trace_full'", param="kind")
             request_id = body.get("request_id")
             if request_id is not None and not isinstance(request_id, str):
                 raise bad_request("request_id: must be a string", param="request_id")

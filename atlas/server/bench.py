@@ -21,6 +21,19 @@ import attrs
 import httpx
 
 
+class AuthRefused(RuntimeError):
+    """The server answered 401/403: every request would fail the same way, so the run stops at the first."""
+
+
+def _auth_refusal(status: int, body: bytes) -> AuthRefused:
+    try:
+        message = json.loads(body)["error"]["message"]
+    except (ValueError, KeyError, TypeError):
+        message = body[:120].decode(errors="replace")
+    return AuthRefused(f"the server refused the request (HTTP {status}: {message}); pass the server's key with "
+                       f"--api-key-file PATH, --api-key or ATLAS_API_KEY")
+
+
 @attrs.define
 class RequestRecord:
     ok: bool = False
@@ -65,6 +78,8 @@ async def _one_request(client: httpx.AsyncClient, cfg: BenchConfig, prompt: list
     last = start
     try:
         async with client.stream("POST", "/v1/completions", json=body) as response:
+            if response.status_code in (401, 403):
+                raise _auth_refusal(response.status_code, await response.aread())
             if response.status_code != 200:
                 record.error = f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"
                 return record
@@ -107,6 +122,9 @@ async def run_bench(cfg: BenchConfig, progress: Callable[[int, int], None] | Non
     pool = httpx.Limits(max_connections=(cfg.max_concurrency or cfg.num_prompts) + 4)
     async with httpx.AsyncClient(base_url=cfg.base_url, headers=headers, timeout=cfg.timeout_s,
                                  limits=pool) as client:
+        probe = await client.get("/v1/models")  # a wrong key fails here, before any load is sent
+        if probe.status_code in (401, 403):
+            raise _auth_refusal(probe.status_code, probe.content)
 
         done = 0
 
@@ -125,7 +143,13 @@ async def run_bench(cfg: BenchConfig, progress: Callable[[int, int], None] | Non
             tasks.append(asyncio.create_task(limited(prompt)))
             if math.isfinite(cfg.request_rate):
                 await asyncio.sleep(rng.expovariate(cfg.request_rate))
-        records = await asyncio.gather(*tasks)
+        try:
+            records = await asyncio.gather(*tasks)
+        except AuthRefused:  # the first refusal ends the run: the rest would only repeat it
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise
         duration = time.perf_counter() - start
     return summarize(records, duration)
 

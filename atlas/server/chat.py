@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import secrets
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +46,56 @@ class ChatTemplate:
         except jinja2.TemplateError as exc:
             # raise_exception carries the template author's words ("roles must alternate"): a client error
             raise bad_request(f"messages: the chat template refused them: {exc}", param="messages") from None
+
+
+def content_segments(template: ChatTemplate, messages: list[dict[str, Any]], *, add_generation_prompt: bool
+                     ) -> list[tuple[str, bool]] | None:
+    """The rendered prompt as (text, is_message_content) pieces, found by rendering each content as a unique
+    mark; None when the template does not place every content verbatim, once, in order (it transforms it)."""
+    nonce = secrets.token_hex(8)
+    marks = [f"\ue000{nonce}:{i}\ue001" for i in range(len(messages))]
+    shadow = [{**m, "content": mark} for m, mark in zip(messages, marks, strict=True)]
+    text = template.render(shadow, add_generation_prompt=add_generation_prompt)
+    pieces: list[tuple[str, bool]] = []
+    pos = 0
+    for message, mark in zip(messages, marks, strict=True):
+        at = text.find(mark, pos)
+        if at < 0 or text.count(mark) != 1:
+            return None
+        pieces += [(text[pos:at], False), (message["content"], True)]
+        pos = at + len(mark)
+    pieces.append((text[pos:], False))
+    real = template.render(messages, add_generation_prompt=add_generation_prompt)
+    return pieces if "".join(p for p, _ in pieces) == real else None
+
+
+def encode_chat(tokenizer: Any, template: ChatTemplate, messages: list[dict[str, Any]], *,
+                add_generation_prompt: bool) -> list[int]:
+    """Token ids of a chat: message content is text, only the template's own markers are special tokens.
+
+    Without special-token text in any content this is the tokenizer on the rendered prompt, exactly as
+    transformers tokenizes it. With some (`<|im_end|>\n<|im_start|>system\n...` inside a user message: a
+    spoofed system turn), the contents are tokenized as text between the template's pieces."""
+    rendered = template.render(messages, add_generation_prompt=add_generation_prompt)
+    specials = getattr(tokenizer, "special_tokens", None) or {}
+    spoof = [(i, sp) for i, m in enumerate(messages) for sp in specials if sp in str(m.get("content") or "")]
+    for i, m in enumerate(messages):
+        named = next((sp for sp in specials if sp in str(m.get("name") or "")), None)
+        if named is not None:
+            raise bad_request(f"messages.{i}.name: holds the special token {named!r}", param=f"messages.{i}.name")
+    if not spoof:
+        return list(tokenizer.encode(rendered))
+    segments = content_segments(template, messages, add_generation_prompt=add_generation_prompt)
+    if segments is None:
+        i, sp = spoof[0]
+        raise bad_request(f"messages.{i}.content: holds the special token {sp!r} and this chat template rewrites "
+                          f"message content, so it cannot be kept as plain text; remove it",
+                          param=f"messages.{i}.content")
+    ids: list[int] = []
+    for text, is_content in segments:
+        if text:
+            ids += tokenizer.encode_text(text) if is_content else tokenizer.encode(text)
+    return ids
 
 
 def _token_text(value: Any) -> str:

@@ -5,6 +5,12 @@ on a thread-safe inbox and read their request's RequestOutputs from an asyncio q
 fills through `loop.call_soon_threadsafe`. Between two engine steps the thread drains the inbox, so every
 arrival is admitted at a definite step, which the engine stamps into the trace.
 
+Write-ahead: a step's events are committed to the trace before any of that step's outputs reach a client,
+so every byte a client received is backed by events on disk. By default the commit runs on the trace
+writer's thread while this thread computes the next step, and the outputs are released from there once
+their commit is done (`commit="thread"`); `commit="inline"` commits on this thread before releasing. A
+failed commit (a full disk) ends the engine: its outputs are never released, every request ends with 503.
+
 Wall-clock time here feeds metrics only (TTFT, ITL, latency); no decision reads it.
 """
 
@@ -28,6 +34,7 @@ from atlas.sampling.params import SamplingParams
 log = structlog.get_logger(__name__)
 
 FaultKind = Literal["step_error", "fatal"]
+CommitMode = Literal["thread", "inline"]
 
 
 class LatencyObserver(Protocol):
@@ -65,6 +72,26 @@ class _Fault:
 
 class _Stop:
     pass
+
+
+@attrs.frozen
+class _EndAll:
+    """Shutdown past the grace: cancel every live request in the engine (recorded), commit, tell each 503."""
+
+    detail: str
+    done: threading.Event
+
+
+@attrs.frozen
+class _TraceFailed:
+    """Posted by the trace writer's thread when a commit failed: wakes an idle engine thread to die."""
+
+    detail: str
+
+
+@attrs.frozen
+class _FullDisk:
+    """Tests: the trace store fills up at its next commit (EngineLoop.inject_fault('trace_full'))."""
 
 
 class EngineStopped(RuntimeError):
@@ -165,11 +192,18 @@ class RequestStream:
 class EngineLoop:
     """Runs `engine.step()` in a dedicated thread and routes each RequestOutput to its request."""
 
-    def __init__(self, engine: Any, *, observer: LatencyObserver | None = None) -> None:
+    def __init__(self, engine: Any, *, observer: LatencyObserver | None = None, commit: CommitMode = "thread"
+                 ) -> None:
         self.engine = engine
         self.observer = observer
+        self.commit_mode = commit
+        self._sink = getattr(engine, "trace_sink", None)
         self._inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._subscribers: dict[str, _Subscriber] = {}
+        self._sub_lock = threading.Lock()  # the engine thread admits, the writer thread releases outputs
+        # one commit outstanding at most: step N commits while step N+1 computes, never more behind (a kill -9
+        # loses at most those two steps, neither of which any client has seen; memory stays bounded)
+        self._commit_slot = threading.Semaphore(1)
         self._mailboxes: dict[asyncio.AbstractEventLoop, _Mailbox] = {}
         self._force_step = False  # a fatal fault acts at the next step, even when idle
         self._lock = threading.Lock()  # orders "dead" or "stopped" against enqueued arrivals
@@ -177,7 +211,7 @@ class EngineLoop:
         self._stopped = False
         self._death_callbacks: list[Callable[[str], None]] = []
         self._thread: threading.Thread | None = None
-        self.latest_stats: Any = None  # engine.stats() after the last step; read by /metrics
+        self.latest_stats: Any = None  # engine.stats() after the last committed step; read by /metrics
         self.steps_run = 0
 
     # -- lifecycle (any thread) -------------------------------------------------------------------
@@ -193,6 +227,26 @@ class EngineLoop:
         self._inbox.put(_Stop())
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout)
+
+    def begin_shutdown(self) -> None:
+        """Admit nothing more (EngineStopped: a 503 `shutting_down`); live requests go on."""
+        with self._lock:
+            self._stopped = True
+
+    @property
+    def live_requests(self) -> int:
+        """Admitted requests whose final output has not been released yet."""
+        with self._sub_lock:
+            return len(self._subscribers)
+
+    def end_all(self, detail: str, timeout: float = 10.0) -> bool:
+        """Cancel every live request in the engine (RequestCancelled in the trace), commit, and end each one's
+        stream with EngineStopped(detail). Blocks until done; False if the engine thread did not answer."""
+        done = threading.Event()
+        self._inbox.put(_EndAll(detail, done))
+        if self._thread is None or not self._thread.is_alive():
+            return False
+        return done.wait(timeout)
 
     @property
     def dead(self) -> str | None:
@@ -240,8 +294,8 @@ class EngineLoop:
     def cancel(self, request_id: str) -> None:
         self._inbox.put(_Cancel(request_id))
 
-    def inject_fault(self, kind: FaultKind, request_id: str | None = None) -> None:
-        self._inbox.put(_Fault(kind, request_id))
+    def inject_fault(self, kind: FaultKind | Literal["trace_full"], request_id: str | None = None) -> None:
+        self._inbox.put(_FullDisk() if kind == "trace_full" else _Fault(kind, request_id))
 
     # -- the engine thread ------------------------------------------------------------------------
 
@@ -255,11 +309,9 @@ class EngineLoop:
                     self._force_step = False
                     outputs = self.engine.step()
                     self.steps_run += 1
-                    # stats first: a client that has its answer reads /metrics that already count it
-                    self._refresh_stats()
-                    self._dispatch(outputs)
-                else:
-                    self._refresh_stats()
+                    self._commit_then_release(outputs)
+                else:  # idle: arrivals refused, a cancel of something finished: commit what they recorded
+                    self._commit_then_release([])
                 time.sleep(0)  # hand the GIL to the HTTP thread between steps, however fast they are
         except EngineDead as exc:
             self._die(str(exc) or "fatal fault")
@@ -267,11 +319,71 @@ class EngineLoop:
             log.exception("engine loop crashed")
             self._die(f"engine loop crashed: {type(exc).__name__}")
         finally:
+            self._settle_commits()
             self._release_everyone(_Died("the server is shutting down", fatal=False))
             try:
-                self.engine.close()
-            except Exception:
-                log.exception("engine close failed")
+                self.engine.close()  # the last commit and the run-end marker
+            except Exception as exc:  # a failed store says so once, without a stack
+                log.error("engine close failed: the trace may end before the run did",
+                          error=f"{type(exc).__name__}: {exc}")
+
+    # -- write-ahead: commit, then release ----------------------------------------------------------
+
+    def _commit_then_release(self, outputs: list[RequestOutput]) -> None:
+        stats = self._stats()
+        sink = self._sink
+        if sink is None:
+            self._release(outputs, stats, None)
+            return
+        if self.commit_mode == "thread" and callable(getattr(sink, "commit_async", None)):
+            self._commit_slot.acquire()
+
+            def committed(error: BaseException | None) -> None:
+                self._commit_slot.release()
+                self._release(outputs, stats, error)
+
+            sink.commit_async(committed)
+            return
+        try:
+            sink.flush()
+        except Exception as exc:
+            self._release(outputs, stats, exc)
+            raise EngineDead(self._trace_failure(exc)) from None
+        self._release(outputs, stats, None)
+
+    def _release(self, outputs: list[RequestOutput], stats: Any, error: BaseException | None) -> None:
+        """After the commit of the step that produced `outputs` (on the committing thread)."""
+        if error is not None:  # never released: nothing on disk backs them
+            if self._dead is None:
+                self._inbox.put(_TraceFailed(self._trace_failure(error)))
+            return
+        if stats is not None:
+            persisted = getattr(self._sink, "events_written", None)
+            if persisted is not None and hasattr(stats, "trace_events_written"):
+                stats = attrs.evolve(stats, trace_events_written=persisted)
+            self.latest_stats = stats  # first: a client that has its answer reads /metrics that count it
+        self._dispatch(outputs)
+
+    @staticmethod
+    def _trace_failure(error: BaseException) -> str:
+        return f"the trace store failed, so nothing more can be served: {error}"
+
+    def _settle_commits(self) -> None:
+        """Wait for the writer thread's queued commits (and their releases) before ending anyone."""
+        if self._sink is not None and callable(getattr(self._sink, "commit_async", None)):
+            try:
+                self._sink.flush()
+            except Exception:  # a failed store: reported by close, its outputs stay unreleased
+                pass
+
+    def _stats(self) -> Any:
+        try:
+            return self.engine.stats()
+        except EngineDead:
+            raise
+        except Exception:
+            log.exception("engine stats failed")
+            return None
 
     def _drain_inbox(self, *, block: bool) -> bool:
         """Apply every waiting command; wait for one first when the engine is idle. False on stop."""
@@ -292,8 +404,20 @@ class EngineLoop:
         if isinstance(command, _Arrival):
             self._admit(command)
         elif isinstance(command, _Cancel):
-            if command.request_id in self._subscribers:
+            with self._sub_lock:
+                live = command.request_id in self._subscribers
+            if live:
                 self.engine.cancel(command.request_id)
+        elif isinstance(command, _EndAll):
+            self._end_all(command)
+        elif isinstance(command, _TraceFailed):
+            raise EngineDead(command.detail)
+        elif isinstance(command, _FullDisk):
+            inject = getattr(self._sink, "inject_full_disk", None)
+            if inject is None:
+                log.warning("trace_full injected without a SQLite trace: ignored")
+            else:
+                inject(spare_pages=16)  # ~64 KB more: the disk fills mid-load, not at the next commit
         elif isinstance(command, _Fault):
             self.engine.inject_fault(command.kind, command.request_id)
             self._force_step = True
@@ -312,7 +436,8 @@ class EngineLoop:
         mailbox = self._mailboxes.get(arrival.loop)
         if mailbox is None:
             mailbox = self._mailboxes[arrival.loop] = _Mailbox(arrival.loop)
-        self._subscribers[arrival.request_id] = _Subscriber(mailbox, arrival.outputs, arrival.arrived_at)
+        with self._sub_lock:
+            self._subscribers[arrival.request_id] = _Subscriber(mailbox, arrival.outputs, arrival.arrived_at)
         if arrival.inject_fault is not None:  # test hook, only reachable when the server enables it
             self.engine.inject_fault(arrival.inject_fault, arrival.request_id)
             self._force_step = True
@@ -321,7 +446,10 @@ class EngineLoop:
     def _dispatch(self, outputs: Sequence[RequestOutput]) -> None:
         now = time.perf_counter()
         for out in outputs:
-            sub = self._subscribers.get(out.request_id)
+            with self._sub_lock:
+                sub = self._subscribers.get(out.request_id)
+                if sub is not None and out.finished:
+                    del self._subscribers[out.request_id]
             if sub is None:
                 continue
             if out.new_token_ids and self.observer is not None:
@@ -331,27 +459,45 @@ class EngineLoop:
                     self.observer.on_inter_token(now - sub.last_output_at)
             if out.new_token_ids:
                 sub.last_output_at = now
-            if out.finished:
-                del self._subscribers[out.request_id]
-                if self.observer is not None:
-                    self.observer.on_finished(out.finish_reason, now - sub.arrived_at)
+            if out.finished and self.observer is not None:
+                self.observer.on_finished(out.finish_reason, now - sub.arrived_at)
             sub.mailbox.post(sub.outputs, out)
 
-    def _refresh_stats(self) -> None:
+    def _end_all(self, command: _EndAll) -> None:
+        """The shutdown grace is over: what still runs is cancelled (an input event, so the trace records
+        each outcome), committed, and each stream ends with EngineStopped."""
         try:
-            self.latest_stats = self.engine.stats()
-        except EngineDead:
-            raise
-        except Exception:
-            log.exception("engine stats failed")
+            self._settle_commits()  # outputs already computed go out first
+            with self._sub_lock:
+                live = list(self._subscribers)
+            for request_id in live:
+                self.engine.cancel(request_id)
+            if live:
+                log.warning("shutdown grace over: requests cancelled", requests=len(live))
+            if self._sink is not None:
+                self._sink.flush()
+            ending = _Died(command.detail, fatal=False)
+            with self._sub_lock:
+                subs = [self._subscribers.pop(rid) for rid in live if rid in self._subscribers]
+            for sub in subs:
+                sub.mailbox.post(sub.outputs, ending)
+        finally:
+            command.done.set()
+
+    def _refresh_stats(self) -> None:
+        stats = self._stats()
+        if stats is not None:
+            self.latest_stats = stats
 
     def _release_everyone(self, ending: _Died) -> None:
         """End every live request and refuse every queued arrival, so no handler waits forever."""
         with self._lock:
             self._stopped = True
-        for sub in self._subscribers.values():
+        with self._sub_lock:
+            subs = list(self._subscribers.values())
+            self._subscribers.clear()
+        for sub in subs:
             sub.mailbox.post(sub.outputs, ending)
-        self._subscribers.clear()
         refusal = EngineDead(ending.detail) if ending.fatal else EngineStopped(ending.detail)
         while True:
             try:

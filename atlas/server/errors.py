@@ -18,6 +18,7 @@ _TYPE_BY_STATUS = {
     401: "authentication_error",
     404: "not_found_error",
     405: "invalid_request_error",
+    408: "invalid_request_error",
     413: "invalid_request_error",
     415: "invalid_request_error",
     431: "invalid_request_error",
@@ -27,16 +28,18 @@ _TYPE_BY_STATUS = {
 
 
 class APIError(Exception):
-    """An error answered to the client as the OpenAI error object with `status`."""
+    """An error answered to the client as the OpenAI error object with `status`; `close`: and the connection
+    closed after it (a body left unread must not be parsed as the next request)."""
 
     def __init__(
-        self, status: int, message: str, *, param: str | None = None, code: str | None = None
+        self, status: int, message: str, *, param: str | None = None, code: str | None = None, close: bool = False
     ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
         self.code = code
+        self.close = close
 
     @property
     def type(self) -> str:
@@ -46,7 +49,8 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
     def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status)
+        return JSONResponse(self.body(), status_code=self.status,
+                            headers={"connection": "close"} if self.close else None)
 
     def sse_event(self) -> bytes:
         """The error as one server-sent event (a stream that fails sends this, then `[DONE]`)."""
@@ -72,8 +76,10 @@ def redact_paths(text: str) -> str:
     return _PATH.sub("<path>", text)
 
 
-def shutting_down() -> APIError:
-    return APIError(503, "the server is shutting down; retry elsewhere or later", code="shutting_down")
+def shutting_down(detail: str | None = None) -> APIError:
+    """Refused or ended by a shutdown; `detail` says why this request (e.g. it outlived the grace)."""
+    message = detail if detail and detail != "the server is shutting down" else "the server is shutting down"
+    return APIError(503, f"{message}; retry elsewhere or later", code="shutting_down")
 
 
 def engine_error(detail: str | None, request_id: str | None = None) -> APIError:

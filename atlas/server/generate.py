@@ -21,7 +21,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from atlas.engine.outputs import FinishReason, RequestOutput
 from atlas.errors import AdmissionError, EngineDead, QueueFull
 from atlas.sampling.params import SamplingParams
-from atlas.server.chat import ChatTemplate
+from atlas.server.chat import ChatTemplate, encode_chat
 from atlas.server.echo import echoed_logprobs, vllm_prompt_logprobs
 from atlas.server.engine_loop import EngineLoop, EngineStopped, FaultKind, RequestStream
 from atlas.server.errors import APIError, bad_request, engine_dead, engine_error, shutting_down
@@ -49,10 +49,7 @@ class ServingContext:
         return self.tokenizer.decode(list(token_ids))
 
     def encode(self, text: str, *, param: str) -> list[int]:
-        try:
-            text.encode("utf-8")
-        except UnicodeEncodeError:
-            raise bad_request(f"{param}: contains invalid Unicode (a lone surrogate)", param=param) from None
+        _check_unicode(text, param)
         return list(self.tokenizer.encode(text))
 
     def check_model(self, model: str | None) -> None:
@@ -67,8 +64,25 @@ class ServingContext:
                               param=param)
 
     def render_chat(self, messages: list[ChatMessage], add_generation_prompt: bool) -> str:
-        plain = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})} for m in messages]
-        return self.chat_template.render(plain, add_generation_prompt=add_generation_prompt)
+        return self.chat_template.render(_plain(messages), add_generation_prompt=add_generation_prompt)
+
+    def encode_chat(self, messages: list[ChatMessage], add_generation_prompt: bool) -> list[int]:
+        """Message content is text: a special token's string inside it stays text (no role spoofing)."""
+        plain = _plain(messages)
+        for m in plain:
+            _check_unicode(m["content"], "messages")
+        return encode_chat(self.tokenizer, self.chat_template, plain, add_generation_prompt=add_generation_prompt)
+
+
+def _check_unicode(text: str, param: str) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise bad_request(f"{param}: contains invalid Unicode (a lone surrogate)", param=param) from None
+
+
+def _plain(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    return [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})} for m in messages]
 
 
 async def _submit(ctx: ServingContext, request: Request, request_id: str, prompt: list[int],
@@ -88,8 +102,8 @@ async def _submit(ctx: ServingContext, request: Request, request_id: str, prompt
         raise APIError(503, f"the engine's waiting queue is full, retry later: {exc}", code="queue_full") from None
     except EngineDead as exc:
         raise engine_dead(str(exc)) from None
-    except EngineStopped:
-        raise shutting_down() from None
+    except EngineStopped as exc:
+        raise shutting_down(str(exc)) from None
 
 
 class _Generation:
@@ -178,8 +192,8 @@ async def _respond_whole(ctx: ServingContext, request: Request, streams: list[Re
         consumer.result()
     except EngineDead as exc:
         raise engine_dead(str(exc)) from None
-    except EngineStopped:
-        raise shutting_down() from None
+    except EngineStopped as exc:
+        raise shutting_down(str(exc)) from None
     for gen in gens:
         failure = gen.failure()
         if failure is not None:
@@ -267,8 +281,8 @@ async def _stream_events(ctx: ServingContext, stream: RequestStream, gen: _Gener
     except EngineDead as exc:
         yield engine_dead(str(exc)).sse_event()
         yield DONE
-    except EngineStopped:
-        yield shutting_down().sse_event()
+    except EngineStopped as exc:
+        yield shutting_down(str(exc)).sse_event()
         yield DONE
     finally:
         stream.cancel()  # a no-op once finished; when the client went away, the engine frees its blocks
@@ -291,6 +305,7 @@ class _EventStream(StreamingResponse):
 
 async def _run(ctx: ServingContext, request: Request, kind: Kind, body: CompletionRequest | ChatCompletionRequest,
                prompts: list[list[int]]) -> Response:
+    ctx.check_token_ids(body.stop_token_ids, param="stop_token_ids")
     params = body.sampling_params()
     request_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
     prompt_lp = body.engine_prompt_logprobs() if isinstance(body, CompletionRequest) else None
@@ -335,5 +350,4 @@ async def create_completion(ctx: ServingContext, request: Request, body: Complet
 
 async def create_chat_completion(ctx: ServingContext, request: Request, body: ChatCompletionRequest) -> Response:
     ctx.check_model(body.model)
-    text = ctx.render_chat(body.messages, body.add_generation_prompt)
-    return await _run(ctx, request, "chat", body, [ctx.encode(text, param="messages")])
+    return await _run(ctx, request, "chat", body, [ctx.encode_chat(body.messages, body.add_generation_prompt)])

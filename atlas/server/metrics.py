@@ -40,7 +40,7 @@ _COUNTERS = (
     ("atlas:prompt_tokens", "Prompt tokens of admitted requests.", "prompt_tokens_total"),
     ("atlas:generation_tokens", "Generated tokens.", "generation_tokens_total"),
     ("atlas:invariant_checks", "State-machine invariant checks passed.", "invariant_checks"),
-    ("atlas:trace_events_written", "Events written to the trace store.", "trace_events_written"),
+    ("atlas:trace_events_written", "Events committed to the trace store (on disk).", "trace_events_written"),
     ("atlas:num_preemptions", "Sequences preempted for KV blocks.", "preemptions_total"),
     ("atlas:num_rollbacks", "Content loops rolled back to a ring snapshot.", "rollbacks_total"),
     ("atlas:num_rollback_declines", "Content loops whose rollback declined (the request ended with stop).",
@@ -55,6 +55,39 @@ _COUNTERS = (
     ("atlas:prefix_cache_tokens_saved", "Prefill tokens skipped by prefix-cache hits.", "prefix_tokens_saved"),
     ("atlas:drafter_carry_adopted", "Warm turns that kept the carried MTP drafter rows.", "carry_adopted_total"),
 )
+
+
+# (metric, help, attribute of the connection registry in atlas.server.connections), counters unless open
+_CONNECTIONS = (
+    ("atlas:http_connections_open", "Open HTTP connections.", "open"),
+    ("atlas:http_connections_evicted", "Idle connections closed to make room at the connection cap.", "evicted"),
+    ("atlas:http_connections_refused", "Connections refused with 503 at the cap (all had a request in flight).",
+     "refused"),
+    ("atlas:http_header_timeouts", "Connections closed because a request's headers did not arrive in time.",
+     "header_timeouts"),
+)
+
+
+class _ServerCollector:
+    """HTTP-side numbers: connections (once a server runs the app) and requests in flight."""
+
+    def __init__(self, lifecycle: Any, model_name: str) -> None:
+        self._lifecycle = lifecycle
+        self._model = model_name
+
+    def collect(self) -> Iterator[Metric]:
+        inflight = GaugeMetricFamily("atlas:http_requests_in_flight", "Requests inside the app.",
+                                     labels=["model_name"])
+        inflight.add_metric([self._model], float(self._lifecycle.in_flight.value))
+        yield inflight
+        registry = self._lifecycle.connections
+        if registry is None:
+            return
+        for name, doc, attr in _CONNECTIONS:
+            family = GaugeMetricFamily if attr == "open" else CounterMetricFamily
+            m = family(name, doc, labels=["model_name"])
+            m.add_metric([self._model], float(getattr(registry, attr)))
+            yield m
 
 
 class _EngineStatsCollector:
@@ -89,7 +122,7 @@ class _EngineStatsCollector:
 class ServerMetrics:
     """The app's registry; also the engine loop's LatencyObserver."""
 
-    def __init__(self, engine_loop: EngineLoop, model_name: str) -> None:
+    def __init__(self, engine_loop: EngineLoop, model_name: str, lifecycle: Any = None) -> None:
         self.model_name = model_name
         self.registry = CollectorRegistry()
         labels = ["model_name"]
@@ -112,6 +145,8 @@ class ServerMetrics:
         for reason in FinishReason:  # present from the start, so a scrape shows zeros, not absence
             self.request_success.labels(model_name, reason.value)
         self.registry.register(_EngineStatsCollector(engine_loop, model_name))
+        if lifecycle is not None:
+            self.registry.register(_ServerCollector(lifecycle, model_name))
 
     def on_first_token(self, seconds: float) -> None:
         self.ttft.observe(seconds)

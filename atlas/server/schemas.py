@@ -1,8 +1,10 @@
 """Request bodies of the OpenAI-compatible API, validated strictly, and their translation to SamplingParams.
 
-Field names and types follow OpenAI's API (plus vLLM's common extensions: top_k, ignore_eos,
-stop_token_ids). Types are strict: "5" is not an integer and true is not a number. Fields we accept but
-cannot honour are refused with a 400 naming the field, rather than silently ignored.
+Field names and types follow OpenAI's API (plus vLLM's common extensions: top_k, min_p, repetition_penalty,
+min_tokens, ignore_eos, stop_token_ids, include_stop_str_in_output, skip_special_tokens). Types are strict:
+"5" is not an integer and true is not a number. Every field is honoured or refused with a 400 naming it:
+unknown fields too (`extra="forbid"`), and the vLLM/OpenAI fields the engine cannot honour get a message
+saying so (UNSUPPORTED).
 """
 
 from __future__ import annotations
@@ -25,9 +27,21 @@ TokenId = Annotated[int, Field(ge=0, le=MAX_INT32)]
 M = TypeVar("M", bound=BaseModel)
 
 
+# fields other servers accept that this one cannot honour: named in the 400, so the client learns why
+UNSUPPORTED = frozenset({
+    "guided_json", "guided_regex", "guided_choice", "guided_grammar", "guided_decoding_backend",
+    "guided_whitespace_pattern", "structured_outputs", "response_format", "use_beam_search", "length_penalty",
+    "early_stopping", "typical_p", "logits_processors", "truncate_prompt_tokens",
+    "bad_words", "allowed_token_ids", "spaces_between_special_tokens", "tool_choice", "functions",
+    "function_call", "parallel_tool_calls", "tool_calls", "tool_call_id", "reasoning_effort", "audio",
+    "modalities", "prediction", "store", "metadata", "service_tier", "web_search_options", "priority",
+    "min_completion_tokens", "chat_template", "chat_template_kwargs", "documents", "echo_prompt",
+})
+
+
 class _Strict(BaseModel):
-    # extra fields are ignored, as OpenAI clients send `extra_body` and vendor fields freely
-    model_config = ConfigDict(strict=True, extra="ignore")
+    # an unknown field is refused, never ignored: a client that sends one expects it to do something
+    model_config = ConfigDict(strict=True, extra="forbid")
 
 
 class StreamOptions(_Strict):
@@ -39,12 +53,18 @@ class _SamplingFields(_Strict):
 
     model: str | None = Field(default=None, max_length=256)
     max_tokens: int | None = Field(default=None, ge=1, le=MAX_INT32)
+    max_completion_tokens: int | None = Field(default=None, ge=1, le=MAX_INT32)  # OpenAI's newer name
+    min_tokens: int = Field(default=0, ge=0, le=MAX_INT32)
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     top_k: int = Field(default=0, ge=-1, le=MAX_INT32)  # vLLM: -1 or 0 disables it
+    min_p: float = Field(default=0.0, ge=0.0, le=1.0)
+    repetition_penalty: float = Field(default=1.0, gt=0.0, le=100.0)
     seed: int | None = Field(default=None, ge=-(2**63), le=2**64 - 1)
     stop: StopField | list[StopField] | None = None
     stop_token_ids: list[TokenId] = Field(default_factory=list, max_length=MAX_STOP_STRINGS)
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
     ignore_eos: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -64,6 +84,9 @@ class _SamplingFields(_Strict):
             raise ValueError("stream_options is only allowed when stream is true")
         if isinstance(self.stop, list) and len(self.stop) > MAX_STOP_STRINGS:
             raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings, got {len(self.stop)}")
+        budget = self.requested_max_tokens()
+        if budget is not None and self.min_tokens > budget:
+            raise ValueError(f"min_tokens {self.min_tokens} exceeds max_tokens {budget}")
         return self
 
     @property
@@ -76,7 +99,8 @@ class _SamplingFields(_Strict):
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
 
     def requested_max_tokens(self) -> int | None:
-        return self.max_tokens
+        # the newer name wins when both are given, as in OpenAI's API
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
     def top_logprobs_count(self) -> int | None:
         """None: no logprobs; k: the sampled token's logprob and k alternatives."""
@@ -96,6 +120,11 @@ class _SamplingFields(_Strict):
             ignore_eos=self.ignore_eos,
             logprobs=top is not None,
             top_logprobs=top or 0,
+            min_p=self.min_p,
+            repetition_penalty=self.repetition_penalty,
+            min_tokens=self.min_tokens,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            skip_special_tokens=self.skip_special_tokens,
         )
 
 
@@ -159,7 +188,6 @@ class ChatMessage(_Strict):
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1, le=MAX_INT32)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     add_generation_prompt: bool = True  # vLLM extension
@@ -180,10 +208,6 @@ class ChatCompletionRequest(_SamplingFields):
         if self.response_format and self.response_format.get("type", "text") != "text":
             raise ValueError("only response_format {'type': 'text'} is supported")
         return self
-
-    def requested_max_tokens(self) -> int | None:
-        # the newer name wins when both are given, as in OpenAI's API
-        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
     def top_logprobs_count(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
@@ -230,4 +254,9 @@ def _as_api_error(exc: ValidationError) -> APIError:
     message = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
     if first.get("type") == "missing":
         message = "field required"
+    elif first.get("type") == "extra_forbidden":
+        name = loc[-1] if loc else ""
+        message = ("is not supported by this server, which refuses what it cannot honour" if name in UNSUPPORTED
+                   else "unknown field (this server refuses fields it does not know rather than ignore them)")
+        return bad_request(f"{param}: {message}", param=param or None, code="unsupported_field")
     return bad_request(f"{param}: {message}" if param else message, param=param or None, code="invalid_value")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import socket
 import threading
@@ -12,13 +13,16 @@ from typing import Any
 
 import attrs
 import structlog
-import uvicorn
 
 from atlas.model.loader import model_dir
 from atlas.registry import build_engine as registry_build
-from atlas.server.app import DEFAULT_MAX_HEADER_BYTES, create_app
+from atlas.server.app import create_app
+from atlas.server.auth import AuthConfigError, AuthSettings, check_exposure, is_loopback, resolve_api_key
 from atlas.server.chat import load_chat_template
 from atlas.server.engine_loop import EngineLoop
+from atlas.server.lifecycle import AtlasServer, ServerSettings, uvicorn_config
+from atlas.server.logconfig import REDACTOR, configure_logging
+from atlas.server.security import Lifecycle
 
 log = structlog.get_logger(__name__)
 
@@ -26,21 +30,6 @@ EXIT_BAD_CONFIG = 2
 EXIT_ENGINE_DEAD = 3
 DEATH_GRACE_S = 1.0  # keep answering 503 this long after a fatal fault, so probes and clients see why
 DEATH_HARD_EXIT_S = 15.0  # if a graceful stop hangs (a stuck connection), leave anyway: dead is dead
-
-
-def _uvicorn_config(app: Any, host: str, port: int, log_level: str) -> uvicorn.Config:
-    return uvicorn.Config(
-        app,
-        host=host,
-        port=port,
-        # h11 bounds what it buffers while parsing headers: a backstop above the app's own 431 limit
-        http="h11",
-        h11_max_incomplete_event_size=4 * DEFAULT_MAX_HEADER_BYTES,
-        lifespan="off",
-        log_level=log_level,
-        timeout_graceful_shutdown=2,
-        access_log=False,
-    )
 
 
 def set_engine_threads(threads: int | None = None) -> int:
@@ -79,16 +68,20 @@ def engine_for_serving(
 
 
 class ServerThread:
-    """uvicorn serving an app on a free loopback port from a background thread."""
+    """uvicorn serving an app on a free loopback port from a background thread (no signals there: `stop` is
+    the shutdown, with the same drain as a SIGTERM)."""
 
-    def __init__(self, app: Any, *, host: str = "127.0.0.1", port: int = 0) -> None:
+    def __init__(self, app: Any, *, host: str = "127.0.0.1", port: int = 0,
+                 settings: ServerSettings | None = None) -> None:
         # proto IPPROTO_TCP, not 0: asyncio sets TCP_NODELAY only on sockets that say they are TCP, and
         # without it every second write of a response waits ~40 ms for a delayed ACK (Nagle)
         self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._sock.bind((host, port))
         self.host, self.port = self._sock.getsockname()[:2]
-        self.server = uvicorn.Server(_uvicorn_config(app, self.host, self.port, "warning"))
+        settings = settings or ServerSettings(shutdown_grace=0.0)
+        config = uvicorn_config(app, self.host, self.port, "warning", settings)
+        self.server = AtlasServer(config, app.state.engine_loop, app.state.lifecycle, settings.shutdown_grace)
         self._thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self._sock]}, daemon=True)
 
     @property
@@ -104,7 +97,7 @@ class ServerThread:
             time.sleep(0.01)
         return self
 
-    def stop(self, timeout: float = 10.0) -> None:
+    def stop(self, timeout: float = 30.0) -> None:
         self.server.should_exit = True
         self._thread.join(timeout)
         self._sock.close()
@@ -121,31 +114,30 @@ class Served:
     url: str
     app: Any
     engine_loop: EngineLoop
+    server: ServerThread
 
 
 @contextmanager
-def serve_in_thread(engine: Any, **app_options: Any) -> Iterator[Served]:
+def serve_in_thread(engine: Any, *, settings: ServerSettings | None = None, **app_options: Any) -> Iterator[Served]:
     """An engine behind a live loopback server for the block's duration (tests, benchmarks)."""
     engine_loop = EngineLoop(engine).start()
     try:
+        if settings is not None:
+            app_options.setdefault("limits", settings.requests)
         app = create_app(engine_loop, **app_options)
-        with ServerThread(app) as server:
-            yield Served(server.url, app, engine_loop)
+        with ServerThread(app, settings=settings) as server:
+            yield Served(server.url, app, engine_loop, server)
     finally:
         engine_loop.stop()
 
 
-class _StoppingServer(uvicorn.Server):
-    """Stops the engine loop (closing the trace) as part of shutdown: uvicorn re-raises SIGTERM/SIGINT
-    once it has shut down, and the default handler would end the process before a `finally` ran."""
-
-    def __init__(self, config: uvicorn.Config, engine_loop: EngineLoop) -> None:
-        super().__init__(config)
-        self._engine_loop = engine_loop
-
-    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
-        await super().shutdown(sockets)
-        self._engine_loop.stop()
+def startup_auth(host: str, api_key: str | None, api_key_file: str | None, allow_unauthenticated: bool
+                 ) -> AuthSettings:
+    """The key and the exposure rules (auth.py); AuthConfigError names the flag."""
+    auth = resolve_api_key(api_key, api_key_file)
+    check_exposure(host, auth, allow_unauthenticated)
+    REDACTOR.add(auth.api_key)
+    return auth
 
 
 def serve(
@@ -167,9 +159,20 @@ def serve(
     log_level: str = "info",
     prefix_caching: bool | None = None,
     served_model_name: str | None = None,
+    api_key_file: str | None = None,
+    allow_unauthenticated: bool = False,
+    settings: ServerSettings | None = None,
 ) -> int:
-    """Serve until stopped. Returns the process exit status: 0, EXIT_BAD_CONFIG when the engine cannot be
-    built (the reason is logged), or EXIT_ENGINE_DEAD after a fatal fault."""
+    """Serve until stopped. Returns the process exit status: 0 (also after SIGTERM/SIGINT: drained),
+    EXIT_BAD_CONFIG when the engine cannot be built or the flags are wrong (the reason is logged), or
+    EXIT_ENGINE_DEAD after a fatal fault."""
+    configure_logging(log_level)
+    settings = settings or ServerSettings()
+    try:
+        auth = startup_auth(host, api_key, api_key_file, allow_unauthenticated)
+    except AuthConfigError as exc:
+        log.error("cannot start the server", error=str(exc))
+        return EXIT_BAD_CONFIG
     set_engine_threads(threads)
     try:
         engine = engine_for_serving(model, backend=backend, trace=trace, max_seq_len=max_seq_len,
@@ -180,9 +183,11 @@ def serve(
         return EXIT_BAD_CONFIG
     engine_loop = EngineLoop(engine).start()
     template = load_chat_template(model_dir(model) if model else None)  # "atlas-mini" -> models/atlas-mini
-    app = create_app(engine_loop, chat_template=template, api_key=api_key,
-                     enable_fault_injection=enable_fault_injection, model_name=served_model_name)
-    server = _StoppingServer(_uvicorn_config(app, host, port, log_level), engine_loop)
+    lifecycle = Lifecycle()
+    app = create_app(engine_loop, chat_template=template, api_key=auth.api_key, limits=settings.requests,
+                     lifecycle=lifecycle, enable_fault_injection=enable_fault_injection, model_name=served_model_name)
+    config = uvicorn_config(app, host, port, log_level, settings)
+    server = AtlasServer(config, engine_loop, lifecycle, settings.shutdown_grace)
 
     def on_death(detail: str) -> None:
         log.error("fatal engine fault: the server stops", detail=detail)
@@ -194,7 +199,27 @@ def serve(
     engine_loop.on_death(on_death)
     if enable_fault_injection:
         log.warning("fault injection is enabled: for tests only")
-    log.info("serving", model=served_model_name or engine.model_name, url=f"http://{host}:{port}", backend=backend, trace=trace)
+    if auth.source == "--api-key":
+        log.warning("the API key is on the command line, where `ps` shows it to every local user; "
+                    "prefer --api-key-file PATH or ATLAS_API_KEY")
+    if not auth.enabled:
+        log.warning("auth is OFF: every route answers without a key", host=host,
+                    reachable="from this machine only" if is_loopback(host)
+                    else "from the network (--allow-unauthenticated)")
+    limits = settings.requests
+    log.info("serving", model=served_model_name or engine.model_name, url=f"http://{host}:{port}", backend=backend, trace=trace,
+             auth=f"on ({auth.source})" if auth.enabled else "off", host=host,
+             max_connections=config.http.limits.max_connections,  # type: ignore[union-attr]
+             max_concurrency=limits.max_concurrency, header_timeout_s=settings.header_timeout,
+             body_timeout_s=limits.body_timeout, keep_alive_s=settings.keep_alive_timeout,
+             shutdown_grace_s=settings.shutdown_grace)
+    # The model, torch and everything loaded so far never become garbage: frozen out of the collector's sight;
+    # and a young generation of 100k objects, not 700: a flood of connections no longer triggers a collection
+    # every few accepts. Measured (10,000 connections opened against `serve --backend null`, server CPU per
+    # accepted connection, loaded 2-core machine): 101-114 us with Python's defaults, 68-82 us with these.
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(100_000, 50, 50)
     try:
         server.run()
     finally:

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from atlas.backends.cuda.batch import Group
+from atlas.backends.cuda.moe import grouped_mm_works, routed_grouped_mm, routed_triton
 from atlas.backends.cuda.pools import DevicePools
 from atlas.backends.cuda.tuning import Tuning
 from atlas.backends.decoder import decoder_stack
@@ -195,9 +196,38 @@ def qsa_selection(spec: ModelSpec, w: dict[str, torch.Tensor], pre: str, queries
     return keep | ~sparse
 
 
+def _attend_torch(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Materialised fp32 scores. q [B, T, nkv, group, hd], keys/values [B, L, nkv, hd], mask [B, T, L] ->
+    [B, T, nkv * group, hd]."""
+    b, t, nkv, group, hd = q.shape
+    length = keys.shape[1]
+    # query head h reads KV head h // group: fold the group into the rows of each KV head
+    qg = q.permute(0, 2, 1, 3, 4).reshape(b, nkv, t * group, hd)
+    scores = qg @ keys.permute(0, 2, 3, 1) * hd**-0.5  # [B, nkv, T*group, L]
+    m = mask[:, None, :, None, :].expand(b, 1, t, group, length).reshape(b, 1, t * group, length)
+    scores = scores.masked_fill(~m, float("-inf"))
+    probs = torch.softmax(scores.to(acc_dtype(q.dtype)), dim=-1).to(q.dtype)
+    out = probs @ values.permute(0, 2, 1, 3)  # [B, nkv, T*group, hd]
+    return out.view(b, nkv, t, group, hd).permute(0, 2, 1, 3, 4)
+
+
+def _attend_sdpa(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
+                 group: int) -> torch.Tensor:
+    """F.scaled_dot_product_attention (the memory-efficient kernel on CUDA: no [T, L] fp32 score tensor per
+    head). q [B, T, nh, hd], keys/values [B, L, nkv, hd], mask [B, T, L] (causal & QSA-selected) ->
+    [B, T, nh, hd]. The KV heads are repeated to the query heads (a [B, nh, L, hd] copy: 8 MB at 2,048 keys)
+    rather than enable_gqa=True, which with a mask falls back to the math kernel (it materialises the scores)."""
+    k = keys.permute(0, 2, 1, 3).repeat_interleave(group, dim=1)
+    v = values.permute(0, 2, 1, 3).repeat_interleave(group, dim=1)
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=mask[:, None])
+    return out.transpose(1, 2)
+
+
 def attention_layer(spec: ModelSpec, w: dict[str, torch.Tensor], pre: str, layer: int, x: torch.Tensor,
-                    grp: Group, pools: DevicePools, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [B, T, H] -> [B, T, H]: gated attention over the paged KV (QSA-selected past the inert bound)."""
+                    grp: Group, pools: DevicePools, cos: torch.Tensor, sin: torch.Tensor, *,
+                    sdpa: bool = False) -> torch.Tensor:
+    """x [B, T, H] -> [B, T, H]: gated attention over the paged KV (QSA-selected past the inert bound).
+    sdpa: the scores through F.scaled_dot_product_attention (Tuning.attention / decode_attention)."""
     b, t, _ = x.shape
     nh, nkv, hd = spec.num_heads, spec.num_kv_heads, spec.head_dim
     rows = b * t
@@ -230,14 +260,10 @@ def attention_layer(spec: ModelSpec, w: dict[str, torch.Tensor], pre: str, layer
             mask = mask & qsa_selection(spec, w, pre, iq, raw_pool[grp.read_slots], grp.positions)
 
     group = nh // nkv
-    # query head h reads KV head h // group: fold the group into the rows of each KV head
-    qg = q.view(b, t, nkv, group, hd).permute(0, 2, 1, 3, 4).reshape(b, nkv, t * group, hd)
-    scores = qg @ keys.permute(0, 2, 3, 1) * hd**-0.5  # [B, nkv, T*group, L]
-    m = mask[:, None, :, None, :].expand(b, 1, t, group, length).reshape(b, 1, t * group, length)
-    scores = scores.masked_fill(~m, float("-inf"))
-    probs = torch.softmax(scores.to(acc_dtype(x.dtype)), dim=-1).to(x.dtype)
-    out = probs @ values.permute(0, 2, 1, 3)  # [B, nkv, T*group, hd]
-    out = out.view(b, nkv, t, group, hd).permute(0, 2, 1, 3, 4).reshape(rows, nh * hd)
+    if sdpa:
+        out = _attend_sdpa(q.view(b, t, nh, hd), keys, values, mask, group).reshape(rows, nh * hd)
+    else:
+        out = _attend_torch(q.view(b, t, nkv, group, hd), keys, values, mask).reshape(rows, nh * hd)
     out = out * torch.sigmoid(gate.reshape(rows, nh * hd))
     return (out @ w[pre + "o_proj.weight"].T).view(b, t, -1)
 
@@ -250,7 +276,10 @@ def moe_layer(moe: MoeSpec, w: dict[str, torch.Tensor], pre: str, x: torch.Tenso
     sees many tokens). Otherwise fixed shapes for CUDA graphs: with fewer routed slots than experts, the
     chosen experts' weights are gathered per slot; else every expert runs on every row, weighted by a
     routing matrix that is zero off the top-k (decode at batch >= E / top_k touches most experts anyway).
-    mode (Tuning.moe / prefill_moe) overrides eager: "grouped" is eager; "torch" / "dense" the fixed shapes."""
+    mode (Tuning.moe / prefill_moe) overrides eager: "grouped" is eager; "torch" / "dense" the fixed shapes;
+    "triton" / "grouped_mm" route on the device and read the chosen experts in place (atlas.backends.cuda.moe:
+    no host sync, graph-capturable). "grouped_mm" falls back to "triton" where torch._grouped_mm fails its
+    feature test."""
     eager = mode == "grouped" if mode is not None else eager
     shared_width = moe.shared_intermediate_size
     logits, shared_gate, shared_up, shared_scale = (x @ w[pre + "fused_in.weight"].T).split(
@@ -262,7 +291,13 @@ def moe_layer(moe: MoeSpec, w: dict[str, torch.Tensor], pre: str, x: torch.Tenso
     top_w = top_w.to(x.dtype)
     rows = x.shape[0]
     gate_up, down = w[pre + "experts.gate_up_proj"], w[pre + "experts.down_proj"]
-    if eager:
+    if mode == "grouped_mm" and not grouped_mm_works(x.device.type, x.dtype):
+        mode = "triton"
+    if mode == "triton":
+        routed = routed_triton(x, top_i, top_w, gate_up, down)
+    elif mode == "grouped_mm":
+        routed = routed_grouped_mm(x, top_i, top_w, gate_up, down)
+    elif eager:
         # (token, slot) pairs sorted by expert: one host sync for the counts, each pair's output written once
         # (no atomics), then summed over the slots in a fixed order
         pairs = top_i.flatten()
@@ -328,7 +363,9 @@ class _GroupOps:
     def mixer(self, layer: int, x: torch.Tensor) -> torch.Tensor:
         spec, w, pre = self.spec, self.w, f"layers.{layer}."
         if spec.layer_types[layer] == FULL_ATTENTION:
-            return attention_layer(spec, w, pre + "self_attn.", layer, x, self.grp, self.pools, self.cos, self.sin)
+            sdpa = (self.tuning.attention if self.grp.shape.width > 1 else self.tuning.decode_attention) == "sdpa"
+            return attention_layer(spec, w, pre + "self_attn.", layer, x, self.grp, self.pools, self.cos, self.sin,
+                                   sdpa=sdpa)
         return gdn_layer(spec, w, pre + "linear_attn.", x, self.grp, self.pools.gdn_conv[layer],
                          self.pools.gdn_state[layer], self.gdn_kernel)
 

@@ -37,6 +37,8 @@ class Tuning:
     # prefill attention: "torch" materialised fp32 scores, "sdpa" F.scaled_dot_product_attention (flash or
     # memory-efficient kernels; the causal / QSA mask passed as a boolean mask where one is needed)
     attention: str = attrs.field(default="torch", validator=_one_of(ATTENTION))
+    # decode attention (T = 1, inside the decode graphs): the same two choices
+    decode_attention: str = attrs.field(default="torch", validator=_one_of(ATTENTION))
     # torch.compile of the decode layers (one compiled function per layer kind, reused by every layer of
     # that kind), captured under the decode CUDA graphs as before
     compile_decode: str = attrs.field(default="none", validator=_one_of(COMPILE))
@@ -46,7 +48,12 @@ class Tuning:
         return self.moe == "triton" or self.prefill_moe == "triton"
 
 
-# the variants `atlas bench gpu` times (name -> knobs); "baseline" is the arrangement measured before
+# the variants `atlas bench gpu` times side by side (name -> knobs), each predicted in docs/BENCHMARKS.md;
+# "baseline" is the arrangement measured before (H200 run 2: decode b1 5.83 ms, prefill 2048 92.7 ms dense)
 VARIANTS: dict[str, Tuning] = {
     "baseline": Tuning(),
+    "moe-triton": Tuning(moe="triton", prefill_moe="triton"),
+    "moe-grouped-mm": Tuning(moe="triton", prefill_moe="grouped_mm"),
+    "sdpa": Tuning(attention="sdpa", decode_attention="sdpa"),
+    "fused": Tuning(moe="triton", prefill_moe="triton", attention="sdpa", decode_attention="sdpa"),
 }

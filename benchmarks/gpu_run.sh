@@ -2,7 +2,8 @@
 # One device call (the GPU machine has torch/triton but not the project): install the carried wheels
 # (.whl, git-ignored), run the CUDA tests, then `atlas bench gpu`. Logs and JSON under $OUT.
 #   run: bash benchmarks/gpu_run.sh            (carry: .whl)
-# TESTS=0 skips the tests; BENCH=0 skips the benchmark; BENCH_ARGS are passed to atlas.bench.
+# TESTS=0 skips the tests; BENCH=0 skips the benchmark; BENCH_ARGS are passed to atlas.bench
+# (e.g. "--no-transformers --variants baseline,fused --long-prefill 8192").
 set -o pipefail
 OUT=${OUT:-/tmp/atlas-out}
 mkdir -p "$OUT"
@@ -12,11 +13,13 @@ ln -sfn "$PWD/kernels" /tmp/site/atlas_kernels
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 ATLAS_TEST_OUT=$OUT
 nvidia-smi --query-gpu=name,memory.used,clocks.sm --format=csv,noheader
 if [ "${TESTS:-1}" = 1 ]; then
-  timeout "${TEST_TIMEOUT:-240}" python3 -m pytest -q -p no:cacheprovider --durations=8 ${TEST_FILES:-tests/test_cuda_gpu.py tests/test_cuda_backend.py} \
+  timeout "${TEST_TIMEOUT:-240}" python3 -m pytest -q -p no:cacheprovider --durations=8 ${TEST_FILES:-tests/test_cuda_gpu.py tests/test_cuda_backend.py tests/test_kernels_moe.py tests/test_cuda_tuning.py} \
     > "$OUT/tests.log" 2>&1
   echo "tests exit $?"; grep -E "passed|failed|Error|alone-vs-batch|FAILED|assert" "$OUT/tests.log" | tail -25
 fi
 if [ "${BENCH:-1}" = 1 ]; then
-  timeout "${BENCH_TIMEOUT:-330}" python3 -m atlas.bench "$OUT" ${BENCH_ARGS:-} > "$OUT/bench.log" 2>&1
-  echo "bench exit $?"; grep -v "capacities derived" "$OUT/bench.log" | tail -30
+  # every Tuning variant side by side (atlas/bench_variants.py): one table row per variant is printed as it
+  # lands, so a timeout keeps the finished rows; a failing variant prints ERROR and the run goes on
+  timeout "${BENCH_TIMEOUT:-480}" python3 -m atlas.bench "$OUT" ${BENCH_ARGS:-} > "$OUT/bench.log" 2>&1
+  echo "bench exit $?"; grep -v "capacities derived" "$OUT/bench.log" | tail -60
 fi

@@ -21,6 +21,7 @@ import collections
 import json
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -42,9 +43,13 @@ _FREE = {"empty", "empty_strided", "empty_like", "view", "_unsafe_view", "t", "t
 _SYNC = {"_local_scalar_dense", "item", "nonzero", "unique", "_unique2", "bincount", "masked_select"}
 
 
-def shrunk_config(path: Path = CONFIG) -> dict:
-    """The benchmark config with the same structure and narrow sizes (op counts are size-independent)."""
+def shrunk_config(path: Path = CONFIG, layers: int | None = None) -> dict:
+    """The benchmark config with the same structure and narrow sizes (op counts are size-independent);
+    `layers`: only the first few layers (the smoke run: 3 GDN + 1 attention, one PLE layer)."""
     cfg = json.loads(path.read_text())
+    if layers is not None:
+        cfg.update(layer_types=cfg["layer_types"][:layers], num_hidden_layers=layers,
+                   ple_layer_ids=[i for i in cfg["ple_layer_ids"] if i < layers])
     cfg.update(hidden_size=128, moe_intermediate_size=32, shared_expert_intermediate_size=32, vocab_size=2048,
                ple_embed_dim=128, hc_lowrank=32, ngram_vocab_size_base=512, linear_key_head_dim=32,
                linear_value_head_dim=32, head_dim=32, indexer_head_dim=32)
@@ -86,20 +91,31 @@ class _FusedRmsNorm(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
-def _count_triton(counter: collections.Counter[str]) -> None:
-    """Count every interpreted Triton launch (one GPU kernel each)."""
+def _count_triton(counter: collections.Counter[str], ops: Counter) -> Callable[[], None]:
+    """Count every interpreted Triton launch as one GPU kernel, and none of the interpreter's own tensor ops
+    (it copies every argument to the host and back: a dozen copy_ a launch that a GPU never runs)."""
     from triton.runtime.interpreter import InterpretedFunction
 
     run = InterpretedFunction.run
 
     def counted(self: Any, *args: Any, **kwargs: Any) -> Any:
         counter[f"triton:{self.fn.__name__}"] += 1
-        return run(self, *args, **kwargs)
+        ops.muted += 1
+        try:
+            return run(self, *args, **kwargs)
+        finally:
+            ops.muted -= 1
 
     InterpretedFunction.run = counted  # type: ignore[method-assign]
 
+    def restore() -> None:
+        InterpretedFunction.run = run  # type: ignore[method-assign]
 
-def count_step(variant: str = "baseline", batch: int = 1, prefill: int = 0, context: int = 140) -> dict[str, Any]:
+    return restore
+
+
+def count_step(variant: str = "baseline", batch: int = 1, prefill: int = 0, context: int = 140,
+               layers: int | None = None) -> dict[str, Any]:
     """Ops of one bf16 decode step of `batch` sequences at `context` tokens (or one prefill of `prefill`)."""
     from atlas.backends.cuda import CudaBackend, random_model
     from atlas.backends.cuda.runner import triton_gdn
@@ -107,7 +123,7 @@ def count_step(variant: str = "baseline", batch: int = 1, prefill: int = 0, cont
     from atlas.plan import SeqWork, StepPlan
 
     torch.manual_seed(0)
-    model = random_model(shrunk_config(), device="cpu", dtype=torch.bfloat16, seed=0)
+    model = random_model(shrunk_config(layers=layers), device="cpu", dtype=torch.bfloat16, seed=0)
     blocks = 4 + (max(prefill, context) + 16) // 16
     backend = CudaBackend(model, num_kv_blocks=blocks * batch, block_size=16, dtype=torch.bfloat16, device="cpu",
                           max_batch_size=batch, cuda_graphs=False, tuning=VARIANTS[variant])
@@ -123,9 +139,12 @@ def count_step(variant: str = "baseline", batch: int = 1, prefill: int = 0, cont
         work = tuple(SeqWork(i, (7 + i,), warm, tables[i], True) for i in range(batch))
     counter = Counter()
     triton_counts: collections.Counter[str] = collections.Counter()
-    _count_triton(triton_counts)
-    with counter, _FusedRmsNorm(counter):
-        backend.execute(StepPlan(1, work))
+    restore = _count_triton(triton_counts, counter)
+    try:
+        with counter, _FusedRmsNorm(counter):
+            backend.execute(StepPlan(1, work))
+    finally:
+        restore()
     ops = counter.ops + triton_counts
     return {"variant": variant, "batch": batch, "prefill": prefill, "ops": sum(ops.values()),
             "triton": sum(triton_counts.values()), "gemms": sum(ops[n] for n in ("mm", "addmm", "bmm", "baddbmm")),
@@ -139,14 +158,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--variant", action="append", help="Tuning variant (repeatable; default: all)")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--top", type=int, default=12)
+    parser.add_argument("--smoke", action="store_true", help="4 layers, baseline only, 20 tokens of context")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     from atlas.backends.cuda.tuning import VARIANTS
 
     rows = []
-    for variant in args.variant or list(VARIANTS):
+    variants = args.variant or (["baseline"] if args.smoke else list(VARIANTS))
+    for variant in variants:
         try:
-            row = count_step(variant, args.batch, args.prefill)
+            row = count_step(variant, args.batch, args.prefill, context=20 if args.smoke else 140,
+                             layers=4 if args.smoke else None)
         except Exception as error:  # one broken variant must not hide the others' counts
             row = {"variant": variant, "error": f"{type(error).__name__}: {error}"}
         rows.append(row)

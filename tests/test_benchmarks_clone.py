@@ -22,6 +22,8 @@ BENCHMARKS = sorted(p.name for p in (ROOT / "benchmarks").glob("*.py"))
 EXPECT = {
     "control_plane.py": "seq-steps/s",
     "cpu_model.py": "atlas chunks",
+    "dispatch_count.py": " ops (",
+    "invariance.py": "completions identical",
     "kernels.py": "dry run:",
     "multiturn.py": "tokens equal on/off",
     "mutation_campaign.py": "acceptance",

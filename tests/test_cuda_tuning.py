@@ -50,7 +50,7 @@ def reference(tiny) -> list[tuple[int, ...]]:  # type: ignore[no-untyped-def]
     return run_tokens(tiny, "cpu")
 
 
-@pytest.mark.parametrize("variant", [v for v in VARIANTS if v != "baseline"])
+@pytest.mark.parametrize("variant", [v for v, t in VARIANTS.items() if v != "baseline" and t.compile_decode == "none"])
 def test_each_variant_gives_the_reference_tokens(tiny, reference, variant: str) -> None:  # type: ignore[no-untyped-def]
     assert run_tokens(tiny, "cuda-fp32", VARIANTS[variant]) == reference
 
@@ -81,3 +81,20 @@ def test_grouped_mm_feature_test_runs_here() -> None:
 def test_unknown_knob_values_are_refused_with_the_choices() -> None:
     with pytest.raises(ValueError, match="Tuning.moe must be one of torch, triton"):
         Tuning(moe="cutlass")
+
+
+@pytest.mark.slow
+def test_compiled_decode_blocks_give_the_eager_logits(tiny) -> None:  # type: ignore[no-untyped-def]
+    """Tuning.compile_decode: the hyper-connection sites and the MoE router through torch.compile (inductor's
+    C++ backend here, ~2 minutes of compiling on the shared CPU; Triton on a GPU) give the eager logits."""
+    tables = [tuple(range(8 * i, 8 * i + 8)) for i in range(2)]
+    logits = []
+    for tuning in (Tuning(), Tuning(compile_decode="default")):
+        backend = CudaBackend(tiny, num_kv_blocks=32, block_size=16, dtype=torch.float32, device=DEVICE,
+                              max_batch_size=4, kernels=False, cuda_graphs=False, tuning=tuning)
+        backend.execute(StepPlan(0, tuple(SeqWork(i, tuple(range(30 + i, 50 + i)), 0, tables[i], True)
+                                          for i in range(2))))
+        decode = [SeqWork(i, (7 + i,), 20, tables[i], True) for i in range(2)]
+        backend._prepare(decode)
+        logits.append(torch.stack(list(backend._last_logits(decode).values())))
+    assert torch.allclose(logits[1], logits[0], rtol=0, atol=1e-5), (logits[1] - logits[0]).abs().max()

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from atlas.backends.cuda.batch import Group
+from atlas.backends.cuda.compiled import compiled
 from atlas.backends.cuda.moe import grouped_mm_works, routed_grouped_mm, routed_triton
 from atlas.backends.cuda.pools import DevicePools
 from atlas.backends.cuda.tuning import Tuning
@@ -91,16 +92,25 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
     return F.rms_norm(x, (x.shape[-1],), weight, eps) * (F.silu(gate) if act == "silu" else torch.sigmoid(gate))
 
 
-def hyper_mix(spec: ModelSpec, w: dict[str, torch.Tensor], pre: str, streams: torch.Tensor, *, combine: bool
-              ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """atlas.backends.cpu.hyper.hyper_mix with the mix-down and inject weights in one GEMM (prepare_weights)."""
-    hc, hidden, eps = spec.hc_count, spec.hidden_size, spec.rms_norm_eps
-    normed = rms_norm(streams, w[pre + "hc_norm.weight"], eps, group=hidden)
+def hyper_mix(spec: ModelSpec, w: dict[str, torch.Tensor], pre: str, streams: torch.Tensor, *, combine: bool,
+              compile_mode: str = "none") -> tuple[torch.Tensor, torch.Tensor | None]:
+    """atlas.backends.cpu.hyper.hyper_mix with the mix-down and inject weights in one GEMM (prepare_weights).
+    compile_mode: hyper_block through torch.compile (one compiled graph serves every site: tensors in)."""
+    down_w = w[pre + "fused_down.weight"] if combine else w[pre + "input_mix_weight_down.weight"]
+    block = compiled(hyper_block, compile_mode)
+    return block(streams, w[pre + "hc_norm.weight"], down_w, w[pre + "input_mix_weight_up.weight"],
+                 spec.hc_count, spec.hidden_size, spec.hc_lowrank, spec.rms_norm_eps, combine)
+
+
+def hyper_block(streams: torch.Tensor, norm_w: torch.Tensor, down_w: torch.Tensor, up_w: torch.Tensor, hc: int,
+                hidden: int, lowrank: int, eps: float, combine: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One hyper-connection site on tensors: (block input [.., H], injection weights [.., hc] or None)."""
+    normed = rms_norm(streams, norm_w, eps, group=hidden)
     if combine:  # 1/hc is folded into the weights (prepare_weights)
-        down, inject = (normed @ w[pre + "fused_down.weight"].T).split([spec.hc_lowrank, hc], dim=-1)
+        down, inject = (normed @ down_w.T).split([lowrank, hc], dim=-1)
     else:
-        down, inject = normed @ w[pre + "input_mix_weight_down.weight"].T, None
-    mix = torch.sigmoid(F.silu(down) @ w[pre + "input_mix_weight_up.weight"].T).unflatten(-1, (hc, hidden))
+        down, inject = normed @ down_w.T, None
+    mix = torch.sigmoid(F.silu(down) @ up_w.T).unflatten(-1, (hc, hidden))
     mixed = (mix * normed.unflatten(-1, (hc, hidden))).mean(dim=-2)
     if inject is None:
         return mixed, None
@@ -268,8 +278,23 @@ def attention_layer(spec: ModelSpec, w: dict[str, torch.Tensor], pre: str, layer
     return (out @ w[pre + "o_proj.weight"].T).view(b, t, -1)
 
 
+def moe_router(moe: MoeSpec, x: torch.Tensor, fused_in: torch.Tensor, shared_down: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The routing and the shared expert on tensors: (top_w [R, K] in x's dtype, top_i [R, K], the gated
+    shared expert's output [R, H])."""
+    shared_width = moe.shared_intermediate_size
+    logits, shared_gate, shared_up, shared_scale = (x @ fused_in.T).split(
+        [moe.num_experts, shared_width, shared_width, 1], dim=-1)
+    probs = torch.softmax(logits.to(acc_dtype(x.dtype)), dim=-1)
+    top_w, top_i = torch.topk(probs, moe.top_k, dim=-1)
+    if moe.norm_topk_prob:
+        top_w = top_w / top_w.sum(dim=-1, keepdim=True)
+    shared = (F.silu(shared_gate) * shared_up) @ shared_down.T
+    return top_w.to(x.dtype), top_i, torch.sigmoid(shared_scale) * shared
+
+
 def moe_layer(moe: MoeSpec, w: dict[str, torch.Tensor], pre: str, x: torch.Tensor, *, eager: bool = False,
-              mode: str | None = None) -> torch.Tensor:
+              mode: str | None = None, compile_mode: str = "none") -> torch.Tensor:
     """x [R, H] -> [R, H]: top-k routed experts + sigmoid-gated shared expert.
 
     eager: group tokens by expert (one host sync for the counts; right for prefill, where each expert
@@ -279,16 +304,10 @@ def moe_layer(moe: MoeSpec, w: dict[str, torch.Tensor], pre: str, x: torch.Tenso
     mode (Tuning.moe / prefill_moe) overrides eager: "grouped" is eager; "torch" / "dense" the fixed shapes;
     "triton" / "grouped_mm" route on the device and read the chosen experts in place (atlas.backends.cuda.moe:
     no host sync, graph-capturable). "grouped_mm" falls back to "triton" where torch._grouped_mm fails its
-    feature test."""
+    feature test. compile_mode: the router + shared expert through torch.compile (the routed experts not)."""
     eager = mode == "grouped" if mode is not None else eager
-    shared_width = moe.shared_intermediate_size
-    logits, shared_gate, shared_up, shared_scale = (x @ w[pre + "fused_in.weight"].T).split(
-        [moe.num_experts, shared_width, shared_width, 1], dim=-1)
-    probs = torch.softmax(logits.to(acc_dtype(x.dtype)), dim=-1)
-    top_w, top_i = torch.topk(probs, moe.top_k, dim=-1)
-    if moe.norm_topk_prob:
-        top_w = top_w / top_w.sum(dim=-1, keepdim=True)
-    top_w = top_w.to(x.dtype)
+    router = compiled(moe_router, compile_mode)
+    top_w, top_i, shared = router(moe, x, w[pre + "fused_in.weight"], w[pre + "shared_expert.down_proj.weight"])
     rows = x.shape[0]
     gate_up, down = w[pre + "experts.gate_up_proj"], w[pre + "experts.down_proj"]
     if mode == "grouped_mm" and not grouped_mm_works(x.device.type, x.dtype):
@@ -321,8 +340,7 @@ def moe_layer(moe: MoeSpec, w: dict[str, torch.Tensor], pre: str, x: torch.Tenso
         out = torch.bmm(F.silu(g) * u, down.transpose(1, 2))  # [E, R, H]
         weights = torch.zeros(rows, moe.num_experts, dtype=x.dtype, device=x.device).scatter_(1, top_i, top_w)
         routed = torch.einsum("re,erh->rh", weights, out)
-    shared = (F.silu(shared_gate) * shared_up) @ w[pre + "shared_expert.down_proj.weight"].T
-    return routed + torch.sigmoid(shared_scale) * shared
+    return routed + shared
 
 
 def ple_layer(spec: ModelSpec, w: dict[str, torch.Tensor], pre: str, streams: torch.Tensor, ids: torch.Tensor,
@@ -357,6 +375,8 @@ class _GroupOps:
         self.tuning = tuning = tuning or Tuning()
         # eager groups (prefill chunks) may sync with the host; the rest must stay graph-capturable
         self.moe_mode = tuning.prefill_moe if eager_moe else tuning.moe
+        # torch.compile for decode groups only (fixed shapes, captured under the graphs); prefill stays eager
+        self.compile_mode = "none" if eager_moe else tuning.compile_decode
         dtype = w["embed_tokens.weight"].dtype
         self.cos, self.sin = rope_table(grp.positions.reshape(-1), spec.rotary_dim, spec.rope_theta, dtype)
 
@@ -374,7 +394,8 @@ class _GroupOps:
         pre = f"layers.{layer}.mlp."
         rows = x.reshape(b * t, -1)
         if self.spec.moe_layers[layer] and self.spec.moe is not None:
-            return moe_layer(self.spec.moe, self.w, pre, rows, mode=self.moe_mode).view(b, t, -1)
+            return moe_layer(self.spec.moe, self.w, pre, rows, mode=self.moe_mode,
+                             compile_mode=self.compile_mode).view(b, t, -1)
         return dense_mlp(self.w, pre, rows).view(b, t, -1)
 
     def norm(self, x: torch.Tensor, name: str) -> torch.Tensor:
@@ -386,7 +407,7 @@ class _GroupOps:
                          self.pools.ple_conv[layer])
 
     def hyper_mix(self, pre: str, streams: torch.Tensor, *, combine: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-        return hyper_mix(self.spec, self.w, pre, streams, combine=combine)
+        return hyper_mix(self.spec, self.w, pre, streams, combine=combine, compile_mode=self.compile_mode)
 
 
 def forward_group(spec: ModelSpec, w: dict[str, torch.Tensor], pools: DevicePools, grp: Group, *,

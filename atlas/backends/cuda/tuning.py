@@ -39,8 +39,9 @@ class Tuning:
     attention: str = attrs.field(default="torch", validator=_one_of(ATTENTION))
     # decode attention (T = 1, inside the decode graphs): the same two choices
     decode_attention: str = attrs.field(default="torch", validator=_one_of(ATTENTION))
-    # torch.compile of the decode layers (one compiled function per layer kind, reused by every layer of
-    # that kind), captured under the decode CUDA graphs as before
+    # torch.compile of the decode step's hyper-connection sites and MoE router + shared expert (one compiled
+    # graph per block kind, reused by every layer: atlas.backends.cuda.compiled), captured under the decode
+    # CUDA graphs as before
     compile_decode: str = attrs.field(default="none", validator=_one_of(COMPILE))
 
     @property
@@ -56,4 +57,7 @@ VARIANTS: dict[str, Tuning] = {
     "moe-grouped-mm": Tuning(moe="triton", prefill_moe="grouped_mm"),
     "sdpa": Tuning(attention="sdpa", decode_attention="sdpa"),
     "fused": Tuning(moe="triton", prefill_moe="triton", attention="sdpa", decode_attention="sdpa"),
+    # last: its compile time (minutes on a CPU; unmeasured on the GPU) must not starve the others
+    "fused-compile": Tuning(moe="triton", prefill_moe="triton", attention="sdpa", decode_attention="sdpa",
+                            compile_decode="default"),
 }

@@ -18,8 +18,8 @@ from typing import Any
 import attrs
 import torch
 
-PREFILL_KNOBS = ("prefill_moe", "attention")
-DECODE_KNOBS = ("moe", "decode_attention", "compile_decode")
+PREFILL_KNOBS = ("prefill_moe", "attention", "hyper")
+DECODE_KNOBS = ("moe", "decode_attention", "compile_decode", "hyper")
 
 
 def guarded(fn: Callable[[], dict[str, Any]]) -> dict[str, Any]:

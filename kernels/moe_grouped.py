@@ -16,6 +16,8 @@ depend on which other rows share the launch (for a fixed block_m).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -23,7 +25,7 @@ from atlas_kernels import _interpreter_compat  # noqa: F401  (CPU interpreter fi
 
 
 @triton.jit
-def _gate_up_kernel(
+def _moe_gate_up_kernel(
     x_ptr, order_ptr, offsets_ptr, w_ptr, act_ptr, hidden, inter, m_tiles,
     TOP_K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr,
     PRECISION: tl.constexpr,
@@ -66,7 +68,7 @@ def _gate_up_kernel(
 
 
 @triton.jit
-def _down_kernel(
+def _moe_down_kernel(
     act_ptr, order_ptr, offsets_ptr, top_w_ptr, w_ptr, out_ptr, hidden, inter, m_tiles,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
 ):
@@ -102,12 +104,17 @@ def _down_kernel(
 
 
 def moe_route(top_i: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(order [R*K] int32: flat pair indices r*K + k sorted by expert, stable; offsets [E + 1] int32: expert e's
-    pairs are order[offsets[e]:offsets[e + 1]]). On the device, no host sync."""
+    """(order [R*K] int64: flat pair indices r*K + k sorted by expert, stable; offsets [E + 1] int32: expert e's
+    pairs are order[offsets[e]:offsets[e + 1]]). On the device, no host sync: two kernels (sort, searchsorted)."""
     experts, order = torch.sort(top_i.flatten(), stable=True)
-    bounds = torch.arange(num_experts + 1, device=top_i.device, dtype=experts.dtype)
-    offsets = torch.searchsorted(experts, bounds).to(torch.int32)
-    return order.to(torch.int32), offsets
+    offsets = torch.searchsorted(experts, _bounds(num_experts, experts.device, experts.dtype), out_int32=True)
+    return order, offsets
+
+
+@functools.cache
+def _bounds(num_experts: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    # made once per (E, device), in the decode graphs' warm-up run (before capture), then read in place
+    return torch.arange(num_experts + 1, device=device, dtype=dtype)
 
 
 def block_sizes(rows: int) -> tuple[int, int, int]:
@@ -143,11 +150,11 @@ def moe_grouped(x: torch.Tensor, top_i: torch.Tensor, top_w: torch.Tensor, gate_
     warps = num_warps(bm)
     m_tiles = triton.cdiv(rows, bm)  # an expert holds at most one pair per row
     act = torch.empty(rows * top_k, inter, dtype=x.dtype, device=x.device)
-    _gate_up_kernel[(experts * m_tiles, triton.cdiv(inter, bn))](
+    _moe_gate_up_kernel[(experts * m_tiles, triton.cdiv(inter, bn))](
         x, order, offsets, gate_up, act, hidden, inter, m_tiles,
         TOP_K=top_k, BM=bm, BN=bn, BK=bk, EVEN_K=hidden % bk == 0, PRECISION=precision, num_warps=warps)
     outs = torch.empty(rows * top_k, hidden, dtype=x.dtype, device=x.device)
-    _down_kernel[(experts * m_tiles, triton.cdiv(hidden, bn))](
+    _moe_down_kernel[(experts * m_tiles, triton.cdiv(hidden, bn))](
         act, order, offsets, top_w, down, outs, hidden, inter, m_tiles,
         BM=bm, BN=bn, BK=down_bk, EVEN_K=inter % down_bk == 0, PRECISION=precision, num_warps=warps)
     return outs.view(rows, top_k, hidden).sum(dim=1)

@@ -55,7 +55,7 @@ def test_each_variant_gives_the_reference_tokens(tiny, reference, variant: str) 
     assert run_tokens(tiny, "cuda-fp32", VARIANTS[variant]) == reference
 
 
-@pytest.mark.parametrize("tuning", [Tuning(moe="triton"), Tuning(decode_attention="sdpa"),
+@pytest.mark.parametrize("tuning", [Tuning(moe="triton"), Tuning(decode_attention="sdpa"), Tuning(hyper="triton"),
                                     Tuning(prefill_moe="grouped_mm", attention="sdpa")])
 def test_bf16_variant_logits_stay_within_rounding_of_the_baseline(tiny, tuning: Tuning) -> None:  # type: ignore[no-untyped-def]
     tables = [tuple(range(8 * i, 8 * i + 8)) for i in range(3)]

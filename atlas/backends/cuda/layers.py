@@ -93,10 +93,16 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
 
 
 def hyper_mix(spec: ModelSpec, w: dict[str, torch.Tensor], pre: str, streams: torch.Tensor, *, combine: bool,
-              compile_mode: str = "none") -> tuple[torch.Tensor, torch.Tensor | None]:
+              compile_mode: str = "none", kernel: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """atlas.backends.cpu.hyper.hyper_mix with the mix-down and inject weights in one GEMM (prepare_weights).
-    compile_mode: hyper_block through torch.compile (one compiled graph serves every site: tensors in)."""
+    compile_mode: hyper_block through torch.compile (one compiled graph serves every site: tensors in);
+    kernel: the two fused Triton kernels of atlas_kernels.hyper instead (Tuning.hyper = "triton")."""
     down_w = w[pre + "fused_down.weight"] if combine else w[pre + "input_mix_weight_down.weight"]
+    if kernel:
+        from atlas_kernels.hyper import hyper_site
+
+        return hyper_site(streams, w[pre + "hc_norm.weight"], down_w, w[pre + "input_mix_weight_up.weight"],
+                          spec.hc_count, spec.hc_lowrank, spec.rms_norm_eps, combine)
     block = compiled(hyper_block, compile_mode)
     return block(streams, w[pre + "hc_norm.weight"], down_w, w[pre + "input_mix_weight_up.weight"],
                  spec.hc_count, spec.hidden_size, spec.hc_lowrank, spec.rms_norm_eps, combine)
@@ -407,7 +413,8 @@ class _GroupOps:
                          self.pools.ple_conv[layer])
 
     def hyper_mix(self, pre: str, streams: torch.Tensor, *, combine: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-        return hyper_mix(self.spec, self.w, pre, streams, combine=combine, compile_mode=self.compile_mode)
+        return hyper_mix(self.spec, self.w, pre, streams, combine=combine, compile_mode=self.compile_mode,
+                         kernel=self.tuning.hyper == "triton")
 
 
 def forward_group(spec: ModelSpec, w: dict[str, torch.Tensor], pools: DevicePools, grp: Group, *,

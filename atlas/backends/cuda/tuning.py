@@ -14,6 +14,7 @@ import attrs
 MOE = ("torch", "triton")
 PREFILL_MOE = ("grouped", "dense", "triton", "grouped_mm")
 ATTENTION = ("torch", "sdpa")
+HYPER = ("torch", "triton")
 COMPILE = ("none", "default", "max-autotune-no-cudagraphs")
 
 
@@ -39,6 +40,9 @@ class Tuning:
     attention: str = attrs.field(default="torch", validator=_one_of(ATTENTION))
     # decode attention (T = 1, inside the decode graphs): the same two choices
     decode_attention: str = attrs.field(default="torch", validator=_one_of(ATTENTION))
+    # hyper-connection sites (decode and prefill): "torch" ~13 kernels a site, "triton" the two fused kernels
+    # of atlas_kernels.hyper (norm + mix-down + silu / injection sigmoid; mix-up + sigmoid + mix + mean)
+    hyper: str = attrs.field(default="torch", validator=_one_of(HYPER))
     # torch.compile of the decode step's hyper-connection sites and MoE router + shared expert (one compiled
     # graph per block kind, reused by every layer: atlas.backends.cuda.compiled), captured under the decode
     # CUDA graphs as before
@@ -46,18 +50,21 @@ class Tuning:
 
     @property
     def uses_triton(self) -> bool:
-        return self.moe == "triton" or self.prefill_moe == "triton"
+        return self.moe == "triton" or self.prefill_moe == "triton" or self.hyper == "triton"
 
 
 # the variants `atlas bench gpu` times side by side (name -> knobs), each predicted in docs/BENCHMARKS.md;
 # "baseline" is the arrangement measured before (H200 run 2: decode b1 5.83 ms, prefill 2048 92.7 ms dense)
 VARIANTS: dict[str, Tuning] = {
     "baseline": Tuning(),
+    "dense-prefill": Tuning(prefill_moe="dense"),  # run 2's faster prefill (92.7 ms); decodes as the baseline
     "moe-triton": Tuning(moe="triton", prefill_moe="triton"),
     "moe-grouped-mm": Tuning(moe="triton", prefill_moe="grouped_mm"),
     "sdpa": Tuning(attention="sdpa", decode_attention="sdpa"),
-    "fused": Tuning(moe="triton", prefill_moe="triton", attention="sdpa", decode_attention="sdpa"),
-    # last: its compile time (minutes on a CPU; unmeasured on the GPU) must not starve the others
+    "hyper-triton": Tuning(hyper="triton"),
+    "fused": Tuning(moe="triton", prefill_moe="triton", attention="sdpa", decode_attention="sdpa", hyper="triton"),
+    # last: its compile time (minutes on a CPU; unmeasured on the GPU) must not starve the others; the compiled
+    # hyper_block stands in for the hyper kernels here, so the two ways of fusing the sites are compared
     "fused-compile": Tuning(moe="triton", prefill_moe="triton", attention="sdpa", decode_attention="sdpa",
                             compile_decode="default"),
 }

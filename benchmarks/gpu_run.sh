@@ -13,7 +13,7 @@ ln -sfn "$PWD/kernels" /tmp/site/atlas_kernels
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 ATLAS_TEST_OUT=$OUT
 nvidia-smi --query-gpu=name,memory.used,clocks.sm --format=csv,noheader
 if [ "${TESTS:-1}" = 1 ]; then
-  timeout "${TEST_TIMEOUT:-240}" python3 -m pytest -q -p no:cacheprovider --durations=8 ${TEST_FILES:-tests/test_cuda_gpu.py tests/test_cuda_backend.py tests/test_kernels_moe.py tests/test_cuda_tuning.py} \
+  timeout "${TEST_TIMEOUT:-240}" python3 -m pytest -q -p no:cacheprovider --durations=8 ${TEST_FILES:-tests/test_cuda_gpu.py tests/test_cuda_backend.py tests/test_kernels_moe.py tests/test_kernels_hyper.py tests/test_cuda_tuning.py} \
     > "$OUT/tests.log" 2>&1
   echo "tests exit $?"; grep -E "passed|failed|Error|alone-vs-batch|FAILED|assert" "$OUT/tests.log" | tail -25
 fi

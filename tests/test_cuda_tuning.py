@@ -84,6 +84,8 @@ def test_unknown_knob_values_are_refused_with_the_choices() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the benchmark's fused-compile variant runs it; the "
+                    "compile would cost the lead's test minutes")
 def test_compiled_decode_blocks_give_the_eager_logits(tiny) -> None:  # type: ignore[no-untyped-def]
     """Tuning.compile_decode: the hyper-connection sites and the MoE router through torch.compile (inductor's
     C++ backend here, ~2 minutes of compiling on the shared CPU; Triton on a GPU) give the eager logits."""

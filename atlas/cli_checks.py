@@ -13,7 +13,9 @@ import os
 import socket
 from pathlib import Path
 
-TINY_MODEL = "atlas-tiny"
+from atlas.model.names import MINI_MODEL_DIR, MINI_MODEL_NAME
+from atlas.model.names import TINY_MODEL_NAME as TINY_MODEL
+
 DEFAULT_MAX_SEQ_LEN = 4096  # EngineConfig's default
 TOKENIZERS = ("auto", "byte")
 
@@ -74,14 +76,18 @@ def check_model(model: str, tokenizer: str = "auto") -> None:
                          "tokenizer.json) or byte")
     if model == TINY_MODEL:
         return
-    path = Path(model).expanduser()
+    path = _model_path(model)
+    if model == MINI_MODEL_NAME and not (path / "config.json").is_file():
+        raise UsageError(f"--model atlas-mini: no checkpoint in {path} (tools/train_mini.py trains it; see "
+                         "tools/README.md)")
     if not path.exists():
         looks_like_hub_id = model.count("/") == 1 and not model.startswith((".", "/", "~"))
         if looks_like_hub_id:
             raise UsageError(f"--model {model!r} is not a directory here; Atlas loads checkpoints from disk and never "
                              f"downloads: fetch it first (huggingface-cli download {model} --local-dir DIR) and "
                              "pass --model DIR")
-        raise UsageError(f"--model {model!r} does not exist; pass a checkpoint directory or {TINY_MODEL}")
+        raise UsageError(f"--model {model!r} does not exist; pass a checkpoint directory, {MINI_MODEL_NAME} or "
+                         f"{TINY_MODEL}")
     if not path.is_dir():
         raise UsageError(f"--model {model!r} is a file; pass the checkpoint directory that holds config.json")
     if not (path / "config.json").is_file():
@@ -96,12 +102,17 @@ def check_model(model: str, tokenizer: str = "auto") -> None:
                          "too); leave --tokenizer at auto")
 
 
+def _model_path(model: str) -> Path:
+    """The directory `--model` names: atlas-mini is the repo's models/atlas-mini, anything else a path."""
+    return MINI_MODEL_DIR if model == MINI_MODEL_NAME else Path(model).expanduser()
+
+
 def model_max_positions(model: str) -> int | None:
     """The checkpoint's max_position_embeddings, read from config.json alone (None: unknown or atlas-tiny)."""
     if model == TINY_MODEL:
         return None
     try:
-        config = json.loads((Path(model).expanduser() / "config.json").read_text())
+        config = json.loads((_model_path(model) / "config.json").read_text())
     except (OSError, ValueError):
         return None
     text_config = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}

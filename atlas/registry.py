@@ -5,7 +5,7 @@ Names (what a trace's run row records, so a replay rebuilds the same data plane 
 - "null": no tensors, a deterministic token function (control-plane tests and benchmarks);
 - "cuda", "cuda-fp32", "cuda-invariant", "cuda-fp32-invariant": the CUDA backend's modes (bf16 / fp32 parity,
   batch-invariant or not);
-- "null-looping", "cpu-row-blind": the failure library's scenario backends (atlas.replay.scenarios).
+- "null-looping", "cpu-looping", "cpu-row-blind": the failure library's scenario backends (atlas.replay.scenarios).
 `LLM`, the CLI, the server and replay all build through here; the backend's capabilities are checked
 against the config once, in `Engine.__init__` (atlas.backends.base.Capabilities.check).
 """
@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 
 TINY_MODEL = "atlas-tiny"
 CUDA_BACKENDS = ("cuda", "cuda-fp32", "cuda-invariant", "cuda-fp32-invariant")
-SCENARIO_BACKENDS = ("null-looping", "cpu-row-blind")
+SCENARIO_BACKENDS = ("null-looping", "cpu-looping", "cpu-row-blind")
 BACKENDS = ("cpu", "null", *CUDA_BACKENDS, *SCENARIO_BACKENDS)
 
 
@@ -81,14 +81,15 @@ def _cuda(model: str, config: EngineConfig, *, backend: str, loaded: Any = None,
 
 def _scenario(model: str, config: EngineConfig, *, backend: str, loaded: Any = None, **_: Any) -> DataPlane:
     from atlas.backends.null import ByteTokenizer
-    from atlas.replay.scenarios import looping_null, row_blind_cpu
+    from atlas.replay.scenarios import looping_cpu, looping_null, row_blind_cpu
 
     if backend == "null-looping":
         caps = derive_capacities(config, None)
         return DataPlane(looping_null(), ByteTokenizer(), None, caps, model or TINY_MODEL, f"null:{model}")
     loaded = _load(model, loaded, None)
     caps = derive_capacities(config, loaded.spec, activation_bytes=loaded.dtype.itemsize)
-    return DataPlane(row_blind_cpu(loaded, caps), loaded.tokenizer, loaded.spec, caps, model or TINY_MODEL,
+    backend_of = looping_cpu if backend == "cpu-looping" else row_blind_cpu
+    return DataPlane(backend_of(loaded, caps), loaded.tokenizer, loaded.spec, caps, model or TINY_MODEL,
                      loaded.fingerprint)
 
 
@@ -143,6 +144,12 @@ def build_engine(model: str = TINY_MODEL, backend: str = "cpu", config: EngineCo
                   model_name=made.model_name, sink=sink, fingerprint=made.fingerprint, **engine_kwargs)
 
 
+AUDITED_BACKENDS = ("cpu", "cpu-looping", "cpu-row-blind", *CUDA_BACKENDS)  # the ones with a state-digest audit mode
+
+
 def engine_for_run(run: RunRecord, sink: EventSink, **kwargs: Any) -> Engine:
-    """A fresh engine like the one that recorded `run` (atlas.replay.store.RunRecord), its events going to `sink`."""
+    """A fresh engine like the one that recorded `run` (atlas.replay.store.RunRecord), its events going to `sink`;
+    replay runs the backend's state-digest audit mode (a snapshot or commit whose bytes drift is a violation)."""
+    if run.backend in AUDITED_BACKENDS:
+        kwargs["backend_options"] = {"state_audit": True, **kwargs.get("backend_options", {})}
     return build_engine(run.model, run.backend, EngineConfig.from_json(run.config), sink=sink, **kwargs)

@@ -12,6 +12,16 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 ln -sfn "$PWD/kernels" /tmp/site/atlas_kernels
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 ATLAS_TEST_OUT=$OUT
 nvidia-smi --query-gpu=name,memory.used,clocks.sm --format=csv,noheader
+if [ "${MINI:-0}" = 1 ]; then  # atlas-mini's CPU figures (issue 16), one process per part on this machine's cores
+  for part in mtp2 mtp4 ngram2 ngram4; do
+    OMP_NUM_THREADS=1 timeout "${MINI_TIMEOUT:-500}" python3 benchmarks/mini_figures.py --parts $part ${MINI_ARGS:-} \
+      > "/tmp/mini_$part.log" 2>&1 &
+  done
+  for shard in 0 1 2 3 4 5 6 7; do
+    OMP_NUM_THREADS=1 timeout "${MINI_TIMEOUT:-500}" python3 benchmarks/mini_figures.py --parts watchdog \
+      --watchdog-shard $shard/8 ${MINI_ARGS:-} > "/tmp/mini_watchdog$shard.log" 2>&1 &
+  done
+fi
 if [ "${TESTS:-1}" = 1 ]; then
   timeout "${TEST_TIMEOUT:-240}" python3 -m pytest -q -p no:cacheprovider --durations=8 ${TEST_FILES:-tests/test_cuda_gpu.py tests/test_cuda_backend.py tests/test_kernels_moe.py tests/test_kernels_hyper.py tests/test_cuda_tuning.py} \
     > "$OUT/tests.log" 2>&1
@@ -22,4 +32,10 @@ if [ "${BENCH:-1}" = 1 ]; then
   # lands, so a timeout keeps the finished rows; a failing variant prints ERROR and the run goes on
   timeout "${BENCH_TIMEOUT:-480}" python3 -m atlas.bench "$OUT" ${BENCH_ARGS:-} > "$OUT/bench.log" 2>&1
   echo "bench exit $?"; grep -v "capacities derived" "$OUT/bench.log" | tail -60
+fi
+if [ "${MINI:-0}" = 1 ]; then
+  wait
+  for part in mtp2 mtp4 ngram2 ngram4 watchdog0 watchdog1 watchdog2 watchdog3 watchdog4 watchdog5 watchdog6 watchdog7; do grep -v "capacities derived\|MTP drafter" "/tmp/mini_$part.log"; done \
+    > "$OUT/mini.log"
+  echo "atlas-mini figures:"; cat "$OUT/mini.log"
 fi

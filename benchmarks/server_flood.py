@@ -144,7 +144,10 @@ def main() -> None:
     parser.add_argument("--backend", default="null", help="the server's backend: null | cpu")
     parser.add_argument("--reconnect", action="store_true", help="reopen what the server closes")
     parser.add_argument("--server-args", default="", help="extra `atlas serve` flags, e.g. '--header-timeout 5'")
+    parser.add_argument("--smoke", action="store_true", help="a seconds-long run (CI): 200 idle + 20 slow, 3 s")
     args = parser.parse_args()
+    if args.smoke:
+        args.idle, args.slow, args.duration, args.per_worker = 200, 20, 3.0, 200
 
     soft, hard = raise_nofile()
     print(f"client fd limit: soft {soft}, hard {hard} (the workers raise theirs the same way)")

@@ -123,7 +123,10 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=None, help="untimed decode steps (default: 8 cuda, 2 else)")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds of the three modes")
+    parser.add_argument("--smoke", action="store_true", help="a seconds-long run (CI): null backend, batch 1/4")
     args = parser.parse_args()
+    if args.smoke:
+        args.backend, args.batches, args.steps, args.rounds = "null", "1,4", 10, 1
     import torch
 
     torch.set_num_threads(args.threads)

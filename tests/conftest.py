@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 import zlib
 from pathlib import Path
 
@@ -10,6 +11,8 @@ import pytest
 import torch
 
 torch.set_num_threads(2)
+# the state-digest audit mode in every backend the tests build (atlas.backends.base.state_audit_default)
+os.environ.setdefault("ATLAS_STATE_AUDIT", "1")
 
 
 def _randomise(model: torch.nn.Module, seed: int) -> None:

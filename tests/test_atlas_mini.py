@@ -124,3 +124,19 @@ def test_mtp_p1_on_heldout_code_above_the_cards_floor(mini):
     print(f"\natlas-mini MTP p1 on {rows} held-out rows: {p1:.3f} (card {metrics['sample']['mtp_p1']:.3f})")
     assert rows == metrics["sample"]["mtp_rows"]
     assert p1 >= metrics["acceptance"]["sample_mtp_p1_min"]
+
+
+def test_the_readme_shows_what_atlas_mini_answers_to_def_fibonacci(mini):
+    """The quick start's completion of `def fibonacci(n):` (greedy, 48 tokens) is what the engine produces, and it
+    is Python-shaped: an indented block under the header."""
+    from pathlib import Path
+
+    from atlas.sampling.params import SamplingParams
+
+    llm = mini[0]
+    (out,) = llm.generate(["def fibonacci(n):"], SamplingParams(max_tokens=48, temperature=0.0))
+    text = "def fibonacci(n):" + out.text
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    assert f"```\n{text}\n```" in readme, text
+    body = out.text.splitlines()[1:]
+    assert body and all(line.startswith("    ") or not line.strip() for line in body), text

@@ -25,12 +25,15 @@ EXPECT = {
     "dispatch_count.py": " ops (",
     "invariance.py": "completions identical",
     "kernels.py": "dry run:",
+    "mini_figures.py": "watchdog shard",
     "multiturn.py": "tokens equal on/off",
     "mutation_campaign.py": "acceptance",
     "replay_check.py": "state-only check",
     "rollback.py": "restore a snapshot",
     "speculative.py": "oracle",
     "sampling.py": "over argmax",
+    "server_flood.py": "verdict:",
+    "server_trace.py": "events/step",
     "train_step.py": "train step,",
 }
 

@@ -15,6 +15,7 @@ conformance tests (tests/backends/test_state_store.py) run against any backend t
 
 from __future__ import annotations
 
+import os
 from typing import Any, Protocol, runtime_checkable
 
 import attrs
@@ -30,6 +31,14 @@ from atlas.plan import (
     StepPlan,
     StepResult,
 )
+
+STATE_AUDIT_ENV = "ATLAS_STATE_AUDIT"
+
+
+def state_audit_default() -> bool:
+    """The state-digest audit mode (StateStore implementations) is off by default: it hashes state bytes at every
+    snapshot, restore and commit. The test suite and replay turn it on (ATLAS_STATE_AUDIT=1, or state_audit=True)."""
+    return os.environ.get(STATE_AUDIT_ENV) == "1"
 
 
 @attrs.frozen

@@ -30,7 +30,14 @@ from atlas.engine.records import EngineStats, EventSink, engine_stats
 from atlas.engine.requests import RequestBook
 from atlas.engine.rollback import next_boundary
 from atlas.engine.stopping import Tokenizer
-from atlas.errors import AdmissionError, DeviceFault, EngineDead, InvariantViolation, QueueFull
+from atlas.errors import (
+    AdmissionError,
+    DeviceFault,
+    EngineDead,
+    InvariantViolation,
+    QueueFull,
+    StateDigestMismatch,
+)
 from atlas.plan import StepPlan, StepResult
 from atlas.sampling.params import SamplingParams
 from atlas.state.control import ControlState
@@ -178,6 +185,9 @@ class Engine:
         """The step's one call into the data plane; a failure ends the plan's requests with `error`."""
         try:
             return self.backend.execute(plan)
+        except StateDigestMismatch as exc:  # audit mode: state bytes that are not what was saved or computed
+            self.journal.violation(InvariantViolation(self.journal.index, "StateDigest", exc.what, {
+                "step": plan.step, "seq_id": exc.seq_id, "recorded": exc.recorded, "actual": exc.actual}))
         except DeviceFault as exc:
             if exc.fatal:
                 self._die(plan.step, f"fatal device fault: {exc}", injected=False)
@@ -268,6 +278,11 @@ class Engine:
     @property
     def dead(self) -> bool:
         return self._dead is not None
+
+    @property
+    def cause_of_death(self) -> EngineDead | None:
+        """What killed the engine (an InvariantViolation names its machine, message and fields), or None."""
+        return self._dead
 
     def close(self) -> None:
         self.journal.close()

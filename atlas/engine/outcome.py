@@ -126,11 +126,20 @@ def cursor_violation(state: ControlState, plan: StepPlan, result: StepResult, in
         if seq_id in refused and seq_id in held and held[seq_id]:
             if cur.as_tuple() != held[seq_id]:
                 return InvariantViolation(index, "BackendCursors", "a refused restore changes nothing", {
-                    "step": plan.step, "seq_id": seq_id, "held": list(held[seq_id]), "backend": attrs.asdict(cur)})
+                    "step": plan.step, "seq_id": seq_id, "held": list(held[seq_id]),
+                    "backend": attrs.asdict(cur, filter=lambda a, _: a.name != "stamps")})
             continue
         want = expected_cursors(state, seq_id)
-        if want is not None and cur.as_tuple() != want.as_tuple():
+        if want is None:
+            continue
+        for kind, layer, at in cur.stamps:  # every layer's own stamp, named
+            expected = want.drafter_rows if kind == "drafter" else want.qsa_ingested if kind == "qsa" else want.kv_tokens
+            if at != expected:
+                return InvariantViolation(index, "BackendCursors", "every layer's position stamp equals the control "
+                                          "plane's", {"step": plan.step, "seq_id": seq_id, "layer": layer,
+                                                      "state": kind, "data_plane": at, "control_plane": expected})
+        if cur.as_tuple() != want.as_tuple():
             return InvariantViolation(index, "BackendCursors", "data-plane cursors equal the control plane's", {
                 "step": plan.step, "seq_id": seq_id, "computed": want.kv_tokens, "qsa_ingested": want.qsa_ingested,
-                "drafter_rows": want.drafter_rows, "backend": attrs.asdict(cur)})
+                "drafter_rows": want.drafter_rows, "backend": attrs.asdict(cur, filter=lambda a, _: a.name != "stamps")})
     return None

@@ -8,10 +8,11 @@ import json
 import attrs
 import torch
 
+from atlas.model.names import TINY_MODEL_NAME
 from atlas.model.spec import ModelSpec
 from atlas.model.tokenizer import Tokenizer
 
-TINY_MODEL_NAME = "atlas-tiny"
+__all__ = ["TINY_MODEL_NAME", "LoadedModel", "fingerprint"]
 
 
 @attrs.frozen

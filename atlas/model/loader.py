@@ -9,15 +9,11 @@ import torch
 
 from atlas.errors import ModelLoadError
 from atlas.model.loaded import TINY_MODEL_NAME, LoadedModel, fingerprint
+from atlas.model.names import MINI_MODEL_DIR, MINI_MODEL_NAME
 from atlas.model.spec import load_spec
 from atlas.model.tiny import build_tiny
 from atlas.model.tokenizer import load_tokenizer
 from atlas.model.weights import load_weights, normalise, read_safetensors
-
-MINI_MODEL_NAME = "atlas-mini"
-# the checkpoint tools/train_mini.py trained, committed in the repo; found next to the package, so the name
-# works from a checkout (and its editable install) whatever the working directory
-MINI_MODEL_DIR = Path(__file__).resolve().parents[2] / "models" / MINI_MODEL_NAME
 
 
 def model_dir(name_or_dir: str | Path) -> Path | None:

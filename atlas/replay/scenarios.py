@@ -6,6 +6,8 @@ the data planes of the failure library (traces/), deterministic and recordable b
 
 - "null-looping": the null backend whose sampler is caught in a content loop (`LOOP_TOKEN` from position
   `LOOP_FROM` on) until a rollback bans the looping token there; then the model's own re-steered token.
+- "cpu-looping": the CPU reference on atlas-tiny with the same scripted loop (real GDN, PLE, QSA and KV state
+  behind every rollback, so a restore that misses one of them shows in that layer's position stamp);
 - "cpu-row-blind": the CPU backend declaring it cannot apply QSA selection per verify row
   (per_row_qsa_verify=False) and refusing a verify whose rows cross the inert bound, as a backend
   that attends densely per verify would have to.
@@ -13,7 +15,7 @@ the data planes of the failure library (traces/), deterministic and recordable b
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import attrs
 
@@ -21,11 +23,24 @@ from atlas.backends.null import NullBackend
 from atlas.config import Capacities
 from atlas.plan import StepPlan, StepResult
 
-if TYPE_CHECKING:
-    pass
-
 LOOP_TOKEN = 65  # "A": a period-1 loop, the shortest the watchdog can see
 LOOP_FROM = 6  # sampled positions from here on loop
+
+
+def loop(plan: StepPlan, result: StepResult, steered: set[int]) -> StepResult:
+    """The scripted loop: every sampled position from LOOP_FROM on samples LOOP_TOKEN, until a rollback bans it
+    there; then the model's own token, and the sequence has left the loop (`steered`)."""
+    for seq_id in (*plan.release, *plan.reset):
+        steered.discard(seq_id)
+    outcomes = []
+    for work, o in zip(plan.work, result.outcomes, strict=True):
+        if o.token is not None and not work.drafts and work.end >= LOOP_FROM and work.seq_id not in steered:
+            if LOOP_TOKEN in work.banned:  # the re-steer: the model's own (non-banned) token, loop left
+                steered.add(work.seq_id)
+            else:
+                o = attrs.evolve(o, token=LOOP_TOKEN)
+        outcomes.append(o)
+    return attrs.evolve(result, outcomes=tuple(outcomes))
 
 
 class LoopingNullBackend(NullBackend):
@@ -36,22 +51,27 @@ class LoopingNullBackend(NullBackend):
         self.steered: set[int] = set()  # sequences a rollback re-steered out of the loop
 
     def execute(self, plan: StepPlan) -> StepResult:
-        for seq_id in (*plan.release, *plan.reset):
-            self.steered.discard(seq_id)
-        result = super().execute(plan)
-        outcomes = []
-        for work, o in zip(plan.work, result.outcomes, strict=True):
-            if o.token is not None and work.end >= LOOP_FROM and work.seq_id not in self.steered:
-                if LOOP_TOKEN in work.banned:  # the re-steer: the model's own (non-banned) token, loop left
-                    self.steered.add(work.seq_id)
-                else:
-                    o = attrs.evolve(o, token=LOOP_TOKEN)
-            outcomes.append(o)
-        return attrs.evolve(result, outcomes=tuple(outcomes))
+        return loop(plan, super().execute(plan), self.steered)
 
 
 def looping_null() -> LoopingNullBackend:
     return LoopingNullBackend()
+
+
+def looping_cpu(loaded: Any, caps: Capacities) -> Any:
+    from atlas.backends.cpu import CpuBackend
+
+    class LoopingCpuBackend(CpuBackend):
+        name = "cpu-looping"
+
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self.steered: set[int] = set()
+
+        def execute(self, plan: StepPlan) -> StepResult:
+            return loop(plan, super().execute(plan), self.steered)
+
+    return LoopingCpuBackend.for_capacities(loaded, caps)
 
 
 def row_blind_cpu(loaded: Any, caps: Capacities) -> Any:

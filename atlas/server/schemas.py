@@ -218,6 +218,9 @@ class TokenizeRequest(_Strict):
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     add_generation_prompt: bool = True
+    # vLLM's field (lm-evaluation-harness sends it): Atlas's tokenizers add no special tokens to a prompt (no
+    # BOS), so both values give the same ids
+    add_special_tokens: bool = True
 
     @model_validator(mode="after")
     def _one_input(self) -> TokenizeRequest:

@@ -36,7 +36,8 @@ def attention_forward(
     v = (x @ w[pre + "v_proj.weight"].T).view(n, nkv, hd)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
 
-    kv.write(layer, kv.slots(block_table, start, end), k, v)
+    kv.write(layer, kv.slots(block_table, start, end), k, v, torch.arange(start, end))
+    kv.forget_after(layer, block_table, end)  # a reused block's stale stamps never pass for this sequence's rows
     keys, values = kv.read(layer, kv.slots(block_table, 0, end))  # [end, nkv, hd]
 
     if index_keys is not None and spec.qsa is not None:

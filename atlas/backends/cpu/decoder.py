@@ -9,7 +9,7 @@ from atlas.backends.cpu.attention import attention_forward
 from atlas.backends.cpu.gdn import gdn_forward
 from atlas.backends.cpu.hyper import hyper_mix
 from atlas.backends.cpu.moe import moe_block
-from atlas.backends.cpu.ple import ple_forward
+from atlas.backends.cpu.ple import advance_context, ple_forward
 from atlas.backends.cpu.state import KvPool, SequenceState
 from atlas.backends.decoder import decoder_stack
 from atlas.backends.ops import dense_mlp, rms_norm, rope_table
@@ -36,8 +36,10 @@ class _ChunkOps:
             if keys is not None:
                 self.new.qsa_keys[layer] = keys
             return out
-        out, self.new.gdn_conv[layer], self.new.gdn_recurrent[layer] = gdn_forward(
-            spec, w, pre + "linear_attn.", x, self.state.gdn_conv[layer], self.state.gdn_recurrent[layer])
+        out, self.new.gdn_conv[layer], self.new.gdn_recurrent[layer], at = gdn_forward(
+            spec, w, pre + "linear_attn.", x, self.state.gdn_conv[layer], self.state.gdn_recurrent[layer],
+            self.state.stamps[("gdn", layer)])
+        self.new.stamps[("conv", layer)] = self.new.stamps[("gdn", layer)] = at
         return out
 
     def ffn(self, layer: int, x: torch.Tensor) -> torch.Tensor:
@@ -51,8 +53,9 @@ class _ChunkOps:
 
     def ple(self, layer: int, rank: int, streams: torch.Tensor) -> torch.Tensor:
         assert self.history is not None
-        added, self.new.ple_conv[layer] = ple_forward(self.spec, self.w, f"layers.{layer}.ple.", rank, streams,
-                                                      self.history, self.state.ple_conv[layer])
+        added, self.new.ple_conv[layer], self.new.stamps[("ple_conv", layer)] = ple_forward(
+            self.spec, self.w, f"layers.{layer}.ple.", rank, streams, self.history, self.state.ple_conv[layer],
+            self.state.stamps[("ple_conv", layer)])
         return added
 
     def hyper_mix(self, pre: str, streams: torch.Tensor, *, combine: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -78,7 +81,7 @@ def forward_chunk(
     history = None
     if spec.ple is not None:
         assert state.ple_context is not None
-        history = torch.cat([state.ple_context, tokens])
-        new.ple_context = history[-spec.ple.context_len :].clone()
+        history, new.ple_context, new.stamps[("ple", -1)] = advance_context(
+            state.ple_context, state.stamps[("ple", -1)], tokens, spec.ple.context_len)
     ops = _ChunkOps(spec, w, kv, state, new, tokens, start, block_table, history)
     return decoder_stack(spec, w["embed_tokens.weight"][tokens], ops), new

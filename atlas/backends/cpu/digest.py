@@ -52,3 +52,17 @@ def sequence_digest(store: Any, seq_id: int, *, drafter: bool = True) -> str:
                 _feed(h, f"dk{layer}", k)
                 _feed(h, f"dv{layer}", v)
     return h.hexdigest()
+
+
+def snapshot_digest(snap: Any) -> str:
+    """A digest of a StateSnapshot's (or a SequenceState's) non-positional bytes: GDN conv + recurrent, PLE
+    context + short conv, and the positions they encode."""
+    h = hashlib.blake2b(digest_size=16, person=b"atlas.snapshot")
+    for layer in sorted(snap.gdn_conv):
+        _feed(h, f"c{layer}", snap.gdn_conv[layer])
+        _feed(h, f"r{layer}", snap.gdn_recurrent[layer])
+    _feed(h, "pc", snap.ple_context)
+    for layer in sorted(snap.ple_conv):
+        _feed(h, f"p{layer}", snap.ple_conv[layer])
+    h.update(repr(sorted(snap.stamps.items())).encode())
+    return h.hexdigest()

@@ -24,9 +24,11 @@ def causal_conv(cols_state: torch.Tensor, new_cols: torch.Tensor, weight: torch.
 
 
 def gdn_forward(
-    spec: ModelSpec, w: dict[str, torch.Tensor], pre: str, x: torch.Tensor, conv: torch.Tensor, state: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """x [n, H] -> (out [n, H], new conv state, new recurrent state). Inputs are not modified."""
+    spec: ModelSpec, w: dict[str, torch.Tensor], pre: str, x: torch.Tensor, conv: torch.Tensor, state: torch.Tensor,
+    position: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """x [n, H] -> (out [n, H], new conv state, new recurrent state, the position they encode: `position` + n).
+    Inputs are not modified."""
     n = x.shape[0]
     nk, nv, dk, dv = spec.gdn_k_heads, spec.gdn_v_heads, spec.gdn_k_dim, spec.gdn_v_dim
     qkv = x @ w[pre + "in_proj_qkv.weight"].T
@@ -57,4 +59,4 @@ def gdn_forward(
         out[t] = torch.einsum("hk,hkv->hv", q[t], s)
 
     o = gated_rms_norm(out.to(x.dtype), z, w[pre + "norm.weight"], spec.rms_norm_eps, spec.gdn_gate_act)
-    return o.reshape(n, nv * dv) @ w[pre + "out_proj.weight"].T, new_conv, s
+    return o.reshape(n, nv * dv) @ w[pre + "out_proj.weight"].T, new_conv, s, position + n

@@ -25,8 +25,10 @@ def ple_forward(
     streams: torch.Tensor,
     history: torch.Tensor,
     conv: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """streams [n, hc*H], history [ctx + n] ids -> (addition to the streams [n, hc*H], new conv state)."""
+    position: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """streams [n, hc*H], history [ctx + n] ids -> (addition to the streams [n, hc*H], new conv state, the
+    position it encodes: `position` + n)."""
     assert spec.ple is not None
     ple, hc, hidden = spec.ple, spec.hc_count, spec.hidden_size
     n = streams.shape[0]
@@ -43,4 +45,11 @@ def ple_forward(
     gated_normed = rms_norm(gated, w[pre + "norm_conv.weight"], eps, group=hidden)
 
     conv_out, new_conv = causal_conv(conv, gated_normed.T, w[pre + "conv1d.weight"], dilation=ple.ngram_size)
-    return gated + F.silu(conv_out).T, new_conv
+    return gated + F.silu(conv_out).T, new_conv, position + n
+
+
+def advance_context(context: torch.Tensor, position: int, tokens: torch.Tensor, context_len: int
+                    ) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """The n-gram history the chunk hashes (context + tokens), the new context and the position it encodes."""
+    history = torch.cat([context, tokens])
+    return history, history[-context_len:].clone(), position + tokens.shape[0]

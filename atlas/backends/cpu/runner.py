@@ -12,7 +12,7 @@ from collections.abc import Sequence
 import attrs
 import torch
 
-from atlas.backends.base import Capabilities, ChunkLike, check_chunk, run_orders
+from atlas.backends.base import Capabilities, ChunkLike, check_chunk, run_orders, state_audit_default
 from atlas.backends.cpu.decoder import forward_chunk
 from atlas.backends.cpu.drafter import MtpDrafter
 from atlas.backends.cpu.mtp import mtp_forward
@@ -54,6 +54,7 @@ class CpuBackend:
         mtp_drafter: bool = False,
         per_row_qsa_verify: bool = True,
         snapshot_bytes: int = 0,
+        state_audit: bool | None = None,
     ) -> None:
         self.model = model
         self.spec = model.spec
@@ -75,7 +76,8 @@ class CpuBackend:
         if mtp_drafter and not has_mtp:
             raise ValueError(f"mtp_drafter=True but model {model.name!r} has no mtp.* weights (use the n-gram drafter)")
         self.store = CpuStateStore(self.spec, self.kv, self.dtype, ring_slots=ring_slots, verify_width=verify_width,
-                                   drafter=self.drafter, slot_bytes=snapshot_bytes)
+                                   drafter=self.drafter, slot_bytes=snapshot_bytes,
+                                   audit=state_audit_default() if state_audit is None else state_audit)
         # Verify rows run one at a time with their own QSA selection, so crossing the inert bound is exact here;
         # `per_row_qsa_verify` is a constructor argument only so that tests and the cpu-row-blind scenario can
         # declare the opposite and exercise the engine's latch.
@@ -279,7 +281,7 @@ class CpuBackend:
         tokens = w.tokens + w.drafts
         pending = run_verify(self.spec, self.weights, self.kv, store.seqs[w.seq_id], tokens, w.start,
                              tuple(w.block_table))
-        store.pending[w.seq_id] = pending
+        store.record_verify(w.seq_id, pending)
         store.tables[w.seq_id] = tuple(w.block_table)
         logits = self.logits_from_hidden(pending.hidden)
         proposals = None

@@ -29,11 +29,16 @@ class SequenceState:
     gdn_recurrent: dict[int, torch.Tensor] = attrs.field(factory=dict)  # layer -> [Hv, dk, dv], >= fp32
     ple_context: torch.Tensor | None = None  # [ngram_size - 1] token ids, EOS-filled at the start
     ple_conv: dict[int, torch.Tensor] = attrs.field(factory=dict)  # layer -> [hc*H, (K-1)*ngram_size]
+    # the position each per-layer state encodes, returned by the very function that computed that state
+    # (gdn_forward, ple_forward, the PLE context's advance) and moved with it by snapshot, restore and commit:
+    # ("conv" | "gdn", layer), ("ple", -1), ("ple_conv", layer). KV rows and QSA keys are measured from the data.
+    stamps: dict[tuple[str, int], int] = attrs.field(factory=dict)
 
     @classmethod
     def empty(cls, spec: ModelSpec, dtype: torch.dtype) -> SequenceState:
         state = cls()
         for layer in spec.gdn_layers:
+            state.stamps[("conv", layer)] = state.stamps[("gdn", layer)] = 0
             state.gdn_conv[layer] = torch.zeros(spec.gdn_conv_dim, spec.gdn_conv_kernel, dtype=dtype)
             state.gdn_recurrent[layer] = torch.zeros(
                 spec.gdn_v_heads, spec.gdn_k_dim, spec.gdn_v_dim, dtype=acc_dtype(dtype)
@@ -43,7 +48,9 @@ class SequenceState:
                 state.qsa_keys[layer] = torch.zeros(0, spec.qsa.head_dim, dtype=dtype)
         if spec.ple is not None:
             state.ple_context = torch.full((spec.ple.context_len,), spec.ple.eos_token_id, dtype=torch.long)
+            state.stamps[("ple", -1)] = 0
             for layer in spec.ple.layers:
+                state.stamps[("ple_conv", layer)] = 0
                 state.ple_conv[layer] = torch.zeros(spec.hc_count * spec.hidden_size, spec.ple.conv_state_len, dtype=dtype)
         return state
 
@@ -66,6 +73,7 @@ class StateSnapshot:
     gdn_recurrent: dict[int, torch.Tensor]
     ple_context: torch.Tensor | None
     ple_conv: dict[int, torch.Tensor]
+    stamps: dict[tuple[str, int], int] = attrs.Factory(dict)
 
     @property
     def nbytes(self) -> int:
@@ -89,6 +97,9 @@ class KvPool:
         layers = spec.attention_layers if layers is None else layers
         self.keys = {layer: torch.zeros(shape, dtype=dtype) for layer in layers}
         self.values = {layer: torch.zeros(shape, dtype=dtype) for layer in layers}
+        # each slot's position stamp, written with its K/V row (-1: never written): a sequence's KV cursor is
+        # measured from these, never counted beside them
+        self.positions = {layer: torch.full((num_blocks * block_size,), -1, dtype=torch.long) for layer in layers}
 
     def slots(self, block_table: tuple[int, ...], start: int, end: int) -> torch.Tensor:
         """Flat slot ids (block * block_size + offset) of positions [start, end)."""
@@ -104,9 +115,26 @@ class KvPool:
         pos = torch.arange(start, end)
         return table[pos // self.block_size] * self.block_size + pos % self.block_size
 
-    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> None:
         self.keys[layer].view(-1, *k.shape[1:])[slots] = k
         self.values[layer].view(-1, *v.shape[1:])[slots] = v
+        self.positions[layer][slots] = positions
+
+    def forget_after(self, layer: int, block_table: tuple[int, ...], end: int) -> None:
+        """Invalidate the stamps of the table's slots from `end` to its last block's end: positions the sequence
+        has not written yet, which may still carry another sequence's stamps (a reused block)."""
+        last = len(block_table) * self.block_size
+        if end < last:
+            self.positions[layer][self.slots(block_table, end, last)] = -1
+
+    def stamped(self, layer: int, block_table: tuple[int, ...], upto: int) -> int:
+        """How many consecutive positions from 0 (up to `upto`) hold their own row in `block_table`'s slots."""
+        if upto <= 0:
+            return 0
+        upto = min(upto, len(block_table) * self.block_size)
+        slots = self.slots(block_table, 0, upto)
+        good = self.positions[layer][slots] == torch.arange(upto)
+        return upto if bool(good.all()) else int(torch.argmin(good.to(torch.int8)))
 
     def read(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return (self.keys[layer].view(-1, *self.keys[layer].shape[2:])[slots],

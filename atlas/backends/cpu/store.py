@@ -13,13 +13,13 @@ import copy
 
 import torch
 
-from atlas.backends.cpu.digest import sequence_digest
+from atlas.backends.cpu.digest import sequence_digest, snapshot_digest
 from atlas.backends.cpu.drafter import DrafterState, MtpDrafter
 from atlas.backends.cpu.prefix_store import PrefixEntry, PrefixStore
 from atlas.backends.cpu.ring import SnapshotRing
 from atlas.backends.cpu.state import KvPool, SequenceState, StateSnapshot
 from atlas.backends.cpu.verify import PendingVerify, check_commit
-from atlas.errors import RestoreRefused, VerifyRefused
+from atlas.errors import RestoreRefused, StateDigestMismatch, VerifyRefused
 from atlas.model.spec import ModelSpec
 from atlas.plan import BackendCursors, CarryOrder, PrefixRestore, RingRestore, RingSnapshot
 from atlas.plan import PrefixStore as PrefixStoreOrder
@@ -27,10 +27,16 @@ from atlas.plan import PrefixStore as PrefixStoreOrder
 
 class CpuStateStore:
     def __init__(self, spec: ModelSpec, kv: KvPool, dtype: torch.dtype, *, ring_slots: int, verify_width: int,
-                 drafter: MtpDrafter | None, slot_bytes: int = 0) -> None:
-        """`slot_bytes`: Capacities.ring_slot_bytes, what one ring or prefix snapshot must hold (0: unchecked)."""
+                 drafter: MtpDrafter | None, slot_bytes: int = 0, audit: bool = False) -> None:
+        """`slot_bytes`: Capacities.ring_slot_bytes, what one ring or prefix snapshot must hold (0: unchecked).
+        `audit`: the state-digest audit mode: every ring and prefix snapshot records a digest of the bytes it
+        saved, a restore checks the restored bytes against it, and a verify commit checks the installed state
+        against the row the verify computed (StateDigestMismatch)."""
         self.spec = spec
         self.slot_bytes = slot_bytes
+        self.audit = audit
+        self.saved: dict[tuple[str, int, int], str] = {}  # audit: (ring|prefix, seq or key, slot) -> digest
+        self.verified: dict[int, tuple[tuple[str, ...], torch.Tensor]] = {}  # audit: seq -> the verify's rows
         self.kv = kv
         self.dtype = dtype
         self.block_size = kv.block_size
@@ -52,6 +58,7 @@ class CpuStateStore:
         self.seqs[seq_id] = SequenceState.empty(self.spec, self.dtype)
         self.ring.release(seq_id)
         self.pending.pop(seq_id, None)
+        self.verified.pop(seq_id, None)
         self.prompt_tail.pop(seq_id, None)
         if self.drafter is not None:
             self.drafts[seq_id] = self.drafter.empty()
@@ -60,17 +67,32 @@ class CpuStateStore:
         self.seqs.pop(seq_id, None)
         self.ring.release(seq_id)
         self.pending.pop(seq_id, None)
+        self.verified.pop(seq_id, None)
         self.drafts.pop(seq_id, None)
         self.tables.pop(seq_id, None)
         self.prompt_tail.pop(seq_id, None)
 
     def cursors(self, seq_id: int) -> BackendCursors:
+        """Every per-layer state's position, measured: KV rows from the pool's position stamps through the
+        sequence's block table, QSA keys from the rows held, recurrent and PLE state from the stamps their own
+        computation returned (BackendCursors.stamps)."""
         s = self.seqs.get(seq_id)
         if s is None:
             return BackendCursors(kv_tokens=0, qsa_ingested=0, ssm_position=0, ple_position=0)
         d = self.drafts.get(seq_id)
-        return BackendCursors(kv_tokens=s.kv_tokens, qsa_ingested=s.qsa_ingested, ssm_position=s.ssm_position,
-                              ple_position=s.ple_position, drafter_rows=0 if d is None else d.rows)
+        table = self.tables.get(seq_id, ())
+        stamps = [("kv", layer, self.kv.stamped(layer, table, s.kv_tokens)) for layer in sorted(self.kv.keys)]
+        stamps += [("qsa", layer, int(keys.shape[0])) for layer, keys in sorted(s.qsa_keys.items())]
+        stamps += [(kind, layer, at) for (kind, layer), at in sorted(s.stamps.items())]
+        if d is not None:
+            stamps.append(("drafter", -1, d.rows))
+
+        def least(*kinds: str) -> int:
+            return min((at for kind, _, at in stamps if kind in kinds), default=s.kv_tokens)
+
+        return BackendCursors(kv_tokens=least("kv"), qsa_ingested=least("qsa", "kv"), ssm_position=least("conv", "gdn"),
+                              ple_position=least("ple", "ple_conv"), drafter_rows=0 if d is None else d.rows,
+                              stamps=tuple(stamps))
 
     def held(self, seq_id: int) -> int:
         s = self.seqs.get(seq_id)
@@ -84,7 +106,7 @@ class CpuStateStore:
         snap = StateSnapshot(position=s.kv_tokens, gdn_conv=copy.deepcopy(s.gdn_conv),
                              gdn_recurrent=copy.deepcopy(s.gdn_recurrent),
                              ple_context=None if s.ple_context is None else s.ple_context.clone(),
-                             ple_conv=copy.deepcopy(s.ple_conv))
+                             ple_conv=copy.deepcopy(s.ple_conv), stamps=dict(s.stamps))
         held = snap.nbytes
         if self.slot_bytes and held != self.slot_bytes:  # the derived size and what is stored must agree
             raise RestoreRefused(f"a snapshot of sequence {seq_id} holds {held} bytes; ring_slot_bytes is "
@@ -97,7 +119,10 @@ class CpuStateStore:
         if s is None or s.kv_tokens != order.position or order.seq_id in self.pending:
             raise RestoreRefused(f"sequence {order.seq_id}: a ring snapshot at {order.position} needs the sequence "
                                  f"there, committed (holds {None if s is None else s.kv_tokens})")
-        self.ring.store(order.seq_id, order.slot, self.copy_state(order.seq_id))
+        snap = self.copy_state(order.seq_id)
+        self.ring.store(order.seq_id, order.slot, snap)
+        if self.audit:
+            self.saved[("ring", order.seq_id, order.slot)] = snapshot_digest(snap)
 
     def restore(self, order: RingRestore) -> BackendCursors:
         seq_id, position = order.seq_id, order.position
@@ -109,7 +134,14 @@ class CpuStateStore:
                                  f"{self.seqs[seq_id].kv_tokens} tokens held")
         self.rewind(seq_id, snap)
         self.ring.truncate_after(seq_id, position)
+        if self.audit:
+            self._check(seq_id, "ring restore", self.saved.get(("ring", seq_id, order.slot)), self.seqs[seq_id])
         return self.cursors(seq_id)
+
+    def _check(self, seq_id: int, what: str, recorded: str | None, state: object) -> None:
+        actual = snapshot_digest(state)
+        if recorded is not None and actual != recorded:
+            raise StateDigestMismatch(seq_id, what, recorded, actual)
 
     def rewind(self, seq_id: int, snap: StateSnapshot) -> None:
         """Every cursor to `snap.position`, the non-positional state from the snapshot, together."""
@@ -121,8 +153,9 @@ class CpuStateStore:
             qsa_keys={layer: keys[: snap.position].clone() for layer, keys in s.qsa_keys.items()},
             gdn_conv=copy.deepcopy(snap.gdn_conv), gdn_recurrent=copy.deepcopy(snap.gdn_recurrent),
             ple_context=None if snap.ple_context is None else snap.ple_context.clone(),
-            ple_conv=copy.deepcopy(snap.ple_conv))
+            ple_conv=copy.deepcopy(snap.ple_conv), stamps=dict(snap.stamps))
         self.pending.pop(seq_id, None)
+        self.verified.pop(seq_id, None)
         if seq_id in self.drafts:  # drafter rows rewind with every other cursor
             self.drafter.rewind(self.drafts[seq_id], snap.position)  # type: ignore[union-attr]
 
@@ -134,12 +167,27 @@ class CpuStateStore:
         if pending is None or seq_id not in self.seqs:
             raise VerifyRefused(f"sequence {seq_id} has no pending verify to commit")
         check_commit(self.spec, self.seqs[seq_id], pending, rows, self.verify_width)
+        verified = self.verified.pop(seq_id, None)
         del self.pending[seq_id]
         self.seqs[seq_id] = pending.states[rows - 1]
+        if verified is not None:
+            self._check(seq_id, f"verify commit of {rows} rows", verified[0][rows - 1], self.seqs[seq_id])
         if seq_id in self.drafts:
-            self.drafter.append(self.drafts[seq_id], pending.start, pending.tokens[:rows],  # type: ignore[union-attr]
-                                pending.hidden[:rows])
+            d = self.drafts[seq_id]
+            self.drafter.append(d, pending.start, pending.tokens[:rows], pending.hidden[:rows])  # type: ignore[union-attr]
+            if verified is not None:  # the committed pair keys are built from the target's hidden the verify computed
+                built = torch.stack(d.target_hidden[pending.start:pending.start + rows])  # type: ignore[arg-type]
+                if not torch.equal(built, verified[1][:rows]):
+                    raise StateDigestMismatch(seq_id, "drafter rows of a verify commit", "the verify's hidden",
+                                              "another hidden")
         return self.cursors(seq_id)
+
+    def record_verify(self, seq_id: int, pending: PendingVerify) -> None:
+        """A verify ran: it waits for `commit`; the audit keeps what it computed (each row's state digest and
+        the target's hidden) apart from the pending object, so a commit that installs anything else is seen."""
+        self.pending[seq_id] = pending
+        if self.audit:
+            self.verified[seq_id] = (tuple(snapshot_digest(s) for s in pending.states), pending.hidden.clone())
 
     # -- prefix caching -------------------------------------------------------------------------------
 
@@ -162,6 +210,8 @@ class CpuStateStore:
         entry = PrefixEntry(self.copy_state(seq_id), {layer: keys[:position].clone() for layer, keys in s.qsa_keys.items()},
                             tail_keys, tail_values, hidden)
         self.prefix.store(order.key, entry, order.evicted)
+        if self.audit:
+            self.saved[("prefix", order.key, 0)] = snapshot_digest(entry.state)
 
     def load_prefix(self, order: PrefixRestore) -> None:
         """Start the sequence at `position` from prefix snapshot `key`: the shared blocks of the block table
@@ -176,14 +226,19 @@ class CpuStateStore:
             qsa_keys={layer: keys.clone() for layer, keys in entry.qsa_keys.items()},
             gdn_conv=copy.deepcopy(snap.gdn_conv), gdn_recurrent=copy.deepcopy(snap.gdn_recurrent),
             ple_context=None if snap.ple_context is None else snap.ple_context.clone(),
-            ple_conv=copy.deepcopy(snap.ple_conv))
+            ple_conv=copy.deepcopy(snap.ple_conv), stamps=dict(snap.stamps))
         if entry.tail_keys:
-            slots = self.kv.slots(table, position - position % self.block_size, position)
+            first = position - position % self.block_size
+            slots = self.kv.slots(table, first, position)
             for layer in self.kv.keys:
-                self.kv.write(layer, slots, entry.tail_keys[layer], entry.tail_values[layer])
+                self.kv.write(layer, slots, entry.tail_keys[layer], entry.tail_values[layer],
+                              torch.arange(first, position))
         self.tables[seq_id] = table
         self.ring.release(seq_id)
         self.pending.pop(seq_id, None)
+        self.verified.pop(seq_id, None)
+        if self.audit:
+            self._check(seq_id, "prefix restore", self.saved.get(("prefix", order.key, 0)), self.seqs[seq_id])
         if self.drafter is not None:
             if order.adopt:
                 self.drafts[seq_id] = self.drafter.adopt(self.prefix.carry, order.drafter_last_key,  # type: ignore[arg-type]

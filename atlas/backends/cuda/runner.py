@@ -18,12 +18,13 @@ import torch
 
 from atlas.backends.base import Capabilities, ChunkLike, check_chunk, run_orders
 from atlas.backends.cuda.batch import Group, GroupShape, Row, pack_rows
+from atlas.backends.cuda.faults import FaultGuard, probe_device
 from atlas.backends.cuda.graphs import DecodeGraphs, bucket
 from atlas.backends.cuda.layers import GdnKernel, forward_group, prepare_weights
 from atlas.backends.cuda.pools import DevicePools
 from atlas.backends.cuda.tuning import Tuning
 from atlas.config import Capacities
-from atlas.errors import DeviceFault, RestoreRefused, VerifyRefused
+from atlas.errors import RestoreRefused, VerifyRefused
 from atlas.model.loader import LoadedModel
 from atlas.model.ngram import NgramTables, ngram_ids, ngram_tables
 from atlas.plan import (
@@ -40,10 +41,6 @@ from atlas.plan import (
 )
 from atlas.sampling.keyed import RowBatch, logprobs, sample
 from atlas.sampling.params import SamplingParams
-
-# the sticky CUDA error classes: after one of these the context is dead and every later call fails
-_FATAL_MARKERS = ("illegal memory access", "misaligned address", "device-side assert", "unspecified launch failure",
-                  "illegal instruction", "an illegal", "uncorrectable ecc")
 
 
 @attrs.define
@@ -402,22 +399,13 @@ class CudaBackend:
                                        logprob=logprob, top_logprobs=top_lp))
         return tuple(outcomes)
 
-    def _faults(self) -> _FaultGuard:
-        return _FaultGuard()
+    def _faults(self) -> FaultGuard:
+        """Around a step's device work: after any error, a probe decides whether the context is dead (fatal)."""
+        return FaultGuard(self.probe)
 
-
-class _FaultGuard:
-    """Turns a sticky CUDA error into DeviceFault(fatal=True): the context is dead, the engine must stop."""
-
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: object) -> bool:
-        if isinstance(exc, RuntimeError) and not isinstance(exc, DeviceFault):
-            text = str(exc).lower()
-            if any(m in text for m in _FATAL_MARKERS):
-                raise DeviceFault(f"fatal CUDA error: {exc}", fatal=True) from exc
-        return False
+    def probe(self) -> str | None:
+        """None when the device still runs a kernel (atlas.backends.cuda.faults.probe_device)."""
+        return probe_device(self.device)
 
 
 def _ngram_one(history: list[int], ngram_size: int, heads_per_ngram: int, eos: int, tables: NgramTables) -> list[int]:

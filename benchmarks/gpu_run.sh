@@ -2,8 +2,9 @@
 # One device call (the GPU machine has torch/triton but not the project): install the carried wheels
 # (.whl, git-ignored), run the CUDA tests, then `atlas bench gpu`. Logs and JSON under $OUT.
 #   run: bash benchmarks/gpu_run.sh            (carry: .whl)
-# TESTS=0 skips the tests; BENCH=0 skips the benchmark; BENCH_ARGS are passed to atlas.bench
-# (e.g. "--no-transformers --variants baseline,fused --long-prefill 8192").
+# TESTS=0 skips the tests; BENCH=0 skips the benchmark; BENCH_ARGS are passed to atlas.bench (e.g.
+# "--no-transformers --variants baseline,fused --long-prefill 8192"); EXTRA: more commands;
+# MINI=1: atlas-mini's CPU figures (benchmarks/mini_figures.py) on this machine's spare cores, in parallel.
 set -o pipefail
 OUT=${OUT:-/tmp/atlas-out}
 mkdir -p "$OUT"
@@ -26,6 +27,9 @@ if [ "${TESTS:-1}" = 1 ]; then
   timeout "${TEST_TIMEOUT:-240}" python3 -m pytest -q -p no:cacheprovider --durations=8 ${TEST_FILES:-tests/test_cuda_gpu.py tests/test_cuda_backend.py tests/test_kernels_moe.py tests/test_kernels_hyper.py tests/test_cuda_tuning.py} \
     > "$OUT/tests.log" 2>&1
   echo "tests exit $?"; grep -E "passed|failed|Error|alone-vs-batch|FAILED|assert" "$OUT/tests.log" | tail -25
+fi
+if [ -n "${EXTRA:-}" ]; then  # more GPU commands of this call (e.g. a benchmark of one issue), output under $OUT
+  bash -c "$EXTRA"; echo "extra exit $?"
 fi
 if [ "${BENCH:-1}" = 1 ]; then
   # every Tuning variant side by side (atlas/bench_variants.py): one table row per variant is printed as it

@@ -72,7 +72,7 @@ def test_hidden_states_match_the_reference_chunked_past_the_inert_bound(tiny) ->
         want, got = cpu.forward_hidden([chunk])[0], dev.forward_hidden([chunk])[0]
         assert got.shape == want.shape
         assert torch.allclose(got, want, rtol=0, atol=1e-4), (got - want).abs().max()
-    assert dev.cursors(1) == cpu.cursors(1)
+    assert dev.cursors(1).as_tuple() == cpu.cursors(1).as_tuple()  # the summary positions (stamps: the store tests)
 
 
 def test_decode_ngram_ids_equal_the_reference() -> None:

@@ -130,8 +130,9 @@ print("dead" if engine.dead else "alive", [o.finish_reason.value for o in outs i
 if not engine.dead:  # the context still works: a healthy request runs to the end
     runner.CudaBackend._run_group = run_group
     engine.add_request("b", list(b"hello"), SamplingParams(max_tokens=2))
+    done = []
     while engine.has_unfinished():
-        done = [o for o in engine.step() if o.finished]
+        done += [o for o in engine.step() if o.finished]
     print("then", done[0].finish_reason.value)
 """
 

@@ -56,15 +56,16 @@ class Tuning:
 # the variants `atlas bench gpu` times side by side (name -> knobs), each predicted in docs/BENCHMARKS.md;
 # "baseline" is the arrangement measured before (H200 run 2: decode b1 5.83 ms, prefill 2048 92.7 ms dense)
 VARIANTS: dict[str, Tuning] = {
+    # in measuring order: the baseline, then the predicted winner, then the single changes that explain it (a
+    # timeout cuts the tail), the compiled variant last (its compile time must not starve the others)
     "baseline": Tuning(),
-    "dense-prefill": Tuning(prefill_moe="dense"),  # run 2's faster prefill (92.7 ms); decodes as the baseline
-    "moe-triton": Tuning(moe="triton", prefill_moe="triton"),
-    "moe-grouped-mm": Tuning(moe="triton", prefill_moe="grouped_mm"),
-    "sdpa": Tuning(attention="sdpa", decode_attention="sdpa"),
-    "hyper-triton": Tuning(hyper="triton"),
     "fused": Tuning(moe="triton", prefill_moe="triton", attention="sdpa", decode_attention="sdpa", hyper="triton"),
-    # last: its compile time (minutes on a CPU; unmeasured on the GPU) must not starve the others; the compiled
-    # hyper_block stands in for the hyper kernels here, so the two ways of fusing the sites are compared
+    "hyper-triton": Tuning(hyper="triton"),
+    "moe-triton": Tuning(moe="triton", prefill_moe="triton"),
+    "sdpa": Tuning(attention="sdpa", decode_attention="sdpa"),
+    "moe-grouped-mm": Tuning(moe="triton", prefill_moe="grouped_mm"),
+    "dense-prefill": Tuning(prefill_moe="dense"),  # run 2's faster prefill (92.7 ms); decodes as the baseline
+    # the compiled hyper_block stands in for the hyper kernels here, so the two ways of fusing a site compare
     "fused-compile": Tuning(moe="triton", prefill_moe="triton", attention="sdpa", decode_attention="sdpa",
                             compile_decode="default"),
 }

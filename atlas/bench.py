@@ -2,7 +2,10 @@
 
 Measures, on one GPU, with random bf16 weights built on the device from a config.json (no checkpoint):
 - the ceilings: device copy bandwidth (bytes read + written) and the bf16 matmul rate (8192^3);
-- prefill tokens/s of one 2048-token prompt through the engine, against FLOPs / matmul rate;
+- every Tuning variant (atlas.backends.cuda.tuning.VARIANTS) side by side, a failing one reported and skipped
+  (atlas.bench_variants):
+- prefill tokens/s of one 2048-token prompt through the engine, against FLOPs / matmul rate (and 8,192 and
+  32,752 tokens on the fastest SDPA variant);
 - decode ms/step and tokens/s at batch 1, 16 and 64 through the engine (CUDA graphs), against the bytes of
   weights a step must read / copy bandwidth, and the control plane's share of the step (engine time outside
   Backend.execute);
@@ -22,6 +25,8 @@ from typing import Any
 
 import torch
 
+# the long prefills (the model's max_position_embeddings is 32,768: the prompt leaves room for the engine's margin)
+LONG_PREFILL = (8192, 32752)
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "benchmarks" / "configs" / "qwen4exp-2p7b.json"
 
 
@@ -112,13 +117,14 @@ class TimedBackend:
         return result
 
 
-def _engine(model: Any, *, batch: int, max_seq_len: int, chunk: int) -> tuple[Any, TimedBackend]:
+def _engine(model: Any, *, batch: int, max_seq_len: int, chunk: int, tuning: Any = None) -> tuple[Any, TimedBackend]:
     from atlas.config import EngineConfig
     from atlas.engine.records import RecordingSink
     from atlas.registry import build_engine
 
     config = EngineConfig(max_seq_len=max_seq_len, max_batch_size=batch, prefill_chunk_tokens=max(chunk, batch))
-    engine = build_engine(model.name, "cuda", config, sink=RecordingSink(), loaded=model)
+    engine = build_engine(model.name, "cuda", config, sink=RecordingSink(), loaded=model,
+                          backend_options={"tuning": tuning} if tuning is not None else None)
     timed = TimedBackend(engine.backend)
     engine.backend = timed
     return engine, timed
@@ -135,9 +141,12 @@ def _run_steps(engine: Any, prompts: list[list[int]], max_tokens: int) -> list[f
     return [(b - a) * 1e3 for a, b in zip(stamps, stamps[1:], strict=False)]
 
 
-def bench_prefill(model: Any, tokens: int = 2048, repeat: int = 3, moe: str = "grouped") -> dict[str, Any]:
-    engine, timed = _engine(model, batch=1, max_seq_len=tokens + 16, chunk=tokens)
-    timed.inner.prefill_moe = moe
+def bench_prefill(model: Any, tokens: int = 2048, repeat: int = 3, moe: str | None = None,
+                  tuning: Any = None) -> dict[str, Any]:
+    engine, timed = _engine(model, batch=1, max_seq_len=tokens + 16, chunk=tokens, tuning=tuning)
+    if moe is not None:
+        timed.inner.prefill_moe = moe
+    moe = timed.inner.prefill_moe
     g = torch.Generator().manual_seed(1)
     steps = []
     for _ in range(repeat + 1):  # the first compiles the chunked-prefill kernel
@@ -151,8 +160,9 @@ def bench_prefill(model: Any, tokens: int = 2048, repeat: int = 3, moe: str = "g
     return {"tokens": tokens, "moe": moe, "ms": wall, "tokens_per_s": tokens / wall * 1e3, "execute_ms": execute}
 
 
-def bench_decode(model: Any, batch: int, prompt_len: int = 140, steps: int = 40) -> dict[str, float]:
-    engine, timed = _engine(model, batch=batch, max_seq_len=prompt_len + steps + 16, chunk=4096)
+def bench_decode(model: Any, batch: int, prompt_len: int = 140, steps: int = 40, tuning: Any = None
+                 ) -> dict[str, float]:
+    engine, timed = _engine(model, batch=batch, max_seq_len=prompt_len + steps + 16, chunk=4096, tuning=tuning)
     g = torch.Generator().manual_seed(batch)
     prompts = [torch.randint(0, model.spec.vocab_size, (prompt_len,), generator=g).tolist() for _ in range(batch)]
     walls = _run_steps(engine, prompts, max_tokens=steps)
@@ -165,7 +175,7 @@ def bench_decode(model: Any, batch: int, prompt_len: int = 140, steps: int = 40)
             "control_plane_share": (wall - execute) / wall, "steps_timed": len(decode)}
 
 
-def profile_steps(model: Any, out: Path | None) -> dict[str, Any]:
+def profile_steps(model: Any, out: Path | None, tuning: Any = None, label: str = "") -> dict[str, Any]:
     """An eager 2048-token prefill and an eager batch-1 decode step under the profiler: device time by
     kernel (largest first), how many kernels ran, and the step's wall time, so a missed goal says where
     its time goes (launch-bound: many small kernels; or a few slow ones)."""
@@ -174,7 +184,7 @@ def profile_steps(model: Any, out: Path | None) -> dict[str, Any]:
 
     device = next(iter(model.weights.values())).device
     backend = CudaBackend(model, num_kv_blocks=160, block_size=16, max_batch_size=1, cuda_graphs=False,
-                          device=device, dtype=model.dtype)
+                          device=device, dtype=model.dtype, tuning=tuning)
     table = tuple(range(160))
     prompt = tuple(torch.randint(0, model.spec.vocab_size, (2048,)).tolist())
     steps = {"prefill_2048": SeqWork(0, prompt, 0, table, True), "decode_b1": SeqWork(0, (8,), 2048, table, True)}
@@ -194,7 +204,7 @@ def profile_steps(model: Any, out: Path | None) -> dict[str, Any]:
         result[name] = {"wall_ms": wall, "kernels": len(kernels),
                         "device_ms": sum(e.device_time_total for e in kernels) / 1e3, "top": by_kernel[:12]}
         if out is not None:
-            (out / f"profile_{name}.txt").write_text(prof.key_averages().table(sort_by="cuda_time_total", row_limit=40))
+            (out / f"profile_{name}{label}.txt").write_text(prof.key_averages().table(sort_by="cuda_time_total", row_limit=40))
     return result
 
 
@@ -231,41 +241,63 @@ def bench_transformers(config: dict, *, prefill_tokens: int = 2048, batches: tup
 
 
 def run(config_path: Path = DEFAULT_CONFIG, *, out: Path | None = None, batches: tuple[int, ...] = (1, 16, 64),
-        with_transformers: bool = True) -> dict:
+        with_transformers: bool = True, variants: list[str] | None = None,
+        long_prefill: tuple[int, ...] = LONG_PREFILL) -> dict:
+    """Ceilings, then every Tuning variant side by side (atlas.bench_variants: a failing one is reported and
+    skipped), the long prefills on the fastest variant whose attention is SDPA, then transformers."""
     from atlas.backends.cuda.random_model import random_model
+    from atlas.backends.cuda.tuning import VARIANTS
+    from atlas.bench_variants import best, guarded, measure_variants, variant_line
 
     if not torch.cuda.is_available():
         raise SystemExit("atlas bench gpu needs an NVIDIA GPU")
+    names = variants or list(VARIANTS)
+    unknown = [n for n in names if n not in VARIANTS]
+    if unknown:
+        raise SystemExit(f"unknown variants {unknown}; choose from {', '.join(VARIANTS)}")
     config = json.loads(Path(config_path).read_text())
     report: dict[str, Any] = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-                              "config": str(config_path)}
+                              "config": str(config_path), "batches": list(batches)}
 
     def save() -> None:
         if out is not None:
-            (out / "bench.json").write_text(json.dumps(report, indent=2))
+            (out / "bench.json").write_text(json.dumps(report, indent=2, default=str))
 
     report["ceilings"] = ceilings()
     save()
     model = random_model(config, device="cuda", dtype=torch.bfloat16, seed=0)
     report["parameters"] = sum(t.numel() for t in model.weights.values())
     bw, rate = report["ceilings"]["copy_gb_s"] * 1e9, report["ceilings"]["bf16_tflop_s"] * 1e12
-    flops = prefill_flops(model, 2048)
-    variants = [bench_prefill(model, moe=moe) for moe in ("grouped", "dense")]
-    for v in variants:
-        v.update(flops=flops, floor_ms=flops / rate * 1e3, achieved_of_matmul_rate=flops / (v["ms"] / 1e3) / rate)
-    report["prefill"] = min(variants, key=lambda v: v["ms"])
-    report["prefill_variants"] = variants
-    save()
-    for batch in batches:
-        d = bench_decode(model, batch)
-        d["weight_bytes"] = weight_bytes(model, batch)
-        d["floor_ms"] = d["weight_bytes"] / bw * 1e3
-        d["floor_with_state_ms"] = (d["weight_bytes"] + state_bytes(model, batch, 180)) / bw * 1e3
-        d["over_floor"] = d["ms_per_step"] / d["floor_ms"]
-        report[f"decode_b{batch}"] = d
+
+    def progress(name: str, row: dict) -> None:  # one line a variant as it lands: a timeout keeps the finished ones
+        report.setdefault("variants", {})[name] = row
+        print(variant_line(name, row), flush=True)
         save()
-    report["profile"] = profile_steps(model, out)
+
+    report["variants"] = measure_variants(model, {n: VARIANTS[n] for n in names}, batches=batches,
+                                          prefill_tokens=2048, bw=bw, rate=rate, out=out, on_variant=progress)
+    winner = best(report["variants"], "prefill", "ms")
+    if winner is not None:
+        report["prefill"] = {**winner[1], "variant": winner[0]}
+    for batch in batches:
+        w = best(report["variants"], f"decode_b{batch}", "ms_per_step")
+        if w is not None:
+            report[f"decode_b{batch}"] = {**w[1], "variant": w[0]}
     save()
+    sdpa = {n: r for n, r in report["variants"].items() if r["tuning"]["attention"] == "sdpa"}
+    long_variant = best(sdpa, "prefill", "ms")
+    if long_variant is not None:
+        tuning = VARIANTS[long_variant[0]]
+        for tokens in long_prefill:
+            p = guarded(lambda tokens=tokens, m=model, t=tuning: bench_prefill(m, tokens, repeat=2, tuning=t))
+            if "error" not in p:
+                flops = prefill_flops(model, tokens)
+                p.update(variant=long_variant[0], flops=flops, floor_ms=flops / rate * 1e3,
+                         achieved_of_matmul_rate=flops / (p["ms"] / 1e3) / rate)
+            report[f"prefill_{tokens}"] = p
+            print(f"prefill {tokens} ({long_variant[0]}): " + (p["error"] if "error" in p else
+                  f"{p['ms']:.1f} ms, {100 * p['achieved_of_matmul_rate']:.1f}% of the matmul rate"), flush=True)
+            save()
     del model
     torch.cuda.empty_cache()
     if with_transformers:
@@ -278,18 +310,28 @@ def run(config_path: Path = DEFAULT_CONFIG, *, out: Path | None = None, batches:
 
 
 def table(report: dict) -> str:
+    from atlas.bench_variants import variants_table
+
     c = report["ceilings"]
-    p = report["prefill"]
-    lines = [f"device {report['device']}: copy {c['copy_gb_s']:.0f} GB/s, bf16 matmul {c['bf16_tflop_s']:.0f} TFLOP/s",
-             f"prefill 2048: {p['ms']:.1f} ms, {p['tokens_per_s']:.0f} tok/s (MoE {p['moe']}); floor "
-             f"{p['floor_ms']:.1f} ms; {100 * p['achieved_of_matmul_rate']:.1f}% of the matmul rate; variants: "
-             + ", ".join(f"{v['moe']} {v['ms']:.1f} ms" for v in report.get("prefill_variants", [])),
-             "| batch | ms/step | tok/s | floor ms (weights) | x floor | floor ms (+state) | control plane |",
-             "|---|---|---|---|---|---|---|"]
-    for key in sorted((k for k in report if k.startswith("decode_b")), key=lambda k: int(k[8:])):
-        d = report[key]
-        lines.append(f"| {d['batch']} | {d['ms_per_step']:.2f} | {d['tokens_per_s']:.0f} | {d['floor_ms']:.3f} | "
-                     f"{d['over_floor']:.1f} | {d['floor_with_state_ms']:.3f} | {100 * d['control_plane_share']:.1f}% |")
+    batches = tuple(report.get("batches", (1, 16, 64)))
+    lines = [f"device {report['device']}: copy {c['copy_gb_s']:.0f} GB/s, bf16 matmul {c['bf16_tflop_s']:.0f} TFLOP/s"]
+    p = report.get("prefill")
+    if p:
+        lines.append(f"prefill 2048 best: {p['variant']} {p['ms']:.1f} ms, {p['tokens_per_s']:.0f} tok/s; floor "
+                     f"{p['floor_ms']:.1f} ms; {100 * p['achieved_of_matmul_rate']:.1f}% of the matmul rate (goal 40%)")
+    for key in sorted((k for k in report if k.startswith("prefill_")), key=lambda k: int(k[8:])):
+        q = report[key]
+        lines.append(f"prefill {key[8:]}: " + (f"ERROR {q['error']}" if "error" in q else
+                     f"{q['variant']} {q['ms']:.1f} ms, {q['tokens_per_s']:.0f} tok/s, floor {q['floor_ms']:.1f} ms, "
+                     f"{100 * q['achieved_of_matmul_rate']:.1f}% of the matmul rate"))
+    floors = [report[f"decode_b{b}"] for b in batches if f"decode_b{b}" in report]
+    lines.append("decode floors (weights / +state, ms): " + ", ".join(
+        f"b{d['batch']} {d['floor_ms']:.3f} / {d['floor_with_state_ms']:.3f}" for d in floors)
+        + "; goals b1 <= 1.1, b16 <= 2.3, b64 <= 3.0 ms")
+    lines.append("decode best: " + ", ".join(
+        f"b{d['batch']} {d['variant']} {d['ms_per_step']:.2f} ms ({d['tokens_per_s']:.0f} tok/s, control plane "
+        f"{100 * d['control_plane_share']:.1f}%)" for d in floors))
+    lines += variants_table(report.get("variants", {}), batches)
     t = report.get("transformers", {})
     if "prefill" in t:
         lines.append(f"transformers {t['transformers']}: prefill 2048 {t['prefill']['tokens_per_s']:.0f} tok/s; "
@@ -297,16 +339,33 @@ def table(report: dict) -> str:
                                  for k, v in t.items() if k.startswith("decode_b")))
     elif t:
         lines.append(f"transformers: {t}")
-    for name, prof in report.get("profile", {}).items():
-        lines.append(f"profile {name} (eager): wall {prof['wall_ms']:.1f} ms, {prof['kernels']} kernels, device "
-                     f"{prof['device_ms']:.1f} ms; top: " + ", ".join(f"{k[:32]} {ms:.2f}" for k, ms in prof["top"][:5]))
+    for name, row in report.get("variants", {}).items():
+        for step, prof in row.get("profile", {}).items():
+            if isinstance(prof, dict) and "top" in prof and "same_as" not in row.get("decode_b1", {}):
+                lines.append(f"profile {name} {step} (eager): wall {prof['wall_ms']:.1f} ms, {prof['kernels']} "
+                             f"kernels, device {prof['device_ms']:.1f} ms; top: "
+                             + ", ".join(f"{k[:32]} {ms:.2f}" for k, ms in prof["top"][:5]))
     return "\n".join(lines)
 
 
-if __name__ == "__main__":
-    import sys
+def main(argv: list[str] | None = None) -> None:
+    import argparse
 
-    target = Path(sys.argv[1]) if len(sys.argv) > 1 else None
-    if target is not None:
-        target.mkdir(parents=True, exist_ok=True)
-    print(table(run(out=target)))
+    parser = argparse.ArgumentParser(description="atlas bench gpu: every Tuning variant side by side")
+    parser.add_argument("out", nargs="?", type=Path)
+    parser.add_argument("--variants", help="comma-separated Tuning variants (default: all)")
+    parser.add_argument("--batches", default="1,16,64")
+    parser.add_argument("--long-prefill", default=",".join(map(str, LONG_PREFILL)), help="'' skips them")
+    parser.add_argument("--no-transformers", action="store_true")
+    args = parser.parse_args(argv)
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+    report = run(out=args.out, batches=tuple(int(b) for b in args.batches.split(",")),
+                 with_transformers=not args.no_transformers,
+                 variants=args.variants.split(",") if args.variants else None,
+                 long_prefill=tuple(int(t) for t in args.long_prefill.split(",") if t))
+    print(table(report))
+
+
+if __name__ == "__main__":
+    main()

@@ -5,6 +5,9 @@
   re-registered to read the single element.
 - `tl.dot` on bf16 operands multiplies their raw uint16 storage as integers (garbage of order 1e10):
   bf16 operands are widened to fp32 first, which is what the tensor cores compute too.
+- `x.to(tl.bfloat16)` of fp32 truncated the mantissa (round toward zero) where the GPU rounds to nearest
+  even: a kernel rounding its intermediates as the torch path does (atlas_kernels.hyper) came out 4x less
+  accurate than on a GPU (1.5e-2 against 3.8e-3 relative). fp32 -> bf16 casts now round to nearest even.
 
 Compiled (GPU) kernels never come here.
 """
@@ -46,6 +49,18 @@ def _install() -> None:
         return original_dot(self, widen_bf16(a), widen_bf16(b), d, input_precision, max_num_imprecise_acc)
 
     builder.create_dot = create_dot
+
+    original_cast = builder.cast_impl
+
+    def cast_impl(self, src, dst_type):
+        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
+            bits = np.ascontiguousarray(src.data, dtype=np.float32).view(np.uint32)
+            rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
+            rounded = np.where(np.isnan(src.data), np.uint16(0x7FC0), rounded)
+            return interpreter.TensorHandle(rounded, tl.bfloat16)
+        return original_cast(self, src, dst_type)
+
+    builder.cast_impl = cast_impl
 
 
 _install()

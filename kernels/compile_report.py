@@ -24,7 +24,9 @@ from atlas_kernels import (
     gdn_chunk,
     gdn_chunk_split,
     gdn_recurrent,
+    hyper,
     keyed_sample,
+    moe_grouped,
     norms,
     paged_attention,
     qsa,
@@ -177,11 +179,46 @@ def keyed_sample_cases() -> list[CompileReport]:
     return reports
 
 
+def moe_cases() -> list[CompileReport]:
+    reports = []
+    for rows in (1, 2048):  # decode tiles, prefill tiles
+        bm, bn, bk = moe_grouped.block_sizes(rows)
+        warps = moe_grouped.num_warps(bm)
+        up = dict(x_ptr="*bf16", order_ptr="*i64", offsets_ptr="*i32", w_ptr="*bf16", act_ptr="*bf16",
+                  hidden="i32", inter="i32", m_tiles="i32")
+        reports.append(compile_for_hopper(moe_grouped._moe_gate_up_kernel, up,
+                                          dict(TOP_K=4, BM=bm, BN=bn, BK=bk, EVEN_K=True, PRECISION="tf32"),
+                                          warps, f"BM={bm} BN={bn} BK={bk} warps={warps}"))
+        down = dict(act_ptr="*bf16", order_ptr="*i64", offsets_ptr="*i32", top_w_ptr="*bf16", w_ptr="*bf16",
+                    out_ptr="*bf16", hidden="i32", inter="i32", m_tiles="i32")
+        reports.append(compile_for_hopper(moe_grouped._moe_down_kernel, down,
+                                          dict(BM=bm, BN=bn, BK=bk, EVEN_K=True, PRECISION="tf32"), warps,
+                                          f"BM={bm} BN={bn} BK={bk} warps={warps}"))
+    return reports
+
+
+def hyper_cases() -> list[CompileReport]:
+    reports = []
+    for rows in (1, 2048):
+        bm, bn, bk = hyper.block_sizes(rows, 2048)
+        warps = 4 if bm <= 16 else 8
+        down = dict(x_ptr="*bf16", norm_ptr="*bf16", w_ptr="*bf16", act_ptr="*bf16", inject_ptr="*bf16",
+                    rstd_ptr="*fp32", rows="i32", hidden="i32", lowrank="i32", n_out="i32", eps="fp32")
+        reports.append(compile_for_hopper(hyper._hyper_down_kernel, down,
+                                          dict(HC=4, BM=bm, BN=bn, BK=bk, PRECISION="tf32"), warps, f"BM={bm}"))
+        up = dict(x_ptr="*bf16", norm_ptr="*bf16", w_ptr="*bf16", act_ptr="*bf16", rstd_ptr="*fp32",
+                  out_ptr="*bf16", rows="i32", hidden="i32", lowrank="i32")
+        reports.append(compile_for_hopper(hyper._hyper_up_kernel, up, dict(HC=4, BM=bm, BN=bn, BK=64, PRECISION="tf32"),
+                                          warps, f"BM={bm}"))
+    return reports
+
+
 def all_reports() -> list[CompileReport]:
     """The kernels at the benchmark model's (qwen4exp-2p7b) sizes, in the configurations the wrappers pick."""
     return [gdn_recurrent_case(), gdn_recurrent_case(64, store_states=True, fused_gating=True), gdn_chunk_case(),
             *gdn_chunk_split_cases(), conv_case(),
-            *attention_cases(), *qsa_cases(), *norm_cases(), *keyed_sample_cases()]
+            *attention_cases(), *qsa_cases(), *norm_cases(), *keyed_sample_cases(),
+            *moe_cases(), *hyper_cases()]
 
 
 def main() -> None:

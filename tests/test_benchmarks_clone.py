@@ -23,6 +23,8 @@ EXPECT = {
     "control_plane.py": "seq-steps/s",
     "cpu_model.py": "atlas chunks",
     "cuda_features.py": "ring snapshot",
+    "dispatch_count.py": " ops (",
+    "invariance.py": "completions identical",
     "kernels.py": "dry run:",
     "mini_figures.py": "watchdog shard",
     "multiturn.py": "tokens equal on/off",

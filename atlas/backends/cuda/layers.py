@@ -15,7 +15,10 @@ import torch
 import torch.nn.functional as F
 
 from atlas.backends.cuda.batch import Group
+from atlas.backends.cuda.compiled import compiled
+from atlas.backends.cuda.moe import grouped_mm_works, routed_grouped_mm, routed_triton
 from atlas.backends.cuda.pools import DevicePools
+from atlas.backends.cuda.tuning import Tuning
 from atlas.backends.decoder import decoder_stack
 from atlas.backends.ops import acc_dtype, apply_rope, dense_mlp, l2_normalise, rope_table
 from atlas.model.spec import FULL_ATTENTION, ModelSpec, MoeSpec
@@ -89,16 +92,31 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
     return F.rms_norm(x, (x.shape[-1],), weight, eps) * (F.silu(gate) if act == "silu" else torch.sigmoid(gate))
 
 
-def hyper_mix(spec: ModelSpec, w: dict[str, torch.Tensor], pre: str, streams: torch.Tensor, *, combine: bool
-              ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """atlas.backends.cpu.hyper.hyper_mix with the mix-down and inject weights in one GEMM (prepare_weights)."""
-    hc, hidden, eps = spec.hc_count, spec.hidden_size, spec.rms_norm_eps
-    normed = rms_norm(streams, w[pre + "hc_norm.weight"], eps, group=hidden)
+def hyper_mix(spec: ModelSpec, w: dict[str, torch.Tensor], pre: str, streams: torch.Tensor, *, combine: bool,
+              compile_mode: str = "none", kernel: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """atlas.backends.cpu.hyper.hyper_mix with the mix-down and inject weights in one GEMM (prepare_weights).
+    compile_mode: hyper_block through torch.compile (one compiled graph serves every site: tensors in);
+    kernel: the two fused Triton kernels of atlas_kernels.hyper instead (Tuning.hyper = "triton")."""
+    down_w = w[pre + "fused_down.weight"] if combine else w[pre + "input_mix_weight_down.weight"]
+    if kernel:
+        from atlas_kernels.hyper import hyper_site
+
+        return hyper_site(streams, w[pre + "hc_norm.weight"], down_w, w[pre + "input_mix_weight_up.weight"],
+                          spec.hc_count, spec.hc_lowrank, spec.rms_norm_eps, combine)
+    block = compiled(hyper_block, compile_mode)
+    return block(streams, w[pre + "hc_norm.weight"], down_w, w[pre + "input_mix_weight_up.weight"],
+                 spec.hc_count, spec.hidden_size, spec.hc_lowrank, spec.rms_norm_eps, combine)
+
+
+def hyper_block(streams: torch.Tensor, norm_w: torch.Tensor, down_w: torch.Tensor, up_w: torch.Tensor, hc: int,
+                hidden: int, lowrank: int, eps: float, combine: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One hyper-connection site on tensors: (block input [.., H], injection weights [.., hc] or None)."""
+    normed = rms_norm(streams, norm_w, eps, group=hidden)
     if combine:  # 1/hc is folded into the weights (prepare_weights)
-        down, inject = (normed @ w[pre + "fused_down.weight"].T).split([spec.hc_lowrank, hc], dim=-1)
+        down, inject = (normed @ down_w.T).split([lowrank, hc], dim=-1)
     else:
-        down, inject = normed @ w[pre + "input_mix_weight_down.weight"].T, None
-    mix = torch.sigmoid(F.silu(down) @ w[pre + "input_mix_weight_up.weight"].T).unflatten(-1, (hc, hidden))
+        down, inject = normed @ down_w.T, None
+    mix = torch.sigmoid(F.silu(down) @ up_w.T).unflatten(-1, (hc, hidden))
     mixed = (mix * normed.unflatten(-1, (hc, hidden))).mean(dim=-2)
     if inject is None:
         return mixed, None
@@ -209,9 +227,38 @@ def qsa_selection(spec: ModelSpec, w: dict[str, torch.Tensor], pre: str, queries
     return keep | ~sparse
 
 
+def _attend_torch(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Materialised fp32 scores. q [B, T, nkv, group, hd], keys/values [B, L, nkv, hd], mask [B, T, L] ->
+    [B, T, nkv * group, hd]."""
+    b, t, nkv, group, hd = q.shape
+    length = keys.shape[1]
+    # query head h reads KV head h // group: fold the group into the rows of each KV head
+    qg = q.permute(0, 2, 1, 3, 4).reshape(b, nkv, t * group, hd)
+    scores = qg @ keys.permute(0, 2, 3, 1) * hd**-0.5  # [B, nkv, T*group, L]
+    m = mask[:, None, :, None, :].expand(b, 1, t, group, length).reshape(b, 1, t * group, length)
+    scores = scores.masked_fill(~m, float("-inf"))
+    probs = torch.softmax(scores.to(acc_dtype(q.dtype)), dim=-1).to(q.dtype)
+    out = probs @ values.permute(0, 2, 1, 3)  # [B, nkv, T*group, hd]
+    return out.view(b, nkv, t, group, hd).permute(0, 2, 1, 3, 4)
+
+
+def _attend_sdpa(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
+                 group: int) -> torch.Tensor:
+    """F.scaled_dot_product_attention (the memory-efficient kernel on CUDA: no [T, L] fp32 score tensor per
+    head). q [B, T, nh, hd], keys/values [B, L, nkv, hd], mask [B, T, L] (causal & QSA-selected) ->
+    [B, T, nh, hd]. The KV heads are repeated to the query heads (a [B, nh, L, hd] copy: 8 MB at 2,048 keys)
+    rather than enable_gqa=True, which with a mask falls back to the math kernel (it materialises the scores)."""
+    k = keys.permute(0, 2, 1, 3).repeat_interleave(group, dim=1)
+    v = values.permute(0, 2, 1, 3).repeat_interleave(group, dim=1)
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=mask[:, None])
+    return out.transpose(1, 2)
+
+
 def attention_layer(spec: ModelSpec, w: dict[str, torch.Tensor], pre: str, layer: int, x: torch.Tensor,
-                    grp: Group, pools: DevicePools, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [B, T, H] -> [B, T, H]: gated attention over the paged KV (QSA-selected past the inert bound)."""
+                    grp: Group, pools: DevicePools, cos: torch.Tensor, sin: torch.Tensor, *,
+                    sdpa: bool = False) -> torch.Tensor:
+    """x [B, T, H] -> [B, T, H]: gated attention over the paged KV (QSA-selected past the inert bound).
+    sdpa: the scores through F.scaled_dot_product_attention (Tuning.attention / decode_attention)."""
     b, t, _ = x.shape
     nh, nkv, hd = spec.num_heads, spec.num_kv_heads, spec.head_dim
     rows = b * t
@@ -249,36 +296,53 @@ def attention_layer(spec: ModelSpec, w: dict[str, torch.Tensor], pre: str, layer
             mask = mask & qsa_selection(spec, w, pre, iq, raw_pool[grp.read_slots], grp.positions)
 
     group = nh // nkv
-    # query head h reads KV head h // group: fold the group into the rows of each KV head
-    qg = q.view(b, t, nkv, group, hd).permute(0, 2, 1, 3, 4).reshape(b, nkv, t * group, hd)
-    scores = qg @ keys.permute(0, 2, 3, 1) * hd**-0.5  # [B, nkv, T*group, L]
-    m = mask[:, None, :, None, :].expand(b, 1, t, group, length).reshape(b, 1, t * group, length)
-    scores = scores.masked_fill(~m, float("-inf"))
-    probs = torch.softmax(scores.to(acc_dtype(x.dtype)), dim=-1).to(x.dtype)
-    out = probs @ values.permute(0, 2, 1, 3)  # [B, nkv, T*group, hd]
-    out = out.view(b, nkv, t, group, hd).permute(0, 2, 1, 3, 4).reshape(rows, nh * hd)
+    if sdpa:
+        out = _attend_sdpa(q.view(b, t, nh, hd), keys, values, mask, group).reshape(rows, nh * hd)
+    else:
+        out = _attend_torch(q.view(b, t, nkv, group, hd), keys, values, mask).reshape(rows, nh * hd)
     out = out * torch.sigmoid(gate.reshape(rows, nh * hd))
     return (out @ w[pre + "o_proj.weight"].T).view(b, t, -1)
 
 
-def moe_layer(moe: MoeSpec, w: dict[str, torch.Tensor], pre: str, x: torch.Tensor, *, eager: bool) -> torch.Tensor:
-    """x [R, H] -> [R, H]: top-k routed experts + sigmoid-gated shared expert.
-
-    eager: group tokens by expert (one host sync for the counts; right for prefill, where each expert
-    sees many tokens). Otherwise fixed shapes for CUDA graphs: with fewer routed slots than experts, the
-    chosen experts' weights are gathered per slot; else every expert runs on every row, weighted by a
-    routing matrix that is zero off the top-k (decode at batch >= E / top_k touches most experts anyway)."""
+def moe_router(moe: MoeSpec, x: torch.Tensor, fused_in: torch.Tensor, shared_down: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The routing and the shared expert on tensors: (top_w [R, K] in x's dtype, top_i [R, K], the gated
+    shared expert's output [R, H])."""
     shared_width = moe.shared_intermediate_size
-    logits, shared_gate, shared_up, shared_scale = (x @ w[pre + "fused_in.weight"].T).split(
+    logits, shared_gate, shared_up, shared_scale = (x @ fused_in.T).split(
         [moe.num_experts, shared_width, shared_width, 1], dim=-1)
     probs = torch.softmax(logits.to(acc_dtype(x.dtype)), dim=-1)
     top_w, top_i = torch.topk(probs, moe.top_k, dim=-1)
     if moe.norm_topk_prob:
         top_w = top_w / top_w.sum(dim=-1, keepdim=True)
-    top_w = top_w.to(x.dtype)
+    shared = (F.silu(shared_gate) * shared_up) @ shared_down.T
+    return top_w.to(x.dtype), top_i, torch.sigmoid(shared_scale) * shared
+
+
+def moe_layer(moe: MoeSpec, w: dict[str, torch.Tensor], pre: str, x: torch.Tensor, *, eager: bool = False,
+              mode: str | None = None, compile_mode: str = "none") -> torch.Tensor:
+    """x [R, H] -> [R, H]: top-k routed experts + sigmoid-gated shared expert.
+
+    eager: group tokens by expert (one host sync for the counts; right for prefill, where each expert
+    sees many tokens). Otherwise fixed shapes for CUDA graphs: with fewer routed slots than experts, the
+    chosen experts' weights are gathered per slot; else every expert runs on every row, weighted by a
+    routing matrix that is zero off the top-k (decode at batch >= E / top_k touches most experts anyway).
+    mode (Tuning.moe / prefill_moe) overrides eager: "grouped" is eager; "torch" / "dense" the fixed shapes;
+    "triton" / "grouped_mm" route on the device and read the chosen experts in place (atlas.backends.cuda.moe:
+    no host sync, graph-capturable). "grouped_mm" falls back to "triton" where torch._grouped_mm fails its
+    feature test. compile_mode: the router + shared expert through torch.compile (the routed experts not)."""
+    eager = mode == "grouped" if mode is not None else eager
+    router = compiled(moe_router, compile_mode)
+    top_w, top_i, shared = router(moe, x, w[pre + "fused_in.weight"], w[pre + "shared_expert.down_proj.weight"])
     rows = x.shape[0]
     gate_up, down = w[pre + "experts.gate_up_proj"], w[pre + "experts.down_proj"]
-    if eager:
+    if mode == "grouped_mm" and not grouped_mm_works(x.device.type, x.dtype):
+        mode = "triton"
+    if mode == "triton":
+        routed = routed_triton(x, top_i, top_w, gate_up, down)
+    elif mode == "grouped_mm":
+        routed = routed_grouped_mm(x, top_i, top_w, gate_up, down)
+    elif eager:
         # (token, slot) pairs sorted by expert: one host sync for the counts, each pair's output written once
         # (no atomics), then summed over the slots in a fixed order
         pairs = top_i.flatten()
@@ -302,8 +366,7 @@ def moe_layer(moe: MoeSpec, w: dict[str, torch.Tensor], pre: str, x: torch.Tenso
         out = torch.bmm(F.silu(g) * u, down.transpose(1, 2))  # [E, R, H]
         weights = torch.zeros(rows, moe.num_experts, dtype=x.dtype, device=x.device).scatter_(1, top_i, top_w)
         routed = torch.einsum("re,erh->rh", weights, out)
-    shared = (F.silu(shared_gate) * shared_up) @ w[pre + "shared_expert.down_proj.weight"].T
-    return routed + torch.sigmoid(shared_scale) * shared
+    return routed + shared
 
 
 def ple_layer(spec: ModelSpec, w: dict[str, torch.Tensor], pre: str, streams: torch.Tensor, ids: torch.Tensor,
@@ -341,16 +404,24 @@ class _GroupOps:
     """The layer ops of one group: batched [B, T, ...] tensors, state in the pools at the group's slots."""
 
     def __init__(self, spec: ModelSpec, w: dict[str, torch.Tensor], pools: DevicePools, grp: Group, *,
-                 eager_moe: bool, gdn_kernel: GdnKernel | None) -> None:
+                 eager_moe: bool, gdn_kernel: GdnKernel | None, tuning: Tuning | None = None,
+                 invariant: bool = False) -> None:
         self.spec, self.w, self.pools, self.grp = spec, w, pools, grp
-        self.eager_moe, self.gdn_kernel = eager_moe, gdn_kernel
+        self.gdn_kernel = gdn_kernel
+        self.tuning = tuning = tuning or Tuning()
+        # eager groups (prefill chunks) may sync with the host; the rest must stay graph-capturable
+        self.moe_mode = tuning.prefill_moe if eager_moe else tuning.moe
+        # torch.compile for decode groups only (fixed shapes, captured under the graphs); prefill stays eager
+        self.compile_mode = "none" if eager_moe else tuning.compile_decode
         dtype = w["embed_tokens.weight"].dtype
         self.cos, self.sin = rope_table(grp.positions.reshape(-1), spec.rotary_dim, spec.rope_theta, dtype)
 
     def mixer(self, layer: int, x: torch.Tensor) -> torch.Tensor:
         spec, w, pre = self.spec, self.w, f"layers.{layer}."
         if spec.layer_types[layer] == FULL_ATTENTION:
-            return attention_layer(spec, w, pre + "self_attn.", layer, x, self.grp, self.pools, self.cos, self.sin)
+            sdpa = (self.tuning.attention if self.grp.shape.width > 1 else self.tuning.decode_attention) == "sdpa"
+            return attention_layer(spec, w, pre + "self_attn.", layer, x, self.grp, self.pools, self.cos, self.sin,
+                                   sdpa=sdpa)
         return gdn_layer(spec, w, pre + "linear_attn.", layer, x, self.grp, self.pools, self.gdn_kernel)
 
     def ffn(self, layer: int, x: torch.Tensor) -> torch.Tensor:
@@ -358,7 +429,8 @@ class _GroupOps:
         pre = f"layers.{layer}.mlp."
         rows = x.reshape(b * t, -1)
         if self.spec.moe_layers[layer] and self.spec.moe is not None:
-            return moe_layer(self.spec.moe, self.w, pre, rows, eager=self.eager_moe).view(b, t, -1)
+            return moe_layer(self.spec.moe, self.w, pre, rows, mode=self.moe_mode,
+                             compile_mode=self.compile_mode).view(b, t, -1)
         return dense_mlp(self.w, pre, rows).view(b, t, -1)
 
     def norm(self, x: torch.Tensor, name: str) -> torch.Tensor:
@@ -370,11 +442,17 @@ class _GroupOps:
                          self.pools, layer)
 
     def hyper_mix(self, pre: str, streams: torch.Tensor, *, combine: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-        return hyper_mix(self.spec, self.w, pre, streams, combine=combine)
+        return hyper_mix(self.spec, self.w, pre, streams, combine=combine, compile_mode=self.compile_mode,
+                         kernel=self.tuning.hyper == "triton")
 
 
 def forward_group(spec: ModelSpec, w: dict[str, torch.Tensor], pools: DevicePools, grp: Group, *,
-                  eager_moe: bool, gdn_kernel: GdnKernel | None = None) -> torch.Tensor:
-    """Feed the group's tokens through the stack: the final hidden states [B, T, H]."""
-    ops = _GroupOps(spec, w, pools, grp, eager_moe=eager_moe, gdn_kernel=gdn_kernel)
+                  eager_moe: bool, gdn_kernel: GdnKernel | None = None, tuning: Tuning | None = None,
+                  invariant: bool = False) -> torch.Tensor:
+    """Feed the group's tokens through the stack: the final hidden states [B, T, H].
+
+    eager_moe: the group runs eagerly (a prefill chunk), so its MoE may take tuning.prefill_moe (which may
+    sync with the host); otherwise tuning.moe (graph-capturable). invariant: the backend is batch-invariant."""
+    ops = _GroupOps(spec, w, pools, grp, eager_moe=eager_moe, gdn_kernel=gdn_kernel, tuning=tuning,
+                    invariant=invariant)
     return decoder_stack(spec, w["embed_tokens.weight"][grp.tokens], ops)

@@ -23,6 +23,7 @@ from atlas.backends.cuda.graphs import DecodeGraphs, bucket
 from atlas.backends.cuda.layers import GdnKernel, forward_group, ple_context_update, prepare_weights
 from atlas.backends.cuda.pools import DevicePools
 from atlas.backends.cuda.store import CudaStateStore, SeqState
+from atlas.backends.cuda.tuning import Tuning
 from atlas.backends.cuda.verify import VerifyRun, run_verifies
 from atlas.config import Capacities
 from atlas.model.loader import LoadedModel
@@ -93,6 +94,7 @@ class CudaBackend:
         mtp_drafter: bool = False,
         snapshot_bytes: int = 0,
         verify_mode: str | None = None,
+        tuning: Tuning | None = None,
     ) -> None:
         self.name = name
         self.model = model
@@ -119,11 +121,8 @@ class CudaBackend:
         # only (a request's tokens alone equal its tokens in any batch). Costs a full batch's work per step.
         self.batch_invariant = batch_invariant
         self.max_blocks_per_seq = max_blocks_per_seq or num_kv_blocks
-        # MoE in prefill chunks: "grouped" runs each expert on its tokens (one host sync a layer, ~7 launches an
-        # expert); "dense" runs every expert on every token (top_k / num_experts of the FLOPs useful, no sync,
-        # ~5 launches a layer). Which wins depends on whether prefill is launch- or FLOP-bound: the benchmark
-        # times both.
-        self.prefill_moe = "grouped"
+        # which implementation each part of a step uses (atlas.backends.cuda.tuning); the benchmark times them
+        self.tuning = tuning or Tuning()
         # a verify of K rows: "rows" feeds them as K one-token groups (a decode's shapes, so a verify that accepts
         # n is bitwise n + 1 decodes: the fp32 parity mode's contract); "wide" as one [B, K] group keeping each
         # row's state (one forward: bf16, where a 1-row and a K-row GEMM round differently anyway)
@@ -169,6 +168,15 @@ class CudaBackend:
             verify=True, per_row_qsa_verify=True, mtp_drafting=self.drafter is not None, snapshot_ring=ring_slots > 0,
             prefix_snapshots=True, batch_invariant=batch_invariant, fp32_parity=self.dtype == torch.float32,
             max_verify_width=verify_width, prompt_logprobs=True)
+
+    @property
+    def prefill_moe(self) -> str:
+        """MoE of prefill chunks (Tuning.prefill_moe), settable as before."""
+        return self.tuning.prefill_moe
+
+    @prefill_moe.setter
+    def prefill_moe(self, mode: str) -> None:
+        self.tuning = attrs.evolve(self.tuning, prefill_moe=mode)
 
     @classmethod
     def for_capacities(cls, model: LoadedModel, caps: Capacities, *, dtype: torch.dtype | None = None,
@@ -231,10 +239,9 @@ class CudaBackend:
 
     def _run_group(self, packed: torch.Tensor, shape: GroupShape) -> torch.Tensor:
         grp = Group.view(packed, shape, self.block_size)
-        # decode groups take the fixed-shape MoE path (graph-capturable); prefill groups group tokens by expert
-        hidden = forward_group(self.spec, self.weights, self.pools, grp,
-                               eager_moe=shape.width > 1 and not shape.pending and self.prefill_moe == "grouped",
-                               gdn_kernel=self.gdn_kernel)
+        # decode groups take graph-capturable paths; prefill groups run eagerly (tuning.prefill_moe may sync)
+        hidden = forward_group(self.spec, self.weights, self.pools, grp, eager_moe=shape.width > 1 and not shape.pending,
+                               gdn_kernel=self.gdn_kernel, tuning=self.tuning, invariant=self.batch_invariant)
         if self.pools.ple_context_len:  # the device's n-gram context (and its stamp), in the same graph
             ple_context_update(self.pools, grp)
         return hidden

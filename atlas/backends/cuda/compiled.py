@@ -1,0 +1,39 @@
+"""torch.compile of the decode step's elementwise-heavy blocks (Tuning.compile_decode), one compiled graph per
+block kind reused by every layer: the blocks take tensors and plain numbers (no weight dict, no layer-name
+strings), so every layer's call hits the same guards and Dynamo compiles once per (block, shape), not once per
+layer (24 layers would pass its recompile limit and fall back to eager).
+
+Inductor fuses each block's elementwise chain (norm, split, silu, sigmoid, mix, mean) into a few Triton kernels
+around the two GEMMs: a hyper-connection site is ~13 kernels eager. Compiled code runs inside the decode CUDA
+graphs (the graphs' two warm-up runs compile before the capture); "default" and
+"max-autotune-no-cudagraphs" leave graph capture to us.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import TypeVar
+
+import torch
+
+F = TypeVar("F", bound=Callable)
+
+
+@functools.cache
+def _compile(fn: Callable, mode: str) -> Callable:
+    # dynamic=None (automatic): the first shape compiles static, a second shape of the same block recompiles once
+    # with symbolic sizes, so batch buckets 1..64 cost two compiles a block, not one each (dynamic=False would
+    # compile hyper_block x 2, moe_router once per bucket: on the CPU one compile of the three took 113 s wall)
+    dynamo = torch._dynamo.config
+    for knob in ("recompile_limit", "cache_size_limit"):  # the name moved between torch versions
+        if hasattr(dynamo, knob):
+            setattr(dynamo, knob, max(getattr(dynamo, knob), 32))
+    return torch.compile(fn, mode=mode, dynamic=None)
+
+
+def compiled(fn: F, mode: str) -> F:
+    """fn itself for mode "none", else its torch.compile'd version (cached: one per (fn, mode))."""
+    if mode == "none":
+        return fn
+    return _compile(fn, mode)  # type: ignore[return-value]

@@ -1,0 +1,71 @@
+"""The CUDA backend's performance knobs: which implementation each part of a step uses.
+
+Every knob has a plain-torch setting (the reference arrangement, and the only one the fp32 parity mode and a
+CPU without TRITON_INTERPRET run) and faster ones (Triton kernels, flash attention, torch.compile) that
+the GPU benchmark times side by side (`VARIANTS`, `atlas bench gpu`), so the winners are chosen by
+measurement. Nothing here changes what a step computes beyond rounding (each kernel is tested against the
+torch path on random inputs).
+"""
+
+from __future__ import annotations
+
+import attrs
+
+MOE = ("torch", "triton")
+PREFILL_MOE = ("grouped", "dense", "triton", "grouped_mm")
+ATTENTION = ("torch", "sdpa")
+HYPER = ("torch", "triton")
+COMPILE = ("none", "default", "max-autotune-no-cudagraphs")
+
+
+def _one_of(options: tuple[str, ...]):  # type: ignore[no-untyped-def]
+    def check(instance: object, attribute: attrs.Attribute, value: str) -> None:
+        if value not in options:
+            raise ValueError(f"Tuning.{attribute.name} must be one of {', '.join(options)}, got {value!r}")
+    return check
+
+
+@attrs.frozen
+class Tuning:
+    # MoE of decode groups (fixed shapes, CUDA-graph safe): "torch" gathers the chosen experts' weights (rows
+    # x top_k < experts) or runs every expert on every row; "triton" routes on the device and runs grouped
+    # GEMMs that read each chosen expert's weights once, in place (atlas_kernels.moe_grouped)
+    moe: str = attrs.field(default="torch", validator=_one_of(MOE))
+    # MoE of prefill chunks (eager): "grouped" by expert with one host sync a layer, "dense" every expert on
+    # every token (no sync, top_k / experts of its FLOPs useful), "triton" the device-routed grouped kernels
+    # (no sync), "grouped_mm" torch._grouped_mm over expert-sorted rows (no sync; where torch has it)
+    prefill_moe: str = attrs.field(default="grouped", validator=_one_of(PREFILL_MOE))
+    # prefill attention: "torch" materialised fp32 scores, "sdpa" F.scaled_dot_product_attention (flash or
+    # memory-efficient kernels; the causal / QSA mask passed as a boolean mask where one is needed)
+    attention: str = attrs.field(default="torch", validator=_one_of(ATTENTION))
+    # decode attention (T = 1, inside the decode graphs): the same two choices
+    decode_attention: str = attrs.field(default="torch", validator=_one_of(ATTENTION))
+    # hyper-connection sites (decode and prefill): "torch" ~13 kernels a site, "triton" the two fused kernels
+    # of atlas_kernels.hyper (norm + mix-down + silu / injection sigmoid; mix-up + sigmoid + mix + mean)
+    hyper: str = attrs.field(default="torch", validator=_one_of(HYPER))
+    # torch.compile of the decode step's hyper-connection sites and MoE router + shared expert (one compiled
+    # graph per block kind, reused by every layer: atlas.backends.cuda.compiled), captured under the decode
+    # CUDA graphs as before
+    compile_decode: str = attrs.field(default="none", validator=_one_of(COMPILE))
+
+    @property
+    def uses_triton(self) -> bool:
+        return self.moe == "triton" or self.prefill_moe == "triton" or self.hyper == "triton"
+
+
+# the variants `atlas bench gpu` times side by side (name -> knobs), each predicted in docs/BENCHMARKS.md;
+# "baseline" is the arrangement measured before (H200 run 2: decode b1 5.83 ms, prefill 2048 92.7 ms dense)
+VARIANTS: dict[str, Tuning] = {
+    # in measuring order: the baseline, then the predicted winner, then the single changes that explain it (a
+    # timeout cuts the tail), the compiled variant last (its compile time must not starve the others)
+    "baseline": Tuning(),
+    "fused": Tuning(moe="triton", prefill_moe="triton", attention="sdpa", decode_attention="sdpa", hyper="triton"),
+    "hyper-triton": Tuning(hyper="triton"),
+    "moe-triton": Tuning(moe="triton", prefill_moe="triton"),
+    "sdpa": Tuning(attention="sdpa", decode_attention="sdpa"),
+    "moe-grouped-mm": Tuning(moe="triton", prefill_moe="grouped_mm"),
+    "dense-prefill": Tuning(prefill_moe="dense"),  # run 2's faster prefill (92.7 ms); decodes as the baseline
+    # the compiled hyper_block stands in for the hyper kernels here, so the two ways of fusing a site compare
+    "fused-compile": Tuning(moe="triton", prefill_moe="triton", attention="sdpa", decode_attention="sdpa",
+                            compile_decode="default"),
+}

@@ -1,0 +1,73 @@
+"""`atlas bench gpu`'s side-by-side variants (atlas.bench_variants) without a GPU: the measurements replaced by
+fakes, one of them failing, so the orchestration (error capture, reuse of figures where knobs agree, the table)
+is what is tested."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+import atlas.bench as bench
+from atlas.backends.cuda.tuning import Tuning
+from atlas.bench_variants import measure_variants, variants_table
+
+
+@pytest.fixture
+def fakes(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, Any]]:
+    calls: list[tuple[str, Any]] = []
+
+    def prefill(model: Any, tokens: int, tuning: Tuning, **_: Any) -> dict:
+        calls.append(("prefill", tuning))
+        if tuning.attention == "sdpa":
+            raise RuntimeError("no kernel for this shape")
+        return {"tokens": tokens, "ms": 50.0 if tuning.prefill_moe == "triton" else 90.0, "tokens_per_s": 1.0}
+
+    def decode(model: Any, batch: int, tuning: Tuning, **_: Any) -> dict:
+        calls.append(("decode", tuning))
+        return {"batch": batch, "ms_per_step": 2.0 if tuning.moe == "triton" else 6.0, "tokens_per_s": 1.0,
+                "control_plane_share": 0.01}
+
+    monkeypatch.setattr(bench, "bench_prefill", prefill)
+    monkeypatch.setattr(bench, "bench_decode", decode)
+    monkeypatch.setattr(bench, "profile_steps", lambda *a, **k: {"decode_b1": {"kernels": 9}})
+    monkeypatch.setattr(bench, "prefill_flops", lambda model, tokens: 1e12)
+    monkeypatch.setattr(bench, "weight_bytes", lambda model, batch: 3e9)
+    monkeypatch.setattr(bench, "state_bytes", lambda model, batch, context: 1e8)
+    monkeypatch.setattr("torch.cuda.synchronize", lambda: None)
+    return calls
+
+
+def test_a_failing_variant_is_reported_and_the_rest_measured(fakes: list) -> None:
+    variants = {"baseline": Tuning(), "dense": Tuning(prefill_moe="dense"),
+                "sdpa": Tuning(attention="sdpa"), "triton": Tuning(moe="triton", prefill_moe="triton")}
+    seen: list[str] = []
+    results = measure_variants(None, variants, batches=(1, 16), prefill_tokens=2048, bw=4e12, rate=7e14, out=None,
+                               on_variant=lambda name, row: seen.append(name))
+    assert seen == list(variants)
+    assert "no kernel for this shape" in results["sdpa"]["prefill"]["error"]
+    assert results["triton"]["prefill"]["ms"] == 50.0 and results["triton"]["decode_b1"]["ms_per_step"] == 2.0
+    # "dense" and "sdpa" decode like the baseline: their decode figures are the baseline's, not measured again
+    assert results["dense"]["decode_b16"]["same_as"] == "baseline"
+    assert sum(1 for kind, _ in fakes if kind == "decode") == 2 * 2  # baseline and triton, two batches each
+    text = "\n".join(variants_table(results, (1, 16)))
+    assert "| sdpa | ERROR |" in text and "ERROR sdpa prefill: RuntimeError: no kernel for this shape" in text
+    assert "| triton | 50.0 |" in text
+
+
+def test_the_summary_table_names_the_winners_and_the_errors(fakes: list) -> None:
+    from atlas.bench_variants import best
+
+    variants = {"baseline": Tuning(), "sdpa": Tuning(attention="sdpa"), "triton": Tuning(moe="triton")}
+    results = measure_variants(None, variants, batches=(1,), prefill_tokens=2048, bw=4e12, rate=7e14, out=None,
+                               on_variant=lambda name, row: None)
+    report: dict = {"device": "fake", "ceilings": {"copy_gb_s": 4000.0, "bf16_tflop_s": 700.0}, "batches": [1],
+                    "variants": results, "prefill_32752": {"error": "OutOfMemoryError: 64 GiB"}}
+    name, fig = best(results, "decode_b1", "ms_per_step")  # type: ignore[misc]
+    report["decode_b1"] = {**fig, "variant": name}
+    name, fig = best(results, "prefill", "ms")  # type: ignore[misc]
+    report["prefill"] = {**fig, "variant": name}
+    text = bench.table(report)
+    assert "decode best: b1 triton 2.00 ms" in text
+    assert "prefill 32752: ERROR OutOfMemoryError" in text
+    assert "prefill 2048 best: baseline 90.0 ms" in text

@@ -1,0 +1,60 @@
+"""The fused hyper-connection site (atlas_kernels.hyper) against the torch block on random inputs."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the kernels' import
+
+from atlas_kernels.hyper import hyper_site
+
+from atlas.backends.cuda.layers import hyper_block
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1.5e-2}
+
+
+def case(rows: int, hc: int, hidden: int, lowrank: int, combine: bool, dtype: torch.dtype, seed: int):  # type: ignore[no-untyped-def]
+    gen = torch.Generator().manual_seed(seed)
+    width = hc * hidden
+    streams = (torch.randn(rows, width, generator=gen) * 3).to(DEVICE, dtype)
+    norm_w = (1 + 0.1 * torch.randn(width, generator=gen)).to(DEVICE, dtype)
+    down_w = (torch.randn(lowrank + (hc if combine else 0), width, generator=gen) / width**0.5).to(DEVICE, dtype)
+    up_w = (torch.randn(width, lowrank, generator=gen) / lowrank**0.5).to(DEVICE, dtype)
+    return streams, norm_w, down_w, up_w
+
+
+def rel(got: torch.Tensor, want: torch.Tensor) -> float:
+    assert not got.isnan().any()
+    return float((got.double() - want).norm() / want.norm())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("rows", "hidden", "lowrank", "combine"),
+                         [(1, 64, 40, True), (3, 128, 32, False), (20, 64, 24, True)])
+def test_fused_site_matches_the_torch_block(dtype: torch.dtype, rows: int, hidden: int, lowrank: int,
+                                            combine: bool) -> None:
+    # lowrank 40 / 24: not a multiple of the k tile; 20 rows: the 64-row tiles
+    hc, eps = 4, 1e-6
+    streams, norm_w, down_w, up_w = case(rows, hc, hidden, lowrank, combine, dtype, seed=rows + hidden)
+    mixed, inject = hyper_site(streams, norm_w, down_w, up_w, hc, lowrank, eps, combine)
+    want_mixed, want_inject = hyper_block(streams.double(), norm_w.double(), down_w.double(), up_w.double(), hc,
+                                          hidden, lowrank, eps, combine)
+    assert mixed.dtype == dtype and mixed.shape == (rows, hidden)
+    assert rel(mixed, want_mixed) < TOLERANCE[dtype]
+    if combine:
+        assert inject is not None and want_inject is not None and inject.shape == (rows, hc)
+        assert rel(inject, want_inject) < TOLERANCE[dtype]
+    else:
+        assert inject is None
+
+
+def test_a_rows_result_does_not_depend_on_the_other_rows() -> None:
+    streams, norm_w, down_w, up_w = case(13, 4, 64, 32, True, torch.bfloat16, seed=3)
+    alone = hyper_site(streams[:1], norm_w, down_w, up_w, 4, 32, 1e-6, True)
+    batched = hyper_site(streams, norm_w, down_w, up_w, 4, 32, 1e-6, True)
+    assert torch.equal(alone[0][0], batched[0][0]) and torch.equal(alone[1][0], batched[1][0])  # type: ignore[index]

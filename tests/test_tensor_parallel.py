@@ -1,0 +1,187 @@
+"""Tensor / expert parallelism (atlas.backends.parallel) on CPUs: 2 spawned ranks over gloo, one thread each.
+
+On atlas-tiny in fp32 (GDN, QSA attention past the inert bound, PLE, hyper-connections, MoE on every layer), TP=2
+must equal the single-process CUDA backend (run on the CPU in its fp32 parity mode):
+- logits within 1e-5 absolute at every prefill position and every decode step. Why 1e-5: TP=2 sums each
+  row-parallel product as two halves plus an all-reduce, TP=1 in one GEMM, so only the fp32 summation order
+  differs (a few ulps per layer); the logits are O(1) (max |logit| ~2.6 here), fp32's ulp at 2.6 is 2.4e-7, and
+  the largest difference measured is 1.2e-6 (5 ulps) over 4 layers; 1e-5 leaves ~8x margin, and a wrong shard
+  (a head, segment or expert misplaced) moves logits by O(0.1);
+- the same greedy tokens, through StepPlans (execute) and through the whole engine on rank 0;
+for both the routed experts split by width ("tp") and split by expert ("ep"). One spawn serves every
+multi-process test (about 25 s on 2 loaded cores: process start, model build, ~100 steps of ~10 collectives).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from atlas.backends.cpu.runner import Chunk
+from atlas.backends.cuda import CudaBackend
+from atlas.backends.parallel import Comm, TpBackend, TpLayout, local_spec, shard_weights
+from atlas.backends.parallel.check import agreement
+from atlas.backends.parallel.launch import spawn
+from atlas.backends.parallel.load import load_shard
+from atlas.backends.parallel.shard import Split, part_ranges, rule, slice_tensor
+from atlas.config import EngineConfig, derive_capacities
+from atlas.engine.engine import Engine
+from atlas.engine.offline import generate
+from atlas.engine.records import RecordingSink
+from atlas.model import load_model
+from atlas.model.tiny import save
+from atlas.registry import build_engine
+from atlas.sampling.params import SamplingParams
+
+TOL = 1e-5
+MODES = ("tp", "ep")
+PROMPTS = [
+    list(b"The quick brown fox jumps over the lazy dog. " * 2),  # 90 tokens: 3 prefill chunks, past the inert bound
+    list(b"hello"),
+    list(b"0123456789abcdefghij"),
+]
+CONFIG = EngineConfig(max_seq_len=128, max_batch_size=3, prefill_chunk_tokens=32)
+MAX_TOKENS = 16
+
+
+def _engine_tokens(rank: int, comm: Comm, device: torch.device, mode: str) -> list[tuple[int, ...]] | None:
+    """Rank 0: the engine over a TpBackend, greedy tokens of PROMPTS; the other ranks serve its commands."""
+    model = load_model("atlas-tiny")
+    caps = derive_capacities(CONFIG, model.spec, activation_bytes=4)
+    backend = TpBackend.from_full(model, TpLayout(comm.tp, rank, mode), comm, num_kv_blocks=caps.num_kv_blocks,  # type: ignore[arg-type]
+                                  block_size=caps.block_size, dtype=torch.float32, device=device,
+                                  max_batch_size=caps.max_batch_size, max_blocks_per_seq=caps.kv_blocks_per_seq)
+    if rank != 0:
+        from atlas.backends.parallel import worker_loop
+
+        worker_loop(backend)
+        return None
+    engine = Engine(backend, tokenizer=model.tokenizer, config=CONFIG, capacities=caps, spec=model.spec,
+                    model_name=model.name, sink=RecordingSink(), fingerprint=model.fingerprint)
+    params = [SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)] * len(PROMPTS)
+    out = [r.token_ids for r in generate(engine, PROMPTS, params)]
+    backend.close()
+    return out
+
+
+def _job(rank: int, comm: Comm, device: torch.device) -> dict:
+    checks = agreement(rank, comm, device, model=functools.partial(load_model, "atlas-tiny"), modes=MODES,
+                       decode_steps=MAX_TOKENS, batch=3)
+    engine = {mode: _engine_tokens(rank, comm, device, mode) for mode in MODES}
+    return {"agreement": {a.experts: a for a in checks}, "engine": engine}
+
+
+@pytest.fixture(scope="module")
+def tp2() -> dict:
+    return spawn(2, _job, backend="gloo")
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    torch.set_num_threads(1)
+    return load_model("atlas-tiny")
+
+
+# -- shards, in one process ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_rank_shards_put_back_together_are_the_full_weights(tiny, mode) -> None:
+    spec = tiny.spec
+    shards = [shard_weights(spec, tiny.weights, TpLayout(2, r, mode)) for r in range(2)]
+    split_count = 0
+    for name, full in tiny.weights.items():
+        if name.startswith("mtp."):
+            assert all(name not in s for s in shards)
+            continue
+        split = rule(spec, TpLayout(2, 0, mode), name)
+        if split is None:
+            assert all(torch.equal(s[name], full) for s in shards), name
+            continue
+        split_count += 1
+        pieces = [[] for _ in (split.segments or (0,))]
+        for r, s in enumerate(shards):  # each rank's part of every segment, in order
+            widths = [hi - lo for lo, hi in part_ranges(split, full.shape[split.dim], TpLayout(2, r, mode))]
+            for seg, part in enumerate(s[name].split(widths, dim=split.dim)):
+                pieces[seg].append(part)
+        whole = torch.cat([torch.cat(p, dim=split.dim) for p in pieces], dim=split.dim)
+        assert torch.equal(whole, full), name
+        assert shards[0][name].shape[split.dim] * 2 == full.shape[split.dim], name
+    # q/k/v/o of 1 attention layer, 8 GDN tensors x 3 layers, 5 MoE tensors x 4 layers, embed + lm_head
+    assert split_count == 4 + 8 * 3 + 5 * 4 + 2
+
+
+def test_vocab_padding_gives_the_last_rank_zero_rows() -> None:
+    t = torch.arange(14, dtype=torch.float32).view(7, 2)
+    last = slice_tensor(t, Split(0, pad_to=8), TpLayout(2, 1))
+    assert torch.equal(last[:3], t[4:]) and torch.equal(last[3], torch.zeros(2))
+    assert torch.equal(slice_tensor(t, Split(0, pad_to=8), TpLayout(2, 0)), t[:4])
+
+
+def test_a_degree_the_heads_do_not_divide_is_refused(tiny) -> None:
+    with pytest.raises(ValueError, match=r"tensor parallel size 3 does not divide num_attention_heads=4"):
+        local_spec(tiny.spec, TpLayout(3, 0))
+
+
+def test_tp1_is_the_cuda_backend_bit_for_bit(tiny) -> None:
+    kwargs = dict(num_kv_blocks=8, dtype=torch.float32, device="cpu", cuda_graphs=False)
+    ref = CudaBackend(tiny, **kwargs)
+    tp = TpBackend.from_full(tiny, TpLayout(1, 0), Comm(1, 0), **kwargs)
+    for chunk in (Chunk(1, PROMPTS[0][:40], 0, range(8)), Chunk(1, PROMPTS[0][40:41], 40, range(8))):
+        assert torch.equal(tp.forward([chunk])[0], ref.forward([chunk])[0])
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_sharded_safetensors_reads_equal_the_in_memory_shards(tiny, tmp_path, mode) -> None:
+    root = save(tmp_path / "tiny")
+    full = load_model(root)
+    for rank in range(2):
+        layout = TpLayout(2, rank, mode)
+        spec, shard = load_shard(root, layout)
+        want = shard_weights(spec, full.weights, layout)
+        assert shard.keys() == want.keys()
+        assert all(torch.equal(shard[k], want[k]) for k in want), [k for k in want if not torch.equal(shard[k], want[k])]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_sharded_reads_unpack_qwen3_next_layouts(hf_checkpoints, mode) -> None:
+    # transformers' qwen3_next checkpoint: packed in_proj_qkvz / in_proj_ba, per-expert tensors, a dense layer
+    root, _ = hf_checkpoints("qwen3_next_moe")
+    full = load_model(root)
+    for rank in range(2):
+        layout = TpLayout(2, rank, mode)
+        spec, shard = load_shard(root, layout)
+        want = shard_weights(spec, full.weights, layout)
+        assert shard.keys() == want.keys()
+        assert all(torch.equal(shard[k], want[k]) for k in want), [k for k in want if not torch.equal(shard[k], want[k])]
+
+
+# -- 2 ranks over gloo -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_tp2_logits_equal_tp1_within_tolerance(tp2, mode) -> None:
+    a = tp2["agreement"][mode]
+    assert a.prefill_max_abs <= TOL, a
+    assert len(a.decode_max_abs) == MAX_TOKENS and max(a.decode_max_abs) <= TOL, a.decode_max_abs
+    assert a.argmax_equal
+    assert a.prefill_max_abs > 0 or max(a.decode_max_abs) > 0  # the ranks' sums really ran: not bit-equal
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_tp2_greedy_tokens_equal_tp1_through_step_plans(tp2, mode) -> None:
+    a = tp2["agreement"][mode]
+    assert len(a.tokens_ref) == 3 and all(len(t) == MAX_TOKENS + 1 for t in a.tokens_ref)
+    assert a.tokens_tp == a.tokens_ref
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_the_engine_on_rank_0_gives_the_single_process_tokens(tp2, tiny, mode) -> None:
+    ref = build_engine("atlas-tiny", "cuda-fp32", CONFIG, loaded=tiny, sink=RecordingSink(),
+                       backend_options={"device": "cpu", "cuda_graphs": False})
+    params = [SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)] * len(PROMPTS)
+    want = [r.token_ids for r in generate(ref, PROMPTS, params)]
+    assert all(len(t) == MAX_TOKENS for t in want)
+    assert tp2["engine"][mode] == want

@@ -131,3 +131,42 @@ def _generate(backend: CudaBackend, prompt: Sequence[int], batch: int, steps: in
     ms = 1e3 * (time.perf_counter() - start) / max(steps - 1, 1)
     backend.execute(StepPlan(step=steps + 1, work=(), release=tuple(range(batch))))
     return tuple(tuple(t) for t in tokens), ms
+
+
+@attrs.frozen
+class DecodeSpeed:
+    experts: str
+    batch: int
+    ms_per_step: float
+    collective_ms_per_step: float  # synchronised around each collective (a second, timed pass)
+    collectives_per_step: float
+    weight_bytes_per_rank: int
+
+
+def decode_speed(rank: int, comm: Comm, device: torch.device, *, build: Callable[[TpLayout], TpBackend],
+                 modes: Sequence[ExpertMode], batches: Sequence[int], prompt_len: int = 32, steps: int = 8,
+                 ) -> list[DecodeSpeed]:
+    """Decode ms/step of a TpBackend per expert mode and batch (no reference: the model need not fit one device),
+    then the same steps again with every collective timed. `build(layout)` makes the rank's backend, sized for
+    max(batches) sequences of prompt_len + steps + 1 tokens."""
+    out = []
+    prompt = tuple(range(1, prompt_len + 1))
+    for mode in modes:
+        tp = build(TpLayout(comm.tp, rank, mode))
+        blocks = -(-(prompt_len + steps + 1) // tp.block_size)
+        if rank != 0:
+            worker_loop(tp)
+        else:
+            for batch in batches:
+                _, ms = _generate(tp, prompt, batch, steps, blocks, device)
+                comm.timed = True
+                _generate(tp, prompt, batch, steps, blocks, device)
+                comm.timed = False
+                n = max(steps - 1, 1)
+                size = sum(t.numel() * t.element_size() for t in tp.weights.values())
+                out.append(DecodeSpeed(mode, batch, ms, 1e3 * comm.seconds / n, comm.calls / n, size))
+            tp.close()
+        del tp
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return out

@@ -60,3 +60,20 @@ def spawn(tp: int, job: Job, *, backend: str = "gloo", device: str | None = None
         out = os.path.join(tmp, "result.pickle")
         mp.spawn(run_rank, args=(tp, backend, init, out, job, device), nprocs=tp, join=True)
         return pickle.loads(Path(out).read_bytes())
+
+
+def run_from_env(job: Job, *, backend: str, device: str | None = None) -> Any:
+    """Under torchrun (RANK, WORLD_SIZE, MASTER_ADDR set): this process's rank; rank 0's result, None elsewhere."""
+    rank, tp = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    torch.set_num_threads(1)
+    dev = rank_device(backend, int(os.environ.get("LOCAL_RANK", rank)), device)
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    kwargs: dict[str, Any] = {"device_id": dev} if backend == "nccl" else {}
+    dist.init_process_group(backend, init_method="env://", rank=rank, world_size=tp, **kwargs)
+    try:
+        result = job(rank, Comm.from_world(), dev)
+        dist.barrier()
+        return result if rank == 0 else None
+    finally:
+        dist.destroy_process_group()

@@ -185,3 +185,18 @@ def test_the_engine_on_rank_0_gives_the_single_process_tokens(tp2, tiny, mode) -
     want = [r.token_ids for r in generate(ref, PROMPTS, params)]
     assert all(len(t) == MAX_TOKENS for t in want)
     assert tp2["engine"][mode] == want
+
+
+def test_random_shards_agree_on_replicated_tensors_and_have_rank_shapes() -> None:
+    from atlas.backends.parallel.random_shard import random_shard
+    from atlas.backends.parallel.shard import local_shape
+    from atlas.model.tiny import TINY_CONFIG
+    from atlas.model.weights import expected_shapes
+
+    (model, a), (_, b) = (random_shard(TINY_CONFIG, TpLayout(2, r, "ep"), device="cpu", dtype=torch.float32)
+                          for r in range(2))
+    spec = model.spec
+    for name, full in expected_shapes(spec).items():
+        assert a[name].shape == b[name].shape == local_shape(spec, TpLayout(2, 0, "ep"), name, full), name
+        same = torch.equal(a[name], b[name])
+        assert same == (rule(spec, TpLayout(2, 0, "ep"), name) is None), name  # every rank draws the router alike

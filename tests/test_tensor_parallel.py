@@ -66,11 +66,34 @@ def _engine_tokens(rank: int, comm: Comm, device: torch.device, mode: str) -> li
     return out
 
 
+def _refusal(rank: int, comm: Comm, device: torch.device) -> tuple[str, float] | None:
+    """Rank 0 feeds a token outside the vocabulary (refused on every rank before any collective), then a good
+    chunk: the ranks are still in step. (the error text, the good chunk's max |TP - ref| logit difference)"""
+    model = load_model("atlas-tiny")
+    kwargs = dict(num_kv_blocks=4, dtype=torch.float32, device=device, cuda_graphs=False)
+    backend = TpBackend.from_full(model, TpLayout(comm.tp, rank), comm, **kwargs)  # type: ignore[arg-type]
+    if rank != 0:
+        from atlas.backends.parallel import worker_loop
+
+        worker_loop(backend)
+        assert backend.last_error is not None and "outside the vocabulary" in backend.last_error
+        return None
+    try:
+        backend.forward([Chunk(1, [1, 999], 0, range(4))])
+        error = ""
+    except ValueError as exc:
+        error = str(exc)
+    good = Chunk(1, PROMPTS[1], 0, range(4))
+    diff = (backend.forward([good])[0] - CudaBackend(model, **kwargs).forward([good])[0]).abs().max().item()
+    backend.close()
+    return error, diff
+
+
 def _job(rank: int, comm: Comm, device: torch.device) -> dict:
     checks = agreement(rank, comm, device, model=functools.partial(load_model, "atlas-tiny"), modes=MODES,
                        decode_steps=MAX_TOKENS, batch=3)
     engine = {mode: _engine_tokens(rank, comm, device, mode) for mode in MODES}
-    return {"agreement": {a.experts: a for a in checks}, "engine": engine}
+    return {"agreement": {a.experts: a for a in checks}, "engine": engine, "refusal": _refusal(rank, comm, device)}
 
 
 @pytest.fixture(scope="module")
@@ -200,3 +223,9 @@ def test_random_shards_agree_on_replicated_tensors_and_have_rank_shapes() -> Non
         assert a[name].shape == b[name].shape == local_shape(spec, TpLayout(2, 0, "ep"), name, full), name
         same = torch.equal(a[name], b[name])
         assert same == (rule(spec, TpLayout(2, 0, "ep"), name) is None), name  # every rank draws the router alike
+
+
+def test_a_refused_command_leaves_the_ranks_in_step(tp2) -> None:
+    error, diff = tp2["refusal"]
+    assert "token ids [999] outside the vocabulary" in error
+    assert diff <= TOL

@@ -89,11 +89,43 @@ def _refusal(rank: int, comm: Comm, device: torch.device) -> tuple[str, float] |
     return error, diff
 
 
+def _invariance(rank: int, comm: Comm, device: torch.device) -> tuple[list, list] | None:
+    """batch_invariant=True under TP=2: sequence 0's (token, logprob, top-5) per step, alone and beside two others
+    (without the mode, the same comparison differs in the logprobs' last bits: measured)."""
+    from atlas.plan import SeqWork, StepPlan
+
+    model = load_model("atlas-tiny")
+    backend = TpBackend.from_full(model, TpLayout(comm.tp, rank), comm, num_kv_blocks=12, dtype=torch.float32,  # type: ignore[arg-type]
+                                  device=device, max_batch_size=3, batch_invariant=True, max_blocks_per_seq=4)
+    if rank != 0:
+        from atlas.backends.parallel import worker_loop
+
+        worker_loop(backend)
+        return None
+    params = SamplingParams(logprobs=True, top_logprobs=5)
+    runs = []
+    for batch in (1, 3):
+        prompts = [PROMPTS[2], PROMPTS[1], PROMPTS[0][:30]][:batch]
+        seen, last = [], [None] * batch
+        for step in range(6):
+            work = tuple(SeqWork(seq_id=i, tokens=tuple(p) if step == 0 else (last[i],),
+                                 start=0 if step == 0 else len(p) + step - 1, block_table=tuple(range(4 * i, 4 * i + 4)),
+                                 sample=True, sampling=params) for i, p in enumerate(prompts))
+            out = backend.execute(StepPlan(step=step, work=work)).outcomes
+            last = [o.token for o in out]
+            seen.append((out[0].token, out[0].logprob, out[0].top_logprobs))
+        backend.execute(StepPlan(step=99, work=(), release=tuple(range(batch))))
+        runs.append(seen)
+    backend.close()
+    return runs[0], runs[1]
+
+
 def _job(rank: int, comm: Comm, device: torch.device) -> dict:
     checks = agreement(rank, comm, device, model=functools.partial(load_model, "atlas-tiny"), modes=MODES,
                        decode_steps=MAX_TOKENS, batch=3)
     engine = {mode: _engine_tokens(rank, comm, device, mode) for mode in MODES}
-    return {"agreement": {a.experts: a for a in checks}, "engine": engine, "refusal": _refusal(rank, comm, device)}
+    return {"agreement": {a.experts: a for a in checks}, "engine": engine, "refusal": _refusal(rank, comm, device),
+            "invariance": _invariance(rank, comm, device)}
 
 
 @pytest.fixture(scope="module")
@@ -229,3 +261,9 @@ def test_a_refused_command_leaves_the_ranks_in_step(tp2) -> None:
     error, diff = tp2["refusal"]
     assert "token ids [999] outside the vocabulary" in error
     assert diff <= TOL
+
+
+def test_batch_invariant_mode_under_tp_gives_a_request_the_same_bits_alone_and_batched(tp2) -> None:
+    alone, batched = tp2["invariance"]
+    assert len(alone) == 6 and all(lp is not None for _, lp, _ in alone)
+    assert batched == alone  # tokens, logprobs and top-5 logprobs, float for float

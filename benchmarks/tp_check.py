@@ -80,7 +80,8 @@ def report(result: dict, args: argparse.Namespace) -> int:
     for s in result["speed"]:
         assert isinstance(s, DecodeSpeed)
         print(f"decode TP={args.tp} experts {s.experts} batch {s.batch}: {s.ms_per_step:.2f} ms/step; collectives "
-              f"{s.collective_ms_per_step:.2f} ms/step ({s.collectives_per_step:.0f} per step, timed pass); weights "
+              f"{s.collective_ms_per_step:.2f} ms/step ({s.collectives_per_step:.0f} per step, timed pass); plan broadcast "
+              f"{s.command_ms_per_step:.3f} ms/step; weights "
               f"{s.weight_bytes_per_rank / 2**20:,.1f} MiB per rank")
     if not result["agreement"]:
         print("verdict: speed only (no TP=1 reference for a --config model)")

@@ -26,7 +26,7 @@ from atlas.backends.parallel.layers import tp_forward_group, vocab_parallel_logi
 from atlas.backends.parallel.shard import TpLayout, local_spec, shard_weights, vocab_range
 from atlas.model.loaded import LoadedModel
 from atlas.model.spec import ModelSpec
-from atlas.plan import StepPlan, StepResult
+from atlas.plan import SeqOutcome, SeqWork, StepPlan, StepResult
 
 STOP = ("stop",)
 
@@ -65,6 +65,13 @@ class TpBackend(CudaBackend):
 
     def logits_from_hidden(self, hidden: torch.Tensor) -> torch.Tensor:
         return vocab_parallel_logits(hidden, self.weights["lm_head.weight"], self.full_spec.vocab_size, self.comm)
+
+    def _sample(self, work: Sequence[SeqWork], logits: dict[int, torch.Tensor]) -> tuple[SeqOutcome, ...]:
+        if self.layout.rank == 0:
+            return super()._sample(work, logits)
+        # a worker's StepResult is dropped: no sampling, no device->host copy. (A verify's commit, once the CUDA
+        # backend has one, depends on the verdicts: then every rank samples, from the same gathered logits.)
+        return tuple(SeqOutcome(seq_id=w.seq_id, cursors=self.cursors(w.seq_id)) for w in work)
 
     # -- one scheduler: rank 0's calls are broadcast, then run everywhere -----------------------------
 

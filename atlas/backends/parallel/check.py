@@ -141,6 +141,7 @@ class DecodeSpeed:
     collective_ms_per_step: float  # synchronised around each collective (a second, timed pass)
     collectives_per_step: float
     weight_bytes_per_rank: int
+    command_ms_per_step: float  # broadcasting the StepPlan (inside ms_per_step)
 
 
 def decode_speed(rank: int, comm: Comm, device: torch.device, *, build: Callable[[TpLayout], TpBackend],
@@ -158,13 +159,15 @@ def decode_speed(rank: int, comm: Comm, device: torch.device, *, build: Callable
             worker_loop(tp)
         else:
             for batch in batches:
+                comm.command_seconds = 0.0
                 _, ms = _generate(tp, prompt, batch, steps, blocks, device)
+                command_ms = 1e3 * comm.command_seconds / (steps + 2)  # every plan of the run, prefill and release too
                 comm.timed = True
                 _generate(tp, prompt, batch, steps, blocks, device)
                 comm.timed = False
                 n = max(steps - 1, 1)
                 size = sum(t.numel() * t.element_size() for t in tp.weights.values())
-                out.append(DecodeSpeed(mode, batch, ms, 1e3 * comm.seconds / n, comm.calls / n, size))
+                out.append(DecodeSpeed(mode, batch, ms, 1e3 * comm.seconds / n, comm.calls / n, size, command_ms))
             tp.close()
         del tp
         if device.type == "cuda":

@@ -26,6 +26,7 @@ class Comm:
         self.timed = False  # benchmark only: synchronise around each collective and sum its time
         self.seconds = 0.0
         self.calls = 0
+        self.command_seconds = 0.0  # rank 0's time broadcasting commands (pickle + two gloo broadcasts), always on
 
     @classmethod
     def from_world(cls) -> Comm:
@@ -78,6 +79,7 @@ class Comm:
         rank receives and returns it. Two gloo broadcasts: the length, then the bytes (none at tp 1)."""
         if self.tp == 1:
             return command
+        start = time.perf_counter()
         if self.rank == 0:
             payload = torch.frombuffer(bytearray(pickle.dumps(command, protocol=pickle.HIGHEST_PROTOCOL)),
                                        dtype=torch.uint8)
@@ -89,5 +91,6 @@ class Comm:
             payload = torch.empty(int(size.item()), dtype=torch.uint8)
         dist.broadcast(payload, src=0, group=self.control)
         if self.rank == 0:
+            self.command_seconds += time.perf_counter() - start
             return command
         return pickle.loads(payload.numpy().tobytes())

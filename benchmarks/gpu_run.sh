@@ -2,7 +2,9 @@
 # One device call (the GPU machine has torch/triton but not the project): install the carried wheels
 # (.whl, git-ignored), run the CUDA tests, then `atlas bench gpu`. Logs and JSON under $OUT.
 #   run: bash benchmarks/gpu_run.sh            (carry: .whl)
-# TESTS=0 skips the tests; BENCH=0 skips the benchmark; BENCH_ARGS are passed to atlas.bench.
+# TESTS=0 skips the tests; BENCH=0 skips the benchmark; BENCH_ARGS are passed to atlas.bench; EXTRA: more commands;
+# FEATURES=0 skips benchmarks/cuda_features.py (issue 14: speculation K=1/2/4 x oracle acceptance, prefix TTFT,
+# snapshot costs); MINI=1: atlas-mini's CPU figures (benchmarks/mini_figures.py) on this machine's spare cores.
 set -o pipefail
 OUT=${OUT:-/tmp/atlas-out}
 mkdir -p "$OUT"
@@ -22,13 +24,20 @@ if [ "${MINI:-0}" = 1 ]; then  # atlas-mini's CPU figures (issue 16), one proces
   done
 fi
 if [ "${TESTS:-1}" = 1 ]; then
-  timeout "${TEST_TIMEOUT:-240}" python3 -m pytest -q -p no:cacheprovider --durations=8 ${TEST_FILES:-tests/test_cuda_gpu.py tests/test_cuda_backend.py} \
+  timeout "${TEST_TIMEOUT:-240}" python3 -m pytest -q -p no:cacheprovider --durations=8 ${TEST_FILES:-tests/test_cuda_gpu.py tests/test_cuda_backend.py tests/test_state_store.py} \
     > "$OUT/tests.log" 2>&1
   echo "tests exit $?"; grep -E "passed|failed|Error|alone-vs-batch|FAILED|assert" "$OUT/tests.log" | tail -25
+fi
+if [ -n "${EXTRA:-}" ]; then  # more GPU commands of this call (e.g. a benchmark of one issue), output under $OUT
+  bash -c "$EXTRA"; echo "extra exit $?"
 fi
 if [ "${BENCH:-1}" = 1 ]; then
   timeout "${BENCH_TIMEOUT:-330}" python3 -m atlas.bench "$OUT" ${BENCH_ARGS:-} > "$OUT/bench.log" 2>&1
   echo "bench exit $?"; grep -v "capacities derived" "$OUT/bench.log" | tail -30
+fi
+if [ "${FEATURES:-1}" = 1 ]; then
+  timeout "${FEATURES_TIMEOUT:-420}" python3 benchmarks/cuda_features.py --out "$OUT" ${FEATURES_ARGS:-} > "$OUT/features.log" 2>&1
+  echo "features exit $?"; grep -v "capacities derived\|drafter context" "$OUT/features.log" | tail -30
 fi
 if [ "${MINI:-0}" = 1 ]; then
   wait

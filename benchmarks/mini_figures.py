@@ -5,9 +5,10 @@ acceptance, and the content-loop watchdog at temperature 0 (how often it fires, 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/mini_figures.py                 # 48 prompts; watchdog 200
     .venv/bin/python benchmarks/mini_figures.py --smoke                           # seconds (CI)
 
-Held-out code: this machine's standard library files whose "stdlib/<relative path>" key falls in the training
-script's held-out split (tools/mini_corpus.py: the same key hash, so the same files the model never saw, whatever
-the Python version). Prompts: a held-out function header and the lines after it, cut at --prompt-tokens.
+Held-out code: this machine's standard library and site-packages files whose "<tree>/<relative path>" key falls in
+the training script's held-out split (tools/mini_corpus.py: the same key hash, so files the model never saw
+whatever the Python version; on the GPU machine exactly the training's held-out files). Prompts: each function
+header of those files and the lines after it, cut at --prompt-tokens, taken round-robin over the files.
 Every speculative run is checked to give speculation off's tokens (greedy).
 """
 
@@ -16,7 +17,6 @@ from __future__ import annotations
 import argparse
 import re
 import sys
-import sysconfig
 import time
 from pathlib import Path
 
@@ -30,20 +30,17 @@ def heldout_prompts(tok, count: int, prompt_tokens: int) -> list[list[int]]:
     import mini_corpus
 
     stats = mini_corpus.CorpusStats()
-    _, heldout = mini_corpus.collect([("stdlib", Path(sysconfig.get_paths()["stdlib"]))], 20, 0, 4_000_000,
-                                     200_000, stats)
-    prompts: list[list[int]] = []
+    _, heldout = mini_corpus.collect(mini_corpus.source_trees(), 20, 0, 3_000_000, 200_000, stats)
+    per_file: list[list[list[int]]] = []
     for f in heldout:
         lines = f.text.splitlines(keepends=True)
-        for i, line in enumerate(lines):
-            if HEADER.match(line) and len(prompts) < count:
-                ids = tok.encode("".join(lines[i:i + 12]))[:prompt_tokens]
-                if len(ids) >= 8:
-                    prompts.append(ids)
-                break  # one prompt per file: a spread over the held-out files
-        if len(prompts) >= count:
-            break
-    return prompts
+        found = [tok.encode("".join(lines[i:i + 12]))[:prompt_tokens] for i, line in enumerate(lines)
+                 if HEADER.match(line)]
+        per_file.append([ids for ids in found if len(ids) >= 8])
+    prompts: list[list[int]] = []
+    for rank in range(max((len(p) for p in per_file), default=0)):  # round-robin: a spread over the files
+        prompts += [p[rank] for p in per_file if rank < len(p)]
+    return prompts[:count]
 
 
 def run(model, prompts, config, max_tokens: int):

@@ -22,6 +22,7 @@ BENCHMARKS = sorted(p.name for p in (ROOT / "benchmarks").glob("*.py"))
 EXPECT = {
     "control_plane.py": "seq-steps/s",
     "cpu_model.py": "atlas chunks",
+    "cuda_features.py": "ring snapshot",
     "kernels.py": "dry run:",
     "mini_figures.py": "watchdog shard",
     "multiturn.py": "tokens equal on/off",

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 
+import attrs
 import pytest
 import torch
 
@@ -72,7 +73,7 @@ def test_hidden_states_match_the_reference_chunked_past_the_inert_bound(tiny) ->
         want, got = cpu.forward_hidden([chunk])[0], dev.forward_hidden([chunk])[0]
         assert got.shape == want.shape
         assert torch.allclose(got, want, rtol=0, atol=1e-4), (got - want).abs().max()
-    assert dev.cursors(1) == cpu.cursors(1)
+    assert dev.cursors(1).as_tuple() == cpu.cursors(1).as_tuple()  # the summary positions (stamps: the store tests)
 
 
 def test_decode_ngram_ids_equal_the_reference() -> None:
@@ -91,11 +92,21 @@ def test_decode_ngram_ids_equal_the_reference() -> None:
             assert got == want
 
 
-def test_unsupported_features_are_refused_at_start(tiny) -> None:
-    for config, knob in ((EngineConfig(num_drafts=2), "num_drafts 0"), (EngineConfig(ring_slots=2), "ring_slots 0"),
-                         (EngineConfig(enable_prefix_caching=True), "enable_prefix_caching False")):
-        with pytest.raises(CapabilityError, match=knob):
-            build_engine("atlas-tiny", "cuda", config, loaded=tiny, backend_options={"device": "cpu"})
+def test_every_feature_is_declared_and_a_configuration_beyond_it_is_refused_at_start(tiny) -> None:
+    """Speculation, the ring, prefix caching and the MTP drafter are declared (tests/test_cuda_features.py runs
+    them); what the backend cannot hold is refused at start with the knob named."""
+    config = EngineConfig(num_drafts=3, ring_slots=2, enable_prefix_caching=True)
+    engine = build_engine("atlas-tiny", "cuda-fp32", config, loaded=tiny, backend_options={"device": "cpu"})
+    c = engine.backend.capabilities
+    assert (c.verify, c.per_row_qsa_verify, c.mtp_drafting, c.snapshot_ring, c.prefix_snapshots, c.fp32_parity,
+            c.max_verify_width, c.prompt_logprobs) == (True, True, True, True, True, True, 4, True)
+    assert engine.backend.pools.slot_bytes() == engine.capacities.ring_slot_bytes
+    no_mtp = attrs.evolve(tiny, weights={k: t for k, t in tiny.weights.items() if not k.startswith("mtp.")})
+    with pytest.raises(ValueError, match="no mtp"):
+        build_engine("atlas-tiny", "cuda-fp32", config, loaded=no_mtp, backend_options={"device": "cpu"})
+    narrow = CudaBackend(tiny, num_kv_blocks=64, dtype=torch.float32, device="cpu", verify_width=2)
+    with pytest.raises(CapabilityError, match="holds 2 rows per verify"):
+        narrow.capabilities.check(config, engine.capacities, "cuda-fp32")
 
 
 def test_random_model_builds_from_a_config() -> None:
@@ -243,3 +254,31 @@ def test_dense_prefill_moe_gives_the_reference_tokens(tiny) -> None:
     engine.backend.prefill_moe = "dense"  # type: ignore[attr-defined]
     got = [r.token_ids for r in generate(engine, PROMPTS, [SamplingParams(max_tokens=24, ignore_eos=True)] * 3)]
     assert got == tokens_of(tiny, "cpu", config)
+
+
+def test_a_wide_verify_through_the_triton_gdn_kernel_keeps_the_torch_paths_rows(tiny) -> None:
+    """The one-forward verify with the GDN recurrent kernel (store_states, commit=False: the slot is not written,
+    every row's state comes back for the commit) against the torch recurrence: the same verdicts, and after the
+    commit the same state to fp32 rounding. Interpreted on the CPU, compiled on a GPU."""
+    from atlas.backends.cuda.runner import triton_gdn
+    from atlas.plan import SeqWork, StepPlan
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    backends = []
+    for kernel in (None, triton_gdn()):
+        b = CudaBackend(tiny, num_kv_blocks=32, block_size=16, dtype=torch.float32, device=device, max_batch_size=2,
+                        kernels=False, cuda_graphs=False, verify_width=4, verify_mode="wide")
+        b.gdn_kernel = kernel
+        backends.append(b)
+    tables = [tuple(range(8)), tuple(range(8, 16))]
+    outs = []
+    for b in backends:
+        first = b.execute(StepPlan(0, tuple(SeqWork(i, tuple(PROMPTS[i][:30]), 0, tables[i], True)
+                                            for i in range(2)))).outcomes
+        verify = tuple(SeqWork(i, (first[i].token,), len(PROMPTS[i][:30]), tables[i], True, drafts=(5, 6, 7))
+                       for i in range(2))
+        outs.append(b.execute(StepPlan(1, verify)).outcomes)
+    for want, got in zip(*outs, strict=True):
+        assert (got.accepted, got.token, got.cursors.as_tuple()) == (want.accepted, want.token, want.cursors.as_tuple())
+    for name, t in backends[0].pools.state.items():
+        assert torch.allclose(backends[1].pools.state[name][:2].float(), t[:2].float(), rtol=0, atol=1e-4), name

@@ -8,6 +8,7 @@ import json
 import os
 from pathlib import Path
 
+import attrs
 import pytest
 import torch
 
@@ -130,8 +131,9 @@ print("dead" if engine.dead else "alive", [o.finish_reason.value for o in outs i
 if not engine.dead:  # the context still works: a healthy request runs to the end
     runner.CudaBackend._run_group = run_group
     engine.add_request("b", list(b"hello"), SamplingParams(max_tokens=2))
+    done = []
     while engine.has_unfinished():
-        done = [o for o in engine.step() if o.finished]
+        done += [o for o in engine.step() if o.finished]
     print("then", done[0].finish_reason.value)
 """
 
@@ -163,3 +165,45 @@ def test_bf16_greedy_tokens_mostly_agree_with_fp32() -> None:
     # bf16 rounds every activation to 8 bits of mantissa: a random model's near-ties flip, but the first
     # tokens (before any divergence compounds) must agree for most prompts
     assert sum(a[:4] == b[:4] for a, b in zip(fp32, bf16, strict=True)) >= len(PROMPTS) // 2, (fp32, bf16)
+
+
+SPEC_CONFIG = EngineConfig(max_seq_len=256, max_batch_size=4, prefill_chunk_tokens=64)
+
+
+@pytest.mark.parametrize("drafts", [dict(num_drafts=4, drafter="mtp"), dict(num_drafts=3, drafter="ngram")])
+def test_fp32_speculation_on_the_gpu_gives_the_tokens_of_speculation_off(drafts: dict) -> None:
+    """cuda-fp32 verifies row by row through the decode graphs (its verify that accepts n is n + 1 decodes, to the
+    bit): MTP K=4 and n-gram drafts give speculation off's greedy tokens, past the QSA bound."""
+    want = run_tokens("cuda-fp32", SPEC_CONFIG, PROMPTS)
+    config = attrs.evolve(SPEC_CONFIG, **drafts)
+    engine = build_engine("atlas-tiny", "cuda-fp32", config, sink=RecordingSink(), full_audit=True)
+    got = [r.token_ids for r in generate(engine, PROMPTS, SamplingParams(max_tokens=64, ignore_eos=True))]
+    assert got == want
+    assert engine.stats().spec_verify_steps > 0
+
+
+def test_bf16_wide_verify_tokens_mostly_agree_with_speculation_off() -> None:
+    """bf16 verifies K rows in one forward (one [B, K] group under its own CUDA graph): a K-row GEMM rounds
+    differently from a 1-row decode's, so a near-tie can flip a greedy token; the tolerance is the same as
+    bf16 against fp32 (test_bf16_greedy_tokens_mostly_agree_with_fp32): most tokens agree, and the run is exact
+    against itself (every cursor checked after every step under full audit)."""
+    want = run_tokens("cuda", SPEC_CONFIG, PROMPTS)
+    config = attrs.evolve(SPEC_CONFIG, num_drafts=3, drafter="mtp")
+    engine = build_engine("atlas-tiny", "cuda", config, sink=RecordingSink(), full_audit=True)
+    got = [r.token_ids for r in generate(engine, PROMPTS, SamplingParams(max_tokens=64, ignore_eos=True))]
+    same = sum(a == b for g, w in zip(got, want, strict=True) for a, b in zip(g, w, strict=True))
+    assert same >= 0.75 * sum(len(w) for w in want)
+    assert engine.stats().spec_verify_steps > 0
+
+
+def test_the_feature_tests_run_on_the_gpu() -> None:
+    """The CPU path's feature tests (tests/test_cuda_features.py) with the device set to the GPU."""
+    import subprocess
+    import sys
+
+    pytest.importorskip("hypothesis", reason="tests/test_cuda_features.py imports the state machines' modules")
+    env = {**os.environ, "ATLAS_CUDA_FEATURES_DEVICE": "cuda"}
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x",
+                           str(Path(__file__).parent / "test_cuda_features.py")], env=env, capture_output=True,
+                          text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]

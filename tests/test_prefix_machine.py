@@ -11,6 +11,7 @@ import torch
 from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from store_views import drafter_first_key, ring_positions
 
 from atlas.config import EngineConfig
 from atlas.engine.outputs import FinishReason
@@ -45,10 +46,13 @@ def cold_tokens(prompt: list[int], n: int) -> list[int]:
 
 
 class PrefixMachine(RuleBasedStateMachine):
+    backend_name = "cpu"  # tests/test_cuda_machines.py runs the same machine on cuda-fp32
+    backend_options: dict = {}
+
     def __init__(self) -> None:
         super().__init__()
-        self.engine = build_engine("atlas-tiny", "cpu", CONFIG, loaded=TINY, sink=RecordingSink(),
-                                         full_audit=True)
+        self.engine = build_engine("atlas-tiny", self.backend_name, CONFIG, loaded=TINY, sink=RecordingSink(),
+                                   full_audit=True, backend_options=self.backend_options)
         self.sessions: list[list[int]] = [list(range(20, 38)), list(range(60, 72))]  # last finished turn's tokens
         self.requests: dict[str, tuple[int, list[int], int]] = {}  # rid -> (session, prompt, max_tokens)
         self.outputs: dict[str, list[int]] = {}
@@ -140,9 +144,8 @@ class PrefixMachine(RuleBasedStateMachine):
                 continue
             assert (cur.kv_tokens, cur.qsa_ingested, cur.ssm_position, cur.ple_position) == (n, n, n, n)
             assert cur.drafter_rows == seq.drafter.rows
-            d = backend.store.drafts[seq_id]  # type: ignore[attr-defined]
-            assert d.first_key == seq.drafter.first_key
-            assert backend.store.ring.positions(seq_id) == {slot: pos for pos, slot in seq.ring.snapshots}  # type: ignore[attr-defined]
+            assert drafter_first_key(backend, seq_id) == seq.drafter.first_key
+            assert ring_positions(backend, seq_id) == {slot: pos for pos, slot in seq.ring.snapshots}
 
     def teardown(self) -> None:
         while self.engine.has_unfinished():

@@ -11,6 +11,7 @@ import torch
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from store_views import ring_positions
 
 from atlas.backends.cpu import CpuBackend
 from atlas.backends.cpu.runner import Chunk
@@ -55,11 +56,13 @@ def assert_never_took(engine: Engine, seq_id: int, tokens: list[int], boundary: 
 
 class RollbackMachine(RuleBasedStateMachine):
     config = CONFIG
+    backend_name = "cpu"  # tests/test_cuda_machines.py runs the same machine on cuda-fp32
+    backend_options: dict = {}
 
     def __init__(self) -> None:
         super().__init__()
-        self.engine = build_engine("atlas-tiny", "cpu", self.config, loaded=TINY, sink=RecordingSink(),
-                                         full_audit=True)
+        self.engine = build_engine("atlas-tiny", self.backend_name, self.config, loaded=TINY, sink=RecordingSink(),
+                                   full_audit=True, backend_options=self.backend_options)
         self.arrivals = 0
         self.rollbacks = 0
 
@@ -125,12 +128,15 @@ class RollbackMachine(RuleBasedStateMachine):
             self.engine.step()
             live = state.seqs.get(seq.seq_id)
             if live is not None and live.on_device and live.cursor.computed >= e.boundary:
-                assert_never_took(self.engine, seq.seq_id, list(live.cursor.tokens), live.cursor.computed)
+                self.assert_never_took(seq.seq_id, list(live.cursor.tokens), live.cursor.computed)
             self.rollbacks += 1
         else:
             assert isinstance(last[2], RollbackDeclined) and last[3] == before  # declined: nothing moved
             assert c.tokens == tokens
             self.engine.cancel(seq.request_id)
+
+    def assert_never_took(self, seq_id: int, tokens: list[int], boundary: int) -> None:
+        assert_never_took(self.engine, seq_id, tokens, boundary)
 
     @invariant()
     def every_machine_and_the_data_plane_agree(self) -> None:
@@ -145,7 +151,7 @@ class RollbackMachine(RuleBasedStateMachine):
             cur = backend.cursors(seq_id)
             n = seq.cursor.computed
             assert (cur.kv_tokens, cur.qsa_ingested, cur.ssm_position, cur.ple_position) == (n, n, n, n)
-            assert backend.store.ring.positions(seq_id) == {slot: pos for pos, slot in seq.ring.snapshots}  # type: ignore[attr-defined]
+            assert ring_positions(backend, seq_id) == {slot: pos for pos, slot in seq.ring.snapshots}
             if not seq.preemptions and not seq.rollbacks:
                 # every boundary reached was snapshotted (a verify never steps over one); the newest R are kept
                 c, interval = seq.cursor, self.config.snapshot_interval

@@ -45,13 +45,17 @@ REFERENCE = reference()
 
 
 class SpeculativeMachine(RuleBasedStateMachine):
+    backend_name = "cpu"  # tests/test_cuda_machines.py runs the same machine on cuda-fp32
+    backend_options: dict = {}
+
     def __init__(self) -> None:
         super().__init__()
         self.patterns: list[int] = [0]
         self.calls = 0
         self.prompt_of: dict[str, int] = {}
-        self.engine = build_engine("atlas-tiny", "cpu", CONFIG, loaded=TINY, sink=RecordingSink(),
-                                         full_audit=True, drafter=ScriptedDrafter(self.script))
+        self.engine = build_engine("atlas-tiny", self.backend_name, CONFIG, loaded=TINY, sink=RecordingSink(),
+                                   full_audit=True, drafter=ScriptedDrafter(self.script),
+                                   backend_options=self.backend_options)
         self.tokens: dict[str, list[int]] = {}
         self.finished: dict[str, FinishReason] = {}
 

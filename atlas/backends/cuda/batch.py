@@ -21,11 +21,15 @@ class GroupShape:
     qsa_select: bool  # some row sees more than the QSA inert bound: compute the sparse selection
     ngram_heads: int  # PLE n-gram ids per token per PLE layer (0 without PLE)
     ple_layers: int
+    # a verify: KV / QSA stamps written pending (-(position + 2), counted only once committed)
+    pending: bool = False
+    # a wide verify: per-slot state after each row goes to the pools' `inter`, the live state is left as it was
+    keep: bool = False
 
     @property
     def columns(self) -> int:
-        # tokens, start, slot, block table, n-gram ids
-        return self.width + 2 + self.key_blocks + self.ple_layers * self.width * self.ngram_heads
+        # tokens, start, slot, sentinel, block table, n-gram ids
+        return self.width + 3 + self.key_blocks + self.ple_layers * self.width * self.ngram_heads
 
 
 @attrs.frozen
@@ -40,6 +44,10 @@ class Group:
     ngram_ids: torch.Tensor | None  # [P, B, T, heads]
     write_slots: torch.Tensor  # [B, T] flat KV slot of each new token
     read_slots: torch.Tensor  # [B, L] flat KV slot of key positions 0..L-1
+    # [B, T] int32: the position stamp written with each new KV / QSA row (pending in a verify); [B] the flat KV
+    # slot of the first position past the group (its stamp is cleared: the stamps' chain from 0 ends there)
+    stamps: torch.Tensor
+    sentinel: torch.Tensor
 
     @classmethod
     def view(cls, packed: torch.Tensor, shape: GroupShape, block_size: int) -> Group:
@@ -47,31 +55,43 @@ class Group:
         tokens = packed[:, :t]
         start = packed[:, t]
         slots = packed[:, t + 1].contiguous()  # kernels index slots as a dense [B] array
-        table = packed[:, t + 2 : t + 2 + kb]
+        sentinel = packed[:, t + 2]
+        table = packed[:, t + 3 : t + 3 + kb]
         ngram = None
         if shape.ple_layers:
-            ngram = packed[:, t + 2 + kb :].reshape(b, shape.ple_layers, t, shape.ngram_heads).transpose(0, 1)
+            ngram = packed[:, t + 3 + kb :].reshape(b, shape.ple_layers, t, shape.ngram_heads).transpose(0, 1)
         positions = start[:, None] + torch.arange(t, device=packed.device)[None, :]
         write = table.gather(1, positions // block_size) * block_size + positions % block_size
         offsets = torch.arange(block_size, device=packed.device)
         read = (table[:, :, None] * block_size + offsets).reshape(b, kb * block_size)
-        return cls(shape, tokens, positions, slots, table, ngram, write, read)
+        stamps = (-(positions + 2) if shape.pending else positions).to(torch.int32)
+        return cls(shape, tokens, positions, slots, table, ngram, write, read, stamps, sentinel)
 
 
 Row = tuple[list[int], int, int, list[int], list[list[int]]]
 
 
-def pack_rows(shape: GroupShape, rows: list[Row], scratch_slots: tuple[int, ...], scratch_block: int) -> torch.Tensor:
+def sentinel_slot(table: list[int] | tuple[int, ...], end: int, block_size: int, scratch_block: int) -> int:
+    """The flat KV slot of position `end` through the whole block table (the scratch block's if the table ends
+    before it): a group clears its stamp, so rows a block held for an earlier owner never extend the chain."""
+    block = table[end // block_size] if end // block_size < len(table) else scratch_block
+    return block * block_size + end % block_size
+
+
+def pack_rows(shape: GroupShape, rows: list[Row], scratch_slots: tuple[int, ...], scratch_block: int,
+              block_size: int) -> torch.Tensor:
     """Host buffer for `rows` of (tokens, start, slot, block table, n-gram ids per PLE layer flattened),
     padded to shape.batch with scratch rows: each its own scratch state slot (kernels require distinct
     slots in one launch), all writing KV into the scratch block."""
     kb = shape.key_blocks
     out = []
+    scratch = scratch_block * block_size
     for tokens, start, slot, table, ngram in rows:
+        sentinel = sentinel_slot(table, start + len(tokens), block_size, scratch_block)
         table = list(table[:kb]) + [scratch_block] * (kb - min(kb, len(table)))
         flat = [i for layer in ngram for i in layer]
-        out.append([*tokens, start, slot, *table, *flat])
+        out.append([*tokens, start, slot, sentinel, *table, *flat])
     for i in range(shape.batch - len(rows)):
-        pad = [0] * shape.width + [0, scratch_slots[i]] + [scratch_block] * kb
+        pad = [0] * shape.width + [0, scratch_slots[i], scratch] + [scratch_block] * kb
         out.append(pad + [0] * (shape.ple_layers * shape.width * shape.ngram_heads))
     return torch.tensor(out, dtype=torch.long)

@@ -105,52 +105,66 @@ def hyper_mix(spec: ModelSpec, w: dict[str, torch.Tensor], pre: str, streams: to
     return mixed, 2 * torch.sigmoid(inject)
 
 
-def causal_conv_pooled(pool: torch.Tensor, slots: torch.Tensor, new: torch.Tensor, weight: torch.Tensor,
+def causal_conv_pooled(pools: DevicePools, grp: Group, name: str, new: torch.Tensor, weight: torch.Tensor,
                        dilation: int = 1) -> torch.Tensor:
-    """Depthwise causal conv of new columns [B, C, T] continuing each slot's state pool[slot] [C, S];
-    updates the pool in place and returns out [B, C, T] (fp32 accumulation, in new's dtype)."""
+    """Depthwise causal conv of new columns [B, C, T] continuing each slot's state pools.state[name][slot]
+    [C, S]; updates the state (and its stamp) in place, or with grp.shape.keep keeps the state after each column
+    for the verify's commit; returns out [B, C, T] (fp32 accumulation, in new's dtype)."""
+    pool = pools.state[name]
     state_len = pool.shape[-1]
     k = weight.shape[-1]
-    cols = torch.cat([pool[slots].to(new.dtype), new], dim=-1)  # [B, C, S + T]
-    pool[slots] = cols[:, :, -state_len:].to(pool.dtype)
+    t = new.shape[-1]
+    cols = torch.cat([pool[grp.slots].to(new.dtype), new], dim=-1)  # [B, C, S + T]
+    per_token = cols.unfold(-1, state_len, 1)[:, :, 1:].permute(2, 0, 1, 3) if grp.shape.keep else None
+    pools.put(name, grp.slots, grp.positions, cols[:, :, -state_len:], per_token, grp.shape.keep)
     base = state_len - (k - 1) * dilation  # first column the first new output reads
     span = (k - 1) * dilation + 1
     windows = cols[:, :, base:].unfold(-1, span, 1)[..., ::dilation]  # [B, C, T, K], a view
     acc = acc_dtype(new.dtype)
+    assert windows.shape[2] == t
     return (windows.to(acc) * weight[None, :, None, 0, :].to(acc)).sum(-1).to(new.dtype)
 
 
 def gdn_recurrence(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                   pool: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+                   pool: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The gated delta rule token by token. q/k [B, T, Hv, dk] normalised, v [B, T, Hv, dv], g/beta
-    [B, T, Hv] (fp32); the state pool (fp32 [slots, Hv, dk, dv]) is read and written at `slots`."""
+    [B, T, Hv] (fp32); the state pool (fp32 [slots, Hv, dk, dv]) is read at `slots` (not written).
+    Returns (out [B, T, Hv, dv], the state after each token [T, B, Hv, dk, dv])."""
     s = pool[slots]
     out = torch.empty(v.shape, dtype=s.dtype, device=v.device)
     decay = g.exp()
+    states = []
     for t in range(q.shape[1]):
         s = s * decay[:, t, :, None, None]
         predicted = torch.einsum("bhk,bhkv->bhv", k[:, t], s)
         delta = (v[:, t] - predicted) * beta[:, t, :, None]
         s = s + k[:, t, :, :, None] * delta[:, :, None, :]
         out[:, t] = torch.einsum("bhk,bhkv->bhv", q[:, t], s)
-    pool[slots] = s
-    return out
+        states.append(s)
+    return out, torch.stack(states)
 
 
-def gdn_layer(spec: ModelSpec, w: dict[str, torch.Tensor], pre: str, x: torch.Tensor, grp: Group,
-              conv_pool: torch.Tensor, state_pool: torch.Tensor, kernel: GdnKernel | None) -> torch.Tensor:
-    """x [B, T, H] -> [B, T, H] through one Gated DeltaNet layer."""
+def gdn_layer(spec: ModelSpec, w: dict[str, torch.Tensor], pre: str, layer: int, x: torch.Tensor, grp: Group,
+              pools: DevicePools, kernel: GdnKernel | None) -> torch.Tensor:
+    """x [B, T, H] -> [B, T, H] through one Gated DeltaNet layer (conv and recurrent state, with their stamps,
+    at the group's slots; a wide verify keeps the state after each row instead)."""
+    state_pool = pools.gdn_state[layer]
     b, t, _ = x.shape
     nk, nv, dk, dv = spec.gdn_k_heads, spec.gdn_v_heads, spec.gdn_k_dim, spec.gdn_v_dim
     qkv, z, beta_raw, a = (x @ w[pre + "fused_in.weight"].T).split([spec.gdn_conv_dim, nv * dv, nv, nv], dim=-1)
     z = z.reshape(b, t, nv, dv)
-    mixed = causal_conv_pooled(conv_pool, grp.slots, qkv.transpose(1, 2), w[pre + "conv1d.weight"])
+    mixed = causal_conv_pooled(pools, grp, f"conv{layer}", qkv.transpose(1, 2), w[pre + "conv1d.weight"])
     mixed = F.silu(mixed).transpose(1, 2)  # [B, T, C]
     q, k, v = mixed.split([nk * dk, nk * dk, nv * dv], dim=-1)
     acc = acc_dtype(x.dtype)
     if kernel is not None:  # the kernel computes the gates from the raw projections (decode: in-kernel)
-        out = kernel(q.reshape(b, t, nk, dk), k.reshape(b, t, nk, dk), v.reshape(b, t, nv, dv), a, beta_raw,
-                     w[pre + "A_log"], w[pre + "dt_bias"], state_pool, grp.slots)
+        out, states = kernel(q.reshape(b, t, nk, dk), k.reshape(b, t, nk, dk), v.reshape(b, t, nv, dv), a,
+                             beta_raw, w[pre + "A_log"], w[pre + "dt_bias"], state_pool, grp.slots, keep=grp.shape.keep)
+        # the kernel wrote the live state itself (unless keep): only its stamp, or the kept rows, here
+        if grp.shape.keep:
+            pools.put(f"gdn{layer}", grp.slots, grp.positions, None, states.transpose(0, 1), True)
+        else:
+            pools.stamp[f"gdn{layer}"][grp.slots] = (grp.positions[:, -1] + 1).to(torch.int32)
     else:
         g = w[pre + "neg_exp_A"] * F.softplus(a.to(acc) + w[pre + "dt_bias"])
         beta = torch.sigmoid(beta_raw).to(acc)
@@ -159,7 +173,8 @@ def gdn_layer(spec: ModelSpec, w: dict[str, torch.Tensor], pre: str, x: torch.Te
         k = k.reshape(b, t, nk, dk).repeat_interleave(nv // nk, dim=2).to(acc)
         q = l2_normalise(q) * dk**-0.5
         k = l2_normalise(k)
-        out = gdn_recurrence(q, k, v.reshape(b, t, nv, dv).to(acc), g, beta, state_pool, grp.slots)
+        out, states = gdn_recurrence(q, k, v.reshape(b, t, nv, dv).to(acc), g, beta, state_pool, grp.slots)
+        pools.put(f"gdn{layer}", grp.slots, grp.positions, states[-1], states, grp.shape.keep)
     o = gated_rms_norm(out.to(x.dtype), z, w[pre + "norm.weight"], spec.rms_norm_eps, spec.gdn_gate_act)
     return o.reshape(b, t, nv * dv) @ w[pre + "out_proj.weight"].T
 
@@ -213,6 +228,10 @@ def attention_layer(spec: ModelSpec, w: dict[str, torch.Tensor], pre: str, layer
     write = grp.write_slots.reshape(-1)
     k_pool.index_copy_(0, write, k)
     v_pool.index_copy_(0, write, v)
+    # the rows' position stamps, written with them; the slot past the group's end loses its stale stamp
+    stamps = torch.cat([grp.stamps.reshape(-1), torch.full_like(grp.sentinel, -1, dtype=torch.int32)])
+    stamp_at = torch.cat([write, grp.sentinel])
+    pools.kv_pos[layer].view(-1).index_copy_(0, stamp_at, stamps)
     keys, values = k_pool[grp.read_slots], v_pool[grp.read_slots]  # [B, L, nkv, hd]
     length = keys.shape[1]
     key_pos = torch.arange(length, device=x.device)
@@ -223,6 +242,7 @@ def attention_layer(spec: ModelSpec, w: dict[str, torch.Tensor], pre: str, layer
         iq, raw = qk.split([heads * d, d], dim=-1)
         raw_pool = pools.index_keys[layer].view(-1, d)
         raw_pool.index_copy_(0, write, raw)
+        pools.index_pos[layer].view(-1).index_copy_(0, stamp_at, stamps)
         if grp.shape.qsa_select:
             iq = rms_norm(iq.reshape(rows, heads, d), w[pre + "indexer.q_layernorm.weight"], spec.rms_norm_eps)
             iq = apply_rope(iq, cos, sin).view(b, t, heads, d)
@@ -287,7 +307,7 @@ def moe_layer(moe: MoeSpec, w: dict[str, torch.Tensor], pre: str, x: torch.Tenso
 
 
 def ple_layer(spec: ModelSpec, w: dict[str, torch.Tensor], pre: str, streams: torch.Tensor, ids: torch.Tensor,
-              grp: Group, conv_pool: torch.Tensor) -> torch.Tensor:
+              grp: Group, pools: DevicePools, layer: int) -> torch.Tensor:
     """streams [B, T, hc*H], n-gram ids [B, T, heads] -> the addition to the streams (PLE, see
     atlas.backends.cpu.ple); the dilated short conv's state lives in conv_pool at the group's slots."""
     assert spec.ple is not None
@@ -302,9 +322,19 @@ def ple_layer(spec: ModelSpec, w: dict[str, torch.Tensor], pre: str, streams: to
     gate = gate.abs().clamp_min(1e-6).sqrt() * gate.sign()  # signed square root
     gated = (torch.sigmoid(gate) * value.unsqueeze(-2)).flatten(-2)  # [B, T, hc*H]
     normed = rms_norm(gated, w[pre + "norm_conv.weight"], eps, group=hidden)
-    conv = causal_conv_pooled(conv_pool, grp.slots, normed.transpose(1, 2), w[pre + "conv1d.weight"],
+    conv = causal_conv_pooled(pools, grp, f"pconv{layer}", normed.transpose(1, 2), w[pre + "conv1d.weight"],
                               dilation=spec.ple.ngram_size)
     return gated + F.silu(conv).transpose(1, 2)
+
+
+def ple_context_update(pools: DevicePools, grp: Group) -> None:
+    """The device's PLE n-gram context (the last context_len ids) continued by the group's tokens, with its
+    stamp; a wide verify keeps the context after each row."""
+    ctx = pools.state["pctx"]
+    length = ctx.shape[1]
+    history = torch.cat([ctx[grp.slots], grp.tokens], dim=1)  # [B, L + T]
+    per_token = history.unfold(1, length, 1)[:, 1:].transpose(0, 1) if grp.shape.keep else None
+    pools.put("pctx", grp.slots, grp.positions, history[:, -length:], per_token, grp.shape.keep)
 
 
 class _GroupOps:
@@ -321,8 +351,7 @@ class _GroupOps:
         spec, w, pre = self.spec, self.w, f"layers.{layer}."
         if spec.layer_types[layer] == FULL_ATTENTION:
             return attention_layer(spec, w, pre + "self_attn.", layer, x, self.grp, self.pools, self.cos, self.sin)
-        return gdn_layer(spec, w, pre + "linear_attn.", x, self.grp, self.pools.gdn_conv[layer],
-                         self.pools.gdn_state[layer], self.gdn_kernel)
+        return gdn_layer(spec, w, pre + "linear_attn.", layer, x, self.grp, self.pools, self.gdn_kernel)
 
     def ffn(self, layer: int, x: torch.Tensor) -> torch.Tensor:
         b, t = self.grp.tokens.shape
@@ -338,7 +367,7 @@ class _GroupOps:
     def ple(self, layer: int, rank: int, streams: torch.Tensor) -> torch.Tensor:
         assert self.grp.ngram_ids is not None
         return ple_layer(self.spec, self.w, f"layers.{layer}.ple.", streams, self.grp.ngram_ids[rank], self.grp,
-                         self.pools.ple_conv[layer])
+                         self.pools, layer)
 
     def hyper_mix(self, pre: str, streams: torch.Tensor, *, combine: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         return hyper_mix(self.spec, self.w, pre, streams, combine=combine)

@@ -20,34 +20,16 @@ from atlas.backends.base import Capabilities, ChunkLike, check_chunk, run_orders
 from atlas.backends.cuda.batch import Group, GroupShape, Row, pack_rows
 from atlas.backends.cuda.faults import FaultGuard, probe_device
 from atlas.backends.cuda.graphs import DecodeGraphs, bucket
-from atlas.backends.cuda.layers import GdnKernel, forward_group, prepare_weights
+from atlas.backends.cuda.layers import GdnKernel, forward_group, ple_context_update, prepare_weights
 from atlas.backends.cuda.pools import DevicePools
+from atlas.backends.cuda.store import CudaStateStore, SeqState
+from atlas.backends.cuda.verify import VerifyRun, run_verifies
 from atlas.config import Capacities
-from atlas.errors import RestoreRefused, VerifyRefused
 from atlas.model.loader import LoadedModel
 from atlas.model.ngram import NgramTables, ngram_ids, ngram_tables
-from atlas.plan import (
-    BackendCursors,
-    CarryOrder,
-    PrefixRestore,
-    PrefixStore,
-    RingRestore,
-    RingSnapshot,
-    SeqOutcome,
-    SeqWork,
-    StepPlan,
-    StepResult,
-)
+from atlas.plan import BackendCursors, PromptLogprob, SeqOutcome, SeqWork, StepPlan, StepResult
 from atlas.sampling.keyed import RowBatch, logprobs, sample
 from atlas.sampling.params import SamplingParams
-
-
-@attrs.define
-class _SeqState:
-    slot: int
-    position: int = 0  # tokens folded into every cursor (KV, QSA keys, GDN, PLE): they move together here
-    ple_context: list[int] = attrs.field(factory=list)
-
 
 # the backend name is what a trace records, so it names the whole mode and a replay rebuilds the same one:
 # "cuda" (bf16, fp32 recurrent state), "-fp32" the parity mode, "-invariant" batch-invariant decode
@@ -71,17 +53,22 @@ def triton_gdn() -> GdnKernel | None:
         return None
 
     def gdn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor, b_raw: torch.Tensor,
-            a_log: torch.Tensor, dt_bias: torch.Tensor, pool: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+            a_log: torch.Tensor, dt_bias: torch.Tensor, pool: torch.Tensor, slots: torch.Tensor, *, keep: bool = False
+            ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(out, per-token states [B, T, ...] when `keep`: a wide verify, whose live state is left as it was)."""
         b, t = q.shape[:2]
+        if keep:  # a verify: every row's state kept for the commit, the slot not written
+            return gdn_recurrent_gated(q, k, v, a, b_raw, a_log, dt_bias, pool, slots, store_states=True,
+                                       commit=False)
         if t == 1:  # g and beta computed in the kernel: no separate elementwise launches per layer
-            return gdn_recurrent_gated(q, k, v, a, b_raw, a_log, dt_bias, pool, slots)[0]
+            return gdn_recurrent_gated(q, k, v, a, b_raw, a_log, dt_bias, pool, slots)[0], None
         g = -a_log.float().exp() * torch.nn.functional.softplus(a.float() + dt_bias.float())
         beta = torch.sigmoid(b_raw).float()
         cu = torch.arange(b + 1, device=q.device, dtype=torch.int32) * t
         out = gdn_chunk_prefill(q.reshape(b * t, *q.shape[2:]), k.reshape(b * t, *k.shape[2:]),
                                 v.reshape(b * t, *v.shape[2:]), g.reshape(b * t, -1), beta.reshape(b * t, -1),
                                 cu, pool, slots)
-        return out.view(b, t, *out.shape[1:])
+        return out.view(b, t, *out.shape[1:]), None
 
     return gdn
 
@@ -101,6 +88,11 @@ class CudaBackend:
         batch_invariant: bool = False,
         max_blocks_per_seq: int | None = None,
         name: str = "cuda",
+        ring_slots: int = 0,
+        verify_width: int = 1,
+        mtp_drafter: bool = False,
+        snapshot_bytes: int = 0,
+        verify_mode: str | None = None,
     ) -> None:
         self.name = name
         self.model = model
@@ -132,29 +124,60 @@ class CudaBackend:
         # ~5 launches a layer). Which wins depends on whether prefill is launch- or FLOP-bound: the benchmark
         # times both.
         self.prefill_moe = "grouped"
+        # a verify of K rows: "rows" feeds them as K one-token groups (a decode's shapes, so a verify that accepts
+        # n is bitwise n + 1 decodes: the fp32 parity mode's contract); "wide" as one [B, K] group keeping each
+        # row's state (one forward: bf16, where a 1-row and a K-row GEMM round differently anyway)
+        self.verify_mode = verify_mode or ("rows" if self.dtype == torch.float32 else "wide")
+        if self.verify_mode not in ("rows", "wide"):
+            raise ValueError(f"verify_mode {self.verify_mode!r}: 'rows' or 'wide'")
         self.pools = DevicePools(spec, num_kv_blocks=num_kv_blocks, block_size=block_size, max_seqs=max_batch_size,
-                                 scratch_slots=bucket(max_batch_size), dtype=self.dtype, device=self.device)
+                                 scratch_slots=bucket(max_batch_size), dtype=self.dtype, device=self.device,
+                                 verify_width=verify_width, ring_slots=ring_slots,
+                                 inter=self.verify_mode == "rows")
+        has_mtp = any(k.startswith("mtp.") for k in model.weights)
+        if mtp_drafter and not has_mtp:
+            raise ValueError(f"mtp_drafter=True but model {model.name!r} has no mtp.* weights (use the n-gram drafter)")
+        self.drafter = None
+        if mtp_drafter:
+            from atlas.backends.cuda.drafter import CudaMtpDrafter
+
+            # capacity: a sequence's keys, and the transient rows of the drafts proposed past them
+            self.drafter = CudaMtpDrafter(spec, model.weights, self.pools, shared=self.weights, dtype=self.dtype,
+                                          device=self.device,
+                                          capacity=self.max_blocks_per_seq * block_size + verify_width + 1,
+                                          exact=self.verify_mode == "rows")
+        self.store = CudaStateStore(spec, self.pools, slot_bytes=snapshot_bytes, drafter=self.drafter)
         use_kernels = self.dtype != torch.float32 if kernels is None else kernels
         self.gdn_kernel = triton_gdn() if use_kernels and self.device.type == "cuda" else None
         if kernels and self.gdn_kernel is None:
             raise ValueError("kernels=True needs a CUDA device and atlas_kernels (the kernels/ package) importable")
         use_graphs = self.device.type == "cuda" if cuda_graphs is None else cuda_graphs
         self.graphs = DecodeGraphs(self._decode_logits, self.device) if use_graphs else None
-        self._seqs: dict[int, _SeqState] = {}
+        # wide verifies ([B, K] groups) replayed from graphs of their own: every row's logits come back
+        self.verify_graphs = DecodeGraphs(self._verify_logits, self.device) if use_graphs else None
+        self._seqs = self.store.seqs
         # the decode group replayed from a graph this step (its shape, its chunk indices): its rows are sampled
         # by the sampler graph on the graph's own logits
         self._replayed: tuple[GroupShape, list[int]] | None = None
+        self._hidden_out: dict[GroupShape, torch.Tensor] = {}
+        self._kept_out: dict[GroupShape, dict] = {}
         self._ple_tables = ([ngram_tables(spec.ple, spec.vocab_size, r) for r in range(len(spec.ple.layers))]
                             if spec.ple is not None else [])
-        self.capabilities = Capabilities(batch_invariant=batch_invariant, fp32_parity=self.dtype == torch.float32)
+        # verify rows get their own QSA selection (qsa_selection masks per row by the row's own position), so a
+        # verify across the inert bound is exact
+        self.capabilities = Capabilities(
+            verify=True, per_row_qsa_verify=True, mtp_drafting=self.drafter is not None, snapshot_ring=ring_slots > 0,
+            prefix_snapshots=True, batch_invariant=batch_invariant, fp32_parity=self.dtype == torch.float32,
+            max_verify_width=verify_width, prompt_logprobs=True)
 
     @classmethod
     def for_capacities(cls, model: LoadedModel, caps: Capacities, *, dtype: torch.dtype | None = None,
                        **kwargs: object) -> CudaBackend:
-        """The backend sized by the engine's capacities."""
+        """The backend sized by the engine's capacities: KV blocks, slots, ring, verify width, the drafter."""
         return cls(model, num_kv_blocks=caps.num_kv_blocks, block_size=caps.block_size, dtype=dtype,
                    max_batch_size=caps.max_batch_size, max_blocks_per_seq=caps.kv_blocks_per_seq,
-                   **kwargs)  # type: ignore[arg-type]
+                   ring_slots=caps.ring_slots, verify_width=caps.verify_width, mtp_drafter=caps.drafter_rows > 0,
+                   snapshot_bytes=caps.ring_slot_bytes, **kwargs)  # type: ignore[arg-type]
 
     @property
     def num_kv_blocks(self) -> int:
@@ -167,45 +190,13 @@ class CudaBackend:
 
     def reset(self, seq_id: int) -> None:
         """Drop a sequence's data-plane state back to empty (its KV blocks are the caller's to reuse)."""
-        state = self._seqs.get(seq_id)
-        if state is None:
-            state = self._seqs[seq_id] = _SeqState(slot=self.pools.allocate())
-        self.pools.clear(state.slot)
-        state.position = 0
-        state.ple_context = [self.spec.ple.eos_token_id] * self.spec.ple.context_len if self.spec.ple else []
+        self.store.reset(seq_id)
 
     def release(self, seq_id: int) -> None:
-        state = self._seqs.pop(seq_id, None)
-        if state is not None:
-            self.pools.free(state.slot)
+        self.store.release(seq_id)
 
     def cursors(self, seq_id: int) -> BackendCursors:
-        s = self._seqs.get(seq_id)
-        p = 0 if s is None else s.position
-        return BackendCursors(kv_tokens=p, qsa_ingested=p, ssm_position=p, ple_position=p)
-
-    # the StateStore contract's orders this backend does not declare (Capabilities): never planned for it
-    def snapshot(self, order: RingSnapshot) -> None:
-        raise RestoreRefused(f"backend {self.name!r} keeps no snapshot ring")
-
-    def restore(self, order: RingRestore) -> BackendCursors:
-        raise RestoreRefused(f"backend {self.name!r} keeps no snapshot ring")
-
-    def commit(self, seq_id: int, rows: int) -> BackendCursors:
-        raise VerifyRefused(f"backend {self.name!r} verifies no drafts")
-
-    def store_prefix(self, order: PrefixStore) -> None:
-        raise RestoreRefused(f"backend {self.name!r} keeps no prefix snapshots")
-
-    def load_prefix(self, order: PrefixRestore) -> None:
-        raise RestoreRefused(f"backend {self.name!r} keeps no prefix snapshots")
-
-    def carry(self, order: CarryOrder) -> None:
-        if order.drop or order.store >= 0:
-            raise RestoreRefused(f"backend {self.name!r} keeps no drafter carry")
-
-    def state_digest(self, seq_id: int, *, drafter: bool = True) -> str:
-        raise NotImplementedError("state digests of the CUDA backend")
+        return self.store.cursors(seq_id)
 
     # -- groups ---------------------------------------------------------------------------------------
 
@@ -216,7 +207,7 @@ class CudaBackend:
                           qsa_select=qsa is not None and end > qsa.inert_bound,
                           ngram_heads=ple.num_heads if ple else 0, ple_layers=len(ple.layers) if ple else 0)
 
-    def _ngram_rows(self, state: _SeqState, tokens: Sequence[int]) -> list[list[int]]:
+    def _ngram_rows(self, state: SeqState, tokens: Sequence[int]) -> list[list[int]]:
         """Per PLE layer, the n-gram ids of `tokens` continuing the sequence's context, flattened."""
         ple = self.spec.ple
         if ple is None:
@@ -234,22 +225,38 @@ class CudaBackend:
     def _advance(self, chunk: ChunkLike) -> None:
         state = self._seqs[chunk.seq_id]
         state.position = chunk.start + len(chunk.tokens)
+        state.table = tuple(chunk.block_table)
         if self.spec.ple is not None:
             state.ple_context = (state.ple_context + list(chunk.tokens))[-self.spec.ple.context_len :]
 
     def _run_group(self, packed: torch.Tensor, shape: GroupShape) -> torch.Tensor:
         grp = Group.view(packed, shape, self.block_size)
         # decode groups take the fixed-shape MoE path (graph-capturable); prefill groups group tokens by expert
-        return forward_group(self.spec, self.weights, self.pools, grp,
-                             eager_moe=shape.width > 1 and self.prefill_moe == "grouped",
-                             gdn_kernel=self.gdn_kernel)
+        hidden = forward_group(self.spec, self.weights, self.pools, grp,
+                               eager_moe=shape.width > 1 and not shape.pending and self.prefill_moe == "grouped",
+                               gdn_kernel=self.gdn_kernel)
+        if self.pools.ple_context_len:  # the device's n-gram context (and its stamp), in the same graph
+            ple_context_update(self.pools, grp)
+        return hidden
 
     def _decode_logits(self, packed: torch.Tensor, shape: GroupShape) -> torch.Tensor:
         hidden = self._run_group(packed, shape)
-        return hidden[:, -1] @ self.weights["lm_head.weight"].T
+        last = hidden[:, -1]
+        # the last row's hidden, kept for the drafter (under a graph: the captured run's static tensor)
+        self._hidden_out[shape] = last
+        return last @ self.weights["lm_head.weight"].T
+
+    def _verify_logits(self, packed: torch.Tensor, shape: GroupShape) -> torch.Tensor:
+        """A wide verify group: every row's logits [B, K, vocab] (its hidden kept for the drafter's commit)."""
+        hidden = self._run_group(packed, shape)
+        self._hidden_out[shape] = hidden
+        # the per-token state tensors the commit selects from: under a graph, the captured run's static tensors
+        # (a replay runs no Python, so verify.py puts these back into pools.kept after each replay)
+        self._kept_out[shape] = dict(self.pools.kept)
+        return hidden @ self.weights["lm_head.weight"].T
 
     def _padding(self, shape: GroupShape) -> torch.Tensor:
-        return pack_rows(shape, [], self.pools.scratch_slots, self.pools.scratch_block)
+        return pack_rows(shape, [], self.pools.scratch_slots, self.pools.scratch_block, self.block_size)
 
     # -- compute ------------------------------------------------------------------------------------
 
@@ -285,10 +292,17 @@ class CudaBackend:
         groups = [[i] for i, c in enumerate(chunks) if len(c.tokens) > 1]
         return ([decodes] if decodes else []) + groups
 
-    def _last_logits(self, chunks: Sequence[ChunkLike]) -> dict[int, torch.Tensor]:
-        """Feed the chunks; the logits of each one's last fed position, by chunk index ([vocab] each)."""
+    def _last_logits(self, chunks: Sequence[ChunkLike], full: set[int] | None = None) -> dict[int, torch.Tensor]:
+        """Feed the chunks; the logits of each one's last fed position, by chunk index ([vocab] each). For the
+        chunks in `full` (prompt logprobs), every fed position's logits go to self.full_logits [n, vocab]. Each
+        chunk's final hidden states (every position of a prefill chunk, the last of a decode) go to
+        self.fed_hidden, for the drafter."""
         out: dict[int, torch.Tensor] = {}
         self._replayed = None
+        self.full_logits: dict[int, torch.Tensor] = {}
+        self.fed_hidden: dict[int, torch.Tensor] = {}
+        full = full or set()
+        head = self.weights["lm_head.weight"]
         for idx in self._groups(chunks):
             members = [chunks[i] for i in idx]
             width = len(members[0].tokens)
@@ -298,17 +312,25 @@ class CudaBackend:
             elif width == 1 and self.graphs is not None:
                 shape = attrs.evolve(shape, batch=bucket(len(members)), key_blocks=bucket(shape.key_blocks, 4))
             rows = [self._row(c) for c in members]
-            packed = pack_rows(shape, rows, self.pools.scratch_slots, self.pools.scratch_block)
+            packed = pack_rows(shape, rows, self.pools.scratch_slots, self.pools.scratch_block, self.block_size)
             if width == 1 and self.graphs is not None:
                 host = packed.pin_memory() if self.device.type == "cuda" else packed
                 logits, _ = self.graphs.replay(shape, host, self._padding(shape))
                 self._replayed = (shape, idx)
-            else:
+                hidden = self._hidden_out[shape][:, None]
+            elif width == 1:
                 logits = self._decode_logits(packed.to(self.device), shape)
+                hidden = self._hidden_out[shape][:, None]
+            else:
+                hidden = self._run_group(packed.to(self.device), shape)
+                logits = hidden[:, -1] @ head.T
             for c in members:
                 self._advance(c)
             for j, i in enumerate(idx):
                 out[i] = logits[j]
+                self.fed_hidden[i] = hidden[j]
+                if i in full:
+                    self.full_logits[i] = logits[j][None] if width == 1 else hidden[j] @ head.T
         return out
 
     def forward_hidden(self, chunks: Sequence[ChunkLike]) -> list[torch.Tensor]:
@@ -318,7 +340,8 @@ class CudaBackend:
             out = []
             for chunk in chunks:
                 shape = self._shape(1, len(chunk.tokens), chunk.start + len(chunk.tokens))
-                packed = pack_rows(shape, [self._row(chunk)], self.pools.scratch_slots, self.pools.scratch_block)
+                packed = pack_rows(shape, [self._row(chunk)], self.pools.scratch_slots, self.pools.scratch_block,
+                                   self.block_size)
                 out.append(self._run_group(packed.to(self.device), shape)[0])
                 self._advance(chunk)
             return out
@@ -332,19 +355,123 @@ class CudaBackend:
 
     def execute(self, plan: StepPlan) -> StepResult:
         with self._faults():
-            run_orders(self, plan)
-            work = plan.work
-            self._prepare(work)
-            logits = self._last_logits(work)
-            return StepResult(step=plan.step, outcomes=self._sample(work, logits))
+            store = self.store
+            done = run_orders(store, plan)
+            ends = {w.seq_id: w.end for w in plan.work}
+            for snap in plan.snapshots:  # refuse a bad order before any sequence moves
+                store.check_snapshot(snap)
+                if ends.get(snap.seq_id) != snap.position:
+                    raise ValueError(f"sequence {snap.seq_id}: snapshot at {snap.position} is not where its work ends "
+                                     f"({ends.get(snap.seq_id)})")
+            work = [w for w in plan.work if w.seq_id not in done.refused]
+            plain = [w for w in work if not w.drafts]
+            verifies = [w for w in work if w.drafts]
+            for w in verifies:
+                self._check_verify(w)
+            self._prepare(plain)
+            scored = {i for i, w in enumerate(plain) if w.prompt_logprobs is not None}
+            logits = self._last_logits(plain, scored)
+            picked = self._sample(plain, logits)
+            results: dict[int, dict] = {}
+            for i, w in enumerate(plain):
+                token, logprob, top = picked.get(i, (None, None, ()))
+                results[w.seq_id] = dict(token=token, logprob=logprob, top_logprobs=top,
+                                         prompt_logprobs=self._prompt_logprobs(w, self.full_logits[i])
+                                         if i in scored else ())
+            hidden = {w.seq_id: self.fed_hidden[i] for i, w in enumerate(plain)}
+            if self.drafter is not None:
+                self.drafter.feed([(w.seq_id, w.start, w.tokens, w.drafter_first_key) for w in plain], hidden)
+            for seq_id, run in run_verifies(self, verifies).items():
+                results[seq_id] = self._verified(run)
+            for snap in plan.snapshots:
+                store.snapshot(snap)
+            if self.drafter is not None:
+                asks = [(w, results[w.seq_id]["token"]) for w in work
+                        if w.propose and results[w.seq_id].get("token") is not None
+                        and results[w.seq_id].get("refused") is None]
+                for seq_id, drafts in self.drafter.propose(asks).items():
+                    results[seq_id]["drafts"] = drafts
+            in_work = set(ends)
+            cursors = store.read_cursors([w.seq_id for w in plan.work]
+                                         + [s for s in done.restored if s not in in_work])
+            outcomes = []
+            for w in plan.work:
+                if w.seq_id in done.refused:
+                    outcomes.append(SeqOutcome(w.seq_id, cursors[w.seq_id], accepted=-1,
+                                               refused=done.refused[w.seq_id]))
+                else:
+                    outcomes.append(SeqOutcome(w.seq_id, cursors[w.seq_id], **results[w.seq_id]))
+            return StepResult(plan.step, tuple(outcomes),
+                              touched=tuple((s, cursors[s]) for s in done.restored if s not in in_work),
+                              refused=tuple((s, why) for s, why in done.refused.items() if s not in in_work))
 
-    def _sample(self, work: Sequence[SeqWork], logits: dict[int, torch.Tensor]) -> tuple[SeqOutcome, ...]:
+    def _verified(self, run: VerifyRun) -> dict:
+        if run.refused is not None:
+            return dict(verdicts=run.verdicts, accepted=-1, refused=run.refused)
+        n = run.accepted
+        v = run.verdicts[n]
+        return dict(token=v.token, logprob=v.logprob, top_logprobs=v.top_logprobs, verdicts=run.verdicts, accepted=n)
+
+    def _check_verify(self, work: SeqWork) -> None:
+        k = len(work.tokens) + len(work.drafts)
+        if len(work.tokens) != 1 or not work.sample:
+            raise ValueError(f"sequence {work.seq_id}: a verify feeds exactly the last sampled token and its drafts")
+        if k > self.pools.verify_width:
+            raise ValueError(f"sequence {work.seq_id}: verify of width {k} exceeds the {self.pools.verify_width} "
+                             "per-token intermediates this backend holds (Capacities.verify_width)")
+        held = self.store.held(work.seq_id)
+        if work.seq_id not in self._seqs or held != work.start:
+            raise ValueError(f"sequence {work.seq_id}: verify at {work.start} but the backend holds {held} tokens")
+        self._check_chunk(attrs.evolve(work, tokens=work.tokens + work.drafts, drafts=()))
+
+    def verify(self, w: SeqWork) -> tuple:
+        """Feed one verify's K rows and judge them; the per-row states wait in the pools for `store.commit`."""
+        with self._faults():
+            self._check_verify(w)
+            run = run_verifies(self, [w], commit=False)[w.seq_id]
+            return run.verdicts
+
+    def _prompt_logprobs(self, w: SeqWork, rows: torch.Tensor) -> tuple[PromptLogprob, ...]:
+        """Each fed prompt token's logprob under the logits of the position before it (this chunk's rows, or the
+        previous chunk's last row): one batched call and one copy (atlas.backends.cpu's reference semantics)."""
+        tails = self.store.prompt_tail
+        before: list[torch.Tensor] = []
+        for i in range(len(w.tokens)):
+            position = w.start + i
+            if position == 0:
+                continue
+            row = rows[i - 1] if i else tails.pop(w.seq_id, None)
+            if row is None:
+                raise ValueError(f"sequence {w.seq_id}: prompt logprobs at {position} need the logits of position "
+                                 f"{position - 1}, which no chunk of this request computed")
+            before.append(row)
+        if not w.sample:  # the prompt goes on: its next token is scored by this chunk's last row
+            tails[w.seq_id] = rows[-1]
+        top = w.prompt_logprobs or 0
+        scored: list[list[float]] = []
+        if before:
+            tokens = torch.tensor([t for i, t in enumerate(w.tokens) if w.start + i], device=self.device)
+            lp, values, ids = logprobs(torch.stack(before), tokens, top)
+            scored = torch.cat([lp[:, None], values, ids.to(torch.float64)], dim=1).tolist()  # one copy
+        out: list[PromptLogprob] = []
+        rows_left = iter(scored)
+        for i in range(len(w.tokens)):
+            if w.start + i == 0:
+                out.append((0, None, ()))
+                continue
+            row = next(rows_left)
+            out.append((w.start + i, row[0], tuple((int(t), v) for t, v in zip(row[1 + top :], row[1 : 1 + top],
+                                                                              strict=True))))
+        return tuple(out)
+
+    def _sample(self, work: Sequence[SeqWork], logits: dict[int, torch.Tensor]
+                ) -> dict[int, tuple[int, float | None, tuple[tuple[int, float], ...]]]:
         """The keyed sampler (atlas.sampling.keyed) on the device for every sampled row: decode rows replayed
         from a graph through the sampler graph, the rest (prefill ends, banned tokens, eager mode) in one
         batched call; one device->host copy of the tokens, and one of the logprobs when a row asks."""
         sampled = [i for i, w in enumerate(work) if w.sample]
         if not sampled:
-            return tuple(SeqOutcome(seq_id=w.seq_id, cursors=self.cursors(w.seq_id)) for w in work)
+            return {}
         pin = self.device.type == "cuda"
         parts: list[torch.Tensor] = []
         order: list[int] = []
@@ -384,12 +511,7 @@ class CudaBackend:
                 n = work[i].sampling.top_logprobs
                 lps[i] = host[r][0], tuple((int(t), v) for t, v in zip(host[r][1 + top : 1 + top + n],
                                                                        host[r][1 : 1 + n], strict=True))
-        outcomes = []
-        for i, w in enumerate(work):
-            logprob, top_lp = lps.get(i, (None, ()))
-            outcomes.append(SeqOutcome(seq_id=w.seq_id, cursors=self.cursors(w.seq_id), token=chosen.get(i),
-                                       logprob=logprob, top_logprobs=top_lp))
-        return tuple(outcomes)
+        return {i: (chosen[i], *lps.get(i, (None, ()))) for i in sampled}
 
     def _faults(self) -> FaultGuard:
         """Around a step's device work: after any error, a probe decides whether the context is dead (fatal)."""

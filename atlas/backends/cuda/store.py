@@ -1,0 +1,394 @@
+"""`CudaStateStore`: the StateStore contract (atlas.backends.base) over the CUDA backend's device pools.
+
+Per sequence the device holds: KV rows and QSA raw index keys, paged through its block table, each row with its
+position stamp; the per-slot state (GDN conv + recurrent, PLE short conv and n-gram context) with a stamp per
+state; the MTP drafter's rows (atlas.backends.cuda.drafter). The host keeps only bookkeeping: the slot, how many
+tokens were fed (what the next chunk must start at), a mirror of the n-gram context (the host computes the n-gram
+ids from it; state_digest checks it against the device's copy), which ring slot holds which position, and a
+pending verify's shape. Every cursor the store reports is read from the stamps (`read_cursors`): one gather on the
+device and one device->host copy for all the sequences asked about.
+
+A ring snapshot copies the per-slot state and its stamps into the slot's ring row; KV, QSA keys and drafter rows
+are positional, so a restore copies the state back and clears the stamp of the first position past the boundary
+(every row past it stops counting). A prefix snapshot is a device copy of the per-slot state, the partial block's
+KV rows, QSA keys and stamps, and the target's last hidden (the drafter's next pair key needs it).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import attrs
+import torch
+
+from atlas.backends.cuda.batch import sentinel_slot
+from atlas.backends.cuda.pools import DevicePools
+from atlas.errors import RestoreRefused, VerifyRefused
+from atlas.model.spec import ModelSpec
+from atlas.plan import BackendCursors, CarryOrder, PrefixRestore, RingRestore, RingSnapshot
+from atlas.plan import PrefixStore as PrefixStoreOrder
+
+
+@attrs.define
+class SeqState:
+    slot: int
+    position: int = 0  # tokens fed and committed: where the next chunk starts (the stamps are the measurement)
+    ple_context: list[int] = attrs.field(factory=list)  # host mirror of the device's n-gram context
+    table: tuple[int, ...] = ()  # the last block table it was fed through
+    ring: dict[int, tuple[int, list[int]]] = attrs.field(factory=dict)  # ring slot -> (position, context)
+    pending: tuple[int, tuple[int, ...]] | None = None  # a verify awaiting its commit: (start, tokens)
+
+
+@attrs.frozen
+class PrefixEntry:
+    position: int
+    state: dict[str, torch.Tensor]
+    stamps: torch.Tensor
+    ple_context: list[int]
+    tail: dict[str, torch.Tensor]  # the partial block's rows: k{layer}, v{layer}, i{layer} (QSA keys)
+    last_hidden: torch.Tensor | None  # the target's final hidden at position - 1 (for the drafter)
+
+
+@attrs.define
+class StampReads:
+    """The cost of reading cursors from the stamps: calls, sequences, seconds (the benchmark prints them)."""
+
+    calls: int = 0
+    seqs: int = 0
+    seconds: float = 0.0
+
+
+class CudaStateStore:
+    def __init__(self, spec: ModelSpec, pools: DevicePools, *, slot_bytes: int = 0, drafter: Any = None) -> None:
+        """`slot_bytes`: Capacities.ring_slot_bytes, what one ring or prefix snapshot must hold (0: unchecked)."""
+        self.spec, self.pools = spec, pools
+        self.block_size = pools.block_size
+        self.verify_width = pools.verify_width
+        self.drafter = drafter
+        held = pools.slot_bytes()
+        if slot_bytes and held != slot_bytes:  # the derived size and what is stored must agree
+            raise ValueError(f"a CUDA ring slot holds {held} bytes; ring_slot_bytes is {slot_bytes} "
+                             "(derive_capacities and the backend's pools disagree)")
+        self.seqs: dict[int, SeqState] = {}
+        self.prefix: dict[int, PrefixEntry] = {}
+        self.reads = StampReads()
+        self.prompt_tail: dict[int, torch.Tensor] = {}  # prompt logprobs: the logits the next chunk's first token needs
+        self.pending_hidden: dict[int, torch.Tensor] = {}  # a pending verify's target hidden per row [K, H]
+
+    # -- lifecycle ------------------------------------------------------------------------------------
+
+    def held(self, seq_id: int) -> int:
+        s = self.seqs.get(seq_id)
+        return 0 if s is None else s.position
+
+    def reset(self, seq_id: int) -> None:
+        s = self.seqs.get(seq_id)
+        if s is None:
+            s = self.seqs[seq_id] = SeqState(slot=self.pools.allocate())
+        self.pools.clear(s.slot)
+        # no block table: no KV row counts (its old blocks are the engine's again; the next chunk's writes clear
+        # the stamp past their end)
+        s.position, s.pending, s.ring, s.table = 0, None, {}, ()
+        self.pending_hidden.pop(seq_id, None)
+        s.ple_context = [self.pools.ple_eos] * self.pools.ple_context_len
+        self.prompt_tail.pop(seq_id, None)
+        if self.drafter is not None:
+            self.drafter.reset(seq_id, s.slot)
+
+    def release(self, seq_id: int) -> None:
+        s = self.seqs.pop(seq_id, None)
+        self.prompt_tail.pop(seq_id, None)
+        self.pending_hidden.pop(seq_id, None)
+        if s is not None:
+            if self.drafter is not None:
+                self.drafter.release(seq_id)
+            self.pools.free(s.slot)
+
+    def _clear_stamp(self, table: Sequence[int], position: int) -> None:
+        flat = sentinel_slot(list(table), position, self.block_size, self.pools.scratch_block)
+        self.pools.stamp_rows(torch.tensor([flat], device=self.pools.device),
+                              torch.tensor([-1], dtype=torch.int32, device=self.pools.device))
+
+    # -- cursors, read from the stamps ----------------------------------------------------------------
+
+    def cursors(self, seq_id: int) -> BackendCursors:
+        return self.read_cursors([seq_id])[seq_id]
+
+    def read_cursors(self, seq_ids: Sequence[int]) -> dict[int, BackendCursors]:
+        """Every stamp of every sequence in `seq_ids`: one gather on the device, one copy to the host."""
+        live = [s for s in dict.fromkeys(seq_ids) if s in self.seqs]
+        out = {s: BackendCursors(kv_tokens=0, qsa_ingested=0, ssm_position=0, ple_position=0)
+               for s in seq_ids if s not in self.seqs}
+        if not live:
+            return out
+        t0 = time.perf_counter()
+        pools, bs, dev = self.pools, self.block_size, self.pools.device
+        states = [self.seqs[s] for s in live]
+        width = max(1, max(len(s.table) for s in states))
+        tables = torch.tensor([list(s.table) + [pools.scratch_block] * (width - len(s.table)) for s in states],
+                              dtype=torch.long)
+        lengths = torch.tensor([len(s.table) * bs for s in states], dtype=torch.long)
+        tables, lengths = tables.to(dev, non_blocking=True), lengths.to(dev, non_blocking=True)
+        span = width * bs
+        parts: list[torch.Tensor] = []
+        if pools.paged_kinds:
+            flat = (tables[:, :, None] * bs + torch.arange(bs, device=dev)).reshape(len(live), span)
+            pos = pools.paged_pos.view(len(pools.paged_kinds), -1)[:, flat]  # [A, S, span]
+            want = torch.arange(span, device=dev, dtype=torch.int32)
+            match = (pos == want) & (want[None, :].to(torch.long) < lengths[:, None])[None]
+            match = torch.cat([match, torch.zeros_like(match[..., :1])], dim=-1)
+            parts.append((~match).to(torch.int8).argmax(dim=-1).to(torch.int32).flatten())  # leading run
+        slots = torch.tensor([s.slot for s in states], device=dev)
+        parts.append(pools.stamps[:, slots].flatten())
+        if self.drafter is not None:
+            parts.append(self.drafter.stamps(live))
+        host = torch.cat(parts).tolist()  # the one device->host copy
+        self.reads.calls += 1
+        self.reads.seqs += len(live)
+        self.reads.seconds += time.perf_counter() - t0
+        n_paged, n_state = len(pools.paged_kinds), len(pools.names)
+        paged = host[: n_paged * len(live)]
+        slot_stamps = host[n_paged * len(live) : (n_paged + n_state) * len(live)]
+        drafter = host[(n_paged + n_state) * len(live) :]
+        for i, seq_id in enumerate(live):
+            stamps = [(kind, layer, paged[a * len(live) + i]) for a, (kind, layer) in enumerate(pools.paged_kinds)]
+            stamps += [(*pools.kinds[n], slot_stamps[j * len(live) + i]) for j, n in enumerate(pools.names)]
+            if drafter:
+                stamps.append(("drafter", -1, drafter[i]))
+            out[seq_id] = _summary(tuple(stamps))
+        return out
+
+    # -- the snapshot ring ----------------------------------------------------------------------------
+
+    def _check_ring(self, seq_id: int, slot: int) -> None:
+        if not 0 <= slot < self.pools.ring_slots:
+            raise ValueError(f"sequence {seq_id}: ring slot {slot} outside [0, {self.pools.ring_slots}) (ring_slots)")
+
+    def check_snapshot(self, order: RingSnapshot) -> None:
+        self._check_ring(order.seq_id, order.slot)
+
+    def snapshot(self, order: RingSnapshot) -> None:
+        self._check_ring(order.seq_id, order.slot)
+        s = self.seqs.get(order.seq_id)
+        if s is None or s.position != order.position or s.pending is not None:
+            raise RestoreRefused(f"sequence {order.seq_id}: a ring snapshot at {order.position} needs the sequence "
+                                 f"there, committed (holds {None if s is None else s.position})")
+        self.pools.ring_store(s.slot, order.slot)
+        s.ring[order.slot] = (order.position, list(s.ple_context))
+        if self.drafter is not None:
+            self.drafter.snapshot(order.seq_id, order.slot, order.position)
+
+    def restore(self, order: RingRestore) -> BackendCursors:
+        seq_id, position = order.seq_id, order.position
+        s = self.seqs.get(seq_id)
+        if s is None:
+            raise RestoreRefused(f"sequence {seq_id} is not held by this backend")
+        held = s.ring.get(order.slot)
+        if held is None:
+            raise RestoreRefused(f"sequence {seq_id}: ring slot {order.slot} holds no snapshot")
+        if held[0] != position:
+            raise RestoreRefused(f"sequence {seq_id}: ring slot {order.slot} holds position {held[0]}, not {position}")
+        if position > s.position:
+            raise RestoreRefused(f"sequence {seq_id}: snapshot at {position} is past the {s.position} tokens held")
+        self.pools.ring_load(s.slot, order.slot)
+        self._clear_stamp(s.table, position)  # KV / QSA rows past the boundary stop counting
+        s.position, s.pending, s.ple_context = position, None, list(held[1])
+        self.pending_hidden.pop(seq_id, None)
+        s.ring = {slot: v for slot, v in s.ring.items() if v[0] <= position}
+        self.prompt_tail.pop(seq_id, None)
+        if self.drafter is not None:
+            self.drafter.rewind(seq_id, position, order.slot)
+        return self.cursors(seq_id)
+
+    # -- verify ---------------------------------------------------------------------------------------
+
+    def check_commit(self, seq_id: int, rows: int) -> SeqState:
+        s = self.seqs.get(seq_id)
+        if s is None or s.pending is None:
+            raise VerifyRefused(f"sequence {seq_id} has no pending verify to commit")
+        start, tokens = s.pending
+        k = len(tokens)
+        if not 1 <= rows <= k:
+            raise VerifyRefused(f"commit of {rows} rows of a verify of width {k}: at least the first position and at "
+                                "most K are committed")
+        if rows > self.verify_width:
+            raise VerifyRefused(f"commit of {rows} rows needs {rows} per-token intermediates; the pool holds "
+                                f"{self.verify_width} (verify_width). No state was changed")
+        if s.position != start:
+            raise VerifyRefused(f"the sequence moved to {s.position} since its verify at {start}")
+        return s
+
+    def commit(self, seq_id: int, rows: int) -> BackendCursors:
+        """Keep the first `rows` rows of the pending verify, validated first."""
+        self.commit_many([(seq_id, rows)])
+        return self.cursors(seq_id)
+
+    def commit_many(self, commits: Sequence[tuple[int, int]]) -> None:
+        """Commit several verifies at once: each slot's state selected from its kept row on the device, the kept
+        rows' KV / QSA stamps turned from pending to their positions (the rest stay pending: not counted)."""
+        states = [self.check_commit(seq_id, rows) for seq_id, rows in commits]  # refuse before anything moves
+        if not commits:
+            return
+        dev = self.pools.device
+        slots = torch.tensor([s.slot for s in states], device=dev)
+        self.pools.inter_load(slots, torch.tensor([rows for _, rows in commits], device=dev))
+        flat: list[int] = []
+        values: list[int] = []
+        fed: list[tuple[int, int, tuple[int, ...], int]] = []
+        kept: dict[int, torch.Tensor] = {}
+        bs = self.block_size
+        for s, (seq_id, rows) in zip(states, commits, strict=True):
+            start, tokens = s.pending  # type: ignore[misc]
+            for p in range(start, start + rows):
+                flat.append(s.table[p // bs] * bs + p % bs)
+                values.append(p)
+            s.position = start + rows
+            s.pending = None
+            hidden = self.pending_hidden.pop(seq_id, None)
+            if self.drafter is not None and hidden is not None:  # the drafter's keys rebuilt from the target's hidden
+                fed.append((seq_id, start, tuple(tokens[:rows]), 0))
+                kept[seq_id] = hidden[:rows]
+            if self.pools.ple_context_len:
+                s.ple_context = (s.ple_context + list(tokens[:rows]))[-self.pools.ple_context_len :]
+        self.pools.stamp_rows(torch.tensor(flat, device=dev), torch.tensor(values, dtype=torch.int32, device=dev))
+        self.pools.kept.clear()
+        if fed:
+            self.drafter.feed(fed, kept)  # type: ignore[union-attr]
+
+    def drop_pending(self, seq_id: int) -> None:
+        s = self.seqs.get(seq_id)
+        self.pending_hidden.pop(seq_id, None)
+        if s is not None:
+            s.pending = None
+
+    # -- prefix caching -------------------------------------------------------------------------------
+
+    def _tail_slots(self, table: Sequence[int], position: int) -> torch.Tensor:
+        bs = self.block_size
+        lo = position - position % bs
+        return torch.tensor([table[p // bs] * bs + p % bs for p in range(lo, position)], dtype=torch.long,
+                            device=self.pools.device)
+
+    def store_prefix(self, order: PrefixStoreOrder) -> None:
+        seq_id, position = order.seq_id, order.position
+        s = self.seqs.get(seq_id)
+        if s is None or s.position != position or s.pending is not None:
+            raise RestoreRefused(f"sequence {seq_id}: a prefix snapshot at {position} needs the sequence at exactly "
+                                 f"that position, committed (holds {None if s is None else s.position})")
+        if order.evicted >= 0 and order.evicted not in self.prefix:
+            raise RestoreRefused(f"prefix snapshot {order.evicted:016x} to evict is not held")
+        pools = self.pools
+        tail: dict[str, torch.Tensor] = {}
+        if position % self.block_size:
+            slots = self._tail_slots(s.table, position)
+            for layer in pools.keys:
+                tail[f"k{layer}"] = pools.keys[layer].view(-1, *pools.keys[layer].shape[2:])[slots].clone()
+                tail[f"v{layer}"] = pools.values[layer].view(-1, *pools.values[layer].shape[2:])[slots].clone()
+            for layer in pools.index_keys:
+                tail[f"i{layer}"] = pools.index_keys[layer].view(-1, pools.index_keys[layer].shape[-1])[slots].clone()
+        state, stamps = pools.copy_slot(s.slot)
+        hidden = self.drafter.last_hidden(seq_id) if self.drafter is not None else None
+        if order.evicted >= 0:
+            del self.prefix[order.evicted]
+        self.prefix[order.key] = PrefixEntry(position, state, stamps, list(s.ple_context), tail, hidden)
+
+    def load_prefix(self, order: PrefixRestore) -> None:
+        """Start the sequence at `position` from prefix snapshot `key`: the shared full blocks of the table hold
+        the KV and QSA keys (with stamps) already; the snapshot's tail rows go into the block `position` ends in."""
+        seq_id, position, table = order.seq_id, order.position, tuple(order.block_table)
+        entry = self.prefix.get(order.key)
+        if entry is None:
+            raise RestoreRefused(f"prefix snapshot {order.key:016x} is not held")
+        if entry.position != position:
+            raise RestoreRefused(f"prefix snapshot {order.key:016x} holds position {entry.position}, not {position}")
+        if len(table) * self.block_size < position:
+            raise RestoreRefused(f"sequence {seq_id}: block table of {len(table)} blocks cannot hold {position} tokens")
+        if order.adopt and (self.drafter is None or not self.drafter.has_carry()):
+            raise RestoreRefused(f"sequence {seq_id}: adoption of a drafter carry this backend does not hold")
+        if seq_id not in self.seqs:
+            self.seqs[seq_id] = SeqState(slot=self.pools.allocate())
+        s = self.seqs[seq_id]
+        pools = self.pools
+        pools.load_slot(s.slot, entry.state, entry.stamps)
+        if entry.tail:
+            slots = self._tail_slots(table, position)
+            for layer in pools.keys:
+                pools.keys[layer].view(-1, *pools.keys[layer].shape[2:]).index_copy_(0, slots, entry.tail[f"k{layer}"])
+                pools.values[layer].view(-1, *pools.values[layer].shape[2:]).index_copy_(0, slots,
+                                                                                          entry.tail[f"v{layer}"])
+            for layer in pools.index_keys:
+                pools.index_keys[layer].view(-1, pools.index_keys[layer].shape[-1]).index_copy_(
+                    0, slots, entry.tail[f"i{layer}"])
+            lo = position - position % self.block_size
+            pools.stamp_rows(slots, torch.arange(lo, position, dtype=torch.int32, device=pools.device))
+        self._clear_stamp(table, position)
+        s.position, s.table, s.pending, s.ring = position, table, None, {}
+        s.ple_context = list(entry.ple_context)
+        self.prompt_tail.pop(seq_id, None)
+        if self.drafter is not None:
+            self.drafter.resume(seq_id, s.slot, order, entry.last_hidden)
+
+    def carry(self, order: CarryOrder) -> None:
+        if self.drafter is None:  # nothing to carry without a drafter (the carry is the drafter's rows)
+            return
+        if order.drop:
+            self.drafter.drop_carry()
+        if order.store >= 0:
+            self.drafter.store_carry(order.store)
+
+    # -- audit ----------------------------------------------------------------------------------------
+
+    def state_digest(self, seq_id: int, *, drafter: bool = True) -> str:
+        """BLAKE2b over every state byte the sequence holds up to its position: KV rows and QSA keys of positions
+        0 .. position - 1 through its block table, every per-slot state (GDN conv + recurrent, PLE short conv and
+        n-gram context), and the drafter's rows unless `drafter` is False."""
+        s = self.seqs.get(seq_id)
+        if s is None:
+            return "absent"
+        pools = self.pools
+        cur = self.cursors(seq_id)
+        h = hashlib.blake2b(digest_size=16, person=b"atlas.state")
+        h.update(f"{cur.kv_tokens}:{cur.qsa_ingested}:{cur.ssm_position}:{cur.ple_position}".encode())
+        if s.position:
+            bs = self.block_size
+            slots = torch.tensor([s.table[p // bs] * bs + p % bs for p in range(s.position)], device=pools.device)
+            for layer in sorted(pools.keys):
+                _feed(h, f"k{layer}", pools.keys[layer].view(-1, *pools.keys[layer].shape[2:])[slots])
+                _feed(h, f"v{layer}", pools.values[layer].view(-1, *pools.values[layer].shape[2:])[slots])
+            for layer in sorted(pools.index_keys):
+                _feed(h, f"q{layer}", pools.index_keys[layer].view(-1, pools.index_keys[layer].shape[-1])[slots])
+        for name in pools.names:
+            _feed(h, name, pools.state[name][s.slot])
+        if pools.ple_context_len:
+            device_ctx = pools.state["pctx"][s.slot].tolist()
+            if device_ctx != s.ple_context:  # the host computes n-gram ids from its mirror: they must agree
+                raise RuntimeError(f"sequence {seq_id}: the host's n-gram context {s.ple_context} is not the "
+                                   f"device's {device_ctx}")
+        if drafter and self.drafter is not None:
+            self.drafter.digest(h, seq_id)
+        return h.hexdigest()
+
+
+def _feed(h: Any, name: str, t: torch.Tensor) -> None:
+    h.update(name.encode())
+    t = t.detach().contiguous().cpu()
+    h.update(str(tuple(t.shape)).encode())
+    h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+
+
+def _summary(stamps: tuple[tuple[str, int, int], ...]) -> BackendCursors:
+    """The summary cursors: the minimum over each kind's stamps (QSA keys, SSM and PLE fall back to the KV count
+    for a model without those layers)."""
+    def least(*kinds: str) -> int | None:
+        got = [p for k, _, p in stamps if k in kinds]
+        return min(got) if got else None
+
+    kv = least("kv")
+    kv = 0 if kv is None else kv
+    qsa, ssm, ple, drafter = least("qsa"), least("conv", "gdn"), least("ple", "ple_conv"), least("drafter")
+    return BackendCursors(kv_tokens=kv, qsa_ingested=kv if qsa is None else qsa,
+                          ssm_position=kv if ssm is None else ssm, ple_position=kv if ple is None else ple,
+                          drafter_rows=0 if drafter is None else drafter, stamps=stamps)

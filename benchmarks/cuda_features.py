@@ -1,0 +1,253 @@
+"""Issue 14's figures: every feature on the CUDA backend, timed through the engine.
+
+    python benchmarks/cuda_features.py --out DIR          # the GPU: random bf16 weights from the benchmark config
+    .venv/bin/python benchmarks/cuda_features.py --smoke  # atlas-tiny on the CUDA backend's CPU path (CI)
+
+Not a test: it prints figures (and writes DIR/cuda_features.json). Measured:
+- decode ms per step at batch 1, 16 and 64 with verify width K = 1 (no drafts), 2 and 4, the drafts from a scripted
+  oracle that knows speculation off's tokens and is right with probability 1.0, 0.7 or 0.3 per draft (so the cost
+  of a verify and its commit is known whatever the random weights' own drafter would do): tokens per step, the
+  measured acceptance, and whether the tokens equal speculation off's (greedy with point-mass drafts: they must,
+  bitwise in fp32; bf16's one-forward verify rounds differently from a decode, so there it is reported);
+- the stamp read (one gather + one device->host copy per step): ms per step and its share of the step;
+- prefix-cache TTFT, hit against miss (prefix caching off, the same prompt), at 2,048 and 16,384 shared tokens;
+- ring snapshot and restore, and prefix-snapshot store and load, per sequence (ms, device synchronised).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+import zlib
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+CONFIG = ROOT / "benchmarks" / "configs" / "qwen4exp-2p7b.json"
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+class Setup:
+    """The model, backend name and options of this run (the GPU, or the smoke run's CPU path)."""
+
+    def __init__(self, smoke: bool, config: Path) -> None:
+        self.smoke = smoke
+        if smoke:
+            from atlas.model import load_model
+
+            torch.set_num_threads(1)
+            self.model = load_model("atlas-tiny")
+            self.backend, self.options = "cuda-fp32", {"device": "cpu", "cuda_graphs": False}
+        else:
+            from atlas.backends.cuda.random_model import random_model
+
+            if not torch.cuda.is_available():
+                raise SystemExit("benchmarks/cuda_features.py needs an NVIDIA GPU (or --smoke)")
+            self.model = random_model(json.loads(config.read_text()), device="cuda", dtype=torch.bfloat16, seed=0)
+            self.backend, self.options = "cuda", {}
+
+    def engine(self, config: Any, **kwargs: Any) -> Any:
+        from atlas.engine.records import RecordingSink
+        from atlas.registry import build_engine
+
+        return build_engine(self.model.name, self.backend, config, loaded=self.model, sink=RecordingSink(),
+                            backend_options=self.options, **kwargs)
+
+
+def _steps(engine: Any, prompts: dict[str, list[int]], max_tokens: int) -> tuple[dict[str, list[int]], list[float]]:
+    """Run to the end: each request's tokens, and the wall time of every step (ms)."""
+    from atlas.sampling.params import SamplingParams
+
+    for rid, prompt in prompts.items():
+        engine.add_request(rid, prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+    tokens: dict[str, list[int]] = {rid: [] for rid in prompts}
+    walls = []
+    while engine.has_unfinished():
+        start = time.perf_counter()
+        for out in engine.step():
+            tokens[out.request_id].extend(out.new_token_ids)
+        _sync()
+        walls.append((time.perf_counter() - start) * 1e3)
+    return tokens, walls
+
+
+def oracle(reference: dict[str, list[int]], acceptance: float, vocab: int) -> Any:
+    """Drafts speculation off's next tokens, each right with probability `acceptance` (keyed by request and
+    position, so a run is deterministic), else the right token + 1."""
+    from atlas.engine.drafters.scripted import ScriptedDrafter
+
+    def script(req: Any) -> list[int]:
+        ref = reference[req.request_id]
+        out = []
+        for i in range(req.k):
+            g = req.generated + i
+            right = ref[g] if g < len(ref) else 0
+            lucky = zlib.crc32(f"{req.request_id}:{g}".encode()) % 1000 < acceptance * 1000
+            out.append(right if lucky else (right + 1) % vocab)
+        return out
+
+    return ScriptedDrafter(script)
+
+
+def bench_speculative(setup: Setup, batch: int, *, prompt_len: int, new: int) -> list[dict[str, Any]]:
+    from atlas.config import EngineConfig
+
+    vocab = setup.model.spec.vocab_size
+    g = torch.Generator().manual_seed(batch)
+    prompts = {f"r{i}": torch.randint(0, vocab, (prompt_len,), generator=g).tolist() for i in range(batch)}
+    base = dict(max_seq_len=prompt_len + new + 16, max_batch_size=batch, prefill_chunk_tokens=max(4096, batch))
+    rows = []
+    reference: dict[str, list[int]] = {}
+    for k, acceptance in [(1, None), (2, 1.0), (2, 0.7), (2, 0.3), (4, 1.0), (4, 0.7), (4, 0.3)]:
+        if k == 1:
+            engine = setup.engine(EngineConfig(**base))
+        else:
+            engine = setup.engine(EngineConfig(**base, num_drafts=k - 1, drafter="scripted"),
+                                  drafter=oracle(reference, acceptance or 0.0, vocab))
+        store = engine.backend.store
+        tokens, walls = _steps(engine, prompts, new)
+        reads = store.reads
+        stats = engine.stats()
+        engine.close()
+        if k == 1:
+            reference = tokens
+        decode = walls[1 + min(4, len(walls) // 4):]  # past the prefill step and the graph captures
+        step_ms = statistics.median(decode) if decode else float("nan")
+        generated = sum(len(t) for t in tokens.values())
+        rows.append({
+            "batch": batch, "K": k, "acceptance_set": acceptance, "ms_per_step": step_ms,
+            "tokens_per_step": generated / max(1, len(walls) - 1),
+            "tokens_per_s": generated / (sum(walls[1:]) / 1e3) if len(walls) > 1 else float("nan"),
+            "acceptance_measured": (stats.spec_drafts_accepted / stats.spec_drafts_proposed
+                                    if stats.spec_drafts_proposed else None),
+            "tokens_equal_speculation_off": tokens == reference,
+            "stamp_read_ms_per_step": reads.seconds * 1e3 / max(1, reads.calls),
+            "stamp_read_share": reads.seconds * 1e3 / max(1, reads.calls) / step_ms if step_ms else None,
+        })
+        print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def bench_prefix(setup: Setup, shared: int) -> dict[str, Any]:
+    """TTFT of a warm turn (the previous turn's prompt + its answer + 16 new tokens) with prefix caching on (a hit
+    at the previous turn's end) and off (the same prompt, cold)."""
+    from atlas.config import EngineConfig
+
+    vocab = setup.model.spec.vocab_size
+    g = torch.Generator().manual_seed(shared)
+    first = torch.randint(0, vocab, (shared,), generator=g).tolist()
+    extra = torch.randint(0, vocab, (16,), generator=g).tolist()
+    out: dict[str, Any] = {"shared_tokens": shared}
+    for prefix in (False, True):
+        config = EngineConfig(max_seq_len=shared + 64, max_batch_size=1, prefill_chunk_tokens=min(shared, 4096),
+                              enable_prefix_caching=prefix)
+        engine = setup.engine(config)
+        answer, _ = _steps(engine, {"turn1": first}, 2)
+        warm = first + answer["turn1"] + extra
+        times = []
+        for i in range(3):  # the first warm turn also compiles; the later ones hit again (each turn's own prefix)
+            start = time.perf_counter()
+            _steps(engine, {f"warm{i}": warm}, 1)
+            times.append((time.perf_counter() - start) * 1e3)
+        stats = engine.stats()
+        engine.close()
+        key = "hit" if prefix else "miss"
+        out[f"{key}_ttft_ms"] = statistics.median(times[1:])
+        if prefix:
+            out["hits"] = stats.prefix_cache_hits
+    out["speedup"] = out["miss_ttft_ms"] / out["hit_ttft_ms"]
+    print(json.dumps(out), flush=True)
+    return out
+
+
+def bench_snapshots(setup: Setup, prompt_len: int, repeat: int = 20) -> dict[str, Any]:
+    """Ring snapshot / restore and prefix store / load of one sequence, straight on the state store."""
+    from atlas.config import EngineConfig, derive_capacities
+    from atlas.plan import PrefixRestore, PrefixStore, RingRestore, RingSnapshot, SeqWork, StepPlan
+
+    config = EngineConfig(max_seq_len=prompt_len + 64, max_batch_size=2, prefill_chunk_tokens=prompt_len,
+                          ring_slots=2, enable_prefix_caching=True)
+    engine = setup.engine(config)
+    backend, caps = engine.backend, engine.capacities
+    store = backend.store
+    per = caps.kv_blocks_per_seq
+    prompt = tuple(torch.randint(0, setup.model.spec.vocab_size, (prompt_len,)).tolist())
+    backend.execute(StepPlan(0, (SeqWork(0, prompt, 0, tuple(range(per)), True),),
+                             snapshots=(RingSnapshot(0, prompt_len, 0),)))
+
+    def timed(fn: Any) -> float:
+        fn()
+        _sync()
+        start = time.perf_counter()
+        for _ in range(repeat):
+            fn()
+        _sync()
+        return (time.perf_counter() - start) * 1e3 / repeat
+
+    shared = tuple(range(prompt_len // caps.block_size)) + tuple(range(per, 2 * per))[prompt_len // caps.block_size:]
+    out = {
+        "prompt_tokens": prompt_len, "slot_bytes": backend.pools.slot_bytes(),
+        "ring_snapshot_ms": timed(lambda: store.snapshot(RingSnapshot(0, prompt_len, 0))),
+        "ring_restore_ms": timed(lambda: store.restore(RingRestore(0, 0, prompt_len))),
+        "prefix_store_ms": timed(lambda: store.store_prefix(PrefixStore(0, prompt_len, 7, -1))),
+        "prefix_load_ms": timed(lambda: store.load_prefix(PrefixRestore(1, 7, prompt_len, shared, prompt_len,
+                                                                        prompt_len - 1, False))),
+        "cursor_read_ms": timed(lambda: store.read_cursors([0, 1])),
+    }
+    assert derive_capacities(config, setup.model.spec, activation_bytes=setup.model.dtype.itemsize)
+    engine.close()
+    print(json.dumps(out), flush=True)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--smoke", action="store_true", help="atlas-tiny on the CPU path, small sizes")
+    parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--config", type=Path, default=CONFIG)
+    parser.add_argument("--batches", default=None, help="comma-separated decode batches (default 1,16,64)")
+    args = parser.parse_args()
+    setup = Setup(args.smoke, args.config)
+    batches = [int(b) for b in (args.batches or ("2" if args.smoke else "1,16,64")).split(",")]
+    report: dict[str, Any] = {"backend": setup.backend, "model": setup.model.name,
+                              "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"}
+
+    def save() -> None:
+        if args.out is not None:
+            args.out.mkdir(parents=True, exist_ok=True)
+            (args.out / "cuda_features.json").write_text(json.dumps(report, indent=2))
+
+    report["snapshots"] = bench_snapshots(setup, 40 if args.smoke else 2048)
+    save()
+    report["speculative"] = []
+    for batch in batches:
+        report["speculative"] += bench_speculative(setup, batch, prompt_len=24 if args.smoke else 140,
+                                                   new=6 if args.smoke else 40)
+        save()
+    report["prefix"] = [bench_prefix(setup, shared) for shared in ((48,) if args.smoke else (2048, 16384))]
+    save()
+    print("| batch | K | acceptance | ms/step | tokens/step | tok/s | accepted | = spec off | stamp read ms |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in report["speculative"]:
+        acc = "-" if r["acceptance_measured"] is None else f"{r['acceptance_measured']:.2f}"
+        print(f"| {r['batch']} | {r['K']} | {r['acceptance_set'] or '-'} | {r['ms_per_step']:.2f} | "
+              f"{r['tokens_per_step']:.2f} | {r['tokens_per_s']:.0f} | {acc} | {r['tokens_equal_speculation_off']} | "
+              f"{r['stamp_read_ms_per_step']:.3f} |")
+    for p in report["prefix"]:
+        print(f"prefix {p['shared_tokens']} shared: hit {p['hit_ttft_ms']:.1f} ms, miss {p['miss_ttft_ms']:.1f} ms "
+              f"(x{p['speedup']:.1f})")
+    s = report["snapshots"]
+    print(f"per sequence ({s['slot_bytes']} state bytes): ring snapshot {s['ring_snapshot_ms']:.3f} ms, restore "
+          f"{s['ring_restore_ms']:.3f} ms, prefix store {s['prefix_store_ms']:.3f} ms, load {s['prefix_load_ms']:.3f} ms")
+
+
+if __name__ == "__main__":
+    main()

@@ -20,13 +20,14 @@ import torch
 
 from atlas.backends.base import ChunkLike
 from atlas.backends.cuda.batch import Group, GroupShape
+from atlas.backends.cuda.layers import ple_context_update
 from atlas.backends.cuda.runner import CudaBackend
 from atlas.backends.parallel.comm import Comm
-from atlas.backends.parallel.layers import tp_forward_group, vocab_parallel_logits
+from atlas.backends.parallel.layers import VocabParallelHead, tp_forward_group
 from atlas.backends.parallel.shard import TpLayout, local_spec, shard_weights, vocab_range
 from atlas.model.loaded import LoadedModel
 from atlas.model.spec import ModelSpec
-from atlas.plan import SeqOutcome, SeqWork, StepPlan, StepResult
+from atlas.plan import SeqWork, StepPlan, StepResult
 
 STOP = ("stop",)
 
@@ -45,8 +46,14 @@ class TpBackend(CudaBackend):
         self.first_id = vocab_range(full_spec, layout)[0]
         local = LoadedModel(name=model.name, spec=local_spec(full_spec, layout), weights=shard,
                             tokenizer=model.tokenizer, fingerprint=model.fingerprint, dtype=model.dtype)
+        if kwargs.get("mtp_drafter"):
+            raise ValueError("mtp_drafter=True is not supported under tensor parallelism (the drafter is not sharded: "
+                             "use the n-gram drafter)")
         kwargs.setdefault("name", f"cuda-tp{layout.tp}")
         super().__init__(local, **kwargs)
+        # every `hidden @ weights["lm_head.weight"].T` of the CudaBackend becomes the vocab-parallel product
+        self.weights["lm_head.weight"] = VocabParallelHead(  # type: ignore[assignment]
+            self.weights["lm_head.weight"], full_spec.vocab_size, comm)
 
     @classmethod
     def from_full(cls, model: LoadedModel, layout: TpLayout, comm: Comm, **kwargs: Any) -> TpBackend:
@@ -55,23 +62,21 @@ class TpBackend(CudaBackend):
     # -- the math: CudaBackend's hooks, on the shard, with collectives --------------------------------
 
     def _run_group(self, packed: torch.Tensor, shape: GroupShape) -> torch.Tensor:
+        """CudaBackend._run_group with the rank's forward (tp_forward_group) in place of forward_group."""
         grp = Group.view(packed, shape, self.block_size)
-        return tp_forward_group(self.spec, self.weights, self.pools, grp, self.layout, self.comm, self.first_id,
-                                eager_moe=shape.width > 1 and self.prefill_moe == "grouped",
-                                gdn_kernel=self.gdn_kernel)
+        hidden = tp_forward_group(self.spec, self.weights, self.pools, grp, self.layout, self.comm, self.first_id,
+                                  eager_moe=shape.width > 1 and not shape.pending and self.prefill_moe == "grouped",
+                                  gdn_kernel=self.gdn_kernel)
+        if self.pools.ple_context_len:
+            ple_context_update(self.pools, grp)
+        return hidden
 
-    def _decode_logits(self, packed: torch.Tensor, shape: GroupShape) -> torch.Tensor:
-        return self.logits_from_hidden(self._run_group(packed, shape)[:, -1])
-
-    def logits_from_hidden(self, hidden: torch.Tensor) -> torch.Tensor:
-        return vocab_parallel_logits(hidden, self.weights["lm_head.weight"], self.full_spec.vocab_size, self.comm)
-
-    def _sample(self, work: Sequence[SeqWork], logits: dict[int, torch.Tensor]) -> tuple[SeqOutcome, ...]:
+    def _sample(self, work: Sequence[SeqWork], logits: dict[int, torch.Tensor]) -> dict:
         if self.layout.rank == 0:
             return super()._sample(work, logits)
-        # a worker's StepResult is dropped: no sampling, no device->host copy. (A verify's commit, once the CUDA
-        # backend has one, depends on the verdicts: then every rank samples, from the same gathered logits.)
-        return tuple(SeqOutcome(seq_id=w.seq_id, cursors=self.cursors(w.seq_id)) for w in work)
+        # a worker's StepResult is dropped: no sampling of plain rows, no device->host copy. (Verify rows are
+        # judged in run_verifies on every rank, from the same gathered logits: every rank commits the same count.)
+        return {}
 
     # -- one scheduler: rank 0's calls are broadcast, then run everywhere -----------------------------
 

@@ -90,6 +90,23 @@ def vocab_parallel_embed(table: torch.Tensor, tokens: torch.Tensor, first_id: in
     return comm.all_reduce(torch.where(inside[..., None], rows, torch.zeros_like(rows)))
 
 
+class VocabParallelHead:
+    """Stands in for "lm_head.weight" in a TpBackend's weights: the CudaBackend computes every logit as
+    `hidden @ weights["lm_head.weight"].T` (decode, prefill ends, verify rows, prompt logprobs), and here that
+    product is the rank's vocabulary slice all-gathered (vocab_parallel_logits). (A hook in CudaBackend for the
+    head would replace this stand-in.)"""
+
+    def __init__(self, shard: torch.Tensor, vocab_size: int, comm: Comm) -> None:
+        self.shard, self.vocab_size, self.comm = shard, vocab_size, comm
+
+    @property
+    def T(self) -> VocabParallelHead:  # the tensor attribute it stands in for
+        return self
+
+    def __rmatmul__(self, hidden: torch.Tensor) -> torch.Tensor:
+        return vocab_parallel_logits(hidden, self.shard, self.vocab_size, self.comm)
+
+
 def vocab_parallel_logits(hidden: torch.Tensor, head: torch.Tensor, vocab_size: int, comm: Comm) -> torch.Tensor:
     """hidden [..., H] -> logits [..., vocab]: each rank's vocabulary slice, gathered in rank order (no sums across
     ranks: every logit is computed whole on one rank), padding columns dropped."""
@@ -112,8 +129,7 @@ class TpGroupOps:
         if spec.layer_types[layer] == FULL_ATTENTION:
             out = attention_layer(spec, w, pre + "self_attn.", layer, x, self.grp, self.pools, self.cos, self.sin)
         else:
-            out = gdn_layer(spec, w, pre + "linear_attn.", x, self.grp, self.pools.gdn_conv[layer],
-                            self.pools.gdn_state[layer], self.gdn_kernel)
+            out = gdn_layer(spec, w, pre + "linear_attn.", layer, x, self.grp, self.pools, self.gdn_kernel)
         return self.comm.all_reduce(out)  # o_proj / out_proj are row parallel: partial sums
 
     def ffn(self, layer: int, x: torch.Tensor) -> torch.Tensor:
@@ -137,7 +153,7 @@ class TpGroupOps:
     def ple(self, layer: int, rank: int, streams: torch.Tensor) -> torch.Tensor:
         assert self.grp.ngram_ids is not None
         return ple_layer(self.spec, self.w, f"layers.{layer}.ple.", streams, self.grp.ngram_ids[rank], self.grp,
-                         self.pools.ple_conv[layer])
+                         self.pools, layer)
 
     def hyper_mix(self, pre: str, streams: torch.Tensor, *, combine: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         return hyper_mix(self.spec, self.w, pre, streams, combine=combine)

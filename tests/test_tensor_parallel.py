@@ -44,26 +44,31 @@ PROMPTS = [
 ]
 CONFIG = EngineConfig(max_seq_len=128, max_batch_size=3, prefill_chunk_tokens=32)
 MAX_TOKENS = 16
+# n-gram speculation: verify rows judged on every rank from the gathered logits, committed on every rank's shard
+SPEC_TOKENS = 24  # atlas-tiny's greedy text repeats enough by then for n-gram drafts to be accepted
+SPEC_CONFIG = EngineConfig(max_seq_len=128, max_batch_size=3, prefill_chunk_tokens=32, num_drafts=3, drafter="ngram")
 
 
-def _engine_tokens(rank: int, comm: Comm, device: torch.device, mode: str) -> list[tuple[int, ...]] | None:
-    """Rank 0: the engine over a TpBackend, greedy tokens of PROMPTS; the other ranks serve its commands."""
+def _engine_tokens(rank: int, comm: Comm, device: torch.device, mode: str, config: EngineConfig = CONFIG,
+                   max_tokens: int = MAX_TOKENS) -> tuple[list[tuple[int, ...]], dict] | None:
+    """Rank 0: the engine over a TpBackend, greedy tokens of PROMPTS (and the engine's stats); the other ranks
+    serve its commands."""
     model = load_model("atlas-tiny")
-    caps = derive_capacities(CONFIG, model.spec, activation_bytes=4)
-    backend = TpBackend.from_full(model, TpLayout(comm.tp, rank, mode), comm, num_kv_blocks=caps.num_kv_blocks,  # type: ignore[arg-type]
-                                  block_size=caps.block_size, dtype=torch.float32, device=device,
-                                  max_batch_size=caps.max_batch_size, max_blocks_per_seq=caps.kv_blocks_per_seq)
+    caps = derive_capacities(config, model.spec, activation_bytes=4)
+    backend = TpBackend.for_capacities(model, caps, layout=TpLayout(comm.tp, rank, mode), comm=comm,  # type: ignore[arg-type]
+                                       dtype=torch.float32, device=device, cuda_graphs=False)
     if rank != 0:
         from atlas.backends.parallel import worker_loop
 
         worker_loop(backend)
         return None
-    engine = Engine(backend, tokenizer=model.tokenizer, config=CONFIG, capacities=caps, spec=model.spec,
+    engine = Engine(backend, tokenizer=model.tokenizer, config=config, capacities=caps, spec=model.spec,
                     model_name=model.name, sink=RecordingSink(), fingerprint=model.fingerprint)
-    params = [SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)] * len(PROMPTS)
+    params = [SamplingParams(max_tokens=max_tokens, ignore_eos=True)] * len(PROMPTS)
     out = [r.token_ids for r in generate(engine, PROMPTS, params)]
+    stats = engine.stats()
     backend.close()
-    return out
+    return out, {"verify_steps": stats.spec_verify_steps, "accepted": stats.spec_drafts_accepted}
 
 
 def _refusal(rank: int, comm: Comm, device: torch.device) -> tuple[str, float] | None:
@@ -124,6 +129,7 @@ def _job(rank: int, comm: Comm, device: torch.device) -> dict:
     checks = agreement(rank, comm, device, model=functools.partial(load_model, "atlas-tiny"), modes=MODES,
                        decode_steps=MAX_TOKENS, batch=3)
     engine = {mode: _engine_tokens(rank, comm, device, mode) for mode in MODES}
+    engine["spec"] = _engine_tokens(rank, comm, device, "tp", SPEC_CONFIG, SPEC_TOKENS)
     return {"agreement": {a.experts: a for a in checks}, "engine": engine, "refusal": _refusal(rank, comm, device),
             "invariance": _invariance(rank, comm, device)}
 
@@ -239,7 +245,17 @@ def test_the_engine_on_rank_0_gives_the_single_process_tokens(tp2, tiny, mode) -
     params = [SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)] * len(PROMPTS)
     want = [r.token_ids for r in generate(ref, PROMPTS, params)]
     assert all(len(t) == MAX_TOKENS for t in want)
-    assert tp2["engine"][mode] == want
+    assert tp2["engine"][mode][0] == want
+
+
+def test_ngram_speculation_under_tp_gives_the_tokens_of_speculation_off(tp2, tiny) -> None:
+    ref = build_engine("atlas-tiny", "cuda-fp32", CONFIG, loaded=tiny, sink=RecordingSink(),
+                       backend_options={"device": "cpu", "cuda_graphs": False})
+    params = [SamplingParams(max_tokens=SPEC_TOKENS, ignore_eos=True)] * len(PROMPTS)
+    want = [r.token_ids for r in generate(ref, PROMPTS, params)]
+    tokens, stats = tp2["engine"]["spec"]
+    assert stats["verify_steps"] > 0 and stats["accepted"] > 0, stats  # drafts were verified and some kept
+    assert tokens == want
 
 
 def test_random_shards_agree_on_replicated_tensors_and_have_rank_shapes() -> None:

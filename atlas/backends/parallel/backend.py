@@ -25,6 +25,7 @@ from atlas.backends.cuda.runner import CudaBackend
 from atlas.backends.parallel.comm import Comm
 from atlas.backends.parallel.layers import VocabParallelHead, tp_forward_group
 from atlas.backends.parallel.shard import TpLayout, local_spec, shard_weights, vocab_range
+from atlas.config import Capacities
 from atlas.model.loaded import LoadedModel
 from atlas.model.spec import ModelSpec
 from atlas.plan import SeqWork, StepPlan, StepResult
@@ -58,6 +59,15 @@ class TpBackend(CudaBackend):
     @classmethod
     def from_full(cls, model: LoadedModel, layout: TpLayout, comm: Comm, **kwargs: Any) -> TpBackend:
         return cls(model.spec, shard_weights(model.spec, model.weights, layout), model, layout, comm, **kwargs)
+
+    @classmethod
+    def for_capacities(cls, model: LoadedModel, caps: Capacities, *, layout: TpLayout, comm: Comm,  # type: ignore[override]
+                       dtype: torch.dtype | None = None, **kwargs: Any) -> TpBackend:
+        """CudaBackend.for_capacities on rank's shard. snapshot_bytes is left unchecked (0): Capacities derive
+        the whole model's ring slot, a rank holds its heads' share of it."""
+        return cls.from_full(model, layout, comm, num_kv_blocks=caps.num_kv_blocks, block_size=caps.block_size,
+                             dtype=dtype, max_batch_size=caps.max_batch_size, max_blocks_per_seq=caps.kv_blocks_per_seq,
+                             ring_slots=caps.ring_slots, verify_width=caps.verify_width, **kwargs)
 
     # -- the math: CudaBackend's hooks, on the shard, with collectives --------------------------------
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 
+import attrs
 import pytest
 import torch
 
@@ -125,13 +126,44 @@ def _invariance(rank: int, comm: Comm, device: torch.device) -> tuple[list, list
     return runs[0], runs[1]
 
 
+PREFIX_CONFIG = EngineConfig(max_seq_len=160, max_batch_size=3, prefill_chunk_tokens=32, enable_prefix_caching=True)
+
+
+def _turns(engine: Engine) -> list[tuple[int, ...]]:
+    """Two turns of one conversation: the second prompt is the first, its answer and a follow-up."""
+    params = [SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)]
+    first = generate(engine, [PROMPTS[0]], params)[0].token_ids
+    second = generate(engine, [PROMPTS[0] + list(first) + list(b" and then")], params)[0].token_ids
+    return [first, second]
+
+
+def _prefix(rank: int, comm: Comm, device: torch.device) -> tuple[list, int] | None:
+    """Rank 0: two turns with prefix caching on TP=2 (the second turn starts from a prefix snapshot: every rank
+    restores its own shard of the state); (the turns' tokens, prefix cache hits)."""
+    model = load_model("atlas-tiny")
+    caps = derive_capacities(PREFIX_CONFIG, model.spec, activation_bytes=4)
+    backend = TpBackend.for_capacities(model, caps, layout=TpLayout(comm.tp, rank), comm=comm,  # type: ignore[arg-type]
+                                       dtype=torch.float32, device=device, cuda_graphs=False)
+    if rank != 0:
+        from atlas.backends.parallel import worker_loop
+
+        worker_loop(backend)
+        return None
+    engine = Engine(backend, tokenizer=model.tokenizer, config=PREFIX_CONFIG, capacities=caps, spec=model.spec,
+                    model_name=model.name, sink=RecordingSink(), fingerprint=model.fingerprint)
+    turns = _turns(engine)
+    hits = engine.stats().prefix_cache_hits
+    backend.close()
+    return turns, hits
+
+
 def _job(rank: int, comm: Comm, device: torch.device) -> dict:
     checks = agreement(rank, comm, device, model=functools.partial(load_model, "atlas-tiny"), modes=MODES,
                        decode_steps=MAX_TOKENS, batch=3)
     engine = {mode: _engine_tokens(rank, comm, device, mode) for mode in MODES}
     engine["spec"] = _engine_tokens(rank, comm, device, "tp", SPEC_CONFIG, SPEC_TOKENS)
     return {"agreement": {a.experts: a for a in checks}, "engine": engine, "refusal": _refusal(rank, comm, device),
-            "invariance": _invariance(rank, comm, device)}
+            "invariance": _invariance(rank, comm, device), "prefix": _prefix(rank, comm, device)}
 
 
 @pytest.fixture(scope="module")
@@ -283,3 +315,11 @@ def test_batch_invariant_mode_under_tp_gives_a_request_the_same_bits_alone_and_b
     alone, batched = tp2["invariance"]
     assert len(alone) == 6 and all(lp is not None for _, lp, _ in alone)
     assert batched == alone  # tokens, logprobs and top-5 logprobs, float for float
+
+
+def test_prefix_caching_under_tp_gives_the_cold_runs_tokens(tp2, tiny) -> None:
+    cold = build_engine("atlas-tiny", "cuda-fp32", attrs.evolve(PREFIX_CONFIG, enable_prefix_caching=False),
+                        loaded=tiny, sink=RecordingSink(), backend_options={"device": "cpu", "cuda_graphs": False})
+    turns, hits = tp2["prefix"]
+    assert hits >= 1  # the second turn started from the first turn's prefix snapshot
+    assert turns == _turns(cold)

@@ -22,6 +22,7 @@ import torch
 from atlas.backends.cuda.runner import CudaBackend
 from atlas.backends.parallel.backend import TpBackend, worker_loop
 from atlas.backends.parallel.comm import Comm
+from atlas.backends.parallel.layers import VocabParallelHead
 from atlas.backends.parallel.shard import ExpertMode, TpLayout
 from atlas.model.loaded import LoadedModel
 from atlas.plan import SeqWork, StepPlan
@@ -48,6 +49,11 @@ class _Chunk:
     tokens: tuple[int, ...]
     start: int
     block_table: tuple[int, ...]
+
+
+def _nbytes(t: torch.Tensor | VocabParallelHead) -> int:
+    t = t.shard if isinstance(t, VocabParallelHead) else t
+    return t.numel() * t.element_size()
 
 
 def _sync(device: torch.device) -> None:
@@ -166,7 +172,7 @@ def decode_speed(rank: int, comm: Comm, device: torch.device, *, build: Callable
                 _generate(tp, prompt, batch, steps, blocks, device)
                 comm.timed = False
                 n = max(steps - 1, 1)
-                size = sum(t.numel() * t.element_size() for t in tp.weights.values())
+                size = sum(_nbytes(t) for t in tp.weights.values())
                 out.append(DecodeSpeed(mode, batch, ms, 1e3 * comm.seconds / n, comm.calls / n, size, command_ms))
             tp.close()
         del tp

@@ -8,8 +8,11 @@ must equal the single-process CUDA backend (run on the CPU in its fp32 parity mo
   the largest difference measured is 1.2e-6 (5 ulps) over 4 layers; 1e-5 leaves ~8x margin, and a wrong shard
   (a head, segment or expert misplaced) moves logits by O(0.1);
 - the same greedy tokens, through StepPlans (execute) and through the whole engine on rank 0;
-for both the routed experts split by width ("tp") and split by expert ("ep"). One spawn serves every
-multi-process test (about 25 s on 2 loaded cores: process start, model build, ~100 steps of ~10 collectives).
+for both the routed experts split by width ("tp") and split by expert ("ep"); and, through the engine on rank 0,
+n-gram speculation (verify + exact commit) and prefix caching give the single-process tokens, batch-invariant
+mode gives a request the same bits alone and batched, and a command refused on every rank leaves them in step.
+One spawn serves every multi-process test (30-35 s on 2 loaded cores: process start, model builds, a few
+hundred steps of ~10 collectives each).
 """
 
 from __future__ import annotations

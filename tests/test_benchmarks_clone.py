@@ -35,6 +35,7 @@ EXPECT = {
     "sampling.py": "over argmax",
     "server_flood.py": "verdict:",
     "server_trace.py": "events/step",
+    "tp_check.py": "greedy tokens equal: True",
     "train_step.py": "train step,",
 }
 

@@ -27,6 +27,7 @@ EXPECT = {
     "invariance.py": "completions identical",
     "kernels.py": "dry run:",
     "mini_figures.py": "watchdog shard",
+    "mini_tpot.py": "TPOT ms",
     "multiturn.py": "tokens equal on/off",
     "mutation_campaign.py": "acceptance",
     "replay_check.py": "state-only check",

@@ -222,7 +222,7 @@ class EagerVerifyGraphs:
 
     def replay(self, shape, packed, padding):
         self.shapes.add(shape)
-        logits = self.backend._verify_logits(packed, shape)
+        logits = self.backend._verify_logits(packed.to(self.backend.device), shape)  # as a graph's static input
         self.backend.pools.kept.clear()  # a replay runs no Python: the runner must restore what the commit reads
         return logits, logits.argmax(-1)
 

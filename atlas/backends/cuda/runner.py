@@ -150,6 +150,12 @@ class CudaBackend:
         self.gdn_kernel = triton_gdn() if use_kernels and self.device.type == "cuda" else None
         if kernels and self.gdn_kernel is None:
             raise ValueError("kernels=True needs a CUDA device and atlas_kernels (the kernels/ package) importable")
+        if tuning is None and self.gdn_kernel is not None:
+            # the measured winner (H200 run 3, 2.7B config, docs/BENCHMARKS.md): prefill MoE through the
+            # device-routed Triton kernels, 240.6 -> 95.6 ms for 2,048 tokens (no host sync a layer); decode
+            # stays torch: the Triton decode MoE (7.80 vs 6.87 ms at batch 1) and the fused hyper sites (10.16 ms)
+            # were slower there
+            self.tuning = Tuning(prefill_moe="triton")
         use_graphs = self.device.type == "cuda" if cuda_graphs is None else cuda_graphs
         self.graphs = DecodeGraphs(self._decode_logits, self.device) if use_graphs else None
         # wide verifies ([B, K] groups) replayed from graphs of their own: every row's logits come back

@@ -47,7 +47,7 @@ def measure_variants(model: Any, variants: dict[str, Any], *, batches: tuple[int
                      bw: float, rate: float, out: Path | None, on_variant: Callable[[str, dict], None]
                      ) -> dict[str, dict[str, Any]]:
     """{variant: {"tuning", "prefill", "decode_b{n}", "profile"}} with floors; figures reused where knobs agree."""
-    from atlas.bench import (
+    from atlas.bench_measure import (
         bench_decode,
         bench_prefill,
         prefill_flops,

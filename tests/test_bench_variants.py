@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 
 import atlas.bench as bench
+import atlas.bench_measure as measure
 from atlas.backends.cuda.tuning import Tuning
 from atlas.bench_variants import measure_variants, variants_table
 
@@ -28,12 +29,12 @@ def fakes(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, Any]]:
         return {"batch": batch, "ms_per_step": 2.0 if tuning.moe == "triton" else 6.0, "tokens_per_s": 1.0,
                 "control_plane_share": 0.01}
 
-    monkeypatch.setattr(bench, "bench_prefill", prefill)
-    monkeypatch.setattr(bench, "bench_decode", decode)
-    monkeypatch.setattr(bench, "profile_steps", lambda *a, **k: {"decode_b1": {"kernels": 9}})
-    monkeypatch.setattr(bench, "prefill_flops", lambda model, tokens: 1e12)
-    monkeypatch.setattr(bench, "weight_bytes", lambda model, batch: 3e9)
-    monkeypatch.setattr(bench, "state_bytes", lambda model, batch, context: 1e8)
+    monkeypatch.setattr(measure, "bench_prefill", prefill)
+    monkeypatch.setattr(measure, "bench_decode", decode)
+    monkeypatch.setattr(measure, "profile_steps", lambda *a, **k: {"decode_b1": {"kernels": 9}})
+    monkeypatch.setattr(measure, "prefill_flops", lambda model, tokens: 1e12)
+    monkeypatch.setattr(measure, "weight_bytes", lambda model, batch: 3e9)
+    monkeypatch.setattr(measure, "state_bytes", lambda model, batch, context: 1e8)
     monkeypatch.setattr("torch.cuda.synchronize", lambda: None)
     return calls
 

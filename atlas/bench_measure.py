@@ -1,0 +1,190 @@
+"""The measurements `atlas bench gpu` is built from (device ceilings, floors, timed prefill and decode through the
+engine, kernel profiles): below both atlas.bench (the report) and atlas.bench_variants (the variants table)."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+def _median_ms(fn: Callable[[], Any], repeat: int = 10) -> float:
+    """Median wall time of fn() in ms, with the device synchronised around each call (one warm-up)."""
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    fn()
+    sync()
+    times = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        fn()
+        sync()
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+def ceilings() -> dict[str, float]:
+    src = torch.randn(1 << 29, device="cuda")  # 2 GiB of fp32
+    dst = torch.empty_like(src)
+    copy_ms = _median_ms(lambda: dst.copy_(src))
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    mm_ms = _median_ms(lambda: a @ b)
+    return {"copy_gb_s": 2 * (1 << 31) / copy_ms / 1e6, "bf16_tflop_s": 2 * 8192**3 / mm_ms / 1e9}
+
+
+def weight_bytes(model: Any, batch: int) -> float:
+    """Bytes of weights one decode step of `batch` sequences must read: every dense tensor, the routed
+    experts the batch touches (expected distinct experts under uniform routing), and only the looked-up rows
+    of the token and n-gram embedding tables."""
+    spec = model.spec
+    total = 0.0
+    for name, t in model.weights.items():
+        size = t.numel() * t.element_size()
+        if name == "embed_tokens.weight":
+            total += batch * t.shape[1] * t.element_size()
+        elif name.endswith("ngram_embedding.weight") and spec.ple is not None:
+            total += batch * spec.ple.num_heads * t.shape[1] * t.element_size()
+        elif ".experts." in name and spec.moe is not None:
+            e, k = spec.moe.num_experts, spec.moe.top_k
+            touched = e * (1 - (1 - k / e) ** batch)
+            total += size * touched / e
+        else:
+            total += size
+    return total
+
+
+def state_bytes(model: Any, batch: int, context: int) -> float:
+    """Bytes of per-sequence state a decode step reads and writes: GDN recurrent state (fp32, read + write),
+    conv states, and the KV read of `context` positions."""
+    spec = model.spec
+    gdn = len(spec.gdn_layers) * spec.gdn_v_heads * spec.gdn_k_dim * spec.gdn_v_dim * 4 * 2
+    kv = len(spec.attention_layers) * context * spec.num_kv_heads * spec.head_dim * 2 * 2
+    return batch * (gdn + kv)
+
+
+def prefill_flops(model: Any, tokens: int) -> float:
+    """2 x active matmul parameters x tokens, plus causal attention (QK^T and PV) on the attention layers."""
+    spec = model.spec
+    active = 0.0
+    for name, t in model.weights.items():
+        if t.dim() < 2 or "embed" in name or "conv1d" in name:
+            continue
+        n = t.numel()
+        if ".experts." in name and spec.moe is not None:
+            n = n * spec.moe.top_k / spec.moe.num_experts
+        active += n
+    attn = len(spec.attention_layers) * 2 * 2 * spec.num_heads * spec.head_dim * tokens * tokens / 2
+    return 2 * active * tokens + attn
+
+
+class TimedBackend:
+    """Delegates to a backend, timing each execute (host clock; execute ends with a device->host read)."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.calls: list[tuple[int, int, float]] = []  # (rows, tokens, ms)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def execute(self, plan: Any) -> Any:
+        start = time.perf_counter()
+        result = self.inner.execute(plan)
+        self.calls.append((len(plan.work), sum(len(w.tokens) for w in plan.work),
+                           (time.perf_counter() - start) * 1e3))
+        return result
+
+
+def _engine(model: Any, *, batch: int, max_seq_len: int, chunk: int, tuning: Any = None) -> tuple[Any, TimedBackend]:
+    from atlas.config import EngineConfig
+    from atlas.engine.records import RecordingSink
+    from atlas.registry import build_engine
+
+    config = EngineConfig(max_seq_len=max_seq_len, max_batch_size=batch, prefill_chunk_tokens=max(chunk, batch))
+    engine = build_engine(model.name, "cuda", config, sink=RecordingSink(), loaded=model,
+                          backend_options={"tuning": tuning} if tuning is not None else None)
+    timed = TimedBackend(engine.backend)
+    engine.backend = timed
+    return engine, timed
+
+
+def _run_steps(engine: Any, prompts: list[list[int]], max_tokens: int) -> list[float]:
+    """Generate; the wall time of every engine step in ms."""
+    from atlas.engine.offline import generate
+    from atlas.sampling.params import SamplingParams
+
+    stamps = [time.perf_counter()]
+    generate(engine, prompts, SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+             progress=lambda done, total: stamps.append(time.perf_counter()))
+    return [(b - a) * 1e3 for a, b in zip(stamps, stamps[1:], strict=False)]
+
+
+def bench_prefill(model: Any, tokens: int = 2048, repeat: int = 3, moe: str | None = None,
+                  tuning: Any = None) -> dict[str, Any]:
+    engine, timed = _engine(model, batch=1, max_seq_len=tokens + 16, chunk=tokens, tuning=tuning)
+    if moe is not None:
+        timed.inner.prefill_moe = moe
+    moe = timed.inner.prefill_moe
+    g = torch.Generator().manual_seed(1)
+    steps = []
+    for _ in range(repeat + 1):  # the first compiles the chunked-prefill kernel
+        prompt = torch.randint(0, model.spec.vocab_size, (tokens,), generator=g).tolist()
+        timed.calls.clear()
+        walls = _run_steps(engine, [prompt], max_tokens=1)
+        steps.append((walls[0], timed.calls[0][2]))
+    engine.close()
+    wall = statistics.median(s[0] for s in steps[1:])
+    execute = statistics.median(s[1] for s in steps[1:])
+    return {"tokens": tokens, "moe": moe, "ms": wall, "tokens_per_s": tokens / wall * 1e3, "execute_ms": execute}
+
+
+def bench_decode(model: Any, batch: int, prompt_len: int = 140, steps: int = 40, tuning: Any = None
+                 ) -> dict[str, float]:
+    engine, timed = _engine(model, batch=batch, max_seq_len=prompt_len + steps + 16, chunk=4096, tuning=tuning)
+    g = torch.Generator().manual_seed(batch)
+    prompts = [torch.randint(0, model.spec.vocab_size, (prompt_len,), generator=g).tolist() for _ in range(batch)]
+    walls = _run_steps(engine, prompts, max_tokens=steps)
+    engine.close()
+    # decode steps: every sequence fed one token; the first few capture the CUDA graphs
+    decode = [(w, c[2]) for w, c in zip(walls, timed.calls, strict=False) if c[0] == batch and c[1] == batch][4:]
+    wall = statistics.median(d[0] for d in decode)
+    execute = statistics.median(d[1] for d in decode)
+    return {"batch": batch, "ms_per_step": wall, "tokens_per_s": batch / wall * 1e3, "execute_ms": execute,
+            "control_plane_share": (wall - execute) / wall, "steps_timed": len(decode)}
+
+
+def profile_steps(model: Any, out: Path | None, tuning: Any = None, label: str = "") -> dict[str, Any]:
+    """An eager 2048-token prefill and an eager batch-1 decode step under the profiler: device time by
+    kernel (largest first), how many kernels ran, and the step's wall time, so a missed goal says where
+    its time goes (launch-bound: many small kernels; or a few slow ones)."""
+    from atlas.backends.cuda.runner import CudaBackend
+    from atlas.plan import SeqWork, StepPlan
+
+    device = next(iter(model.weights.values())).device
+    backend = CudaBackend(model, num_kv_blocks=160, block_size=16, max_batch_size=1, cuda_graphs=False,
+                          device=device, dtype=model.dtype, tuning=tuning)
+    table = tuple(range(160))
+    prompt = tuple(torch.randint(0, model.spec.vocab_size, (2048,)).tolist())
+    steps = {"prefill_2048": SeqWork(0, prompt, 0, table, True), "decode_b1": SeqWork(0, (8,), 2048, table, True)}
+    result: dict[str, Any] = {}
+    for name, work in steps.items():
+        if name == "prefill_2048":  # warm: kernel compiles and cuBLAS handles stay out of the profile
+            backend.execute(StepPlan(step=0, work=(work,)))
+            backend.reset(0)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA,
+                                                torch.profiler.ProfilerActivity.CPU]) as prof:
+            start = time.perf_counter()
+            backend.execute(StepPlan(step=1, work=(work,)))
+            wall = (time.perf_counter() - start) * 1e3
+        kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        by_kernel = [(e.key, e.device_time_total / 1e3) for e in prof.key_averages() if e.device_time_total > 0]
+        by_kernel.sort(key=lambda r: -r[1])
+        result[name] = {"wall_ms": wall, "kernels": len(kernels),
+                        "device_ms": sum(e.device_time_total for e in kernels) / 1e3, "top": by_kernel[:12]}
+        if out is not None:
+            (out / f"profile_{name}{label}.txt").write_text(prof.key_averages().table(sort_by="cuda_time_total", row_limit=40))
+    return result

@@ -20,6 +20,17 @@ def _feed(h: hashlib.blake2b, name: str, t: torch.Tensor | None) -> None:
     h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
 
 
+def _feed_recurrent(h: hashlib.blake2b, s: Any) -> None:
+    """The non-positional state (a SequenceState's or a StateSnapshot's): GDN conv + recurrent, PLE context +
+    short conv, in one fixed order."""
+    for layer in sorted(s.gdn_conv):
+        _feed(h, f"c{layer}", s.gdn_conv[layer])
+        _feed(h, f"r{layer}", s.gdn_recurrent[layer])
+    _feed(h, "pc", s.ple_context)
+    for layer in sorted(s.ple_conv):
+        _feed(h, f"p{layer}", s.ple_conv[layer])
+
+
 def sequence_digest(store: Any, seq_id: int, *, drafter: bool = True) -> str:
     """`store`: an atlas.backends.cpu.store.CpuStateStore (seqs, tables, kv, drafts)."""
     h = hashlib.blake2b(digest_size=16, person=b"atlas.state")
@@ -36,12 +47,7 @@ def sequence_digest(store: Any, seq_id: int, *, drafter: bool = True) -> str:
             _feed(h, f"v{layer}", v)
     for layer in sorted(s.qsa_keys):
         _feed(h, f"q{layer}", s.qsa_keys[layer])
-    for layer in sorted(s.gdn_conv):
-        _feed(h, f"c{layer}", s.gdn_conv[layer])
-        _feed(h, f"r{layer}", s.gdn_recurrent[layer])
-    _feed(h, "pc", s.ple_context)
-    for layer in sorted(s.ple_conv):
-        _feed(h, f"p{layer}", s.ple_conv[layer])
+    _feed_recurrent(h, s)
     d = store.drafts.get(seq_id) if drafter else None
     if d is not None:
         h.update(f"d{d.first_key}:{d.rows}".encode())
@@ -58,11 +64,6 @@ def snapshot_digest(snap: Any) -> str:
     """A digest of a StateSnapshot's (or a SequenceState's) non-positional bytes: GDN conv + recurrent, PLE
     context + short conv, and the positions they encode."""
     h = hashlib.blake2b(digest_size=16, person=b"atlas.snapshot")
-    for layer in sorted(snap.gdn_conv):
-        _feed(h, f"c{layer}", snap.gdn_conv[layer])
-        _feed(h, f"r{layer}", snap.gdn_recurrent[layer])
-    _feed(h, "pc", snap.ple_context)
-    for layer in sorted(snap.ple_conv):
-        _feed(h, f"p{layer}", snap.ple_conv[layer])
+    _feed_recurrent(h, snap)
     h.update(repr(sorted(snap.stamps.items())).encode())
     return h.hexdigest()

@@ -5,7 +5,9 @@
 # TESTS=0 skips the tests; BENCH=0 skips the benchmark; BENCH_ARGS are passed to atlas.bench (e.g.
 # "--no-transformers --variants baseline,fused --long-prefill 8192"); EXTRA: more commands;
 # FEATURES=0 skips benchmarks/cuda_features.py (issue 14: speculation K=1/2/4 x oracle acceptance, prefix TTFT,
-# snapshot costs); MINI=1: atlas-mini's CPU figures (benchmarks/mini_figures.py) on this machine's spare cores.
+# snapshot costs); MINI=1: atlas-mini's CPU figures (benchmarks/mini_figures.py) on this machine's spare cores;
+# TRAIN=1: retrain atlas-mini beside the rest (tools/train_gpu.sh, the card's step count pinned: issue 16's
+# reproduction check), its card, metrics and log back as $OUT/train_{README.md,metrics.json,train.log}.
 set -o pipefail
 OUT=${OUT:-/tmp/atlas-out}
 mkdir -p "$OUT"
@@ -23,6 +25,12 @@ if [ "${MINI:-0}" = 1 ]; then  # atlas-mini's CPU figures (issue 16), one proces
     OMP_NUM_THREADS=1 timeout "${MINI_TIMEOUT:-500}" python3 benchmarks/mini_figures.py --parts watchdog \
       --watchdog-shard $shard/8 ${MINI_ARGS:-} > "/tmp/mini_watchdog$shard.log" 2>&1 &
   done
+fi
+if [ "${TRAIN:-0}" = 1 ]; then  # the GPU is shared with what follows: the step count, not the clock, is pinned
+  steps=$(python3 -c "import json; print(json.load(open('models/atlas-mini/metrics.json'))['training']['steps'])")
+  SKIP_INSTALL=1 OUT=/tmp/atlas-mini-rerun TOTAL_MINUTES=${TRAIN_TOTAL_MINUTES:-9.3} \
+    EXTRA_ARGS="--steps $steps ${TRAIN_ARGS:-}" bash tools/train_gpu.sh > /tmp/train_rerun.log 2>&1 &
+  train_pid=$!
 fi
 if [ "${TESTS:-1}" = 1 ]; then
   timeout "${TEST_TIMEOUT:-240}" python3 -m pytest -q -p no:cacheprovider --durations=8 ${TEST_FILES:-tests/test_cuda_gpu.py tests/test_cuda_backend.py tests/test_state_store.py tests/test_kernels_moe.py tests/test_kernels_hyper.py tests/test_cuda_tuning.py} \
@@ -47,4 +55,9 @@ if [ "${MINI:-0}" = 1 ]; then
   for part in mtp2 mtp4 ngram2 ngram4 watchdog0 watchdog1 watchdog2 watchdog3 watchdog4 watchdog5 watchdog6 watchdog7; do grep -v "capacities derived\|MTP drafter" "/tmp/mini_$part.log"; done \
     > "$OUT/mini.log"
   echo "atlas-mini figures:"; cat "$OUT/mini.log"
+fi
+if [ "${TRAIN:-0}" = 1 ]; then
+  wait "$train_pid"; echo "train exit $?"
+  for f in README.md metrics.json train.log; do cp "/tmp/atlas-mini-rerun/$f" "$OUT/train_$f" 2>/dev/null; done
+  tail -5 /tmp/train_rerun.log; grep -E "held out:|test sample:" /tmp/train_rerun.log
 fi

@@ -92,12 +92,15 @@ def sample_figures(model, head, tok, files: list[dict], device: torch.device) ->
 
 
 def completion_prompts(heldout, count: int) -> list[str]:
-    """`def fibonacci(n):` and the first top-level function headers of held-out files, each with its newline."""
-    prompts = ["def fibonacci(n):\n"]
+    """`def fibonacci(n):` and the first top-level function headers of held-out files, without their newline: the
+    byte-level BPE folds a newline into the indentation that follows it ("\\n   " is one token), so a prompt that
+    ends in a bare "\\n" asks for what follows a newline at column 0 (the card's first run completed every header
+    with another header)."""
+    prompts = ["def fibonacci(n):"]
     for f in heldout:
         for line in f.text.splitlines():
             if _HEADER.match(line) and len(line) < 80:
-                prompts.append(line + "\n")
+                prompts.append(line)
                 break
         if len(prompts) > count:
             break

@@ -53,7 +53,7 @@ def test_writes_the_eight_files_and_the_figures(run):
     assert metrics["training"]["steps"] == 3 and len(metrics["loss_curve"]) == 3
     assert metrics["corpus"]["train_tokens"] > 0 and metrics["corpus"]["heldout_files"] > 0
     assert all(c["prompt"] for c in metrics["completions"])
-    assert metrics["completions"][0]["prompt"] == "def fibonacci(n):\n"
+    assert metrics["completions"][0]["prompt"] == "def fibonacci(n):"  # no newline: BPE folds it into the indent
     assert json.loads((out / "metrics.json").read_text())["heldout"] == metrics["heldout"]
     card = (out / "README.md").read_text()
     assert f"{metrics['heldout']['loss']:.4f}" in card and "def fibonacci(n):" in card

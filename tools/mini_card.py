@@ -77,6 +77,10 @@ MTP p1 through Atlas's CPU backend against them (+ the margins it states).
 
 ## Greedy completions of held-out function headers
 
+transformers in fp32 on the saved weights (`mini_eval.greedy`: a full re-forward per token, {m['args']['completion_tokens']}
+tokens at most), each prompt a header without its newline. A 5 M-parameter model loops at temperature 0; the
+loops are what Atlas's content watchdog exists for (docs/BENCHMARKS.md counts how often it fires).
+
 {completions}
 
 ## Corpus
@@ -124,4 +128,17 @@ Loss curve (mean train loss since the previous point; {len(curve)} points in met
 `{m['command']}` (on the GPU: `bash tools/train_gpu.sh`, see tools/README.md). The corpus is whatever Python
 source the machine holds, so another machine gives another corpus: the held-out loss reproduces within the
 tolerance tools/README.md states, not bit for bit.
-"""
+{_reruns(m, e)}"""
+
+
+def _reruns(m: dict, e: dict) -> str:
+    """The reruns recorded in metrics.json ("reruns": the reproduction checks), against this card's figures."""
+    runs = m.get("reruns", [])
+    if not runs:
+        return ""
+    rows = [[r["date"], r["command"], str(r["steps"]), f"{r['heldout_loss']:.4f}",
+             f"{r['heldout_loss'] - e['loss']:+.4f}", f"{r['mtp_p1']:.3f}", f"{r['sample_loss']:.4f}", r["note"]]
+            for r in runs]
+    return ("\nReruns from a clean checkout (the reproduction check; weights not kept, this card's checkpoint is the "
+            "first run's):\n\n" + _table(rows, ["date", "command", "steps", "held-out loss", "vs card", "MTP p1",
+                                                  "sample loss", "note"]) + "\n")

@@ -211,33 +211,15 @@ def test_max_seq_len_defaults_to_the_models_limit_when_smaller(tiny_dir: Path) -
         default_max_seq_len(str(tiny_dir), 1000)
 
 
-def test_serve_a_checkpoint_under_a_served_model_name_at_the_models_limit(tiny_dir: Path) -> None:
+def test_serve_a_checkpoint_under_a_served_model_name_at_the_models_limit(tiny_dir: Path, tmp_path: Path) -> None:
     """The README's curl names the model; a checkpoint dir served as `atlas-tiny` must answer to that name, and a
     model whose max_position_embeddings (512) is below the default max_seq_len must be served, not refused."""
-    import signal
-    import socket
-    import time
-
     import httpx
+    from fixtures.serving import ServeProcess
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, "-c", "from atlas.cli import main; main()", "serve", "--model",
-                             str(tiny_dir), "--tokenizer", "byte", "--served-model-name", "atlas-tiny", "--port",
-                             str(port)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
-    try:
-        url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 90
-        while True:
-            try:
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert proc.poll() is None and time.monotonic() < deadline, "the server did not start"
-            time.sleep(0.2)
+    with ServeProcess(tmp_path, "--model", str(tiny_dir), "--tokenizer", "byte", "--served-model-name",
+                      "atlas-tiny") as served:
+        url = served.wait_ready().url
         card = httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0]
         assert card["id"] == "atlas-tiny" and card["max_model_len"] == 512
         r = httpx.post(f"{url}/v1/completions", json={"model": "atlas-tiny", "prompt": "Hello", "max_tokens": 4},
@@ -245,9 +227,6 @@ def test_serve_a_checkpoint_under_a_served_model_name_at_the_models_limit(tiny_d
         assert r.status_code == 200, r.text
         assert httpx.post(f"{url}/v1/completions", json={"model": "tiny-512", "prompt": "Hello"},
                           timeout=60).status_code == 404
-    finally:
-        proc.send_signal(signal.SIGINT)
-        proc.wait(timeout=30)
 
 
 def test_the_gpu_benchmark_command_fails_clearly_without_a_gpu(capsys) -> None:

@@ -3,17 +3,13 @@
 from __future__ import annotations
 
 import json
-import os
-import signal
-import socket
-import subprocess
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import openai
 import pytest
+from fixtures.serving import ServeProcess
 
 from atlas.config import EngineConfig
 from atlas.engine.engine import Engine
@@ -154,31 +150,10 @@ def test_fatal_fault_turns_every_route_503_and_ends_open_streams_with_an_error()
             assert r.status_code == 503 and r.json()["error"]["code"] == "engine_dead", path
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_serve_process_exits_non_zero_after_a_fatal_fault(tmp_path) -> None:
-    port = _free_port()
     trace = tmp_path / "trace.sqlite"
-    proc = subprocess.Popen(
-        [sys.executable, "-c", "from atlas.cli import main; main()", "serve", "--backend", "null", "--port", str(port),
-         "--trace", str(trace), "--enable-fault-injection"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )
-    try:
-        url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert proc.poll() is None and time.monotonic() < deadline, "the server did not start"
-            time.sleep(0.1)
+    with ServeProcess(tmp_path, "--backend", "null", "--trace", str(trace), "--enable-fault-injection") as served:
+        url = served.wait_ready(timeout=60).url
         ok = httpx.post(f"{url}/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=10)
         assert ok.status_code == 200
         assert httpx.post(f"{url}/debug/inject_fault", json={"kind": "fatal"}, timeout=10).status_code == 200
@@ -186,8 +161,8 @@ def test_serve_process_exits_non_zero_after_a_fatal_fault(tmp_path) -> None:
             assert httpx.get(f"{url}/health", timeout=2).status_code == 503
         except httpx.TransportError:
             pass
-        code = proc.wait(timeout=20)
-        assert code == EXIT_ENGINE_DEAD
+        code = served.wait(timeout=20)
+        assert code == EXIT_ENGINE_DEAD, served.logs()
         reader = TraceReader(trace)  # flushed before exit: the served request and the fatal fault are in it
         try:
             recorded = list(reader.events(reader.run().run_id))
@@ -196,10 +171,6 @@ def test_serve_process_exits_non_zero_after_a_fatal_fault(tmp_path) -> None:
         kinds = [e.kind for e in recorded]
         assert kinds.count("request_arrived") == 1 and kinds.count("request_finished") == 1
         assert any(e.kind == "engine_faulted" and e.payload.get("fatal") for e in recorded)
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGKILL)
-            proc.wait()
 
 
 def test_stopping_the_loop_ends_live_requests_with_503_not_a_hang() -> None:

@@ -28,6 +28,7 @@ from atlas.plan import (
     PrefixStore,
     RingRestore,
     RingSnapshot,
+    SeqWork,
     StepPlan,
     StepResult,
 )
@@ -183,3 +184,17 @@ def check_chunk(chunk: ChunkLike, vocab_size: int, held: int) -> None:
         raise ValueError(f"sequence {chunk.seq_id}: token ids {bad[:5]} outside the vocabulary [0, {vocab_size})")
     if chunk.start != 0 and chunk.start != held:
         raise ValueError(f"sequence {chunk.seq_id}: chunk starts at {chunk.start} but the backend holds {held} tokens")
+
+
+def check_verify(work: SeqWork, verify_width: int, held: int, known: bool) -> None:
+    """Refuse a verify a backend cannot run, before anything moves: anything but the last sampled token followed
+    by its drafts, wider than the `verify_width` per-token intermediates the backend holds, or not at the `held`
+    tokens of a sequence the backend knows. The backend then checks the K rows as a chunk (check_chunk)."""
+    if len(work.tokens) != 1 or not work.sample:
+        raise ValueError(f"sequence {work.seq_id}: a verify feeds exactly the last sampled token and its drafts")
+    k = len(work.tokens) + len(work.drafts)
+    if k > verify_width:
+        raise ValueError(f"sequence {work.seq_id}: verify of width {k} exceeds the {verify_width} "
+                         "per-token intermediates this backend holds (Capacities.verify_width)")
+    if not known or held != work.start:
+        raise ValueError(f"sequence {work.seq_id}: verify at {work.start} but the backend holds {held} tokens")

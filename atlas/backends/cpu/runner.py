@@ -12,7 +12,14 @@ from collections.abc import Sequence
 import attrs
 import torch
 
-from atlas.backends.base import Capabilities, ChunkLike, check_chunk, run_orders, state_audit_default
+from atlas.backends.base import (
+    Capabilities,
+    ChunkLike,
+    check_chunk,
+    check_verify,
+    run_orders,
+    state_audit_default,
+)
 from atlas.backends.cpu.decoder import forward_chunk
 from atlas.backends.cpu.drafter import MtpDrafter
 from atlas.backends.cpu.mtp import mtp_forward
@@ -249,15 +256,7 @@ class CpuBackend:
     # -- speculative decoding -----------------------------------------------------------------------
 
     def _check_verify(self, work: SeqWork) -> None:
-        k = len(work.tokens) + len(work.drafts)
-        if len(work.tokens) != 1 or not work.sample:
-            raise ValueError(f"sequence {work.seq_id}: a verify feeds exactly the last sampled token and its drafts")
-        if k > self.store.verify_width:
-            raise ValueError(f"sequence {work.seq_id}: verify of width {k} exceeds the {self.store.verify_width} "
-                             "per-token intermediates this backend holds (Capacities.verify_width)")
-        held = self.store.held(work.seq_id)
-        if work.seq_id not in self.store.seqs or held != work.start:
-            raise ValueError(f"sequence {work.seq_id}: verify at {work.start} but the backend holds {held} tokens")
+        check_verify(work, self.store.verify_width, self.store.held(work.seq_id), work.seq_id in self.store.seqs)
         self._check_chunk(Chunk(work.seq_id, work.tokens + work.drafts, work.start, work.block_table))
 
     def _verify(self, w: SeqWork) -> SeqOutcome:

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 import attrs
 import torch
 
-from atlas.backends.base import Capabilities, ChunkLike, check_chunk, run_orders
+from atlas.backends.base import Capabilities, ChunkLike, check_chunk, check_verify, run_orders
 from atlas.backends.cuda.batch import Group, GroupShape, Row, pack_rows
 from atlas.backends.cuda.faults import FaultGuard, probe_device
 from atlas.backends.cuda.graphs import DecodeGraphs, bucket
@@ -426,15 +426,7 @@ class CudaBackend:
         return dict(token=v.token, logprob=v.logprob, top_logprobs=v.top_logprobs, verdicts=run.verdicts, accepted=n)
 
     def _check_verify(self, work: SeqWork) -> None:
-        k = len(work.tokens) + len(work.drafts)
-        if len(work.tokens) != 1 or not work.sample:
-            raise ValueError(f"sequence {work.seq_id}: a verify feeds exactly the last sampled token and its drafts")
-        if k > self.pools.verify_width:
-            raise ValueError(f"sequence {work.seq_id}: verify of width {k} exceeds the {self.pools.verify_width} "
-                             "per-token intermediates this backend holds (Capacities.verify_width)")
-        held = self.store.held(work.seq_id)
-        if work.seq_id not in self._seqs or held != work.start:
-            raise ValueError(f"sequence {work.seq_id}: verify at {work.start} but the backend holds {held} tokens")
+        check_verify(work, self.pools.verify_width, self.store.held(work.seq_id), work.seq_id in self._seqs)
         self._check_chunk(attrs.evolve(work, tokens=work.tokens + work.drafts, drafts=()))
 
     def verify(self, w: SeqWork) -> tuple:

@@ -37,6 +37,8 @@ from atlas.bench_measure import (  # noqa: F401  (re-exported: the measurements 
 
 # the long prefills (the model's max_position_embeddings is 32,768: the prompt leaves room for the engine's margin)
 LONG_PREFILL = (8192, 32752)
+# decode rows beside greedy (issue 15): seeded sampling (goal within 5% of greedy) and `cuda-invariant` (within 10%)
+MODES = ("seeded", "invariant")
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "benchmarks" / "configs" / "qwen4exp-2p7b.json"
 
 
@@ -74,7 +76,7 @@ def bench_transformers(config: dict, *, prefill_tokens: int = 2048, batches: tup
 
 def run(config_path: Path = DEFAULT_CONFIG, *, out: Path | None = None, batches: tuple[int, ...] = (1, 16, 64),
         with_transformers: bool = True, variants: list[str] | None = None,
-        long_prefill: tuple[int, ...] = LONG_PREFILL) -> dict:
+        long_prefill: tuple[int, ...] = LONG_PREFILL, modes: tuple[str, ...] = MODES) -> dict:
     """Ceilings, then every Tuning variant side by side (atlas.bench_variants: a failing one is reported and
     skipped), the long prefills on the fastest variant whose attention is SDPA, then transformers."""
     from atlas.backends.cuda.random_model import random_model
@@ -99,6 +101,7 @@ def run(config_path: Path = DEFAULT_CONFIG, *, out: Path | None = None, batches:
     save()
     model = random_model(config, device="cuda", dtype=torch.bfloat16, seed=0)
     report["parameters"] = sum(t.numel() for t in model.weights.values())
+    m_model = model
     bw, rate = report["ceilings"]["copy_gb_s"] * 1e9, report["ceilings"]["bf16_tflop_s"] * 1e12
 
     def progress(name: str, row: dict) -> None:  # one line a variant as it lands: a timeout keeps the finished ones
@@ -116,6 +119,24 @@ def run(config_path: Path = DEFAULT_CONFIG, *, out: Path | None = None, batches:
         if w is not None:
             report[f"decode_b{batch}"] = {**w[1], "variant": w[0]}
     save()
+    # the issue-15 rows beside greedy, on each batch's fastest variant: seeded sampling (keyed draws on the device)
+    # and the batch-invariant mode, each against that variant's greedy ms/step
+    for mode in modes:
+        for batch in batches:
+            fastest = report.get(f"decode_b{batch}")
+            if fastest is None:
+                continue
+            tuning = VARIANTS[fastest["variant"]]
+            backend = "cuda-invariant" if mode == "invariant" else "cuda"
+            d = guarded(lambda b=batch, t=tuning, be=backend, m=mode: bench_decode(
+                m_model, b, tuning=t, backend=be, seeded=m == "seeded"))
+            if "error" not in d:
+                d.update(variant=fastest["variant"], greedy_ms=fastest["ms_per_step"],
+                         vs_greedy=d["ms_per_step"] / fastest["ms_per_step"])
+            report[f"{mode}_b{batch}"] = d
+            print(f"decode {mode} b{batch} ({fastest['variant']}): " + (d["error"] if "error" in d else
+                  f"{d['ms_per_step']:.2f} ms/step, x{d['vs_greedy']:.2f} greedy"), flush=True)
+            save()
     sdpa = {n: r for n, r in report["variants"].items() if r["tuning"]["attention"] == "sdpa"}
     long_variant = best(sdpa, "prefill", "ms")
     if long_variant is not None:
@@ -164,6 +185,12 @@ def table(report: dict) -> str:
         f"b{d['batch']} {d['variant']} {d['ms_per_step']:.2f} ms ({d['tokens_per_s']:.0f} tok/s, control plane "
         f"{100 * d['control_plane_share']:.1f}%)" for d in floors))
     lines += variants_table(report.get("variants", {}), batches)
+    for mode, goal in (("seeded", 1.05), ("invariant", 1.10)):
+        rows = {b: report[f"{mode}_b{b}"] for b in batches if f"{mode}_b{b}" in report}
+        if rows:
+            lines.append(f"decode {mode} (goal <= x{goal:.2f} greedy): " + ", ".join(
+                f"b{b} ERROR {r['error']}" if "error" in r else f"b{b} {r['ms_per_step']:.2f} ms x{r['vs_greedy']:.2f}"
+                for b, r in rows.items()))
     t = report.get("transformers", {})
     if "prefill" in t:
         lines.append(f"transformers {t['transformers']}: prefill 2048 {t['prefill']['tokens_per_s']:.0f} tok/s; "
@@ -189,13 +216,19 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--batches", default="1,16,64")
     parser.add_argument("--long-prefill", default=",".join(map(str, LONG_PREFILL)), help="'' skips them")
     parser.add_argument("--no-transformers", action="store_true")
+    parser.add_argument("--modes", default=",".join(MODES),
+                        help="decode rows beside greedy on each batch's fastest variant ('' skips them)")
     args = parser.parse_args(argv)
+    bad = [m for m in args.modes.split(",") if m and m not in MODES]
+    if bad:
+        parser.error(f"--modes {','.join(bad)}: choose from {', '.join(MODES)}")
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
     report = run(out=args.out, batches=tuple(int(b) for b in args.batches.split(",")),
                  with_transformers=not args.no_transformers,
                  variants=args.variants.split(",") if args.variants else None,
-                 long_prefill=tuple(int(t) for t in args.long_prefill.split(",") if t))
+                 long_prefill=tuple(int(t) for t in args.long_prefill.split(",") if t),
+                 modes=tuple(m for m in args.modes.split(",") if m))
     print(table(report))
 
 

@@ -99,27 +99,36 @@ class TimedBackend:
         return result
 
 
-def _engine(model: Any, *, batch: int, max_seq_len: int, chunk: int, tuning: Any = None) -> tuple[Any, TimedBackend]:
+def _engine(model: Any, *, batch: int, max_seq_len: int, chunk: int, tuning: Any = None,
+            backend: str = "cuda") -> tuple[Any, TimedBackend]:
     from atlas.config import EngineConfig
     from atlas.engine.records import RecordingSink
     from atlas.registry import build_engine
 
     config = EngineConfig(max_seq_len=max_seq_len, max_batch_size=batch, prefill_chunk_tokens=max(chunk, batch))
-    engine = build_engine(model.name, "cuda", config, sink=RecordingSink(), loaded=model,
+    engine = build_engine(model.name, backend, config, sink=RecordingSink(), loaded=model,
                           backend_options={"tuning": tuning} if tuning is not None else None)
     timed = TimedBackend(engine.backend)
     engine.backend = timed
     return engine, timed
 
 
-def _run_steps(engine: Any, prompts: list[list[int]], max_tokens: int) -> list[float]:
-    """Generate; the wall time of every engine step in ms."""
+# the issue-15 sampling row: what nearly every real request does (a temperature, nucleus, its own seed)
+SEEDED = {"temperature": 0.8, "top_p": 0.95}
+
+
+def _run_steps(engine: Any, prompts: list[list[int]], max_tokens: int, seeded: bool = False) -> list[float]:
+    """Generate (greedy, or `seeded`: SEEDED with a seed per request); the wall time of every engine step in ms."""
     from atlas.engine.offline import generate
     from atlas.sampling.params import SamplingParams
 
+    if seeded:
+        params = [SamplingParams(max_tokens=max_tokens, ignore_eos=True, seed=1000 + i, **SEEDED)
+                  for i in range(len(prompts))]
+    else:
+        params = [SamplingParams(max_tokens=max_tokens, ignore_eos=True)] * len(prompts)
     stamps = [time.perf_counter()]
-    generate(engine, prompts, SamplingParams(max_tokens=max_tokens, ignore_eos=True),
-             progress=lambda done, total: stamps.append(time.perf_counter()))
+    generate(engine, prompts, params, progress=lambda done, total: stamps.append(time.perf_counter()))
     return [(b - a) * 1e3 for a, b in zip(stamps, stamps[1:], strict=False)]
 
 
@@ -142,12 +151,13 @@ def bench_prefill(model: Any, tokens: int = 2048, repeat: int = 3, moe: str | No
     return {"tokens": tokens, "moe": moe, "ms": wall, "tokens_per_s": tokens / wall * 1e3, "execute_ms": execute}
 
 
-def bench_decode(model: Any, batch: int, prompt_len: int = 140, steps: int = 40, tuning: Any = None
-                 ) -> dict[str, float]:
-    engine, timed = _engine(model, batch=batch, max_seq_len=prompt_len + steps + 16, chunk=4096, tuning=tuning)
+def bench_decode(model: Any, batch: int, prompt_len: int = 140, steps: int = 40, tuning: Any = None,
+                 backend: str = "cuda", seeded: bool = False) -> dict[str, float]:
+    engine, timed = _engine(model, batch=batch, max_seq_len=prompt_len + steps + 16, chunk=4096, tuning=tuning,
+                            backend=backend)
     g = torch.Generator().manual_seed(batch)
     prompts = [torch.randint(0, model.spec.vocab_size, (prompt_len,), generator=g).tolist() for _ in range(batch)]
-    walls = _run_steps(engine, prompts, max_tokens=steps)
+    walls = _run_steps(engine, prompts, max_tokens=steps, seeded=seeded)
     engine.close()
     # decode steps: every sequence fed one token; the first few capture the CUDA graphs
     decode = [(w, c[2]) for w, c in zip(walls, timed.calls, strict=False) if c[0] == batch and c[1] == batch][4:]

@@ -72,3 +72,28 @@ def test_the_summary_table_names_the_winners_and_the_errors(fakes: list) -> None
     assert "decode best: b1 triton 2.00 ms" in text
     assert "prefill 32752: ERROR OutOfMemoryError" in text
     assert "prefill 2048 best: baseline 90.0 ms" in text
+
+
+def test_the_seeded_and_invariant_rows_print_against_greedy() -> None:
+    report: dict = {"device": "fake", "ceilings": {"copy_gb_s": 4000.0, "bf16_tflop_s": 700.0}, "batches": [1, 16],
+                    "seeded_b1": {"ms_per_step": 7.5, "vs_greedy": 1.07}, "seeded_b16": {"error": "OOM"},
+                    "invariant_b1": {"ms_per_step": 8.0, "vs_greedy": 1.14}}
+    text = bench.table(report)
+    assert "decode seeded (goal <= x1.05 greedy): b1 7.50 ms x1.07, b16 ERROR OOM" in text
+    assert "decode invariant (goal <= x1.10 greedy): b1 8.00 ms x1.14" in text
+
+
+def test_seeded_decode_gives_every_request_its_own_seed(monkeypatch: pytest.MonkeyPatch) -> None:
+    seen: list = []
+
+    def generate(engine: Any, prompts: list, params: list, progress: Any) -> None:
+        seen.extend(params)
+        progress(1, 1)
+
+    monkeypatch.setattr("atlas.engine.offline.generate", generate)
+    measure._run_steps(None, [[1], [2], [3]], max_tokens=4, seeded=True)
+    assert [p.seed for p in seen] == [1000, 1001, 1002]
+    assert all(p.temperature == 0.8 and p.top_p == 0.95 and p.ignore_eos for p in seen)
+    seen.clear()
+    measure._run_steps(None, [[1], [2]], max_tokens=4)
+    assert all(p.temperature == 0.0 for p in seen)

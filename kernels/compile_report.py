@@ -200,7 +200,7 @@ def moe_cases() -> list[CompileReport]:
 def hyper_cases() -> list[CompileReport]:
     # the tile sizes do not depend on the row count (batch invariance), so one configuration a kernel
     split, bk = hyper.split_sizes(2048)
-    bm, bn, warps = hyper.BLOCK_M, hyper.BLOCK_N, hyper.WARPS
+    bm, bn = hyper.BLOCK_M, hyper.BLOCK_N
     norm = dict(x_ptr="*bf16", norm_ptr="*bf16", normed_ptr="*bf16", rows="i32", hidden="i32", eps="fp32")
     down = dict(normed_ptr="*bf16", w_ptr="*bf16", part_ptr="*fp32", rows="i32", width="i32", n_out="i32")
     act = dict(part_ptr="*fp32", act_ptr="*bf16", inject_ptr="*bf16", rows="i32", lowrank="i32", n_out="i32",
@@ -208,13 +208,15 @@ def hyper_cases() -> list[CompileReport]:
     up = dict(normed_ptr="*bf16", w_ptr="*bf16", act_ptr="*bf16", out_ptr="*bf16", rows="i32", hidden="i32",
               lowrank="i32")
     return [
-        compile_for_hopper(hyper._hyper_norm_kernel, norm, dict(HC=4, BM=hyper.NORM_ROWS, BH=2048), warps,
+        compile_for_hopper(hyper._hyper_norm_kernel, norm, dict(HC=4, BM=hyper.NORM_ROWS, BH=2048),
+                           hyper.NORM_WARPS,
                            f"{hyper.NORM_ROWS} rows x 2048"),
         compile_for_hopper(hyper._hyper_down_kernel, down,
-                           dict(BM=bm, BN=bn, BK=bk, SPLIT=split, PRECISION="tf32"), warps, f"split {split}"),
-        compile_for_hopper(hyper._hyper_act_kernel, act, dict(HC=4, BM=bm, BN=bn), warps, f"BM={bm}"),
-        compile_for_hopper(hyper._hyper_up_kernel, up, dict(HC=4, BM=bm, BN=bn, BK=64, PRECISION="tf32"), warps,
-                           f"BM={bm}"),
+                           dict(BM=bm, BN=bn, BK=bk, SPLIT=split, PRECISION="tf32"), hyper.DOWN_WARPS,
+                           f"split {split}"),
+        compile_for_hopper(hyper._hyper_act_kernel, act, dict(HC=4, BM=bm, BN=bn), hyper.ACT_WARPS, f"BM={bm}"),
+        compile_for_hopper(hyper._hyper_up_kernel, up, dict(HC=4, BM=bm, BN=bn, BK=64, PRECISION="tf32"),
+                           hyper.UP_WARPS, f"BM={bm}"),
     ]
 
 

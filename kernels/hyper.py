@@ -35,9 +35,12 @@ from atlas_kernels import _interpreter_compat  # noqa: F401  (CPU interpreter fi
 
 BLOCK_M = 64  # rows a GEMM program owns (fixed: a row-count-dependent tile would change tl.dot's shape)
 BLOCK_N = 32  # output columns a mix-down / mix-up program owns
-NORM_ROWS = 4  # rows a norm program owns ([4, H] fp32 in registers: 64 a thread at H = 2048, 4 warps)
+NORM_ROWS = 4  # rows a norm program owns ([4, H] fp32 in registers: 32 a thread at H = 2048, 8 warps)
 MAX_SPLIT = 512  # mix-down input columns a program reduces (16 splits at hc = 4, H = 2048)
-WARPS = 4
+# warps per kernel, from the sm_90 compile report (compile_report.py): 4 warps spill the mix-up kernel (255
+# registers + 448 bytes) and put the norm at 255; 8 warps spill nothing (178 / 168). The mix-down at 4 warps
+# and a 128-column k step: 168 registers, no spill (its k loop fully unrolled: 255 and 1,192 bytes of spills)
+NORM_WARPS, DOWN_WARPS, ACT_WARPS, UP_WARPS = 8, 4, 4, 8
 
 
 @triton.jit
@@ -66,7 +69,7 @@ def _hyper_down_kernel(normed_ptr, w_ptr, part_ptr, rows, width, n_out, BM: tl.c
     split = tl.program_id(2)
     ks = split * SPLIT + tl.arange(0, BK)
     acc = tl.zeros((BM, BN), dtype=tl.float32)
-    for k0 in tl.static_range(0, SPLIT, BK):
+    for k0 in range(0, SPLIT, BK):
         a = tl.load(normed_ptr + r.to(tl.int64)[:, None] * width + (k0 + ks)[None, :], mask=r_ok[:, None],
                     other=0.0)
         w = tl.load(w_ptr + cols.to(tl.int64)[:, None] * width + (k0 + ks)[None, :], mask=c_ok[:, None], other=0.0)
@@ -150,17 +153,17 @@ def hyper_site(streams: torch.Tensor, norm_w: torch.Tensor, down_w: torch.Tensor
     normed = torch.empty_like(x)
     _hyper_norm_kernel[(triton.cdiv(rows, NORM_ROWS), hc)](
         x, norm_w, normed, rows, hidden, eps, HC=hc, BM=NORM_ROWS, BH=triton.next_power_of_2(hidden),
-        num_warps=WARPS)
+        num_warps=NORM_WARPS)
     part = torch.empty(splits, rows, n_out, dtype=torch.float32, device=x.device)
     _hyper_down_kernel[(triton.cdiv(rows, BLOCK_M), triton.cdiv(n_out, BLOCK_N), splits)](
         normed, down_w.contiguous(), part, rows, width, n_out, BM=BLOCK_M, BN=BLOCK_N, BK=bk, SPLIT=split,
-        PRECISION=precision, num_warps=WARPS)
+        PRECISION=precision, num_warps=DOWN_WARPS)
     act = torch.empty(rows, lowrank, dtype=x.dtype, device=x.device)
     inject = torch.empty(rows, hc, dtype=x.dtype, device=x.device)
     _hyper_act_kernel[(triton.cdiv(rows, BLOCK_M), triton.cdiv(n_out, BLOCK_N))](
-        part, act, inject, rows, lowrank, n_out, splits, HC=hc, BM=BLOCK_M, BN=BLOCK_N, num_warps=WARPS)
+        part, act, inject, rows, lowrank, n_out, splits, HC=hc, BM=BLOCK_M, BN=BLOCK_N, num_warps=ACT_WARPS)
     out = torch.empty(rows, hidden, dtype=x.dtype, device=x.device)
     _hyper_up_kernel[(triton.cdiv(rows, BLOCK_M), triton.cdiv(hidden, BLOCK_N))](
         normed, up_w.contiguous(), act, out, rows, hidden, lowrank, HC=hc, BM=BLOCK_M, BN=BLOCK_N, BK=64,
-        PRECISION=precision, num_warps=WARPS)
+        PRECISION=precision, num_warps=UP_WARPS)
     return out.view(*lead, hidden), (inject.view(*lead, hc) if combine else None)

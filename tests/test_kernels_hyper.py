@@ -53,13 +53,16 @@ def test_fused_site_matches_the_torch_block(dtype: torch.dtype, rows: int, hidde
         assert inject is None
 
 
+ON_GPU = torch.cuda.is_available()
+
+
 @pytest.mark.parametrize("hc", [2, 4])
-@pytest.mark.parametrize("rows", [1, 16, 64, 2048])
-def test_benchmark_hidden_size_matches_the_torch_block(rows: int, hc: int) -> None:
-    # hidden 2048 (the benchmark model's): 8 or 16 splits of 512 columns in the split-K mix-down, several
-    # 64-row tiles at 2048 rows; lowrank 96 (the model's 320 costs the interpreter minutes; 96 is not a
-    # multiple of the mix-up's 64-column k tile, so its masks are exercised too)
-    hidden, lowrank, eps, dtype = 2048, 96, 1e-6, torch.bfloat16
+@pytest.mark.parametrize(("rows", "hidden"), [(1, 2048), (16, 2048), (64, 2048), (2048, 2048 if ON_GPU else 128)])
+def test_benchmark_hidden_size_matches_the_torch_block(rows: int, hidden: int, hc: int) -> None:
+    # hidden 2048 (the benchmark model's): 8 or 16 splits of 512 columns in the split-K mix-down; 2048 rows: 32
+    # row tiles (at hidden 2048 only compiled: the interpreter takes 6 minutes a case there, passed once by hand,
+    # so hidden 128 on the CPU); lowrank 96 (not a multiple of the mix-up's 64-column k tile: its masks too)
+    lowrank, eps, dtype = 96, 1e-6, torch.bfloat16
     streams, norm_w, down_w, up_w = case(rows, hc, hidden, lowrank, True, dtype, seed=rows * hc)
     mixed, inject = hyper_site(streams, norm_w, down_w, up_w, hc, lowrank, eps, True)
     want_mixed, want_inject = hyper_block(streams.double(), norm_w.double(), down_w.double(), up_w.double(), hc,

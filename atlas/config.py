@@ -35,8 +35,8 @@ def _check_drafts(_inst: object, _attr: attrs.Attribute, value: int) -> None:
         raise CapacityError(f"num_drafts must be in [0, {MAX_DRAFTS}] (0 turns speculation off), got {value}")
 
 
-def _non_negative(_inst: object, attr: attrs.Attribute, value: int) -> None:
-    if value < 0:
+def _non_negative(_inst: object, attr: attrs.Attribute, value: int | None) -> None:
+    if value is not None and value < 0:
         raise CapacityError(f"{attr.name} must be >= 0, got {value}")
 
 
@@ -48,6 +48,11 @@ class EngineConfig:
     max_batch_size: int = attrs.field(default=64, validator=_positive)
     # the per-step token budget: decodes take one token each, prefill chunks share the rest
     prefill_chunk_tokens: int = attrs.field(default=2048, validator=_positive)
+    # prefill chunks end at multiples of this many prompt tokens (or the prompt's end, or a branch point), so a
+    # prompt is chunked the same way under any load (atlas.engine.scheduler). None: derived, the largest
+    # multiple of block_size that fits beside a full batch of decodes (1,984 at the defaults); 0: off, chunks
+    # follow the budget the other sequences leave
+    prefill_align: int | None = attrs.field(default=None, validator=_non_negative)
     block_size: int = attrs.field(default=16, validator=_positive)
     num_kv_blocks: int | None = attrs.field(default=None, validator=_positive)  # None = derived
     max_waiting: int = attrs.field(default=1024, validator=_positive)  # bound of the waiting queue
@@ -115,6 +120,7 @@ class Capacities:
     prefix_caching: bool = False
     prefix_snapshots: int = 0  # recurrent snapshots the prefix cache keeps (0: prefix caching off)
     drafter_context: bool = True  # MTP drafter prefilled over the prompt and carried across turns
+    prefill_align: int = 0  # prefill chunks end at multiples of it (0: off; the default of older traces)
 
     def table(self) -> dict[str, int | str]:
         return attrs.asdict(self)
@@ -223,6 +229,7 @@ def derive_capacities(config: EngineConfig, spec: Any = None, *, activation_byte
     )
     verify_width = config.num_drafts + 1
     max_batch_tokens = config.prefill_chunk_tokens
+    prefill_align = _prefill_align(config, max_batch_tokens, verify_width)
     qsa_index_capacity = _check_floor(
         "qsa_index_capacity",
         config.qsa_index_capacity,
@@ -251,7 +258,24 @@ def derive_capacities(config: EngineConfig, spec: Any = None, *, activation_byte
         prefix_caching=config.enable_prefix_caching,
         prefix_snapshots=(config.prefix_snapshots or 4 * config.max_batch_size) if config.enable_prefix_caching else 0,
         drafter_context=config.drafter_context,
+        prefill_align=prefill_align,
     )
+
+
+def _prefill_align(config: EngineConfig, max_batch_tokens: int, verify_width: int) -> int:
+    """The prefill chunk alignment: at most what a step's budget leaves beside every other sequence's verify (so
+    an aligned chunk always fits beside them); derived as the largest multiple of block_size under that (chunk
+    ends then fall on full KV blocks, which the prefix cache can match), 0 (off) when not even one block fits."""
+    ceiling = max_batch_tokens - (config.max_batch_size - 1) * verify_width
+    if config.prefill_align is None:
+        return max(0, ceiling) // config.block_size * config.block_size
+    if config.prefill_align > ceiling:
+        raise CapacityError(
+            f"prefill_align {config.prefill_align} is above its ceiling {ceiling} (prefill_chunk_tokens "
+            f"{max_batch_tokens} less one verify of {verify_width} tokens for each of the other "
+            f"{config.max_batch_size - 1} sequences: a chunk that large could wait forever); 0 turns alignment off"
+        )
+    return config.prefill_align
 
 
 NO_DRAFTER_CONTEXT_ENV = "ATLAS_NO_MTP_DRAFTER_CONTEXT"

@@ -198,19 +198,26 @@ def moe_cases() -> list[CompileReport]:
 
 
 def hyper_cases() -> list[CompileReport]:
-    reports = []
-    for rows in (1, 2048):
-        bm, bn, bk = hyper.block_sizes(rows, 2048)
-        warps = 4 if bm <= 16 else 8
-        down = dict(x_ptr="*bf16", norm_ptr="*bf16", w_ptr="*bf16", act_ptr="*bf16", inject_ptr="*bf16",
-                    rstd_ptr="*fp32", rows="i32", hidden="i32", lowrank="i32", n_out="i32", eps="fp32")
-        reports.append(compile_for_hopper(hyper._hyper_down_kernel, down,
-                                          dict(HC=4, BM=bm, BN=bn, BK=bk, PRECISION="tf32"), warps, f"BM={bm}"))
-        up = dict(x_ptr="*bf16", norm_ptr="*bf16", w_ptr="*bf16", act_ptr="*bf16", rstd_ptr="*fp32",
-                  out_ptr="*bf16", rows="i32", hidden="i32", lowrank="i32")
-        reports.append(compile_for_hopper(hyper._hyper_up_kernel, up, dict(HC=4, BM=bm, BN=bn, BK=64, PRECISION="tf32"),
-                                          warps, f"BM={bm}"))
-    return reports
+    # the tile sizes do not depend on the row count (batch invariance), so one configuration a kernel
+    split, bk = hyper.split_sizes(2048)
+    bm, bn = hyper.BLOCK_M, hyper.BLOCK_N
+    norm = dict(x_ptr="*bf16", norm_ptr="*bf16", normed_ptr="*bf16", rows="i32", hidden="i32", eps="fp32")
+    down = dict(normed_ptr="*bf16", w_ptr="*bf16", part_ptr="*fp32", rows="i32", width="i32", n_out="i32")
+    act = dict(part_ptr="*fp32", act_ptr="*bf16", inject_ptr="*bf16", rows="i32", lowrank="i32", n_out="i32",
+               splits="i32")
+    up = dict(normed_ptr="*bf16", w_ptr="*bf16", act_ptr="*bf16", out_ptr="*bf16", rows="i32", hidden="i32",
+              lowrank="i32")
+    return [
+        compile_for_hopper(hyper._hyper_norm_kernel, norm, dict(HC=4, BM=hyper.NORM_ROWS, BH=2048),
+                           hyper.NORM_WARPS,
+                           f"{hyper.NORM_ROWS} rows x 2048"),
+        compile_for_hopper(hyper._hyper_down_kernel, down,
+                           dict(BM=bm, BN=bn, BK=bk, SPLIT=split, PRECISION="tf32"), hyper.DOWN_WARPS,
+                           f"split {split}"),
+        compile_for_hopper(hyper._hyper_act_kernel, act, dict(HC=4, BM=bm, BN=bn), hyper.ACT_WARPS, f"BM={bm}"),
+        compile_for_hopper(hyper._hyper_up_kernel, up, dict(HC=4, BM=bm, BN=bn, BK=64, PRECISION="tf32"),
+                           hyper.UP_WARPS, f"BM={bm}"),
+    ]
 
 
 def all_reports() -> list[CompileReport]:

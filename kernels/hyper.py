@@ -1,4 +1,4 @@
-"""One hyper-connection site (qwen4_exp's mix of hc residual streams into a block input) in two kernels.
+"""One hyper-connection site (qwen4_exp's mix of hc residual streams into a block input) in four kernels.
 
     mixed, inject = hyper_site(streams [R, hc*H], norm_w [hc*H], down_w [lowrank (+ hc), hc*H],
                                up_w [hc*H, lowrank], hc, eps)
@@ -8,10 +8,22 @@
     inject  = 2 * sigmoid(d[lowrank:])                                             [R, hc] (or None)
 
 The torch path is ~13 kernels a site (norm, GEMM, split, silu, GEMM, sigmoid, the mix, the mean, the
-injection's sigmoid and scale; 49 sites a step on the benchmark model); here kernel 1 computes each row's
-per-stream rstd and the down product with silu / sigmoid applied, kernel 2 the up product, the mix and the
-mean. Programs own a tile of rows and of output columns: the reductions run over fixed tiles in a fixed
-order, so a row's result does not depend on the other rows (for a fixed block_m).
+injection's sigmoid and scale; 49 sites a step on the benchmark model). Here:
+
+1. `_hyper_norm_kernel`: each program one (tile of 4 rows, stream): the stream's sum of squares in one
+   [4, H] tile, the normed rows written (rounded as the torch path's normed tensor).
+2. `_hyper_down_kernel`: split-K mix-down GEMM. Each program one (64-row tile, 32-column tile, split of
+   SPLIT = min(512, H) input columns) and writes an fp32 partial [splits, R, n_out]. H200 run 3 measured the
+   previous one-pass kernel (rstd and the whole 8,192-column reduction serial in each of 11 programs at batch
+   1) at 3.75 ms of an 8.1 ms decode step (76 us a site): at batch 1 it now has 11 x 16 = 176 programs of
+   4 k-steps each instead of 11 of 128.
+3. `_hyper_act_kernel`: the partials summed in split order, silu (mix-down) / 2 sigmoid (injection).
+4. `_hyper_up_kernel`: the mix-up product, sigmoid, the mix with the normed streams, the mean over streams.
+
+Batch invariance: every tile size (rows, columns, k step, split) is a constant of the model's sizes, never of
+the row count, and every reduction (the sum of squares, the k loop inside a split, the splits, the streams)
+runs over fixed tiles in a fixed order, so a row's result does not depend on the other rows or how many
+there are (tested: one row alone equals the same row among 100).
 """
 
 from __future__ import annotations
@@ -21,54 +33,74 @@ import triton
 import triton.language as tl
 from atlas_kernels import _interpreter_compat  # noqa: F401  (CPU interpreter fix)
 
+BLOCK_M = 64  # rows a GEMM program owns (fixed: a row-count-dependent tile would change tl.dot's shape)
+BLOCK_N = 32  # output columns a mix-down / mix-up program owns
+NORM_ROWS = 4  # rows a norm program owns ([4, H] fp32 in registers: 32 a thread at H = 2048, 8 warps)
+MAX_SPLIT = 512  # mix-down input columns a program reduces (16 splits at hc = 4, H = 2048)
+# warps per kernel, from the sm_90 compile report (compile_report.py): 4 warps spill the mix-up kernel (255
+# registers + 448 bytes) and put the norm at 255; 8 warps spill nothing (178 / 168). The mix-down at 4 warps
+# and a 128-column k step: 168 registers, no spill (its k loop fully unrolled: 255 and 1,192 bytes of spills)
+NORM_WARPS, DOWN_WARPS, ACT_WARPS, UP_WARPS = 8, 4, 4, 8
+
 
 @triton.jit
-def _hyper_down_kernel(
-    x_ptr, norm_ptr, w_ptr, act_ptr, inject_ptr, rstd_ptr, rows, hidden, lowrank, n_out, eps,
-    HC: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PRECISION: tl.constexpr,
-):
+def _hyper_norm_kernel(x_ptr, norm_ptr, normed_ptr, rows, hidden, eps, HC: tl.constexpr, BM: tl.constexpr,
+                       BH: tl.constexpr):
+    r = tl.program_id(0) * BM + tl.arange(0, BM)
+    s = tl.program_id(1)
+    h = tl.arange(0, BH)
+    h_ok = h < hidden
+    ok = (r < rows)[:, None] & h_ok[None, :]
+    offs = r.to(tl.int64)[:, None] * (HC * hidden) + (s * hidden + h)[None, :]
+    x = tl.load(x_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(x * x, 1) / hidden + eps)  # [BM]
+    scale = tl.load(norm_ptr + s * hidden + h, mask=h_ok, other=0.0).to(tl.float32)
+    normed = (x * rstd[:, None]).to(x_ptr.dtype.element_ty).to(tl.float32) * scale[None, :]
+    tl.store(normed_ptr + offs, normed.to(normed_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _hyper_down_kernel(normed_ptr, w_ptr, part_ptr, rows, width, n_out, BM: tl.constexpr, BN: tl.constexpr,
+                       BK: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr):
     r = tl.program_id(0) * BM + tl.arange(0, BM)
     r_ok = r < rows
-    width = HC * hidden
-    ks = tl.arange(0, BK)
-    streams = tl.arange(0, HC)
-    # pass 1: sum of squares per (row, stream); BK divides hidden, so a tile lies in one stream
-    sq = tl.zeros((BM, HC), dtype=tl.float32)
-    for k0 in range(0, width, BK):
-        x = tl.load(x_ptr + r.to(tl.int64)[:, None] * width + (k0 + ks)[None, :], mask=r_ok[:, None],
-                    other=0.0).to(tl.float32)
-        part = tl.sum(x * x, 1)
-        sq = tl.where(streams[None, :] == k0 // hidden, sq + part[:, None], sq)
-    rstd = tl.rsqrt(sq / hidden + eps)  # [BM, HC]
-    if tl.program_id(1) == 0:
-        tl.store(rstd_ptr + r[:, None] * HC + streams[None, :], rstd, mask=r_ok[:, None])
-    # pass 2: d = normed @ w.T for this program's output columns
     cols = tl.program_id(1) * BN + tl.arange(0, BN)
     c_ok = cols < n_out
+    split = tl.program_id(2)
+    ks = split * SPLIT + tl.arange(0, BK)
     acc = tl.zeros((BM, BN), dtype=tl.float32)
-    for k0 in range(0, width, BK):
-        x = tl.load(x_ptr + r.to(tl.int64)[:, None] * width + (k0 + ks)[None, :], mask=r_ok[:, None],
-                    other=0.0).to(tl.float32)
-        s_rstd = tl.sum(tl.where(streams[None, :] == k0 // hidden, rstd, 0.0), 1)
-        scale = tl.load(norm_ptr + k0 + ks).to(tl.float32)
-        normed = (x * s_rstd[:, None]).to(x_ptr.dtype.element_ty).to(tl.float32) * scale[None, :]
-        normed = normed.to(w_ptr.dtype.element_ty)  # rounded as the torch path's normed tensor
+    for k0 in range(0, SPLIT, BK):
+        a = tl.load(normed_ptr + r.to(tl.int64)[:, None] * width + (k0 + ks)[None, :], mask=r_ok[:, None],
+                    other=0.0)
         w = tl.load(w_ptr + cols.to(tl.int64)[:, None] * width + (k0 + ks)[None, :], mask=c_ok[:, None], other=0.0)
-        acc = tl.dot(normed, tl.trans(w), acc, input_precision=PRECISION)
-    d = acc.to(act_ptr.dtype.element_ty).to(tl.float32)
-    is_down = cols < lowrank
-    tl.store(act_ptr + r[:, None] * lowrank + cols[None, :], (d * tl.sigmoid(d)).to(act_ptr.dtype.element_ty),
-             mask=r_ok[:, None] & (c_ok & is_down)[None, :])
-    tl.store(inject_ptr + r[:, None] * HC + (cols - lowrank)[None, :],
-             (2.0 * tl.sigmoid(d)).to(inject_ptr.dtype.element_ty),
-             mask=r_ok[:, None] & (c_ok & ~is_down)[None, :])
+        acc = tl.dot(a, tl.trans(w), acc, input_precision=PRECISION)
+    at = (split * rows + r).to(tl.int64)[:, None] * n_out + cols[None, :]
+    tl.store(part_ptr + at, acc, mask=r_ok[:, None] & c_ok[None, :])
 
 
 @triton.jit
-def _hyper_up_kernel(
-    x_ptr, norm_ptr, w_ptr, act_ptr, rstd_ptr, out_ptr, rows, hidden, lowrank,
-    HC: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PRECISION: tl.constexpr,
-):
+def _hyper_act_kernel(part_ptr, act_ptr, inject_ptr, rows, lowrank, n_out, splits, HC: tl.constexpr,
+                      BM: tl.constexpr, BN: tl.constexpr):
+    r = tl.program_id(0) * BM + tl.arange(0, BM)
+    r_ok = r < rows
+    cols = tl.program_id(1) * BN + tl.arange(0, BN)
+    c_ok = cols < n_out
+    ok = r_ok[:, None] & c_ok[None, :]
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for split in range(0, splits):  # the splits in a fixed order, whatever the row count
+        acc += tl.load(part_ptr + (split * rows + r).to(tl.int64)[:, None] * n_out + cols[None, :], mask=ok,
+                       other=0.0)
+    d = acc.to(act_ptr.dtype.element_ty).to(tl.float32)  # rounded as the torch path's GEMM output
+    is_down = cols < lowrank
+    tl.store(act_ptr + r[:, None] * lowrank + cols[None, :], (d * tl.sigmoid(d)).to(act_ptr.dtype.element_ty),
+             mask=ok & is_down[None, :])
+    tl.store(inject_ptr + r[:, None] * HC + (cols - lowrank)[None, :],
+             (2.0 * tl.sigmoid(d)).to(inject_ptr.dtype.element_ty), mask=ok & ~is_down[None, :])
+
+
+@triton.jit
+def _hyper_up_kernel(normed_ptr, w_ptr, act_ptr, out_ptr, rows, hidden, lowrank, HC: tl.constexpr,
+                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PRECISION: tl.constexpr):
     r = tl.program_id(0) * BM + tl.arange(0, BM)
     r_ok = r < rows
     width = HC * hidden
@@ -86,25 +118,22 @@ def _hyper_up_kernel(
                         mask=h_ok[:, None] & k_ok[None, :], other=0.0)
             acc = tl.dot(a, tl.trans(w), acc, input_precision=PRECISION)
         mix = tl.sigmoid(acc.to(out_ptr.dtype.element_ty).to(tl.float32)).to(out_ptr.dtype.element_ty)
-        rstd = tl.load(rstd_ptr + r * HC + s, mask=r_ok, other=0.0)
-        x = tl.load(x_ptr + r.to(tl.int64)[:, None] * width + (s * hidden + h)[None, :],
-                    mask=r_ok[:, None] & h_ok[None, :], other=0.0).to(tl.float32)
-        scale = tl.load(norm_ptr + s * hidden + h, mask=h_ok, other=0.0).to(tl.float32)
-        normed = ((x * rstd[:, None]).to(out_ptr.dtype.element_ty).to(tl.float32) * scale[None, :])
-        normed = normed.to(out_ptr.dtype.element_ty).to(tl.float32)
+        normed = tl.load(normed_ptr + r.to(tl.int64)[:, None] * width + (s * hidden + h)[None, :],
+                         mask=r_ok[:, None] & h_ok[None, :], other=0.0).to(tl.float32)
         total += (mix.to(tl.float32) * normed).to(out_ptr.dtype.element_ty).to(tl.float32)
     tl.store(out_ptr + r[:, None] * hidden + h[None, :], (total / HC).to(out_ptr.dtype.element_ty),
              mask=r_ok[:, None] & h_ok[None, :])
 
 
-def block_sizes(rows: int, hidden: int) -> tuple[int, int, int]:
-    """(block_m, block_n, block_k); block_k divides hidden (a k tile lies in one stream)."""
-    bk = 128
-    while hidden % bk:
-        bk //= 2
-    if bk < 16:
+def split_sizes(hidden: int) -> tuple[int, int]:
+    """(split, block_k) of the mix-down: functions of the hidden size alone (never of the row count), so a
+    row's reduction order is the same whatever the batch. A split lies in one stream and block_k divides it."""
+    if hidden % 16:
         raise ValueError(f"hyper_site needs hidden divisible by 16, got {hidden}")
-    return (16 if rows <= 16 else 64), 32, bk
+    split = MAX_SPLIT
+    while hidden % split:
+        split //= 2
+    return split, min(128, split)
 
 
 def hyper_site(streams: torch.Tensor, norm_w: torch.Tensor, down_w: torch.Tensor, up_w: torch.Tensor, hc: int,
@@ -116,19 +145,25 @@ def hyper_site(streams: torch.Tensor, norm_w: torch.Tensor, down_w: torch.Tensor
     if down_w.shape != (n_out, width) or up_w.shape != (width, lowrank) or norm_w.shape != (width,):
         raise ValueError(f"hyper_site: streams [.., {width}], hc {hc}, lowrank {lowrank}, combine {combine}: "
                          f"down_w {tuple(down_w.shape)}, up_w {tuple(up_w.shape)}, norm_w {tuple(norm_w.shape)}")
+    split, bk = split_sizes(hidden)
+    splits = width // split
     x = streams.reshape(-1, width).contiguous()
     rows = x.shape[0]
-    bm, bn, bk = block_sizes(rows, hidden)
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
+    normed = torch.empty_like(x)
+    _hyper_norm_kernel[(triton.cdiv(rows, NORM_ROWS), hc)](
+        x, norm_w, normed, rows, hidden, eps, HC=hc, BM=NORM_ROWS, BH=triton.next_power_of_2(hidden),
+        num_warps=NORM_WARPS)
+    part = torch.empty(splits, rows, n_out, dtype=torch.float32, device=x.device)
+    _hyper_down_kernel[(triton.cdiv(rows, BLOCK_M), triton.cdiv(n_out, BLOCK_N), splits)](
+        normed, down_w.contiguous(), part, rows, width, n_out, BM=BLOCK_M, BN=BLOCK_N, BK=bk, SPLIT=split,
+        PRECISION=precision, num_warps=DOWN_WARPS)
     act = torch.empty(rows, lowrank, dtype=x.dtype, device=x.device)
     inject = torch.empty(rows, hc, dtype=x.dtype, device=x.device)
-    rstd = torch.empty(rows, hc, dtype=torch.float32, device=x.device)
-    warps = 4 if bm <= 16 else 8
-    _hyper_down_kernel[(triton.cdiv(rows, bm), triton.cdiv(n_out, bn))](
-        x, norm_w, down_w.contiguous(), act, inject, rstd, rows, hidden, lowrank, n_out, eps,
-        HC=hc, BM=bm, BN=bn, BK=bk, PRECISION=precision, num_warps=warps)
+    _hyper_act_kernel[(triton.cdiv(rows, BLOCK_M), triton.cdiv(n_out, BLOCK_N))](
+        part, act, inject, rows, lowrank, n_out, splits, HC=hc, BM=BLOCK_M, BN=BLOCK_N, num_warps=ACT_WARPS)
     out = torch.empty(rows, hidden, dtype=x.dtype, device=x.device)
-    _hyper_up_kernel[(triton.cdiv(rows, bm), triton.cdiv(hidden, bn))](
-        x, norm_w, up_w.contiguous(), act, rstd, out, rows, hidden, lowrank,
-        HC=hc, BM=bm, BN=bn, BK=64, PRECISION=precision, num_warps=warps)
+    _hyper_up_kernel[(triton.cdiv(rows, BLOCK_M), triton.cdiv(hidden, BLOCK_N))](
+        normed, up_w.contiguous(), act, out, rows, hidden, lowrank, HC=hc, BM=BLOCK_M, BN=BLOCK_N, BK=64,
+        PRECISION=precision, num_warps=UP_WARPS)
     return out.view(*lead, hidden), (inject.view(*lead, hc) if combine else None)

@@ -16,8 +16,9 @@ from atlas.sampling.params import SamplingParams
 from atlas.state.control import ControlState
 from atlas.state.events import RequestArrived, StepExecuted, StepPlanned
 
+# prefill_align 0: the budget-cut chunks these steps are written for (derived, it would be 4: 8 - one verify of 3)
 CONFIG = EngineConfig(max_seq_len=32, max_batch_size=2, prefill_chunk_tokens=8, block_size=4, num_drafts=2,
-                      drafter="scripted")
+                      drafter="scripted", prefill_align=0)
 CAPS = derive_capacities(CONFIG, None)
 
 

@@ -6,6 +6,18 @@ then waiting sequences in arrival order while budget, batch slots and free KV bl
 running sequence needs a KV block and none is free, the newest running sequence is preempted (its blocks
 freed, every cursor reset; it is recomputed later), possibly itself. Nothing here mutates the state: the
 decisions become events that the engine applies.
+
+Aligned chunks (Capacities.prefill_align = A > 0): a prefill chunk runs from where the prompt stands to the
+next multiple of A (or the prompt's end, or a branch / snapshot point before either), never further, so a
+prompt's chunk boundaries are the same whatever else shares the step and its prefill kernels see the same
+shapes (issue 15.4: `cuda-invariant` gave 3 distinct completions in 30 of one prompt under varying load,
+because the chunks followed the budget the other sequences left). When the budget left is smaller than that
+chunk, the sequence feeds nothing this step (a running one waits for the next step, a waiting one is not
+admitted and, first come first served, nor is anyone behind it): a shorter chunk would end at a
+load-dependent point. derive_capacities keeps A <= max_batch_tokens - (max_batch_size - 1) * verify_width, so a
+full chunk always fits beside every other sequence's decode or verify; only other prefill chunks can push one
+back, and those are older and finish. A = 0: chunks as the budget allows (the behaviour before A; traces
+recorded before it replay as recorded).
 """
 
 from __future__ import annotations
@@ -86,7 +98,9 @@ def batch(state: ControlState, drafts: Mapping[int, int] | None = None) -> Sched
         seq = seqs[seq_id]
         c = seq.cursor
         computed = c.computed
-        n = _to_branch(state, seq, computed, min(len(c.tokens) - computed, budget))
+        n = _chunk(state, seq, computed, budget)
+        if n == 0:  # its aligned chunk does not fit in what this step's budget has left: next step
+            continue
         k = min(drafts.get(seq_id, 0), budget - n) if drafts and c.decoding else 0  # no drafts: k is 0
         if k:  # drafts never preempt anyone: cut them to the blocks that are free
             k = max(0, min(k, (len(seq.blocks) + free.available) * bs - computed - n))
@@ -114,9 +128,9 @@ def batch(state: ControlState, drafts: Mapping[int, int] | None = None) -> Sched
             if budget == 0 or slots == 0:
                 break
             seq = seqs[seq_id]
-            n = _to_branch(state, seq, 0, min(len(seq.cursor.tokens), budget), cold=True)
+            n = _chunk(state, seq, 0, budget, cold=True)
             need = -(-n // bs)
-            if need > free.available:
+            if n == 0 or need > free.available:
                 break
             admitted.append(seq_id)
             work.append(seq_id)
@@ -133,6 +147,17 @@ def batch(state: ControlState, drafts: Mapping[int, int] | None = None) -> Sched
         alloc=tuple(alloc),
         drafts=tuple(verified) if any(verified) else (),
     )
+
+
+def _chunk(state: ControlState, seq: Any, computed: int, budget: int, *, cold: bool = False) -> int:
+    """How many tokens the sequence feeds this step from `computed` (a decode: 1), within `budget`; 0 when its
+    aligned chunk does not fit (see the module docstring)."""
+    left = len(seq.cursor.tokens) - computed
+    align = state.caps.prefill_align
+    if not align:
+        return _to_branch(state, seq, computed, min(left, budget), cold=cold)
+    n = _to_branch(state, seq, computed, min(left, align - computed % align), cold=cold)
+    return n if n <= budget else 0
 
 
 def _to_branch(state: ControlState, seq: Any, computed: int, n: int, *, cold: bool = False) -> int:

@@ -40,8 +40,9 @@ class Tuning:
     attention: str = attrs.field(default="torch", validator=_one_of(ATTENTION))
     # decode attention (T = 1, inside the decode graphs): the same two choices
     decode_attention: str = attrs.field(default="torch", validator=_one_of(ATTENTION))
-    # hyper-connection sites (decode and prefill): "torch" ~13 kernels a site, "triton" the two fused kernels
-    # of atlas_kernels.hyper (norm + mix-down + silu / injection sigmoid; mix-up + sigmoid + mix + mean)
+    # hyper-connection sites (decode and prefill): "torch" ~13 kernels a site, "triton" the four kernels of
+    # atlas_kernels.hyper (per-stream norm; split-K mix-down; split sum + silu / injection sigmoid; mix-up +
+    # sigmoid + mix + mean)
     hyper: str = attrs.field(default="torch", validator=_one_of(HYPER))
     # torch.compile of the decode step's hyper-connection sites and MoE router + shared expert (one compiled
     # graph per block kind, reused by every layer: atlas.backends.cuda.compiled), captured under the decode
@@ -60,6 +61,9 @@ VARIANTS: dict[str, Tuning] = {
     # timeout cuts the tail), the compiled variant last (its compile time must not starve the others)
     "baseline": Tuning(),
     "fused": Tuning(moe="triton", prefill_moe="triton", attention="sdpa", decode_attention="sdpa", hyper="triton"),
+    # the fused arrangement with the torch hyper-connection sites: whether the split-K hyper kernels (session 3)
+    # now win inside it (run 3, before them: fused lost to moe-triton at decode, 10.56 vs 7.80 ms at batch 1)
+    "fused-hyper-torch": Tuning(moe="triton", prefill_moe="triton", attention="sdpa", decode_attention="sdpa"),
     "hyper-triton": Tuning(hyper="triton"),
     "moe-triton": Tuning(moe="triton", prefill_moe="triton"),
     "sdpa": Tuning(attention="sdpa", decode_attention="sdpa"),

@@ -5,8 +5,8 @@ position stamp; the per-slot state (GDN conv + recurrent, PLE short conv and n-g
 state; the MTP drafter's rows (atlas.backends.cuda.drafter). The host keeps only bookkeeping: the slot, how many
 tokens were fed (what the next chunk must start at), a mirror of the n-gram context (the host computes the n-gram
 ids from it; state_digest checks it against the device's copy), which ring slot holds which position, and a
-pending verify's shape. Every cursor the store reports is read from the stamps (`read_cursors`): one gather on the
-device and one device->host copy for all the sequences asked about.
+pending verify's shape. Every cursor the store reports is read from the stamps (`read_cursors`): one summary on
+the device (atlas.backends.cuda.stamp_read) and one device->host copy for all the sequences asked about.
 
 A ring snapshot copies the per-slot state and its stamps into the slot's ring row; KV, QSA keys and drafter rows
 are positional, so a restore copies the state back and clears the stamp of the first position past the boundary
@@ -26,6 +26,7 @@ import torch
 
 from atlas.backends.cuda.batch import sentinel_slot
 from atlas.backends.cuda.pools import DevicePools
+from atlas.backends.cuda.stamp_read import StampReader
 from atlas.errors import RestoreRefused, VerifyRefused
 from atlas.model.spec import ModelSpec
 from atlas.plan import BackendCursors, CarryOrder, PrefixRestore, RingRestore, RingSnapshot
@@ -62,8 +63,11 @@ class StampReads:
 
 
 class CudaStateStore:
-    def __init__(self, spec: ModelSpec, pools: DevicePools, *, slot_bytes: int = 0, drafter: Any = None) -> None:
-        """`slot_bytes`: Capacities.ring_slot_bytes, what one ring or prefix snapshot must hold (0: unchecked)."""
+    def __init__(self, spec: ModelSpec, pools: DevicePools, *, slot_bytes: int = 0, drafter: Any = None,
+                 table_blocks: int = 0, graphs: bool = False) -> None:
+        """`slot_bytes`: Capacities.ring_slot_bytes, what one ring or prefix snapshot must hold (0: unchecked).
+        `table_blocks`: the most blocks a sequence's table holds (the device tables' width; 0: every block);
+        `graphs`: the stamp read replayed from CUDA graphs."""
         self.spec, self.pools = spec, pools
         self.block_size = pools.block_size
         self.verify_width = pools.verify_width
@@ -75,6 +79,7 @@ class CudaStateStore:
         self.seqs: dict[int, SeqState] = {}
         self.prefix: dict[int, PrefixEntry] = {}
         self.reads = StampReads()
+        self.reader = StampReader(pools, drafter, table_blocks=table_blocks or pools.num_kv_blocks, graphs=graphs)
         self.prompt_tail: dict[int, torch.Tensor] = {}  # prompt logprobs: the logits the next chunk's first token needs
         self.pending_hidden: dict[int, torch.Tensor] = {}  # a pending verify's target hidden per row [K, H]
 
@@ -118,7 +123,27 @@ class CudaStateStore:
         return self.read_cursors([seq_id])[seq_id]
 
     def read_cursors(self, seq_ids: Sequence[int]) -> dict[int, BackendCursors]:
-        """Every stamp of every sequence in `seq_ids`: one gather on the device, one copy to the host."""
+        """Every stamp of every sequence in `seq_ids` (atlas.backends.cuda.stamp_read: the device block tables,
+        one summary, a graph replay on the GPU, one copy to the host); what read_cursors_reference reads."""
+        live = [s for s in dict.fromkeys(seq_ids) if s in self.seqs]
+        out = {s: BackendCursors(kv_tokens=0, qsa_ingested=0, ssm_position=0, ple_position=0)
+               for s in seq_ids if s not in self.seqs}
+        if not live:
+            return out
+        t0 = time.perf_counter()
+        states = [self.seqs[s] for s in live]
+        rows = self.reader.read(states)
+        held = self.drafter.seqs if self.drafter is not None else {}
+        for seq_id, row in zip(live, rows, strict=True):
+            out[seq_id] = self.reader.cursors(row, drafter_held=seq_id in held)
+        self.reads.calls += 1
+        self.reads.seqs += len(live)
+        self.reads.seconds += time.perf_counter() - t0
+        return out
+
+    def read_cursors_reference(self, seq_ids: Sequence[int]) -> dict[int, BackendCursors]:
+        """The first stamp read, kept as the oracle of read_cursors (tests/test_cuda_stamps_read.py) and the
+        benchmark's "before": every table built as host lists, copied, ~25 eager ops and a copy back."""
         live = [s for s in dict.fromkeys(seq_ids) if s in self.seqs]
         out = {s: BackendCursors(kv_tokens=0, qsa_ingested=0, ssm_position=0, ple_position=0)
                for s in seq_ids if s not in self.seqs}

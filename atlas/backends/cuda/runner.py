@@ -16,7 +16,7 @@ from collections.abc import Sequence
 import attrs
 import torch
 
-from atlas.backends.base import Capabilities, ChunkLike, check_chunk, run_orders
+from atlas.backends.base import Capabilities, ChunkLike, check_chunk, run_orders, state_audit_default
 from atlas.backends.cuda.batch import Group, GroupShape, Row, pack_rows
 from atlas.backends.cuda.faults import FaultGuard, probe_device
 from atlas.backends.cuda.graphs import DecodeGraphs, bucket
@@ -95,6 +95,7 @@ class CudaBackend:
         snapshot_bytes: int = 0,
         verify_mode: str | None = None,
         tuning: Tuning | None = None,
+        state_audit: bool | None = None,
     ) -> None:
         self.name = name
         self.model = model
@@ -147,7 +148,8 @@ class CudaBackend:
                                           exact=self.verify_mode == "rows")
         use_graphs = self.device.type == "cuda" if cuda_graphs is None else cuda_graphs
         self.store = CudaStateStore(spec, self.pools, slot_bytes=snapshot_bytes, drafter=self.drafter,
-                                    table_blocks=self.max_blocks_per_seq, graphs=use_graphs)
+                                    table_blocks=self.max_blocks_per_seq, graphs=use_graphs,
+                                    audit=state_audit_default() if state_audit is None else state_audit)
         use_kernels = self.dtype != torch.float32 if kernels is None else kernels
         self.gdn_kernel = triton_gdn() if use_kernels and self.device.type == "cuda" else None
         if kernels and self.gdn_kernel is None:

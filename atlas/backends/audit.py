@@ -39,6 +39,7 @@ class StateAudit:
     def __init__(self) -> None:
         self.saved: dict[tuple[str, int, int], str] = {}
         self.verified: dict[int, tuple[tuple[str, ...], torch.Tensor | None]] = {}  # seq -> row digests, hidden
+        self.checks = 0  # digests compared (restores, commits, hiddens): the tests see the audit ran
 
     def record(self, key: tuple[str, int, int], digest: str) -> None:
         self.saved[key] = digest
@@ -47,6 +48,7 @@ class StateAudit:
         """The installed state's digest against the snapshot's record (a snapshot recorded before the audit was
         on has none: nothing to check)."""
         recorded = self.saved.get(key)
+        self.checks += recorded is not None
         if recorded is not None and actual != recorded:
             raise StateDigestMismatch(seq_id, what, recorded, actual)
 
@@ -62,17 +64,17 @@ class StateAudit:
     def take_verify(self, seq_id: int) -> tuple[tuple[str, ...], torch.Tensor | None] | None:
         return self.verified.pop(seq_id, None)
 
-    @staticmethod
-    def check_commit(seq_id: int, rows: int, verified: tuple[tuple[str, ...], Any] | None, actual: str) -> None:
+    def check_commit(self, seq_id: int, rows: int, verified: tuple[tuple[str, ...], Any] | None, actual: str) -> None:
+        self.checks += verified is not None
         if verified is not None and actual != verified[0][rows - 1]:
             raise StateDigestMismatch(seq_id, f"verify commit of {rows} rows", verified[0][rows - 1], actual)
 
-    @staticmethod
-    def check_hidden(seq_id: int, rows: int, verified: tuple[tuple[str, ...], Any] | None,
+    def check_hidden(self, seq_id: int, rows: int, verified: tuple[tuple[str, ...], Any] | None,
                      built: torch.Tensor | None) -> None:
         """The hidden the committed drafter rows are built from is the one the verify computed for those rows."""
         if verified is None or verified[1] is None:
             return
+        self.checks += 1
         if built is None or not torch.equal(built.to(verified[1].device), verified[1][:rows]):
             raise StateDigestMismatch(seq_id, "drafter rows of a verify commit", "the verify's hidden",
                                       "another hidden")

@@ -169,13 +169,13 @@ class CpuStateStore:
         del self.pending[seq_id]
         self.seqs[seq_id] = pending.states[rows - 1]
         if verified is not None:
-            StateAudit.check_commit(seq_id, rows, verified, snapshot_digest(self.seqs[seq_id]))
+            self.audit.check_commit(seq_id, rows, verified, snapshot_digest(self.seqs[seq_id]))
         if seq_id in self.drafts:
             d = self.drafts[seq_id]
             self.drafter.append(d, pending.start, pending.tokens[:rows], pending.hidden[:rows])  # type: ignore[union-attr]
             if verified is not None:  # the committed pair keys are built from the target's hidden the verify computed
                 built = torch.stack(d.target_hidden[pending.start:pending.start + rows])  # type: ignore[arg-type]
-                StateAudit.check_hidden(seq_id, rows, verified, built)
+                self.audit.check_hidden(seq_id, rows, verified, built)
         return self.cursors(seq_id)
 
     def record_verify(self, seq_id: int, pending: PendingVerify) -> None:

@@ -274,7 +274,7 @@ class CudaStateStore:
         verified = {seq_id: self.audit.take_verify(seq_id) for seq_id, _ in commits} if self.audit is not None else {}
         for s, (seq_id, rows) in zip(states, commits, strict=True):
             if verified.get(seq_id) is not None:
-                StateAudit.check_commit(seq_id, rows, verified[seq_id], slot_digest(self.pools, s.slot))
+                self.audit.check_commit(seq_id, rows, verified[seq_id], slot_digest(self.pools, s.slot))
             start, tokens = s.pending  # type: ignore[misc]
             for p in range(start, start + rows):
                 flat.append(s.table[p // bs] * bs + p % bs)
@@ -290,8 +290,8 @@ class CudaStateStore:
         self.pools.stamp_rows(torch.tensor(flat, device=dev), torch.tensor(values, dtype=torch.int32, device=dev))
         self.pools.kept.clear()
         if fed:
-            for seq_id in kept:  # audit: the pair keys are built from the hidden the verify computed
-                StateAudit.check_hidden(seq_id, kept[seq_id].shape[0], verified.get(seq_id), kept[seq_id])
+            for seq_id in kept if self.audit is not None else ():  # the pair keys' hidden is the verify's
+                self.audit.check_hidden(seq_id, kept[seq_id].shape[0], verified.get(seq_id), kept[seq_id])
             self.drafter.feed(fed, kept)  # type: ignore[union-attr]
 
     def drop_pending(self, seq_id: int) -> None:

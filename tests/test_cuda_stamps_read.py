@@ -186,3 +186,23 @@ def test_a_healthy_sequences_cursors_are_shared_and_a_damaged_ones_named() -> No
     a, b = store.read_cursors([0, 1]).values()
     assert b.ssm_position == 5 and ("gdn", 1, 5) in b.stamps and a.ssm_position == 6
     assert store.read_cursors([0, 1]) == store.read_cursors_reference([0, 1])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the CUDA graph of the read needs a GPU")
+@pytest.mark.parametrize("backend", ["cuda", "cuda-fp32"])
+def test_on_the_gpu_the_graph_read_equals_the_reference(backend: str) -> None:
+    """The real thing: the summary captured and replayed as CUDA graphs (with the decode graphs), every read of
+    a speculative run and of a prefix session checked against the reference."""
+    from atlas.engine.records import RecordingSink
+    from atlas.registry import build_engine
+
+    for config, run in ((EngineConfig(max_seq_len=160, max_batch_size=3, prefill_chunk_tokens=32, num_drafts=3,
+                                      drafter="mtp"), lambda e: greedy(e, PROMPTS, 20)),
+                        (_prefix_config(True, 2), lambda e: run_script(e, SESSION, OPENERS))):
+        engine = build_engine("atlas-tiny", backend, config, loaded=TINY, sink=RecordingSink(), full_audit=True,
+                              backend_options={"device": "cuda", "cuda_graphs": True})
+        store = engine.backend.store  # type: ignore[attr-defined]
+        assert store.reader.use_graphs
+        seen = checked(store)
+        run(engine)
+        assert seen["reads"] > 10 and store.reader._graphs  # replayed from captured graphs

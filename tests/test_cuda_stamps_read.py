@@ -196,9 +196,11 @@ def test_on_the_gpu_the_graph_read_equals_the_reference(backend: str) -> None:
     from atlas.engine.records import RecordingSink
     from atlas.registry import build_engine
 
-    for config, run in ((EngineConfig(max_seq_len=160, max_batch_size=3, prefill_chunk_tokens=32, num_drafts=3,
-                                      drafter="mtp"), lambda e: greedy(e, PROMPTS, 20)),
-                        (_prefix_config(True, 2), lambda e: run_script(e, SESSION, OPENERS))):
+    runs = [(EngineConfig(max_seq_len=160, max_batch_size=3, prefill_chunk_tokens=32, num_drafts=3, drafter="mtp"),
+             lambda e: greedy(e, PROMPTS, 20))]
+    if backend == "cuda-fp32":  # run_script compares each turn with the CPU reference's tokens: fp32 parity only
+        runs.append((_prefix_config(True, 2), lambda e: run_script(e, SESSION, OPENERS)))
+    for config, run in runs:
         engine = build_engine("atlas-tiny", backend, config, loaded=TINY, sink=RecordingSink(), full_audit=True,
                               backend_options={"device": "cuda", "cuda_graphs": True})
         store = engine.backend.store  # type: ignore[attr-defined]

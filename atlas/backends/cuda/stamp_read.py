@@ -71,7 +71,6 @@ class StampReader:
                         ("drafter", ("drafter",)))}
         self._want = torch.arange(max(self.cols * self.bs, drafter.capacity if drafter else 1), dtype=torch.int32,
                                   device=dev)
-        self.body = len(self.kinds) - (drafter is not None)  # the columns before the drafter's
         self._uniform: dict[tuple[int, int], BackendCursors] = {}
 
     def _alloc(self, cols: int) -> None:
@@ -134,8 +133,8 @@ class StampReader:
     # -- the summary ----------------------------------------------------------------------------------
 
     def _summary(self, hi: int, width: int, *, delta: bool) -> torch.Tensor:
-        """[hi, columns] int32: every stamp of state slots 0 .. hi - 1 (what a graph captures, `delta` applied
-        first)."""
+        """[hi, columns + 2] int32: every stamp of state slots 0 .. hi - 1, then the least and the greatest stamp
+        but the drafter's (what a graph captures, `delta` applied first)."""
         pools, bs = self.pools, self.bs
         if delta:
             self.tables.view(-1).index_copy_(0, self.delta[:, 0], self.delta[:, 1])
@@ -150,10 +149,17 @@ class StampReader:
             match = (pos == want) & (want.to(torch.long)[None, :] < rows[:, :1])[None]
             parts.append(_leading_run(match))
         parts.append(pools.stamps[:, :hi])
+        body = torch.cat(parts)
+        parts = [body]
         if self.drafter is not None:
             rec = self.drafter.pos[:hi]
             match = rec == self._want[: rec.shape[1]]
             parts.append(_leading_run(match)[None])
+        # two more columns: the least and greatest stamp but the drafter's (equal: a uniform row)
+        if body.shape[0]:
+            parts += [body.amin(dim=0, keepdim=True), body.amax(dim=0, keepdim=True)]
+        else:  # no per-layer state at all (a model of MTP rows only): uniform
+            parts += [body.new_zeros(2, hi)]
         return torch.cat(parts).T.contiguous()
 
     def _capture(self, key: tuple[int, int]) -> _Graph:
@@ -174,8 +180,8 @@ class StampReader:
         """Each state's BackendCursors, from one device computation and one device->host copy. `states`: the
         store's SeqState of each live sequence asked about; `drafter_held`: whether the drafter holds it."""
         self._apply(self._entries(states))
-        hi = max(s.slot for s in states) + 1
-        width = max(1, max(len(s.table) for s in states))
+        hi = max([s.slot for s in states]) + 1
+        width = max(1, max([len(s.table) for s in states]))
         if self.use_graphs:  # bucketed: a graph per (slots, width) bucket
             key = (min(bucket(hi), self.pools.state_slots), min(bucket(width, 4), self.cols))
             g = self._graphs.get(key) or self._capture(key)
@@ -185,12 +191,12 @@ class StampReader:
             out = self._summary(hi, width, delta=False)
         slots = np.fromiter((s.slot for s in states), dtype=np.int64, count=len(states))
         rows = out.cpu().numpy()[slots]  # the one device->host copy (and synchronize)
-        if self.drafter is not None:
-            rows[:, -1] *= np.asarray(drafter_held, dtype=rows.dtype)  # not held: no rows (the reference's -1 slot)
+        if self.drafter is not None:  # not held: no rows (the reference's -1 slot)
+            rows[:, -3] *= np.asarray(drafter_held, dtype=rows.dtype)
         # a healthy sequence's stamps are all one position (the drafter's its own): its cursors are built once per
         # (position, drafter rows) and shared (BackendCursors is immutable); any other row stamp by stamp
-        body = rows[:, : self.body]
-        lo, high = body.min(axis=1).tolist(), body.max(axis=1).tolist()
+        lo, high = rows[:, -2].tolist(), rows[:, -1].tolist()
+        rows = rows[:, :-2]
         drafter = rows[:, -1].tolist() if self.drafter is not None else [0] * len(states)
         made: list[BackendCursors] = []
         uniform = self._uniform

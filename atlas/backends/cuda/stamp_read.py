@@ -27,7 +27,6 @@ from collections.abc import Sequence
 from typing import Any
 
 import attrs
-import numpy as np
 import torch
 
 from atlas.backends.cuda.graphs import bucket
@@ -189,21 +188,22 @@ class StampReader:
             out = g.out
         else:
             out = self._summary(hi, width, delta=False)
-        slots = np.fromiter((s.slot for s in states), dtype=np.int64, count=len(states))
-        rows = out.cpu().numpy()[slots]  # the one device->host copy (and synchronize)
-        if self.drafter is not None:  # not held: no rows (the reference's -1 slot)
-            rows[:, -3] *= np.asarray(drafter_held, dtype=rows.dtype)
+        rows = out.cpu().numpy()[[s.slot for s in states]]  # the one device->host copy (and synchronize)
         # a healthy sequence's stamps are all one position (the drafter's its own): its cursors are built once per
         # (position, drafter rows) and shared (BackendCursors is immutable); any other row stamp by stamp
-        lo, high = rows[:, -2].tolist(), rows[:, -1].tolist()
-        rows = rows[:, :-2]
-        drafter = rows[:, -1].tolist() if self.drafter is not None else [0] * len(states)
+        dr = self.drafter is not None
+        tails = rows[:, -3:].tolist() if dr else rows[:, -2:].tolist()  # [drafter,] least, greatest
         made: list[BackendCursors] = []
         uniform = self._uniform
-        for i, (a, b, d) in enumerate(zip(lo, high, drafter, strict=True)):
+        for i, (tail, held) in enumerate(zip(tails, drafter_held, strict=True)):
+            a, b = tail[-2], tail[-1]
+            d = tail[0] if dr and held else 0  # not held: no rows (the reference's -1 slot)
             cur = uniform.get((a, d)) if a == b else None
             if cur is None:
-                cur = self.cursors(rows[i].tolist())
+                row = rows[i, :-2].tolist()
+                if dr:
+                    row[-1] = d
+                cur = self.cursors(row)
                 if a == b:
                     if len(uniform) >= UNIFORM_CACHE:
                         uniform.clear()

@@ -144,7 +144,8 @@ def build_engine(model: str = TINY_MODEL, backend: str = "cpu", config: EngineCo
                   model_name=made.model_name, sink=sink, fingerprint=made.fingerprint, **engine_kwargs)
 
 
-AUDITED_BACKENDS = ("cpu", "cpu-looping", "cpu-row-blind")  # the ones with a state-digest audit mode (state_audit=)
+# the ones with a state-digest audit mode (state_audit=; atlas.backends.audit)
+AUDITED_BACKENDS = ("cpu", "cpu-looping", "cpu-row-blind", *CUDA_BACKENDS)
 
 
 def engine_for_run(run: RunRecord, sink: EventSink, **kwargs: Any) -> Engine:

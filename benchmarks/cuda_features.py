@@ -9,7 +9,8 @@ Not a test: it prints figures (and writes DIR/cuda_features.json). Measured:
   of a verify and its commit is known whatever the random weights' own drafter would do): tokens per step, the
   measured acceptance, and whether the tokens equal speculation off's (greedy with point-mass drafts: they must,
   bitwise in fp32; bf16's one-forward verify rounds differently from a decode, so there it is reported);
-- the stamp read (one gather + one device->host copy per step): ms per step and its share of the step;
+- the stamp read (atlas.backends.cuda.stamp_read: one graph replay + one device->host copy per step): ms per
+  decode step (median, like ms/step, past the graph captures) and its share of the step (goal: < 2% at batch 64);
 - prefix-cache TTFT, hit against miss (prefix caching off, the same prompt), at 2,048 and 16,384 shared tokens;
 - ring snapshot and restore, and prefix-snapshot store and load, per sequence (ms, device synchronised).
 """
@@ -62,20 +63,26 @@ class Setup:
                             backend_options=self.options, **kwargs)
 
 
-def _steps(engine: Any, prompts: dict[str, list[int]], max_tokens: int) -> tuple[dict[str, list[int]], list[float]]:
-    """Run to the end: each request's tokens, and the wall time of every step (ms)."""
+def _steps(engine: Any, prompts: dict[str, list[int]], max_tokens: int,
+           reads: list[float] | None = None) -> tuple[dict[str, list[int]], list[float]]:
+    """Run to the end: each request's tokens, and the wall time of every step (ms); `reads` gets every step's
+    stamp-read time (ms, the store's `reads` counter)."""
     from atlas.sampling.params import SamplingParams
 
     for rid, prompt in prompts.items():
         engine.add_request(rid, prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
     tokens: dict[str, list[int]] = {rid: [] for rid in prompts}
     walls = []
+    store = getattr(engine.backend, "store", None)
     while engine.has_unfinished():
+        before = store.reads.seconds if store is not None else 0.0
         start = time.perf_counter()
         for out in engine.step():
             tokens[out.request_id].extend(out.new_token_ids)
         _sync()
         walls.append((time.perf_counter() - start) * 1e3)
+        if reads is not None and store is not None:
+            reads.append((store.reads.seconds - before) * 1e3)
     return tokens, walls
 
 
@@ -112,15 +119,16 @@ def bench_speculative(setup: Setup, batch: int, *, prompt_len: int, new: int) ->
         else:
             engine = setup.engine(EngineConfig(**base, num_drafts=k - 1, drafter="scripted"),
                                   drafter=oracle(reference, acceptance or 0.0, vocab))
-        store = engine.backend.store
-        tokens, walls = _steps(engine, prompts, new)
-        reads = store.reads
+        per_step: list[float] = []
+        tokens, walls = _steps(engine, prompts, new, per_step)
         stats = engine.stats()
         engine.close()
         if k == 1:
             reference = tokens
-        decode = walls[1 + min(4, len(walls) // 4):]  # past the prefill step and the graph captures
+        skip = 1 + min(4, len(walls) // 4)  # past the prefill step and the graph captures (the stamp read's too)
+        decode = walls[skip:]
         step_ms = statistics.median(decode) if decode else float("nan")
+        read_ms = statistics.median(per_step[skip:]) if per_step[skip:] else float("nan")
         generated = sum(len(t) for t in tokens.values())
         rows.append({
             "batch": batch, "K": k, "acceptance_set": acceptance, "ms_per_step": step_ms,
@@ -129,8 +137,9 @@ def bench_speculative(setup: Setup, batch: int, *, prompt_len: int, new: int) ->
             "acceptance_measured": (stats.spec_drafts_accepted / stats.spec_drafts_proposed
                                     if stats.spec_drafts_proposed else None),
             "tokens_equal_speculation_off": tokens == reference,
-            "stamp_read_ms_per_step": reads.seconds * 1e3 / max(1, reads.calls),
-            "stamp_read_share": reads.seconds * 1e3 / max(1, reads.calls) / step_ms if step_ms else None,
+            "stamp_read_ms_per_step": read_ms,  # median over the decode steps, as ms_per_step
+            "stamp_read_share": read_ms / step_ms if step_ms else None,
+            "stamp_read_ms_mean_incl_captures": statistics.fmean(per_step[1:]) if per_step[1:] else None,
         })
         print(json.dumps(rows[-1]), flush=True)
     return rows
@@ -201,6 +210,7 @@ def bench_snapshots(setup: Setup, prompt_len: int, repeat: int = 20) -> dict[str
         "prefix_load_ms": timed(lambda: store.load_prefix(PrefixRestore(1, 7, prompt_len, shared, prompt_len,
                                                                         prompt_len - 1, False))),
         "cursor_read_ms": timed(lambda: store.read_cursors([0, 1])),
+        "cursor_read_reference_ms": timed(lambda: store.read_cursors_reference([0, 1])),  # the read before
     }
     assert derive_capacities(config, setup.model.spec, activation_bytes=setup.model.dtype.itemsize)
     engine.close()
@@ -234,19 +244,24 @@ def main() -> None:
         save()
     report["prefix"] = [bench_prefix(setup, shared) for shared in ((48,) if args.smoke else (2048, 16384))]
     save()
-    print("| batch | K | acceptance | ms/step | tokens/step | tok/s | accepted | = spec off | stamp read ms |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| batch | K | acceptance | ms/step | tokens/step | tok/s | accepted | = spec off | stamp read ms | share |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in report["speculative"]:
         acc = "-" if r["acceptance_measured"] is None else f"{r['acceptance_measured']:.2f}"
         print(f"| {r['batch']} | {r['K']} | {r['acceptance_set'] or '-'} | {r['ms_per_step']:.2f} | "
               f"{r['tokens_per_step']:.2f} | {r['tokens_per_s']:.0f} | {acc} | {r['tokens_equal_speculation_off']} | "
-              f"{r['stamp_read_ms_per_step']:.3f} |")
+              f"{r['stamp_read_ms_per_step']:.3f} | {100 * (r['stamp_read_share'] or 0):.2f}% |")
+    for r in report["speculative"]:
+        if r["K"] == 1:
+            print(f"stamp read at batch {r['batch']}, K=1: {r['stamp_read_ms_per_step']:.3f} ms of a "
+                  f"{r['ms_per_step']:.2f} ms decode step = {100 * (r['stamp_read_share'] or 0):.2f}% (goal < 2%)")
     for p in report["prefix"]:
         print(f"prefix {p['shared_tokens']} shared: hit {p['hit_ttft_ms']:.1f} ms, miss {p['miss_ttft_ms']:.1f} ms "
               f"(x{p['speedup']:.1f})")
     s = report["snapshots"]
     print(f"per sequence ({s['slot_bytes']} state bytes): ring snapshot {s['ring_snapshot_ms']:.3f} ms, restore "
-          f"{s['ring_restore_ms']:.3f} ms, prefix store {s['prefix_store_ms']:.3f} ms, load {s['prefix_load_ms']:.3f} ms")
+          f"{s['ring_restore_ms']:.3f} ms, prefix store {s['prefix_store_ms']:.3f} ms, load {s['prefix_load_ms']:.3f} ms, "
+          f"cursor read {s['cursor_read_ms']:.3f} ms (reference read {s['cursor_read_reference_ms']:.3f} ms)")
 
 
 if __name__ == "__main__":

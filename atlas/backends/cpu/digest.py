@@ -9,15 +9,7 @@ from typing import Any
 
 import torch
 
-
-def _feed(h: hashlib.blake2b, name: str, t: torch.Tensor | None) -> None:
-    h.update(name.encode())
-    if t is None:
-        h.update(b"-")
-        return
-    t = t.detach().contiguous()
-    h.update(str(tuple(t.shape)).encode())
-    h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+from atlas.backends.audit import feed as _feed
 
 
 def _feed_recurrent(h: hashlib.blake2b, s: Any) -> None:

@@ -13,13 +13,14 @@ import copy
 
 import torch
 
+from atlas.backends.audit import StateAudit
 from atlas.backends.cpu.digest import sequence_digest, snapshot_digest
 from atlas.backends.cpu.drafter import DrafterState, MtpDrafter
 from atlas.backends.cpu.prefix_store import PrefixEntry, PrefixStore
 from atlas.backends.cpu.ring import SnapshotRing
 from atlas.backends.cpu.state import KvPool, SequenceState, StateSnapshot
 from atlas.backends.cpu.verify import PendingVerify, check_commit
-from atlas.errors import RestoreRefused, StateDigestMismatch, VerifyRefused
+from atlas.errors import RestoreRefused, VerifyRefused
 from atlas.model.spec import ModelSpec
 from atlas.plan import BackendCursors, CarryOrder, PrefixRestore, RingRestore, RingSnapshot
 from atlas.plan import PrefixStore as PrefixStoreOrder
@@ -31,12 +32,10 @@ class CpuStateStore:
         """`slot_bytes`: Capacities.ring_slot_bytes, what one ring or prefix snapshot must hold (0: unchecked).
         `audit`: the state-digest audit mode: every ring and prefix snapshot records a digest of the bytes it
         saved, a restore checks the restored bytes against it, and a verify commit checks the installed state
-        against the row the verify computed (StateDigestMismatch)."""
+        against the row the verify computed (StateDigestMismatch; atlas.backends.audit, shared with CUDA)."""
         self.spec = spec
         self.slot_bytes = slot_bytes
-        self.audit = audit
-        self.saved: dict[tuple[str, int, int], str] = {}  # audit: (ring|prefix, seq or key, slot) -> digest
-        self.verified: dict[int, tuple[tuple[str, ...], torch.Tensor]] = {}  # audit: seq -> the verify's rows
+        self.audit = StateAudit() if audit else None
         self.kv = kv
         self.dtype = dtype
         self.block_size = kv.block_size
@@ -58,7 +57,7 @@ class CpuStateStore:
         self.seqs[seq_id] = SequenceState.empty(self.spec, self.dtype)
         self.ring.release(seq_id)
         self.pending.pop(seq_id, None)
-        self.verified.pop(seq_id, None)
+        self._forget(seq_id)
         self.prompt_tail.pop(seq_id, None)
         if self.drafter is not None:
             self.drafts[seq_id] = self.drafter.empty()
@@ -67,7 +66,7 @@ class CpuStateStore:
         self.seqs.pop(seq_id, None)
         self.ring.release(seq_id)
         self.pending.pop(seq_id, None)
-        self.verified.pop(seq_id, None)
+        self._forget(seq_id)
         self.drafts.pop(seq_id, None)
         self.tables.pop(seq_id, None)
         self.prompt_tail.pop(seq_id, None)
@@ -121,8 +120,8 @@ class CpuStateStore:
                                  f"there, committed (holds {None if s is None else s.kv_tokens})")
         snap = self.copy_state(order.seq_id)
         self.ring.store(order.seq_id, order.slot, snap)
-        if self.audit:
-            self.saved[("ring", order.seq_id, order.slot)] = snapshot_digest(snap)
+        if self.audit is not None:
+            self.audit.record(("ring", order.seq_id, order.slot), snapshot_digest(snap))
 
     def restore(self, order: RingRestore) -> BackendCursors:
         seq_id, position = order.seq_id, order.position
@@ -134,14 +133,13 @@ class CpuStateStore:
                                  f"{self.seqs[seq_id].kv_tokens} tokens held")
         self.rewind(seq_id, snap)
         self.ring.truncate_after(seq_id, position)
-        if self.audit:
-            self._check(seq_id, "ring restore", self.saved.get(("ring", seq_id, order.slot)), self.seqs[seq_id])
+        if self.audit is not None:
+            self.audit.check(seq_id, "ring restore", ("ring", seq_id, order.slot), snapshot_digest(self.seqs[seq_id]))
         return self.cursors(seq_id)
 
-    def _check(self, seq_id: int, what: str, recorded: str | None, state: object) -> None:
-        actual = snapshot_digest(state)
-        if recorded is not None and actual != recorded:
-            raise StateDigestMismatch(seq_id, what, recorded, actual)
+    def _forget(self, seq_id: int) -> None:
+        if self.audit is not None:
+            self.audit.forget(seq_id)
 
     def rewind(self, seq_id: int, snap: StateSnapshot) -> None:
         """Every cursor to `snap.position`, the non-positional state from the snapshot, together."""
@@ -155,7 +153,7 @@ class CpuStateStore:
             ple_context=None if snap.ple_context is None else snap.ple_context.clone(),
             ple_conv=copy.deepcopy(snap.ple_conv), stamps=dict(snap.stamps))
         self.pending.pop(seq_id, None)
-        self.verified.pop(seq_id, None)
+        self._forget(seq_id)
         if seq_id in self.drafts:  # drafter rows rewind with every other cursor
             self.drafter.rewind(self.drafts[seq_id], snap.position)  # type: ignore[union-attr]
 
@@ -167,27 +165,25 @@ class CpuStateStore:
         if pending is None or seq_id not in self.seqs:
             raise VerifyRefused(f"sequence {seq_id} has no pending verify to commit")
         check_commit(self.spec, self.seqs[seq_id], pending, rows, self.verify_width)
-        verified = self.verified.pop(seq_id, None)
+        verified = self.audit.take_verify(seq_id) if self.audit is not None else None
         del self.pending[seq_id]
         self.seqs[seq_id] = pending.states[rows - 1]
         if verified is not None:
-            self._check(seq_id, f"verify commit of {rows} rows", verified[0][rows - 1], self.seqs[seq_id])
+            self.audit.check_commit(seq_id, rows, verified, snapshot_digest(self.seqs[seq_id]))
         if seq_id in self.drafts:
             d = self.drafts[seq_id]
             self.drafter.append(d, pending.start, pending.tokens[:rows], pending.hidden[:rows])  # type: ignore[union-attr]
             if verified is not None:  # the committed pair keys are built from the target's hidden the verify computed
                 built = torch.stack(d.target_hidden[pending.start:pending.start + rows])  # type: ignore[arg-type]
-                if not torch.equal(built, verified[1][:rows]):
-                    raise StateDigestMismatch(seq_id, "drafter rows of a verify commit", "the verify's hidden",
-                                              "another hidden")
+                self.audit.check_hidden(seq_id, rows, verified, built)
         return self.cursors(seq_id)
 
     def record_verify(self, seq_id: int, pending: PendingVerify) -> None:
         """A verify ran: it waits for `commit`; the audit keeps what it computed (each row's state digest and
         the target's hidden) apart from the pending object, so a commit that installs anything else is seen."""
         self.pending[seq_id] = pending
-        if self.audit:
-            self.verified[seq_id] = (tuple(snapshot_digest(s) for s in pending.states), pending.hidden.clone())
+        if self.audit is not None:
+            self.audit.record_verify(seq_id, tuple(snapshot_digest(s) for s in pending.states), pending.hidden)
 
     # -- prefix caching -------------------------------------------------------------------------------
 
@@ -210,8 +206,8 @@ class CpuStateStore:
         entry = PrefixEntry(self.copy_state(seq_id), {layer: keys[:position].clone() for layer, keys in s.qsa_keys.items()},
                             tail_keys, tail_values, hidden)
         self.prefix.store(order.key, entry, order.evicted)
-        if self.audit:
-            self.saved[("prefix", order.key, 0)] = snapshot_digest(entry.state)
+        if self.audit is not None:
+            self.audit.record(("prefix", order.key, 0), snapshot_digest(entry.state))
 
     def load_prefix(self, order: PrefixRestore) -> None:
         """Start the sequence at `position` from prefix snapshot `key`: the shared blocks of the block table
@@ -236,9 +232,9 @@ class CpuStateStore:
         self.tables[seq_id] = table
         self.ring.release(seq_id)
         self.pending.pop(seq_id, None)
-        self.verified.pop(seq_id, None)
-        if self.audit:
-            self._check(seq_id, "prefix restore", self.saved.get(("prefix", order.key, 0)), self.seqs[seq_id])
+        self._forget(seq_id)
+        if self.audit is not None:
+            self.audit.check(seq_id, "prefix restore", ("prefix", order.key, 0), snapshot_digest(self.seqs[seq_id]))
         if self.drafter is not None:
             if order.adopt:
                 self.drafts[seq_id] = self.drafter.adopt(self.prefix.carry, order.drafter_last_key,  # type: ignore[arg-type]

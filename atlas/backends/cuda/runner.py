@@ -16,7 +16,14 @@ from collections.abc import Sequence
 import attrs
 import torch
 
-from atlas.backends.base import Capabilities, ChunkLike, check_chunk, check_verify, run_orders
+from atlas.backends.base import (
+    Capabilities,
+    ChunkLike,
+    check_chunk,
+    check_verify,
+    run_orders,
+    state_audit_default,
+)
 from atlas.backends.cuda.batch import Group, GroupShape, Row, pack_rows
 from atlas.backends.cuda.faults import FaultGuard, probe_device
 from atlas.backends.cuda.graphs import DecodeGraphs, bucket
@@ -95,6 +102,7 @@ class CudaBackend:
         snapshot_bytes: int = 0,
         verify_mode: str | None = None,
         tuning: Tuning | None = None,
+        state_audit: bool | None = None,
     ) -> None:
         self.name = name
         self.model = model
@@ -145,7 +153,10 @@ class CudaBackend:
                                           device=self.device,
                                           capacity=self.max_blocks_per_seq * block_size + verify_width + 1,
                                           exact=self.verify_mode == "rows")
-        self.store = CudaStateStore(spec, self.pools, slot_bytes=snapshot_bytes, drafter=self.drafter)
+        use_graphs = self.device.type == "cuda" if cuda_graphs is None else cuda_graphs
+        self.store = CudaStateStore(spec, self.pools, slot_bytes=snapshot_bytes, drafter=self.drafter,
+                                    table_blocks=self.max_blocks_per_seq, graphs=use_graphs,
+                                    audit=state_audit_default() if state_audit is None else state_audit)
         use_kernels = self.dtype != torch.float32 if kernels is None else kernels
         self.gdn_kernel = triton_gdn() if use_kernels and self.device.type == "cuda" else None
         if kernels and self.gdn_kernel is None:
@@ -156,7 +167,6 @@ class CudaBackend:
             # stays torch: the Triton decode MoE (7.80 vs 6.87 ms at batch 1) and the fused hyper sites (10.16 ms)
             # were slower there
             self.tuning = Tuning(prefill_moe="triton")
-        use_graphs = self.device.type == "cuda" if cuda_graphs is None else cuda_graphs
         self.graphs = DecodeGraphs(self._decode_logits, self.device) if use_graphs else None
         # wide verifies ([B, K] groups) replayed from graphs of their own: every row's logits come back
         self.verify_graphs = DecodeGraphs(self._verify_logits, self.device) if use_graphs else None

@@ -5,8 +5,8 @@ position stamp; the per-slot state (GDN conv + recurrent, PLE short conv and n-g
 state; the MTP drafter's rows (atlas.backends.cuda.drafter). The host keeps only bookkeeping: the slot, how many
 tokens were fed (what the next chunk must start at), a mirror of the n-gram context (the host computes the n-gram
 ids from it; state_digest checks it against the device's copy), which ring slot holds which position, and a
-pending verify's shape. Every cursor the store reports is read from the stamps (`read_cursors`): one gather on the
-device and one device->host copy for all the sequences asked about.
+pending verify's shape. Every cursor the store reports is read from the stamps (`read_cursors`): one summary on
+the device (atlas.backends.cuda.stamp_read) and one device->host copy for all the sequences asked about.
 
 A ring snapshot copies the per-slot state and its stamps into the slot's ring row; KV, QSA keys and drafter rows
 are positional, so a restore copies the state back and clears the stamp of the first position past the boundary
@@ -24,8 +24,11 @@ from typing import Any
 import attrs
 import torch
 
+from atlas.backends.audit import StateAudit, feed
+from atlas.backends.cuda.audit import slot_digest, verify_row_digests
 from atlas.backends.cuda.batch import sentinel_slot
 from atlas.backends.cuda.pools import DevicePools
+from atlas.backends.cuda.stamp_read import StampReader
 from atlas.errors import RestoreRefused, VerifyRefused
 from atlas.model.spec import ModelSpec
 from atlas.plan import BackendCursors, CarryOrder, PrefixRestore, RingRestore, RingSnapshot
@@ -62,8 +65,13 @@ class StampReads:
 
 
 class CudaStateStore:
-    def __init__(self, spec: ModelSpec, pools: DevicePools, *, slot_bytes: int = 0, drafter: Any = None) -> None:
-        """`slot_bytes`: Capacities.ring_slot_bytes, what one ring or prefix snapshot must hold (0: unchecked)."""
+    def __init__(self, spec: ModelSpec, pools: DevicePools, *, slot_bytes: int = 0, drafter: Any = None,
+                 table_blocks: int = 0, graphs: bool = False, audit: bool = False) -> None:
+        """`slot_bytes`: Capacities.ring_slot_bytes, what one ring or prefix snapshot must hold (0: unchecked).
+        `table_blocks`: the most blocks a sequence's table holds (the device tables' width; 0: every block);
+        `graphs`: the stamp read replayed from CUDA graphs. `audit`: the state-digest audit mode (atlas.backends.audit:
+        snapshots record the slot state's digest, restores check it, verify commits check the installed row)."""
+        self.audit = StateAudit() if audit else None
         self.spec, self.pools = spec, pools
         self.block_size = pools.block_size
         self.verify_width = pools.verify_width
@@ -75,6 +83,7 @@ class CudaStateStore:
         self.seqs: dict[int, SeqState] = {}
         self.prefix: dict[int, PrefixEntry] = {}
         self.reads = StampReads()
+        self.reader = StampReader(pools, drafter, table_blocks=table_blocks or pools.num_kv_blocks, graphs=graphs)
         self.prompt_tail: dict[int, torch.Tensor] = {}  # prompt logprobs: the logits the next chunk's first token needs
         self.pending_hidden: dict[int, torch.Tensor] = {}  # a pending verify's target hidden per row [K, H]
 
@@ -92,7 +101,7 @@ class CudaStateStore:
         # no block table: no KV row counts (its old blocks are the engine's again; the next chunk's writes clear
         # the stamp past their end)
         s.position, s.pending, s.ring, s.table = 0, None, {}, ()
-        self.pending_hidden.pop(seq_id, None)
+        self._forget(seq_id)
         s.ple_context = [self.pools.ple_eos] * self.pools.ple_context_len
         self.prompt_tail.pop(seq_id, None)
         if self.drafter is not None:
@@ -101,7 +110,7 @@ class CudaStateStore:
     def release(self, seq_id: int) -> None:
         s = self.seqs.pop(seq_id, None)
         self.prompt_tail.pop(seq_id, None)
-        self.pending_hidden.pop(seq_id, None)
+        self._forget(seq_id)
         if s is not None:
             if self.drafter is not None:
                 self.drafter.release(seq_id)
@@ -118,7 +127,25 @@ class CudaStateStore:
         return self.read_cursors([seq_id])[seq_id]
 
     def read_cursors(self, seq_ids: Sequence[int]) -> dict[int, BackendCursors]:
-        """Every stamp of every sequence in `seq_ids`: one gather on the device, one copy to the host."""
+        """Every stamp of every sequence in `seq_ids` (atlas.backends.cuda.stamp_read: the device block tables,
+        one summary, a graph replay on the GPU, one copy to the host); what read_cursors_reference reads."""
+        live = [s for s in dict.fromkeys(seq_ids) if s in self.seqs]
+        out = {s: BackendCursors(kv_tokens=0, qsa_ingested=0, ssm_position=0, ple_position=0)
+               for s in seq_ids if s not in self.seqs}
+        if not live:
+            return out
+        t0 = time.perf_counter()
+        states = [self.seqs[s] for s in live]
+        held = self.drafter.seqs if self.drafter is not None else {}
+        out.update(zip(live, self.reader.read(states, [s in held for s in live]), strict=True))
+        self.reads.calls += 1
+        self.reads.seqs += len(live)
+        self.reads.seconds += time.perf_counter() - t0
+        return out
+
+    def read_cursors_reference(self, seq_ids: Sequence[int]) -> dict[int, BackendCursors]:
+        """The first stamp read, kept as the oracle of read_cursors (tests/test_cuda_stamps_read.py) and the
+        benchmark's "before": every table built as host lists, copied, ~25 eager ops and a copy back."""
         live = [s for s in dict.fromkeys(seq_ids) if s in self.seqs]
         out = {s: BackendCursors(kv_tokens=0, qsa_ingested=0, ssm_position=0, ple_position=0)
                for s in seq_ids if s not in self.seqs}
@@ -177,6 +204,8 @@ class CudaStateStore:
             raise RestoreRefused(f"sequence {order.seq_id}: a ring snapshot at {order.position} needs the sequence "
                                  f"there, committed (holds {None if s is None else s.position})")
         self.pools.ring_store(s.slot, order.slot)
+        if self.audit is not None:  # what the snapshot must hold: the live slot's state (atlas.backends.cuda.audit)
+            self.audit.record(("ring", order.seq_id, order.slot), slot_digest(self.pools, s.slot))
         s.ring[order.slot] = (order.position, list(s.ple_context))
         if self.drafter is not None:
             self.drafter.snapshot(order.seq_id, order.slot, order.position)
@@ -196,7 +225,9 @@ class CudaStateStore:
         self.pools.ring_load(s.slot, order.slot)
         self._clear_stamp(s.table, position)  # KV / QSA rows past the boundary stop counting
         s.position, s.pending, s.ple_context = position, None, list(held[1])
-        self.pending_hidden.pop(seq_id, None)
+        self._forget(seq_id)
+        if self.audit is not None:
+            self.audit.check(seq_id, "ring restore", ("ring", seq_id, order.slot), slot_digest(self.pools, s.slot))
         s.ring = {slot: v for slot, v in s.ring.items() if v[0] <= position}
         self.prompt_tail.pop(seq_id, None)
         if self.drafter is not None:
@@ -240,7 +271,10 @@ class CudaStateStore:
         fed: list[tuple[int, int, tuple[int, ...], int]] = []
         kept: dict[int, torch.Tensor] = {}
         bs = self.block_size
+        verified = {seq_id: self.audit.take_verify(seq_id) for seq_id, _ in commits} if self.audit is not None else {}
         for s, (seq_id, rows) in zip(states, commits, strict=True):
+            if verified.get(seq_id) is not None:
+                self.audit.check_commit(seq_id, rows, verified[seq_id], slot_digest(self.pools, s.slot))
             start, tokens = s.pending  # type: ignore[misc]
             for p in range(start, start + rows):
                 flat.append(s.table[p // bs] * bs + p % bs)
@@ -256,13 +290,29 @@ class CudaStateStore:
         self.pools.stamp_rows(torch.tensor(flat, device=dev), torch.tensor(values, dtype=torch.int32, device=dev))
         self.pools.kept.clear()
         if fed:
+            for seq_id in kept if self.audit is not None else ():  # the pair keys' hidden is the verify's
+                self.audit.check_hidden(seq_id, kept[seq_id].shape[0], verified.get(seq_id), kept[seq_id])
             self.drafter.feed(fed, kept)  # type: ignore[union-attr]
 
     def drop_pending(self, seq_id: int) -> None:
         s = self.seqs.get(seq_id)
-        self.pending_hidden.pop(seq_id, None)
+        self._forget(seq_id)
         if s is not None:
             s.pending = None
+
+    def _forget(self, seq_id: int) -> None:
+        self.pending_hidden.pop(seq_id, None)
+        if self.audit is not None:
+            self.audit.forget(seq_id)
+
+    def record_verify(self, seq_id: int, hidden: torch.Tensor) -> None:
+        """A verify's rows ran (atlas.backends.cuda.verify): the target's hidden per row waits for the commit (the
+        drafter's pair keys); the audit records what each row's commit must install and that hidden."""
+        self.pending_hidden[seq_id] = hidden
+        if self.audit is not None:
+            s = self.seqs[seq_id]
+            rows = verify_row_digests(self.pools, s.slot, len(s.pending[1]))  # type: ignore[index]
+            self.audit.record_verify(seq_id, rows, hidden if self.drafter is not None else None)
 
     # -- prefix caching -------------------------------------------------------------------------------
 
@@ -294,6 +344,8 @@ class CudaStateStore:
         if order.evicted >= 0:
             del self.prefix[order.evicted]
         self.prefix[order.key] = PrefixEntry(position, state, stamps, list(s.ple_context), tail, hidden)
+        if self.audit is not None:
+            self.audit.record(("prefix", order.key, 0), slot_digest(pools, s.slot))
 
     def load_prefix(self, order: PrefixRestore) -> None:
         """Start the sequence at `position` from prefix snapshot `key`: the shared full blocks of the table hold
@@ -326,6 +378,9 @@ class CudaStateStore:
             pools.stamp_rows(slots, torch.arange(lo, position, dtype=torch.int32, device=pools.device))
         self._clear_stamp(table, position)
         s.position, s.table, s.pending, s.ring = position, table, None, {}
+        self._forget(seq_id)
+        if self.audit is not None:
+            self.audit.check(seq_id, "prefix restore", ("prefix", order.key, 0), slot_digest(pools, s.slot))
         s.ple_context = list(entry.ple_context)
         self.prompt_tail.pop(seq_id, None)
         if self.drafter is not None:
@@ -356,12 +411,12 @@ class CudaStateStore:
             bs = self.block_size
             slots = torch.tensor([s.table[p // bs] * bs + p % bs for p in range(s.position)], device=pools.device)
             for layer in sorted(pools.keys):
-                _feed(h, f"k{layer}", pools.keys[layer].view(-1, *pools.keys[layer].shape[2:])[slots])
-                _feed(h, f"v{layer}", pools.values[layer].view(-1, *pools.values[layer].shape[2:])[slots])
+                feed(h, f"k{layer}", pools.keys[layer].view(-1, *pools.keys[layer].shape[2:])[slots])
+                feed(h, f"v{layer}", pools.values[layer].view(-1, *pools.values[layer].shape[2:])[slots])
             for layer in sorted(pools.index_keys):
-                _feed(h, f"q{layer}", pools.index_keys[layer].view(-1, pools.index_keys[layer].shape[-1])[slots])
+                feed(h, f"q{layer}", pools.index_keys[layer].view(-1, pools.index_keys[layer].shape[-1])[slots])
         for name in pools.names:
-            _feed(h, name, pools.state[name][s.slot])
+            feed(h, name, pools.state[name][s.slot])
         if pools.ple_context_len:
             device_ctx = pools.state["pctx"][s.slot].tolist()
             if device_ctx != s.ple_context:  # the host computes n-gram ids from its mirror: they must agree
@@ -370,13 +425,6 @@ class CudaStateStore:
         if drafter and self.drafter is not None:
             self.drafter.digest(h, seq_id)
         return h.hexdigest()
-
-
-def _feed(h: Any, name: str, t: torch.Tensor) -> None:
-    h.update(name.encode())
-    t = t.detach().contiguous().cpu()
-    h.update(str(tuple(t.shape)).encode())
-    h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
 
 
 def _summary(stamps: tuple[tuple[str, int, int], ...]) -> BackendCursors:

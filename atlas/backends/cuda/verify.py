@@ -46,7 +46,7 @@ def run_verifies(backend: Any, verifies: Sequence[SeqWork], *, commit: bool = Tr
     for width, members in sorted(by_width.items()):
         logits, hidden = _feed(backend, members, width)
         for b, w in enumerate(members):  # the target's hidden per row: the drafter's pair keys on commit
-            backend.store.pending_hidden[w.seq_id] = hidden[b]
+            backend.store.record_verify(w.seq_id, hidden[b])
         runs = _judge(backend, members, logits)
         if commit:
             _commit(backend, members, runs)

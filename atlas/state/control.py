@@ -75,6 +75,20 @@ class Refreshed(tuple):  # type: ignore[type-arg]
     __slots__ = ()
 
 
+class Checked(Refreshed):
+    """Refreshed, and the handler also ran check_invariants' per-sequence test (`_holds`'s conditions) on each
+    touched sequence's state after the event, in that same pass: `suspects` are the ids it could not pass,
+    in touched order. check_invariants gives exactly those to check_sequence (which names the broken
+    invariant) instead of testing every touched sequence again."""
+
+    suspects: list[int]
+
+    def __new__(cls, ids: tuple[int, ...], suspects: list[int]) -> Checked:
+        self = super().__new__(cls, ids)
+        self.suspects = suspects
+        return self
+
+
 @attrs.define(slots=True)
 class ControlState:
     caps: Capacities
@@ -136,7 +150,7 @@ class ControlState:
         if handler is None:
             raise TransitionRefused("ControlState", f"no transition for event kind {e.kind!r}")
         touched = handler(self, e)
-        if type(touched) is Refreshed:
+        if isinstance(touched, Refreshed):
             return touched
         seqs = self.seqs
         acc = self.seq_digest

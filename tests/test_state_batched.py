@@ -219,3 +219,39 @@ def test_a_block_past_the_tokens_after_a_batched_advance_is_named() -> None:
         assert exc.fields["seq_id"] == b and exc.fields["blocks"] == 3
     else:
         raise AssertionError("the extra blocks were not named")
+
+
+@settings(max_examples=300, deadline=None)
+@given(rows=st.lists(st.tuples(st.integers(0, 2**64 - 1), st.integers(0, 2**20), st.integers(0, 2**20),
+                               st.integers(0, 2**20), st.integers(0, 2**10)), min_size=1, max_size=70))
+def test_the_column_fingerprint_is_the_scalar_one(rows: list[tuple[int, int, int, int, int]]) -> None:
+    """running_fingerprints (numpy uint64 columns) equals sequence_fingerprint on each running sequence."""
+    from atlas.state.control import running_fingerprints
+
+    seqs = []
+    for token_hash, seq_id, n, computed, blocks in rows:
+        seqs.append(Sequence(seq_id=seq_id, request_id="r", arrival_step=0, params=SamplingParams(), max_new=0,
+                             cursor=SequenceCursor(tokens=[0] * n, prompt_len=0, computed=computed,
+                                                   phase=Phase.RUNNING, token_hash=token_hash),
+                             qsa=QsaCursor(capacity=0, ratio=1, ingested=computed), ring=SsmRing(slots=0),
+                             drafter=DrafterCarry(), blocks=[0] * blocks))
+    got = running_fingerprints(*(list(col) for col in zip(*rows, strict=True)))
+    assert got == [sequence_fingerprint(s) for s in seqs]
+    assert all(type(fp) is int for fp in got)
+
+
+def test_the_batched_advance_fingerprints_columns_as_the_scalar_form(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Above VECTOR_MIN sequences the common ones go through running_fingerprints: the digest is the same."""
+    from atlas.state import steps
+
+    def advanced(vector_min: int) -> tuple[str, list[int]]:
+        monkeypatch.setattr(steps, "VECTOR_MIN", vector_min)
+        state = _running([2, 3, 4, 3], [3] * 4, [True] * 4, blocks=1)
+        state.seqs[state.running[1]].preemptions = 1  # one scalar among the columns
+        seqs = tuple(state.running)
+        state.inflight, state.step = ev.StepPlanned(1, (), seqs, (1,) * 4, (), (), ()), 2
+        state.apply(ev.StepExecuted(1, (7, 8, 9, 10)))
+        return state.digest(), [state.seqs[s].fingerprint for s in seqs]
+
+    columns, scalar = advanced(1), advanced(10**9)
+    assert columns == scalar

@@ -32,7 +32,13 @@ class RowVerdict:
     top_logprobs: tuple[tuple[int, float], ...] = ()
 
 
-@attrs.frozen
+# SeqWork, BackendCursors and SeqOutcome are built once per sequence per step: plain slotted classes rather than
+# frozen ones (a frozen attrs __init__ sets each field through object.__setattr__: 2.9 us for a SeqWork against
+# 0.44 us, 185 us of a batch-64 step). Still values: hashable and compared by field, and nothing mutates one.
+_VALUE = attrs.define(slots=True, unsafe_hash=True)
+
+
+@_VALUE
 class SeqWork:
     """One sequence's share of a step: feed `tokens` at positions [start, start + len(tokens))."""
 
@@ -139,7 +145,7 @@ class StepPlan:
                     or self.prefix_restores or self.carry.drop or self.carry.store >= 0)
 
 
-@attrs.frozen
+@_VALUE
 class BackendCursors:
     """What the data plane says it holds for one sequence. Each must equal the control plane's view.
 
@@ -167,7 +173,7 @@ STAMP_KINDS = ("kv", "qsa", "conv", "gdn", "ple", "ple_conv", "drafter")  # Back
 PromptLogprob = tuple[int, float | None, tuple[tuple[int, float], ...]]
 
 
-@attrs.frozen
+@_VALUE
 class SeqOutcome:
     seq_id: int
     cursors: BackendCursors

@@ -80,16 +80,16 @@ def test_the_inline_fingerprint_is_the_specified_one(seq: Sequence) -> None:
     assert sequence_fingerprint(seq) == _reference_fingerprint(seq)
 
 
-def _running(prompts: list[int], max_new: list[int], full: list[bool]) -> ControlState:
+def _running(prompts: list[int], max_new: list[int], full: list[bool], blocks: int = 2) -> ControlState:
     """A state with one running sequence per prompt length: prefilled but for its last prompt token, or
-    (`full`) wholly, with one token sampled."""
+    (`full`) wholly, with one token sampled; `blocks` each."""
     state = ControlState.create(CAPS)
     ids = []
     for i, n in enumerate(prompts):
         ids.append(state.next_seq_id)
         state.apply(ev.RequestArrived(f"r{i}", state.next_seq_id, list(range(1, n + 1)),
                                       SamplingParams(max_tokens=max_new[i]).to_json(), max_new[i]))
-    alloc = tuple((s, 2 * i, 2 * i + 1) for i, s in enumerate(ids))
+    alloc = tuple((s, *range(blocks * i, blocks * (i + 1))) for i, s in enumerate(ids))
     fed = tuple(n if f else n - 1 for n, f in zip(prompts, full, strict=True))
     state.apply(ev.StepPlanned(0, tuple(ids), tuple(ids), fed, alloc, (), ()))
     state.apply(ev.StepExecuted(0, tuple(5 if f else -1 for f in full)))
@@ -142,3 +142,116 @@ def test_the_batched_advance_refuses_and_commits_as_the_per_sequence_one(prompts
                 b.cursor.tokens, b.cursor.computed, b.cursor.token_hash, b.qsa.ingested)
             assert a.fingerprint == sequence_fingerprint(b)
         assert state.inflight is None and state.inflight_hash == 0
+
+
+def _corrupt(seq: Sequence, how: int, amount: int) -> None:
+    """Break one field the advance itself does not look at (or does: then it refuses, and the test skips)."""
+    if how == 0:
+        seq.blocks.extend(range(100, 100 + amount))  # blocks past the tokens
+    elif how == 1:
+        seq.cursor.prompt_len += amount
+    elif how == 2:
+        seq.max_new = max(0, seq.max_new - amount)
+    elif how == 3:
+        seq.drafter.hold(0, amount)  # drafter rows running ahead of the fed tokens
+    elif how == 4:
+        seq.ring.slots = 1
+        seq.ring.snapshots.append((amount, 0))  # a snapshot past (or at) the computed tokens
+    elif how == 5:
+        seq.drafter.carried = True
+    elif how == 6:
+        seq.qsa.capacity = amount
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(prompts=st.lists(st.integers(2, 4), min_size=1, max_size=4), data=st.data())
+def test_the_batched_advance_names_the_violation_the_per_sequence_walk_names(prompts: list[int],
+                                                                             data: st.DataObject) -> None:
+    """StepExecuted's commit pass runs check_invariants' per-sequence test itself (Checked): a broken invariant
+    after it is the one check_sequence names walking the touched sequences in order (machine, message, fields)."""
+    from atlas.state.control import Checked
+    from atlas.state.invariants import check_invariants
+
+    k = len(prompts)
+    state = _running(prompts, [3] * k, [True] * k, blocks=1)  # every invariant holds before the corruption
+    seqs = tuple(state.running)
+    broken = data.draw(st.lists(st.sampled_from(seqs), max_size=3))
+    for seq_id in broken:
+        _corrupt(state.seqs[seq_id], data.draw(st.integers(0, 6)), data.draw(st.integers(0, 8)))
+    planned = ev.StepPlanned(1, (), seqs, (1,) * k, (), (), ())
+    state.inflight, state.step = planned, 2
+    try:
+        touched = state.apply(ev.StepExecuted(1, (7,) * k))
+    except TransitionRefused:
+        return  # the advance's own checks caught it first
+    assert type(touched) is Checked
+    expected = None
+    for seq_id in touched:  # the walk check_invariants did before the batched pass
+        try:
+            check_sequence(state.seqs[seq_id], CAPS.block_size, 7, 0)
+        except InvariantViolation as exc:
+            expected = (exc.machine, exc.message, exc.fields)
+            break
+    try:
+        check_invariants(state, touched, 7)
+        got = None
+    except InvariantViolation as exc:
+        got = (exc.machine, exc.message, exc.fields)
+    assert got == expected
+    if not broken:  # nothing corrupted: every sequence passes the batched test itself
+        assert touched.suspects == [] and got is None
+    assert set(touched.suspects) >= {s for s in touched if not _holds(state.seqs[s], CAPS.block_size, 0)}
+
+
+def test_a_block_past_the_tokens_after_a_batched_advance_is_named() -> None:
+    from atlas.state.invariants import check_invariants
+
+    state = _running([3, 4], [3, 3], [True, True], blocks=1)
+    a, b = state.running
+    state.seqs[b].blocks.extend([100, 101])  # two blocks past its 5 tokens (block size 8)
+    state.inflight, state.step = ev.StepPlanned(1, (), (a, b), (1, 1), (), (), ()), 2
+    touched = state.apply(ev.StepExecuted(1, (7, 7)))
+    assert list(touched.suspects) == [b]
+    try:
+        check_invariants(state, touched, 9)
+    except InvariantViolation as exc:
+        assert (exc.event_index, exc.machine, exc.message) == (9, "BlockPool", "no block beyond the sequence's tokens")
+        assert exc.fields["seq_id"] == b and exc.fields["blocks"] == 3
+    else:
+        raise AssertionError("the extra blocks were not named")
+
+
+@settings(max_examples=300, deadline=None)
+@given(rows=st.lists(st.tuples(st.integers(0, 2**64 - 1), st.integers(0, 2**20), st.integers(0, 2**20),
+                               st.integers(0, 2**20), st.integers(0, 2**10)), min_size=1, max_size=70))
+def test_the_column_fingerprint_is_the_scalar_one(rows: list[tuple[int, int, int, int, int]]) -> None:
+    """running_fingerprints (numpy uint64 columns) equals sequence_fingerprint on each running sequence."""
+    from atlas.state.control import running_fingerprints
+
+    seqs = []
+    for token_hash, seq_id, n, computed, blocks in rows:
+        seqs.append(Sequence(seq_id=seq_id, request_id="r", arrival_step=0, params=SamplingParams(), max_new=0,
+                             cursor=SequenceCursor(tokens=[0] * n, prompt_len=0, computed=computed,
+                                                   phase=Phase.RUNNING, token_hash=token_hash),
+                             qsa=QsaCursor(capacity=0, ratio=1, ingested=computed), ring=SsmRing(slots=0),
+                             drafter=DrafterCarry(), blocks=[0] * blocks))
+    got = running_fingerprints(*(list(col) for col in zip(*rows, strict=True)))
+    assert got == [sequence_fingerprint(s) for s in seqs]
+    assert all(type(fp) is int for fp in got)
+
+
+def test_the_batched_advance_fingerprints_columns_as_the_scalar_form(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Above VECTOR_MIN sequences the common ones go through running_fingerprints: the digest is the same."""
+    from atlas.state import steps
+
+    def advanced(vector_min: int) -> tuple[str, list[int]]:
+        monkeypatch.setattr(steps, "VECTOR_MIN", vector_min)
+        state = _running([2, 3, 4, 3], [3] * 4, [True] * 4, blocks=1)
+        state.seqs[state.running[1]].preemptions = 1  # one scalar among the columns
+        seqs = tuple(state.running)
+        state.inflight, state.step = ev.StepPlanned(1, (), seqs, (1,) * 4, (), (), ()), 2
+        state.apply(ev.StepExecuted(1, (7, 8, 9, 10)))
+        return state.digest(), [state.seqs[s].fingerprint for s in seqs]
+
+    columns, scalar = advanced(1), advanced(10**9)
+    assert columns == scalar

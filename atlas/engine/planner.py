@@ -95,9 +95,10 @@ def plan_step(state: ControlState, lanes: Lanes) -> StepPlan:
             banned = tuple(sorted({*seq.banned.get(end, ()), *min_tokens_ban(seq, eos)}))
         else:
             banned = ()
-        work.append(SeqWork(seq_id, tuple(c.tokens[start:end]), start, tuple(seq.blocks), sample, p, banned=banned,
-                            drafts=verify, drafter_first_key=seq.drafter.first_key, propose=propose,
-                            prompt_logprobs=scored))
+        # positional: SeqWork(seq_id, tokens, start, block_table, sample, sampling, banned, drafts,
+        # drafter_first_key, propose, prompt_logprobs)
+        work.append(SeqWork(seq_id, tuple(c.tokens[start:end]), start, tuple(seq.blocks), sample, p, banned, verify,
+                            seq.drafter.first_key, propose, scored))
     snapshots = plan_snapshots(seqs, planned.seqs, planned.fed, state.caps.snapshot_interval)
     o = state.inflight_orders
     return StepPlan(planned.step, tuple(work), planned.release, planned.reset,

@@ -93,6 +93,8 @@ class RequestBook:
         quiet = self.watchdog is None  # a held-back request that did not end then has nothing to emit
         held = self.held
         tokenizer = self.tokenizer
+        counts = self.counts
+        stops = self.stops
         for w, o in zip(plan.work, ordered, strict=True):
             if o.prompt_logprobs:
                 self.prompt_lp.setdefault(w.seq_id, {}).update((pos, (lp, top)) for pos, lp, top in o.prompt_logprobs)
@@ -112,16 +114,23 @@ class RequestBook:
                 seq = seqs[w.seq_id]
                 token = o.token
                 p = seq.params
-                self.counts.generated_tokens += 1
-                ended = self.stops[w.seq_id].on_token(token, tokenizer)
-                lp = (o.logprob,) if p.logprobs and o.logprob is not None else ()
-                tp = (o.top_logprobs,) if p.logprobs and p.top_logprobs else ()
+                counts.generated_tokens += 1
+                ended = stops[w.seq_id].on_token(token, tokenizer)
                 h = held.get(w.seq_id)
-                if h is not None:
-                    h.add(token, lp, tp)
-                    if quiet and ended is None:
-                        continue  # held back and not ended: no event, no output (and no generator made)
-                taken = (ended, [token], list(lp), list(tp))
+                if not p.logprobs:  # the common request: no logprobs to keep (_Held.add without them)
+                    if h is not None:
+                        h.tokens.append(token)
+                        if quiet and ended is None:
+                            continue  # held back and not ended: no event, no output (and no generator made)
+                    taken = (ended, [token], [], [])
+                else:
+                    lp = (o.logprob,) if o.logprob is not None else ()
+                    tp = (o.top_logprobs,) if p.top_logprobs else ()
+                    if h is not None:
+                        h.add(token, lp, tp)
+                        if quiet and ended is None:
+                            continue
+                    taken = (ended, [token], list(lp), list(tp))
             yield from self._settle_seq(state, seq, taken, plan.step, lanes, out)
         if not refused:
             return

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from atlas.errors import InvariantViolation
-from atlas.state.control import ControlState
+from atlas.state.control import Checked, ControlState
 from atlas.state.machines import Phase, Sequence
 
 
@@ -99,6 +99,10 @@ def check_invariants(state: ControlState, touched: tuple[int, ...], index: int) 
               max_batch_size=state.caps.max_batch_size)
     bs = state.caps.block_size
     seqs = state.seqs
+    if type(touched) is Checked:  # the handler ran `_holds`'s test in its commit pass: what it could not pass
+        for seq_id in touched.suspects:
+            check_sequence(seqs[seq_id], bs, index, _drafts_in_flight(state, seq_id))
+        return
     plan = state.inflight
     drafting = plan is not None and bool(plan.drafts)
     for seq_id in touched:

@@ -49,9 +49,10 @@ class EngineConfig:
     # the per-step token budget: decodes take one token each, prefill chunks share the rest
     prefill_chunk_tokens: int = attrs.field(default=2048, validator=_positive)
     # prefill chunks end at multiples of this many prompt tokens (or the prompt's end, or a branch point), so a
-    # prompt is chunked the same way under any load (atlas.engine.scheduler). None: derived, the largest
-    # multiple of block_size that fits beside a full batch of decodes (1,984 at the defaults); 0: off, chunks
-    # follow the budget the other sequences leave
+    # prompt is chunked the same way under any load (atlas.engine.scheduler). None: on for the batch-invariant
+    # backends (derived: the largest multiple of block_size that fits beside a full batch of decodes, 1,984 at
+    # the defaults), off elsewhere, where chunks follow the budget the other sequences leave (a chunk never
+    # waits a step for room: better TTFT under load); 0: off
     prefill_align: int | None = attrs.field(default=None, validator=_non_negative)
     block_size: int = attrs.field(default=16, validator=_positive)
     num_kv_blocks: int | None = attrs.field(default=None, validator=_positive)  # None = derived
@@ -89,7 +90,10 @@ class EngineConfig:
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> EngineConfig:
         known = {f.name for f in attrs.fields(cls)}
-        return cls(**{k: v for k, v in d.items() if k in known})
+        knobs = {k: v for k, v in d.items() if k in known}
+        # a config recorded before aligned prefill chunks chunked by the budget alone: replay it that way
+        knobs.setdefault("prefill_align", 0)
+        return cls(**knobs)
 
 
 @attrs.frozen
@@ -197,7 +201,8 @@ def ring_slot_bytes(spec: Any, activation_bytes: int = 2) -> int:
     return total
 
 
-def derive_capacities(config: EngineConfig, spec: Any = None, *, activation_bytes: int = 2) -> Capacities:
+def derive_capacities(config: EngineConfig, spec: Any = None, *, activation_bytes: int = 2,
+                      batch_invariant: bool = False) -> Capacities:
     """Derive every size once. `spec` is the model's spec (attributes as in its config.json) or None;
     `activation_bytes` is the data plane's element size (2 for bf16), for the ring's memory."""
     shape = _model_shape(spec)
@@ -229,7 +234,7 @@ def derive_capacities(config: EngineConfig, spec: Any = None, *, activation_byte
     )
     verify_width = config.num_drafts + 1
     max_batch_tokens = config.prefill_chunk_tokens
-    prefill_align = _prefill_align(config, max_batch_tokens, verify_width)
+    prefill_align = _prefill_align(config, max_batch_tokens, verify_width, batch_invariant)
     qsa_index_capacity = _check_floor(
         "qsa_index_capacity",
         config.qsa_index_capacity,
@@ -262,12 +267,15 @@ def derive_capacities(config: EngineConfig, spec: Any = None, *, activation_byte
     )
 
 
-def _prefill_align(config: EngineConfig, max_batch_tokens: int, verify_width: int) -> int:
+def _prefill_align(config: EngineConfig, max_batch_tokens: int, verify_width: int, batch_invariant: bool) -> int:
     """The prefill chunk alignment: at most what a step's budget leaves beside every other sequence's verify (so
-    an aligned chunk always fits beside them); derived as the largest multiple of block_size under that (chunk
-    ends then fall on full KV blocks, which the prefix cache can match), 0 (off) when not even one block fits."""
+    an aligned chunk always fits beside them); derived (for a batch-invariant backend, when not set) as the
+    largest multiple of block_size under that (chunk ends then fall on full KV blocks, which the prefix cache can
+    match), 0 (off) when not even one block fits."""
     ceiling = max_batch_tokens - (config.max_batch_size - 1) * verify_width
     if config.prefill_align is None:
+        if not batch_invariant:
+            return 0
         return max(0, ceiling) // config.block_size * config.block_size
     if config.prefill_align > ceiling:
         raise CapacityError(

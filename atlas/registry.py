@@ -73,7 +73,7 @@ def _cuda(model: str, config: EngineConfig, *, backend: str, loaded: Any = None,
 
     act_dtype, invariant = parse_backend(backend)
     loaded = _load(model, loaded, None)
-    caps = derive_capacities(config, loaded.spec, activation_bytes=act_dtype.itemsize)
+    caps = derive_capacities(config, loaded.spec, activation_bytes=act_dtype.itemsize, batch_invariant=invariant)
     data_plane = CudaBackend.for_capacities(loaded, caps, dtype=act_dtype, batch_invariant=invariant, name=backend,
                                             **options)
     return DataPlane(data_plane, loaded.tokenizer, loaded.spec, caps, loaded.name, loaded.fingerprint)

@@ -126,13 +126,17 @@ def test_a_chunk_that_does_not_fit_waits_and_so_does_everyone_behind_it() -> Non
 
 
 def test_the_alignment_is_derived_checked_and_can_be_turned_off() -> None:
-    assert derive_capacities(EngineConfig()).prefill_align == 1984  # 2048 - 63 decodes, in blocks of 16
+    def derived(config: EngineConfig) -> int:  # what a batch-invariant backend gets when nothing is set
+        return derive_capacities(config, batch_invariant=True).prefill_align
+
+    assert derived(EngineConfig()) == 1984  # 2048 - 63 decodes, in blocks of 16
+    assert derive_capacities(EngineConfig()).prefill_align == 0  # elsewhere off unless asked for
     # one sequence at a time: nothing shares its steps, the chunks are the budget's (the prefill benchmark's)
-    assert derive_capacities(EngineConfig(max_batch_size=1, prefill_chunk_tokens=32752)).prefill_align == 32752
+    assert derived(EngineConfig(max_batch_size=1, prefill_chunk_tokens=32752)) == 32752
     # each of the 3 others may verify 1 + 4 tokens
-    assert derive_capacities(EngineConfig(max_batch_size=4, prefill_chunk_tokens=512, num_drafts=4)
-                             ).prefill_align == 496
-    assert derive_capacities(EngineConfig(max_batch_size=64, prefill_chunk_tokens=64)).prefill_align == 0
+    assert derived(EngineConfig(max_batch_size=4, prefill_chunk_tokens=512, num_drafts=4)) == 496
+    assert derived(EngineConfig(max_batch_size=64, prefill_chunk_tokens=64)) == 0
+    assert derive_capacities(EngineConfig(prefill_align=0), batch_invariant=True).prefill_align == 0
     assert derive_capacities(EngineConfig(prefill_align=0)).prefill_align == 0
     assert derive_capacities(EngineConfig(prefill_align=100)).prefill_align == 100
     with pytest.raises(CapacityError, match="prefill_align 2000 is above its ceiling 1985"):

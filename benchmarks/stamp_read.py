@@ -97,7 +97,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batches", default="1,16,64")
     parser.add_argument("--steps", type=int, default=24)
+    parser.add_argument("--smoke", action="store_true", help="batch 2, 4 steps: the mechanics only (CI)")
     args = parser.parse_args()
+    if args.smoke:
+        args.batches, args.steps = "2", 4
     torch.set_num_threads(1)
     loaded = model()
     rows = []

@@ -287,4 +287,8 @@ class Engine:
         return self._dead
 
     def close(self) -> None:
+        """Flush the journal and let the backend give its device memory back (a backend with `close`)."""
         self.journal.close()
+        close = getattr(self.backend, "close", None)
+        if callable(close):
+            close()

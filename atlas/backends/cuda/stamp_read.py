@@ -79,6 +79,10 @@ class StampReader:
                                  device=self.pools.device)
         self.tables[:, 0] = 0
 
+    def close(self) -> None:
+        """Drop the captured graphs (and so their memory pool)."""
+        self._graphs.clear()
+
     # -- the device tables --------------------------------------------------------------------------
 
     def _entries(self, states: Sequence[Any]) -> list[tuple[int, int]]:

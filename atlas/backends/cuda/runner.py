@@ -391,7 +391,6 @@ class CudaBackend:
     def execute(self, plan: StepPlan) -> StepResult:
         with self._faults():
             store = self.store
-            store.discard_launched_read()  # a read launched by a step that then failed is no step's read
             done = run_orders(store, plan)
             ends = {w.seq_id: w.end for w in plan.work}
             for snap in plan.snapshots:  # refuse a bad order before any sequence moves
@@ -407,10 +406,6 @@ class CudaBackend:
             self._prepare(plain)
             scored = {i for i, w in enumerate(plain) if w.prompt_logprobs is not None}
             logits = self._last_logits(plain, scored)
-            in_work = set(ends)
-            read_ids = [w.seq_id for w in plan.work] + [s for s in done.restored if s not in in_work]
-            if not verifies and self.drafter is None:  # every stamp of the step is written: read it now, so the
-                store.launch_read(read_ids)             # tokens' copy below covers the stamps' (issue 13: 2% goal)
             picked = self._sample(plain, logits)
             results: dict[int, dict] = {}
             for i, w in enumerate(plain):
@@ -431,7 +426,9 @@ class CudaBackend:
                         and results[w.seq_id].get("refused") is None]
                 for seq_id, drafts in self.drafter.propose(asks).items():
                     results[seq_id]["drafts"] = drafts
-            cursors = store.read_cursors(read_ids)
+            in_work = set(ends)
+            cursors = store.read_cursors([w.seq_id for w in plan.work]
+                                         + [s for s in done.restored if s not in in_work])
             outcomes = []
             for w in plan.work:
                 if w.seq_id in done.refused:

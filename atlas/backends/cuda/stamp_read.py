@@ -41,17 +41,6 @@ UNIFORM_CACHE = 4096  # (position, drafter rows) -> the shared BackendCursors of
 class _Graph:
     graph: Any  # torch.cuda.CUDAGraph
     out: torch.Tensor  # static output [hi, columns] int32
-    host: torch.Tensor  # pinned [hi, columns] int32: where a launched read's copy lands
-
-
-@attrs.define
-class _Launched:
-    """A read started on the device (`StampReader.launch`) whose copy lands in `host` when `done` has passed."""
-
-    states: list[Any]
-    held: list[bool]
-    host: torch.Tensor
-    done: Any  # torch.cuda.Event, or None (eager: `host` is already on the host)
 
 
 class StampReader:
@@ -187,20 +176,12 @@ class StampReader:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
             out = self._summary(*key, delta=True)
-        self._graphs[key] = g = _Graph(graph, out, torch.empty(out.shape, dtype=out.dtype).pin_memory())
+        self._graphs[key] = g = _Graph(graph, out)
         return g
 
     def read(self, states: Sequence[Any], drafter_held: Sequence[bool]) -> list[BackendCursors]:
         """Each state's BackendCursors, from one device computation and one device->host copy. `states`: the
         store's SeqState of each live sequence asked about; `drafter_held`: whether the drafter holds it."""
-        return self.collect(self.launch(states, drafter_held))
-
-    def launch(self, states: Sequence[Any], drafter_held: Sequence[bool]) -> _Launched:
-        """Start the read: the summary queued on the device behind everything the step queued before it, its copy
-        to pinned memory queued behind that (on the GPU nothing waits here). Call it once every state write of
-        the step is queued; `collect` then waits for the copy, which a sync the step makes anyway (the sampled
-        tokens' copy) has usually already covered."""
-        states = list(states)
         self._apply(self._entries(states))
         hi = max([s.slot for s in states]) + 1
         width = max(1, max([len(s.table) for s in states]))
@@ -208,20 +189,10 @@ class StampReader:
             key = (min(bucket(hi), self.pools.state_slots), min(bucket(width, 4), self.cols))
             g = self._graphs.get(key) or self._capture(key)
             g.graph.replay()
-            if self.pools.device.type != "cuda":  # the graph path's bookkeeping tested on the CPU
-                return _Launched(states, list(drafter_held), g.out.cpu(), None)
-            g.host.copy_(g.out, non_blocking=True)
-            done = torch.cuda.Event()
-            done.record()
-            return _Launched(states, list(drafter_held), g.host, done)
-        return _Launched(states, list(drafter_held), self._summary(hi, width, delta=False).cpu(), None)
-
-    def collect(self, launched: _Launched) -> list[BackendCursors]:
-        """The launched read's BackendCursors (waiting for its copy)."""
-        if launched.done is not None:
-            launched.done.synchronize()
-        states, drafter_held = launched.states, launched.held
-        rows = launched.host.numpy()[[s.slot for s in states]]  # copied out of the pinned buffer
+            out = g.out
+        else:
+            out = self._summary(hi, width, delta=False)
+        rows = out.cpu().numpy()[[s.slot for s in states]]  # the one device->host copy (and synchronize)
         # a healthy sequence's stamps are all one position (the drafter's its own): its cursors are built once per
         # (position, drafter rows) and shared (BackendCursors is immutable); any other row stamp by stamp
         dr = self.drafter is not None

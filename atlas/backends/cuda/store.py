@@ -83,7 +83,6 @@ class CudaStateStore:
         self.seqs: dict[int, SeqState] = {}
         self.prefix: dict[int, PrefixEntry] = {}
         self.reads = StampReads()
-        self._launched: tuple[list[int], Any] | None = None  # a read launched early this step (launch_read)
         self.reader = StampReader(pools, drafter, table_blocks=table_blocks or pools.num_kv_blocks, graphs=graphs)
         self.prompt_tail: dict[int, torch.Tensor] = {}  # prompt logprobs: the logits the next chunk's first token needs
         self.pending_hidden: dict[int, torch.Tensor] = {}  # a pending verify's target hidden per row [K, H]
@@ -136,32 +135,13 @@ class CudaStateStore:
         if not live:
             return out
         t0 = time.perf_counter()
-        launched, self._launched = self._launched, None
-        if launched is None or launched[0] != live:
-            launched = (live, self._launch(live))
-        out.update(zip(live, self.reader.collect(launched[1]), strict=True))
+        states = [self.seqs[s] for s in live]
+        held = self.drafter.seqs if self.drafter is not None else {}
+        out.update(zip(live, self.reader.read(states, [s in held for s in live]), strict=True))
         self.reads.calls += 1
         self.reads.seqs += len(live)
         self.reads.seconds += time.perf_counter() - t0
         return out
-
-    def launch_read(self, seq_ids: Sequence[int]) -> None:
-        """Start the read of `seq_ids`' stamps now (every state write of the step queued, none to come), so its
-        device work and copy overlap the rest of the step; the next read_cursors of the same sequences collects
-        it. Whatever writes a stamp after this (a verify, the drafter) must not be in the same step: the runner
-        launches only for steps without them."""
-        live = [s for s in dict.fromkeys(seq_ids) if s in self.seqs]
-        if live:
-            t0 = time.perf_counter()
-            self._launched = (live, self._launch(live))
-            self.reads.seconds += time.perf_counter() - t0
-
-    def discard_launched_read(self) -> None:
-        self._launched = None
-
-    def _launch(self, live: list[int]) -> Any:
-        held = self.drafter.seqs if self.drafter is not None else {}
-        return self.reader.launch([self.seqs[s] for s in live], [s in held for s in live])
 
     def read_cursors_reference(self, seq_ids: Sequence[int]) -> dict[int, BackendCursors]:
         """The first stamp read, kept as the oracle of read_cursors (tests/test_cuda_stamps_read.py) and the

@@ -70,9 +70,7 @@ def test_with_the_audit_on_every_desync_is_caught_at_the_step_that_made_it(name:
     assert v.fields["step"] == step, (v, step)
 
 
-def test_the_unbroken_scenarios_run_clean() -> None:
-    for name in DESYNCS:
-        s = SCENARIOS[name]
-        engine = build_engine(s.model, s.backend, s.config, sink=RecordingSink())
-        run_program(engine, s.program, max_steps=200)
-        assert not engine.dead, name
+# The negative control (each scenario runs clean on the unbroken code) is
+# tests/test_traces_library.py::test_against_the_current_code_the_failure_is_gone_...: it replays every variant's
+# library trace, recorded from these scenarios, against today's code and asserts the failure is gone; running the
+# nine scenarios clean here as well cost ~60 s of a suite at its 15-minute line.

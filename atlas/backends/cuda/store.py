@@ -126,12 +126,16 @@ class CudaStateStore:
     def cursors(self, seq_id: int) -> BackendCursors:
         return self.read_cursors([seq_id])[seq_id]
 
+    def _split(self, seq_ids: Sequence[int]) -> tuple[list[int], dict[int, BackendCursors]]:
+        """The live sequences among `seq_ids` (once each, in order), and zero cursors for the ones not held."""
+        live = [s for s in dict.fromkeys(seq_ids) if s in self.seqs]
+        return live, {s: BackendCursors(kv_tokens=0, qsa_ingested=0, ssm_position=0, ple_position=0)
+                      for s in seq_ids if s not in self.seqs}
+
     def read_cursors(self, seq_ids: Sequence[int]) -> dict[int, BackendCursors]:
         """Every stamp of every sequence in `seq_ids` (atlas.backends.cuda.stamp_read: the device block tables,
         one summary, a graph replay on the GPU, one copy to the host); what read_cursors_reference reads."""
-        live = [s for s in dict.fromkeys(seq_ids) if s in self.seqs]
-        out = {s: BackendCursors(kv_tokens=0, qsa_ingested=0, ssm_position=0, ple_position=0)
-               for s in seq_ids if s not in self.seqs}
+        live, out = self._split(seq_ids)
         if not live:
             return out
         t0 = time.perf_counter()
@@ -146,9 +150,7 @@ class CudaStateStore:
     def read_cursors_reference(self, seq_ids: Sequence[int]) -> dict[int, BackendCursors]:
         """The first stamp read, kept as the oracle of read_cursors (tests/test_cuda_stamps_read.py) and the
         benchmark's "before": every table built as host lists, copied, ~25 eager ops and a copy back."""
-        live = [s for s in dict.fromkeys(seq_ids) if s in self.seqs]
-        out = {s: BackendCursors(kv_tokens=0, qsa_ingested=0, ssm_position=0, ple_position=0)
-               for s in seq_ids if s not in self.seqs}
+        live, out = self._split(seq_ids)
         if not live:
             return out
         t0 = time.perf_counter()

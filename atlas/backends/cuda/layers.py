@@ -123,24 +123,31 @@ def hyper_block(streams: torch.Tensor, norm_w: torch.Tensor, down_w: torch.Tenso
     return mixed, 2 * torch.sigmoid(inject)
 
 
-def causal_conv_pooled(pools: DevicePools, grp: Group, name: str, new: torch.Tensor, weight: torch.Tensor,
-                       dilation: int = 1) -> torch.Tensor:
-    """Depthwise causal conv of new columns [B, C, T] continuing each slot's state pools.state[name][slot]
-    [C, S]; updates the state (and its stamp) in place, or with grp.shape.keep keeps the state after each column
-    for the verify's commit; returns out [B, C, T] (fp32 accumulation, in new's dtype)."""
-    pool = pools.state[name]
-    state_len = pool.shape[-1]
+def conv_step(prev: torch.Tensor, new: torch.Tensor, weight: torch.Tensor, dilation: int = 1
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Depthwise causal conv of new columns [B, C, T] continuing the states prev [B, C, S] (pure: nothing
+    written): (out [B, C, T] with fp32 accumulation in new's dtype, the columns [B, C, S + T] whose last S are
+    the state after the group)."""
+    state_len = prev.shape[-1]
     k = weight.shape[-1]
-    t = new.shape[-1]
-    cols = torch.cat([pool[grp.slots].to(new.dtype), new], dim=-1)  # [B, C, S + T]
-    per_token = cols.unfold(-1, state_len, 1)[:, :, 1:].permute(2, 0, 1, 3) if grp.shape.keep else None
-    pools.put(name, grp.slots, grp.positions, cols[:, :, -state_len:], per_token, grp.shape.keep)
+    cols = torch.cat([prev.to(new.dtype), new], dim=-1)  # [B, C, S + T]
     base = state_len - (k - 1) * dilation  # first column the first new output reads
     span = (k - 1) * dilation + 1
     windows = cols[:, :, base:].unfold(-1, span, 1)[..., ::dilation]  # [B, C, T, K], a view
     acc = acc_dtype(new.dtype)
-    assert windows.shape[2] == t
-    return (windows.to(acc) * weight[None, :, None, 0, :].to(acc)).sum(-1).to(new.dtype)
+    return (windows.to(acc) * weight[None, :, None, 0, :].to(acc)).sum(-1).to(new.dtype), cols
+
+
+def causal_conv_pooled(pools: DevicePools, grp: Group, name: str, new: torch.Tensor, weight: torch.Tensor,
+                       dilation: int = 1) -> torch.Tensor:
+    """conv_step continuing each slot's state pools.state[name][slot] [C, S]; updates the state (and its stamp)
+    in place, or with grp.shape.keep keeps the state after each column for the verify's commit."""
+    pool = pools.state[name]
+    state_len = pool.shape[-1]
+    out, cols = conv_step(pool[grp.slots], new, weight, dilation)
+    per_token = cols.unfold(-1, state_len, 1)[:, :, 1:].permute(2, 0, 1, 3) if grp.shape.keep else None
+    pools.put(name, grp.slots, grp.positions, cols[:, :, -state_len:], per_token, grp.shape.keep)
+    return out
 
 
 def gdn_recurrence(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
@@ -162,43 +169,70 @@ def gdn_recurrence(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.T
     return out, torch.stack(states)
 
 
-def gdn_layer(spec: ModelSpec, w: dict[str, torch.Tensor], pre: str, layer: int, x: torch.Tensor, grp: Group,
-              pools: DevicePools, kernel: GdnKernel | None) -> torch.Tensor:
-    """x [B, T, H] -> [B, T, H] through one Gated DeltaNet layer (conv and recurrent state, with their stamps,
-    at the group's slots; a wide verify keeps the state after each row instead)."""
-    state_pool = pools.gdn_state[layer]
+def gdn_in(spec: ModelSpec, x: torch.Tensor, fused_in: torch.Tensor, conv_w: torch.Tensor, conv_prev: torch.Tensor
+           ) -> tuple[torch.Tensor, ...]:
+    """A GDN layer's projections and causal conv (pure): x [B, T, H], the slots' conv states [B, C, S] ->
+    (q, k [B, T, nk, dk], v [B, T, nv, dv], z [B, T, nv, dv], beta_raw, a [B, T, nv], conv columns [B, C, S + T])."""
     b, t, _ = x.shape
     nk, nv, dk, dv = spec.gdn_k_heads, spec.gdn_v_heads, spec.gdn_k_dim, spec.gdn_v_dim
-    qkv, z, beta_raw, a = (x @ w[pre + "fused_in.weight"].T).split([spec.gdn_conv_dim, nv * dv, nv, nv], dim=-1)
-    z = z.reshape(b, t, nv, dv)
-    mixed = causal_conv_pooled(pools, grp, f"conv{layer}", qkv.transpose(1, 2), w[pre + "conv1d.weight"])
+    qkv, z, beta_raw, a = (x @ fused_in.T).split([spec.gdn_conv_dim, nv * dv, nv, nv], dim=-1)
+    mixed, cols = conv_step(conv_prev, qkv.transpose(1, 2), conv_w)
     mixed = F.silu(mixed).transpose(1, 2)  # [B, T, C]
     q, k, v = mixed.split([nk * dk, nk * dk, nv * dv], dim=-1)
-    acc = acc_dtype(x.dtype)
+    return (q.reshape(b, t, nk, dk), k.reshape(b, t, nk, dk), v.reshape(b, t, nv, dv), z.reshape(b, t, nv, dv),
+            beta_raw, a, cols)
+
+
+def gdn_out(spec: ModelSpec, out: torch.Tensor, z: torch.Tensor, norm_w: torch.Tensor, out_w: torch.Tensor
+            ) -> torch.Tensor:
+    """The recurrence's output [B, T, nv, dv] (any float dtype) through the gated norm and out_proj -> [B, T, H]."""
+    b, t = out.shape[:2]
+    o = gated_rms_norm(out.to(z.dtype), z, norm_w, spec.rms_norm_eps, spec.gdn_gate_act)
+    return o.reshape(b, t, -1) @ out_w.T
+
+
+def gdn_update(spec: ModelSpec, w: dict[str, torch.Tensor], pre: str, layer: int, parts: tuple[torch.Tensor, ...],
+               grp: Group, pools: DevicePools, kernel: GdnKernel | None) -> torch.Tensor:
+    """gdn_in's parts -> the recurrence's output [B, T, nv, dv], writing the conv and recurrent state and their
+    stamps at the group's slots (a wide verify keeps the state after each row instead)."""
+    q, k, v, _z, beta_raw, a, cols = parts
+    name = f"conv{layer}"
+    state_len = pools.state[name].shape[-1]
+    per_token = cols.unfold(-1, state_len, 1)[:, :, 1:].permute(2, 0, 1, 3) if grp.shape.keep else None
+    pools.put(name, grp.slots, grp.positions, cols[:, :, -state_len:], per_token, grp.shape.keep)
+    state_pool = pools.gdn_state[layer]
     if kernel is not None:  # the kernel computes the gates from the raw projections (decode: in-kernel)
-        out, states = kernel(q.reshape(b, t, nk, dk), k.reshape(b, t, nk, dk), v.reshape(b, t, nv, dv), a,
-                             beta_raw, w[pre + "A_log"], w[pre + "dt_bias"], state_pool, grp.slots, keep=grp.shape.keep)
+        out, states = kernel(q, k, v, a, beta_raw, w[pre + "A_log"], w[pre + "dt_bias"], state_pool, grp.slots,
+                             keep=grp.shape.keep)
         # the kernel wrote the live state itself (unless keep): only its stamp, or the kept rows, here
         if grp.shape.keep:
             pools.put(f"gdn{layer}", grp.slots, grp.positions, None, states.transpose(0, 1), True)
         else:
             pools.stamp[f"gdn{layer}"][grp.slots] = (grp.positions[:, -1] + 1).to(torch.int32)
-    else:
-        g = w[pre + "neg_exp_A"] * F.softplus(a.to(acc) + w[pre + "dt_bias"])
-        beta = torch.sigmoid(beta_raw).to(acc)
-        # each key head serves nv / nk consecutive value heads
-        q = q.reshape(b, t, nk, dk).repeat_interleave(nv // nk, dim=2).to(acc)
-        k = k.reshape(b, t, nk, dk).repeat_interleave(nv // nk, dim=2).to(acc)
-        q = l2_normalise(q) * dk**-0.5
-        k = l2_normalise(k)
-        out, states = gdn_recurrence(q, k, v.reshape(b, t, nv, dv).to(acc), g, beta, state_pool, grp.slots)
-        pools.put(f"gdn{layer}", grp.slots, grp.positions, states[-1], states, grp.shape.keep)
-    o = gated_rms_norm(out.to(x.dtype), z, w[pre + "norm.weight"], spec.rms_norm_eps, spec.gdn_gate_act)
-    return o.reshape(b, t, nv * dv) @ w[pre + "out_proj.weight"].T
+        return out
+    acc = acc_dtype(v.dtype)
+    nk, nv, dk = spec.gdn_k_heads, spec.gdn_v_heads, spec.gdn_k_dim
+    g = w[pre + "neg_exp_A"] * F.softplus(a.to(acc) + w[pre + "dt_bias"])
+    beta = torch.sigmoid(beta_raw).to(acc)
+    # each key head serves nv / nk consecutive value heads
+    q = l2_normalise(q.repeat_interleave(nv // nk, dim=2).to(acc)) * dk**-0.5
+    k = l2_normalise(k.repeat_interleave(nv // nk, dim=2).to(acc))
+    out, states = gdn_recurrence(q, k, v.to(acc), g, beta, state_pool, grp.slots)
+    pools.put(f"gdn{layer}", grp.slots, grp.positions, states[-1], states, grp.shape.keep)
+    return out
 
 
-def qsa_selection(spec: ModelSpec, w: dict[str, torch.Tensor], pre: str, queries: torch.Tensor,
-                  raw_keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+def gdn_layer(spec: ModelSpec, w: dict[str, torch.Tensor], pre: str, layer: int, x: torch.Tensor, grp: Group,
+              pools: DevicePools, kernel: GdnKernel | None) -> torch.Tensor:
+    """x [B, T, H] -> [B, T, H] through one Gated DeltaNet layer (conv and recurrent state, with their stamps,
+    at the group's slots; a wide verify keeps the state after each row instead)."""
+    parts = gdn_in(spec, x, w[pre + "fused_in.weight"], w[pre + "conv1d.weight"], pools.state[f"conv{layer}"][grp.slots])
+    out = gdn_update(spec, w, pre, layer, parts, grp, pools, kernel)
+    return gdn_out(spec, out, parts[3], w[pre + "norm.weight"], w[pre + "out_proj.weight"])
+
+
+def qsa_selection(spec: ModelSpec, k_norm: torch.Tensor, queries: torch.Tensor, raw_keys: torch.Tensor,
+                  positions: torch.Tensor) -> torch.Tensor:
     """Which key positions each row attends under QSA: [B, T, L] bool (before the causal mask).
 
     queries [B, T, heads, d] normed and roped, raw_keys [B, L, d] (L a multiple of the ratio). Ties in
@@ -209,7 +243,7 @@ def qsa_selection(spec: ModelSpec, w: dict[str, torch.Tensor], pre: str, queries
     nb = length // ratio
     acc = acc_dtype(raw_keys.dtype)
     pooled = raw_keys.view(b, nb, ratio, d).to(acc).mean(dim=2).to(raw_keys.dtype)
-    pooled = rms_norm(pooled, w[pre + "indexer.k_layernorm.weight"], spec.rms_norm_eps)
+    pooled = rms_norm(pooled, k_norm, spec.rms_norm_eps)
     block_pos = torch.arange(nb, device=raw_keys.device) * ratio
     cos, sin = rope_table(block_pos, spec.rotary_dim, spec.rope_theta, raw_keys.dtype)
     blocks = apply_rope(pooled.transpose(0, 1), cos, sin).transpose(0, 1)  # [B, NB, d]
@@ -254,54 +288,78 @@ def _attend_sdpa(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask
     return out.transpose(1, 2)
 
 
-def attention_layer(spec: ModelSpec, w: dict[str, torch.Tensor], pre: str, layer: int, x: torch.Tensor,
-                    grp: Group, pools: DevicePools, cos: torch.Tensor, sin: torch.Tensor, *,
-                    sdpa: bool = False) -> torch.Tensor:
-    """x [B, T, H] -> [B, T, H]: gated attention over the paged KV (QSA-selected past the inert bound).
-    sdpa: the scores through F.scaled_dot_product_attention (Tuning.attention / decode_attention)."""
-    b, t, _ = x.shape
+def attn_in(spec: ModelSpec, x: torch.Tensor, fused_in: torch.Tensor, q_norm: torch.Tensor, k_norm: torch.Tensor,
+            cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """An attention layer's projections (pure): x [B, T, H] -> (q [R, nh, hd] normed and roped, gate [R, nh, hd],
+    k [R, nkv, hd] normed and roped, v [R, nkv, hd], the QSA index projection [R, index width]), R = B * T."""
     nh, nkv, hd = spec.num_heads, spec.num_kv_heads, spec.head_dim
-    rows = b * t
-    xr = x.reshape(rows, -1)
+    rows = x.shape[0] * x.shape[1]
     index_width = (spec.qsa.n_heads + 1) * spec.qsa.head_dim if spec.qsa is not None else 0
-    q, k, v, qk = (xr @ w[pre + "fused_in.weight"].T).split([nh * 2 * hd, nkv * hd, nkv * hd, index_width], dim=-1)
+    q, k, v, qk = (x.reshape(rows, -1) @ fused_in.T).split([nh * 2 * hd, nkv * hd, nkv * hd, index_width], dim=-1)
     q, gate = q.reshape(rows, nh, 2 * hd).chunk(2, dim=-1)
-    q = rms_norm(q, w[pre + "q_norm.weight"], spec.rms_norm_eps)
-    k = rms_norm(k.reshape(rows, nkv, hd), w[pre + "k_norm.weight"], spec.rms_norm_eps)
-    v = v.reshape(rows, nkv, hd)
-    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    q = rms_norm(q, q_norm, spec.rms_norm_eps)
+    k = rms_norm(k.reshape(rows, nkv, hd), k_norm, spec.rms_norm_eps)
+    return apply_rope(q, cos, sin), gate, apply_rope(k, cos, sin), v.reshape(rows, nkv, hd), qk
 
-    k_pool, v_pool = pools.keys[layer].view(-1, nkv, hd), pools.values[layer].view(-1, nkv, hd)
+
+def attn_write(spec: ModelSpec, layer: int, k: torch.Tensor, v: torch.Tensor, qk: torch.Tensor, grp: Group,
+               pools: DevicePools) -> None:
+    """The group's new KV rows (and QSA raw index keys) into the paged pools, with their position stamps; the
+    slot past the group's end loses its stale stamp."""
+    nkv, hd = spec.num_kv_heads, spec.head_dim
     write = grp.write_slots.reshape(-1)
-    k_pool.index_copy_(0, write, k)
-    v_pool.index_copy_(0, write, v)
-    # the rows' position stamps, written with them; the slot past the group's end loses its stale stamp
+    pools.keys[layer].view(-1, nkv, hd).index_copy_(0, write, k)
+    pools.values[layer].view(-1, nkv, hd).index_copy_(0, write, v)
     stamps = torch.cat([grp.stamps.reshape(-1), torch.full_like(grp.sentinel, -1, dtype=torch.int32)])
     stamp_at = torch.cat([write, grp.sentinel])
     pools.kv_pos[layer].view(-1).index_copy_(0, stamp_at, stamps)
-    keys, values = k_pool[grp.read_slots], v_pool[grp.read_slots]  # [B, L, nkv, hd]
-    length = keys.shape[1]
-    key_pos = torch.arange(length, device=x.device)
-    mask = key_pos[None, None, :] <= grp.positions[..., None]  # [B, T, L]
-
     if spec.qsa is not None:
-        heads, d = spec.qsa.n_heads, spec.qsa.head_dim
-        iq, raw = qk.split([heads * d, d], dim=-1)
-        raw_pool = pools.index_keys[layer].view(-1, d)
-        raw_pool.index_copy_(0, write, raw)
+        d = spec.qsa.head_dim
+        pools.index_keys[layer].view(-1, d).index_copy_(0, write, qk[:, spec.qsa.n_heads * d :])
         pools.index_pos[layer].view(-1).index_copy_(0, stamp_at, stamps)
-        if grp.shape.qsa_select:
-            iq = rms_norm(iq.reshape(rows, heads, d), w[pre + "indexer.q_layernorm.weight"], spec.rms_norm_eps)
-            iq = apply_rope(iq, cos, sin).view(b, t, heads, d)
-            mask = mask & qsa_selection(spec, w, pre, iq, raw_pool[grp.read_slots], grp.positions)
 
+
+def attn_core(spec: ModelSpec, q: torch.Tensor, gate: torch.Tensor, qk: torch.Tensor, k_pool: torch.Tensor,
+              v_pool: torch.Tensor, raw_pool: torch.Tensor | None, read_slots: torch.Tensor, positions: torch.Tensor,
+              o_w: torch.Tensor, iq_norm: torch.Tensor | None, ik_norm: torch.Tensor | None, cos: torch.Tensor,
+              sin: torch.Tensor, qsa_select: bool, sdpa: bool) -> torch.Tensor:
+    """Gated attention over the paged KV (pure: reads the pools at read_slots), QSA-selected where the group
+    needs it: q/gate [R, nh, hd], qk the QSA index projection [R, width] -> [B, T, H]."""
+    b, t = positions.shape
+    nh, nkv, hd = spec.num_heads, spec.num_kv_heads, spec.head_dim
+    rows = b * t
+    keys = k_pool.view(-1, nkv, hd)[read_slots]  # [B, L, nkv, hd]
+    values = v_pool.view(-1, nkv, hd)[read_slots]
+    key_pos = torch.arange(keys.shape[1], device=q.device)
+    mask = key_pos[None, None, :] <= positions[..., None]  # [B, T, L]
+    if spec.qsa is not None and qsa_select:
+        assert raw_pool is not None and iq_norm is not None and ik_norm is not None
+        heads, d = spec.qsa.n_heads, spec.qsa.head_dim
+        iq = rms_norm(qk[:, : heads * d].reshape(rows, heads, d), iq_norm, spec.rms_norm_eps)
+        iq = apply_rope(iq, cos, sin).view(b, t, heads, d)
+        mask = mask & qsa_selection(spec, ik_norm, iq, raw_pool.view(-1, d)[read_slots], positions)
     group = nh // nkv
     if sdpa:
         out = _attend_sdpa(q.view(b, t, nh, hd), keys, values, mask, group).reshape(rows, nh * hd)
     else:
         out = _attend_torch(q.view(b, t, nkv, group, hd), keys, values, mask).reshape(rows, nh * hd)
     out = out * torch.sigmoid(gate.reshape(rows, nh * hd))
-    return (out @ w[pre + "o_proj.weight"].T).view(b, t, -1)
+    return (out @ o_w.T).view(b, t, -1)
+
+
+def attention_layer(spec: ModelSpec, w: dict[str, torch.Tensor], pre: str, layer: int, x: torch.Tensor,
+                    grp: Group, pools: DevicePools, cos: torch.Tensor, sin: torch.Tensor, *,
+                    sdpa: bool = False) -> torch.Tensor:
+    """x [B, T, H] -> [B, T, H]: gated attention over the paged KV (QSA-selected past the inert bound).
+    sdpa: the scores through F.scaled_dot_product_attention (Tuning.attention / decode_attention)."""
+    q, gate, k, v, qk = attn_in(spec, x, w[pre + "fused_in.weight"], w[pre + "q_norm.weight"],
+                                w[pre + "k_norm.weight"], cos, sin)
+    attn_write(spec, layer, k, v, qk, grp, pools)
+    qsa = spec.qsa is not None
+    return attn_core(spec, q, gate, qk, pools.keys[layer], pools.values[layer],
+                     pools.index_keys[layer] if qsa else None, grp.read_slots, grp.positions, w[pre + "o_proj.weight"],
+                     w.get(pre + "indexer.q_layernorm.weight"), w.get(pre + "indexer.k_layernorm.weight"), cos, sin,
+                     grp.shape.qsa_select, sdpa)
 
 
 def moe_router(moe: MoeSpec, x: torch.Tensor, fused_in: torch.Tensor, shared_down: torch.Tensor
@@ -321,7 +379,16 @@ def moe_router(moe: MoeSpec, x: torch.Tensor, fused_in: torch.Tensor, shared_dow
 
 def moe_layer(moe: MoeSpec, w: dict[str, torch.Tensor], pre: str, x: torch.Tensor, *, eager: bool = False,
               mode: str | None = None, compile_mode: str = "none") -> torch.Tensor:
-    """x [R, H] -> [R, H]: top-k routed experts + sigmoid-gated shared expert.
+    """x [R, H] -> [R, H]: top-k routed experts (moe_routed) + sigmoid-gated shared expert. compile_mode: the
+    router + shared expert through torch.compile (the routed experts not)."""
+    router = compiled(moe_router, compile_mode)
+    top_w, top_i, shared = router(moe, x, w[pre + "fused_in.weight"], w[pre + "shared_expert.down_proj.weight"])
+    return moe_routed(moe, w, pre, x, top_w, top_i, eager=eager, mode=mode) + shared
+
+
+def moe_routed(moe: MoeSpec, w: dict[str, torch.Tensor], pre: str, x: torch.Tensor, top_w: torch.Tensor,
+               top_i: torch.Tensor, *, eager: bool = False, mode: str | None = None) -> torch.Tensor:
+    """sum_k top_w * expert_{top_i}(x) [R, H].
 
     eager: group tokens by expert (one host sync for the counts; right for prefill, where each expert
     sees many tokens). Otherwise fixed shapes for CUDA graphs: with fewer routed slots than experts, the
@@ -330,19 +397,17 @@ def moe_layer(moe: MoeSpec, w: dict[str, torch.Tensor], pre: str, x: torch.Tenso
     mode (Tuning.moe / prefill_moe) overrides eager: "grouped" is eager; "torch" / "dense" the fixed shapes;
     "triton" / "grouped_mm" route on the device and read the chosen experts in place (atlas.backends.cuda.moe:
     no host sync, graph-capturable). "grouped_mm" falls back to "triton" where torch._grouped_mm fails its
-    feature test. compile_mode: the router + shared expert through torch.compile (the routed experts not)."""
+    feature test."""
     eager = mode == "grouped" if mode is not None else eager
-    router = compiled(moe_router, compile_mode)
-    top_w, top_i, shared = router(moe, x, w[pre + "fused_in.weight"], w[pre + "shared_expert.down_proj.weight"])
     rows = x.shape[0]
     gate_up, down = w[pre + "experts.gate_up_proj"], w[pre + "experts.down_proj"]
     if mode == "grouped_mm" and not grouped_mm_works(x.device.type, x.dtype):
         mode = "triton"
     if mode == "triton":
-        routed = routed_triton(x, top_i, top_w, gate_up, down)
-    elif mode == "grouped_mm":
-        routed = routed_grouped_mm(x, top_i, top_w, gate_up, down)
-    elif eager:
+        return routed_triton(x, top_i, top_w, gate_up, down)
+    if mode == "grouped_mm":
+        return routed_grouped_mm(x, top_i, top_w, gate_up, down)
+    if eager:
         # (token, slot) pairs sorted by expert: one host sync for the counts, each pair's output written once
         # (no atomics), then summed over the slots in a fixed order
         pairs = top_i.flatten()
@@ -354,19 +419,17 @@ def moe_layer(moe: MoeSpec, w: dict[str, torch.Tensor], pre: str, x: torch.Tenso
                 continue
             g, u = (x[picked // moe.top_k] @ gate_up[expert].T).chunk(2, dim=-1)
             outs[picked] = (F.silu(g) * u) @ down[expert].T
-        routed = (outs.view(rows, moe.top_k, -1) * top_w[..., None]).sum(dim=1)
-    elif rows * moe.top_k < moe.num_experts:
+        return (outs.view(rows, moe.top_k, -1) * top_w[..., None]).sum(dim=1)
+    if rows * moe.top_k < moe.num_experts:
         gu = torch.einsum("rh,rkih->rki", x, gate_up[top_i])
         g, u = gu.chunk(2, dim=-1)
         out = torch.einsum("rki,rkhi->rkh", F.silu(g) * u, down[top_i])
-        routed = (out * top_w[..., None]).sum(dim=1)
-    else:
-        gu = torch.einsum("rh,eih->eri", x, gate_up)
-        g, u = gu.chunk(2, dim=-1)
-        out = torch.bmm(F.silu(g) * u, down.transpose(1, 2))  # [E, R, H]
-        weights = torch.zeros(rows, moe.num_experts, dtype=x.dtype, device=x.device).scatter_(1, top_i, top_w)
-        routed = torch.einsum("re,erh->rh", weights, out)
-    return routed + shared
+        return (out * top_w[..., None]).sum(dim=1)
+    gu = torch.einsum("rh,eih->eri", x, gate_up)
+    g, u = gu.chunk(2, dim=-1)
+    out = torch.bmm(F.silu(g) * u, down.transpose(1, 2))  # [E, R, H]
+    weights = torch.zeros(rows, moe.num_experts, dtype=x.dtype, device=x.device).scatter_(1, top_i, top_w)
+    return torch.einsum("re,erh->rh", weights, out)
 
 
 def ple_layer(spec: ModelSpec, w: dict[str, torch.Tensor], pre: str, streams: torch.Tensor, ids: torch.Tensor,

@@ -25,6 +25,7 @@ from atlas.backends.base import (
     run_orders,
     state_audit_default,
 )
+from atlas.backends.cuda import regions
 from atlas.backends.cuda.batch import Group, GroupShape, Row, pack_rows
 from atlas.backends.cuda.faults import FaultGuard, probe_device
 from atlas.backends.cuda.graphs import DecodeGraphs, bucket
@@ -268,8 +269,13 @@ class CudaBackend:
     def _run_group(self, packed: torch.Tensor, shape: GroupShape) -> torch.Tensor:
         grp = Group.view(packed, shape, self.block_size)
         # decode groups take graph-capturable paths; prefill groups run eagerly (tuning.prefill_moe may sync)
-        hidden = forward_group(self.spec, self.weights, self.pools, grp, eager_moe=shape.width > 1 and not shape.pending,
-                               gdn_kernel=self.gdn_kernel, tuning=self.tuning, invariant=self.batch_invariant)
+        eager = shape.width > 1 and not shape.pending
+        if regions.applies(self.spec, grp, self.tuning, eager):
+            hidden = regions.regions_stack(self.spec, self.weights, self.pools, grp, gdn_kernel=self.gdn_kernel,
+                                           tuning=self.tuning)
+        else:
+            hidden = forward_group(self.spec, self.weights, self.pools, grp, eager_moe=eager,
+                                   gdn_kernel=self.gdn_kernel, tuning=self.tuning, invariant=self.batch_invariant)
         if self.pools.ple_context_len:  # the device's n-gram context (and its stamp), in the same graph
             ple_context_update(self.pools, grp)
         return hidden

@@ -16,6 +16,7 @@ PREFILL_MOE = ("grouped", "dense", "triton", "grouped_mm")
 ATTENTION = ("torch", "sdpa")
 HYPER = ("torch", "triton")
 COMPILE = ("none", "default", "max-autotune-no-cudagraphs")
+STACK = ("layers", "regions")
 
 
 def _one_of(options: tuple[str, ...]):  # type: ignore[no-untyped-def]
@@ -48,6 +49,10 @@ class Tuning:
     # graph per block kind, reused by every layer: atlas.backends.cuda.compiled), captured under the decode
     # CUDA graphs as before
     compile_decode: str = attrs.field(default="none", validator=_one_of(COMPILE))
+    # the decode step's shape: "layers" the shared layer stack (atlas.backends.decoder, an op at a time);
+    # "regions" cut at the state writes, each piece between two writes one function (atlas.backends.cuda.regions)
+    # that compile_decode compiles once per region kind: one compiled graph per piece of a layer instead of per op
+    decode_stack: str = attrs.field(default="layers", validator=_one_of(STACK))
 
     @property
     def uses_triton(self) -> bool:
@@ -72,4 +77,8 @@ VARIANTS: dict[str, Tuning] = {
     # the compiled hyper_block stands in for the hyper kernels here, so the two ways of fusing a site compare
     "fused-compile": Tuning(moe="triton", prefill_moe="triton", attention="sdpa", decode_attention="sdpa",
                             compile_decode="default"),
+    # the decode step as compiled regions (session 4): a layer is ~4 compiled pieces + its state writes, the
+    # GDN kernel and the routed experts (dispatch count on the CPU: see docs/BENCHMARKS.md, session 4)
+    "regions-compile": Tuning(moe="triton", prefill_moe="triton", attention="sdpa", decode_attention="sdpa",
+                              compile_decode="default", decode_stack="regions"),
 }

@@ -1,0 +1,205 @@
+"""The decode step as compiled regions (Tuning.decode_stack = "regions"): each layer's pure math between its
+state writes, one torch.compile'd function per region kind, reused by every layer.
+
+A decode step is launch-bound (H200: ~1,600-1,900 kernels a step at ~3 us each against 0.74 ms of weights), so
+the lever is the count of kernels. The layer stack of atlas.backends.decoder calls the layer ops one by one, and
+each op is several small kernels (a hyper-connection site ~13, the norms, gates, rotary and casts between the
+GEMMs). Here the stack is cut at the state writes instead of at the ops, and each piece between two writes is one
+function of tensors that Inductor fuses into a few kernels around its GEMMs:
+
+    head:  [the previous layer's ffn tail: routed + shared experts, injection] + PLE-free hyper site (attn)
+           + the mixer's in-projection (+ GDN's causal conv over the slot's conv state, + attention's q/k
+           norms and rotary)
+    (eager: conv state / KV / QSA key writes and their stamps; the GDN recurrent kernel)
+    tail:  the mixer's output (GDN's gated norm, or attention over the paged KV with QSA selection) + out
+           projection + injection + the ffn's hyper site + the MoE router and shared expert
+    (eager: the routed experts, atlas.backends.cuda.layers.moe_routed)
+
+The regions take tensors and plain numbers only (no weight dict, no layer names), so every layer of a kind hits
+the same compiled graph (one compile per region kind, and one more with symbolic sizes when a second batch
+bucket comes). The math is the functions of atlas.backends.cuda.layers (gdn_in, gdn_out, attn_in, attn_core,
+hyper_block, moe_router), composed: with compile "none" the regions run eagerly and give the layer stack's
+result bit for bit (tests/test_cuda_regions.py). Only decode groups (one token a row, no kept verify rows) of
+hyper-connection models run here; everything else takes the layer stack.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from atlas.backends.cuda.batch import Group
+from atlas.backends.cuda.compiled import compiled
+from atlas.backends.cuda.layers import (
+    GdnKernel,
+    attn_core,
+    attn_in,
+    attn_write,
+    gdn_in,
+    gdn_out,
+    gdn_update,
+    hyper_block,
+    moe_routed,
+    moe_router,
+    ple_layer,
+)
+from atlas.backends.cuda.pools import DevicePools
+from atlas.backends.cuda.tuning import Tuning
+from atlas.backends.ops import dense_mlp, hyper_inject, rope_table
+from atlas.model.spec import FULL_ATTENTION, ModelSpec
+
+Pending = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor] | None  # (routed, shared, inject) of an ffn
+
+
+def applies(spec: ModelSpec, grp: Group, tuning: Tuning, eager_moe: bool) -> bool:
+    """Whether this group runs as regions: the knob is on, a decode group, a hyper-connection model."""
+    return (tuning.decode_stack == "regions" and not eager_moe and grp.shape.width == 1 and not grp.shape.keep
+            and spec.has_hyper_connections)
+
+
+def _site(spec: ModelSpec, streams: torch.Tensor, norm_w: torch.Tensor, down_w: torch.Tensor, up_w: torch.Tensor
+          ) -> tuple[torch.Tensor, torch.Tensor]:
+    x, inject = hyper_block(streams, norm_w, down_w, up_w, spec.hc_count, spec.hidden_size, spec.hc_lowrank,
+                            spec.rms_norm_eps, True)
+    assert inject is not None
+    return x, inject
+
+
+def _settle(streams: torch.Tensor, routed: torch.Tensor | None, shared: torch.Tensor | None,
+            inject: torch.Tensor | None) -> torch.Tensor:
+    """The previous ffn's output (routed + shared experts [R, H]) injected into the streams [B, T, hc*H]."""
+    if routed is None:
+        return streams
+    assert inject is not None
+    out = routed if shared is None else routed + shared
+    return hyper_inject(streams, out.view(*streams.shape[:-1], -1), inject)
+
+
+def gdn_head(spec: ModelSpec, streams: torch.Tensor, routed: torch.Tensor | None, shared: torch.Tensor | None,
+             inject_prev: torch.Tensor | None, norm_w: torch.Tensor, down_w: torch.Tensor, up_w: torch.Tensor,
+             fused_in: torch.Tensor, conv_w: torch.Tensor, conv_pool: torch.Tensor, slots: torch.Tensor
+             ) -> tuple[torch.Tensor, ...]:
+    """(streams, inject, *gdn_in's parts) of a GDN layer, the previous ffn settled first."""
+    streams = _settle(streams, routed, shared, inject_prev)
+    x, inject = _site(spec, streams, norm_w, down_w, up_w)
+    return (streams, inject, *gdn_in(spec, x, fused_in, conv_w, conv_pool[slots]))
+
+
+def attn_head(spec: ModelSpec, streams: torch.Tensor, routed: torch.Tensor | None, shared: torch.Tensor | None,
+              inject_prev: torch.Tensor | None, norm_w: torch.Tensor, down_w: torch.Tensor, up_w: torch.Tensor,
+              fused_in: torch.Tensor, q_norm: torch.Tensor, k_norm: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+              ) -> tuple[torch.Tensor, ...]:
+    """(streams, inject, q, gate, k, v, qk) of an attention layer, the previous ffn settled first."""
+    streams = _settle(streams, routed, shared, inject_prev)
+    x, inject = _site(spec, streams, norm_w, down_w, up_w)
+    return (streams, inject, *attn_in(spec, x, fused_in, q_norm, k_norm, cos, sin))
+
+
+def _ffn_head(spec: ModelSpec, streams: torch.Tensor, mixed: torch.Tensor, inject: torch.Tensor,
+              norm_w: torch.Tensor, down_w: torch.Tensor, up_w: torch.Tensor, moe_in: torch.Tensor | None,
+              shared_down: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+    """The mixer's output injected, then the ffn's site and (MoE) router: (streams, rows, inject, top_w, top_i,
+    shared); a dense ffn's rows only (its router parts None)."""
+    streams = hyper_inject(streams, mixed, inject)
+    x, inject = _site(spec, streams, norm_w, down_w, up_w)
+    rows = x.reshape(-1, x.shape[-1])
+    if moe_in is None or spec.moe is None:
+        return streams, rows, inject, None, None, None
+    assert shared_down is not None
+    top_w, top_i, shared = moe_router(spec.moe, rows, moe_in, shared_down)
+    return streams, rows, inject, top_w, top_i, shared
+
+
+def gdn_tail(spec: ModelSpec, streams: torch.Tensor, inject: torch.Tensor, out: torch.Tensor, z: torch.Tensor,
+             gnorm_w: torch.Tensor, out_w: torch.Tensor, norm_w: torch.Tensor, down_w: torch.Tensor,
+             up_w: torch.Tensor, moe_in: torch.Tensor | None, shared_down: torch.Tensor | None
+             ) -> tuple[torch.Tensor, ...]:
+    return _ffn_head(spec, streams, gdn_out(spec, out, z, gnorm_w, out_w), inject, norm_w, down_w, up_w, moe_in,
+                     shared_down)
+
+
+def attn_tail(spec: ModelSpec, streams: torch.Tensor, inject: torch.Tensor, q: torch.Tensor, gate: torch.Tensor,
+              qk: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, raw_pool: torch.Tensor | None,
+              read_slots: torch.Tensor, positions: torch.Tensor, o_w: torch.Tensor, iq_norm: torch.Tensor | None,
+              ik_norm: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor, qsa_select: bool, sdpa: bool,
+              norm_w: torch.Tensor, down_w: torch.Tensor, up_w: torch.Tensor, moe_in: torch.Tensor | None,
+              shared_down: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+    mixed = attn_core(spec, q, gate, qk, k_pool, v_pool, raw_pool, read_slots, positions, o_w, iq_norm, ik_norm,
+                      cos, sin, qsa_select, sdpa)
+    return _ffn_head(spec, streams, mixed, inject, norm_w, down_w, up_w, moe_in, shared_down)
+
+
+def settle(streams: torch.Tensor, routed: torch.Tensor | None, shared: torch.Tensor | None,
+           inject: torch.Tensor | None) -> torch.Tensor:
+    return _settle(streams, routed, shared, inject)
+
+
+def final_mix(spec: ModelSpec, streams: torch.Tensor, routed: torch.Tensor | None, shared: torch.Tensor | None,
+              inject: torch.Tensor | None, norm_w: torch.Tensor, down_w: torch.Tensor, up_w: torch.Tensor
+              ) -> torch.Tensor:
+    """The last ffn settled, then the final mixer: the hidden states [B, T, H]."""
+    streams = _settle(streams, routed, shared, inject)
+    final, _ = hyper_block(streams, norm_w, down_w, up_w, spec.hc_count, spec.hidden_size, spec.hc_lowrank,
+                           spec.rms_norm_eps, False)
+    return final
+
+
+def regions_stack(spec: ModelSpec, w: dict[str, torch.Tensor], pools: DevicePools, grp: Group, *,
+                  gdn_kernel: GdnKernel | None, tuning: Tuning) -> torch.Tensor:
+    """The decode group's final hidden states [B, T, H]: decoder_stack's result, cut into regions."""
+    mode = tuning.compile_decode
+    head_g, head_a = compiled(gdn_head, mode), compiled(attn_head, mode)
+    tail_g, tail_a = compiled(gdn_tail, mode), compiled(attn_tail, mode)
+    settle_c, final_c = compiled(settle, mode), compiled(final_mix, mode)
+    dtype = w["embed_tokens.weight"].dtype
+    cos, sin = rope_table(grp.positions.reshape(-1), spec.rotary_dim, spec.rope_theta, dtype)
+    sdpa = tuning.decode_attention == "sdpa"
+    ple_layers = spec.ple.layers if spec.ple is not None else ()
+    streams = torch.cat([w["embed_tokens.weight"][grp.tokens]] * spec.hc_count, dim=-1)
+    pending: Pending = None
+    for layer in range(spec.num_layers):
+        pre = f"layers.{layer}."
+        routed, shared, inject_prev = pending if pending is not None else (None, None, None)
+        if layer in ple_layers:  # PLE keeps its own conv state: settle, add it eagerly, then the head
+            assert grp.ngram_ids is not None
+            streams = settle_c(streams, routed, shared, inject_prev)
+            streams = streams + ple_layer(spec, w, pre + "ple.", streams, grp.ngram_ids[ple_layers.index(layer)],
+                                          grp, pools, layer)
+            routed = shared = inject_prev = None
+        site = (w[pre + "attn_hyper_connection.hc_norm.weight"], w[pre + "attn_hyper_connection.fused_down.weight"],
+                w[pre + "attn_hyper_connection.input_mix_weight_up.weight"])
+        mlp = pre + "mlp_hyper_connection."
+        ffn_site = (w[mlp + "hc_norm.weight"], w[mlp + "fused_down.weight"], w[mlp + "input_mix_weight_up.weight"])
+        moe = spec.moe_layers[layer] and spec.moe is not None
+        moe_w = (w[pre + "mlp.fused_in.weight"], w[pre + "mlp.shared_expert.down_proj.weight"]) if moe else (None, None)
+        if spec.layer_types[layer] == FULL_ATTENTION:
+            a = pre + "self_attn."
+            streams, inject, q, gate, k, v, qk = head_a(spec, streams, routed, shared, inject_prev, *site,
+                                                        w[a + "fused_in.weight"], w[a + "q_norm.weight"],
+                                                        w[a + "k_norm.weight"], cos, sin)
+            attn_write(spec, layer, k, v, qk, grp, pools)
+            qsa = spec.qsa is not None
+            streams, rows, inject, top_w, top_i, shared = tail_a(
+                spec, streams, inject, q, gate, qk, pools.keys[layer], pools.values[layer],
+                pools.index_keys[layer] if qsa else None, grp.read_slots, grp.positions, w[a + "o_proj.weight"],
+                w.get(a + "indexer.q_layernorm.weight"), w.get(a + "indexer.k_layernorm.weight"), cos, sin,
+                grp.shape.qsa_select, sdpa, *ffn_site, *moe_w)
+        else:
+            g = pre + "linear_attn."
+            streams, inject, *parts = head_g(spec, streams, routed, shared, inject_prev, *site,
+                                             w[g + "fused_in.weight"], w[g + "conv1d.weight"],
+                                             pools.state[f"conv{layer}"], grp.slots)
+            out = gdn_update(spec, w, g, layer, tuple(parts), grp, pools, gdn_kernel)
+            streams, rows, inject, top_w, top_i, shared = tail_g(
+                spec, streams, inject, out, parts[3], w[g + "norm.weight"], w[g + "out_proj.weight"], *ffn_site,
+                *moe_w)
+        if moe:
+            assert spec.moe is not None and top_w is not None and top_i is not None
+            routed = moe_routed(spec.moe, w, pre + "mlp.", rows, top_w, top_i, mode=tuning.moe)
+        else:
+            routed, shared = dense_mlp(w, pre + "mlp.", rows), None
+        pending = (routed, shared, inject)
+    routed, shared, inject_prev = pending if pending is not None else (None, None, None)
+    final = final_c(spec, streams, routed, shared, inject_prev, w["hyper_connection_mixer.hc_norm.weight"],
+                    w["hyper_connection_mixer.input_mix_weight_down.weight"],
+                    w["hyper_connection_mixer.input_mix_weight_up.weight"])
+    return final

@@ -1,0 +1,115 @@
+"""The decode step as regions (Tuning.decode_stack = "regions", atlas.backends.cuda.regions) computes what the
+layer stack computes: bit for bit in fp32 with the regions run eagerly (logits and every state pool and stamp
+the step wrote), the CPU reference's tokens end to end, and every region traces into one graph (Dynamo,
+fullgraph=True: no graph break, so Inductor on the GPU sees each region whole)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():  # the Triton kernels run interpreted on a CPU (before atlas_kernels loads)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from atlas.backends.cuda import CudaBackend, regions
+from atlas.backends.cuda.tuning import Tuning
+from atlas.model import load_model
+from atlas.plan import SeqWork, StepPlan
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# 3 sequences: one past the QSA inert bound (the selected path), one short, one in between
+PROMPTS = [list(b"The quick brown fox jumps over the lazy dog. " * 2)[:70], list(b"hello"), list(b"0123456789abcdefghij")]
+TABLES = [tuple(range(8 * i, 8 * i + 8)) for i in range(3)]
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    torch.set_num_threads(1)
+    return load_model("atlas-tiny")
+
+
+def _decode(tiny, tuning: Tuning, *, kernels: bool, steps: int = 2):  # type: ignore[no-untyped-def]
+    """(logits of each decode step [3, vocab], the pools' state and stamps after them) on cuda-fp32."""
+    backend = CudaBackend(tiny, num_kv_blocks=32, block_size=16, dtype=torch.float32, device=DEVICE,
+                          max_batch_size=4, kernels=kernels, cuda_graphs=False, tuning=tuning)
+    backend.execute(StepPlan(0, tuple(SeqWork(i, tuple(p), 0, TABLES[i], True) for i, p in enumerate(PROMPTS))))
+    out = []
+    for step in range(steps):
+        decode = [SeqWork(i, (40 + i + step,), len(p) + step, TABLES[i], True) for i, p in enumerate(PROMPTS)]
+        backend._prepare(decode)
+        logits = backend._last_logits(decode)
+        out.append(torch.stack([logits[i].float() for i in range(3)]))
+        for w in decode:
+            backend._advance(w)
+    pools = backend.pools
+    state = {**{f"state.{k}": v for k, v in pools.state.items()}, **{f"stamp.{k}": v for k, v in pools.stamp.items()},
+             **{f"gdn.{k}": v for k, v in pools.gdn_state.items()}, **{f"keys.{k}": v for k, v in pools.keys.items()},
+             **{f"index.{k}": v for k, v in pools.index_keys.items()}, "paged_pos": pools.paged_pos}
+    return out, {k: v.clone() for k, v in state.items()}
+
+
+@pytest.mark.parametrize("kernels", [False, pytest.param(True, marks=pytest.mark.skipif(
+    DEVICE != "cuda", reason="the Triton GDN kernel runs on a GPU only"))], ids=["torch-gdn", "triton-gdn"])
+def test_regions_equal_the_layer_stack_bit_for_bit(tiny, kernels: bool) -> None:  # type: ignore[no-untyped-def]
+    want_logits, want_state = _decode(tiny, Tuning(), kernels=kernels)
+    got_logits, got_state = _decode(tiny, Tuning(decode_stack="regions"), kernels=kernels)
+    for want, got in zip(want_logits, got_logits, strict=True):
+        assert torch.equal(want, got)
+    assert want_state.keys() == got_state.keys()
+    for name, want in want_state.items():
+        assert torch.equal(want, got_state[name]), name
+
+
+def test_regions_are_taken_for_decode_groups_only(tiny) -> None:  # type: ignore[no-untyped-def]
+    calls = []
+    real = regions.regions_stack
+
+    def spy(*args, **kwargs):  # type: ignore[no-untyped-def]
+        calls.append(args[3].shape.width)
+        return real(*args, **kwargs)
+
+    regions.regions_stack = spy
+    try:
+        _decode(tiny, Tuning(decode_stack="regions"), kernels=False, steps=1)
+    finally:
+        regions.regions_stack = real
+    assert calls == [1]  # the decode, not the prefill chunk
+
+
+def test_every_region_traces_whole(tiny, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+    """Dynamo with fullgraph=True raises on any graph break; backend "eager" runs the traced graph as is, so the
+    result must also equal the uncompiled regions'."""
+    torch._dynamo.reset()
+    traced: list[str] = []
+
+    def fullgraph(fn, mode):  # type: ignore[no-untyped-def]
+        if mode == "none":
+            return fn
+        traced.append(fn.__name__)
+        return torch.compile(fn, backend="eager", fullgraph=True, dynamic=False)
+
+    monkeypatch.setattr(regions, "compiled", fullgraph)
+    want, _ = _decode(tiny, Tuning(decode_stack="regions"), kernels=False, steps=1)
+    got, _ = _decode(tiny, Tuning(decode_stack="regions", compile_decode="default"), kernels=False, steps=1)
+    assert torch.equal(want[0], got[0])
+    assert {"gdn_head", "attn_head", "gdn_tail", "attn_tail", "final_mix"} <= set(traced)
+
+
+def test_regions_give_the_reference_tokens_through_the_engine(tiny) -> None:  # type: ignore[no-untyped-def]
+    from atlas.config import EngineConfig
+    from atlas.engine.offline import generate
+    from atlas.engine.records import RecordingSink
+    from atlas.registry import build_engine
+    from atlas.sampling.params import SamplingParams
+
+    config = EngineConfig(max_seq_len=128, max_batch_size=3, prefill_chunk_tokens=32)
+    params = [SamplingParams(max_tokens=12, ignore_eos=True)] * len(PROMPTS)
+    tokens = {}
+    for backend, options in (("cpu", {}), ("cuda-fp32", {"device": DEVICE, "cuda_graphs": False,
+                                                         "tuning": Tuning(decode_stack="regions")})):
+        engine = build_engine("atlas-tiny", backend, config, loaded=tiny, sink=RecordingSink(),
+                              backend_options=options)
+        tokens[backend] = [r.token_ids for r in generate(engine, PROMPTS, params)]
+    assert tokens["cuda-fp32"] == tokens["cpu"]

@@ -19,7 +19,7 @@ import attrs
 import torch
 
 PREFILL_KNOBS = ("prefill_moe", "attention", "hyper")
-DECODE_KNOBS = ("moe", "decode_attention", "compile_decode", "hyper")
+DECODE_KNOBS = ("moe", "decode_attention", "compile_decode", "hyper", "decode_stack")
 
 
 def guarded(fn: Callable[[], dict[str, Any]]) -> dict[str, Any]:

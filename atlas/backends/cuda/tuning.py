@@ -81,4 +81,7 @@ VARIANTS: dict[str, Tuning] = {
     # GDN kernel and the routed experts (dispatch count on the CPU: see docs/BENCHMARKS.md, session 4)
     "regions-compile": Tuning(moe="triton", prefill_moe="triton", attention="sdpa", decode_attention="sdpa",
                               compile_decode="default", decode_stack="regions"),
+    # the same with Inductor's GEMM autotuning (Triton templates against cuBLAS, epilogues fused into the GEMM)
+    "regions-autotune": Tuning(moe="triton", prefill_moe="triton", attention="sdpa", decode_attention="sdpa",
+                               compile_decode="max-autotune-no-cudagraphs", decode_stack="regions"),
 }

@@ -330,11 +330,52 @@ def bench_norms(cfg: dict) -> None:
                bytes_moved=3 * x.numel() * 2, note="eager torch, for comparison")
 
 
+# (block_m, block_n, block_k, stages) of the routed-MoE kernels swept at decode sizes; block_m stays 16 for every
+# decode batch (a row's result must not depend on the batch). The chosen tile is then fixed in block_sizes: a
+# runtime autotune would pick by timing noise and change the reduction order from run to run.
+MOE_TILES = [(16, bn, bk, st) for bn in (16, 32, 64) for bk in (64, 128, 256) for st in (None, 2, 4)]
+
+
+def bench_moe(cfg: dict) -> None:
+    from atlas_kernels.moe_grouped import block_sizes, moe_grouped
+
+    hidden, inter = cfg["hidden_size"], cfg["moe_intermediate_size"]
+    experts, top_k = cfg["num_experts"], cfg["num_experts_per_tok"]
+    gate_up = torch.randn(experts, 2 * inter, hidden, device=DEV, dtype=BF16) / hidden**0.5
+    down = torch.randn(experts, hidden, inter, device=DEV, dtype=BF16) / inter**0.5
+    for rows in BATCHES:
+        x = torch.randn(rows, hidden, device=DEV, dtype=BF16)
+        top_w, top_i = torch.topk(torch.randn(rows, experts, device=DEV).softmax(-1), top_k, dim=-1)
+        top_w = top_w.to(BF16)
+        chosen = len(set(top_i.flatten().tolist()))
+        moved = chosen * 3 * inter * hidden * 2  # the chosen experts' weights, read once
+        want = moe_grouped(x, top_i, top_w, gate_up, down)
+        default = block_sizes(rows)
+        best = None
+        for bm, bn, bk, st in MOE_TILES:
+            def step(bm=bm, bn=bn, bk=bk, st=st, x=x, top_i=top_i, top_w=top_w) -> None:
+                moe_grouped(x, top_i, top_w, gate_up, down, blocks=(bm, bn, bk), stages=st)
+            try:
+                got = moe_grouped(x, top_i, top_w, gate_up, down, blocks=(bm, bn, bk), stages=st)
+                err = float((got.float() - want.float()).norm() / want.float().norm())
+                ms = time_ms(step)
+            except Exception as error:  # a tile that does not compile (registers, shared memory)
+                print(f"# moe tile {(bm, bn, bk, st)} failed: {type(error).__name__}: {str(error)[:120]}")
+                continue
+            mark = " (block_sizes today)" if (bm, bn, bk) == default and st is None else ""
+            record("moe_grouped", f"rows {rows}, tile {bm}x{bn}x{bk} stages {st}", ms, bytes_moved=moved,
+                   note=f"rel err vs today {err:.1e}{mark}")
+            if best is None or ms < best[0]:
+                best = (ms, (bm, bn, bk, st))
+        if best is not None:
+            print(f"# moe rows {rows}: best tile {best[1]} {best[0] * 1e3:.1f} us", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", type=Path, default=DEFAULT_CONFIG)
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".")))
-    parser.add_argument("--only", default="", help="comma-separated subset: gdn,conv,attn,qsa,norms,chunk")
+    parser.add_argument("--only", default="", help="comma-separated subset: gdn,conv,attn,qsa,norms,moe,chunk")
     parser.add_argument("--fp32-chunk", action="store_true", help="also time the fp32 (parity) chunked prefill")
     parser.add_argument("--dry-run", "--smoke", action="store_true",
                         help="load the config and list what would be timed; no GPU needed")
@@ -342,7 +383,7 @@ def main() -> None:
     cfg = load_config(args.config)
     gdn_layers = cfg["layer_types"].count("linear_attention")
     attn_layers = len(cfg["layer_types"]) - gdn_layers
-    groups = ("gdn", "conv", "attn", "qsa", "norms", "chunk")
+    groups = ("gdn", "conv", "attn", "qsa", "norms", "moe", "chunk")
     unknown = [name for name in args.only.split(",") if name and name not in groups]
     if unknown:
         parser.error(f"--only {','.join(unknown)}: not a kernel group; use some of {','.join(groups)}")
@@ -364,6 +405,7 @@ def main() -> None:
         "attn": lambda: bench_attention(cfg, attn_layers),
         "qsa": lambda: bench_qsa(cfg, attn_layers),
         "norms": lambda: bench_norms(cfg),
+        "moe": lambda: bench_moe(cfg),
         "chunk": lambda: bench_gdn_chunk(cfg, args.fp32_chunk),
     }
     chosen = [name for name in args.only.split(",") if name] or list(benches)

@@ -133,8 +133,11 @@ def num_warps(block_m: int) -> int:
 
 
 def moe_grouped(x: torch.Tensor, top_i: torch.Tensor, top_w: torch.Tensor, gate_up: torch.Tensor,
-                down: torch.Tensor, *, blocks: tuple[int, int, int] | None = None) -> torch.Tensor:
-    """The routed experts' weighted sum [R, H] in x's dtype (the shared expert is the caller's)."""
+                down: torch.Tensor, *, blocks: tuple[int, int, int] | None = None,
+                route: tuple[torch.Tensor, torch.Tensor] | None = None, stages: int | None = None) -> torch.Tensor:
+    """The routed experts' weighted sum [R, H] in x's dtype (the shared expert is the caller's). `route`: the
+    (order, offsets) moe_route would compute, if the caller has them; `stages`: the loops' pipeline depth
+    (Triton's default when None)."""
     rows, hidden = x.shape
     experts, two_inter, w_hidden = gate_up.shape
     inter = two_inter // 2
@@ -145,16 +148,18 @@ def moe_grouped(x: torch.Tensor, top_i: torch.Tensor, top_w: torch.Tensor, gate_
     bm, bn, bk = blocks or block_sizes(rows)
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
     x, gate_up, down, top_w = x.contiguous(), gate_up.contiguous(), down.contiguous(), top_w.contiguous()
-    order, offsets = moe_route(top_i, experts)
+    order, offsets = moe_route(top_i, experts) if route is None else route
     down_bk = min(bk, triton.next_power_of_2(inter))
     warps = num_warps(bm)
+    extra = {} if stages is None else {"num_stages": stages}
     m_tiles = triton.cdiv(rows, bm)  # an expert holds at most one pair per row
     act = torch.empty(rows * top_k, inter, dtype=x.dtype, device=x.device)
     _moe_gate_up_kernel[(experts * m_tiles, triton.cdiv(inter, bn))](
         x, order, offsets, gate_up, act, hidden, inter, m_tiles,
-        TOP_K=top_k, BM=bm, BN=bn, BK=bk, EVEN_K=hidden % bk == 0, PRECISION=precision, num_warps=warps)
+        TOP_K=top_k, BM=bm, BN=bn, BK=bk, EVEN_K=hidden % bk == 0, PRECISION=precision, num_warps=warps,
+        **extra)
     outs = torch.empty(rows * top_k, hidden, dtype=x.dtype, device=x.device)
     _moe_down_kernel[(experts * m_tiles, triton.cdiv(hidden, bn))](
         act, order, offsets, top_w, down, outs, hidden, inter, m_tiles,
-        BM=bm, BN=bn, BK=down_bk, EVEN_K=inter % down_bk == 0, PRECISION=precision, num_warps=warps)
+        BM=bm, BN=bn, BK=down_bk, EVEN_K=inter % down_bk == 0, PRECISION=precision, num_warps=warps, **extra)
     return outs.view(rows, top_k, hidden).sum(dim=1)

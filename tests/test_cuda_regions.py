@@ -113,3 +113,32 @@ def test_regions_give_the_reference_tokens_through_the_engine(tiny) -> None:  # 
                               backend_options=options)
         tokens[backend] = [r.token_ids for r in generate(engine, PROMPTS, params)]
     assert tokens["cuda-fp32"] == tokens["cpu"]
+
+
+@pytest.mark.parametrize("rows,experts,k", [(1, 16, 4), (64, 16, 4), (300, 8, 2), (7, 64, 8)])
+def test_ranked_topk_is_a_stable_descending_topk(rows: int, experts: int, k: int) -> None:
+    from atlas.backends.cuda.moe import ranked_topk
+
+    gen = torch.Generator().manual_seed(rows * experts + k)
+    probs = torch.softmax(torch.randn(rows, experts, generator=gen), dim=-1)
+    probs[: rows // 2, 1::3] = probs[: rows // 2, :1]  # ties with expert 0 in half the rows: index order breaks them
+    values, index = ranked_topk(probs, k)
+    order = torch.sort(probs, dim=-1, descending=True, stable=True)
+    assert torch.equal(index, order.indices[:, :k])
+    assert torch.equal(values, order.values[:, :k])
+    if rows > 1:  # without ties torch.topk's own result
+        plain = torch.softmax(torch.randn(rows, experts, generator=gen), dim=-1)
+        got, want = ranked_topk(plain, k), torch.topk(plain, k)
+        assert torch.equal(got[1], want.indices) and torch.equal(got[0], want.values)
+
+
+@pytest.mark.parametrize("rows,experts,k", [(1, 16, 4), (64, 16, 4), (33, 8, 2)])
+def test_counted_route_is_the_sorted_route(rows: int, experts: int, k: int) -> None:
+    from atlas.backends.cuda.moe import counted_route
+
+    gen = torch.Generator().manual_seed(rows + experts)
+    top_i = torch.stack([torch.randperm(experts, generator=gen)[:k] for _ in range(rows)])
+    experts_sorted, order = torch.sort(top_i.flatten(), stable=True)
+    offsets = torch.searchsorted(experts_sorted, torch.arange(experts + 1), out_int32=True)
+    got_order, got_offsets = counted_route(top_i, experts)
+    assert torch.equal(got_order, order) and torch.equal(got_offsets, offsets)

@@ -64,3 +64,13 @@ def test_a_rows_result_does_not_depend_on_the_other_rows() -> None:
     alone = moe_grouped(x[:1], top_i[:1], top_w[:1], gate_up, down)
     batched = moe_grouped(x, top_i, top_w, gate_up, down)
     assert torch.equal(alone[0], batched[0])
+
+
+@pytest.mark.parametrize("stages", [None, 3])
+def test_a_counted_route_and_the_pipeline_depth_change_nothing(stages: int | None) -> None:
+    from atlas.backends.cuda.moe import counted_route
+
+    x, top_i, top_w, gate_up, down = random_case(5, 64, 32, 8, 3, torch.float32, seed=11)
+    want = moe_grouped(x, top_i, top_w, gate_up, down)
+    got = moe_grouped(x, top_i, top_w, gate_up, down, route=counted_route(top_i, 8), stages=stages)
+    assert torch.equal(got, want)

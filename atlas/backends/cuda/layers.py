@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from atlas.backends.cuda.batch import Group
 from atlas.backends.cuda.compiled import compiled
-from atlas.backends.cuda.moe import grouped_mm_works, routed_grouped_mm, routed_triton
+from atlas.backends.cuda.moe import grouped_mm_works, ranked_topk, routed_grouped_mm, routed_triton
 from atlas.backends.cuda.pools import DevicePools
 from atlas.backends.cuda.tuning import Tuning
 from atlas.backends.decoder import decoder_stack
@@ -362,15 +362,15 @@ def attention_layer(spec: ModelSpec, w: dict[str, torch.Tensor], pre: str, layer
                      grp.shape.qsa_select, sdpa)
 
 
-def moe_router(moe: MoeSpec, x: torch.Tensor, fused_in: torch.Tensor, shared_down: torch.Tensor
-               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def moe_router(moe: MoeSpec, x: torch.Tensor, fused_in: torch.Tensor, shared_down: torch.Tensor,
+               ranked: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The routing and the shared expert on tensors: (top_w [R, K] in x's dtype, top_i [R, K], the gated
-    shared expert's output [R, H])."""
+    shared expert's output [R, H]). ranked: the top-k as moe.ranked_topk (fusable; torch.topk's result)."""
     shared_width = moe.shared_intermediate_size
     logits, shared_gate, shared_up, shared_scale = (x @ fused_in.T).split(
         [moe.num_experts, shared_width, shared_width, 1], dim=-1)
     probs = torch.softmax(logits.to(acc_dtype(x.dtype)), dim=-1)
-    top_w, top_i = torch.topk(probs, moe.top_k, dim=-1)
+    top_w, top_i = ranked_topk(probs, moe.top_k) if ranked else torch.topk(probs, moe.top_k, dim=-1)
     if moe.norm_topk_prob:
         top_w = top_w / top_w.sum(dim=-1, keepdim=True)
     shared = (F.silu(shared_gate) * shared_up) @ shared_down.T
@@ -387,7 +387,8 @@ def moe_layer(moe: MoeSpec, w: dict[str, torch.Tensor], pre: str, x: torch.Tenso
 
 
 def moe_routed(moe: MoeSpec, w: dict[str, torch.Tensor], pre: str, x: torch.Tensor, top_w: torch.Tensor,
-               top_i: torch.Tensor, *, eager: bool = False, mode: str | None = None) -> torch.Tensor:
+               top_i: torch.Tensor, *, eager: bool = False, mode: str | None = None,
+               route: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """sum_k top_w * expert_{top_i}(x) [R, H].
 
     eager: group tokens by expert (one host sync for the counts; right for prefill, where each expert
@@ -397,14 +398,14 @@ def moe_routed(moe: MoeSpec, w: dict[str, torch.Tensor], pre: str, x: torch.Tens
     mode (Tuning.moe / prefill_moe) overrides eager: "grouped" is eager; "torch" / "dense" the fixed shapes;
     "triton" / "grouped_mm" route on the device and read the chosen experts in place (atlas.backends.cuda.moe:
     no host sync, graph-capturable). "grouped_mm" falls back to "triton" where torch._grouped_mm fails its
-    feature test."""
+    feature test. route: the pairs' (order, offsets) for "triton" if the caller counted them (moe.counted_route)."""
     eager = mode == "grouped" if mode is not None else eager
     rows = x.shape[0]
     gate_up, down = w[pre + "experts.gate_up_proj"], w[pre + "experts.down_proj"]
     if mode == "grouped_mm" and not grouped_mm_works(x.device.type, x.dtype):
         mode = "triton"
     if mode == "triton":
-        return routed_triton(x, top_i, top_w, gate_up, down)
+        return routed_triton(x, top_i, top_w, gate_up, down, route)
     if mode == "grouped_mm":
         return routed_grouped_mm(x, top_i, top_w, gate_up, down)
     if eager:

@@ -42,6 +42,7 @@ from atlas.backends.cuda.layers import (
     moe_router,
     ple_layer,
 )
+from atlas.backends.cuda.moe import SMALL_EXPERTS, counted_route
 from atlas.backends.cuda.pools import DevicePools
 from atlas.backends.cuda.tuning import Tuning
 from atlas.backends.ops import dense_mlp, hyper_inject, rope_table
@@ -96,25 +97,29 @@ def attn_head(spec: ModelSpec, streams: torch.Tensor, routed: torch.Tensor | Non
 
 def _ffn_head(spec: ModelSpec, streams: torch.Tensor, mixed: torch.Tensor, inject: torch.Tensor,
               norm_w: torch.Tensor, down_w: torch.Tensor, up_w: torch.Tensor, moe_in: torch.Tensor | None,
-              shared_down: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+              shared_down: torch.Tensor | None, route: bool) -> tuple[torch.Tensor, ...]:
     """The mixer's output injected, then the ffn's site and (MoE) router: (streams, rows, inject, top_w, top_i,
-    shared); a dense ffn's rows only (its router parts None)."""
+    shared, the pairs' (order, offsets) for the routed kernels when `route`); a dense ffn's rows only (its router
+    parts None). Few experts: the top-k and the route as comparisons and counts (moe.ranked_topk /
+    counted_route), which fuse here, instead of torch.topk and a sort."""
     streams = hyper_inject(streams, mixed, inject)
     x, inject = _site(spec, streams, norm_w, down_w, up_w)
     rows = x.reshape(-1, x.shape[-1])
     if moe_in is None or spec.moe is None:
-        return streams, rows, inject, None, None, None
+        return streams, rows, inject, None, None, None, None
     assert shared_down is not None
-    top_w, top_i, shared = moe_router(spec.moe, rows, moe_in, shared_down)
-    return streams, rows, inject, top_w, top_i, shared
+    small = spec.moe.num_experts <= SMALL_EXPERTS
+    top_w, top_i, shared = moe_router(spec.moe, rows, moe_in, shared_down, ranked=small)
+    pairs = counted_route(top_i, spec.moe.num_experts) if route and small else None
+    return streams, rows, inject, top_w, top_i, shared, pairs
 
 
 def gdn_tail(spec: ModelSpec, streams: torch.Tensor, inject: torch.Tensor, out: torch.Tensor, z: torch.Tensor,
              gnorm_w: torch.Tensor, out_w: torch.Tensor, norm_w: torch.Tensor, down_w: torch.Tensor,
-             up_w: torch.Tensor, moe_in: torch.Tensor | None, shared_down: torch.Tensor | None
+             up_w: torch.Tensor, moe_in: torch.Tensor | None, shared_down: torch.Tensor | None, route: bool
              ) -> tuple[torch.Tensor, ...]:
     return _ffn_head(spec, streams, gdn_out(spec, out, z, gnorm_w, out_w), inject, norm_w, down_w, up_w, moe_in,
-                     shared_down)
+                     shared_down, route)
 
 
 def attn_tail(spec: ModelSpec, streams: torch.Tensor, inject: torch.Tensor, q: torch.Tensor, gate: torch.Tensor,
@@ -122,10 +127,10 @@ def attn_tail(spec: ModelSpec, streams: torch.Tensor, inject: torch.Tensor, q: t
               read_slots: torch.Tensor, positions: torch.Tensor, o_w: torch.Tensor, iq_norm: torch.Tensor | None,
               ik_norm: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor, qsa_select: bool, sdpa: bool,
               norm_w: torch.Tensor, down_w: torch.Tensor, up_w: torch.Tensor, moe_in: torch.Tensor | None,
-              shared_down: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+              shared_down: torch.Tensor | None, route: bool) -> tuple[torch.Tensor, ...]:
     mixed = attn_core(spec, q, gate, qk, k_pool, v_pool, raw_pool, read_slots, positions, o_w, iq_norm, ik_norm,
                       cos, sin, qsa_select, sdpa)
-    return _ffn_head(spec, streams, mixed, inject, norm_w, down_w, up_w, moe_in, shared_down)
+    return _ffn_head(spec, streams, mixed, inject, norm_w, down_w, up_w, moe_in, shared_down, route)
 
 
 def settle(streams: torch.Tensor, routed: torch.Tensor | None, shared: torch.Tensor | None,
@@ -153,6 +158,7 @@ def regions_stack(spec: ModelSpec, w: dict[str, torch.Tensor], pools: DevicePool
     dtype = w["embed_tokens.weight"].dtype
     cos, sin = rope_table(grp.positions.reshape(-1), spec.rotary_dim, spec.rope_theta, dtype)
     sdpa = tuning.decode_attention == "sdpa"
+    route = tuning.moe == "triton"  # the routed kernels take the pairs' order counted in the tail region
     ple_layers = spec.ple.layers if spec.ple is not None else ()
     streams = torch.cat([w["embed_tokens.weight"][grp.tokens]] * spec.hc_count, dim=-1)
     pending: Pending = None
@@ -178,23 +184,23 @@ def regions_stack(spec: ModelSpec, w: dict[str, torch.Tensor], pools: DevicePool
                                                         w[a + "k_norm.weight"], cos, sin)
             attn_write(spec, layer, k, v, qk, grp, pools)
             qsa = spec.qsa is not None
-            streams, rows, inject, top_w, top_i, shared = tail_a(
+            streams, rows, inject, top_w, top_i, shared, pairs = tail_a(
                 spec, streams, inject, q, gate, qk, pools.keys[layer], pools.values[layer],
                 pools.index_keys[layer] if qsa else None, grp.read_slots, grp.positions, w[a + "o_proj.weight"],
                 w.get(a + "indexer.q_layernorm.weight"), w.get(a + "indexer.k_layernorm.weight"), cos, sin,
-                grp.shape.qsa_select, sdpa, *ffn_site, *moe_w)
+                grp.shape.qsa_select, sdpa, *ffn_site, *moe_w, route)
         else:
             g = pre + "linear_attn."
             streams, inject, *parts = head_g(spec, streams, routed, shared, inject_prev, *site,
                                              w[g + "fused_in.weight"], w[g + "conv1d.weight"],
                                              pools.state[f"conv{layer}"], grp.slots)
             out = gdn_update(spec, w, g, layer, tuple(parts), grp, pools, gdn_kernel)
-            streams, rows, inject, top_w, top_i, shared = tail_g(
+            streams, rows, inject, top_w, top_i, shared, pairs = tail_g(
                 spec, streams, inject, out, parts[3], w[g + "norm.weight"], w[g + "out_proj.weight"], *ffn_site,
-                *moe_w)
+                *moe_w, route)
         if moe:
             assert spec.moe is not None and top_w is not None and top_i is not None
-            routed = moe_routed(spec.moe, w, pre + "mlp.", rows, top_w, top_i, mode=tuning.moe)
+            routed = moe_routed(spec.moe, w, pre + "mlp.", rows, top_w, top_i, mode=tuning.moe, route=pairs)
         else:
             routed, shared = dense_mlp(w, pre + "mlp.", rows), None
         pending = (routed, shared, inject)

@@ -118,13 +118,15 @@ def _bounds(num_experts: int, device: torch.device, dtype: torch.dtype) -> torch
 
 
 def block_sizes(rows: int) -> tuple[int, int, int]:
-    """(block_m, block_n, block_k): decode-sized rows get 16-row tiles and narrow column tiles (many programs
-    reading weights: bandwidth-bound; at batch 1, 128 programs read gate_up and 512 read down), prefill 64 x 64
-    tiles (FLOP-bound). block_m is 16 for every batch up to 64 rows, so decode results do not depend on the
-    batch size. Compiled for sm_90 (compile_report): 16/16/128 190 and 112 registers, 64/64/64 at 8 warps 254
-    and 240, no spills; 16/32/128 spilled in gate_up (two accumulators and two weight tiles live)."""
+    """(block_m, block_n, block_k): decode-sized rows get 16-row tiles (bandwidth-bound), prefill 64 x 64
+    tiles (FLOP-bound). block_m and block_k are the same for every batch up to 64 rows, so decode results do
+    not depend on the batch size (block_n only tiles the columns: no reduction order changes with it).
+    block_n 64 from `benchmarks/kernels.py --only moe` on the H200 (session 4, the whole call graph-timed, 2.7B
+    shapes): rows 1 / 16 / 64 29.1 / 49.6 / 75.9 us against 42.0 / 55.7 / 94.4 us for block_n 16, the best
+    block_k-128 tile at every size (block_k 256 won rows 1 by 0.5 us and lost rows 64; pipeline depth 2-4 within
+    noise). Fewer, wider programs: at batch 1 the 16-column tiles left each program a short loop of loads."""
     if rows <= 64:
-        return 16, 16, 128
+        return 16, 64, 128
     return 64, 64, 64
 
 

@@ -142,3 +142,22 @@ def test_counted_route_is_the_sorted_route(rows: int, experts: int, k: int) -> N
     offsets = torch.searchsorted(experts_sorted, torch.arange(experts + 1), out_int32=True)
     got_order, got_offsets = counted_route(top_i, experts)
     assert torch.equal(got_order, order) and torch.equal(got_offsets, offsets)
+
+
+@pytest.mark.parametrize("dilation", [1, 3])
+def test_the_library_conv_equals_the_windowed_product(dilation: int) -> None:
+    from atlas.backends.cuda.layers import conv_step
+
+    gen = torch.Generator().manual_seed(dilation)
+    b, c, k, t = 2, 24, 4, 37
+    state = (k - 1) * dilation
+    prev, new = torch.randn(b, c, state, generator=gen), torch.randn(b, c, t, generator=gen)
+    weight = torch.randn(c, 1, k, generator=gen)
+    want, cols = conv_step(prev, new, weight, dilation, library=False)
+    got, got_cols = conv_step(prev, new, weight, dilation, library=True)
+    assert torch.equal(cols, got_cols)
+    assert torch.allclose(got, want, atol=1e-5, rtol=1e-5)
+    bf = [x.to(DEVICE, torch.bfloat16) for x in (prev, new, weight)]
+    want, _ = conv_step(*bf, dilation, library=False)
+    got, _ = conv_step(*bf, dilation, library=True)
+    assert float((got.float() - want.float()).norm() / want.float().norm()) < 1e-2

@@ -200,5 +200,46 @@ def profile_steps(model: Any, out: Path | None, tuning: Any = None, label: str =
         result[name] = {"wall_ms": wall, "kernels": len(kernels),
                         "device_ms": sum(e.device_time_total for e in kernels) / 1e3, "top": by_kernel[:12]}
         if out is not None:
-            (out / f"profile_{name}{label}.txt").write_text(prof.key_averages().table(sort_by="cuda_time_total", row_limit=40))
+            (out / f"profile_{name}{label}.txt").write_text(prof.key_averages().table(sort_by="cuda_time_total", row_limit=70))
+    del backend
+    torch.cuda.empty_cache()
+    result["decode_b64"] = _profile_wide_decode(model, out, tuning, label)
     return result
+
+
+def _profile_wide_decode(model: Any, out: Path | None, tuning: Any, label: str, batch: int = 64,
+                         context: int = 256) -> dict[str, Any]:
+    """An eager batch-64 decode step (each sequence `context` tokens in) under the profiler, warmed on the step
+    before: where a wide step's time goes (the experts, the GDN state, attention), beside the batch-1 profile."""
+    from atlas.backends.cuda.runner import CudaBackend
+    from atlas.plan import SeqWork, StepPlan
+
+    device = next(iter(model.weights.values())).device
+    per_seq = context // 16 + 2
+    backend = CudaBackend(model, num_kv_blocks=batch * per_seq, block_size=16, max_batch_size=batch,
+                          cuda_graphs=False, device=device, dtype=model.dtype, tuning=tuning)
+    tables = [tuple(range(i * per_seq, (i + 1) * per_seq)) for i in range(batch)]
+    for i in range(batch):  # one prefill chunk a sequence: the prefill is not what is measured
+        prompt = tuple(torch.randint(0, model.spec.vocab_size, (context,)).tolist())
+        backend.execute(StepPlan(step=i, work=(SeqWork(i, prompt, 0, tables[i], True),)))
+
+    def decode(step: int, at: int) -> StepPlan:
+        return StepPlan(step=step, work=tuple(SeqWork(i, (7,), at, tables[i], True) for i in range(batch)))
+
+    backend.execute(decode(batch, context))
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA,
+                                            torch.profiler.ProfilerActivity.CPU]) as prof:
+        start = time.perf_counter()
+        backend.execute(decode(batch + 1, context + 1))
+        wall = (time.perf_counter() - start) * 1e3
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    by_kernel = [(e.key, e.device_time_total / 1e3) for e in prof.key_averages() if e.device_time_total > 0]
+    by_kernel.sort(key=lambda r: -r[1])
+    if out is not None:
+        (out / f"profile_decode_b{batch}{label}.txt").write_text(
+            prof.key_averages().table(sort_by="cuda_time_total", row_limit=70))
+    del backend
+    torch.cuda.empty_cache()
+    return {"wall_ms": wall, "kernels": len(kernels), "device_ms": sum(e.device_time_total for e in kernels) / 1e3,
+            "top": by_kernel[:12]}

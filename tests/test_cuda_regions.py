@@ -161,3 +161,27 @@ def test_the_library_conv_equals_the_windowed_product(dilation: int) -> None:
     want, _ = conv_step(*bf, dilation, library=False)
     got, _ = conv_step(*bf, dilation, library=True)
     assert float((got.float() - want.float()).norm() / want.float().norm()) < 1e-2
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="Inductor on the GPU: the compiled regions and the compiled sampler")
+def test_compiled_regions_and_sampler_give_the_reference_tokens_on_the_gpu(tiny) -> None:  # type: ignore[no-untyped-def]
+    """fp32, CUDA graphs on: the regions and the seeded sampler's graph through torch.compile, against the CPU
+    reference (greedy and seeded rows side by side)."""
+    from atlas.config import EngineConfig
+    from atlas.engine.offline import generate
+    from atlas.engine.records import RecordingSink
+    from atlas.registry import build_engine
+    from atlas.sampling.params import SamplingParams
+
+    config = EngineConfig(max_seq_len=128, max_batch_size=3, prefill_chunk_tokens=32)
+    params = [SamplingParams(max_tokens=12, ignore_eos=True),
+              SamplingParams(max_tokens=12, ignore_eos=True, temperature=0.8, top_p=0.95, seed=7),
+              SamplingParams(max_tokens=12, ignore_eos=True, temperature=1.0, top_k=20, seed=3)]
+    tuning = Tuning(decode_stack="regions", compile_decode="default")
+    tokens = {}
+    for backend, options in (("cpu", {}), ("cuda-fp32", {"device": DEVICE, "cuda_graphs": True, "tuning": tuning})):
+        engine = build_engine("atlas-tiny", backend, config, loaded=tiny, sink=RecordingSink(),
+                              backend_options=options)
+        tokens[backend] = [r.token_ids for r in generate(engine, PROMPTS, params)]
+        engine.close()
+    assert tokens["cuda-fp32"] == tokens["cpu"]

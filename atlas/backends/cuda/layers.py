@@ -155,7 +155,7 @@ def causal_conv_pooled(pools: DevicePools, grp: Group, name: str, new: torch.Ten
     state_len = pool.shape[-1]
     out, cols = conv_step(pool[grp.slots], new, weight, dilation)
     per_token = cols.unfold(-1, state_len, 1)[:, :, 1:].permute(2, 0, 1, 3) if grp.shape.keep else None
-    pools.put(name, grp.slots, grp.positions, cols[:, :, -state_len:], per_token, grp.shape.keep)
+    pools.put(name, grp.slots, grp.positions, cols[:, :, -state_len:], per_token, grp.shape.keep, grp.ends)
     return out
 
 
@@ -208,7 +208,7 @@ def gdn_update(spec: ModelSpec, w: dict[str, torch.Tensor], pre: str, layer: int
     name = f"conv{layer}"
     state_len = pools.state[name].shape[-1]
     per_token = cols.unfold(-1, state_len, 1)[:, :, 1:].permute(2, 0, 1, 3) if grp.shape.keep else None
-    pools.put(name, grp.slots, grp.positions, cols[:, :, -state_len:], per_token, grp.shape.keep)
+    pools.put(name, grp.slots, grp.positions, cols[:, :, -state_len:], per_token, grp.shape.keep, grp.ends)
     state_pool = pools.gdn_state[layer]
     if kernel is not None:  # the kernel computes the gates from the raw projections (decode: in-kernel)
         out, states = kernel(q, k, v, a, beta_raw, w[pre + "A_log"], w[pre + "dt_bias"], state_pool, grp.slots,
@@ -217,7 +217,7 @@ def gdn_update(spec: ModelSpec, w: dict[str, torch.Tensor], pre: str, layer: int
         if grp.shape.keep:
             pools.put(f"gdn{layer}", grp.slots, grp.positions, None, states.transpose(0, 1), True)
         else:
-            pools.stamp[f"gdn{layer}"][grp.slots] = (grp.positions[:, -1] + 1).to(torch.int32)
+            pools.stamp[f"gdn{layer}"][grp.slots] = grp.ends
         return out
     acc = acc_dtype(v.dtype)
     nk, nv, dk = spec.gdn_k_heads, spec.gdn_v_heads, spec.gdn_k_dim
@@ -227,7 +227,7 @@ def gdn_update(spec: ModelSpec, w: dict[str, torch.Tensor], pre: str, layer: int
     q = l2_normalise(q.repeat_interleave(nv // nk, dim=2).to(acc)) * dk**-0.5
     k = l2_normalise(k.repeat_interleave(nv // nk, dim=2).to(acc))
     out, states = gdn_recurrence(q, k, v.to(acc), g, beta, state_pool, grp.slots)
-    pools.put(f"gdn{layer}", grp.slots, grp.positions, states[-1], states, grp.shape.keep)
+    pools.put(f"gdn{layer}", grp.slots, grp.positions, states[-1], states, grp.shape.keep, grp.ends)
     return out
 
 
@@ -470,7 +470,7 @@ def ple_context_update(pools: DevicePools, grp: Group) -> None:
     length = ctx.shape[1]
     history = torch.cat([ctx[grp.slots], grp.tokens], dim=1)  # [B, L + T]
     per_token = history.unfold(1, length, 1)[:, 1:].transpose(0, 1) if grp.shape.keep else None
-    pools.put("pctx", grp.slots, grp.positions, history[:, -length:], per_token, grp.shape.keep)
+    pools.put("pctx", grp.slots, grp.positions, history[:, -length:], per_token, grp.shape.keep, grp.ends)
 
 
 class _GroupOps:

@@ -18,7 +18,7 @@ from typing import Any
 import attrs
 import torch
 
-PREFILL_KNOBS = ("prefill_moe", "attention", "hyper")
+PREFILL_KNOBS = ("prefill_moe", "attention", "hyper", "prefill_conv")
 DECODE_KNOBS = ("moe", "decode_attention", "compile_decode", "hyper", "decode_stack")
 
 

@@ -185,3 +185,20 @@ def test_compiled_regions_and_sampler_give_the_reference_tokens_on_the_gpu(tiny)
         tokens[backend] = [r.token_ids for r in generate(engine, PROMPTS, params)]
         engine.close()
     assert tokens["cuda-fp32"] == tokens["cpu"]
+
+
+def test_the_library_conv_is_for_prefill_chunks_of_a_non_invariant_backend(tiny) -> None:  # type: ignore[no-untyped-def]
+    from atlas.backends.cuda.layers import _GroupOps
+
+    backend = CudaBackend(tiny, num_kv_blocks=32, block_size=16, dtype=torch.bfloat16, device=DEVICE,
+                          max_batch_size=4, kernels=False, cuda_graphs=False)
+    tuning = Tuning(prefill_conv="library")
+    seen = {}
+    for width in (1, 8):
+        shape = backend._shape(1, width, width)
+        grp = regions.Group.view(backend._padding(shape).to(DEVICE), shape, 16)
+        for invariant in (False, True):
+            ops = _GroupOps(tiny.spec, backend.weights, backend.pools, grp, eager_moe=width > 1, gdn_kernel=None,
+                            tuning=tuning, invariant=invariant)
+            seen[width, invariant] = ops.library_conv
+    assert seen == {(1, False): False, (1, True): False, (8, False): True, (8, True): False}

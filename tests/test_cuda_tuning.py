@@ -56,7 +56,7 @@ def test_each_variant_gives_the_reference_tokens(tiny, reference, variant: str) 
 
 
 @pytest.mark.parametrize("tuning", [Tuning(moe="triton"), Tuning(decode_attention="sdpa"), Tuning(hyper="triton"),
-                                    Tuning(prefill_moe="grouped_mm", attention="sdpa")])
+                                    Tuning(prefill_moe="grouped_mm", attention="sdpa"), Tuning(prefill_conv="library")])
 def test_bf16_variant_logits_stay_within_rounding_of_the_baseline(tiny, tuning: Tuning) -> None:  # type: ignore[no-untyped-def]
     tables = [tuple(range(8 * i, 8 * i + 8)) for i in range(3)]
     prompts = [PROMPTS[1], PROMPTS[2], PROMPTS[0][:40]]

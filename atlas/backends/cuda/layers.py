@@ -124,22 +124,22 @@ def hyper_block(streams: torch.Tensor, norm_w: torch.Tensor, down_w: torch.Tenso
 
 
 def conv_step(prev: torch.Tensor, new: torch.Tensor, weight: torch.Tensor, dilation: int = 1,
-              library: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+              library: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Depthwise causal conv of new columns [B, C, T] continuing the states prev [B, C, S] (pure: nothing
     written): (out [B, C, T] with fp32 accumulation in new's dtype, the columns [B, C, S + T] whose last S are
     the state after the group).
 
-    library (default: a CUDA prefill chunk in bf16/fp16): F.conv1d, depthwise (cuDNN, fp32 accumulation), in
-    place of the windowed product, which materialises [B, C, T, K] fp32 windows: at 2,048 tokens that product,
-    its casts and its sum were ~20 ms of an 81 ms prefill on the H200 (session 4 profile). fp32 (the parity
-    mode) and decode keep the windowed product: its order is the reference's, and T = 1 is tiny."""
+    library (Tuning.prefill_conv = "library"; bf16/fp16 chunks of more than one token only): F.conv1d,
+    depthwise (cuDNN, fp32 accumulation), in place of the windowed product, which materialises [B, C, T, K] fp32
+    windows: at 2,048 tokens that product, its casts and its sum were ~20 ms of an 81 ms prefill on the H200
+    (session 4 profile). fp32 (the parity mode) and decode keep the windowed product: its order is the
+    reference's, and T = 1 is tiny. Opt-in until measured on the GPU (and cuDNN's choice of algorithm by shape
+    is not known to be batch-invariant, so the invariant modes keep the windowed product)."""
     state_len = prev.shape[-1]
     k = weight.shape[-1]
     cols = torch.cat([prev.to(new.dtype), new], dim=-1)  # [B, C, S + T]
     base = state_len - (k - 1) * dilation  # first column the first new output reads
-    if library is None:
-        library = new.is_cuda and new.shape[-1] > 1 and new.dtype in (torch.bfloat16, torch.float16)
-    if library:
+    if library and new.shape[-1] > 1 and new.dtype in (torch.bfloat16, torch.float16):
         return F.conv1d(cols[:, :, base:], weight.to(new.dtype), groups=cols.shape[1], dilation=dilation), cols
     span = (k - 1) * dilation + 1
     windows = cols[:, :, base:].unfold(-1, span, 1)[..., ::dilation]  # [B, C, T, K], a view
@@ -148,12 +148,12 @@ def conv_step(prev: torch.Tensor, new: torch.Tensor, weight: torch.Tensor, dilat
 
 
 def causal_conv_pooled(pools: DevicePools, grp: Group, name: str, new: torch.Tensor, weight: torch.Tensor,
-                       dilation: int = 1) -> torch.Tensor:
+                       dilation: int = 1, library: bool = False) -> torch.Tensor:
     """conv_step continuing each slot's state pools.state[name][slot] [C, S]; updates the state (and its stamp)
     in place, or with grp.shape.keep keeps the state after each column for the verify's commit."""
     pool = pools.state[name]
     state_len = pool.shape[-1]
-    out, cols = conv_step(pool[grp.slots], new, weight, dilation)
+    out, cols = conv_step(pool[grp.slots], new, weight, dilation, library)
     per_token = cols.unfold(-1, state_len, 1)[:, :, 1:].permute(2, 0, 1, 3) if grp.shape.keep else None
     pools.put(name, grp.slots, grp.positions, cols[:, :, -state_len:], per_token, grp.shape.keep, grp.ends)
     return out
@@ -178,14 +178,14 @@ def gdn_recurrence(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.T
     return out, torch.stack(states)
 
 
-def gdn_in(spec: ModelSpec, x: torch.Tensor, fused_in: torch.Tensor, conv_w: torch.Tensor, conv_prev: torch.Tensor
-           ) -> tuple[torch.Tensor, ...]:
+def gdn_in(spec: ModelSpec, x: torch.Tensor, fused_in: torch.Tensor, conv_w: torch.Tensor, conv_prev: torch.Tensor,
+           library_conv: bool = False) -> tuple[torch.Tensor, ...]:
     """A GDN layer's projections and causal conv (pure): x [B, T, H], the slots' conv states [B, C, S] ->
     (q, k [B, T, nk, dk], v [B, T, nv, dv], z [B, T, nv, dv], beta_raw, a [B, T, nv], conv columns [B, C, S + T])."""
     b, t, _ = x.shape
     nk, nv, dk, dv = spec.gdn_k_heads, spec.gdn_v_heads, spec.gdn_k_dim, spec.gdn_v_dim
     qkv, z, beta_raw, a = (x @ fused_in.T).split([spec.gdn_conv_dim, nv * dv, nv, nv], dim=-1)
-    mixed, cols = conv_step(conv_prev, qkv.transpose(1, 2), conv_w)
+    mixed, cols = conv_step(conv_prev, qkv.transpose(1, 2), conv_w, library=library_conv)
     mixed = F.silu(mixed).transpose(1, 2)  # [B, T, C]
     q, k, v = mixed.split([nk * dk, nk * dk, nv * dv], dim=-1)
     return (q.reshape(b, t, nk, dk), k.reshape(b, t, nk, dk), v.reshape(b, t, nv, dv), z.reshape(b, t, nv, dv),
@@ -232,10 +232,11 @@ def gdn_update(spec: ModelSpec, w: dict[str, torch.Tensor], pre: str, layer: int
 
 
 def gdn_layer(spec: ModelSpec, w: dict[str, torch.Tensor], pre: str, layer: int, x: torch.Tensor, grp: Group,
-              pools: DevicePools, kernel: GdnKernel | None) -> torch.Tensor:
+              pools: DevicePools, kernel: GdnKernel | None, library_conv: bool = False) -> torch.Tensor:
     """x [B, T, H] -> [B, T, H] through one Gated DeltaNet layer (conv and recurrent state, with their stamps,
     at the group's slots; a wide verify keeps the state after each row instead)."""
-    parts = gdn_in(spec, x, w[pre + "fused_in.weight"], w[pre + "conv1d.weight"], pools.state[f"conv{layer}"][grp.slots])
+    parts = gdn_in(spec, x, w[pre + "fused_in.weight"], w[pre + "conv1d.weight"], pools.state[f"conv{layer}"][grp.slots],
+                   library_conv)
     out = gdn_update(spec, w, pre, layer, parts, grp, pools, kernel)
     return gdn_out(spec, out, parts[3], w[pre + "norm.weight"], w[pre + "out_proj.weight"])
 
@@ -443,7 +444,7 @@ def moe_routed(moe: MoeSpec, w: dict[str, torch.Tensor], pre: str, x: torch.Tens
 
 
 def ple_layer(spec: ModelSpec, w: dict[str, torch.Tensor], pre: str, streams: torch.Tensor, ids: torch.Tensor,
-              grp: Group, pools: DevicePools, layer: int) -> torch.Tensor:
+              grp: Group, pools: DevicePools, layer: int, library_conv: bool = False) -> torch.Tensor:
     """streams [B, T, hc*H], n-gram ids [B, T, heads] -> the addition to the streams (PLE, see
     atlas.backends.cpu.ple); the dilated short conv's state lives in conv_pool at the group's slots."""
     assert spec.ple is not None
@@ -459,7 +460,7 @@ def ple_layer(spec: ModelSpec, w: dict[str, torch.Tensor], pre: str, streams: to
     gated = (torch.sigmoid(gate) * value.unsqueeze(-2)).flatten(-2)  # [B, T, hc*H]
     normed = rms_norm(gated, w[pre + "norm_conv.weight"], eps, group=hidden)
     conv = causal_conv_pooled(pools, grp, f"pconv{layer}", normed.transpose(1, 2), w[pre + "conv1d.weight"],
-                              dilation=spec.ple.ngram_size)
+                              dilation=spec.ple.ngram_size, library=library_conv)
     return gated + F.silu(conv).transpose(1, 2)
 
 
@@ -486,6 +487,8 @@ class _GroupOps:
         self.moe_mode = tuning.prefill_moe if eager_moe else tuning.moe
         # torch.compile for decode groups only (fixed shapes, captured under the graphs); prefill stays eager
         self.compile_mode = "none" if eager_moe else tuning.compile_decode
+        # the library conv for prefill chunks only, never in a batch-invariant mode (see conv_step)
+        self.library_conv = tuning.prefill_conv == "library" and grp.shape.width > 1 and not invariant
         dtype = w["embed_tokens.weight"].dtype
         self.cos, self.sin = rope_table(grp.positions.reshape(-1), spec.rotary_dim, spec.rope_theta, dtype)
 
@@ -495,7 +498,8 @@ class _GroupOps:
             sdpa = (self.tuning.attention if self.grp.shape.width > 1 else self.tuning.decode_attention) == "sdpa"
             return attention_layer(spec, w, pre + "self_attn.", layer, x, self.grp, self.pools, self.cos, self.sin,
                                    sdpa=sdpa)
-        return gdn_layer(spec, w, pre + "linear_attn.", layer, x, self.grp, self.pools, self.gdn_kernel)
+        return gdn_layer(spec, w, pre + "linear_attn.", layer, x, self.grp, self.pools, self.gdn_kernel,
+                         self.library_conv)
 
     def ffn(self, layer: int, x: torch.Tensor) -> torch.Tensor:
         b, t = self.grp.tokens.shape
@@ -512,7 +516,7 @@ class _GroupOps:
     def ple(self, layer: int, rank: int, streams: torch.Tensor) -> torch.Tensor:
         assert self.grp.ngram_ids is not None
         return ple_layer(self.spec, self.w, f"layers.{layer}.ple.", streams, self.grp.ngram_ids[rank], self.grp,
-                         self.pools, layer)
+                         self.pools, layer, self.library_conv)
 
     def hyper_mix(self, pre: str, streams: torch.Tensor, *, combine: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         return hyper_mix(self.spec, self.w, pre, streams, combine=combine, compile_mode=self.compile_mode,

@@ -17,6 +17,7 @@ ATTENTION = ("torch", "sdpa")
 HYPER = ("torch", "triton")
 COMPILE = ("none", "default", "max-autotune-no-cudagraphs")
 STACK = ("layers", "regions")
+CONV = ("windowed", "library")
 
 
 def _one_of(options: tuple[str, ...]):  # type: ignore[no-untyped-def]
@@ -53,6 +54,9 @@ class Tuning:
     # "regions" cut at the state writes, each piece between two writes one function (atlas.backends.cuda.regions)
     # that compile_decode compiles once per region kind: one compiled graph per piece of a layer instead of per op
     decode_stack: str = attrs.field(default="layers", validator=_one_of(STACK))
+    # the causal convs of prefill chunks (bf16): "windowed" the reference's fp32 windowed product; "library"
+    # depthwise F.conv1d (cuDNN), never in the batch-invariant modes (atlas.backends.cuda.layers.conv_step)
+    prefill_conv: str = attrs.field(default="windowed", validator=_one_of(CONV))
 
     @property
     def uses_triton(self) -> bool:
@@ -80,8 +84,9 @@ VARIANTS: dict[str, Tuning] = {
     # the decode step as compiled regions (session 4): a layer is ~4 compiled pieces + its state writes, the
     # GDN kernel and the routed experts (dispatch count on the CPU: see docs/BENCHMARKS.md, session 4)
     "regions-compile": Tuning(moe="triton", prefill_moe="triton", attention="sdpa", decode_attention="sdpa",
-                              compile_decode="default", decode_stack="regions"),
+                              compile_decode="default", decode_stack="regions", prefill_conv="library"),
     # the same with Inductor's GEMM autotuning (Triton templates against cuBLAS, epilogues fused into the GEMM)
     "regions-autotune": Tuning(moe="triton", prefill_moe="triton", attention="sdpa", decode_attention="sdpa",
-                               compile_decode="max-autotune-no-cudagraphs", decode_stack="regions"),
+                               compile_decode="max-autotune-no-cudagraphs", decode_stack="regions",
+                               prefill_conv="library"),
 }

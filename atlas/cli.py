@@ -61,6 +61,9 @@ def serve(
     max_seq_len: int = typer.Option(None, help="longest prompt + completion, in tokens (default: 4096, or the "
                                                "model's max_position_embeddings when smaller)"),
     max_batch_size: int = typer.Option(None, help="sequences decoded together (default: 64)"),
+    prefill_align: int = typer.Option(None, help="prefill chunks end at multiples of this many prompt tokens, so "
+                                      "a prompt's chunking does not depend on the load (0: off; default: derived "
+                                      "for the batch-invariant backends, off elsewhere)"),
     loop_watchdog: bool = typer.Option(False, help="roll content loops back (non-streaming requests)"),
     ring_slots: int = typer.Option(None, help="boundary snapshots per sequence for rollback (0: declines)"),
     num_drafts: int = typer.Option(None, help="speculative decoding: drafts per verify (0: off)"),
@@ -105,7 +108,7 @@ def serve(
                       loop_watchdog=loop_watchdog, num_drafts=num_drafts, drafter=drafter, threads=threads,
                       enable_fault_injection=enable_fault_injection, prefix_caching=prefix_caching,
                       served_model_name=served_model_name, api_key_file=api_key_file,
-                      allow_unauthenticated=allow_unauthenticated, settings=settings)
+                      allow_unauthenticated=allow_unauthenticated, settings=settings, prefill_align=prefill_align)
     raise typer.Exit(code)
 
 
@@ -191,6 +194,9 @@ def generate(
                                                "max_position_embeddings when smaller)"),
     max_batch_size: int = typer.Option(16, help="sequences decoded together"),
     prefill_chunk_tokens: int = typer.Option(256, help="tokens per step, all sequences together"),
+    prefill_align: int = typer.Option(None, help="prefill chunks end at multiples of this many prompt tokens, so "
+                                      "a prompt's chunking does not depend on the load (0: off; default: derived "
+                                      "for the batch-invariant backends, off elsewhere)"),
     num_drafts: int = typer.Option(0, help="speculative decoding: drafts per verify (0: off)"),
     drafter: str = typer.Option("mtp", help="mtp | ngram"),
     prefix_caching: bool = typer.Option(None, "--prefix-caching/--no-prefix-caching",
@@ -221,7 +227,7 @@ def generate(
 
     config = EngineConfig(max_seq_len=max_seq_len, max_batch_size=max_batch_size,
                           prefill_chunk_tokens=max(prefill_chunk_tokens, max_batch_size), num_drafts=num_drafts,
-                          drafter=drafter,
+                          drafter=drafter, prefill_align=prefill_align,
                           enable_prefix_caching=backend == "cpu" if prefix_caching is None else prefix_caching)
     from atlas.registry import build_engine
 

@@ -56,11 +56,13 @@ def engine_for_serving(
     num_drafts: int | None = None,
     drafter: str | None = None,
     prefix_caching: bool | None = None,
+    prefill_align: int | None = None,
 ) -> Any:
     from atlas.config import EngineConfig
 
     knobs = {"max_seq_len": max_seq_len, "max_batch_size": max_batch_size, "ring_slots": ring_slots,
              "loop_watchdog": loop_watchdog or None, "num_drafts": num_drafts, "drafter": drafter,
+             "prefill_align": prefill_align,
              # prefix caching: on by default where the backend stores prefix snapshots (cpu)
              "enable_prefix_caching": backend == "cpu" if prefix_caching is None else prefix_caching}
     config = EngineConfig(**{k: v for k, v in knobs.items() if v is not None})
@@ -162,6 +164,7 @@ def serve(
     api_key_file: str | None = None,
     allow_unauthenticated: bool = False,
     settings: ServerSettings | None = None,
+    prefill_align: int | None = None,
 ) -> int:
     """Serve until stopped. Returns the process exit status: 0 (also after SIGTERM/SIGINT: drained),
     EXIT_BAD_CONFIG when the engine cannot be built or the flags are wrong (the reason is logged), or
@@ -177,7 +180,8 @@ def serve(
     try:
         engine = engine_for_serving(model, backend=backend, trace=trace, max_seq_len=max_seq_len,
                               max_batch_size=max_batch_size, ring_slots=ring_slots, loop_watchdog=loop_watchdog,
-                              num_drafts=num_drafts, drafter=drafter, prefix_caching=prefix_caching)
+                              num_drafts=num_drafts, drafter=drafter, prefix_caching=prefix_caching,
+                              prefill_align=prefill_align)
     except (ValueError, OSError) as exc:  # CapacityError is a ValueError: it names the knob and numbers
         log.error("cannot start the engine", error=str(exc))
         return EXIT_BAD_CONFIG

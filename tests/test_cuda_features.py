@@ -198,12 +198,12 @@ def test_a_dropped_gdn_state_write_is_caught_at_that_step() -> None:
     pools = engine.backend.pools  # type: ignore[attr-defined]
     put, calls = pools.put, {"n": 0}
 
-    def dropping(name, slots, positions, final, per_token, keep):
+    def dropping(name, slots, positions, final, per_token, keep, ends=None):
         if name == "gdn1" and positions.shape[1] == 1:
             calls["n"] += 1
             if calls["n"] == 5:
                 return  # the fifth decode's update of layer 1: neither the state nor its stamp moves
-        put(name, slots, positions, final, per_token, keep)
+        put(name, slots, positions, final, per_token, keep, ends)
 
     pools.put = dropping
     with pytest.raises(InvariantViolation, match="position stamp"):

@@ -1,0 +1,100 @@
+"""What a CUDA step picks from its logits: the sampled tokens (with their logprobs) and the prompt logprobs,
+on the device with one device->host copy each (CudaBackend._sample / _prompt_logprobs delegate here)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import torch
+
+from atlas.plan import PromptLogprob, SeqWork
+from atlas.sampling.keyed import RowBatch, logprobs, sample
+from atlas.sampling.params import SamplingParams
+
+if TYPE_CHECKING:
+    from atlas.backends.cuda.runner import CudaBackend
+
+
+def prompt_logprobs(backend: CudaBackend, w: SeqWork, rows: torch.Tensor) -> tuple[PromptLogprob, ...]:
+    """Each fed prompt token's logprob under the logits of the position before it (this chunk's rows, or the
+    previous chunk's last row): one batched call and one copy (atlas.backends.cpu's reference semantics)."""
+    tails = backend.store.prompt_tail
+    before: list[torch.Tensor] = []
+    for i in range(len(w.tokens)):
+        position = w.start + i
+        if position == 0:
+            continue
+        row = rows[i - 1] if i else tails.pop(w.seq_id, None)
+        if row is None:
+            raise ValueError(f"sequence {w.seq_id}: prompt logprobs at {position} need the logits of position "
+                             f"{position - 1}, which no chunk of this request computed")
+        before.append(row)
+    if not w.sample:  # the prompt goes on: its next token is scored by this chunk's last row
+        tails[w.seq_id] = rows[-1]
+    top = w.prompt_logprobs or 0
+    scored: list[list[float]] = []
+    if before:
+        tokens = torch.tensor([t for i, t in enumerate(w.tokens) if w.start + i], device=backend.device)
+        lp, values, ids = logprobs(torch.stack(before), tokens, top)
+        scored = torch.cat([lp[:, None], values, ids.to(torch.float64)], dim=1).tolist()  # one copy
+    out: list[PromptLogprob] = []
+    rows_left = iter(scored)
+    for i in range(len(w.tokens)):
+        if w.start + i == 0:
+            out.append((0, None, ()))
+            continue
+        row = next(rows_left)
+        out.append((w.start + i, row[0], tuple((int(t), v) for t, v in zip(row[1 + top :], row[1 : 1 + top],
+                                                                          strict=True))))
+    return tuple(out)
+
+
+def sample_rows(backend: CudaBackend, work: Sequence[SeqWork], logits: dict[int, torch.Tensor]
+                ) -> dict[int, tuple[int, float | None, tuple[tuple[int, float], ...]]]:
+    """The keyed sampler (atlas.sampling.keyed) on the device for every sampled row: decode rows replayed
+    from a graph through the sampler graph, the rest (prefill ends, banned tokens, eager mode) in one
+    batched call; one device->host copy of the tokens, and one of the logprobs when a row asks."""
+    sampled = [i for i, w in enumerate(work) if w.sample]
+    if not sampled:
+        return {}
+    pin = backend.device.type == "cuda"
+    parts: list[torch.Tensor] = []
+    order: list[int] = []
+    in_graph: dict[int, int] = {}
+    if backend._replayed is not None and backend.graphs is not None:
+        shape, idx = backend._replayed
+        in_graph = {i: j for j, i in enumerate(idx) if work[i].sample and not work[i].banned}
+    if in_graph:
+        params, positions = [SamplingParams()] * shape.batch, [0] * shape.batch
+        for i, j in in_graph.items():
+            params[j], positions[j] = work[i].sampling, work[i].end
+        parts.append(backend.graphs.sample(shape, RowBatch.of(params, positions, pin=pin)))  # type: ignore[union-attr]
+        order.extend(-1 for _ in range(shape.batch))  # every graph row comes back; padding is dropped
+        for i, j in in_graph.items():
+            order[j] = i
+    rest = [i for i in sampled if i not in in_graph]
+    if rest:
+        rows = torch.stack([logits[i] for i in rest])
+        banned = None
+        if any(work[i].banned for i in rest):  # a rollback's re-steer: these tokens may not be sampled here
+            width = max(len(work[i].banned) for i in rest)
+            ids = torch.tensor([list(work[i].banned) + [-1] * (width - len(work[i].banned)) for i in rest],
+                               dtype=torch.int64)
+            banned = (ids.pin_memory() if pin else ids).to(backend.device, non_blocking=pin)
+        batch = RowBatch.of([work[i].sampling for i in rest], [work[i].end for i in rest], pin=pin)
+        parts.append(sample(rows, batch.to(backend.device), banned=banned))
+        order.extend(rest)
+    chosen = {i: t for i, t in zip(order, torch.cat(parts).tolist(), strict=True) if i >= 0}  # one copy
+    asked = [i for i in sampled if work[i].sampling.logprobs]
+    lps: dict[int, tuple[float, tuple[tuple[int, float], ...]]] = {}
+    if asked:
+        top = max(work[i].sampling.top_logprobs for i in asked)
+        lp, values, ids = logprobs(torch.stack([logits[i] for i in asked]),
+                                   torch.tensor([chosen[i] for i in asked], device=backend.device), top)
+        host = torch.cat([lp[:, None], values, ids.to(torch.float64)], dim=1).tolist()  # one copy
+        for r, i in enumerate(asked):
+            n = work[i].sampling.top_logprobs
+            lps[i] = host[r][0], tuple((int(t), v) for t, v in zip(host[r][1 + top : 1 + top + n],
+                                                                   host[r][1 : 1 + n], strict=True))
+    return {i: (chosen[i], *lps.get(i, (None, ()))) for i in sampled}

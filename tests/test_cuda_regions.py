@@ -202,3 +202,25 @@ def test_the_library_conv_is_for_prefill_chunks_of_a_non_invariant_backend(tiny)
                             tuning=tuning, invariant=invariant)
             seen[width, invariant] = ops.library_conv
     assert seen == {(1, False): False, (1, True): False, (8, False): True, (8, True): False}
+
+
+def test_row_verifies_through_the_regions_give_speculation_offs_tokens(tiny) -> None:  # type: ignore[no-untyped-def]
+    """fp32 verifies run row by row as decode-shaped groups, so they take the regions too: MTP speculation with
+    the regions gives the layer stack's tokens without speculation."""
+    from atlas.config import EngineConfig
+    from atlas.engine.offline import generate
+    from atlas.engine.records import RecordingSink
+    from atlas.registry import build_engine
+    from atlas.sampling.params import SamplingParams
+
+    params = [SamplingParams(max_tokens=16, ignore_eos=True)] * len(PROMPTS)
+    runs = {}
+    for name, drafts, tuning in (("off", 0, Tuning()), ("regions", 3, Tuning(decode_stack="regions"))):
+        config = EngineConfig(max_seq_len=128, max_batch_size=3, prefill_chunk_tokens=32, num_drafts=drafts,
+                              drafter="mtp")
+        engine = build_engine("atlas-tiny", "cuda-fp32", config, loaded=tiny, sink=RecordingSink(),
+                              backend_options={"device": DEVICE, "cuda_graphs": False, "tuning": tuning})
+        runs[name] = [r.token_ids for r in generate(engine, PROMPTS, params)]
+        if drafts:
+            assert engine.stats().spec_verify_steps > 0
+    assert runs["regions"] == runs["off"]

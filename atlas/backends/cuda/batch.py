@@ -51,6 +51,10 @@ class Group:
     # [B] int32: the stamp every per-slot state the group advances gets (its last position + 1), computed once
     # a group rather than at each of its ~40 state writes (two kernels each: 80 launches of a decode step)
     ends: torch.Tensor
+    # the paged stamps' (flat slots, values) every attention layer writes: the new rows' stamps, then -1 at the
+    # sentinel; the same for each layer, so built once a group (3 kernels x 6 layers of a decode step)
+    stamp_at: torch.Tensor
+    stamp_values: torch.Tensor
 
     @classmethod
     def view(cls, packed: torch.Tensor, shape: GroupShape, block_size: int) -> Group:
@@ -69,7 +73,10 @@ class Group:
         read = (table[:, :, None] * block_size + offsets).reshape(b, kb * block_size)
         stamps = (-(positions + 2) if shape.pending else positions).to(torch.int32)
         ends = (start + t).to(torch.int32)
-        return cls(shape, tokens, positions, slots, table, ngram, write, read, stamps, sentinel, ends)
+        stamp_at = torch.cat([write.reshape(-1), sentinel])
+        stamp_values = torch.cat([stamps.reshape(-1), torch.full_like(sentinel, -1, dtype=torch.int32)])
+        return cls(shape, tokens, positions, slots, table, ngram, write, read, stamps, sentinel, ends, stamp_at,
+                   stamp_values)
 
 
 Row = tuple[list[int], int, int, list[int], list[list[int]]]

@@ -320,13 +320,11 @@ def attn_write(spec: ModelSpec, layer: int, k: torch.Tensor, v: torch.Tensor, qk
     write = grp.write_slots.reshape(-1)
     pools.keys[layer].view(-1, nkv, hd).index_copy_(0, write, k)
     pools.values[layer].view(-1, nkv, hd).index_copy_(0, write, v)
-    stamps = torch.cat([grp.stamps.reshape(-1), torch.full_like(grp.sentinel, -1, dtype=torch.int32)])
-    stamp_at = torch.cat([write, grp.sentinel])
-    pools.kv_pos[layer].view(-1).index_copy_(0, stamp_at, stamps)
+    pools.kv_pos[layer].view(-1).index_copy_(0, grp.stamp_at, grp.stamp_values)
     if spec.qsa is not None:
         d = spec.qsa.head_dim
         pools.index_keys[layer].view(-1, d).index_copy_(0, write, qk[:, spec.qsa.n_heads * d :])
-        pools.index_pos[layer].view(-1).index_copy_(0, stamp_at, stamps)
+        pools.index_pos[layer].view(-1).index_copy_(0, grp.stamp_at, grp.stamp_values)
 
 
 def attn_core(spec: ModelSpec, q: torch.Tensor, gate: torch.Tensor, qk: torch.Tensor, k_pool: torch.Tensor,

@@ -22,9 +22,10 @@ def _gdn_recurrent_kernel(
     a_log_ptr, dt_bias_ptr,  # [Hv], read only with FUSED_GATING
     state_ptr, slot_ptr,  # state pool [slots, Hv, DK, DV] fp32; slot of each sequence [N]
     out_ptr, states_out_ptr,  # out [N, T, Hv, DV]; per-token states [N, T, Hv, DK, DV] fp32
+    stamp_ptr, end_ptr,  # with STAMP: the state's int32 position stamp per slot, and each sequence's new one [N]
     num_tokens, num_k_heads, num_v_heads, qk_token_stride, v_token_stride, scale, eps,
     DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    STORE_STATES: tl.constexpr, COMMIT: tl.constexpr, FUSED_GATING: tl.constexpr,
+    STORE_STATES: tl.constexpr, COMMIT: tl.constexpr, FUSED_GATING: tl.constexpr, STAMP: tl.constexpr,
 ):
     v_tile = tl.program_id(0)
     seq_head = tl.program_id(1)
@@ -75,6 +76,9 @@ def _gdn_recurrent_kernel(
 
     if COMMIT:
         tl.store(state_tile, state, mask=mask_kv)
+        if STAMP:  # the stamp goes with the state, by the same kernel (one program a sequence writes it)
+            if (v_tile == 0) & (head == 0):
+                tl.store(stamp_ptr + slot, tl.load(end_ptr + seq))
 
 
 def _token_stride(x: torch.Tensor) -> int | None:
@@ -128,15 +132,18 @@ def gdn_recurrent_gated(
     commit: bool = True,
     out_dtype: torch.dtype | None = None,
     block_v: int | None = None,
+    stamp: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """gdn_recurrent with the gates computed in the kernel from the layer's raw projections a, b [N, T, Hv]
     and its A_log, dt_bias [Hv]: g = -exp(A_log) * softplus(a + dt_bias), beta = sigmoid(b). At batch 1
     the recurrent update itself takes ~3.7 us a layer, so the separate elementwise launches for the gates
-    would cost as much again."""
-    return _launch(q, k, v, a, b, (a_log, dt_bias), state_pool, slots, store_states, commit, out_dtype, block_v)
+    would cost as much again. stamp: (the pool's int32 stamps [slots], each sequence's new stamp [N] int32),
+    written by the same kernel as the committed state (the eager write after it was one launch a layer)."""
+    return _launch(q, k, v, a, b, (a_log, dt_bias), state_pool, slots, store_states, commit, out_dtype, block_v,
+                   stamp)
 
 
-def _launch(q, k, v, g, beta, gating, state_pool, slots, store_states, commit, out_dtype, block_v):
+def _launch(q, k, v, g, beta, gating, state_pool, slots, store_states, commit, out_dtype, block_v, stamp=None):
     num_seqs, num_tokens, num_k_heads, dk = k.shape
     num_v_heads, dv = v.shape[2], v.shape[3]
     check_gdn_state_pool(state_pool, num_k_heads, num_v_heads, dk, dv)
@@ -163,10 +170,13 @@ def _launch(q, k, v, g, beta, gating, state_pool, slots, store_states, commit, o
         block_v = 32 if num_seqs * num_v_heads < 256 else 64
     block_v = min(block_v, triton.next_power_of_2(dv))
     grid = (triton.cdiv(dv, block_v), num_seqs * num_v_heads)
+    if stamp is not None and (not commit or stamp[0].dtype != torch.int32 or stamp[1].dtype != torch.int32):
+        raise ValueError("gdn_recurrent_gated: stamp= needs commit=True and int32 (stamps, ends)")
+    stamps, ends = stamp if stamp is not None else (slots, slots)
     _gdn_recurrent_kernel[grid](
         q, k, v, g, beta, a_log, dt_bias, state_pool, slots, out, states if states is not None else out,
-        num_tokens, num_k_heads, num_v_heads, qk_stride, v_stride, dk**-0.5, L2_EPS,
+        stamps, ends, num_tokens, num_k_heads, num_v_heads, qk_stride, v_stride, dk**-0.5, L2_EPS,
         DK=dk, DV=dv, BK=block_k, BV=block_v, STORE_STATES=store_states, COMMIT=commit,
-        FUSED_GATING=gating is not None,
+        FUSED_GATING=gating is not None, STAMP=stamp is not None,
     )
     return out, states

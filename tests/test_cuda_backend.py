@@ -224,6 +224,8 @@ def test_triton_gdn_kernels_in_the_batched_forward_match_the_torch_path(tiny) ->
     want, got = plain._last_logits(decode), fused._last_logits(decode)
     for i in range(3):
         assert torch.allclose(got[i], want[i], rtol=0, atol=1e-4), (i, (got[i] - want[i]).abs().max())
+    # the stamps the kernels wrote with the state (the chunk kernel's after it; the decode kernel's in it)
+    assert int(plain.pools.stamps.max()) > 0 and torch.equal(fused.pools.stamps, plain.pools.stamps)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

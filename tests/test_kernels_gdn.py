@@ -120,7 +120,12 @@ def test_gated_recurrent_on_conv_output_slices_matches_reference(tokens: int) ->
     before = pool.clone()
     slots = torch.tensor([2, 0], device=DEVICE)
 
-    out, _ = gdn_recurrent_gated(q, k, v, a, b, a_log, dt_bias, pool, slots)
+    stamps = torch.full((3,), 5, dtype=torch.int32, device=DEVICE)
+    ends = torch.tensor([40, 9], dtype=torch.int32, device=DEVICE)
+    out, _ = gdn_recurrent_gated(q, k, v, a, b, a_log, dt_bias, pool, slots, stamp=(stamps, ends))
+    assert stamps.tolist() == [9, 5, 40]  # slot 2 is sequence 0's, slot 0 sequence 1's; slot 1 untouched
+    with pytest.raises(ValueError, match="stamp= needs commit=True"):
+        gdn_recurrent_gated(q, k, v, a, b, a_log, dt_bias, pool.clone(), slots, stamp=(stamps, ends), commit=False)
 
     g = -a_log.exp() * torch.nn.functional.softplus(a.float() + dt_bias)
     beta = torch.sigmoid(b.float())

@@ -211,13 +211,11 @@ def gdn_update(spec: ModelSpec, w: dict[str, torch.Tensor], pre: str, layer: int
     pools.put(name, grp.slots, grp.positions, cols[:, :, -state_len:], per_token, grp.shape.keep, grp.ends)
     state_pool = pools.gdn_state[layer]
     if kernel is not None:  # the kernel computes the gates from the raw projections (decode: in-kernel)
+        # the kernel writes the live state and its stamp itself (unless keep: then the kept rows, here)
         out, states = kernel(q, k, v, a, beta_raw, w[pre + "A_log"], w[pre + "dt_bias"], state_pool, grp.slots,
-                             keep=grp.shape.keep)
-        # the kernel wrote the live state itself (unless keep): only its stamp, or the kept rows, here
+                             keep=grp.shape.keep, stamp=(pools.stamp[f"gdn{layer}"], grp.ends))
         if grp.shape.keep:
             pools.put(f"gdn{layer}", grp.slots, grp.positions, None, states.transpose(0, 1), True)
-        else:
-            pools.stamp[f"gdn{layer}"][grp.slots] = grp.ends
         return out
     acc = acc_dtype(v.dtype)
     nk, nv, dk = spec.gdn_k_heads, spec.gdn_v_heads, spec.gdn_k_dim

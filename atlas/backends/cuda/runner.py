@@ -63,21 +63,24 @@ def triton_gdn() -> GdnKernel | None:
         return None
 
     def gdn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor, b_raw: torch.Tensor,
-            a_log: torch.Tensor, dt_bias: torch.Tensor, pool: torch.Tensor, slots: torch.Tensor, *, keep: bool = False
-            ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(out, per-token states [B, T, ...] when `keep`: a wide verify, whose live state is left as it was)."""
+            a_log: torch.Tensor, dt_bias: torch.Tensor, pool: torch.Tensor, slots: torch.Tensor, *, keep: bool = False,
+            stamp: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(out, per-token states [B, T, ...] when `keep`: a wide verify, whose live state is left as it was).
+        stamp: (the state's stamps [slots], each row's new stamp [B]), written with the state unless `keep`."""
         b, t = q.shape[:2]
         if keep:  # a verify: every row's state kept for the commit, the slot not written
             return gdn_recurrent_gated(q, k, v, a, b_raw, a_log, dt_bias, pool, slots, store_states=True,
                                        commit=False)
-        if t == 1:  # g and beta computed in the kernel: no separate elementwise launches per layer
-            return gdn_recurrent_gated(q, k, v, a, b_raw, a_log, dt_bias, pool, slots)[0], None
+        if t == 1:  # g, beta and the stamp in the kernel: no separate launches for them per layer
+            return gdn_recurrent_gated(q, k, v, a, b_raw, a_log, dt_bias, pool, slots, stamp=stamp)[0], None
         g = -a_log.float().exp() * torch.nn.functional.softplus(a.float() + dt_bias.float())
         beta = torch.sigmoid(b_raw).float()
         cu = torch.arange(b + 1, device=q.device, dtype=torch.int32) * t
         out = gdn_chunk_prefill(q.reshape(b * t, *q.shape[2:]), k.reshape(b * t, *k.shape[2:]),
                                 v.reshape(b * t, *v.shape[2:]), g.reshape(b * t, -1), beta.reshape(b * t, -1),
                                 cu, pool, slots)
+        if stamp is not None:  # the chunk kernel wrote the state: its stamp right after it
+            stamp[0][slots] = stamp[1]
         return out.view(b, t, *out.shape[1:]), None
 
     return gdn

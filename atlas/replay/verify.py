@@ -189,6 +189,7 @@ def check_state_only(path_or_url: str | Path, run_id: int | None = None) -> Stat
         reader.close()
     total = len(rows)
     state = ControlState.create(Capacities.from_table(run.capacities))
+    state.columnar = True  # this loop owns the state: steps of the common path in columns (atlas.state.columns)
     apply, digest = state.apply, state.digest
     comparable = run.digests_comparable
     types = EVENT_TYPES
@@ -207,4 +208,5 @@ def check_state_only(path_or_url: str | Path, run_id: int | None = None) -> Stat
             return StateCheckReport(total, str(exc), index)
         if comparable and digest() != recorded_digest:
             return StateCheckReport(total, f"digest {digest()} != recorded {recorded_digest}", index)
+    state.flush_columns()
     return StateCheckReport(total, None)

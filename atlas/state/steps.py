@@ -10,7 +10,7 @@ import numpy as np
 from atlas.errors import TransitionRefused
 from atlas.hashing import MASK64, ints_key
 from atlas.plan import RingRestore
-from atlas.state.columns import StepColumns, fingerprints
+from atlas.state.columns import StepColumns, mix_columns
 from atlas.state.control import (
     Checked,
     ControlState,
@@ -182,7 +182,7 @@ def planned(state: ControlState, e: StepPlanned) -> tuple[int, ...]:
                 state.prefix.evict_block(b)
         state.seqs[row[0]].blocks.extend(row[1:])
         if cols is not None:
-            cols.nblocks[cols.row[row[0]]] += len(row) - 1
+            cols.add_blocks(cols.row[row[0]], len(row) - 1)
     state.pending_release.clear()
     state.inflight_orders, state.orders = state.orders, PlanOrders()  # the plan carries them; new ones queue anew
     state.inflight = e
@@ -191,48 +191,46 @@ def planned(state: ControlState, e: StepPlanned) -> tuple[int, ...]:
     state.step = e.step + 1
     touched = tuple(e.admitted) + tuple(row[0] for row in e.alloc)
     if cols is not None:  # the alloc'd sequences' digest shares and invariants, from the columns
-        return Checked(touched, _refresh_rows(state, cols, [cols.row[s] for s in touched]) if touched else [])
+        if not touched or _refresh_rows(state, cols, [cols.row[s] for s in touched]):
+            return Checked(touched, [])
+        return touched  # flushed: apply refreshes them and check_invariants names what broke, on the objects
     if state.columnar and not e.drafts and state.prefix is None and len(e.seqs) >= VECTOR_MIN:
         for seq_id in touched:  # apply's refresh, before the columns copy the fingerprints
             state.refresh(state.seqs[seq_id])
-        cols = state.columns = StepColumns.gather(state.seqs, e.seqs)  # this batch in columns from here on
+        # this batch in columns from here on
+        cols = state.columns = StepColumns.gather(state.seqs, e.seqs, state.caps.block_size)
         if cols is not None:
             cols.fed = np.array(e.fed, dtype=np.int64)
         return Refreshed(touched)
     return touched
 
 
-def _refresh_rows(state: ControlState, cols: StepColumns, rows: list[int]) -> list[int]:
-    """After StepPlanned moved the block counts of `rows` (a few a step): their fingerprints again and the ids
-    among them whose invariant test (`_holds`'s conditions) fails, flushed for check_sequence to name. Scalar
-    over the few rows: a numpy pass over the batch cost ~15 us a plan, this ~2 us a row."""
-    bs = state.caps.block_size
+def _refresh_rows(state: ControlState, cols: StepColumns, rows: list[int]) -> bool:
+    """After StepPlanned moved the block counts of `rows` (a few a step): the invariants those counts enter
+    (`_holds`: KV within the blocks, no block past the tokens; nothing else moved) and their fingerprints again,
+    scalar over the few rows (a numpy pass over the batch cost ~15 us a plan). False, with the columns flushed,
+    when one fails: apply and check_invariants then refresh and check them on the objects, naming it."""
+    ntok, computed, limit, low = cols.ntok.tolist(), cols.computed.tolist(), cols.limit.tolist(), cols.low.tolist()
+    for r in rows:
+        if computed[r] > limit[r] or low[r] >= ntok[r]:
+            state.flush_columns()
+            return False
     acc = state.seq_digest
-    fps = cols.fp
-    suspects = []
+    fps, th, terms = cols.fp, cols.token_hash, cols.blocks_term
     M = MASK64
-    for r in dict.fromkeys(rows):
-        seq_id = cols.ids[r]
-        n, end, blocks = int(cols.ntok[r]), int(cols.computed[r]), int(cols.nblocks[r])
-        pl = int(cols.prompt_len[r])
-        if (end < 0 or end > n or pl > n or n - pl > int(cols.max_new[r]) or end > int(cols.capacity[r])
-                or end > blocks * bs or (blocks - 1) * bs >= max(n, 1)):
-            suspects.append(seq_id)
-        # sequence_fingerprint of the common path (as in _advance_all)
-        h = (int(cols.token_hash[r]) ^ (seq_id * 0x9E3779B97F4A7C15)) & M
+    for r in dict.fromkeys(rows):  # sequence_fingerprint of the common path (running_fingerprints, scalar)
+        h = (th.item(r) ^ (cols.ids[r] * 0x9E3779B97F4A7C15)) & M
         h = ((h ^ (h >> 30)) * 0xBF58476D1CE4E5B9) & M
         h = ((h ^ (h >> 27)) * 0x94D049BB133111EB) & M
-        h = (h ^ (h >> 31)) + (n * 0xC2B2AE3D27D4EB4F + end * 0x165667B19E3779F9 + Phase.RUNNING * 0xD6E8FEB86659FD93
-                               + blocks * 0xFF51AFD7ED558CCD + end * 0xC4CEB9FE1A85EC53) & M
+        h = ((h ^ (h >> 31)) + ntok[r] * 0xC2B2AE3D27D4EB4F + computed[r] * 0x165667B19E3779F9
+             + computed[r] * 0xC4CEB9FE1A85EC53 + terms.item(r)) & M
         h = ((h ^ (h >> 30)) * 0xBF58476D1CE4E5B9) & M
         h = ((h ^ (h >> 27)) * 0x94D049BB133111EB) & M
         fp = h ^ (h >> 31)
-        acc ^= int(fps[r]) ^ fp
+        acc ^= fps.item(r) ^ fp
         fps[r] = fp
     state.seq_digest = acc
-    if suspects:
-        state.flush_columns()
-    return suspects
+    return True
 
 
 @transition(StepExecuted)
@@ -251,13 +249,12 @@ def executed(state: ControlState, e: StepExecuted) -> tuple[int, ...]:
     seqs = state.seqs
     cols = state.columns
     if cols is not None:
-        if cols.fed is not None and not plan.drafts and not e.accepted and plan.seqs == cols.ids:
-            column_suspects = _advance_columns(state, cols, e.tokens, bs)
-            if column_suspects is not None:
-                state.inflight = None
-                state.inflight_hash = 0
-                state.inflight_orders = PlanOrders()
-                return Checked(plan.seqs, column_suspects)
+        if (cols.fed is not None and not plan.drafts and not e.accepted and plan.seqs == cols.ids
+                and _advance_columns(state, cols, e.tokens)):
+            state.inflight = None
+            state.inflight_hash = 0
+            state.inflight_orders = PlanOrders()
+            return Checked(plan.seqs, [])
         state.flush_columns()  # the scalar path below (which refuses, if that is why the columns stepped aside)
     if not plan.drafts and not e.accepted:  # no verify and nothing refused: every sequence advances
         suspects = _advance_all(state, plan, e.tokens, bs)
@@ -400,40 +397,36 @@ def _advance_all(state: ControlState, plan: StepPlanned, tokens: tuple[int, ...]
     return suspects
 
 
-def _advance_columns(state: ControlState, cols: StepColumns, tokens: tuple[int, ...], bs: int) -> list[int] | None:
-    """_advance_all over the step columns: Sequence.check_advance's conditions, the commit, `_holds`'s conditions
-    on the state it leaves and the fingerprints, each one numpy expression over the batch. None (the columns
-    flushed) when a check fails: _advance_all on the objects then refuses naming the sequence. Otherwise the ids
-    the invariant test could not pass, in plan order (flushed too, for check_sequence to name)."""
+def _advance_columns(state: ControlState, cols: StepColumns, tokens: tuple[int, ...]) -> bool:
+    """_advance_all over the step columns, when every sequence of the step is on its plain path: one numpy
+    expression each for Sequence.check_advance's conditions and `_holds`'s on the state the commit leaves (the
+    plan's fed counts >= 1 were checked by StepPlanned; running, qsa.ingested == computed and no snapshots or
+    drafter rows hold by construction), then the commit and the fingerprints. False, with the columns flushed
+    and nothing moved, when any condition fails: _advance_all on the objects then refuses, or commits and names
+    its suspects, exactly as without columns. ~35 numpy calls a step whatever the batch."""
     tok = np.array(tokens, dtype=np.int64)
     fed = cols.fed
     assert fed is not None
     n = cols.ntok
     end = cols.computed + fed
-    sampled = tok >= 0
-    cap = end <= cols.capacity
-    kv = end <= cols.nblocks * bs
-    if not ((fed >= 1) & (end <= n) & cap & kv & (sampled == (end == n))
-            & ~(sampled & (n - cols.prompt_len >= cols.max_new))).all():
+    unsampled = tok < 0
+    n2 = n + ~unsampled
+    # sampled exactly when every known token is fed (end == n; end < n otherwise), KV and QSA keys within the
+    # blocks and the index, the token within the budget, no block past the tokens
+    if not (((n - end).clip(-1, 1) == unsampled) & (end <= cols.limit) & (n2 <= cols.budget_end)
+            & (n2 > cols.low)).all():
         state.flush_columns()
-        return None
-    n2 = n + sampled
-    th = np.where(sampled, cols.token_hash * _FNV + (tok + 1).astype(np.uint64), cols.token_hash)
-    pl = cols.prompt_len
-    # _holds's conditions for the common path (phase running, qsa.ingested == computed by construction)
-    bad = ~cap | ~kv | (pl > n2) | (n2 - pl > cols.max_new) | ((cols.nblocks - 1) * bs >= np.maximum(n2, 1))
-    fp = fingerprints(cols.seq_id, th, n2, end, cols.nblocks)
+        return False
+    th = cols.token_hash
+    th = np.where(unsampled, th, th * _FNV + (tok.view(np.uint64) + _ONE))
+    fp = mix_columns(th ^ cols.hid, n2, end, cols.blocks_term)
     state.seq_digest ^= int(np.bitwise_xor.reduce(cols.fp ^ fp))
     cols.computed, cols.ntok, cols.token_hash, cols.fp, cols.fed = end, n2, th, fp, None
     cols.tokens.append(tok)
-    if bad.any():
-        ids = cols.ids
-        suspects = [ids[i] for i in np.flatnonzero(bad).tolist()]
-        state.flush_columns()
-        return suspects
-    return []
+    return True
 
 
+_ONE = np.uint64(1)
 _FNV = np.uint64(0x100000001B3)
 
 

@@ -121,7 +121,18 @@ def _planned(r: _Reader) -> tuple[Any, ...]:
 
 
 def _executed(r: _Reader) -> tuple[Any, ...]:
-    return (r.one(), r.ints(), r.ints(), r.ints())
+    """_Reader's walk written out: this is half of a trace's events (~1.5 us against ~3.5 a call)."""
+    v = r.v
+    n = v[1]
+    i = 2 + n
+    k = v[i]
+    j = i + 1 + k
+    m = v[j]
+    end = j + 1 + m
+    if n < 0 or k < 0 or m < 0:
+        raise IndexError(end)
+    r.i = end
+    return (v[0], tuple(v[2:i]), tuple(v[i + 1:j]), tuple(v[j + 1:end]))
 
 
 # (kind, version) -> (field names of that version, decoder); the event class of that kind is built directly

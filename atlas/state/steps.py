@@ -123,19 +123,20 @@ def _check_plan(state: ControlState, e: StepPlanned, cols: StepColumns | None = 
 def _work_fits_columns(state: ControlState, e: StepPlanned, cols: StepColumns, new_blocks: dict[int, int]) -> bool:
     """_check_work's conditions over the step columns (every sequence is running: nothing admitted, none off
     the common path). False: one fails, and _check_work on the flushed objects names it."""
+    row = cols.row
+    for seq_id in new_blocks:
+        if seq_id not in row:
+            return False
     fed = np.array(e.fed, dtype=np.int64)
-    blocks = cols.nblocks
-    if new_blocks:
-        row = cols.row
-        blocks = blocks.copy()
-        for seq_id, k in new_blocks.items():
-            i = row.get(seq_id)
-            if i is None:
-                return False
-            blocks[i] += k
     end = cols.computed + fed
-    if not ((fed >= 1) & (end <= cols.ntok) & (end <= blocks * state.caps.block_size)).all():
+    if not ((fed >= 1) & (end <= cols.ntok)).all():
         return False
+    short = end > cols.nblocks * state.caps.block_size  # KV past the blocks held: the plan's new ones must cover it
+    if short.any():
+        ids, ends, held = cols.ids, end.tolist(), cols.nblocks.tolist()
+        for r in np.flatnonzero(short).tolist():
+            if ends[r] > (held[r] + new_blocks.get(ids[r], 0)) * state.caps.block_size:
+                return False
     cols.fed = fed
     return True
 
@@ -413,7 +414,8 @@ def _advance_columns(state: ControlState, cols: StepColumns, tokens: tuple[int, 
     n2 = n + ~unsampled
     # sampled exactly when every known token is fed (end == n; end < n otherwise), KV and QSA keys within the
     # blocks and the index, the token within the budget, no block past the tokens
-    if not (((n - end).clip(-1, 1) == unsampled) & (end <= cols.limit) & (n2 <= cols.budget_end)
+    left = n - end
+    if not (((left > 0) == unsampled) & (left >= 0) & (end <= cols.limit) & (n2 <= cols.budget_end)
             & (n2 > cols.low)).all():
         state.flush_columns()
         return False

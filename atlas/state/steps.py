@@ -10,7 +10,8 @@ import numpy as np
 from atlas.errors import TransitionRefused
 from atlas.hashing import MASK64, ints_key
 from atlas.plan import RingRestore
-from atlas.state.columns import StepColumns, mix_columns
+from atlas.state.column_steps import advance_columns, refresh_rows, work_fits_columns
+from atlas.state.columns import StepColumns
 from atlas.state.control import (
     Checked,
     ControlState,
@@ -108,7 +109,7 @@ def _check_plan(state: ControlState, e: StepPlanned, cols: StepColumns | None = 
         raise TransitionRefused("Scheduler", "a step feeds at most max_batch_tokens (drafts included)",
                                 fed=fed_total, max_batch_tokens=state.caps.max_batch_tokens)
     new_blocks = {row[0]: len(row) - 1 for row in e.alloc}
-    if cols is None or not _work_fits_columns(state, e, cols, new_blocks):
+    if cols is None or not work_fits_columns(state, e, cols, new_blocks):
         state.flush_columns()
         _check_work(state, e, new_blocks)
     claimed: set[int] = set()
@@ -118,27 +119,6 @@ def _check_plan(state: ControlState, e: StepPlanned, cols: StepColumns | None = 
             if b in claimed or not 0 <= b < state.pool.total or b not in state.pool.free:
                 raise TransitionRefused("BlockPool", "allocation of a block that is not free", seq_id=row[0], block=b)
             claimed.add(b)
-
-
-def _work_fits_columns(state: ControlState, e: StepPlanned, cols: StepColumns, new_blocks: dict[int, int]) -> bool:
-    """_check_work's conditions over the step columns (every sequence is running: nothing admitted, none off
-    the common path). False: one fails, and _check_work on the flushed objects names it."""
-    row = cols.row
-    for seq_id in new_blocks:
-        if seq_id not in row:
-            return False
-    fed = np.array(e.fed, dtype=np.int64)
-    end = cols.computed + fed
-    if not ((fed >= 1) & (end <= cols.ntok)).all():
-        return False
-    short = end > cols.nblocks * state.caps.block_size  # KV past the blocks held: the plan's new ones must cover it
-    if short.any():
-        ids, ends, held = cols.ids, end.tolist(), cols.nblocks.tolist()
-        for r in np.flatnonzero(short).tolist():
-            if ends[r] > (held[r] + new_blocks.get(ids[r], 0)) * state.caps.block_size:
-                return False
-    cols.fed = fed
-    return True
 
 
 def _check_work(state: ControlState, e: StepPlanned, new_blocks: dict[int, int]) -> None:
@@ -192,7 +172,7 @@ def planned(state: ControlState, e: StepPlanned) -> tuple[int, ...]:
     state.step = e.step + 1
     touched = tuple(e.admitted) + tuple(row[0] for row in e.alloc)
     if cols is not None:  # the alloc'd sequences' digest shares and invariants, from the columns
-        if not touched or _refresh_rows(state, cols, [cols.row[s] for s in touched]):
+        if not touched or refresh_rows(state, cols, [cols.row[s] for s in touched]):
             return Checked(touched, [])
         return touched  # flushed: apply refreshes them and check_invariants names what broke, on the objects
     if state.columnar and not e.drafts and state.prefix is None and len(e.seqs) >= VECTOR_MIN:
@@ -204,34 +184,6 @@ def planned(state: ControlState, e: StepPlanned) -> tuple[int, ...]:
             cols.fed = np.array(e.fed, dtype=np.int64)
         return Refreshed(touched)
     return touched
-
-
-def _refresh_rows(state: ControlState, cols: StepColumns, rows: list[int]) -> bool:
-    """After StepPlanned moved the block counts of `rows` (a few a step): the invariants those counts enter
-    (`_holds`: KV within the blocks, no block past the tokens; nothing else moved) and their fingerprints again,
-    scalar over the few rows (a numpy pass over the batch cost ~15 us a plan). False, with the columns flushed,
-    when one fails: apply and check_invariants then refresh and check them on the objects, naming it."""
-    ntok, computed, limit, low = cols.ntok.tolist(), cols.computed.tolist(), cols.limit.tolist(), cols.low.tolist()
-    for r in rows:
-        if computed[r] > limit[r] or low[r] >= ntok[r]:
-            state.flush_columns()
-            return False
-    acc = state.seq_digest
-    fps, th, terms = cols.fp, cols.token_hash, cols.blocks_term
-    M = MASK64
-    for r in dict.fromkeys(rows):  # sequence_fingerprint of the common path (running_fingerprints, scalar)
-        h = (th.item(r) ^ (cols.ids[r] * 0x9E3779B97F4A7C15)) & M
-        h = ((h ^ (h >> 30)) * 0xBF58476D1CE4E5B9) & M
-        h = ((h ^ (h >> 27)) * 0x94D049BB133111EB) & M
-        h = ((h ^ (h >> 31)) + ntok[r] * 0xC2B2AE3D27D4EB4F + computed[r] * 0x165667B19E3779F9
-             + computed[r] * 0xC4CEB9FE1A85EC53 + terms.item(r)) & M
-        h = ((h ^ (h >> 30)) * 0xBF58476D1CE4E5B9) & M
-        h = ((h ^ (h >> 27)) * 0x94D049BB133111EB) & M
-        fp = h ^ (h >> 31)
-        acc ^= fps.item(r) ^ fp
-        fps[r] = fp
-    state.seq_digest = acc
-    return True
 
 
 @transition(StepExecuted)
@@ -251,7 +203,7 @@ def executed(state: ControlState, e: StepExecuted) -> tuple[int, ...]:
     cols = state.columns
     if cols is not None:
         if (cols.fed is not None and not plan.drafts and not e.accepted and plan.seqs == cols.ids
-                and _advance_columns(state, cols, e.tokens)):
+                and advance_columns(state, cols, e.tokens)):
             state.inflight = None
             state.inflight_hash = 0
             state.inflight_orders = PlanOrders()
@@ -396,40 +348,6 @@ def _advance_all(state: ControlState, plan: StepPlanned, tokens: tuple[int, ...]
             seq.fingerprint = fp
     state.seq_digest = acc
     return suspects
-
-
-def _advance_columns(state: ControlState, cols: StepColumns, tokens: tuple[int, ...]) -> bool:
-    """_advance_all over the step columns, when every sequence of the step is on its plain path: one numpy
-    expression each for Sequence.check_advance's conditions and `_holds`'s on the state the commit leaves (the
-    plan's fed counts >= 1 were checked by StepPlanned; running, qsa.ingested == computed and no snapshots or
-    drafter rows hold by construction), then the commit and the fingerprints. False, with the columns flushed
-    and nothing moved, when any condition fails: _advance_all on the objects then refuses, or commits and names
-    its suspects, exactly as without columns. ~35 numpy calls a step whatever the batch."""
-    tok = np.array(tokens, dtype=np.int64)
-    fed = cols.fed
-    assert fed is not None
-    n = cols.ntok
-    end = cols.computed + fed
-    unsampled = tok < 0
-    n2 = n + ~unsampled
-    # sampled exactly when every known token is fed (end == n; end < n otherwise), KV and QSA keys within the
-    # blocks and the index, the token within the budget, no block past the tokens
-    left = n - end
-    if not (((left > 0) == unsampled) & (left >= 0) & (end <= cols.limit) & (n2 <= cols.budget_end)
-            & (n2 > cols.low)).all():
-        state.flush_columns()
-        return False
-    th = cols.token_hash
-    th = np.where(unsampled, th, th * _FNV + (tok.view(np.uint64) + _ONE))
-    fp = mix_columns(th ^ cols.hid, n2, end, cols.blocks_term)
-    state.seq_digest ^= int(np.bitwise_xor.reduce(cols.fp ^ fp))
-    cols.computed, cols.ntok, cols.token_hash, cols.fp, cols.fed = end, n2, th, fp, None
-    cols.tokens.append(tok)
-    return True
-
-
-_ONE = np.uint64(1)
-_FNV = np.uint64(0x100000001B3)
 
 
 @transition(SpeculationLatchedOff)

@@ -1,10 +1,12 @@
 """State-only replay speed: `atlas replay check` over a large generated trace (null backend, 64 sequences at a time).
 
     .venv/bin/python benchmarks/replay_check.py [--requests 256] [--max-tokens 200] [--trace PATH] [--clock process]
-        [--smoke]
+        [--json] [--smoke]
 
 Records the trace once (cached at --trace), then times check_state_only: reading the events from SQLite,
-upcasting, applying each to the state machines, checking the invariants it touched and its digest.
+upcasting, applying each to the state machines, checking the invariants it touched and its digest. Step events
+are recorded in codec 1 (atlas.replay.codec); --json times a copy of the same run with every payload as JSON
+text (how traces were stored before codec 1: what an older trace costs to check).
 """
 
 from __future__ import annotations
@@ -31,6 +33,13 @@ def record(path: Path, requests: int, max_tokens: int) -> None:
     engine.close()
 
 
+def _stored(reader: TraceReader, run_id: int) -> list[tuple]:
+    """The rows as stored (payload text or bytes), to say which format the trace holds."""
+    with reader.db.connect() as conn:
+        return list(conn.connection.driver_connection.execute(
+            "SELECT idx, step, kind, version, payload, digest FROM events WHERE run_id = ?", (run_id,)))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=256)
@@ -39,6 +48,7 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--clock", choices=("wall", "process"), default="wall",
                         help="time with the wall clock (default) or this process's CPU time (a loaded machine)")
+    parser.add_argument("--json", action="store_true", help="check a copy of the trace with JSON payloads (pre-codec 1)")
     parser.add_argument("--smoke", action="store_true", help="8 requests of 16 tokens in a fresh temp trace (CI)")
     args = parser.parse_args()
     if args.smoke:
@@ -48,11 +58,24 @@ def main() -> None:
         args.trace = Path(tempfile.mkdtemp(prefix="atlas-replay-check-")) / "smoke.db"
     if not args.trace.exists():
         record(args.trace, args.requests, args.max_tokens)
+    if args.json:  # the same run with JSON payloads: export to JSON lines, import (import writes JSON text rows)
+        import tempfile
+
+        from atlas.replay.jsonl import export_jsonl, import_jsonl
+
+        copy = args.trace.with_name(args.trace.stem + "-json.db")
+        if not copy.exists():
+            lines = Path(tempfile.mkdtemp(prefix="atlas-replay-check-")) / "run.jsonl"
+            export_jsonl(args.trace, lines)
+            import_jsonl(lines, copy)
+        args.trace = copy
     reader = TraceReader(args.trace)
     run = reader.run()
     t = time.perf_counter()
     recorded = list(reader.events(run.run_id))
     read_s = time.perf_counter() - t
+    steps = sum(1 for _, _, kind, _, payload, _ in _stored(reader, run.run_id) if kind.startswith("step_")
+                and isinstance(payload, bytes))
     reader.close()
     events = len(recorded)
     # one StepPlanned and one StepExecuted per step, each moving every sequence in the batch: a
@@ -66,7 +89,7 @@ def main() -> None:
         report = check_state_only(args.trace)
         best = min(best, clock() - t)
         assert report.problem is None, report
-    print(f"{events} events ({args.trace}, {args.trace.stat().st_size / 1e6:.1f} MB), "
+    print(f"{events} events ({args.trace}, {args.trace.stat().st_size / 1e6:.1f} MB, {steps} step payloads in codec 1), "
           f"{transitions} per-sequence transitions: state-only check {best:.2f} s (reading {read_s:.2f} s), "
           f"{events / best:,.0f} events/s, {transitions / best:,.0f} per-sequence transitions/s")
 

@@ -15,6 +15,7 @@ from atlas.cli import app
 from atlas.config import EngineConfig
 from atlas.registry import build_engine
 from atlas.replay.against import FAILURE_GONE, NEW_FAILURE, PASSES, STILL_THERE, against, field_diff
+from atlas.replay.codec import decode
 from atlas.replay.jsonl import export_jsonl, import_jsonl
 from atlas.replay.minimize import run_program
 from atlas.replay.store import TraceReader
@@ -52,9 +53,9 @@ def test_an_edited_token_is_the_first_divergence_with_its_field(tmp_path: Path) 
     path = tmp_path / "run.db"
     clean_trace(path)
     con = sqlite3.connect(path)
-    idx, payload = con.execute("select idx, payload from events where kind = 'step_executed' order by idx "
-                               "limit 1 offset 3").fetchone()
-    p = json.loads(payload)
+    idx, version, payload = con.execute("select idx, version, payload from events where kind = 'step_executed' "
+                                        "order by idx limit 1 offset 3").fetchone()
+    p = decode("step_executed", version, payload)  # codec 1 (bytes) as recorded; written back as JSON
     p["tokens"] = [(t + 1) % 256 if t >= 0 else t for t in p["tokens"]]
     con.execute("update events set payload = ? where idx = ?", (json.dumps(p), idx))
     con.commit()

@@ -9,6 +9,7 @@ from pathlib import Path
 from typer.testing import CliRunner
 
 from atlas.cli import app
+from atlas.replay.codec import decode
 from atlas.replay.summary import summarize
 
 runner = CliRunner()
@@ -39,9 +40,9 @@ def test_generate_show_and_verify_a_trace(tmp_path: Path) -> None:
     assert checked.exit_code == 0 and "consistent" in checked.output
 
     con = sqlite3.connect(trace)
-    idx, payload = con.execute("select idx, payload from events where kind = 'step_executed' order by idx "
-                               "limit 1 offset 2").fetchone()
-    p = json.loads(payload)
+    idx, version, payload = con.execute("select idx, version, payload from events where kind = 'step_executed' "
+                                        "order by idx limit 1 offset 2").fetchone()
+    p = decode("step_executed", version, payload)  # codec 1 (bytes) as recorded; written back as JSON
     p["tokens"] = [(t + 1) % 256 if t >= 0 else t for t in p["tokens"]]
     con.execute("update events set payload = ? where idx = ?", (json.dumps(p), idx))
     con.commit()

@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from atlas.config import EngineConfig
 from atlas.errors import EngineDead
 from atlas.registry import build_engine
+from atlas.replay.codec import decode
 from atlas.replay.store import TraceReader
 from atlas.replay.verify import check_state_only, verify
 from atlas.sampling.params import SamplingParams
@@ -50,8 +51,10 @@ def record(path: Path | str, *, fatal_at: int | None = None, config: EngineConfi
 
 def edit_event(path: Path, index: int, edit) -> None:
     con = sqlite3.connect(path)
-    (payload,) = con.execute("select payload from events where idx = ?", (index,)).fetchone()
-    con.execute("update events set payload = ? where idx = ?", (json.dumps(edit(json.loads(payload))), index))
+    kind, version, payload = con.execute("select kind, version, payload from events where idx = ?",
+                                         (index,)).fetchone()
+    payload = decode(kind, version, payload)  # JSON text, or codec 1 for a step event; written back as JSON
+    con.execute("update events set payload = ? where idx = ?", (json.dumps(edit(payload)), index))
     con.commit()
     con.close()
 

@@ -90,6 +90,9 @@ def batch(state: ControlState, drafts: Mapping[int, int] | None = None) -> Sched
     verified: list[int] = []
 
     victims = list(state.running)  # newest last: preemption takes from the end
+    # no prefix cache, no aligned chunks: _chunk is min(tokens left, budget), inlined (two calls a sequence were
+    # ~a third of this loop at batch 64, benchmarks/control_plane.py)
+    plain = state.prefix is None and not caps.prefill_align
     for seq_id in state.running:
         if budget == 0:
             break
@@ -98,7 +101,12 @@ def batch(state: ControlState, drafts: Mapping[int, int] | None = None) -> Sched
         seq = seqs[seq_id]
         c = seq.cursor
         computed = c.computed
-        n = _chunk(state, seq, computed, budget)
+        if plain:
+            n = len(c.tokens) - computed
+            if n > budget:
+                n = budget
+        else:
+            n = _chunk(state, seq, computed, budget)
         if n == 0:  # its aligned chunk does not fit in what this step's budget has left: next step
             continue
         k = min(drafts.get(seq_id, 0), budget - n) if drafts and c.decoding else 0  # no drafts: k is 0

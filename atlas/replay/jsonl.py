@@ -13,6 +13,7 @@ from typing import Any
 
 import sqlalchemy as sa
 
+from atlas.replay.codec import decode
 from atlas.replay.store import TraceReader, TraceWriter, events
 
 FORMAT = "atlas-trace"
@@ -26,12 +27,12 @@ def _compact(value: Any) -> str:
 
 
 def raw_events(reader: TraceReader, run_id: int) -> Iterator[dict[str, Any]]:
-    """A run's events as stored: payload text parsed, never upcast."""
+    """A run's events as stored: payload parsed (JSON text, or a codec-1 step payload), never upcast."""
     query = sa.select(events).where(events.c.run_id == run_id).order_by(events.c.idx)
     with reader.db.connect() as conn:
         for r in conn.execute(query).mappings():
             yield {"index": r["idx"], "step": r["step"], "kind": r["kind"], "version": r["version"],
-                   "payload": json.loads(r["payload"]), "digest": r["digest"]}
+                   "payload": decode(r["kind"], r["version"], r["payload"]), "digest": r["digest"]}
 
 
 def export_jsonl(trace: str | Path, out: str | Path, run_id: int | None = None) -> int:

@@ -26,6 +26,7 @@ from typing import Any
 import attrs
 import sqlalchemy as sa
 
+from atlas.replay import codec
 from atlas.state.events import EVENT_TYPES, Event, upcast
 
 # The trace schema: 2 since prefix keys, the in-flight plan's digest share and every persisted hash are specified
@@ -181,7 +182,7 @@ class TraceWriter:
     commit failed."""
 
     def __init__(self, path_or_url: str | Path, *, run: dict[str, Any], batch_rows: int = 1024,
-                 mark_end: bool = True) -> None:
+                 mark_end: bool = True, binary: bool = True) -> None:
         self.db = open_database(path_or_url)
         self.batch_rows = batch_rows
         self._rows: list[dict[str, Any]] = []
@@ -195,6 +196,8 @@ class TraceWriter:
         self._thread: threading.Thread | None = None
         self._conn = self.db.connect()
         self._raw: Any = self._conn.connection.driver_connection if self.db.dialect.name == "sqlite" else None
+        # codec-1 step payloads: SQLite only (a BLOB in the payload column; another store's Text column keeps JSON)
+        self.binary = binary and self._raw is not None
         self._mark = mark_end  # False: no run-end marker (an imported run recorded before markers existed)
         row = {**run, "config": json.dumps(run["config"]), "capacities": json.dumps(run["capacities"])}
         with self._conn.begin():
@@ -203,9 +206,11 @@ class TraceWriter:
                 self._conn.execute(sa.insert(run_status).values(run_id=self.run_id, ended=0))
 
     def append(self, index: int, step: int, e: Event, digest: str) -> None:
-        self.append_row(index, step, e.kind, e.version, e.payload_json(), digest)
+        # SQLite: step events in codec 1 (atlas.replay.codec: a BLOB of int64s), everything else JSON text
+        payload = codec.encode(e) if self.binary else None
+        self.append_row(index, step, e.kind, e.version, e.payload_json() if payload is None else payload, digest)
 
-    def append_row(self, index: int, step: int, kind: str, version: int, payload: str, digest: str) -> None:
+    def append_row(self, index: int, step: int, kind: str, version: int, payload: str | bytes, digest: str) -> None:
         self._rows.append({"run_id": self.run_id, "idx": index, "step": step, "kind": kind,
                            "version": version, "payload": payload, "digest": digest})
         self.bytes_written += len(payload) + len(kind) + len(digest) + 12  # ~ a row's size
@@ -361,12 +366,32 @@ class TraceReader:
                                                 events.c.payload, events.c.digest)
                                       .where(events.c.run_id == run_id).order_by(events.c.idx))
             types = EVENT_TYPES
+            decode = codec.decode
             for idx, step, kind, version, payload, digest in cursor:
-                payload = loads(payload)
+                payload = loads(payload) if type(payload) is str else decode(kind, version, payload)
                 cls = types.get(kind)
                 if cls is None or cls.version != version:  # an old version, or an unknown kind: upcast says
                     payload = upcast(kind, version, payload)
                 yield idx, step, kind, version, payload, digest
+
+    def event_rows(self, run_id: int) -> Iterator[tuple[int, int, str, Event, str]]:
+        """(index, step, kind, event upcast to the current version, digest) per event, in order: a codec-1
+        payload becomes its event directly (no dict, no converters: replay check's read)."""
+        loads = json.loads
+        load_event = codec.load_event
+        types = EVENT_TYPES
+        with self.db.connect() as conn:
+            if self.db.dialect.name != "sqlite":
+                for idx, step, kind, _version, payload, digest in self.rows(run_id):
+                    yield idx, step, kind, types[kind](**payload), digest
+                return
+            cursor = conn.connection.driver_connection.execute(_SELECT_EVENTS, (run_id,))
+            for idx, step, kind, version, payload, digest in cursor:
+                cls = types.get(kind)
+                if type(payload) is str and cls is not None and cls.version == version:
+                    yield idx, step, kind, cls(**loads(payload)), digest
+                else:
+                    yield idx, step, kind, load_event(kind, version, payload), digest
 
     def end(self, run_id: int) -> RunEnd:
         """Whether the run ended cleanly (its run-end marker), and where its events stop."""

@@ -24,7 +24,7 @@ from atlas.registry import engine_for_run
 from atlas.replay.store import EventRecord, RunRecord, TraceReader, read_run
 from atlas.sampling.params import SamplingParams
 from atlas.state.control import ControlState
-from atlas.state.events import EVENT_TYPES, INPUT_KINDS, Event, InvariantViolated
+from atlas.state.events import INPUT_KINDS, Event, InvariantViolated
 from atlas.state.invariants import check_invariants
 
 Progress = Callable[[int, int], None]
@@ -179,21 +179,21 @@ def check_state_only(path_or_url: str | Path, run_id: int | None = None) -> Stat
     """Apply the recorded events to the state machines alone; report the first refusal, violation or
     digest mismatch. Needs no model: it audits what the trace claims happened.
 
-    The events are built straight from the stored rows (no EventRecord in between), and the loop keeps what
-    it calls in locals: per event it is the state's apply, the invariants and the digest, nothing else."""
+    The events are built straight from the stored rows (TraceReader.event_rows: no EventRecord, no dict for a
+    codec-1 step payload), and the loop keeps what it calls in locals: per event it is the state's apply, the
+    invariants and the digest, nothing else."""
     reader = TraceReader(path_or_url)
     try:
         run = reader.run(run_id)
-        rows = list(reader.rows(run.run_id))
+        rows = list(reader.event_rows(run.run_id))
     finally:
         reader.close()
     total = len(rows)
     state = ControlState.create(Capacities.from_table(run.capacities))
+    state.columnar = True  # this loop owns the state: steps of the common path in columns (atlas.state.columns)
     apply, digest = state.apply, state.digest
     comparable = run.digests_comparable
-    types = EVENT_TYPES
-    for index, _step, kind, _version, payload, recorded_digest in rows:
-        e = types[kind](**payload)
+    for index, _step, kind, e, recorded_digest in rows:
         if kind == "invariant_violated":  # the run itself recorded a violation: the trace fails there
             assert isinstance(e, InvariantViolated)
             return StateCheckReport(total, f"recorded invariant violation in {e.machine}: {e.message} "
@@ -207,4 +207,5 @@ def check_state_only(path_or_url: str | Path, run_id: int | None = None) -> Stat
             return StateCheckReport(total, str(exc), index)
         if comparable and digest() != recorded_digest:
             return StateCheckReport(total, f"digest {digest()} != recorded {recorded_digest}", index)
+    state.flush_columns()
     return StateCheckReport(total, None)

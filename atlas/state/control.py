@@ -24,7 +24,8 @@ from atlas.config import Capacities
 from atlas.errors import TransitionRefused
 from atlas.hashing import MASK64 as _M
 from atlas.hashing import mix64
-from atlas.state.events import Event, StepPlanned
+from atlas.state.columns import StepColumns
+from atlas.state.events import Event, StepExecuted, StepPlanned
 from atlas.state.machines import BlockPool, Phase, Sequence
 from atlas.state.orders import PlanOrders
 from atlas.state.prefix_index import CarriedEntry, PrefixCache
@@ -94,6 +95,9 @@ def running_fingerprints(token_hash: list[int], seq_id: list[int], seq_len: list
     return (h ^ (h >> _S31)).tolist()
 
 
+_COLUMN_EVENTS = (StepPlanned, StepExecuted)  # the transitions that keep the step columns current
+
+
 class Refreshed(tuple):  # type: ignore[type-arg]
     """The ids a handler touched when it already refreshed their share of the digest itself (the batched
     StepExecuted, in the pass that commits them): `apply` does not walk them again."""
@@ -144,6 +148,10 @@ class ControlState:
     # sequences an engine error ended (a failed step, a refused verify commit, a fatal fault): their
     # RequestFinished must say `error`, never `stop` or `length`
     failing: set[int] = attrs.Factory(set)
+    # columnar steps (atlas.state.columns): on only where nothing but `apply` touches the state (replay check);
+    # `columns` holds the current cursors of the last plan's sequences while its objects lag (flush_columns)
+    columnar: bool = attrs.field(default=False, eq=False, repr=False)
+    columns: StepColumns | None = attrs.field(default=None, eq=False, repr=False)
 
     @classmethod
     def create(cls, caps: Capacities) -> ControlState:
@@ -175,7 +183,16 @@ class ControlState:
         handler = _HANDLERS.get(type(e))
         if handler is None:
             raise TransitionRefused("ControlState", f"no transition for event kind {e.kind!r}")
-        touched = handler(self, e)
+        if self.columns is not None:
+            if type(e) not in _COLUMN_EVENTS:  # every other transition reads and writes the objects
+                self.flush_columns()
+            try:
+                touched = handler(self, e)
+            except BaseException:
+                self.flush_columns()  # a refusal leaves the typed state current (what a report reads)
+                raise
+        else:
+            touched = handler(self, e)
         if isinstance(touched, Refreshed):
             return touched
         seqs = self.seqs
@@ -188,6 +205,13 @@ class ControlState:
                 seq.fingerprint = fp
         self.seq_digest = acc
         return touched
+
+    def flush_columns(self) -> None:
+        """Write the step columns back into the sequences and drop them (see atlas.state.columns)."""
+        cols = self.columns
+        if cols is not None:
+            self.columns = None
+            cols.flush()
 
     def seq(self, seq_id: int) -> Sequence:
         seq = self.seqs.get(seq_id)

@@ -5,10 +5,21 @@ from __future__ import annotations
 
 from bisect import insort
 
+import numpy as np
+
 from atlas.errors import TransitionRefused
 from atlas.hashing import MASK64, ints_key
 from atlas.plan import RingRestore
-from atlas.state.control import Checked, ControlState, running_fingerprints, sequence_fingerprint, transition
+from atlas.state.column_steps import advance_columns, refresh_rows, work_fits_columns
+from atlas.state.columns import StepColumns
+from atlas.state.control import (
+    Checked,
+    ControlState,
+    Refreshed,
+    running_fingerprints,
+    sequence_fingerprint,
+    transition,
+)
 from atlas.state.events import (
     BoundarySnapshotted,
     RollbackDeclined,
@@ -74,7 +85,7 @@ def _check_planned(state: ControlState, e: StepPlanned, i: int, admitted: set[in
                                 end=end, blocks=len(seq.blocks) + new_blocks.get(seq_id, 0))
 
 
-def _check_plan(state: ControlState, e: StepPlanned) -> None:
+def _check_plan(state: ControlState, e: StepPlanned, cols: StepColumns | None = None) -> None:
     if e.step != state.step:
         raise TransitionRefused("Engine", "steps are planned in order", step=e.step, expected=state.step)
     if state.inflight is not None:
@@ -97,8 +108,21 @@ def _check_plan(state: ControlState, e: StepPlanned) -> None:
     if fed_total > state.caps.max_batch_tokens:  # the size every per-step buffer is derived from
         raise TransitionRefused("Scheduler", "a step feeds at most max_batch_tokens (drafts included)",
                                 fed=fed_total, max_batch_tokens=state.caps.max_batch_tokens)
-    admitted = set(e.admitted)
     new_blocks = {row[0]: len(row) - 1 for row in e.alloc}
+    if cols is None or not work_fits_columns(state, e, cols, new_blocks):
+        state.flush_columns()
+        _check_work(state, e, new_blocks)
+    claimed: set[int] = set()
+    for row in e.alloc:
+        state.seq(row[0])
+        for b in row[1:]:
+            if b in claimed or not 0 <= b < state.pool.total or b not in state.pool.free:
+                raise TransitionRefused("BlockPool", "allocation of a block that is not free", seq_id=row[0], block=b)
+            claimed.add(b)
+
+
+def _check_work(state: ControlState, e: StepPlanned, new_blocks: dict[int, int]) -> None:
+    admitted = set(e.admitted)
     bs = state.caps.block_size
     seqs = state.seqs
     running = Phase.RUNNING
@@ -114,18 +138,16 @@ def _check_plan(state: ControlState, e: StepPlanned) -> None:
                     and end <= (len(seq.blocks) + nb(seq_id, 0)) * bs):
                 continue
         _check_planned(state, e, i, admitted, new_blocks)
-    claimed: set[int] = set()
-    for row in e.alloc:
-        state.seq(row[0])
-        for b in row[1:]:
-            if b in claimed or not 0 <= b < state.pool.total or b not in state.pool.free:
-                raise TransitionRefused("BlockPool", "allocation of a block that is not free", seq_id=row[0], block=b)
-            claimed.add(b)
 
 
 @transition(StepPlanned)
 def planned(state: ControlState, e: StepPlanned) -> tuple[int, ...]:
-    _check_plan(state, e)
+    cols = state.columns
+    if cols is not None and (e.admitted or e.drafts or cols.fed is not None or e.seqs != cols.ids):
+        state.flush_columns()  # another batch: the scalar path, and columns gathered anew below
+        cols = None
+    _check_plan(state, e, cols)
+    cols = state.columns  # None again if the check fell back to the objects
     for seq_id in e.admitted:
         seq = state.seqs[seq_id]
         seq.cursor.phase = Phase.RUNNING
@@ -140,13 +162,28 @@ def planned(state: ControlState, e: StepPlanned) -> tuple[int, ...]:
             for b in row[1:]:
                 state.prefix.evict_block(b)
         state.seqs[row[0]].blocks.extend(row[1:])
+        if cols is not None:
+            cols.add_blocks(cols.row[row[0]], len(row) - 1)
     state.pending_release.clear()
     state.inflight_orders, state.orders = state.orders, PlanOrders()  # the plan carries them; new ones queue anew
     state.inflight = e
     state.inflight_hash = ints_key(b"atlas.plan", (e.seqs, e.fed, *e.alloc, e.release, e.reset, e.restored,
                                                    *e.drafts))
     state.step = e.step + 1
-    return tuple(e.admitted) + tuple(row[0] for row in e.alloc)
+    touched = tuple(e.admitted) + tuple(row[0] for row in e.alloc)
+    if cols is not None:  # the alloc'd sequences' digest shares and invariants, from the columns
+        if not touched or refresh_rows(state, cols, [cols.row[s] for s in touched]):
+            return Checked(touched, [])
+        return touched  # flushed: apply refreshes them and check_invariants names what broke, on the objects
+    if state.columnar and not e.drafts and state.prefix is None and len(e.seqs) >= VECTOR_MIN:
+        for seq_id in touched:  # apply's refresh, before the columns copy the fingerprints
+            state.refresh(state.seqs[seq_id])
+        # this batch in columns from here on
+        cols = state.columns = StepColumns.gather(state.seqs, e.seqs, state.caps.block_size)
+        if cols is not None:
+            cols.fed = np.array(e.fed, dtype=np.int64)
+        return Refreshed(touched)
+    return touched
 
 
 @transition(StepExecuted)
@@ -163,6 +200,15 @@ def executed(state: ControlState, e: StepExecuted) -> tuple[int, ...]:
                                 accepted=len(e.accepted), verdicts=len(e.verdicts), seqs=len(plan.seqs))
     bs = state.caps.block_size
     seqs = state.seqs
+    cols = state.columns
+    if cols is not None:
+        if (cols.fed is not None and not plan.drafts and not e.accepted and plan.seqs == cols.ids
+                and advance_columns(state, cols, e.tokens)):
+            state.inflight = None
+            state.inflight_hash = 0
+            state.inflight_orders = PlanOrders()
+            return Checked(plan.seqs, [])
+        state.flush_columns()  # the scalar path below (which refuses, if that is why the columns stepped aside)
     if not plan.drafts and not e.accepted:  # no verify and nothing refused: every sequence advances
         suspects = _advance_all(state, plan, e.tokens, bs)
         state.inflight = None

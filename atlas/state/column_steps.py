@@ -1,0 +1,95 @@
+"""StepPlanned's and StepExecuted's work over the step columns (atlas.state.columns), for atlas.state.steps: each
+either does the whole event's per-sequence part in numpy and returns True, or flushes the columns, moves nothing
+and returns False, and the scalar path then does the event on the objects (refusing or naming what broke)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from atlas.hashing import MASK64
+from atlas.state.columns import StepColumns, mix_columns
+from atlas.state.control import ControlState
+from atlas.state.events import StepPlanned
+
+
+def work_fits_columns(state: ControlState, e: StepPlanned, cols: StepColumns, new_blocks: dict[int, int]) -> bool:
+    """steps._check_work's conditions over the step columns (every sequence is running: nothing admitted, none off
+    the common path). False: one fails, and _check_work on the flushed objects names it."""
+    row = cols.row
+    for seq_id in new_blocks:
+        if seq_id not in row:
+            return False
+    fed = np.array(e.fed, dtype=np.int64)
+    end = cols.computed + fed
+    if not ((fed >= 1) & (end <= cols.ntok)).all():
+        return False
+    short = end > cols.nblocks * state.caps.block_size  # KV past the blocks held: the plan's new ones must cover it
+    if short.any():
+        ids, ends, held = cols.ids, end.tolist(), cols.nblocks.tolist()
+        for r in np.flatnonzero(short).tolist():
+            if ends[r] > (held[r] + new_blocks.get(ids[r], 0)) * state.caps.block_size:
+                return False
+    cols.fed = fed
+    return True
+
+
+def refresh_rows(state: ControlState, cols: StepColumns, rows: list[int]) -> bool:
+    """After StepPlanned moved the block counts of `rows` (a few a step): the invariants those counts enter
+    (`_holds`: KV within the blocks, no block past the tokens; nothing else moved) and their fingerprints again,
+    scalar over the few rows (a numpy pass over the batch cost ~15 us a plan). False, with the columns flushed,
+    when one fails: apply and check_invariants then refresh and check them on the objects, naming it."""
+    ntok, computed, limit, low = cols.ntok.tolist(), cols.computed.tolist(), cols.limit.tolist(), cols.low.tolist()
+    for r in rows:
+        if computed[r] > limit[r] or low[r] >= ntok[r]:
+            state.flush_columns()
+            return False
+    acc = state.seq_digest
+    fps, th, terms = cols.fp, cols.token_hash, cols.blocks_term
+    M = MASK64
+    for r in dict.fromkeys(rows):  # sequence_fingerprint of the common path (running_fingerprints, scalar)
+        h = (th.item(r) ^ (cols.ids[r] * 0x9E3779B97F4A7C15)) & M
+        h = ((h ^ (h >> 30)) * 0xBF58476D1CE4E5B9) & M
+        h = ((h ^ (h >> 27)) * 0x94D049BB133111EB) & M
+        h = ((h ^ (h >> 31)) + ntok[r] * 0xC2B2AE3D27D4EB4F + computed[r] * 0x165667B19E3779F9
+             + computed[r] * 0xC4CEB9FE1A85EC53 + terms.item(r)) & M
+        h = ((h ^ (h >> 30)) * 0xBF58476D1CE4E5B9) & M
+        h = ((h ^ (h >> 27)) * 0x94D049BB133111EB) & M
+        fp = h ^ (h >> 31)
+        acc ^= fps.item(r) ^ fp
+        fps[r] = fp
+    state.seq_digest = acc
+    return True
+
+
+def advance_columns(state: ControlState, cols: StepColumns, tokens: tuple[int, ...]) -> bool:
+    """steps._advance_all over the step columns, when every sequence of the step is on its plain path: one numpy
+    expression each for Sequence.check_advance's conditions and `_holds`'s on the state the commit leaves (the
+    plan's fed counts >= 1 were checked by StepPlanned; running, qsa.ingested == computed and no snapshots or
+    drafter rows hold by construction), then the commit and the fingerprints. False, with the columns flushed
+    and nothing moved, when any condition fails: steps._advance_all on the objects then refuses, or commits and names
+    its suspects, exactly as without columns. ~35 numpy calls a step whatever the batch."""
+    tok = np.array(tokens, dtype=np.int64)
+    fed = cols.fed
+    assert fed is not None
+    n = cols.ntok
+    end = cols.computed + fed
+    unsampled = tok < 0
+    n2 = n + ~unsampled
+    # sampled exactly when every known token is fed (end == n; end < n otherwise), KV and QSA keys within the
+    # blocks and the index, the token within the budget, no block past the tokens
+    left = n - end
+    if not (((left > 0) == unsampled) & (left >= 0) & (end <= cols.limit) & (n2 <= cols.budget_end)
+            & (n2 > cols.low)).all():
+        state.flush_columns()
+        return False
+    th = cols.token_hash
+    th = np.where(unsampled, th, th * _FNV + (tok.view(np.uint64) + _ONE))
+    fp = mix_columns(th ^ cols.hid, n2, end, cols.blocks_term)
+    state.seq_digest ^= int(np.bitwise_xor.reduce(cols.fp ^ fp))
+    cols.computed, cols.ntok, cols.token_hash, cols.fp, cols.fed = end, n2, th, fp, None
+    cols.tokens.append(tok)
+    return True
+
+
+_ONE = np.uint64(1)
+_FNV = np.uint64(0x100000001B3)

@@ -1,0 +1,114 @@
+"""Columnar step state: the scalar cursors of one step's sequences held in numpy columns between events.
+
+`ControlState.columnar` (set by `atlas replay check`, which owns its state: nothing but `apply` reads or writes
+it) lets StepPlanned gather the plan's sequences into a `StepColumns` once, after which every StepPlanned /
+StepExecuted pair over the same sequences is checked, committed, tested against the invariants and fingerprinted
+as ~30 numpy operations over the batch instead of a Python loop over its sequences. The `Sequence` objects stay the
+typed state: the columns are written back into them (`flush`) before any other event, before any refusal or
+invariant report (so every message names the sequence and numbers exactly as the scalar path does), and when the
+replay ends. Only sequences on the common path are gathered (running, no ring snapshots, rollbacks, preemptions,
+drafter rows, MTP, carry or latch, prefix caching off): anything else keeps the scalar path.
+
+Measured (benchmarks/replay_check.py's trace, 64 sequences a step): see docs/CONTROL-PLANE.md, third pass.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from atlas.state.machines import Phase, Sequence
+
+_U = np.uint64
+_I = np.int64
+_K_ID, _K_MIX1, _K_MIX2 = _U(0x9E3779B97F4A7C15), _U(0xBF58476D1CE4E5B9), _U(0x94D049BB133111EB)
+_S30, _S27, _S31 = _U(30), _U(27), _U(31)
+_K_LEN, _K_BLOCKS = _U(0xC2B2AE3D27D4EB4F), _U(0xFF51AFD7ED558CCD)
+_K_COMPUTED_QSA = _U((0x165667B19E3779F9 + 0xC4CEB9FE1A85EC53) & 0xFFFFFFFFFFFFFFFF)
+_M64 = (1 << 64) - 1
+_K_RUNNING = _U(0xD6E8FEB86659FD93 * Phase.RUNNING & _M64)
+
+
+def common(seq: Sequence) -> bool:
+    """The sequence is on the path the columns model (its fingerprint is running_fingerprints' form)."""
+    c = seq.cursor
+    d = seq.drafter
+    return (c.phase is Phase.RUNNING and not seq.ring.snapshots and not seq.rollbacks and not seq.preemptions
+            and not d.rows and not d.mtp and not d.carried and not d.latched and seq.qsa.ingested == c.computed)
+
+
+def mix_columns(h: np.ndarray, seq_len: np.ndarray, computed: np.ndarray, blocks_term: np.ndarray) -> np.ndarray:
+    """control.running_fingerprints over numpy columns: `h` the token hash ^ seq_id * K, `blocks_term` the
+    running phase's and the block count's terms (uint64 arithmetic wraps mod 2**64 where the scalar masks)."""
+    h = h ^ (h >> _S30)
+    h *= _K_MIX1
+    h ^= h >> _S27
+    h *= _K_MIX2
+    h ^= h >> _S31
+    h += seq_len.view(_U) * _K_LEN  # int64 columns >= 0: their uint64 view is the same number
+    h += computed.view(_U) * _K_COMPUTED_QSA
+    h += blocks_term
+    h ^= h >> _S30
+    h *= _K_MIX1
+    h ^= h >> _S27
+    h *= _K_MIX2
+    h ^= h >> _S31
+    return h
+
+
+class StepColumns:
+    """The columns of the sequences `ids` (one step's plan order). The objects hold the values of the last
+    flush; the columns hold the current ones (`tokens`: the sampled-token rows since then, -1 = none)."""
+
+    __slots__ = ("ids", "objs", "row", "bs", "computed", "ntok", "token_hash", "nblocks", "capacity", "fp", "fed",
+                 "tokens", "hid", "budget_end", "limit", "low", "blocks_term")
+
+    def __init__(self, ids: tuple[int, ...], objs: list[Sequence], bs: int) -> None:
+        self.ids = ids
+        self.objs = objs
+        self.row = {s: i for i, s in enumerate(ids)}
+        self.bs = bs
+        cur = [s.cursor for s in objs]
+        self.hid = np.array(ids, dtype=_U) * _K_ID
+        self.computed = np.array([c.computed for c in cur], dtype=_I)
+        self.ntok = np.array([len(c.tokens) for c in cur], dtype=_I)
+        self.token_hash = np.array([c.token_hash for c in cur], dtype=_U)
+        self.nblocks = np.array([len(s.blocks) for s in objs], dtype=_I)
+        self.capacity = np.array([s.qsa.capacity for s in objs], dtype=_I)
+        self.fp = np.array([s.fingerprint for s in objs], dtype=_U)
+        self.fed: np.ndarray | None = None  # the in-flight plan's fed counts (set by StepPlanned)
+        self.tokens: list[np.ndarray] = []
+        # derived once (the checks' bounds, the fingerprint's constant terms), moved with the block counts
+        self.budget_end = np.array([c.prompt_len + s.max_new for c, s in zip(cur, objs, strict=True)], dtype=_I)
+        self.limit = np.minimum(self.capacity, self.nblocks * bs)  # KV and QSA keys end within both
+        self.low = (self.nblocks - 1) * bs  # the tokens reach past this (no block beyond them)
+        self.blocks_term = self.nblocks.astype(_U) * _K_BLOCKS + _K_RUNNING
+
+    def add_blocks(self, r: int, k: int) -> None:
+        """Row r's sequence got k blocks (StepPlanned's alloc)."""
+        b = int(self.nblocks[r]) + k
+        self.nblocks[r] = b
+        self.limit[r] = min(int(self.capacity[r]), b * self.bs)
+        self.low[r] = (b - 1) * self.bs
+        self.blocks_term[r] = (b * 0xFF51AFD7ED558CCD + 0xD6E8FEB86659FD93 * Phase.RUNNING) & _M64
+
+    @classmethod
+    def gather(cls, seqs: dict[int, Sequence], ids: tuple[int, ...], bs: int) -> StepColumns | None:
+        """The columns of `ids` (live sequences), or None when one of them is off the common path."""
+        objs = [seqs[s] for s in ids]
+        if not all(map(common, objs)):
+            return None
+        return cls(ids, objs, bs)
+
+    def flush(self) -> None:
+        """Write the columns back into the sequences (every field they moved)."""
+        logged = np.stack(self.tokens).T.tolist() if self.tokens else None
+        for i, (seq, computed, h, fp) in enumerate(zip(self.objs, self.computed.tolist(), self.token_hash.tolist(),
+                                                       self.fp.tolist(), strict=True)):
+            c = seq.cursor
+            c.computed = computed
+            seq.qsa.ingested = computed
+            c.token_hash = h
+            seq.fingerprint = fp
+            if logged is not None:
+                c.tokens.extend(t for t in logged[i] if t >= 0)
+        self.tokens = []

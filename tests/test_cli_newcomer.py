@@ -106,14 +106,17 @@ def test_generate_without_max_tokens_stops_at_16(capsys) -> None:
 
 
 def test_prefill_align_is_a_flag_and_a_bad_one_names_its_ceiling(capsys, tmp_path: Path) -> None:
+    from atlas.replay.codec import decode
+
     trace = tmp_path / "aligned.db"
     code, out, err = atlas(capsys, "generate", "--prompt", "hello there", "--backend", "null", "--max-tokens", "2",
                            "--prefill-align", "8", "--trace", str(trace))
     assert code == 0, err
     with sqlite3.connect(trace) as db:  # the run's recorded config has it, and the 11-token prompt ran as 8 + 3
         assert '"prefill_align": 8' in " ".join(str(r) for r in db.execute("select * from runs").fetchall())
-        planned = [p for (p,) in db.execute("select payload from events where kind = 'step_planned'")]
-    assert '"fed":[8]' in planned[0] and '"fed":[3]' in planned[1]
+        planned = [decode("step_planned", v, p)
+                   for v, p in db.execute("select version, payload from events where kind = 'step_planned'")]
+    assert list(planned[0]["fed"]) == [8] and list(planned[1]["fed"]) == [3]
     code, out, err = atlas(capsys, "generate", "--prompt", "hi", "--backend", "null", "--prefill-align", "100000")
     assert code != 0
     line = one_line(err)

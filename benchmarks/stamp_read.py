@@ -54,7 +54,7 @@ def run(loaded: Any, batch: int, steps: int) -> dict[str, Any]:
                           backend_options={"device": "cpu", "cuda_graphs": False})
     store = engine.backend.store
     fast, reference, inner = store.read_cursors, store.read_cursors_reference, store.reader._summary
-    spent = {"fast": 0.0, "reference": 0.0, "summary": 0.0, "calls": 0, "seqs": 0}
+    spent = {"fast": 0.0, "reference": 0.0, "summary": 0.0, "check": 0.0, "calls": 0, "seqs": 0}
 
     def summary(*args: Any, **kwargs: Any) -> torch.Tensor:  # the device part (on the GPU: one graph replay)
         t0 = time.perf_counter()
@@ -74,8 +74,19 @@ def run(loaded: Any, batch: int, steps: int) -> dict[str, Any]:
         spent["seqs"] += len(seq_ids)
         return got["fast"]
 
+    import atlas.engine.engine as engine_module
+
+    check = engine_module.cursor_violation
+
+    def timed_check(*args: Any) -> Any:  # the engine's per-step comparison of every stamp with the control plane
+        t0 = time.perf_counter()
+        out = check(*args)
+        spent["check"] += time.perf_counter() - t0
+        return out
+
     store.reader._summary = summary
     store.read_cursors = both
+    engine_module.cursor_violation = timed_check  # type: ignore[assignment]
     g = torch.Generator().manual_seed(batch)
     for i in range(batch):  # lengths 140 .. 156: the sequences sit at different positions
         prompt = torch.randint(0, loaded.spec.vocab_size, (140 + i % 17,), generator=g).tolist()
@@ -86,11 +97,12 @@ def run(loaded: Any, batch: int, steps: int) -> dict[str, Any]:
     while engine.has_unfinished():
         engine.step()
     engine.close()
+    engine_module.cursor_violation = check  # type: ignore[assignment]
     calls = max(1, int(spent["calls"]))
     return {"batch": batch, "calls": calls, "stamps_per_seq": len(store.reader.kinds),
             "reference_ms_per_call": spent["reference"] * 1e3 / calls, "fast_ms_per_call": spent["fast"] * 1e3 / calls,
             "fast_host_ms_per_call": (spent["fast"] - spent["summary"]) * 1e3 / calls,
-            "fast_summary_ms_per_call": spent["summary"] * 1e3 / calls}
+            "fast_summary_ms_per_call": spent["summary"] * 1e3 / calls, "check_ms_per_call": spent["check"] * 1e3 / calls}
 
 
 def main() -> None:
@@ -107,11 +119,11 @@ def main() -> None:
     for batch in (int(b) for b in args.batches.split(",")):
         rows.append(run(loaded, batch, args.steps))
         print(json.dumps(rows[-1]), flush=True)
-    print("| batch | reference ms/call | fast ms/call | fast: summary ops | fast: the rest (host) |")
-    print("|---|---|---|---|---|")
+    print("| batch | reference ms/call | fast ms/call | fast: summary ops | fast: the rest (host) | cursor_violation ms |")
+    print("|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['batch']} | {r['reference_ms_per_call']:.3f} | {r['fast_ms_per_call']:.3f} | "
-              f"{r['fast_summary_ms_per_call']:.3f} | {r['fast_host_ms_per_call']:.3f} |")
+              f"{r['fast_summary_ms_per_call']:.3f} | {r['fast_host_ms_per_call']:.3f} | {r['check_ms_per_call']:.3f} |")
 
 
 if __name__ == "__main__":

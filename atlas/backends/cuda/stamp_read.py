@@ -27,6 +27,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import attrs
+import numpy as np
 import torch
 
 from atlas.backends.cuda.graphs import bucket
@@ -70,7 +71,8 @@ class StampReader:
                         ("drafter", ("drafter",)))}
         self._want = torch.arange(max(self.cols * self.bs, drafter.capacity if drafter else 1), dtype=torch.int32,
                                   device=dev)
-        self._uniform: dict[tuple[int, int], BackendCursors] = {}
+        self._uniform: dict[int, BackendCursors] = {}  # position << 32 | drafter rows -> a healthy row's cursors
+        self._pinned: dict[torch.Size, torch.Tensor] = {}  # a CUDA device: the host buffer of each summary shape
 
     def _alloc(self, cols: int) -> None:
         self.cols = cols
@@ -183,7 +185,8 @@ class StampReader:
         """Each state's BackendCursors, from one device computation and one device->host copy. `states`: the
         store's SeqState of each live sequence asked about; `drafter_held`: whether the drafter holds it."""
         self._apply(self._entries(states))
-        hi = max([s.slot for s in states]) + 1
+        slots = [s.slot for s in states]
+        hi = max(slots) + 1
         width = max(1, max([len(s.table) for s in states]))
         if self.use_graphs:  # bucketed: a graph per (slots, width) bucket
             key = (min(bucket(hi), self.pools.state_slots), min(bucket(width, 4), self.cols))
@@ -192,28 +195,51 @@ class StampReader:
             out = g.out
         else:
             out = self._summary(hi, width, delta=False)
-        rows = out.cpu().numpy()[[s.slot for s in states]]  # the one device->host copy (and synchronize)
+        rows = self._host(out).take(slots, axis=0)  # the one device->host copy (and synchronize); the asked rows
         # a healthy sequence's stamps are all one position (the drafter's its own): its cursors are built once per
-        # (position, drafter rows) and shared (BackendCursors is immutable); any other row stamp by stamp
-        dr = self.drafter is not None
-        tails = rows[:, -3:].tolist() if dr else rows[:, -2:].tolist()  # [drafter,] least, greatest
-        made: list[BackendCursors] = []
+        # (position, drafter rows) and shared (BackendCursors is immutable), found for the whole batch by one map
+        # over int keys (position << 32 | drafter rows: a tuple key hashes at twice the cost); a row whose least and
+        # greatest stamp differ is built stamp by stamp
+        least, greatest = rows[:, -2], rows[:, -1]
+        if self.drafter is not None:  # not held: no rows (the reference's -1 slot)
+            rows[:, -3] *= np.asarray(drafter_held, dtype=bool)
+            keys = ((least.astype(np.int64) << 32) | (rows[:, -3].astype(np.int64) & 0xFFFFFFFF)).tolist()
+        else:
+            keys = least.tolist()
         uniform = self._uniform
-        for i, (tail, held) in enumerate(zip(tails, drafter_held, strict=True)):
-            a, b = tail[-2], tail[-1]
-            d = tail[0] if dr and held else 0  # not held: no rows (the reference's -1 slot)
-            cur = uniform.get((a, d)) if a == b else None
-            if cur is None:
-                row = rows[i, :-2].tolist()
-                if dr:
-                    row[-1] = d
-                cur = self.cursors(row)
-                if a == b:
+        made = list(map(uniform.get, keys))
+        odd = np.flatnonzero(least != greatest).tolist()
+        for i in odd:
+            made[i] = None
+        misses = [i for i, cur in enumerate(made) if cur is None]
+        if misses:
+            odd_rows = set(odd)
+            for i in misses:
+                if i in odd_rows:
+                    made[i] = self.cursors(rows[i, :-2].tolist())
+                    continue
+                cur = made[i] = uniform.get(keys[i])  # an earlier miss of this read may have built it
+                if cur is None:
+                    cur = made[i] = self.cursors(rows[i, :-2].tolist())
+                    cur.uniform()  # computed from its stamps once, so the engine's check of every sharer is cheap
                     if len(uniform) >= UNIFORM_CACHE:
                         uniform.clear()
-                    uniform[(a, d)] = cur
-            made.append(cur)
-        return made
+                    uniform[keys[i]] = cur
+        return made  # type: ignore[return-value]
+
+    def _host(self, out: torch.Tensor) -> np.ndarray:
+        """`out` on the host. A CUDA device: into a pinned buffer of its shape, then one synchronize (a pageable
+        copy stages through a driver buffer); the caller copies the rows it keeps before the next read."""
+        if out.device.type != "cuda":
+            return out.numpy()
+        buf = self._pinned.get(out.shape)
+        if buf is None:
+            if len(self._pinned) >= 64:
+                self._pinned.clear()
+            buf = self._pinned[out.shape] = torch.empty(out.shape, dtype=out.dtype, pin_memory=True)
+        buf.copy_(out, non_blocking=True)
+        torch.cuda.current_stream(out.device).synchronize()
+        return buf.numpy()
 
     def cursors(self, row: list[int]) -> BackendCursors:
         """One sequence's BackendCursors from its row (atlas.backends.cuda.store._summary's rules: QSA, SSM and

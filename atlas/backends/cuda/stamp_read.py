@@ -12,10 +12,13 @@ own index. What changed is how:
 - the whole summary is one function over state slots [0, hi) and table columns [0, width) (the asked slots'
   bucketed bounds), a fixed shape, so on the GPU it is one CUDA graph replay per (hi, width) bucket; the
   table update entries ride in as the graph's static input (one small host->device copy, skipped when none);
-- one device->host copy of an [hi, stamps] int32 matrix; the host builds each sequence's BackendCursors from
-  its row with precomputed columns (tuple(zip(...)) and min over index lists: no per-stamp Python loop), and a
-  row whose stamps are all one position (every healthy sequence) takes the BackendCursors already built for
-  that (position, drafter rows): equal values, so the engine's check sees exactly what a fresh build gives.
+- one device->host copy of an [hi, stamps] int32 matrix (into a pinned buffer on a CUDA device); a row whose
+  stamps are all one position (every healthy sequence: the device's least and greatest stamp agree) takes the
+  BackendCursors already built for that (position, drafter rows), found for the whole batch by one map over
+  int keys, equal in value to a fresh build; only the other rows are built stamp by stamp (precomputed columns,
+  tuple(zip(...)) and min over index lists). A shared BackendCursors computes its `uniform()` marker from its
+  stamps once, when it is built, so the engine's cursor_violation checks every healthy sequence that shares it
+  with three comparisons instead of a walk over its ~51 stamps (the walk stays for any that disagree).
 
 The old read (before issue 13's follow-up) built every table as Python lists each step, copied them to the
 device and ran ~25 eager ops: 0.5-1.1 ms a step on the H200 (6.3% of a batch-64 decode step).
@@ -23,6 +26,7 @@ device and ran ~25 eager ops: 0.5-1.1 ms a step on the H200 (6.3% of a batch-64 
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -72,6 +76,7 @@ class StampReader:
         self._want = torch.arange(max(self.cols * self.bs, drafter.capacity if drafter else 1), dtype=torch.int32,
                                   device=dev)
         self._uniform: dict[int, BackendCursors] = {}  # position << 32 | drafter rows -> a healthy row's cursors
+        self.device_seconds = 0.0  # in the summary's launch, its copy and the synchronize (StampReads.device_seconds)
         self._pinned: dict[torch.Size, torch.Tensor] = {}  # a CUDA device: the host buffer of each summary shape
 
     def _alloc(self, cols: int) -> None:
@@ -188,6 +193,7 @@ class StampReader:
         slots = [s.slot for s in states]
         hi = max(slots) + 1
         width = max(1, max([len(s.table) for s in states]))
+        t0 = time.perf_counter()
         if self.use_graphs:  # bucketed: a graph per (slots, width) bucket
             key = (min(bucket(hi), self.pools.state_slots), min(bucket(width, 4), self.cols))
             g = self._graphs.get(key) or self._capture(key)
@@ -195,7 +201,9 @@ class StampReader:
             out = g.out
         else:
             out = self._summary(hi, width, delta=False)
-        rows = self._host(out).take(slots, axis=0)  # the one device->host copy (and synchronize); the asked rows
+        host = self._host(out)  # the one device->host copy (and synchronize)
+        self.device_seconds += time.perf_counter() - t0
+        rows = host.take(slots, axis=0)  # the asked rows (a copy)
         # a healthy sequence's stamps are all one position (the drafter's its own): its cursors are built once per
         # (position, drafter rows) and shared (BackendCursors is immutable), found for the whole batch by one map
         # over int keys (position << 32 | drafter rows: a tuple key hashes at twice the cost); a row whose least and

@@ -63,6 +63,7 @@ class StampReader:
         self.dummy = (slots - 1) * (self.cols + 1)
         self.delta = torch.tensor([[self.dummy, 0]] * ENTRIES, dtype=torch.long, device=dev)
         self.delta_dummy = True  # the device delta holds only no-op entries
+        self._delta_host: torch.Tensor | None = None  # _apply's staging buffer
         self._graphs: dict[tuple[int, int], _Graph] = {}
         self._pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
         # the columns of a slot's row: paged kinds, per-slot states, the drafter; and which the summary takes
@@ -75,6 +76,9 @@ class StampReader:
                         ("drafter", ("drafter",)))}
         self._want = torch.arange(max(self.cols * self.bs, drafter.capacity if drafter else 1), dtype=torch.int32,
                                   device=dev)
+        # constants of the summary made once, not a kernel of every replay: a block's offsets, `want` as int64
+        self._offs = torch.arange(self.bs, device=dev)
+        self._want_long = self._want.to(torch.long)
         self._uniform: dict[int, BackendCursors] = {}  # position << 32 | drafter rows -> a healthy row's cursors
         self.device_seconds = 0.0  # in the summary's launch, its copy and the synchronize (StampReads.device_seconds)
         self._pinned: dict[torch.Size, torch.Tensor] = {}  # a CUDA device: the host buffer of each summary shape
@@ -121,6 +125,7 @@ class StampReader:
         self._graphs.clear()
         self._want = torch.arange(max(self.cols * self.bs, self._want.numel()), dtype=torch.int32,
                                   device=self.pools.device)
+        self._want_long = self._want.to(torch.long)
 
     def _apply(self, entries: list[tuple[int, int]]) -> None:
         """The entries into the device tables. Graphs: up to ENTRIES as the static delta the replay applies (the
@@ -129,9 +134,15 @@ class StampReader:
         if not entries:
             return
         if self.use_graphs and len(entries) <= ENTRIES:
-            host = torch.tensor(entries + [(self.dummy, 0)] * (ENTRIES - len(entries)), dtype=torch.long)
+            # one host staging buffer (pinned on a CUDA device), refilled in place: the copy out of it is complete
+            # before the next read refills it (every read synchronizes on its summary's copy back)
             pinned = self.pools.device.type == "cuda"
-            self.delta.copy_(host.pin_memory() if pinned else host, non_blocking=pinned)
+            if self._delta_host is None:
+                self._delta_host = torch.empty((ENTRIES, 2), dtype=torch.long, pin_memory=pinned)
+            buf = self._delta_host.numpy()
+            buf[: len(entries)] = entries
+            buf[len(entries) :] = (self.dummy, 0)
+            self.delta.copy_(self._delta_host, non_blocking=pinned)
             self.delta_dummy = False
             return
         e = torch.tensor(entries, dtype=torch.long).to(self.pools.device)
@@ -152,11 +163,11 @@ class StampReader:
         if pools.paged_kinds:
             span = width * bs
             rows = self.tables[:hi]
-            flat = (rows[:, 1 : 1 + width, None] * bs + torch.arange(bs, device=pools.device)).reshape(hi, span)
+            flat = (rows[:, 1 : 1 + width, None] * bs + self._offs).reshape(hi, span)
             a = len(pools.paged_kinds)
             pos = pools.paged_pos.view(a, -1).index_select(1, flat.view(-1)).view(a, hi, span)
             want = self._want[:span]
-            match = (pos == want) & (want.to(torch.long)[None, :] < rows[:, :1])[None]
+            match = (pos == want) & (self._want_long[None, :span] < rows[:, :1])[None]
             parts.append(_leading_run(match))
         parts.append(pools.stamps[:, :hi])
         body = torch.cat(parts)
@@ -263,7 +274,7 @@ class StampReader:
 
 
 def _leading_run(match: torch.Tensor) -> torch.Tensor:
-    """int32 [...]: how many leading entries of each last-dim row are True (argmax takes the first maximum; a
-    cumprod is 30x slower on a CPU)."""
-    run = (~match).to(torch.uint8).argmax(dim=-1)
+    """int32 [...]: how many leading entries of each last-dim row are True (argmin takes the first minimum, the first
+    False; a row all True has none, so its length; a cumprod is 30x slower on a CPU)."""
+    run = match.to(torch.uint8).argmin(dim=-1)
     return torch.where(match.all(dim=-1), match.shape[-1], run).to(torch.int32)

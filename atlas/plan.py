@@ -184,7 +184,7 @@ class BackendCursors:
         return {"kv_tokens": self.kv_tokens, "qsa_ingested": self.qsa_ingested, "ssm_position": self.ssm_position,
                 "ple_position": self.ple_position, "drafter_rows": self.drafter_rows}
 
-    def uniform(self) -> UniformStamps | None:
+    def uniform(self, compute: bool = True) -> UniformStamps | None:
         """The one position every stamp of each comparison class holds: (every kind but "qsa" and "drafter", which
         the control plane's computed count must equal; "qsa", its ingested keys; "drafter", its rows), None for a
         class without stamps; or None when two stamps of one class differ (the check then walks them one by one).
@@ -192,11 +192,16 @@ class BackendCursors:
         Computed from `stamps` and memoised against that very tuple (identity): a BackendCursors whose stamps are
         replaced computes it anew, and nothing can set it. A builder that shares one BackendCursors among many
         sequences and steps (the CUDA stamp reader: every healthy sequence at one position) computes it once, so
-        the engine's check of a healthy sequence is three comparisons instead of a walk over its ~51 stamps."""
+        the engine's check of a healthy sequence is three comparisons instead of a walk over its ~51 stamps.
+        `compute=False` (the check): only what is already computed for these very stamps, else None (computing it
+        costs about the walk it would save: 4-5 us over 51 stamps, so a BackendCursors built for one check, as the
+        CPU store's are, is walked as before)."""
         memo = self._uniform
         stamps = self.stamps
         if memo is not None and memo[0] is stamps:
             return memo[1]
+        if not compute:
+            return None
         positions = set(map(_AT, stamps))  # C-level passes: ~2 us each over 51 stamps, a walk's cost
         value: UniformStamps | None = None
         if len(positions) == 1:  # every stamp at one position (a healthy sequence without drafter rows)

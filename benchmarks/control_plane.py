@@ -49,6 +49,9 @@ class FixedTokenBackend:
         cur = self._shared.get(n)
         if cur is None:
             cur = self._shared[n] = BackendCursors(n, n, n, n, 0, tuple((k, layer, n) for k, layer in self._names))
+            mark = getattr(cur, "uniform", None)  # as the CUDA reader marks a shared one (absent before issue 13's)
+            if mark is not None:
+                mark()
         return cur
 
     def execute(self, plan: StepPlan) -> StepResult:

@@ -85,6 +85,15 @@ def test_the_marker_is_each_class_one_position_computed_from_the_stamps() -> Non
     assert two_drafters.uniform() is None
 
 
+def test_the_check_uses_only_a_marker_computed_for_these_very_stamps() -> None:
+    cur = healthy(5)
+    assert cur.uniform(compute=False) is None and check(cur, 5) is None  # not computed: walked, nothing computed
+    assert cur.uniform(compute=False) is None
+    assert cur.uniform() == (5, 5, None) and cur.uniform(compute=False) == (5, 5, None)
+    cur.stamps = tuple(cur.stamps)[:-1] + (("ple_conv", 0, 5),)  # equal values, another tuple: not this memo's
+    assert cur.uniform(compute=False) is None
+
+
 def test_the_marker_is_no_argument_and_no_part_of_the_value() -> None:
     with pytest.raises(TypeError):
         BackendCursors(5, 5, 5, 5, 0, healthy(5).stamps, (healthy(5).stamps, (5, 5, None)))  # type: ignore[call-arg]
@@ -147,7 +156,7 @@ def test_the_cuda_reader_shares_marked_cursors_and_a_damaged_stamp_is_named(stat
     store, pools = engine.backend.store, engine.backend.pools  # type: ignore[attr-defined]
     seq_a, seq_b = sorted(store.seqs)
     got = store.read_cursors([seq_a, seq_b])
-    assert got[seq_a] is got[seq_b] and got[seq_a].uniform() is not None  # shared, marked
+    assert got[seq_a] is got[seq_b] and got[seq_a].uniform(compute=False) is not None  # shared, marked by the reader
     read, step = store.read_cursors, engine.state.step
     if state == "kv":
         kind, layer = pools.paged_kinds[0]

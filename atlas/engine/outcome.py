@@ -150,7 +150,7 @@ def cursor_violation(state: ControlState, plan: StepPlan, result: StepResult, in
         n = seq.cursor.computed
         qsa = seq.qsa.ingested
         rows = seq.drafter.rows
-        u = cur.uniform()  # each class's one position, computed from the stamps (None: they differ)
+        u = cur.uniform(compute=False)  # each class's one position if computed from these stamps (None: walk them)
         if u is None or (u[0] is not None and u[0] != n) or (u[1] is not None and u[1] != qsa) or (
                 u[2] is not None and u[2] != rows):
             violation = _stamp_violation(cur, n, qsa, rows, plan.step, seq_id, index)

@@ -214,37 +214,38 @@ class StampReader:
             out = self._summary(hi, width, delta=False)
         host = self._host(out)  # the one device->host copy (and synchronize)
         self.device_seconds += time.perf_counter() - t0
-        rows = host.take(slots, axis=0)  # the asked rows (a copy)
         # a healthy sequence's stamps are all one position (the drafter's its own): its cursors are built once per
-        # (position, drafter rows) and shared (BackendCursors is immutable), found for the whole batch by one map
-        # over int keys (position << 32 | drafter rows: a tuple key hashes at twice the cost); a row whose least and
-        # greatest stamp differ is built stamp by stamp
-        least, greatest = rows[:, -2], rows[:, -1]
-        if self.drafter is not None:  # not held: no rows (the reference's -1 slot)
-            rows[:, -3] *= np.asarray(drafter_held, dtype=bool)
-            keys = ((least.astype(np.int64) << 32) | (rows[:, -3].astype(np.int64) & 0xFFFFFFFF)).tolist()
-        else:
-            keys = least.tolist()
+        # (position, drafter rows) and shared (BackendCursors is immutable), under an int key (position << 32 |
+        # drafter rows: a tuple key hashes at twice the cost); a row whose least and greatest stamp differ is built
+        # stamp by stamp. One tolist of the tail columns and a plain loop: measured in an engine run (the caches cold
+        # after the step's forward), every further numpy call on the [seqs, stamps] matrix cost more than it saved
+        dr = self.drafter is not None
+        tails = host[:, -3:].tolist() if dr else host[:, -2:].tolist()  # per slot: [drafter,] least, greatest
         uniform = self._uniform
-        made = list(map(uniform.get, keys))
-        odd = np.flatnonzero(least != greatest).tolist()
-        for i in odd:
-            made[i] = None
-        misses = [i for i, cur in enumerate(made) if cur is None]
-        if misses:
-            odd_rows = set(odd)
-            for i in misses:
-                if i in odd_rows:
-                    made[i] = self.cursors(rows[i, :-2].tolist())
-                    continue
-                cur = made[i] = uniform.get(keys[i])  # an earlier miss of this read may have built it
+        made: list[BackendCursors] = []
+        for slot, held in zip(slots, drafter_held, strict=True):
+            tail = tails[slot]
+            a = tail[-2]
+            d = tail[0] if dr and held else 0  # not held: no rows (the reference's -1 slot)
+            if a == tail[-1]:
+                key = (a << 32) | (d & 0xFFFFFFFF)
+                cur = uniform.get(key)
                 if cur is None:
-                    cur = made[i] = self.cursors(rows[i, :-2].tolist())
+                    cur = self._build(host, slot, dr, d)
                     cur.uniform()  # computed from its stamps once, so the engine's check of every sharer is cheap
                     if len(uniform) >= UNIFORM_CACHE:
                         uniform.clear()
-                    uniform[keys[i]] = cur
-        return made  # type: ignore[return-value]
+                    uniform[key] = cur
+            else:
+                cur = self._build(host, slot, dr, d)
+            made.append(cur)
+        return made
+
+    def _build(self, host: np.ndarray, slot: int, dr: bool, d: int) -> BackendCursors:
+        row = host[slot, :-2].tolist()
+        if dr:
+            row[-1] = d
+        return self.cursors(row)
 
     def _host(self, out: torch.Tensor) -> np.ndarray:
         """`out` on the host. A CUDA device: into a pinned buffer of its shape, then one synchronize (a pageable

@@ -16,6 +16,8 @@ A backend runs one plan in this order (atlas.backends.orders.run_orders and each
 
 from __future__ import annotations
 
+import operator
+
 import attrs
 
 from atlas.sampling.params import SamplingParams
@@ -145,6 +147,14 @@ class StepPlan:
                     or self.prefix_restores or self.carry.drop or self.carry.store >= 0)
 
 
+_AT, _KIND = operator.itemgetter(2), operator.itemgetter(0)
+_CLASS = {"qsa": 1, "drafter": 2}  # a stamp's comparison class (BackendCursors.uniform); every other kind: 0
+_APART = frozenset(_CLASS)
+
+# BackendCursors.uniform(): the single position of (the computed count's kinds, "qsa", "drafter"), None if absent
+UniformStamps = tuple[int | None, int | None, int | None]
+
+
 @_VALUE
 class BackendCursors:
     """What the data plane says it holds for one sequence. Each must equal the control plane's view.
@@ -161,9 +171,53 @@ class BackendCursors:
     ple_position: int  # tokens folded into the PLE n-gram context and short-conv state
     drafter_rows: int = 0  # MTP drafter pair keys held
     stamps: tuple[tuple[str, int, int], ...] = ()
+    # `uniform()`'s memo: (the very stamps tuple it was computed from, its value). Never a constructor argument,
+    # never compared, hashed or shown: a value derived from `stamps`, not a claim about them
+    _uniform: tuple[object, UniformStamps | None] | None = attrs.field(default=None, init=False, eq=False, hash=False,
+                                                                        repr=False)
 
     def as_tuple(self) -> tuple[int, int, int, int, int]:
         return (self.kv_tokens, self.qsa_ingested, self.ssm_position, self.ple_position, self.drafter_rows)
+
+    def summary(self) -> dict[str, int]:
+        """The summary fields by name (what a cursor violation reports of the backend's side)."""
+        return {"kv_tokens": self.kv_tokens, "qsa_ingested": self.qsa_ingested, "ssm_position": self.ssm_position,
+                "ple_position": self.ple_position, "drafter_rows": self.drafter_rows}
+
+    def uniform(self, compute: bool = True) -> UniformStamps | None:
+        """The one position every stamp of each comparison class holds: (every kind but "qsa" and "drafter", which
+        the control plane's computed count must equal; "qsa", its ingested keys; "drafter", its rows), None for a
+        class without stamps; or None when two stamps of one class differ (the check then walks them one by one).
+
+        Computed from `stamps` and memoised against that very tuple (identity): a BackendCursors whose stamps are
+        replaced computes it anew, and nothing can set it. A builder that shares one BackendCursors among many
+        sequences and steps (the CUDA stamp reader: every healthy sequence at one position) computes it once, so
+        the engine's check of a healthy sequence is three comparisons instead of a walk over its ~51 stamps.
+        `compute=False` (the check): only what is already computed for these very stamps, else None (computing it
+        costs about the walk it would save: 4-5 us over 51 stamps, so a BackendCursors built for one check, as the
+        CPU store's are, is walked as before)."""
+        memo = self._uniform
+        stamps = self.stamps
+        if memo is not None and memo[0] is stamps:
+            return memo[1]
+        if not compute:
+            return None
+        positions = set(map(_AT, stamps))  # C-level passes: ~2 us each over 51 stamps, a walk's cost
+        value: UniformStamps | None = None
+        if len(positions) == 1:  # every stamp at one position (a healthy sequence without drafter rows)
+            kinds = set(map(_KIND, stamps))
+            p = next(iter(positions))
+            value = (p if kinds - _APART else None, p if "qsa" in kinds else None, p if "drafter" in kinds else None)
+        elif positions:
+            classes: tuple[set[int], set[int], set[int]] = (set(), set(), set())
+            for kind, _, at in stamps:
+                classes[_CLASS.get(kind, 0)].add(at)
+            if all(len(c) <= 1 for c in classes):
+                value = tuple(next(iter(c)) if c else None for c in classes)  # type: ignore[assignment]
+        else:
+            value = (None, None, None)
+        self._uniform = (stamps, value)
+        return value
 
 
 STAMP_KINDS = ("kv", "qsa", "conv", "gdn", "ple", "ple_conv", "drafter")  # BackendCursors.stamps' kinds

@@ -1,6 +1,6 @@
 """Control-plane throughput: schedule + apply + invariants + digest + SQLite trace, no tensors.
 
-    .venv/bin/python benchmarks/control_plane.py [--steps N] [--batches 1,64,256] [--no-trace] [--clock process] [--smoke]
+    .venv/bin/python benchmarks/control_plane.py [--steps N] [--batches 1,64,256] [--no-trace] [--clock process] [--stamps 51] [--smoke]
 
 A fixed-token backend (honest cursors, no compute) stands in for the model, so the figure is the cost
 the engine adds to every decode step. It prints sequence-steps per second (one sequence advanced by
@@ -35,9 +35,24 @@ class FixedTokenBackend:
     name = "fixed"
     capabilities = Capabilities()
 
-    def __init__(self) -> None:
+    def __init__(self, stamps: int = 0) -> None:
         self._fed: dict[int, int] = {}
         self.seconds = 0.0  # wall time inside execute: the data plane's share, left out of the control plane's
+        # --stamps N: N honest per-layer stamps a sequence (the 2.7B config has 51), shared per position as the CUDA
+        # stamp reader shares a healthy sequence's BackendCursors, so the engine's cursor check walks real stamps
+        self._names = tuple(("kv" if i % 4 == 0 else "gdn", i) for i in range(stamps))
+        self._shared: dict[int, BackendCursors] = {}
+
+    def _cursors(self, n: int) -> BackendCursors:
+        if not self._names:
+            return BackendCursors(n, n, n, n, 0)
+        cur = self._shared.get(n)
+        if cur is None:
+            cur = self._shared[n] = BackendCursors(n, n, n, n, 0, tuple((k, layer, n) for k, layer in self._names))
+            mark = getattr(cur, "uniform", None)  # as the CUDA reader marks a shared one (absent before issue 13's)
+            if mark is not None:
+                mark()
+        return cur
 
     def execute(self, plan: StepPlan) -> StepResult:
         t0 = CLOCK()
@@ -55,15 +70,14 @@ class FixedTokenBackend:
         for w in plan.work:
             n = fed.get(w.seq_id, 0) + len(w.tokens)
             fed[w.seq_id] = n
-            outcomes.append(SeqOutcome(w.seq_id, BackendCursors(n, n, n, n, 0), 65 if w.sample else None))
+            outcomes.append(SeqOutcome(w.seq_id, self._cursors(n), 65 if w.sample else None))
         return StepResult(plan.step, tuple(outcomes))
 
     def cursors(self, seq_id: int) -> BackendCursors:
-        n = self._fed.get(seq_id, 0)
-        return BackendCursors(n, n, n, n, 0)
+        return self._cursors(self._fed.get(seq_id, 0))
 
 
-def measure(batch: int, steps: int, trace_dir: Path | None) -> tuple[float, float | None, float]:
+def measure(batch: int, steps: int, trace_dir: Path | None, stamps: int = 0) -> tuple[float, float | None, float]:
     """(sequence-steps/s, trace bytes per sequence-step, control-plane us per step outside execute)."""
     prompt_len, max_seq_len = 16, 16 + steps + 8
     config = EngineConfig(max_seq_len=max_seq_len, max_batch_size=batch, prefill_chunk_tokens=max(batch * prompt_len, 64),
@@ -75,7 +89,7 @@ def measure(batch: int, steps: int, trace_dir: Path | None) -> tuple[float, floa
         sink = TraceWriter(path, run={"engine_version": "bench", "git_revision": None, "model": "none",
                                       "model_fingerprint": "none", "backend": "fixed", "seed": None,
                                       "config": config.to_json(), "capacities": {}})
-    backend = FixedTokenBackend()
+    backend = FixedTokenBackend(stamps)
     engine = Engine(backend, tokenizer=ByteTokenizer(), config=config, sink=sink)
     for i in range(batch):
         engine.add_request(f"r{i}", [1 + i % 200] * prompt_len, SamplingParams(max_tokens=steps + 4, ignore_eos=True))
@@ -103,6 +117,8 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=1, help="runs per batch size; the fastest is shown")
     ap.add_argument("--clock", choices=("wall", "process"), default="wall",
                     help="time with the wall clock (default) or this process's CPU time (a loaded machine)")
+    ap.add_argument("--stamps", type=int, default=0,
+                    help="per-layer position stamps a sequence reports (51: the 2.7B config's; 0: none, as before)")
     ap.add_argument("--smoke", action="store_true", help="20 steps at batch 1 and 8: seconds, for CI")
     args = ap.parse_args()
     global CLOCK
@@ -118,7 +134,7 @@ def main() -> None:
         print(f"{'batch':>6} {'seq-steps/s':>12} {'us/seq-step':>12} {'trace B/seq-step':>17} "
               f"{'control plane us/step':>22}")
         for batch in (int(b) for b in args.batches.split(",")):
-            runs = [measure(batch, args.steps, trace_dir) for _ in range(args.repeat)]
+            runs = [measure(batch, args.steps, trace_dir, args.stamps) for _ in range(args.repeat)]
             rate, bytes_per, _ = max(runs, key=lambda r: r[0])
             plane_us = min(r[2] for r in runs)
             shown = "-" if bytes_per is None else f"{bytes_per:.1f}"

@@ -142,7 +142,7 @@ def cursor_violation(state: ControlState, plan: StepPlan, result: StepResult, in
             if cur.as_tuple() != held[seq_id]:
                 return InvariantViolation(index, "BackendCursors", "a refused restore changes nothing", {
                     "step": plan.step, "seq_id": seq_id, "held": list(held[seq_id]),
-                    "backend": attrs.asdict(cur, filter=lambda a, _: a.name != "stamps")})
+                    "backend": cur.summary()})
             continue
         seq = seqs.get(seq_id)
         if seq is None or seq_id in failing:  # nothing is owed (expected_cursors' None)
@@ -150,15 +150,28 @@ def cursor_violation(state: ControlState, plan: StepPlan, result: StepResult, in
         n = seq.cursor.computed
         qsa = seq.qsa.ingested
         rows = seq.drafter.rows
-        for kind, layer, at in cur.stamps:  # every layer's own stamp, named
-            expected = rows if kind == "drafter" else qsa if kind == "qsa" else n
-            if at != expected:
-                return InvariantViolation(index, "BackendCursors", "every layer's position stamp equals the control "
-                                          "plane's", {"step": plan.step, "seq_id": seq_id, "layer": layer,
-                                                      "state": kind, "data_plane": at, "control_plane": expected})
+        u = cur.uniform(compute=False)  # each class's one position if computed from these stamps (None: walk them)
+        if u is None or (u[0] is not None and u[0] != n) or (u[1] is not None and u[1] != qsa) or (
+                u[2] is not None and u[2] != rows):
+            violation = _stamp_violation(cur, n, qsa, rows, plan.step, seq_id, index)
+            if violation is not None:
+                return violation
         if (cur.kv_tokens != n or cur.qsa_ingested != qsa or cur.ssm_position != n or cur.ple_position != n
                 or cur.drafter_rows != rows):
             return InvariantViolation(index, "BackendCursors", "data-plane cursors equal the control plane's", {
                 "step": plan.step, "seq_id": seq_id, "computed": n, "qsa_ingested": qsa,
-                "drafter_rows": rows, "backend": attrs.asdict(cur, filter=lambda a, _: a.name != "stamps")})
+                "drafter_rows": rows, "backend": cur.summary()})
+    return None
+
+
+def _stamp_violation(cur: BackendCursors, n: int, qsa: int, rows: int, step: int, seq_id: int, index: int
+                     ) -> InvariantViolation | None:
+    """The first stamp of `cur` that is not the control plane's position, named (the walk cursor_violation takes
+    when the stamps are not all at their class's expected position)."""
+    for kind, layer, at in cur.stamps:  # every layer's own stamp, named
+        expected = rows if kind == "drafter" else qsa if kind == "qsa" else n
+        if at != expected:
+            return InvariantViolation(index, "BackendCursors", "every layer's position stamp equals the control "
+                                      "plane's", {"step": step, "seq_id": seq_id, "layer": layer, "state": kind,
+                                                  "data_plane": at, "control_plane": expected})
     return None

@@ -12,10 +12,13 @@ own index. What changed is how:
 - the whole summary is one function over state slots [0, hi) and table columns [0, width) (the asked slots'
   bucketed bounds), a fixed shape, so on the GPU it is one CUDA graph replay per (hi, width) bucket; the
   table update entries ride in as the graph's static input (one small host->device copy, skipped when none);
-- one device->host copy of an [hi, stamps] int32 matrix; the host builds each sequence's BackendCursors from
-  its row with precomputed columns (tuple(zip(...)) and min over index lists: no per-stamp Python loop), and a
-  row whose stamps are all one position (every healthy sequence) takes the BackendCursors already built for
-  that (position, drafter rows): equal values, so the engine's check sees exactly what a fresh build gives.
+- one device->host copy of an [hi, stamps] int32 matrix (into a pinned buffer on a CUDA device); a row whose
+  stamps are all one position (every healthy sequence: the device's least and greatest stamp agree) takes the
+  BackendCursors already built for that (position, drafter rows), found for the whole batch by one map over
+  int keys, equal in value to a fresh build; only the other rows are built stamp by stamp (precomputed columns,
+  tuple(zip(...)) and min over index lists). A shared BackendCursors computes its `uniform()` marker from its
+  stamps once, when it is built, so the engine's cursor_violation checks every healthy sequence that shares it
+  with three comparisons instead of a walk over its ~51 stamps (the walk stays for any that disagree).
 
 The old read (before issue 13's follow-up) built every table as Python lists each step, copied them to the
 device and ran ~25 eager ops: 0.5-1.1 ms a step on the H200 (6.3% of a batch-64 decode step).
@@ -23,10 +26,12 @@ device and ran ~25 eager ops: 0.5-1.1 ms a step on the H200 (6.3% of a batch-64 
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from typing import Any
 
 import attrs
+import numpy as np
 import torch
 
 from atlas.backends.cuda.graphs import bucket
@@ -58,6 +63,7 @@ class StampReader:
         self.dummy = (slots - 1) * (self.cols + 1)
         self.delta = torch.tensor([[self.dummy, 0]] * ENTRIES, dtype=torch.long, device=dev)
         self.delta_dummy = True  # the device delta holds only no-op entries
+        self._delta_host: torch.Tensor | None = None  # _apply's staging buffer
         self._graphs: dict[tuple[int, int], _Graph] = {}
         self._pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
         # the columns of a slot's row: paged kinds, per-slot states, the drafter; and which the summary takes
@@ -70,7 +76,12 @@ class StampReader:
                         ("drafter", ("drafter",)))}
         self._want = torch.arange(max(self.cols * self.bs, drafter.capacity if drafter else 1), dtype=torch.int32,
                                   device=dev)
-        self._uniform: dict[tuple[int, int], BackendCursors] = {}
+        # constants of the summary made once, not a kernel of every replay: a block's offsets, `want` as int64
+        self._offs = torch.arange(self.bs, device=dev)
+        self._want_long = self._want.to(torch.long)
+        self._uniform: dict[int, BackendCursors] = {}  # position << 32 | drafter rows -> a healthy row's cursors
+        self.device_seconds = 0.0  # in the summary's launch, its copy and the synchronize (StampReads.device_seconds)
+        self._pinned: dict[torch.Size, torch.Tensor] = {}  # a CUDA device: the host buffer of each summary shape
 
     def _alloc(self, cols: int) -> None:
         self.cols = cols
@@ -114,6 +125,7 @@ class StampReader:
         self._graphs.clear()
         self._want = torch.arange(max(self.cols * self.bs, self._want.numel()), dtype=torch.int32,
                                   device=self.pools.device)
+        self._want_long = self._want.to(torch.long)
 
     def _apply(self, entries: list[tuple[int, int]]) -> None:
         """The entries into the device tables. Graphs: up to ENTRIES as the static delta the replay applies (the
@@ -122,9 +134,15 @@ class StampReader:
         if not entries:
             return
         if self.use_graphs and len(entries) <= ENTRIES:
-            host = torch.tensor(entries + [(self.dummy, 0)] * (ENTRIES - len(entries)), dtype=torch.long)
+            # one host staging buffer (pinned on a CUDA device), refilled in place: the copy out of it is complete
+            # before the next read refills it (every read synchronizes on its summary's copy back)
             pinned = self.pools.device.type == "cuda"
-            self.delta.copy_(host.pin_memory() if pinned else host, non_blocking=pinned)
+            if self._delta_host is None:
+                self._delta_host = torch.empty((ENTRIES, 2), dtype=torch.long, pin_memory=pinned)
+            buf = self._delta_host.numpy()
+            buf[: len(entries)] = entries
+            buf[len(entries) :] = (self.dummy, 0)
+            self.delta.copy_(self._delta_host, non_blocking=pinned)
             self.delta_dummy = False
             return
         e = torch.tensor(entries, dtype=torch.long).to(self.pools.device)
@@ -145,11 +163,11 @@ class StampReader:
         if pools.paged_kinds:
             span = width * bs
             rows = self.tables[:hi]
-            flat = (rows[:, 1 : 1 + width, None] * bs + torch.arange(bs, device=pools.device)).reshape(hi, span)
+            flat = (rows[:, 1 : 1 + width, None] * bs + self._offs).reshape(hi, span)
             a = len(pools.paged_kinds)
             pos = pools.paged_pos.view(a, -1).index_select(1, flat.view(-1)).view(a, hi, span)
             want = self._want[:span]
-            match = (pos == want) & (want.to(torch.long)[None, :] < rows[:, :1])[None]
+            match = (pos == want) & (self._want_long[None, :span] < rows[:, :1])[None]
             parts.append(_leading_run(match))
         parts.append(pools.stamps[:, :hi])
         body = torch.cat(parts)
@@ -183,8 +201,10 @@ class StampReader:
         """Each state's BackendCursors, from one device computation and one device->host copy. `states`: the
         store's SeqState of each live sequence asked about; `drafter_held`: whether the drafter holds it."""
         self._apply(self._entries(states))
-        hi = max([s.slot for s in states]) + 1
+        slots = [s.slot for s in states]
+        hi = max(slots) + 1
         width = max(1, max([len(s.table) for s in states]))
+        t0 = time.perf_counter()
         if self.use_graphs:  # bucketed: a graph per (slots, width) bucket
             key = (min(bucket(hi), self.pools.state_slots), min(bucket(width, 4), self.cols))
             g = self._graphs.get(key) or self._capture(key)
@@ -192,28 +212,54 @@ class StampReader:
             out = g.out
         else:
             out = self._summary(hi, width, delta=False)
-        rows = out.cpu().numpy()[[s.slot for s in states]]  # the one device->host copy (and synchronize)
+        host = self._host(out)  # the one device->host copy (and synchronize)
+        self.device_seconds += time.perf_counter() - t0
         # a healthy sequence's stamps are all one position (the drafter's its own): its cursors are built once per
-        # (position, drafter rows) and shared (BackendCursors is immutable); any other row stamp by stamp
+        # (position, drafter rows) and shared (BackendCursors is immutable), under an int key (position << 32 |
+        # drafter rows: a tuple key hashes at twice the cost); a row whose least and greatest stamp differ is built
+        # stamp by stamp. One tolist of the tail columns and a plain loop: measured in an engine run (the caches cold
+        # after the step's forward), every further numpy call on the [seqs, stamps] matrix cost more than it saved
         dr = self.drafter is not None
-        tails = rows[:, -3:].tolist() if dr else rows[:, -2:].tolist()  # [drafter,] least, greatest
-        made: list[BackendCursors] = []
+        tails = host[:, -3:].tolist() if dr else host[:, -2:].tolist()  # per slot: [drafter,] least, greatest
         uniform = self._uniform
-        for i, (tail, held) in enumerate(zip(tails, drafter_held, strict=True)):
-            a, b = tail[-2], tail[-1]
+        made: list[BackendCursors] = []
+        for slot, held in zip(slots, drafter_held, strict=True):
+            tail = tails[slot]
+            a = tail[-2]
             d = tail[0] if dr and held else 0  # not held: no rows (the reference's -1 slot)
-            cur = uniform.get((a, d)) if a == b else None
-            if cur is None:
-                row = rows[i, :-2].tolist()
-                if dr:
-                    row[-1] = d
-                cur = self.cursors(row)
-                if a == b:
+            if a == tail[-1]:
+                key = (a << 32) | (d & 0xFFFFFFFF)
+                cur = uniform.get(key)
+                if cur is None:
+                    cur = self._build(host, slot, dr, d)
+                    cur.uniform()  # computed from its stamps once, so the engine's check of every sharer is cheap
                     if len(uniform) >= UNIFORM_CACHE:
                         uniform.clear()
-                    uniform[(a, d)] = cur
+                    uniform[key] = cur
+            else:
+                cur = self._build(host, slot, dr, d)
             made.append(cur)
         return made
+
+    def _build(self, host: np.ndarray, slot: int, dr: bool, d: int) -> BackendCursors:
+        row = host[slot, :-2].tolist()
+        if dr:
+            row[-1] = d
+        return self.cursors(row)
+
+    def _host(self, out: torch.Tensor) -> np.ndarray:
+        """`out` on the host. A CUDA device: into a pinned buffer of its shape, then one synchronize (a pageable
+        copy stages through a driver buffer); the caller copies the rows it keeps before the next read."""
+        if out.device.type != "cuda":
+            return out.numpy()
+        buf = self._pinned.get(out.shape)
+        if buf is None:
+            if len(self._pinned) >= 64:
+                self._pinned.clear()
+            buf = self._pinned[out.shape] = torch.empty(out.shape, dtype=out.dtype, pin_memory=True)
+        buf.copy_(out, non_blocking=True)
+        torch.cuda.current_stream(out.device).synchronize()
+        return buf.numpy()
 
     def cursors(self, row: list[int]) -> BackendCursors:
         """One sequence's BackendCursors from its row (atlas.backends.cuda.store._summary's rules: QSA, SSM and
@@ -229,7 +275,7 @@ class StampReader:
 
 
 def _leading_run(match: torch.Tensor) -> torch.Tensor:
-    """int32 [...]: how many leading entries of each last-dim row are True (argmax takes the first maximum; a
-    cumprod is 30x slower on a CPU)."""
-    run = (~match).to(torch.uint8).argmax(dim=-1)
+    """int32 [...]: how many leading entries of each last-dim row are True (argmin takes the first minimum, the first
+    False; a row all True has none, so its length; a cumprod is 30x slower on a CPU)."""
+    run = match.to(torch.uint8).argmin(dim=-1)
     return torch.where(match.all(dim=-1), match.shape[-1], run).to(torch.int32)

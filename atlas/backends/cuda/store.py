@@ -62,6 +62,9 @@ class StampReads:
     calls: int = 0
     seqs: int = 0
     seconds: float = 0.0
+    # of `seconds`, the fast read's summary launch (a graph replay), its copy and the synchronize (which also waits
+    # for device work queued before the read): the rest is the host's Python
+    device_seconds: float = 0.0
 
 
 class CudaStateStore:
@@ -142,6 +145,7 @@ class CudaStateStore:
         states = [self.seqs[s] for s in live]
         held = self.drafter.seqs if self.drafter is not None else {}
         out.update(zip(live, self.reader.read(states, [s in held for s in live]), strict=True))
+        self.reads.device_seconds = self.reader.device_seconds
         self.reads.calls += 1
         self.reads.seqs += len(live)
         self.reads.seconds += time.perf_counter() - t0

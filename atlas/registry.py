@@ -110,14 +110,17 @@ def data_plane(model: str, backend: str, config: EngineConfig, **options: Any) -
 
 
 def open_trace(trace: str, *, model: str, fingerprint: str, backend: str, config: EngineConfig,
-               caps: Capacities) -> EventSink:
+               caps: Capacities, tuning: dict[str, str] | None = None) -> EventSink:
+    """`tuning`: a CUDA backend's Tuning knobs (each part's implementation), recorded beside the config as
+    "backend_tuning" so that a replay rebuilds the same arithmetic (engine_for_run)."""
     from atlas import __version__
     from atlas.replay.store import TRACE_SCHEMA, TraceWriter, git_revision
 
+    extra = {"backend_tuning": tuning} if tuning is not None else {}
     return TraceWriter(trace, run={
         "engine_version": __version__, "git_revision": git_revision(), "model": model,
         "model_fingerprint": fingerprint, "backend": backend, "seed": None,
-        "config": {**config.to_json(), "trace_schema": TRACE_SCHEMA}, "capacities": caps.table(),
+        "config": {**config.to_json(), "trace_schema": TRACE_SCHEMA, **extra}, "capacities": caps.table(),
     })
 
 
@@ -138,8 +141,9 @@ def build_engine(model: str = TINY_MODEL, backend: str = "cpu", config: EngineCo
         options["dtype"] = dtype
     made = data_plane(model, backend, config, **options)
     if trace is not None:
+        tuning = getattr(made.backend, "tuning", None)
         sink = open_trace(trace, model=model, fingerprint=made.fingerprint, backend=backend, config=config,
-                          caps=made.caps)
+                          caps=made.caps, tuning=attrs.asdict(tuning) if tuning is not None else None)
     return Engine(made.backend, tokenizer=made.tokenizer, config=config, capacities=made.caps, spec=made.spec,
                   model_name=made.model_name, sink=sink, fingerprint=made.fingerprint, **engine_kwargs)
 
@@ -153,4 +157,11 @@ def engine_for_run(run: RunRecord, sink: EventSink, **kwargs: Any) -> Engine:
     replay runs the backend's state-digest audit mode (a snapshot or commit whose bytes drift is a violation)."""
     if run.backend in AUDITED_BACKENDS:
         kwargs["backend_options"] = {"state_audit": True, **kwargs.get("backend_options", {})}
+    recorded = run.config.get("backend_tuning")
+    if recorded is not None and run.backend in CUDA_BACKENDS:  # the recorded run's implementations, unless told
+        from atlas.backends.cuda.tuning import Tuning
+
+        known = {f.name for f in attrs.fields(Tuning)}  # a knob a later version dropped is ignored
+        kwargs["backend_options"] = {"tuning": Tuning(**{k: v for k, v in recorded.items() if k in known}),
+                                     **kwargs.get("backend_options", {})}
     return build_engine(run.model, run.backend, EngineConfig.from_json(run.config), sink=sink, **kwargs)

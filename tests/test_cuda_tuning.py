@@ -100,3 +100,21 @@ def test_compiled_decode_blocks_give_the_eager_logits(tiny) -> None:  # type: ig
         backend._prepare(decode)
         logits.append(torch.stack(list(backend._last_logits(decode).values())))
     assert torch.allclose(logits[1], logits[0], rtol=0, atol=1e-5), (logits[1] - logits[0]).abs().max()
+
+
+def test_a_trace_records_the_tuning_and_a_replay_rebuilds_it(tiny, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from atlas.engine.records import RecordingSink as Sink
+    from atlas.registry import engine_for_run
+    from atlas.replay.store import TraceReader
+
+    tuning = Tuning(decode_stack="regions", prefill_conv="library")
+    config = EngineConfig(max_seq_len=64, max_batch_size=2, prefill_chunk_tokens=32)
+    path = tmp_path / "tuned.db"
+    engine = build_engine("atlas-tiny", "cuda-fp32", config, str(path), loaded=tiny,
+                          backend_options={"device": DEVICE, "cuda_graphs": False, "tuning": tuning})
+    generate(engine, [PROMPTS[1]], [SamplingParams(max_tokens=3, ignore_eos=True)])
+    engine.close()
+    run = TraceReader(path).run()
+    assert run.config["backend_tuning"]["decode_stack"] == "regions"
+    again = engine_for_run(run, Sink(), loaded=tiny, backend_options={"device": DEVICE, "cuda_graphs": False})
+    assert again.backend.tuning == tuning  # type: ignore[attr-defined]

@@ -111,3 +111,18 @@ def hf_checkpoints(tmp_path_factory: pytest.TempPathFactory):
         return cache[family]
 
     return get
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The files holding a `slow` test go first, the README's clone run first of all, so that with bin/test's
+    `--dist loadfile --no-loadscope-reorder` the two workers start on the long files and the many short ones fill in
+    behind them; in collection order (or xdist's default most-tests-first order) test_readme.py's clone run, the
+    single longest test, started last and alone decided the wall time."""
+    slow_files = {item.path for item in items if item.get_closest_marker("slow") is not None}
+
+    def rank(item: pytest.Item) -> int:
+        if item.path.name == "test_readme.py":
+            return 0
+        return 1 if item.path in slow_files else 2
+
+    items.sort(key=rank)  # stable: collection order within a rank and within each file

@@ -208,21 +208,29 @@ def test_a_bad_chunk_refuses_the_whole_batch_before_any_sequence_moves(tiny):
     assert backend.cursors(1).kv_tokens == 2 and backend.cursors(2).kv_tokens == 1
 
 
-@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(cuts=st.lists(st.integers(min_value=1, max_value=43), max_size=8, unique=True))
-def test_any_chunking_gives_the_single_chunk_logits_bitwise(tiny, cuts):
-    """Chunk boundaries anywhere (inside QSA blocks, at EOS, width 1) never change a bit of the logits or
-    of the state left behind: a token's result depends on the token and its prefix alone."""
+@pytest.fixture(scope="module")
+def single_chunk(tiny):
+    """The 44-token prompt in one chunk: its logits and the state it leaves, computed once for every generated
+    chunking below (each example rebuilt this same deterministic reference before)."""
     ids = _prompt(44, 11)
     reference = CpuBackend(tiny, num_kv_blocks=3)
     whole = reference.forward([Chunk(0, ids, 0, range(3))])[0]
+    return ids, whole, reference.store.copy_state(0)
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(cuts=st.lists(st.integers(min_value=1, max_value=43), max_size=8, unique=True))
+def test_any_chunking_gives_the_single_chunk_logits_bitwise(tiny, single_chunk, cuts):
+    """Chunk boundaries anywhere (inside QSA blocks, at EOS, width 1) never change a bit of the logits or
+    of the state left behind: a token's result depends on the token and its prefix alone."""
+    ids, whole, want = single_chunk
     backend = CpuBackend(tiny, num_kv_blocks=3)
     bounds = [0, *sorted(cuts), len(ids)]
     rows = [
         backend.forward([Chunk(0, ids[a:b], a, range(3))])[0] for a, b in zip(bounds, bounds[1:], strict=False)
     ]
     assert torch.equal(torch.cat(rows), whole)
-    want, got = reference.store.copy_state(0), backend.store.copy_state(0)
+    got = backend.store.copy_state(0)
     for layer, state in want.gdn_recurrent.items():
         assert torch.equal(got.gdn_recurrent[layer], state) and torch.equal(got.gdn_conv[layer], want.gdn_conv[layer])
     for layer, state in want.ple_conv.items():

@@ -1,10 +1,11 @@
 """What a CUDA step picks from its logits: the sampled tokens (with their logprobs) and the prompt logprobs,
-on the device with one device->host copy each (CudaBackend._sample / _prompt_logprobs delegate here)."""
+on the device with one device->host copy each (CudaBackend._sample / _prompt_logprobs delegate here; `backend`
+is that CudaBackend, typed Any so that this module does not import the runner back)."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
 
@@ -12,11 +13,8 @@ from atlas.plan import PromptLogprob, SeqWork
 from atlas.sampling.keyed import RowBatch, logprobs, sample
 from atlas.sampling.params import SamplingParams
 
-if TYPE_CHECKING:
-    from atlas.backends.cuda.runner import CudaBackend
 
-
-def prompt_logprobs(backend: CudaBackend, w: SeqWork, rows: torch.Tensor) -> tuple[PromptLogprob, ...]:
+def prompt_logprobs(backend: Any, w: SeqWork, rows: torch.Tensor) -> tuple[PromptLogprob, ...]:
     """Each fed prompt token's logprob under the logits of the position before it (this chunk's rows, or the
     previous chunk's last row): one batched call and one copy (atlas.backends.cpu's reference semantics)."""
     tails = backend.store.prompt_tail
@@ -50,7 +48,7 @@ def prompt_logprobs(backend: CudaBackend, w: SeqWork, rows: torch.Tensor) -> tup
     return tuple(out)
 
 
-def sample_rows(backend: CudaBackend, work: Sequence[SeqWork], logits: dict[int, torch.Tensor]
+def sample_rows(backend: Any, work: Sequence[SeqWork], logits: dict[int, torch.Tensor]
                 ) -> dict[int, tuple[int, float | None, tuple[tuple[int, float], ...]]]:
     """The keyed sampler (atlas.sampling.keyed) on the device for every sampled row: decode rows replayed
     from a graph through the sampler graph, the rest (prefill ends, banned tokens, eager mode) in one

@@ -163,10 +163,10 @@ def test_the_library_conv_equals_the_windowed_product(dilation: int) -> None:
     assert float((got.float() - want.float()).norm() / want.float().norm()) < 1e-2
 
 
-@pytest.mark.skipif(DEVICE != "cuda", reason="Inductor on the GPU: the compiled regions and the compiled sampler")
-def test_compiled_regions_and_sampler_give_the_reference_tokens_on_the_gpu(tiny) -> None:  # type: ignore[no-untyped-def]
-    """fp32, CUDA graphs on: the regions and the seeded sampler's graph through torch.compile, against the CPU
-    reference (greedy and seeded rows side by side)."""
+@pytest.mark.skipif(DEVICE != "cuda", reason="Inductor on the GPU: the compiled regions")
+def test_compiled_regions_give_the_reference_tokens_on_the_gpu(tiny) -> None:  # type: ignore[no-untyped-def]
+    """fp32, CUDA graphs on: the regions through torch.compile, greedy and seeded rows side by side, against the
+    CPU reference."""
     from atlas.config import EngineConfig
     from atlas.engine.offline import generate
     from atlas.engine.records import RecordingSink

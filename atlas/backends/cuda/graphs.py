@@ -48,13 +48,9 @@ class _CapturedSampler:
 class DecodeGraphs:
     """`run(packed, shape) -> logits [B, vocab]` captured per shape and replayed."""
 
-    def __init__(self, run: Callable[[torch.Tensor, GroupShape], torch.Tensor], device: torch.device,
-                 sampler: Callable[..., torch.Tensor] = sample) -> None:
-        """`sampler`: atlas.sampling.keyed.sample, or its torch.compile'd form (Tuning.compile_decode: the
-        threshold's sort, casts, scan and compares fused around the sort and the keyed-draw kernel)."""
+    def __init__(self, run: Callable[[torch.Tensor, GroupShape], torch.Tensor], device: torch.device) -> None:
         self._run = run
         self._device = device
-        self._sampler = sampler
         self._graphs: dict[GroupShape, _Captured] = {}
         self._samplers: dict[tuple[GroupShape, str], _CapturedSampler] = {}
         self._pool = torch.cuda.graph_pool_handle()  # graphs replay one at a time: one memory pool
@@ -106,10 +102,10 @@ class DecodeGraphs:
         stream.wait_stream(torch.cuda.current_stream(self._device))
         with torch.cuda.stream(stream):
             for _ in range(2):
-                self._sampler(logits, Rows.unpack(rows, batch.sampled, batch.filtered))
+                sample(logits, Rows.unpack(rows, batch.sampled, batch.filtered))
         torch.cuda.current_stream(self._device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
-            tokens = self._sampler(logits, Rows.unpack(rows, batch.sampled, batch.filtered))
+            tokens = sample(logits, Rows.unpack(rows, batch.sampled, batch.filtered))
         self._samplers[key] = sampler = _CapturedSampler(graph, rows, tokens)
         return sampler

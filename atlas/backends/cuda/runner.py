@@ -27,7 +27,6 @@ from atlas.backends.base import (
 )
 from atlas.backends.cuda import picks, regions
 from atlas.backends.cuda.batch import Group, GroupShape, Row, pack_rows
-from atlas.backends.cuda.compiled import compiled
 from atlas.backends.cuda.faults import FaultGuard, probe_device
 from atlas.backends.cuda.graphs import DecodeGraphs, bucket
 from atlas.backends.cuda.layers import GdnKernel, forward_group, ple_context_update, prepare_weights
@@ -39,7 +38,6 @@ from atlas.config import Capacities
 from atlas.model.loader import LoadedModel
 from atlas.model.ngram import NgramTables, ngram_ids, ngram_tables
 from atlas.plan import BackendCursors, PromptLogprob, SeqOutcome, SeqWork, StepPlan, StepResult
-from atlas.sampling.keyed import sample
 
 # the backend name is what a trace records, so it names the whole mode and a replay rebuilds the same one:
 # "cuda" (bf16, fp32 recurrent state), "-fp32" the parity mode, "-invariant" batch-invariant decode
@@ -172,10 +170,7 @@ class CudaBackend:
             # stays torch: the Triton decode MoE (7.80 vs 6.87 ms at batch 1) and the fused hyper sites (10.16 ms)
             # were slower there
             self.tuning = Tuning(prefill_moe="triton")
-        # the decode's sampler graph through torch.compile with the decode's own compile knob (session 4: the
-        # seeded rows' threshold is ~20 small kernels around a vocabulary sort; fused, their launches go)
-        sampler = compiled(sample, self.tuning.compile_decode)
-        self.graphs = DecodeGraphs(self._decode_logits, self.device, sampler) if use_graphs else None
+        self.graphs = DecodeGraphs(self._decode_logits, self.device) if use_graphs else None
         # wide verifies ([B, K] groups) replayed from graphs of their own: every row's logits come back
         self.verify_graphs = DecodeGraphs(self._verify_logits, self.device) if use_graphs else None
         self._seqs = self.store.seqs

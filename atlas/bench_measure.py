@@ -167,10 +167,28 @@ def bench_decode(model: Any, batch: int, prompt_len: int = 140, steps: int = 40,
             "control_plane_share": (wall - execute) / wall, "steps_timed": len(decode)}
 
 
+def _profiled(run: Callable[[], Any], out: Path | None, name: str) -> dict[str, Any]:
+    """One already-warmed step `run()` under the profiler: wall time, kernel count, device time, the top kernels
+    (and the whole table as out/profile_{name}.txt)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA,
+                                            torch.profiler.ProfilerActivity.CPU]) as prof:
+        start = time.perf_counter()
+        run()
+        wall = (time.perf_counter() - start) * 1e3
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    by_kernel = [(e.key, e.device_time_total / 1e3) for e in prof.key_averages() if e.device_time_total > 0]
+    by_kernel.sort(key=lambda r: -r[1])
+    if out is not None:
+        (out / f"profile_{name}.txt").write_text(prof.key_averages().table(sort_by="cuda_time_total", row_limit=70))
+    return {"wall_ms": wall, "kernels": len(kernels), "device_ms": sum(e.device_time_total for e in kernels) / 1e3,
+            "top": by_kernel[:12]}
+
+
 def profile_steps(model: Any, out: Path | None, tuning: Any = None, label: str = "") -> dict[str, Any]:
-    """An eager 2048-token prefill and an eager batch-1 decode step under the profiler: device time by
-    kernel (largest first), how many kernels ran, and the step's wall time, so a missed goal says where
-    its time goes (launch-bound: many small kernels; or a few slow ones)."""
+    """An eager 2048-token prefill, an eager batch-1 and an eager batch-64 decode step under the profiler: device
+    time by kernel (largest first), how many kernels ran, and the step's wall time, so a missed goal says where
+    its time goes (launch-bound: many small kernels; or a few slow ones). Each is warmed on the step before (kernel
+    compiles, torch.compile's (re)compiles and autotuning, cuBLAS handles stay out of the profile)."""
     from atlas.backends.cuda.runner import CudaBackend
     from atlas.plan import SeqWork, StepPlan
 
@@ -179,29 +197,15 @@ def profile_steps(model: Any, out: Path | None, tuning: Any = None, label: str =
                           device=device, dtype=model.dtype, tuning=tuning)
     table = tuple(range(160))
     prompt = tuple(torch.randint(0, model.spec.vocab_size, (2048,)).tolist())
-    steps = {"prefill_2048": SeqWork(0, prompt, 0, table, True), "decode_b1": SeqWork(0, (9,), 2049, table, True)}
     result: dict[str, Any] = {}
-    for name, work in steps.items():
-        # warm: kernel compiles, torch.compile's (re)compiles and autotuning, cuBLAS handles stay out of the
-        # profile; the decode is warmed on the position before the profiled one (the same shape)
-        if name == "prefill_2048":
-            backend.execute(StepPlan(step=0, work=(work,)))
-            backend.reset(0)
-        else:
-            backend.execute(StepPlan(step=2, work=(SeqWork(0, (8,), 2048, table, True),)))
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA,
-                                                torch.profiler.ProfilerActivity.CPU]) as prof:
-            start = time.perf_counter()
-            backend.execute(StepPlan(step=1 if name == "prefill_2048" else 3, work=(work,)))
-            wall = (time.perf_counter() - start) * 1e3
-        kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-        by_kernel = [(e.key, e.device_time_total / 1e3) for e in prof.key_averages() if e.device_time_total > 0]
-        by_kernel.sort(key=lambda r: -r[1])
-        result[name] = {"wall_ms": wall, "kernels": len(kernels),
-                        "device_ms": sum(e.device_time_total for e in kernels) / 1e3, "top": by_kernel[:12]}
-        if out is not None:
-            (out / f"profile_{name}{label}.txt").write_text(prof.key_averages().table(sort_by="cuda_time_total", row_limit=70))
-    del backend
+    backend.execute(StepPlan(step=0, work=(SeqWork(0, prompt, 0, table, True),)))
+    backend.reset(0)
+    result["prefill_2048"] = _profiled(lambda b=backend: b.execute(StepPlan(1, (SeqWork(0, prompt, 0, table, True),))),
+                                       out, f"prefill_2048{label}")
+    backend.execute(StepPlan(step=2, work=(SeqWork(0, (8,), 2048, table, True),)))  # the decode's shape, warmed
+    result["decode_b1"] = _profiled(lambda b=backend: b.execute(StepPlan(3, (SeqWork(0, (9,), 2049, table, True),))),
+                                    out, f"decode_b1{label}")
+    del backend  # its pools back before the batch-64 backend's
     torch.cuda.empty_cache()
     result["decode_b64"] = _profile_wide_decode(model, out, tuning, label)
     return result
@@ -227,19 +231,7 @@ def _profile_wide_decode(model: Any, out: Path | None, tuning: Any, label: str, 
         return StepPlan(step=step, work=tuple(SeqWork(i, (7,), at, tables[i], True) for i in range(batch)))
 
     backend.execute(decode(batch, context))
-    torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA,
-                                            torch.profiler.ProfilerActivity.CPU]) as prof:
-        start = time.perf_counter()
-        backend.execute(decode(batch + 1, context + 1))
-        wall = (time.perf_counter() - start) * 1e3
-    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    by_kernel = [(e.key, e.device_time_total / 1e3) for e in prof.key_averages() if e.device_time_total > 0]
-    by_kernel.sort(key=lambda r: -r[1])
-    if out is not None:
-        (out / f"profile_decode_b{batch}{label}.txt").write_text(
-            prof.key_averages().table(sort_by="cuda_time_total", row_limit=70))
+    result = _profiled(lambda b=backend: b.execute(decode(batch + 1, context + 1)), out, f"decode_b{batch}{label}")
     del backend
     torch.cuda.empty_cache()
-    return {"wall_ms": wall, "kernels": len(kernels), "device_ms": sum(e.device_time_total for e in kernels) / 1e3,
-            "top": by_kernel[:12]}
+    return result

@@ -151,12 +151,17 @@ def causal_conv_pooled(pools: DevicePools, grp: Group, name: str, new: torch.Ten
                        dilation: int = 1, library: bool = False) -> torch.Tensor:
     """conv_step continuing each slot's state pools.state[name][slot] [C, S]; updates the state (and its stamp)
     in place, or with grp.shape.keep keeps the state after each column for the verify's commit."""
-    pool = pools.state[name]
-    state_len = pool.shape[-1]
-    out, cols = conv_step(pool[grp.slots], new, weight, dilation, library)
+    out, cols = conv_step(pools.state[name][grp.slots], new, weight, dilation, library)
+    put_conv(pools, grp, name, cols)
+    return out
+
+
+def put_conv(pools: DevicePools, grp: Group, name: str, cols: torch.Tensor) -> None:
+    """conv_step's columns [B, C, S + T] into the conv state `name` (its last S columns, and the stamp), or with
+    grp.shape.keep the state after each column for the verify's commit."""
+    state_len = pools.state[name].shape[-1]
     per_token = cols.unfold(-1, state_len, 1)[:, :, 1:].permute(2, 0, 1, 3) if grp.shape.keep else None
     pools.put(name, grp.slots, grp.positions, cols[:, :, -state_len:], per_token, grp.shape.keep, grp.ends)
-    return out
 
 
 def gdn_recurrence(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
@@ -205,17 +210,14 @@ def gdn_update(spec: ModelSpec, w: dict[str, torch.Tensor], pre: str, layer: int
     """gdn_in's parts -> the recurrence's output [B, T, nv, dv], writing the conv and recurrent state and their
     stamps at the group's slots (a wide verify keeps the state after each row instead)."""
     q, k, v, _z, beta_raw, a, cols = parts
-    name = f"conv{layer}"
-    state_len = pools.state[name].shape[-1]
-    per_token = cols.unfold(-1, state_len, 1)[:, :, 1:].permute(2, 0, 1, 3) if grp.shape.keep else None
-    pools.put(name, grp.slots, grp.positions, cols[:, :, -state_len:], per_token, grp.shape.keep, grp.ends)
+    put_conv(pools, grp, f"conv{layer}", cols)
     state_pool = pools.gdn_state[layer]
     if kernel is not None:  # the kernel computes the gates from the raw projections (decode: in-kernel)
         # the kernel writes the live state and its stamp itself (unless keep: then the kept rows, here)
         out, states = kernel(q, k, v, a, beta_raw, w[pre + "A_log"], w[pre + "dt_bias"], state_pool, grp.slots,
                              keep=grp.shape.keep, stamp=(pools.stamp[f"gdn{layer}"], grp.ends))
         if grp.shape.keep:
-            pools.put(f"gdn{layer}", grp.slots, grp.positions, None, states.transpose(0, 1), True)
+            pools.put(f"gdn{layer}", grp.slots, grp.positions, None, states.transpose(0, 1), True, grp.ends)
         return out
     acc = acc_dtype(v.dtype)
     nk, nv, dk = spec.gdn_k_heads, spec.gdn_v_heads, spec.gdn_k_dim
@@ -361,11 +363,17 @@ def attention_layer(spec: ModelSpec, w: dict[str, torch.Tensor], pre: str, layer
     q, gate, k, v, qk = attn_in(spec, x, w[pre + "fused_in.weight"], w[pre + "q_norm.weight"],
                                 w[pre + "k_norm.weight"], cos, sin)
     attn_write(spec, layer, k, v, qk, grp, pools)
-    qsa = spec.qsa is not None
-    return attn_core(spec, q, gate, qk, pools.keys[layer], pools.values[layer],
-                     pools.index_keys[layer] if qsa else None, grp.read_slots, grp.positions, w[pre + "o_proj.weight"],
-                     w.get(pre + "indexer.q_layernorm.weight"), w.get(pre + "indexer.k_layernorm.weight"), cos, sin,
+    return attn_core(spec, q, gate, qk, *attn_sources(spec, w, pre, layer, grp, pools), cos, sin,
                      grp.shape.qsa_select, sdpa)
+
+
+def attn_sources(spec: ModelSpec, w: dict[str, torch.Tensor], pre: str, layer: int, grp: Group,
+                 pools: DevicePools) -> tuple[torch.Tensor | None, ...]:
+    """attn_core's arguments after qk, up to cos: the layer's KV (and QSA raw-key) pools, the group's read slots
+    and positions, the output projection and the QSA norms (None without QSA)."""
+    return (pools.keys[layer], pools.values[layer], pools.index_keys[layer] if spec.qsa is not None else None,
+            grp.read_slots, grp.positions, w[pre + "o_proj.weight"], w.get(pre + "indexer.q_layernorm.weight"),
+            w.get(pre + "indexer.k_layernorm.weight"))
 
 
 def moe_router(moe: MoeSpec, x: torch.Tensor, fused_in: torch.Tensor, shared_down: torch.Tensor,

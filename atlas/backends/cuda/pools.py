@@ -177,15 +177,15 @@ class DevicePools:
         self.stamps[:, slots] = self.inter_stamps[rows, :, slots].T
 
     def put(self, name: str, slots: torch.Tensor, positions: torch.Tensor, final: torch.Tensor | None,
-            per_token: torch.Tensor | None, keep: bool, ends: torch.Tensor | None = None) -> None:
+            per_token: torch.Tensor | None, keep: bool, ends: torch.Tensor) -> None:
         """A group's update of per-slot state `name` at `slots`, with its stamps: the state after the group's last
-        token (`final` [B, ...], stamp end: `ends` [B] int32 if the caller has it), or with `keep` (a wide verify)
-        the state after each token (`per_token` [T, B, ...]) into inter[1..T], the live state untouched."""
+        token (`final` [B, ...], stamp `ends` [B] int32, the group's), or with `keep` (a wide verify) the state
+        after each token (`per_token` [T, B, ...]) into inter[1..T], the live state untouched."""
         if keep:  # kept by reference until the commit reads it (a graph's static tensor lives until its next replay)
             self.kept[name] = (per_token, (positions + 1).T.to(torch.int32), slots)  # type: ignore[assignment]
         else:
             self.state[name][slots] = final.to(self.state[name].dtype)  # type: ignore[union-attr]
-            self.stamp[name][slots] = (positions[:, -1] + 1).to(torch.int32) if ends is None else ends
+            self.stamp[name][slots] = ends
 
     # -- paged stamps ---------------------------------------------------------------------------------
 

@@ -33,6 +33,7 @@ from atlas.backends.cuda.layers import (
     GdnKernel,
     attn_core,
     attn_in,
+    attn_sources,
     attn_write,
     gdn_in,
     gdn_out,
@@ -48,7 +49,8 @@ from atlas.backends.cuda.tuning import Tuning
 from atlas.backends.ops import dense_mlp, hyper_inject, rope_table
 from atlas.model.spec import FULL_ATTENTION, ModelSpec
 
-Pending = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor] | None  # (routed, shared, inject) of an ffn
+# (routed, shared, inject) of the ffn not yet injected into the streams; all None before the first layer
+Pending = tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]
 
 
 def applies(spec: ModelSpec, grp: Group, tuning: Tuning, eager_moe: bool) -> bool:
@@ -65,7 +67,7 @@ def _site(spec: ModelSpec, streams: torch.Tensor, norm_w: torch.Tensor, down_w: 
     return x, inject
 
 
-def _settle(streams: torch.Tensor, routed: torch.Tensor | None, shared: torch.Tensor | None,
+def settle(streams: torch.Tensor, routed: torch.Tensor | None, shared: torch.Tensor | None,
             inject: torch.Tensor | None) -> torch.Tensor:
     """The previous ffn's output (routed + shared experts [R, H]) injected into the streams [B, T, hc*H]."""
     if routed is None:
@@ -80,7 +82,7 @@ def gdn_head(spec: ModelSpec, streams: torch.Tensor, routed: torch.Tensor | None
              fused_in: torch.Tensor, conv_w: torch.Tensor, conv_pool: torch.Tensor, slots: torch.Tensor
              ) -> tuple[torch.Tensor, ...]:
     """(streams, inject, *gdn_in's parts) of a GDN layer, the previous ffn settled first."""
-    streams = _settle(streams, routed, shared, inject_prev)
+    streams = settle(streams, routed, shared, inject_prev)
     x, inject = _site(spec, streams, norm_w, down_w, up_w)
     return (streams, inject, *gdn_in(spec, x, fused_in, conv_w, conv_pool[slots]))
 
@@ -90,7 +92,7 @@ def attn_head(spec: ModelSpec, streams: torch.Tensor, routed: torch.Tensor | Non
               fused_in: torch.Tensor, q_norm: torch.Tensor, k_norm: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
               ) -> tuple[torch.Tensor, ...]:
     """(streams, inject, q, gate, k, v, qk) of an attention layer, the previous ffn settled first."""
-    streams = _settle(streams, routed, shared, inject_prev)
+    streams = settle(streams, routed, shared, inject_prev)
     x, inject = _site(spec, streams, norm_w, down_w, up_w)
     return (streams, inject, *attn_in(spec, x, fused_in, q_norm, k_norm, cos, sin))
 
@@ -133,16 +135,11 @@ def attn_tail(spec: ModelSpec, streams: torch.Tensor, inject: torch.Tensor, q: t
     return _ffn_head(spec, streams, mixed, inject, norm_w, down_w, up_w, moe_in, shared_down, route)
 
 
-def settle(streams: torch.Tensor, routed: torch.Tensor | None, shared: torch.Tensor | None,
-           inject: torch.Tensor | None) -> torch.Tensor:
-    return _settle(streams, routed, shared, inject)
-
-
 def final_mix(spec: ModelSpec, streams: torch.Tensor, routed: torch.Tensor | None, shared: torch.Tensor | None,
               inject: torch.Tensor | None, norm_w: torch.Tensor, down_w: torch.Tensor, up_w: torch.Tensor
               ) -> torch.Tensor:
     """The last ffn settled, then the final mixer: the hidden states [B, T, H]."""
-    streams = _settle(streams, routed, shared, inject)
+    streams = settle(streams, routed, shared, inject)
     final, _ = hyper_block(streams, norm_w, down_w, up_w, spec.hc_count, spec.hidden_size, spec.hc_lowrank,
                            spec.rms_norm_eps, False)
     return final
@@ -161,10 +158,10 @@ def regions_stack(spec: ModelSpec, w: dict[str, torch.Tensor], pools: DevicePool
     route = tuning.moe == "triton"  # the routed kernels take the pairs' order counted in the tail region
     ple_layers = spec.ple.layers if spec.ple is not None else ()
     streams = torch.cat([w["embed_tokens.weight"][grp.tokens]] * spec.hc_count, dim=-1)
-    pending: Pending = None
+    pending: Pending = (None, None, None)
     for layer in range(spec.num_layers):
         pre = f"layers.{layer}."
-        routed, shared, inject_prev = pending if pending is not None else (None, None, None)
+        routed, shared, inject_prev = pending
         if layer in ple_layers:  # PLE keeps its own conv state: settle, add it eagerly, then the head
             assert grp.ngram_ids is not None
             streams = settle_c(streams, routed, shared, inject_prev)
@@ -183,11 +180,8 @@ def regions_stack(spec: ModelSpec, w: dict[str, torch.Tensor], pools: DevicePool
                                                         w[a + "fused_in.weight"], w[a + "q_norm.weight"],
                                                         w[a + "k_norm.weight"], cos, sin)
             attn_write(spec, layer, k, v, qk, grp, pools)
-            qsa = spec.qsa is not None
             streams, rows, inject, top_w, top_i, shared, pairs = tail_a(
-                spec, streams, inject, q, gate, qk, pools.keys[layer], pools.values[layer],
-                pools.index_keys[layer] if qsa else None, grp.read_slots, grp.positions, w[a + "o_proj.weight"],
-                w.get(a + "indexer.q_layernorm.weight"), w.get(a + "indexer.k_layernorm.weight"), cos, sin,
+                spec, streams, inject, q, gate, qk, *attn_sources(spec, w, a, layer, grp, pools), cos, sin,
                 grp.shape.qsa_select, sdpa, *ffn_site, *moe_w, route)
         else:
             g = pre + "linear_attn."
@@ -204,7 +198,7 @@ def regions_stack(spec: ModelSpec, w: dict[str, torch.Tensor], pools: DevicePool
         else:
             routed, shared = dense_mlp(w, pre + "mlp.", rows), None
         pending = (routed, shared, inject)
-    routed, shared, inject_prev = pending if pending is not None else (None, None, None)
+    routed, shared, inject_prev = pending
     final = final_c(spec, streams, routed, shared, inject_prev, w["hyper_connection_mixer.hc_norm.weight"],
                     w["hyper_connection_mixer.input_mix_weight_down.weight"],
                     w["hyper_connection_mixer.input_mix_weight_up.weight"])

@@ -49,11 +49,15 @@ class _Graph:
 
 
 class StampReader:
-    def __init__(self, pools: DevicePools, drafter: Any, *, table_blocks: int, graphs: bool) -> None:
+    def __init__(self, pools: DevicePools, drafter: Any, *, table_blocks: int, graphs: bool,
+                 kernel: bool | None = None) -> None:
         """`table_blocks`: the most blocks a sequence's table holds (kv_blocks_per_seq; a longer table grows
-        the device tables). `graphs`: replay the summary from CUDA graphs (a CUDA device)."""
+        the device tables). `graphs`: replay the summary from CUDA graphs (a CUDA device). `kernel`: the summary as
+        one Triton kernel (atlas_kernels.stamp_summary) instead of ~20 torch ops; default: on a CUDA device
+        where atlas_kernels imports (on a CPU only under TRITON_INTERPRET=1, tests)."""
         self.pools, self.drafter = pools, drafter
         self.use_graphs = graphs and pools.device.type == "cuda"
+        self.kernel = _summary_kernel() if (pools.device.type == "cuda" if kernel is None else kernel) else None
         dev, slots = pools.device, pools.state_slots
         self.bs = pools.block_size
         self._alloc(max(1, table_blocks))
@@ -159,6 +163,10 @@ class StampReader:
         pools, bs = self.pools, self.bs
         if delta:
             self.tables.view(-1).index_copy_(0, self.delta[:, 0], self.delta[:, 1])
+        if self.kernel is not None and (pools.paged_kinds or pools.names):  # one launch (the same layout)
+            return self.kernel(self.tables, pools.paged_pos, pools.stamps,
+                               self.drafter.pos if self.drafter is not None else None, hi=hi, width=width,
+                               block_size=bs)
         parts: list[torch.Tensor] = []
         if pools.paged_kinds:
             span = width * bs
@@ -272,6 +280,15 @@ class StampReader:
         drafter = row[-1] if g["drafter"] else 0
         return BackendCursors(kv_tokens=kv, qsa_ingested=qsa, ssm_position=ssm, ple_position=ple,
                               drafter_rows=drafter, stamps=tuple(zip(self.kinds, self.layers, row, strict=True)))
+
+
+def _summary_kernel() -> Any:
+    """atlas_kernels.stamp_summary.stamp_summary, or None where the kernels do not import."""
+    try:
+        from atlas_kernels.stamp_summary import stamp_summary
+    except ImportError:
+        return None
+    return stamp_summary
 
 
 def _leading_run(match: torch.Tensor) -> torch.Tensor:

@@ -179,7 +179,9 @@ def check_chunk(chunk: ChunkLike, vocab_size: int, held: int) -> None:
     start other than 0 (a fresh sequence) or the `held` tokens the backend has for the sequence."""
     if not chunk.tokens:
         raise ValueError(f"sequence {chunk.seq_id}: empty chunk at position {chunk.start}")
-    bad = [t for t in chunk.tokens if not 0 <= t < vocab_size]
+    tokens = chunk.tokens
+    # min/max first (C speed: a batch-64 decode step checks 64 chunks); the list only to name the bad ids
+    bad = [t for t in tokens if not 0 <= t < vocab_size] if min(tokens) < 0 or max(tokens) >= vocab_size else []
     if bad:
         raise ValueError(f"sequence {chunk.seq_id}: token ids {bad[:5]} outside the vocabulary [0, {vocab_size})")
     if chunk.start != 0 and chunk.start != held:

@@ -8,6 +8,7 @@ a fixed-shape function of that one buffer and can be captured in a CUDA graph.
 from __future__ import annotations
 
 import attrs
+import numpy as np
 import torch
 
 
@@ -25,11 +26,15 @@ class GroupShape:
     pending: bool = False
     # a wide verify: per-slot state after each row goes to the pools' `inter`, the live state is left as it was
     keep: bool = False
+    # a decode group (T = 1) whose PLE n-gram ids are computed on the device from its slots' n-gram context
+    # (layers.device_ngram_ids, inside the decode graph) instead of packed by the host: no ids columns
+    ngram_on_device: bool = False
 
     @property
     def columns(self) -> int:
-        # tokens, start, slot, sentinel, block table, n-gram ids
-        return self.width + 3 + self.key_blocks + self.ple_layers * self.width * self.ngram_heads
+        # tokens, start, slot, sentinel, block table, n-gram ids (none when the device computes them)
+        ids = 0 if self.ngram_on_device else self.ple_layers * self.width * self.ngram_heads
+        return self.width + 3 + self.key_blocks + ids
 
 
 @attrs.frozen
@@ -65,7 +70,7 @@ class Group:
         sentinel = packed[:, t + 2]
         table = packed[:, t + 3 : t + 3 + kb]
         ngram = None
-        if shape.ple_layers:
+        if shape.ple_layers and not shape.ngram_on_device:  # (on the device: filled in by the runner's group)
             ngram = packed[:, t + 3 + kb :].reshape(b, shape.ple_layers, t, shape.ngram_heads).transpose(0, 1)
         positions = start[:, None] + torch.arange(t, device=packed.device)[None, :]
         write = table.gather(1, positions // block_size) * block_size + positions % block_size
@@ -95,14 +100,18 @@ def pack_rows(shape: GroupShape, rows: list[Row], scratch_slots: tuple[int, ...]
     padded to shape.batch with scratch rows: each its own scratch state slot (kernels require distinct
     slots in one launch), all writing KV into the scratch block."""
     kb = shape.key_blocks
-    out = []
+    out: list[int] = []  # one flat list, then numpy: torch.tensor of nested int lists is ~2x slower (64 x 16 ids)
+    put = out.extend
     scratch = scratch_block * block_size
     for tokens, start, slot, table, ngram in rows:
-        sentinel = sentinel_slot(table, start + len(tokens), block_size, scratch_block)
-        table = list(table[:kb]) + [scratch_block] * (kb - min(kb, len(table)))
-        flat = [i for layer in ngram for i in layer]
-        out.append([*tokens, start, slot, sentinel, *table, *flat])
+        put(tokens)
+        put((start, slot, sentinel_slot(table, start + len(tokens), block_size, scratch_block)))
+        put(table[:kb])
+        if len(table) < kb:
+            put([scratch_block] * (kb - len(table)))
+        for layer in ngram:
+            put(layer)
+    ids = 0 if shape.ngram_on_device else shape.ple_layers * shape.width * shape.ngram_heads
     for i in range(shape.batch - len(rows)):
-        pad = [0] * shape.width + [0, scratch_slots[i], scratch] + [scratch_block] * kb
-        out.append(pad + [0] * (shape.ple_layers * shape.width * shape.ngram_heads))
-    return torch.tensor(out, dtype=torch.long)
+        put([0] * shape.width + [0, scratch_slots[i], scratch] + [scratch_block] * kb + [0] * ids)
+    return torch.from_numpy(np.array(out, dtype=np.int64).reshape(shape.batch, shape.columns))

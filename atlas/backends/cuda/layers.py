@@ -9,7 +9,7 @@ path (`eager_moe=False`), so a decode group can be captured in a CUDA graph.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -21,7 +21,7 @@ from atlas.backends.cuda.pools import DevicePools
 from atlas.backends.cuda.tuning import Tuning
 from atlas.backends.decoder import decoder_stack
 from atlas.backends.ops import acc_dtype, apply_rope, dense_mlp, l2_normalise, rope_table
-from atlas.model.spec import FULL_ATTENTION, ModelSpec, MoeSpec
+from atlas.model.spec import FULL_ATTENTION, ModelSpec, MoeSpec, PleSpec
 
 # (q, k, v, a, b, A_log, dt_bias, state_pool, slots) -> out [B, T, Hv, dv]; q/k [B, T, Hk, dk] raw (the
 # kernel l2-normalises and scales), a/b the raw gate projections [B, T, Hv]. None: the torch loop below.
@@ -466,6 +466,37 @@ def ple_layer(spec: ModelSpec, w: dict[str, torch.Tensor], pre: str, streams: to
     conv = causal_conv_pooled(pools, grp, f"pconv{layer}", normed.transpose(1, 2), w[pre + "conv1d.weight"],
                               dilation=spec.ple.ngram_size, library=library_conv)
     return gated + F.silu(conv).transpose(1, 2)
+
+
+def device_ngram_ids(pools: DevicePools, grp: Group, ple: PleSpec, tables: Sequence[tuple[torch.Tensor, ...]]
+                     ) -> torch.Tensor:
+    """[P, B, 1, heads] int64: the PLE n-gram ids of a decode group's tokens (T = 1), from each slot's n-gram
+    context on the device (pools "pctx", the last context_len ids) continued by the token: what
+    atlas.model.ngram.ngram_ids gives for the last position of context + token (the token `order - 1` back, or
+    EOS when an EOS lies between; int64 arithmetic as there). `tables`: per PLE layer (multipliers, head vocab
+    sizes, head offsets) as device int64 tensors. Replaces the host's per-row Python ids (H200, session 5:
+    2,048 `_ngram_one` calls a batch-64 step, ~0.4 ms of host time before the graph could launch)."""
+    ctx = pools.state["pctx"][grp.slots]  # [B, L]
+    length = ctx.shape[1]
+    if length < ple.ngram_size - 1:
+        raise ValueError(f"the PLE context holds {length} ids; n-grams of {ple.ngram_size} need {ple.ngram_size - 1}")
+    history = torch.cat([ctx, grp.tokens[:, -1:]], dim=1)  # [B, L + 1]; the token at index L
+    eos = ple.eos_token_id
+    shifted = [history[:, length]]
+    for back in range(1, ple.ngram_size):  # the token `back` positions before, or EOS past an EOS
+        window = history[:, length - back : length]
+        shifted.append(torch.where((window == eos).any(dim=1), eos, history[:, length - back]))
+    out = []
+    for mult, sizes, offsets in tables:
+        mixed = shifted[0] * mult[0]
+        blocks = []
+        for order in range(2, ple.ngram_size + 1):
+            mixed = torch.bitwise_xor(mixed, shifted[order - 1] * mult[order - 1])
+            lo = (order - 2) * ple.heads_per_ngram
+            blocks.append(torch.remainder(mixed[:, None], sizes[lo : lo + ple.heads_per_ngram])
+                          + offsets[lo : lo + ple.heads_per_ngram])
+        out.append(torch.cat(blocks, dim=1))
+    return torch.stack(out)[:, :, None, :]
 
 
 def ple_context_update(pools: DevicePools, grp: Group) -> None:

@@ -29,7 +29,13 @@ from atlas.backends.cuda import picks, regions
 from atlas.backends.cuda.batch import Group, GroupShape, Row, pack_rows
 from atlas.backends.cuda.faults import FaultGuard, probe_device
 from atlas.backends.cuda.graphs import DecodeGraphs, bucket
-from atlas.backends.cuda.layers import GdnKernel, forward_group, ple_context_update, prepare_weights
+from atlas.backends.cuda.layers import (
+    GdnKernel,
+    device_ngram_ids,
+    forward_group,
+    ple_context_update,
+    prepare_weights,
+)
 from atlas.backends.cuda.pools import DevicePools
 from atlas.backends.cuda.store import CudaStateStore, SeqState
 from atlas.backends.cuda.tuning import Tuning
@@ -181,6 +187,9 @@ class CudaBackend:
         self._kept_out: dict[GroupShape, dict] = {}
         self._ple_tables = ([ngram_tables(spec.ple, spec.vocab_size, r) for r in range(len(spec.ple.layers))]
                             if spec.ple is not None else [])
+        # the same tables on the device, for a decode group's ids computed there (layers.device_ngram_ids)
+        self._ple_tables_dev = [tuple(torch.tensor(v, dtype=torch.long, device=self.device) for v in
+                                      (t.multipliers, t.head_vocab_sizes, t.head_offsets)) for t in self._ple_tables]
         # verify rows get their own QSA selection (qsa_selection masks per row by the row's own position), so a
         # verify across the inert bound is exact
         self.capabilities = Capabilities(
@@ -243,7 +252,8 @@ class CudaBackend:
         qsa = self.spec.qsa
         return GroupShape(batch=batch, width=width, key_blocks=-(-end // self.block_size),
                           qsa_select=qsa is not None and end > qsa.inert_bound,
-                          ngram_heads=ple.num_heads if ple else 0, ple_layers=len(ple.layers) if ple else 0)
+                          ngram_heads=ple.num_heads if ple else 0, ple_layers=len(ple.layers) if ple else 0,
+                          ngram_on_device=ple is not None and width == 1)
 
     def _ngram_rows(self, state: SeqState, tokens: Sequence[int]) -> list[list[int]]:
         """Per PLE layer, the n-gram ids of `tokens` continuing the sequence's context, flattened."""
@@ -256,9 +266,11 @@ class CudaBackend:
         hist = torch.tensor(history, dtype=torch.long)
         return [ngram_ids(hist, len(tokens), ple, t).flatten().tolist() for t in self._ple_tables]
 
-    def _row(self, chunk: ChunkLike) -> Row:
+    def _row(self, chunk: ChunkLike, ngram: bool = True) -> Row:
+        """The chunk's packed row; `ngram` False: without its n-gram ids (the device computes them)."""
         state = self._seqs[chunk.seq_id]
-        return (list(chunk.tokens), chunk.start, state.slot, list(chunk.block_table), self._ngram_rows(state, chunk.tokens))
+        return (list(chunk.tokens), chunk.start, state.slot, list(chunk.block_table),
+                self._ngram_rows(state, chunk.tokens) if ngram else [])
 
     def _advance(self, chunk: ChunkLike) -> None:
         state = self._seqs[chunk.seq_id]
@@ -269,6 +281,9 @@ class CudaBackend:
 
     def _run_group(self, packed: torch.Tensor, shape: GroupShape) -> torch.Tensor:
         grp = Group.view(packed, shape, self.block_size)
+        if shape.ngram_on_device:
+            assert self.spec.ple is not None
+            grp = attrs.evolve(grp, ngram_ids=device_ngram_ids(self.pools, grp, self.spec.ple, self._ple_tables_dev))
         # decode groups take graph-capturable paths; prefill groups run eagerly (tuning.prefill_moe may sync)
         eager = shape.width > 1 and not shape.pending
         if regions.applies(self.spec, grp, self.tuning, eager):
@@ -311,7 +326,7 @@ class CudaBackend:
         if len(table) < needed:
             raise ValueError(f"block table has {len(chunk.block_table)} blocks; positions up to {end} need {needed} "
                              f"of block_size {self.block_size}")
-        if any(not 0 <= b < self.pools.num_kv_blocks for b in table):
+        if table and (min(table) < 0 or max(table) >= self.pools.num_kv_blocks):
             raise ValueError(f"block table {list(table)} names a block outside [0, {self.pools.num_kv_blocks})")
 
     def _prepare(self, chunks: Sequence[ChunkLike]) -> None:
@@ -353,7 +368,7 @@ class CudaBackend:
                 shape = attrs.evolve(shape, batch=bucket(self.max_batch_size), key_blocks=self.max_blocks_per_seq)
             elif width == 1 and self.graphs is not None:
                 shape = attrs.evolve(shape, batch=bucket(len(members)), key_blocks=bucket(shape.key_blocks, 4))
-            rows = [self._row(c) for c in members]
+            rows = [self._row(c, not shape.ngram_on_device) for c in members]
             packed = pack_rows(shape, rows, self.pools.scratch_slots, self.pools.scratch_block, self.block_size)
             if width == 1 and self.graphs is not None:
                 host = packed.pin_memory() if self.device.type == "cuda" else packed
@@ -382,7 +397,7 @@ class CudaBackend:
             out = []
             for chunk in chunks:
                 shape = self._shape(1, len(chunk.tokens), chunk.start + len(chunk.tokens))
-                packed = pack_rows(shape, [self._row(chunk)], self.pools.scratch_slots, self.pools.scratch_block,
+                packed = pack_rows(shape, [self._row(chunk, not shape.ngram_on_device)], self.pools.scratch_slots, self.pools.scratch_block,
                                    self.block_size)
                 out.append(self._run_group(packed.to(self.device), shape)[0])
                 self._advance(chunk)

@@ -87,7 +87,9 @@ def _feed(backend: Any, members: list[SeqWork], width: int) -> tuple[torch.Tenso
     for t in range(width):
         sub = [([tokens[t]], start + t, slot, table, [layer[t * heads : (t + 1) * heads] for layer in ngram])
                for tokens, start, slot, table, ngram in rows]
-        shape = attrs.evolve(backend._shape(n, 1, max(w.start + t + 1 for w in members)), pending=True)
+        # the host's ids (each row's own, from the context the verify's earlier rows continued)
+        shape = attrs.evolve(backend._shape(n, 1, max(w.start + t + 1 for w in members)), pending=True,
+                             ngram_on_device=False)
         if backend.batch_invariant:
             shape = attrs.evolve(shape, batch=bucket(backend.max_batch_size), key_blocks=backend.max_blocks_per_seq)
         elif backend.graphs is not None:

@@ -23,53 +23,53 @@ from atlas_kernels import _interpreter_compat  # noqa: F401  (CPU interpreter fi
 
 
 @triton.jit
-def _leading(first, values, want, ok):
-    """min(first, the least `want` where ok fails or values != want)."""
-    span_bad = tl.where(ok & (values == want), 2147483647, want)
-    return tl.minimum(first, tl.min(span_bad, axis=0))
-
-
-@triton.jit
 def _stamp_summary_kernel(
     tables_ptr, table_stride, pos_ptr, pos_kind_stride, stamps_ptr, slots_total, drafter_ptr, drafter_cap,
     out_ptr, out_stride, span,
-    A: tl.constexpr, S: tl.constexpr, SP: tl.constexpr, BS: tl.constexpr, BLOCK: tl.constexpr,
+    A: tl.constexpr, AP: tl.constexpr, S: tl.constexpr, SP: tl.constexpr, BS: tl.constexpr, BLOCK: tl.constexpr,
     HAS_DRAFTER: tl.constexpr,
 ):
+    # every paged kind's run in one [AP, BLOCK] tile a chunk of positions (one table load, one dependent load of
+    # all kinds' rows), not a kind at a time: the program's time is its chain of dependent loads
     r = tl.program_id(0)
     row = tables_ptr + r.to(tl.int64) * table_stride
     length = tl.load(row).to(tl.int32)
     offs = tl.arange(0, BLOCK)
-    least = 2147483647
-    greatest = -2147483647 - 1
-    for a in tl.static_range(A):
-        first = span
+    kinds = tl.arange(0, AP)
+    big = 2147483647
+    least = big
+    greatest = -big - 1
+    if A > 0:
+        first = tl.full([AP], big, tl.int32)
         for c0 in range(0, span, BLOCK):
             p = c0 + offs
             inb = p < span
             blk = tl.load(row + 1 + p // BS, mask=inb, other=0)
-            got = tl.load(pos_ptr + a * pos_kind_stride + blk * BS + p % BS, mask=inb, other=-1)
-            first = _leading(first, got, p, inb & (p < length))
-        first = tl.minimum(first, span)
-        tl.store(out_ptr + r * out_stride + a, first)
-        least = tl.minimum(least, first)
-        greatest = tl.maximum(greatest, first)
+            cell = blk * BS + p % BS
+            ok = (kinds < A)[:, None] & inb[None, :]
+            got = tl.load(pos_ptr + kinds[:, None] * pos_kind_stride + cell[None, :], mask=ok, other=-1)
+            bad = (got != p[None, :]) | (p >= length)[None, :]
+            first = tl.minimum(first, tl.min(tl.where(bad & inb[None, :], p[None, :], big), axis=1))
+        first = tl.minimum(first, span)  # a run with no failure below the span is the span
+        tl.store(out_ptr + r * out_stride + kinds, first, mask=kinds < A)
+        least = tl.min(tl.where(kinds < A, first, big), axis=0)
+        greatest = tl.max(tl.where(kinds < A, first, -big - 1), axis=0)
     if S > 0:
         so = tl.arange(0, SP)
         st = tl.load(stamps_ptr + so * slots_total + r, mask=so < S, other=0)
         tl.store(out_ptr + r * out_stride + A + so, st, mask=so < S)
-        least = tl.minimum(least, tl.min(tl.where(so < S, st, 2147483647), axis=0))
-        greatest = tl.maximum(greatest, tl.max(tl.where(so < S, st, -2147483647 - 1), axis=0))
+        least = tl.minimum(least, tl.min(tl.where(so < S, st, big), axis=0))
+        greatest = tl.maximum(greatest, tl.max(tl.where(so < S, st, -big - 1), axis=0))
     col = A + S
     if HAS_DRAFTER:
-        first = drafter_cap
+        run = drafter_cap
         drow = drafter_ptr + r.to(tl.int64) * drafter_cap
         for c0 in range(0, drafter_cap, BLOCK):
             p = c0 + offs
             inb = p < drafter_cap
             got = tl.load(drow + p, mask=inb, other=-1)
-            first = _leading(first, got, p, inb)
-        tl.store(out_ptr + r * out_stride + col, tl.minimum(first, drafter_cap))
+            run = tl.minimum(run, tl.min(tl.where(inb & (got != p), p, big), axis=0))
+        tl.store(out_ptr + r * out_stride + col, run)
         col += 1
     tl.store(out_ptr + r * out_stride + col, least)
     tl.store(out_ptr + r * out_stride + col + 1, greatest)
@@ -100,6 +100,7 @@ def stamp_summary(tables: torch.Tensor, paged_pos: torch.Tensor, stamps: torch.T
     _stamp_summary_kernel[(hi,)](
         tables, tables.shape[1], paged_pos, paged_pos.shape[1] * paged_pos.shape[2], stamps, stamps.shape[1],
         drafter_pos if dr else stamps, drafter_pos.shape[1] if dr else 0, out, cols, width * block_size,
-        A=a, S=s, SP=triton.next_power_of_2(max(s, 1)), BS=block_size, BLOCK=256, HAS_DRAFTER=dr,
+        A=a, AP=triton.next_power_of_2(max(a, 1)), S=s, SP=triton.next_power_of_2(max(s, 1)), BS=block_size,
+        BLOCK=max(16, min(256, 4096 // triton.next_power_of_2(max(a, 1)))), HAS_DRAFTER=dr,
     )
     return out

@@ -175,6 +175,24 @@ def test_more_table_changes_than_a_replay_takes_are_applied_first() -> None:
     assert store.read_cursors([0]) == store.read_cursors_reference([0]) and store.read_cursors([0])[0].kv_tokens == 8
 
 
+def test_a_table_past_the_device_rows_resends_every_asked_sequence() -> None:
+    """One sequence's table outgrows the device rows (they are widened and cleared): the read re-sends every
+    asked sequence's table, also those whose tables did not change since the last read."""
+    for graphs in (False, True):
+        backend = CudaBackend(TINY, num_kv_blocks=60, block_size=4, dtype=torch.float32, max_batch_size=2,
+                              device="cpu", cuda_graphs=False, max_blocks_per_seq=4)
+        store = backend.store
+        if graphs:
+            graph_path(store)
+        backend.execute(StepPlan(0, (SeqWork(0, tuple(range(6)), 0, (3, 4), True),
+                                     SeqWork(1, tuple(range(7)), 0, (5, 6), True))))
+        assert [c.kv_tokens for c in store.read_cursors([0, 1]).values()] == [6, 7]
+        cols = store.reader.cols
+        store.seqs[0].table = (3, 4) + tuple(range(20, 20 + cols))  # past the rows; sequence 1 unchanged
+        assert store.read_cursors([0, 1]) == store.read_cursors_reference([0, 1])
+        assert store.reader.cols > cols and store.read_cursors([1])[1].kv_tokens == 7
+
+
 def test_a_healthy_sequences_cursors_are_shared_and_a_damaged_ones_named() -> None:
     backend = _backend(False)
     store = backend.store

@@ -7,13 +7,14 @@ eager) against the reference read. Interpreted without a GPU (TRITON_INTERPRET=1
 from __future__ import annotations
 
 import os
-
-os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the kernels' import
-
 import random
 
-import pytest
 import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the kernels' import
+
+import pytest
 from test_cuda_stamps_read import _backend, _scramble, graph_path
 
 from atlas.backends.cuda.stamp_read import _summary_kernel
@@ -21,6 +22,8 @@ from atlas.plan import SeqWork, StepPlan
 
 KERNEL = _summary_kernel()
 pytestmark = pytest.mark.skipif(KERNEL is None, reason="atlas_kernels (triton) does not import here")
+# the backends of test_cuda_stamps_read live on the CPU; on a GPU the compiled kernel reads copies of their tensors
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def _live(backend, rng: random.Random, round_: int) -> None:
@@ -56,14 +59,16 @@ def test_the_kernel_equals_the_torch_summary_on_random_states(drafter: bool) -> 
         hi = (max(s.slot for s in states) + 1, reader.pools.state_slots)[round_ % 2]  # the asked bound, all slots
         for width in sorted({1 + round_ % 3, max(len(s.table) for s in states) or 1, reader.cols}):
             want = reader._summary(hi, width, delta=False)
-            got = KERNEL(reader.tables, reader.pools.paged_pos, reader.pools.stamps,
-                         backend.drafter.pos if backend.drafter is not None else None, hi=hi, width=width,
-                         block_size=reader.bs)
+            got = KERNEL(reader.tables.to(DEV), reader.pools.paged_pos.to(DEV), reader.pools.stamps.to(DEV),
+                         backend.drafter.pos.to(DEV) if backend.drafter is not None else None, hi=hi, width=width,
+                         block_size=reader.bs).cpu()
             assert got.dtype == want.dtype and torch.equal(got, want), (round_, hi, width)
             compared += 1
     assert compared >= 12
 
 
+@pytest.mark.skipif(DEV == "cuda", reason="a CPU store's read through the interpreted kernel (on a GPU: "
+                    "tests/test_cuda_stamps_read.py's graph read runs the compiled one)")
 @pytest.mark.parametrize("graphs", [False, True])
 def test_the_read_with_the_kernel_equals_the_reference(graphs: bool) -> None:
     backend = _backend(True)
@@ -84,5 +89,5 @@ def test_the_kernel_refuses_a_width_past_the_tables() -> None:
     backend = _backend(False)
     reader = backend.store.reader
     with pytest.raises(ValueError, match="width 99 is past the tables' 12 block columns"):
-        KERNEL(reader.tables, reader.pools.paged_pos, reader.pools.stamps, None, hi=1, width=99,
-               block_size=reader.bs)
+        KERNEL(reader.tables.to(DEV), reader.pools.paged_pos.to(DEV), reader.pools.stamps.to(DEV), None, hi=1,
+               width=99, block_size=reader.bs)

@@ -100,8 +100,9 @@ class StampReader:
 
     # -- the device tables --------------------------------------------------------------------------
 
-    def _entries(self, states: Sequence[Any]) -> list[tuple[int, int]]:
-        """(flat cell, value) of every table cell that changed since the last read, the synced record moved."""
+    def _entries(self, states: Sequence[Any], asked: Sequence[Any] | None = None) -> list[tuple[int, int]]:
+        """(flat cell, value) of every table cell of `states` that changed since the last read, the synced record
+        moved. `asked`: every state the read asks about (after a grow every device row is re-sent: all of them)."""
         out: list[tuple[int, int]] = []
         width = self.cols + 1
         for s in states:
@@ -110,7 +111,7 @@ class StampReader:
                 continue
             if len(new) > self.cols:
                 self._grow(len(new))
-                return self._entries(states)
+                return self._entries(asked if asked is not None else states)
             same = len(old) if len(old) <= len(new) and new[: len(old)] == old else 0  # a decode appends a block
             base = s.slot * width
             if len(old) != len(new):
@@ -208,10 +209,19 @@ class StampReader:
     def read(self, states: Sequence[Any], drafter_held: Sequence[bool]) -> list[BackendCursors]:
         """Each state's BackendCursors, from one device computation and one device->host copy. `states`: the
         store's SeqState of each live sequence asked about; `drafter_held`: whether the drafter holds it."""
-        self._apply(self._entries(states))
-        slots = [s.slot for s in states]
+        # one pass: the slots, the widest table, the states whose table changed since the last read
+        synced, slots, changed, width = self.synced, [], [], 1
+        for s in states:
+            slots.append(s.slot)
+            table = s.table
+            if len(table) > width:
+                width = len(table)
+            old = synced[s.slot]
+            if old is not table and old != table:
+                changed.append(s)
+        if changed:
+            self._apply(self._entries(changed, states))
         hi = max(slots) + 1
-        width = max(1, max([len(s.table) for s in states]))
         t0 = time.perf_counter()
         if self.use_graphs:  # bucketed: a graph per (slots, width) bucket
             key = (min(bucket(hi), self.pools.state_slots), min(bucket(width, 4), self.cols))

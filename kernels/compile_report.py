@@ -30,6 +30,7 @@ from atlas_kernels import (
     norms,
     paged_attention,
     qsa,
+    stamp_summary,
 )
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
@@ -221,12 +222,22 @@ def hyper_cases() -> list[CompileReport]:
     ]
 
 
+def stamp_summary_case() -> CompileReport:
+    # the benchmark model: 12 paged kinds (KV + QSA keys of 6 attention layers), 38 per-slot stamps, the drafter
+    types = dict(tables_ptr="*i64", table_stride="i32", pos_ptr="*i32", pos_kind_stride="i32", stamps_ptr="*i32",
+                 slots_total="i32", drafter_ptr="*i32", drafter_cap="i32", out_ptr="*i32", out_stride="i32",
+                 span="i32")
+    return compile_for_hopper(stamp_summary._stamp_summary_kernel, types,
+                              dict(A=12, AP=16, S=38, SP=64, BS=16, BLOCK=256, HAS_DRAFTER=True), 4,
+                              "12 paged kinds, 38 stamps, drafter")
+
+
 def all_reports() -> list[CompileReport]:
     """The kernels at the benchmark model's (qwen4exp-2p7b) sizes, in the configurations the wrappers pick."""
     return [gdn_recurrent_case(), gdn_recurrent_case(64, store_states=True, fused_gating=True), gdn_chunk_case(),
             *gdn_chunk_split_cases(), conv_case(),
             *attention_cases(), *qsa_cases(), *norm_cases(), *keyed_sample_cases(),
-            *moe_cases(), *hyper_cases()]
+            *moe_cases(), *hyper_cases(), stamp_summary_case()]
 
 
 def main() -> None:

@@ -193,6 +193,25 @@ def test_a_table_past_the_device_rows_resends_every_asked_sequence() -> None:
         assert store.reader.cols > cols and store.read_cursors([1])[1].kv_tokens == 7
 
 
+def test_a_prefetched_read_serves_its_own_read_only() -> None:
+    """A plain step starts its stamp read behind the forward (store.prefetch); the read it serves must equal a
+    fresh one, a store write in between drops it, and a read of other sequences ignores it."""
+    backend = _backend(False)
+    store = backend.store
+    backend.execute(StepPlan(0, (SeqWork(0, tuple(range(6)), 0, (3, 4), True), SeqWork(1, tuple(range(5)), 0, (5, 6),
+                                                                                      True))))
+    assert store.reads.prefetch_seconds > 0 and store._launched is None  # started early, then used by the step
+    store.prefetch([0, 1])
+    assert store.read_cursors([0, 1]) == store.read_cursors_reference([0, 1])
+    store.prefetch([0, 1])
+    store.reset(0)  # a write through the store: the started read is stale
+    assert store._launched is None
+    got = store.read_cursors([0, 1])
+    assert got == store.read_cursors_reference([0, 1]) and got[0].kv_tokens == 0 and got[1].kv_tokens == 5
+    store.prefetch([1])
+    assert store.read_cursors([0, 1]) == store.read_cursors_reference([0, 1])  # other ids: read anew
+
+
 def test_a_healthy_sequences_cursors_are_shared_and_a_damaged_ones_named() -> None:
     backend = _backend(False)
     store = backend.store

@@ -428,6 +428,12 @@ class CudaBackend:
             self._prepare(plain)
             scored = {i for i, w in enumerate(plain) if w.prompt_logprobs is not None}
             logits = self._last_logits(plain, scored)
+            in_work = set(ends)
+            read = [w.seq_id for w in plan.work] + [s for s in done.restored if s not in in_work]
+            if not verifies and not plan.snapshots and self.drafter is None:
+                # nothing after the sampler writes state: the stamp read starts now, behind the forward on the
+                # stream, so its launch overlaps the forward and the sampler's token copy waits for its copy too
+                store.prefetch(read)
             picked = self._sample(plain, logits)
             results: dict[int, dict] = {}
             for i, w in enumerate(plain):
@@ -448,9 +454,7 @@ class CudaBackend:
                         and results[w.seq_id].get("refused") is None]
                 for seq_id, drafts in self.drafter.propose(asks).items():
                     results[seq_id]["drafts"] = drafts
-            in_work = set(ends)
-            cursors = store.read_cursors([w.seq_id for w in plan.work]
-                                         + [s for s in done.restored if s not in in_work])
+            cursors = store.read_cursors(read)
             outcomes = []
             for w in plan.work:
                 if w.seq_id in done.refused:

@@ -206,9 +206,10 @@ class StampReader:
         self._graphs[key] = g = _Graph(graph, out)
         return g
 
-    def read(self, states: Sequence[Any], drafter_held: Sequence[bool]) -> list[BackendCursors]:
-        """Each state's BackendCursors, from one device computation and one device->host copy. `states`: the
-        store's SeqState of each live sequence asked about; `drafter_held`: whether the drafter holds it."""
+    def launch(self, states: Sequence[Any]) -> tuple[list[int], np.ndarray]:
+        """The summary of `states` started: the changed table cells applied, the graph replayed (or the summary
+        computed), its device->host copy queued. Returns (slots, host buffer); the buffer holds the rows once the
+        stream reaches the copy (`read` synchronizes first)."""
         # one pass: the slots, the widest table, the states whose table changed since the last read
         synced, slots, changed, width = self.synced, [], [], 1
         for s in states:
@@ -230,7 +231,20 @@ class StampReader:
             out = g.out
         else:
             out = self._summary(hi, width, delta=False)
-        host = self._host(out)  # the one device->host copy (and synchronize)
+        host = self._host(out)
+        self.device_seconds += time.perf_counter() - t0
+        return slots, host
+
+    def read(self, states: Sequence[Any], drafter_held: Sequence[bool],
+             launched: tuple[list[int], np.ndarray] | None = None) -> list[BackendCursors]:
+        """Each state's BackendCursors, from one device computation and one device->host copy. `states`: the
+        store's SeqState of each live sequence asked about; `drafter_held`: whether the drafter holds it;
+        `launched`: what `launch(states)` returned, when the summary was started earlier in the step (its state
+        final by then)."""
+        slots, host = launched if launched is not None else self.launch(states)
+        t0 = time.perf_counter()
+        if self.pools.device.type == "cuda":
+            torch.cuda.current_stream(self.pools.device).synchronize()  # the copy has landed
         self.device_seconds += time.perf_counter() - t0
         # a healthy sequence's stamps are all one position (the drafter's its own): its cursors are built once per
         # (position, drafter rows) and shared (BackendCursors is immutable), under an int key (position << 32 |
@@ -266,8 +280,9 @@ class StampReader:
         return self.cursors(row)
 
     def _host(self, out: torch.Tensor) -> np.ndarray:
-        """`out` on the host. A CUDA device: into a pinned buffer of its shape, then one synchronize (a pageable
-        copy stages through a driver buffer); the caller copies the rows it keeps before the next read."""
+        """`out` on the host. A CUDA device: into a pinned buffer of its shape (a pageable copy stages through a
+        driver buffer), queued on the stream: `read` synchronizes before it looks. The caller copies the rows it
+        keeps before the next read."""
         if out.device.type != "cuda":
             return out.numpy()
         buf = self._pinned.get(out.shape)
@@ -276,7 +291,6 @@ class StampReader:
                 self._pinned.clear()
             buf = self._pinned[out.shape] = torch.empty(out.shape, dtype=out.dtype, pin_memory=True)
         buf.copy_(out, non_blocking=True)
-        torch.cuda.current_stream(out.device).synchronize()
         return buf.numpy()
 
     def cursors(self, row: list[int]) -> BackendCursors:

@@ -65,6 +65,9 @@ class StampReads:
     # of `seconds`, the fast read's summary launch (a graph replay), its copy and the synchronize (which also waits
     # for device work queued before the read): the rest is the host's Python
     device_seconds: float = 0.0
+    # the reads started early (`prefetch`: a plain step's stamps are final once its forward is queued): the host's
+    # launch work then overlaps the device's forward, and is counted here, not in `seconds`
+    prefetch_seconds: float = 0.0
 
 
 class CudaStateStore:
@@ -86,6 +89,7 @@ class CudaStateStore:
         self.seqs: dict[int, SeqState] = {}
         self.prefix: dict[int, PrefixEntry] = {}
         self.reads = StampReads()
+        self._launched: tuple[tuple[int, ...], Any] | None = None  # a prefetched read: (seq ids, what it launched)
         self.reader = StampReader(pools, drafter, table_blocks=table_blocks or pools.num_kv_blocks, graphs=graphs)
         self.prompt_tail: dict[int, torch.Tensor] = {}  # prompt logprobs: the logits the next chunk's first token needs
         self.pending_hidden: dict[int, torch.Tensor] = {}  # a pending verify's target hidden per row [K, H]
@@ -97,6 +101,7 @@ class CudaStateStore:
         return 0 if s is None else s.position
 
     def reset(self, seq_id: int) -> None:
+        self._launched = None  # a write: a prefetched read is stale
         s = self.seqs.get(seq_id)
         if s is None:
             s = self.seqs[seq_id] = SeqState(slot=self.pools.allocate())
@@ -111,6 +116,7 @@ class CudaStateStore:
             self.drafter.reset(seq_id, s.slot)
 
     def release(self, seq_id: int) -> None:
+        self._launched = None  # a write: a prefetched read is stale
         s = self.seqs.pop(seq_id, None)
         self.prompt_tail.pop(seq_id, None)
         self._forget(seq_id)
@@ -135,16 +141,28 @@ class CudaStateStore:
         return live, {s: BackendCursors(kv_tokens=0, qsa_ingested=0, ssm_position=0, ple_position=0)
                       for s in seq_ids if s not in self.seqs}
 
+    def prefetch(self, seq_ids: Sequence[int]) -> None:
+        """Start the read of `seq_ids` now: the caller promises that nothing writes their state before it calls
+        read_cursors(seq_ids) (a plain decode step once its forward is queued: no verify, snapshot or drafter
+        after the sampler), so the summary's launch and copy overlap the device's forward and the read only waits
+        for the copy. Any state write through the store in between drops the started read (read anew)."""
+        t0 = time.perf_counter()
+        live, _ = self._split(seq_ids)
+        self._launched = (tuple(seq_ids), self.reader.launch([self.seqs[s] for s in live])) if live else None
+        self.reads.prefetch_seconds += time.perf_counter() - t0
+
     def read_cursors(self, seq_ids: Sequence[int]) -> dict[int, BackendCursors]:
         """Every stamp of every sequence in `seq_ids` (atlas.backends.cuda.stamp_read: the device block tables,
         one summary, a graph replay on the GPU, one copy to the host); what read_cursors_reference reads."""
+        launched, self._launched = self._launched, None
         live, out = self._split(seq_ids)
         if not live:
             return out
         t0 = time.perf_counter()
         states = [self.seqs[s] for s in live]
         held = self.drafter.seqs if self.drafter is not None else {}
-        out.update(zip(live, self.reader.read(states, [s in held for s in live]), strict=True))
+        started = launched[1] if launched is not None and launched[0] == tuple(seq_ids) else None
+        out.update(zip(live, self.reader.read(states, [s in held for s in live], started), strict=True))
         self.reads.device_seconds = self.reader.device_seconds
         self.reads.calls += 1
         self.reads.seqs += len(live)
@@ -217,6 +235,7 @@ class CudaStateStore:
             self.drafter.snapshot(order.seq_id, order.slot, order.position)
 
     def restore(self, order: RingRestore) -> BackendCursors:
+        self._launched = None  # a write: a prefetched read is stale
         seq_id, position = order.seq_id, order.position
         s = self.seqs.get(seq_id)
         if s is None:
@@ -260,12 +279,14 @@ class CudaStateStore:
 
     def commit(self, seq_id: int, rows: int) -> BackendCursors:
         """Keep the first `rows` rows of the pending verify, validated first."""
+        self._launched = None  # a write: a prefetched read is stale
         self.commit_many([(seq_id, rows)])
         return self.cursors(seq_id)
 
     def commit_many(self, commits: Sequence[tuple[int, int]]) -> None:
         """Commit several verifies at once: each slot's state selected from its kept row on the device, the kept
         rows' KV / QSA stamps turned from pending to their positions (the rest stay pending: not counted)."""
+        self._launched = None  # a write: a prefetched read is stale
         states = [self.check_commit(seq_id, rows) for seq_id, rows in commits]  # refuse before anything moves
         if not commits:
             return
@@ -301,6 +322,7 @@ class CudaStateStore:
             self.drafter.feed(fed, kept)  # type: ignore[union-attr]
 
     def drop_pending(self, seq_id: int) -> None:
+        self._launched = None  # a write: a prefetched read is stale
         s = self.seqs.get(seq_id)
         self._forget(seq_id)
         if s is not None:
@@ -356,6 +378,7 @@ class CudaStateStore:
     def load_prefix(self, order: PrefixRestore) -> None:
         """Start the sequence at `position` from prefix snapshot `key`: the shared full blocks of the table hold
         the KV and QSA keys (with stamps) already; the snapshot's tail rows go into the block `position` ends in."""
+        self._launched = None  # a write: a prefetched read is stale
         seq_id, position, table = order.seq_id, order.position, tuple(order.block_table)
         entry = self.prefix.get(order.key)
         if entry is None:
@@ -393,6 +416,7 @@ class CudaStateStore:
             self.drafter.resume(seq_id, s.slot, order, entry.last_hidden)
 
     def carry(self, order: CarryOrder) -> None:
+        self._launched = None  # a write: a prefetched read is stale
         if self.drafter is None:  # nothing to carry without a drafter (the carry is the drafter's rows)
             return
         if order.drop:

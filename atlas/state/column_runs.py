@@ -6,10 +6,11 @@ verdicts, each stored as a codec-1 blob (atlas.replay.codec). Its fed counts and
 blobs as [R x batch] int32 arrays (np.frombuffer, no event object built); every condition the per-event path checks
 (StepPlanned's work and allocation, StepExecuted's advance, the invariants `_holds` tests on what moved) is one
 expression over the whole run; the token hash is its recurrence, one step at a time over the batch; computed, token
-count and block count are cumulative sums; the fingerprints of every row after every event are one mix over
-[2R x batch], the sequences' share of each event's digest their XOR, the global share splitmix64 over the 2R
-events' step, pool and in-flight plan hash (BLAKE2b per plan, from the same bytes `ints_key` hashes). Each event's
-digest is compared with the one the trace recorded for it.
+count and block count are cumulative sums; every row's fingerprint after each StepExecuted is one mix over
+[R x batch] and after each StepPlanned only the rows that got blocks are mixed again; the sequences' share of each
+event's digest is their XOR, the global share splitmix64 over the 2R events' step, pool count and in-flight plan hash
+(BLAKE2b per plan, over the same bytes `ints_key` hashes). Each event's digest is compared with the one the trace
+recorded for it.
 
 All or nothing: `apply_run` moves the state only when every event of the run passes every check and matches its
 recorded digest. Otherwise it flushes the columns and moves nothing (returns False), and the caller applies the
@@ -207,11 +208,12 @@ def _allocations(state: ControlState, cols: StepColumns, A: np.ndarray, to: np.n
             if (A[at] == 2).all() and not A[last[:, None] - np.arange(1, 5)].any():
                 seqs = A[at + 1].astype(np.int64)
                 b = A[at + 2].astype(np.int64)
-                inv = np.full(max(cols.ids) + 2, -1, dtype=np.int64)  # seq id -> batch row (the last: none)
-                inv[list(cols.ids)] = np.arange(n)
-                rr = inv[np.clip(seqs, -1, len(inv) - 1)]
-                if (rr < 0).any() or (b < 0).any() or (b >= pool.total).any():
-                    return None
+                ids = np.array(cols.ids, dtype=np.int64)  # seq id -> batch row
+                order = np.argsort(ids)
+                pos = np.minimum(np.searchsorted(ids[order], seqs), n - 1)
+                rr = order[pos]
+                if (ids[rr] != seqs).any() or (b < 0).any() or (b >= pool.total).any():
+                    return None  # a sequence the batch does not hold, or a block outside the pool
                 G = np.bincount(kk * n + rr, minlength=R * n).reshape(R, n)
                 if count and (G.max() > 1 or np.bincount(b, minlength=pool.total).max() > 1):
                     return None  # a sequence twice in one plan, or a block twice in the run

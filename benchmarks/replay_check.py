@@ -1,12 +1,13 @@
 """State-only replay speed: `atlas replay check` over a large generated trace (null backend, 64 sequences at a time).
 
     .venv/bin/python benchmarks/replay_check.py [--requests 256] [--max-tokens 200] [--trace PATH] [--clock process]
-        [--json] [--smoke]
+        [--json] [--no-runs] [--smoke]
 
 Records the trace once (cached at --trace), then times check_state_only: reading the events from SQLite,
 upcasting, applying each to the state machines, checking the invariants it touched and its digest. Step events
 are recorded in codec 1 (atlas.replay.codec); --json times a copy of the same run with every payload as JSON
-text (how traces were stored before codec 1: what an older trace costs to check).
+text (how traces were stored before codec 1: what an older trace costs to check). --no-runs applies every event
+one at a time (no runs of step pairs at once: atlas.state.column_runs), the third pass's path.
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ def main() -> None:
     parser.add_argument("--clock", choices=("wall", "process"), default="wall",
                         help="time with the wall clock (default) or this process's CPU time (a loaded machine)")
     parser.add_argument("--json", action="store_true", help="check a copy of the trace with JSON payloads (pre-codec 1)")
+    parser.add_argument("--no-runs", action="store_true", help="every event one at a time (no runs of step pairs)")
     parser.add_argument("--smoke", action="store_true", help="8 requests of 16 tokens in a fresh temp trace (CI)")
     args = parser.parse_args()
     if args.smoke:
@@ -69,6 +71,10 @@ def main() -> None:
             export_jsonl(args.trace, lines)
             import_jsonl(lines, copy)
         args.trace = copy
+    if args.no_runs:
+        from atlas.replay import verify
+
+        verify.MIN_RUN = 10**9  # type: ignore[misc]
     reader = TraceReader(args.trace)
     run = reader.run()
     t = time.perf_counter()

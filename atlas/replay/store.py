@@ -393,6 +393,17 @@ class TraceReader:
                 else:
                     yield idx, step, kind, load_event(kind, version, payload), digest
 
+    def stored_rows(self, run_id: int) -> list[tuple[int, int, str, int, str | bytes, str]]:
+        """(index, step, kind, version, payload as stored: JSON text or codec-1 bytes, digest) per event, in order,
+        nothing decoded: replay check decodes what it applies one at a time and reads runs of step blobs as arrays
+        (atlas.state.column_runs)."""
+        with self.db.connect() as conn:
+            if self.db.dialect.name == "sqlite":
+                return conn.connection.driver_connection.execute(_SELECT_EVENTS, (run_id,)).fetchall()
+            return [tuple(r) for r in conn.execute(
+                sa.select(events.c.idx, events.c.step, events.c.kind, events.c.version, events.c.payload,
+                          events.c.digest).where(events.c.run_id == run_id).order_by(events.c.idx))]
+
     def end(self, run_id: int) -> RunEnd:
         """Whether the run ended cleanly (its run-end marker), and where its events stop."""
         with self.db.connect() as conn:

@@ -21,10 +21,13 @@ from atlas.engine.engine import Engine
 from atlas.engine.records import RecordingSink
 from atlas.errors import AdmissionError, EngineDead, InvariantViolation, QueueFull, TransitionRefused
 from atlas.registry import engine_for_run
+from atlas.replay import codec
+from atlas.replay.runs import MIN_RUN, run_end
 from atlas.replay.store import EventRecord, RunRecord, TraceReader, read_run
 from atlas.sampling.params import SamplingParams
+from atlas.state.column_runs import apply_run
 from atlas.state.control import ControlState
-from atlas.state.events import INPUT_KINDS, Event, InvariantViolated
+from atlas.state.events import EVENT_TYPES, INPUT_KINDS, Event, InvariantViolated
 from atlas.state.invariants import check_invariants
 
 Progress = Callable[[int, int], None]
@@ -179,13 +182,14 @@ def check_state_only(path_or_url: str | Path, run_id: int | None = None) -> Stat
     """Apply the recorded events to the state machines alone; report the first refusal, violation or
     digest mismatch. Needs no model: it audits what the trace claims happened.
 
-    The events are built straight from the stored rows (TraceReader.event_rows: no EventRecord, no dict for a
-    codec-1 step payload), and the loop keeps what it calls in locals: per event it is the state's apply, the
-    invariants and the digest, nothing else."""
+    The rows are read as stored (nothing decoded up front). A run of codec-1 step pairs over the batch the step
+    columns hold (atlas.replay.runs) is applied at once from its blobs (atlas.state.column_runs: every check and
+    every event's digest over [steps x batch] arrays); any other row, and every row of a run that does not pass
+    whole, is built into its event and applied, invariants checked, digest compared, one at a time."""
     reader = TraceReader(path_or_url)
     try:
         run = reader.run(run_id)
-        rows = list(reader.event_rows(run.run_id))
+        rows = reader.stored_rows(run.run_id)
     finally:
         reader.close()
     total = len(rows)
@@ -193,7 +197,28 @@ def check_state_only(path_or_url: str | Path, run_id: int | None = None) -> Stat
     state.columnar = True  # this loop owns the state: steps of the common path in columns (atlas.state.columns)
     apply, digest = state.apply, state.digest
     comparable = run.digests_comparable
-    for index, _step, kind, e, recorded_digest in rows:
+    types = EVENT_TYPES
+    loads = json.loads
+    load_event = codec.load_event
+    plain_until = 0  # a run that did not pass whole goes event by event up to here
+    i = 0
+    while i < total:
+        index, _step, kind, version, payload, recorded_digest = rows[i]
+        cols = state.columns
+        if cols is not None and kind == "step_planned" and i >= plain_until and cols.fed is None:
+            j = run_end(rows, i, cols.ids)
+            if j - i >= 2 * MIN_RUN:
+                if apply_run(state, [r[4] for r in rows[i:j:2]], [r[4] for r in rows[i + 1:j:2]],
+                             [r[5] for r in rows[i:j]] if comparable else None):
+                    i = j
+                    continue
+                plain_until = j
+        i += 1
+        cls = types.get(kind)
+        if type(payload) is str and cls is not None and cls.version == version:
+            e = cls(**loads(payload))
+        else:
+            e = load_event(kind, version, payload)
         if kind == "invariant_violated":  # the run itself recorded a violation: the trace fails there
             assert isinstance(e, InvariantViolated)
             return StateCheckReport(total, f"recorded invariant violation in {e.machine}: {e.message} "

@@ -100,8 +100,13 @@ class StepColumns:
         return cls(ids, objs, bs)
 
     def flush(self) -> None:
-        """Write the columns back into the sequences (every field they moved)."""
-        logged = np.stack(self.tokens).T.tolist() if self.tokens else None
+        """Write the columns back into the sequences (every field they moved). `tokens` holds one row per step
+        (a step's tokens) or one [steps x batch] block per run (atlas.state.column_runs); -1: none sampled."""
+        logged = None
+        if self.tokens:
+            block = np.vstack(self.tokens)
+            skipped = (block < 0).any(axis=0).tolist()
+            logged = block.T.tolist()
         for i, (seq, computed, h, fp) in enumerate(zip(self.objs, self.computed.tolist(), self.token_hash.tolist(),
                                                        self.fp.tolist(), strict=True)):
             c = seq.cursor
@@ -110,5 +115,8 @@ class StepColumns:
             c.token_hash = h
             seq.fingerprint = fp
             if logged is not None:
-                c.tokens.extend(t for t in logged[i] if t >= 0)
+                if skipped[i]:
+                    c.tokens.extend(t for t in logged[i] if t >= 0)
+                else:  # every step sampled this row's token (a decode): the row as it is
+                    c.tokens.extend(logged[i])
         self.tokens = []

@@ -1,0 +1,341 @@
+"""A run of step events over the step columns at once: `replay check`'s fourth pass (docs/CONTROL-PLANE.md).
+
+A run is R consecutive StepPlanned / StepExecuted pairs over the batch the step columns hold (atlas.state.columns),
+every plan without admissions, drafts, restores or an allocation the columns cannot take, every execution without
+verdicts, each stored as a codec-1 blob (atlas.replay.codec). Its fed counts and tokens are read straight from the
+blobs as [R x batch] int32 arrays (np.frombuffer, no event object built); every condition the per-event path checks
+(StepPlanned's work and allocation, StepExecuted's advance, the invariants `_holds` tests on what moved) is one
+expression over the whole run; the token hash is its recurrence, one step at a time over the batch; computed, token
+count and block count are cumulative sums; every row's fingerprint after each StepExecuted is one mix over
+[R x batch] and after each StepPlanned only the rows that got blocks are mixed again; the sequences' share of each
+event's digest is their XOR, the global share splitmix64 over the 2R events' step, pool count and in-flight plan hash
+(BLAKE2b per plan, over the same bytes `ints_key` hashes). Each event's digest is compared with the one the trace
+recorded for it.
+
+All or nothing: `apply_run` moves the state only when every event of the run passes every check and matches its
+recorded digest. Otherwise it flushes the columns and moves nothing (returns False), and the caller applies the
+run's events one at a time, which refuses, names the violation or reports the digest exactly as without runs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import sys
+from array import array
+
+import numpy as np
+
+from atlas.hashing import MASK64
+from atlas.state.columns import _K_BLOCKS, _K_RUNNING, StepColumns, mix_columns
+from atlas.state.control import ControlState
+from atlas.state.orders import PlanOrders
+
+_LITTLE = sys.byteorder == "little"
+_U = np.uint64
+_FNV = _U(0x100000001B3)
+_ONE = _U(1)
+_M1, _M2 = _U(0xBF58476D1CE4E5B9), _U(0x94D049BB133111EB)
+_S30, _S27, _S31, _S20 = _U(30), _U(27), _U(31), _U(20)
+
+
+def _mix64(h: np.ndarray) -> np.ndarray:
+    """atlas.hashing.mix64 over a uint64 column (in place; uint64 wraps where the scalar masks)."""
+    h ^= h >> _S30
+    h *= _M1
+    h ^= h >> _S27
+    h *= _M2
+    h ^= h >> _S31
+    return h
+
+
+def _orders_empty(o: PlanOrders) -> bool:
+    return not (o.stores or o.restores or o.rollbacks) and o.carry_store == -1 and not o.carry_drop
+
+
+def apply_run(state: ControlState, plans: list[bytes], execs: list[bytes], digests: list[str] | None) -> bool:
+    """Apply the pairs (plans[k], execs[k]) over `state.columns`, comparing the state digest after each of the 2R
+    events with `digests` (None: a trace whose digests are not comparable). True: every event applied. False: the
+    columns flushed, nothing else moved (the caller replays the run event by event)."""
+    if not _apply(state, plans, execs, digests):
+        state.flush_columns()
+        return False
+    return True
+
+
+# the run's [steps x batch] arithmetic goes this many elements at a time: a larger temporary (past ~128 KB) is
+# handed back to the OS by glibc's malloc when freed and faults its pages in again on the next one (measured: two
+# uint64 ops over 382 x 64 took 240-440 us in one expression, 13 us over 150 x 64; MALLOC_TRIM_THRESHOLD_ unset)
+CHUNK_ELEMENTS = 4096
+_Z8 = bytes(8)
+
+
+def _apply(state: ControlState, plans: list[bytes], execs: list[bytes], digests: list[str] | None) -> bool:
+    cols = state.columns
+    pool = state.pool
+    caps = state.caps
+    if (cols is None or cols.fed is not None or state.inflight is not None or state.prefix is not None
+            or not _LITTLE or not _orders_empty(state.orders) or len(pool.free) + pool.used != pool.total
+            or len(state.running) > caps.max_batch_size or len(plans) != len(execs) or not plans):
+        return False
+    ids = cols.ids
+    n = len(ids)
+    R = len(plans)
+    head = 3 + 2 * n  # step, len(admitted) = 0, len(seqs), seqs, fed
+    xlen = 1 + 4 * (n + 4)
+    sizes = []
+    for p in plans:
+        if p[0] != 1 or len(p) % 4 != 1:
+            return False
+        sizes.append(len(p) >> 2)  # integers
+    for x in execs:
+        if len(x) != xlen or x[0] != 1:
+            return False
+    L = np.array(sizes, dtype=np.int64)
+    if (L < head + 5).any():  # the tail is at least the alloc count and 4 lengths
+        return False
+    o = np.cumsum(L)
+    o -= L  # each plan's first integer in A
+    A = np.frombuffer(b"".join([p[1:] for p in plans]), dtype="<i4")
+    H = A[o[:, None] + np.arange(head)]
+    E = np.frombuffer(b"".join([x[1:] for x in execs]), dtype="<i4").reshape(R, n + 4)
+    s0 = state.step
+    stepno = np.arange(s0, s0 + R, dtype=np.int64)
+    if not ((H[:, 0] == stepno).all() and (E[:, 0] == stepno).all() and not H[:, 1].any() and (H[:, 2] == n).all()
+            and (E[:, 1] == n).all() and not E[:, n + 2:].any()
+            and (H[:, 3:3 + n] == np.array(ids, dtype=np.int64)).all()):
+        return False
+    F = H[:, 3 + n:]
+    if (F.sum(axis=1) > caps.max_batch_tokens).any():
+        return False
+    alloc = _allocations(state, cols, A, o + head, L - head)
+    if alloc is None:
+        return False
+    G, kk, rr, blocks, used = alloc
+
+    # the in-flight plan's hash of each plan: ints_key's bytes are (n, seqs, n, fed, alloc rows, release, reset,
+    # restored) as int64, the blob's are (.., fed, len(alloc), alloc rows, release, reset, len(drafts) = 0, restored)
+    mv = memoryview(A.astype("<i8")).cast("B")
+    pre = hashlib.blake2b(array("q", (n, *ids, n)).tobytes(), digest_size=8, person=b"atlas.plan")
+    fed0 = (8 * (o + 3 + n)).tolist()
+    tail0 = (8 * (o + head)).tolist()
+    end = (8 * (o + L - 2)).tolist()
+    hashed = []
+    for a, b, c in zip(fed0, tail0, end, strict=True):
+        h = pre.copy()
+        h.update(mv[a:b])
+        h.update(mv[b + 8:c])
+        h.update(_Z8)
+        hashed.append(h.digest())
+    hashes = np.frombuffer(b"".join(hashed), dtype="<u8")
+
+    T = E[:, 2:2 + n]
+    seq_x = np.empty(R, dtype=np.uint64)  # the batch's XOR of fingerprints after X_k
+    delta_p = np.zeros(R, dtype=np.uint64)  # what P_k's allocations change in it
+    final = _cursors(cols, F, T, G, kk, rr, caps.block_size, seq_x, delta_p)
+    if final is None:
+        return False
+    rest = state.seq_digest ^ int(np.bitwise_xor.reduce(cols.fp))  # the sequences outside the batch
+    seq_x ^= _U(rest)
+    seqd = np.empty(2 * R, dtype=np.uint64)
+    seqd[1::2] = seq_x
+    seqd[0] = state.seq_digest
+    seqd[2::2] = seq_x[:-1]
+    seqd[0::2] ^= delta_p
+
+    if digests is not None:
+        # ControlState.digest() of each event: step and pool after the plan, the in-flight hash between P_k and X_k
+        g = np.repeat(stepno + 1, 2).view(np.uint64)
+        g ^= np.repeat(used, 2).view(np.uint64) << _S20
+        g ^= _U((state.next_seq_id << 40) & MASK64)
+        _mix64(g)
+        g ^= _U(((len(state.waiting) << 32) ^ len(state.running) ^ (state.finished_count << 16)) & MASK64)
+        _mix64(g)
+        g ^= _U((len(state.pending_faults) ^ (state.dead << 62)) & MASK64)  # no release pending after P_0
+        _mix64(g)
+        g[0::2] ^= hashes
+        g ^= _U(state.outcomes_hash)
+        _mix64(g)
+        g ^= seqd
+        if set(map(len, digests)) != {16} or g.astype(">u8").tobytes().hex() != "".join(digests):
+            return False
+
+    # every event holds: move the state as the 2R events would have
+    free = pool.free
+    refs = pool.refs
+    objs = cols.objs
+    for r, b in zip(rr.tolist(), blocks, strict=True):
+        for x in b:
+            del free[x]
+            refs[x] = 1
+        objs[r].blocks.extend(b)
+    pool.used = int(used[-1])
+    computed, ntok, token_hash, fp, nblocks = final
+    cols.computed, cols.ntok, cols.token_hash, cols.fp, cols.nblocks = computed, ntok, token_hash, fp, nblocks
+    cols.limit = np.minimum(cols.capacity, nblocks * caps.block_size)
+    cols.low = (nblocks - 1) * caps.block_size
+    cols.blocks_term = nblocks.view(np.uint64) * _K_BLOCKS + _K_RUNNING
+    cols.tokens.append(T)  # [R x batch]: flush takes one-step rows and runs alike
+    state.seq_digest = int(seqd[-1])
+    state.pending_release.clear()
+    state.step = s0 + R
+    state.inflight = None
+    state.inflight_hash = 0
+    state.orders = PlanOrders()
+    state.inflight_orders = PlanOrders()
+    return True
+
+
+def _allocations(state: ControlState, cols: StepColumns, A: np.ndarray, to: np.ndarray, tl: np.ndarray
+                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[list[int]], np.ndarray] | None:
+    """The plans' tails (alloc rows, release, reset, drafts, restored: `tl` integers of A from `to`), checked as
+    StepPlanned checks them: every row's sequence in the batch and once a plan, every block in the pool, free and
+    allocated once in the run (no block is freed within one), the first plan's release the pending one, then none,
+    no drafts, nothing restored. Returns ([R x batch] blocks given, each row's plan and batch row, its blocks, the
+    pool's used count after each plan), or None when one fails."""
+    R, n = len(to), len(cols.ids)
+    pool = state.pool
+    if not state.pending_release:
+        # the common tail (a decode's): rows of one block each, nothing released, reset, drafted or restored; all
+        # of it at once
+        na = A[to]
+        if (na >= 0).all() and (tl == 5 + 3 * na).all():
+            count = int(na.sum())
+            first = np.cumsum(na)
+            first -= na
+            kk = np.repeat(np.arange(R), na)
+            at = np.repeat(to + 1 - 3 * first, na) + 3 * np.arange(count)
+            last = to + tl
+            if (A[at] == 2).all() and not A[last[:, None] - np.arange(1, 5)].any():
+                seqs = A[at + 1].astype(np.int64)
+                b = A[at + 2].astype(np.int64)
+                ids = np.array(cols.ids, dtype=np.int64)  # seq id -> batch row
+                order = np.argsort(ids)
+                pos = np.minimum(np.searchsorted(ids[order], seqs), n - 1)
+                rr = order[pos]
+                if (ids[rr] != seqs).any() or (b < 0).any() or (b >= pool.total).any():
+                    return None  # a sequence the batch does not hold, or a block outside the pool
+                G = np.bincount(kk * n + rr, minlength=R * n).reshape(R, n)
+                if count and (G.max() > 1 or np.bincount(b, minlength=pool.total).max() > 1):
+                    return None  # a sequence twice in one plan, or a block twice in the run
+                blocks = b.tolist()
+                if not all(map(pool.free.__contains__, blocks)):
+                    return None
+                return G, kk, rr, [[x] for x in blocks], pool.used + np.cumsum(na, dtype=np.int64)
+    return _allocations_rows(state, cols, A, to, tl)
+
+
+def _allocations_rows(state: ControlState, cols: StepColumns, A: np.ndarray, to: np.ndarray, tl: np.ndarray
+                      ) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[list[int]], np.ndarray] | None:
+    """_allocations for any tail, row by row in Python."""
+    R, n = len(to), len(cols.ids)
+    row = cols.row
+    pool = state.pool
+    free = pool.free
+    total = pool.total
+    claimed: set[int] = set()
+    kk: list[int] = []
+    rr: list[int] = []
+    given: list[int] = []
+    blocks: list[list[int]] = []
+    used = np.empty(R, dtype=np.int64)
+    n_used = pool.used
+    release = state.pending_release
+    for k, (a, size) in enumerate(zip(to.tolist(), tl.tolist(), strict=True)):
+        t = A[a:a + size].tolist()
+        na = t[0]
+        if na < 0 or na > size:
+            return None
+        i = 1
+        seen: set[int] = set()
+        for _ in range(na):
+            m = t[i]
+            if m < 1 or i + 1 + m > size:
+                return None
+            seq_id = t[i + 1]
+            r = row.get(seq_id)
+            if r is None or seq_id in seen:  # a sequence the columns do not hold, or twice in one plan
+                return None
+            seen.add(seq_id)
+            b = t[i + 2:i + 1 + m]
+            for x in b:
+                if x in claimed or not 0 <= x < total or x not in free:
+                    return None
+                claimed.add(x)
+            if b:
+                kk.append(k)
+                rr.append(r)
+                given.append(m - 1)
+                blocks.append(b)
+                n_used += m - 1
+            i += 1 + m
+        if i >= size or t[i] < 0 or t[i + 1:i + 1 + t[i]] != release:
+            return None
+        release = []  # the first plan releases the finished sequences; the rest release none
+        i += 1 + t[i]
+        if i >= size or t[i] < 0:
+            return None
+        i += 1 + t[i]  # reset: carried in the plan and hashed, not checked (as StepPlanned)
+        if i + 2 != size or t[i] != 0 or t[i + 1] != 0:  # no drafts, nothing restored
+            return None
+        used[k] = n_used
+    G = np.zeros((R, n), dtype=np.int64)
+    if kk:
+        G[kk, rr] = given
+    return G, np.array(kk, dtype=np.int64), np.array(rr, dtype=np.int64), blocks, used
+
+
+def _cursors(cols: StepColumns, F: np.ndarray, T: np.ndarray, G: np.ndarray, kk: np.ndarray, rr: np.ndarray,
+             bs: int, seq_x: np.ndarray, delta_p: np.ndarray
+             ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None:
+    """Every row's cursors after every event of the run, checked, and fingerprinted: seq_x[k] the XOR of the
+    batch's fingerprints after X_k, delta_p[k] what P_k's new blocks change in it. A chunk of steps at a time
+    (CHUNK_ELEMENTS); returns the cursors after the last event (computed, token count, token hash, fingerprint,
+    blocks), or None when a condition fails."""
+    R, n = F.shape
+    step = max(1, CHUNK_ELEMENTS // n)
+    comp, ntok, th, nb, fp = cols.computed, cols.ntok, cols.token_hash, cols.nblocks, cols.fp
+    cap, budget, hid = cols.capacity, cols.budget_end, cols.hid
+    cuts = np.searchsorted(kk, np.arange(0, R + step, step)).tolist()
+    for ci, c0 in enumerate(range(0, R, step)):
+        c1 = min(R, c0 + step)
+        Fc, Tc = F[c0:c1], T[c0:c1]
+        S = Tc >= 0
+        C = np.cumsum(Fc, axis=0, dtype=np.int64)
+        C += comp  # computed after X_k
+        NT = np.cumsum(S, axis=0, dtype=np.int64)
+        NT += ntok  # token count after X_k
+        NTb = NT - S  # before it
+        NB = np.cumsum(G[c0:c1], axis=0)
+        NB += nb  # blocks after P_k
+        KV = NB * bs
+        # StepPlanned's work (fed >= 1, within the tokens and the blocks) and its alloc'd rows' invariants (checked
+        # for every row: one that did not move held them after X_{k-1}), then StepExecuted's advance and the
+        # invariants on what it moved: sampled exactly when every known token is fed, KV and QSA keys within the
+        # blocks and the index, the tokens within the budget, no block past them
+        if not ((Fc >= 1) & (C <= NTb) & (S == (C == NTb)) & (C <= KV) & (C <= cap) & (NT <= budget)
+                & (KV - bs < NTb)).all():
+            return None
+        # token hashes: h' = h * FNV + t + 1 for a sampled token, sequential over the steps, a step over the batch
+        TH = np.empty((c1 - c0 + 1, n), dtype=np.uint64)
+        TH[0] = th
+        mul = np.where(S, _FNV, _ONE)
+        add = np.where(S, Tc + 1, 0).astype(np.uint64)
+        for k in range(c1 - c0):
+            nxt = TH[k + 1]
+            np.multiply(TH[k], mul[k], out=nxt)
+            nxt += add[k]
+        terms = NB.view(np.uint64) * _K_BLOCKS
+        terms += _K_RUNNING
+        FX = np.empty((c1 - c0 + 1, n), dtype=np.uint64)  # row 0: the fingerprints before the chunk
+        FX[0] = fp
+        FX[1:] = mix_columns(TH[1:] ^ hid, NT, C, terms)
+        seq_x[c0:c1] = np.bitwise_xor.reduce(FX[1:], axis=1)
+        a, b = cuts[ci], cuts[ci + 1]
+        if b > a:  # P_k's rows with new blocks: their fingerprint on X_{k-1}'s cursors with P_k's blocks
+            k, r = kk[a:b] - c0, rr[a:b]
+            before = TH[k, r] ^ hid[r]
+            new = mix_columns(before, NTb[k, r], C[k, r] - Fc[k, r], terms[k, r])
+            new ^= FX[k, r]
+            np.bitwise_xor.at(delta_p, k + c0, new)
+        comp, ntok, th, nb, fp = C[-1], NT[-1], TH[-1], NB[-1], FX[-1]
+    return comp.copy(), ntok.copy(), th.copy(), fp.copy(), nb.copy()

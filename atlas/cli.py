@@ -85,7 +85,8 @@ def serve(
     max_concurrency: int = typer.Option(4096, help="requests in flight at most (probes excepted), then 503"),
     header_timeout: float = typer.Option(10.0, help="seconds for a request's headers to arrive, then 408"),
     body_timeout: float = typer.Option(30.0, help="seconds for a request's body to arrive, then 408"),
-    keep_alive_timeout: float = typer.Option(5.0, help="seconds an idle keep-alive connection is held"),
+    keep_alive_timeout: float = typer.Option(75.0, help="seconds an idle keep-alive connection is held "
+                                             "(above the client pools' expiry: httpx 5, aiohttp 15)"),
 ) -> None:
     """Serve the OpenAI-compatible API. Exits 0 after SIGTERM/SIGINT (drained), 2 for a usage error, 3 if the
     engine died of a fatal fault."""

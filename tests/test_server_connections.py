@@ -194,3 +194,35 @@ def test_connections_keep_serving_after_the_bounds_fired() -> None:
         assert results == [200] * 8
         for s in sockets:
             s.close()
+
+
+def _get_health(s: socket.socket) -> bytes:
+    s.sendall(b"GET /health HTTP/1.1\r\nhost: x\r\n\r\n")
+    response = b""
+    while b'{"status":"ok"}' not in response:
+        chunk = s.recv(4096)
+        if not chunk:
+            break
+        response += chunk
+    return response
+
+
+def test_an_idle_kept_alive_connection_outlives_the_header_timeout() -> None:
+    # a kept-alive connection is the keep-alive timer's until its next request's first byte: the header deadline
+    # used to run from the last response, so it closed idle connections at header_timeout (10 s), under the
+    # keep-alive timeout, and a client's next request on one met a reset
+    for served in _served(header_timeout=0.3, keep_alive_timeout=5.0):
+        s = _connect(served)
+        assert _get_health(s).startswith(b"HTTP/1.1 200")
+        time.sleep(0.9)  # three header timeouts, well inside the keep-alive timeout
+        assert _get_health(s).startswith(b"HTTP/1.1 200")
+        assert _metric(served, "atlas:http_header_timeouts_total") == 0
+        s.close()
+
+
+def test_the_server_keeps_an_idle_connection_longer_than_a_client_pool_does() -> None:
+    # the server closing first races the client's next request on that connection (httpx.ReadError under load:
+    # tests/test_server_load.py); httpx's pool, the OpenAI SDK's, expires an idle connection after keepalive_expiry
+    pool_expiry = httpx.Limits(max_connections=1).keepalive_expiry
+    assert pool_expiry is not None
+    assert ServerSettings().keep_alive_timeout > 2 * pool_expiry

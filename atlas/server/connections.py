@@ -7,9 +7,12 @@ its headers a byte at a time, is held forever (its keep-alive timer is reset by 
 - caps open connections (`max_connections`, derived from the fd limit by default). At the cap the connection
   that has been idle longest (no request in flight: it never sent one, or sits in keep-alive) is closed to
   make room; only when every connection has a request in flight does the newcomer get a 503 and a close.
-- gives a request's headers `header_timeout` seconds from the moment the connection is waiting for them
-  (opened, or its last response sent), however slowly they trickle in; then a 408 and a close (enforced by
-  a sweep that closes the oldest first, a bounded number per event-loop turn).
+- gives a request's headers `header_timeout` seconds, however slowly they trickle in: from the moment a new
+  connection opens, and on a kept-alive connection from the first byte of its next request; then a 408 and
+  a close (enforced by a sweep that closes the oldest first, a bounded number per event-loop turn). A
+  kept-alive connection that sends nothing is uvicorn's keep-alive timer's (`keep_alive_timeout`), never the
+  header deadline's: a server that closes an idle connection before the client's pool expires it races the
+  client's next request on it (the request meets a reset: httpx.ReadError), so the idle close must come last.
 
 The body's own deadline, the in-flight request limit and the 413 are the ASGI middleware's (security.py).
 """
@@ -42,7 +45,7 @@ _TIMEOUT_BODY = (b'{"error": {"message": "the request headers did not arrive wit
 @attrs.frozen
 class ConnectionLimits:
     max_connections: int
-    header_timeout: float  # seconds for a request's headers, from when the connection waits for them
+    header_timeout: float  # seconds for a request's headers: from the connection's opening, or the next first byte
 
 
 def raise_fd_limit() -> tuple[int, int]:
@@ -73,11 +76,13 @@ SWEEP_MAX = 200
 
 
 class _Registry:
-    """The server's connections that have no request in flight, longest idle first (each with the time its
-    header deadline started), and the counts /metrics reports."""
+    """The server's connections that have no request in flight, longest idle first (the cap evicts from the
+    front); those whose header deadline runs, each with the time it started (the sweep closes from the front);
+    and the counts /metrics reports."""
 
     def __init__(self) -> None:
         self.idle: OrderedDict[BoundedH11Protocol, float] = OrderedDict()
+        self.deadlines: OrderedDict[BoundedH11Protocol, float] = OrderedDict()
         self.open = 0
         self.evicted = 0
         self.refused = 0
@@ -92,11 +97,11 @@ class _Registry:
         self._sweeping = None
         expired = loop.time() - timeout
         for _ in range(SWEEP_MAX):
-            oldest = next(iter(self.idle.items()), None)
+            oldest = next(iter(self.deadlines.items()), None)
             if oldest is None or oldest[1] > expired:
                 break
             oldest[0]._headers_late()
-        if self.idle:
+        if self.deadlines:
             self.watch(loop, timeout)
 
 
@@ -129,6 +134,7 @@ class BoundedH11Protocol(H11Protocol):
         reg.open += 1
         self._counted = True
         self._wait_for_request()
+        self._start_deadline()  # a new connection has header_timeout for its first request's headers
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._forget()
@@ -139,6 +145,7 @@ class BoundedH11Protocol(H11Protocol):
             self._counted = False
             self.registry.open -= 1
         self.registry.idle.pop(self, None)
+        self.registry.deadlines.pop(self, None)
 
     def _close(self, why: str) -> None:
         self._forget()
@@ -151,20 +158,29 @@ class BoundedH11Protocol(H11Protocol):
         return self.cycle is not None and not self.cycle.response_complete
 
     def _wait_for_request(self) -> None:
-        """No request in flight: evictable, and the header deadline runs (the registry's sweep enforces it)."""
+        """No request in flight: evictable at the cap. Its header deadline starts with the next byte (or at
+        the opening, for a new connection); until then an idle kept-alive connection is the keep-alive timer's."""
         if not self._counted:
             return
         self.registry.idle.pop(self, None)
         self.registry.idle[self] = self.loop.time()
+        self.registry.deadlines.pop(self, None)
         self._received_any = False
+
+    def _start_deadline(self) -> None:
+        """The header deadline runs from now (the registry's sweep enforces it)."""
+        if not self._counted or self in self.registry.deadlines:
+            return
+        self.registry.deadlines[self] = self.loop.time()
         self.registry.watch(self.loop, self.limits.header_timeout)
 
     def _request_started(self) -> None:
         self.registry.idle.pop(self, None)
+        self.registry.deadlines.pop(self, None)
 
     def _headers_late(self) -> None:
         if self._busy() or self.transport.is_closing():
-            self.registry.idle.pop(self, None)
+            self.registry.deadlines.pop(self, None)
             return
         self.registry.header_timeouts += 1
         if self._received_any:  # a partial request: say why; a connection that sent nothing just closes
@@ -174,6 +190,8 @@ class BoundedH11Protocol(H11Protocol):
     def data_received(self, data: bytes) -> None:
         was_busy = self._busy()
         self._received_any = True
+        if not was_busy:  # the first byte of a request: its headers' deadline (a no-op if it already runs)
+            self._start_deadline()
         super().data_received(data)
         if not was_busy and self._busy():
             self._request_started()

@@ -42,7 +42,13 @@ class ServerSettings:
 
     max_connections: int | None = None  # None: the fd limit (raised to its hard limit) less a reserve
     header_timeout: float = 10.0
-    keep_alive_timeout: float = 5.0
+    # An idle kept-alive connection is closed after this; it must come after the client pools' own expiry
+    # (httpx and the OpenAI SDK 5 s, aiohttp 15 s, undici 4 s), else a client sends its next request on a
+    # connection the server is closing and gets a reset. At 5 s (uvicorn's default) the load test failed with
+    # httpx.ReadError: the server closed a connection idle 5.02 s by its clock that the client took from its
+    # pool at 4.893 s by its own (the client's clock starts when it has read the response; on a loaded 2-core
+    # box that lagged 0.13 s). 75 s as nginx's; idle connections cost an fd each and the cap evicts them.
+    keep_alive_timeout: float = 75.0
     shutdown_grace: float = 30.0
     requests: RequestLimits = RequestLimits()
 

@@ -108,13 +108,19 @@ def test_a_run_gives_every_recorded_digest_and_the_typed_state(trace: Path) -> N
     audit(state, j)
 
 
-def test_the_row_by_row_tail_reads_what_the_common_one_reads(trace: Path) -> None:
+def _before_first_run(trace: Path):
+    """The trace's rows, its first run [i, j), and a columnar state that applied every row before it."""
     caps, rows = _rows(trace)
     i, j = _runs(caps, rows)[0]
     state = ControlState.create(caps)
     state.columnar = True
     for row in rows[:i]:
         check_invariants(state, state.apply(_event(row)), row[0])
+    return caps, rows, i, j, state
+
+
+def test_the_row_by_row_tail_reads_what_the_common_one_reads(trace: Path) -> None:
+    caps, rows, i, j, state = _before_first_run(trace)
     plans = [r[4] for r in rows[i:j:2]]
     n = len(state.columns.ids)
     sizes = np.array([len(p) >> 2 for p in plans])
@@ -195,12 +201,7 @@ def check_ok(trace: Path) -> bool:
 
 
 def test_a_run_given_back_moves_nothing(trace: Path) -> None:
-    caps, rows = _rows(trace)
-    i, j = _runs(caps, rows)[0]
-    state = ControlState.create(caps)
-    state.columnar = True
-    for row in rows[:i]:
-        check_invariants(state, state.apply(_event(row)), row[0])
+    caps, rows, i, j, state = _before_first_run(trace)
     before = state.digest()
     plans = [r[4] for r in rows[i:j:2]]
     last = _event(rows[j - 2])

@@ -26,7 +26,7 @@ from array import array
 import numpy as np
 
 from atlas.hashing import MASK64
-from atlas.state.columns import _K_BLOCKS, _K_RUNNING, StepColumns, mix_columns
+from atlas.state.columns import _K_BLOCKS, _K_RUNNING, StepColumns, mix64_column, mix_columns
 from atlas.state.control import ControlState
 from atlas.state.orders import PlanOrders
 
@@ -34,18 +34,9 @@ _LITTLE = sys.byteorder == "little"
 _U = np.uint64
 _FNV = _U(0x100000001B3)
 _ONE = _U(1)
-_M1, _M2 = _U(0xBF58476D1CE4E5B9), _U(0x94D049BB133111EB)
-_S30, _S27, _S31, _S20 = _U(30), _U(27), _U(31), _U(20)
+_S20 = _U(20)
 
 
-def _mix64(h: np.ndarray) -> np.ndarray:
-    """atlas.hashing.mix64 over a uint64 column (in place; uint64 wraps where the scalar masks)."""
-    h ^= h >> _S30
-    h *= _M1
-    h ^= h >> _S27
-    h *= _M2
-    h ^= h >> _S31
-    return h
 
 
 def _orders_empty(o: PlanOrders) -> bool:
@@ -147,14 +138,14 @@ def _apply(state: ControlState, plans: list[bytes], execs: list[bytes], digests:
         g = np.repeat(stepno + 1, 2).view(np.uint64)
         g ^= np.repeat(used, 2).view(np.uint64) << _S20
         g ^= _U((state.next_seq_id << 40) & MASK64)
-        _mix64(g)
+        mix64_column(g)
         g ^= _U(((len(state.waiting) << 32) ^ len(state.running) ^ (state.finished_count << 16)) & MASK64)
-        _mix64(g)
+        mix64_column(g)
         g ^= _U((len(state.pending_faults) ^ (state.dead << 62)) & MASK64)  # no release pending after P_0
-        _mix64(g)
+        mix64_column(g)
         g[0::2] ^= hashes
         g ^= _U(state.outcomes_hash)
-        _mix64(g)
+        mix64_column(g)
         g ^= seqd
         if set(map(len, digests)) != {16} or g.astype(">u8").tobytes().hex() != "".join(digests):
             return False

@@ -47,6 +47,11 @@ def mix_columns(h: np.ndarray, seq_len: np.ndarray, computed: np.ndarray, blocks
     h += seq_len.view(_U) * _K_LEN  # int64 columns >= 0: their uint64 view is the same number
     h += computed.view(_U) * _K_COMPUTED_QSA
     h += blocks_term
+    return mix64_column(h)
+
+
+def mix64_column(h: np.ndarray) -> np.ndarray:
+    """atlas.hashing.mix64 over a uint64 column (in place; uint64 wraps where the scalar masks)."""
     h ^= h >> _S30
     h *= _K_MIX1
     h ^= h >> _S27

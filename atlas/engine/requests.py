@@ -118,12 +118,12 @@ class RequestBook:
             elif o.token is None:
                 continue
             else:  # one token: _take written out for it, the per-sequence path of every decode step
-                seq = seqs[w.seq_id]
+                seq_id = w.seq_id
                 token = o.token
-                p = seq.params
+                p = w.sampling  # the sequence's params (plan_step's SeqWork carries them)
                 counts.generated_tokens += 1
-                ended = stops[w.seq_id].on_token(token, tokenizer)
-                h = held.get(w.seq_id)
+                ended = stops[seq_id].on_token(token, tokenizer)
+                h = held.get(seq_id)
                 if not p.logprobs:  # the common request: no logprobs to keep (_Held.add without them)
                     if h is not None:
                         h.tokens.append(token)
@@ -138,6 +138,7 @@ class RequestBook:
                         if quiet and ended is None:
                             continue
                     taken = (ended, [token], list(lp), list(tp))
+                seq = seqs[seq_id]
             yield from self._settle_seq(state, seq, taken, plan.step, lanes, out)
         if not refused:
             return

@@ -10,6 +10,7 @@ import numpy as np
 from atlas.errors import TransitionRefused
 from atlas.hashing import MASK64, ints_key
 from atlas.plan import RingRestore
+from atlas.state.advance import advance_fused
 from atlas.state.column_steps import advance_columns, refresh_rows, work_fits_columns
 from atlas.state.columns import StepColumns
 from atlas.state.control import (
@@ -134,8 +135,9 @@ def _check_work(state: ControlState, e: StepPlanned, new_blocks: dict[int, int])
         if seq is not None and not drafted:
             c = seq.cursor
             end = c.computed + n
+            blocks = len(seq.blocks)  # the new blocks looked up only when its own do not cover the end
             if ((c.phase is running or seq_id in admitted) and n >= 1 and end <= len(c.tokens)
-                    and end <= (len(seq.blocks) + nb(seq_id, 0)) * bs):
+                    and (end <= blocks * bs or end <= (blocks + nb(seq_id, 0)) * bs)):
                 continue
         _check_planned(state, e, i, admitted, new_blocks)
 
@@ -267,6 +269,15 @@ def _advance_all(state: ControlState, plan: StepPlanned, tokens: tuple[int, ...]
     caller's Checked: check_invariants gives them to check_sequence, which names the broken invariant).
     One pass instead of three walks (commit, refresh, check_invariants) with a call each: see
     docs/CONTROL-PLANE.md for the figures."""
+    if state.prefix is None and not state.caps.drafter_rows:  # the one-pass form (atlas.state.advance)
+        suspects = advance_fused(state, plan, tokens, bs, VECTOR_MIN)
+        if suspects is not None:
+            return suspects  # else nothing moved: the two passes refuse or take what it could not
+    return _advance_two_pass(state, plan, tokens, bs)
+
+
+def _advance_two_pass(state: ControlState, plan: StepPlanned, tokens: tuple[int, ...], bs: int) -> list[int]:
+    """_advance_all's check pass, then its commit pass (prefix caching, MTP drafters, and every refusal)."""
     seqs = state.seqs
     running = Phase.RUNNING
     work = []

@@ -68,7 +68,7 @@ class StopChecker:
     later: list[int] = attrs.Factory(list)
     # decode([t]) memo shared by the requests of one tokenizer and skip_special_tokens value (RequestBook.pieces):
     # decode is a pure function of the ids, so a memoised piece is the piece. None: decode every time
-    pieces: dict[int, str] | None = None
+    pieces: dict[int, str] | None = attrs.field(default=None, eq=False, repr=False)  # a cache, not state
 
     @classmethod
     def create(cls, params: SamplingParams, max_new: int, eos_token_ids: tuple[int, ...],

@@ -82,24 +82,29 @@ def plan_step(state: ControlState, lanes: Lanes) -> StepPlan:
     spec = lanes.spec
     eos = lanes.eos
     work = []
+    append = work.append
     for seq_id, n, verify in zip(planned.seqs, planned.fed, drafts, strict=True):
         seq = seqs[seq_id]
         c = seq.cursor
         start = c.computed
         end = start + n
-        sample = end == len(c.tokens)
+        toks = c.tokens
+        sample = end == len(toks)
         p = seq.params
         propose = spec.proposes(seq) if spec is not None and sample else 0
-        scored = p.prompt_logprobs if start < c.prompt_len else None  # prompt positions only
         if sample and (seq.banned or p.min_tokens):  # else nothing is banned (the common case, no set built)
             banned = tuple(sorted({*seq.banned.get(end, ()), *min_tokens_ban(seq, eos)}))
         else:
             banned = ()
         # positional: SeqWork(seq_id, tokens, start, block_table, sample, sampling, banned, drafts,
-        # drafter_first_key, propose, prompt_logprobs)
-        work.append(SeqWork(seq_id, tuple(c.tokens[start:end]), start, tuple(seq.blocks), sample, p, banned, verify,
-                            seq.drafter.first_key, propose, scored))
-    snapshots = plan_snapshots(seqs, planned.seqs, planned.fed, state.caps.snapshot_interval)
+        # drafter_first_key, propose, prompt_logprobs); a decode's one token without a slice; prompt logprobs for
+        # prompt positions only
+        append(SeqWork(seq_id, (toks[start],) if n == 1 else tuple(toks[start:end]), start, tuple(seq.blocks), sample,
+                       p, banned, verify, seq.drafter.first_key, propose,
+                       p.prompt_logprobs if start < c.prompt_len else None))
+    # the ring off (ring_slots 0, every sequence's): no sequence snapshots (plan_snapshots' first test, for the batch)
+    snapshots = plan_snapshots(seqs, planned.seqs, planned.fed, state.caps.snapshot_interval) if (
+        state.caps.ring_slots) else ()
     o = state.inflight_orders
     return StepPlan(planned.step, tuple(work), planned.release, planned.reset,
                     snapshots=snapshots,

@@ -54,11 +54,18 @@ class RequestBook:
         self.counts = RequestCounts()
         # prompt logprobs by sequence (position -> (logprob, top)) until the request's first output carries them
         self.prompt_lp: dict[int, dict[int, tuple[float | None, tuple[tuple[int, float], ...]]]] = {}
+        # decode([t]) of this book's tokenizer, by skip_special_tokens (StopChecker.pieces): decode is pure, so every
+        # request shares one memo; at most one entry per vocabulary id
+        self.pieces: dict[bool, dict[int, str]] = {True: {}, False: {}}
+
+    def _checker(self, params: SamplingParams, max_new: int) -> StopChecker:
+        pieces = self.pieces[params.skip_special_tokens] if self.tokenizer is not None else None
+        return StopChecker.create(params, max_new, self.eos, pieces)
 
     def admit(self, seq_id: int, params: SamplingParams, max_new: int, prompt_len: int, stream: bool) -> None:
         if not stream:
             self.held[seq_id] = _Held()
-        self.stops[seq_id] = StopChecker.create(params, max_new, self.eos)
+        self.stops[seq_id] = self._checker(params, max_new)
         self.counts.prompt_tokens += prompt_len
 
     def forget(self, seq_id: int) -> None:
@@ -111,12 +118,12 @@ class RequestBook:
             elif o.token is None:
                 continue
             else:  # one token: _take written out for it, the per-sequence path of every decode step
-                seq = seqs[w.seq_id]
+                seq_id = w.seq_id
                 token = o.token
-                p = seq.params
+                p = w.sampling  # the sequence's params (plan_step's SeqWork carries them)
                 counts.generated_tokens += 1
-                ended = stops[w.seq_id].on_token(token, tokenizer)
-                h = held.get(w.seq_id)
+                ended = stops[seq_id].on_token(token, tokenizer)
+                h = held.get(seq_id)
                 if not p.logprobs:  # the common request: no logprobs to keep (_Held.add without them)
                     if h is not None:
                         h.tokens.append(token)
@@ -131,6 +138,7 @@ class RequestBook:
                         if quiet and ended is None:
                             continue
                     taken = (ended, [token], list(lp), list(tp))
+                seq = seqs[seq_id]
             yield from self._settle_seq(state, seq, taken, plan.step, lanes, out)
         if not refused:
             return
@@ -226,7 +234,7 @@ class RequestBook:
     def _rewind_outputs(self, seq: Sequence) -> None:
         """After a rollback: the stop checker and the held-back output as if the dropped tokens never came."""
         c = seq.cursor
-        stop = StopChecker.create(seq.params, seq.max_new, self.eos)
+        stop = self._checker(seq.params, seq.max_new)
         for t in c.tokens[c.prompt_len:]:
             stop.on_token(t, self.tokenizer)
         self.stops[seq.seq_id] = stop

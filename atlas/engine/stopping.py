@@ -62,25 +62,56 @@ class StopChecker:
     count: int = 0  # tokens sampled so far
     cut: bool = False  # the text was cut at a stop string
     tokenizer: Tokenizer | None = None
+    # tokens sampled but not yet through _append_text: a request without stop strings reads its text only when it
+    # is handed out (take_text), so its tokens wait here and go through the very same per-token procedure then, in
+    # the same order: the text is identical, built when read instead of every step (tests/test_stop_text.py)
+    later: list[int] = attrs.Factory(list)
+    # decode([t]) memo shared by the requests of one tokenizer and skip_special_tokens value (RequestBook.pieces):
+    # decode is a pure function of the ids, so a memoised piece is the piece. None: decode every time
+    pieces: dict[int, str] | None = attrs.field(default=None, eq=False, repr=False)  # a cache, not state
 
     @classmethod
-    def create(cls, params: SamplingParams, max_new: int, eos_token_ids: tuple[int, ...]) -> StopChecker:
+    def create(cls, params: SamplingParams, max_new: int, eos_token_ids: tuple[int, ...],
+               pieces: dict[int, str] | None = None) -> StopChecker:
         stop_ids = set(params.stop_token_ids)
         if not params.ignore_eos:
             stop_ids.update(eos_token_ids)
         return cls(params=params, max_new=max_new, max_new_from_capacity=params.max_tokens is None,
-                   stop_ids=frozenset(stop_ids))
+                   stop_ids=frozenset(stop_ids), pieces=pieces)
 
     def _append_text(self, token: int, tokenizer: Tokenizer) -> None:
         # One decode per token: the tokens not yet turned into text plus the new one. Exact for byte-level
         # tokenizers (Atlas's byte tokenizer, Qwen's byte-level BPE), whose tokens decode independently of
         # context; a trailing U+FFFD is an incomplete character, held back until its last byte arrives.
-        self.unread.append(token)
-        skip = self.params.skip_special_tokens  # decode() with the flag's common value inline
-        piece = tokenizer.decode(self.unread) if skip else decode(tokenizer, self.unread, skip)
+        unread = self.unread
+        pieces = self.pieces
+        if not unread and pieces is not None:  # decode([token]): the memo's (one dict lookup after the first)
+            piece = pieces.get(token)
+            if piece is None:
+                piece = pieces[token] = self._decode([token], tokenizer)
+            if not piece.endswith("\ufffd"):
+                self.text += piece
+                return
+            unread.append(token)
+            return
+        unread.append(token)
+        piece = self._decode(unread, tokenizer)
         if not piece.endswith("\ufffd"):
             self.text += piece
-            self.unread.clear()
+            unread.clear()
+
+    def _decode(self, ids: list[int], tokenizer: Tokenizer) -> str:
+        skip = self.params.skip_special_tokens  # decode() with the flag's common value inline
+        return tokenizer.decode(ids) if skip else decode(tokenizer, ids, skip)
+
+    def _catch_up(self) -> None:
+        """Put the waiting tokens through _append_text, in order (what on_token would have done at each)."""
+        later = self.later
+        if later and self.tokenizer is not None:
+            tokenizer = self.tokenizer
+            for token in later:
+                self._append_text(token, tokenizer)
+        later.clear()
 
     def on_token(self, token: int, tokenizer: Tokenizer | None) -> tuple[FinishReason, str] | None:
         """Record a sampled token; the finish reason and detail if it ends the request."""
@@ -93,8 +124,14 @@ class StopChecker:
             return FinishReason.STOP, "eos" if is_eos else f"stop token {token}"
         if tokenizer is not None:
             self.tokenizer = tokenizer
+            if not p.stop:  # nothing reads the text before take_text: the token waits (see `later`)
+                if token not in stop_ids:  # a stop token inside min_tokens adds no text (it never does)
+                    self.later.append(token)
+                if count >= self.max_new:
+                    return self._length()
+                return None
             before = len(self.text)
-            if token not in stop_ids:  # a stop token inside min_tokens adds no text (it never does)
+            if token not in stop_ids:
                 self._append_text(token, tokenizer)
             for stop in p.stop if may_stop else ():
                 # only the new text, and the stop string's length before it, can hold a new occurrence
@@ -104,10 +141,13 @@ class StopChecker:
                     self.cut = True
                     return FinishReason.STOP, f"stop string {stop!r}"
         if count >= self.max_new:
-            if self.max_new_from_capacity:
-                return FinishReason.LENGTH, f"capacity: max_seq_len left room for {self.max_new} tokens"
-            return FinishReason.LENGTH, f"max_tokens {self.max_new}"
+            return self._length()
         return None
+
+    def _length(self) -> tuple[FinishReason, str]:
+        if self.max_new_from_capacity:
+            return FinishReason.LENGTH, f"capacity: max_seq_len left room for {self.max_new} tokens"
+        return FinishReason.LENGTH, f"max_tokens {self.max_new}"
 
     def banned_now(self) -> tuple[int, ...]:
         """The stop tokens the sampler may not pick for the next token: all of them while it is within
@@ -118,6 +158,8 @@ class StopChecker:
 
     def take_text(self, finished: bool) -> str:
         """The text not yet handed out; while running, hold back what could still start a stop string."""
+        if self.later:
+            self._catch_up()
         if finished and self.unread and not self.cut and self.tokenizer is not None:
             # the request ended on an incomplete character: hand out what decoding makes of it
             self.text += decode(self.tokenizer, self.unread, self.params.skip_special_tokens)

@@ -31,6 +31,7 @@ from atlas.state.orders import PlanOrders
 from atlas.state.prefix_index import CarriedEntry, PrefixCache
 
 Handler = Callable[[Any, Any], tuple[int, ...]]
+Ints = list[int] | tuple[int, ...]
 _HANDLERS: dict[type, Handler] = {}
 
 
@@ -78,18 +79,18 @@ _K_COMPUTED_QSA = _U((0x165667B19E3779F9 + 0xC4CEB9FE1A85EC53) & _M)  # computed
 _K_RUNNING = _U(0xD6E8FEB86659FD93 * Phase.RUNNING & _M)
 
 
-def running_fingerprints(token_hash: list[int], seq_id: list[int], seq_len: list[int], computed: list[int],
-                         blocks: list[int]) -> list[int]:
+def running_fingerprints(token_hash: Ints, seq_id: Ints, seq_len: Ints, computed: Ints,
+                         blocks: Ints) -> list[int]:
     """sequence_fingerprint of many running sequences at once, each with qsa.ingested == computed and no
     drafter rows, ring snapshots, rollbacks, preemptions or latch (the fields that are then 0): the same
     arithmetic over uint64 columns (numpy wraps mod 2**64 where the scalar form masks). 27 against 68 us for 64
     sequences (benchmarks/replay_check.py's batch); tested against the scalar form."""
-    h = np.array(token_hash, dtype=np.uint64) ^ (np.array(seq_id, dtype=np.uint64) * _K_ID)
+    # the five columns in one conversion (one np.array call instead of five: ~1.5 us each at batch 64)
+    th, ids, length, done, held = np.array((token_hash, seq_id, seq_len, computed, blocks), dtype=np.uint64)
+    h = th ^ (ids * _K_ID)
     h = (h ^ (h >> _S30)) * _K_MIX1
     h = (h ^ (h >> _S27)) * _K_MIX2
-    h = ((h ^ (h >> _S31)) + np.array(seq_len, dtype=np.uint64) * _K_LEN
-         + np.array(computed, dtype=np.uint64) * _K_COMPUTED_QSA + _K_RUNNING
-         + np.array(blocks, dtype=np.uint64) * _K_BLOCKS)
+    h = (h ^ (h >> _S31)) + length * _K_LEN + done * _K_COMPUTED_QSA + _K_RUNNING + held * _K_BLOCKS
     h = (h ^ (h >> _S30)) * _K_MIX1
     h = (h ^ (h >> _S27)) * _K_MIX2
     return (h ^ (h >> _S31)).tolist()

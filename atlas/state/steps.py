@@ -10,6 +10,7 @@ import numpy as np
 from atlas.errors import TransitionRefused
 from atlas.hashing import MASK64, ints_key
 from atlas.plan import RingRestore
+from atlas.state.advance import advance_fused
 from atlas.state.column_steps import advance_columns, refresh_rows, work_fits_columns
 from atlas.state.columns import StepColumns
 from atlas.state.control import (
@@ -134,8 +135,9 @@ def _check_work(state: ControlState, e: StepPlanned, new_blocks: dict[int, int])
         if seq is not None and not drafted:
             c = seq.cursor
             end = c.computed + n
+            blocks = len(seq.blocks)  # the new blocks looked up only when its own do not cover the end
             if ((c.phase is running or seq_id in admitted) and n >= 1 and end <= len(c.tokens)
-                    and end <= (len(seq.blocks) + nb(seq_id, 0)) * bs):
+                    and (end <= blocks * bs or end <= (blocks + nb(seq_id, 0)) * bs)):
                 continue
         _check_planned(state, e, i, admitted, new_blocks)
 
@@ -267,35 +269,42 @@ def _advance_all(state: ControlState, plan: StepPlanned, tokens: tuple[int, ...]
     caller's Checked: check_invariants gives them to check_sequence, which names the broken invariant).
     One pass instead of three walks (commit, refresh, check_invariants) with a call each: see
     docs/CONTROL-PLANE.md for the figures."""
+    if state.prefix is None and not state.caps.drafter_rows:  # the one-pass form (atlas.state.advance)
+        suspects = advance_fused(state, plan, tokens, bs, VECTOR_MIN)
+        if suspects is not None:
+            return suspects  # else nothing moved: the two passes refuse or take what it could not
+    return _advance_two_pass(state, plan, tokens, bs)
+
+
+def _advance_two_pass(state: ControlState, plan: StepPlanned, tokens: tuple[int, ...], bs: int) -> list[int]:
+    """_advance_all's check pass, then its commit pass (prefix caching, MTP drafters, and every refusal)."""
     seqs = state.seqs
     running = Phase.RUNNING
     work = []
+    append = work.append
+    get = seqs.get
     for seq_id, fed, token in zip(plan.seqs, plan.fed, tokens, strict=True):
-        seq = seqs.get(seq_id)
+        seq = get(seq_id)
         if seq is None:
             raise TransitionRefused("Request", "token for a sequence that is not live", seq_id=seq_id)
         c = seq.cursor
         end = c.computed + fed
         n = len(c.tokens)
-        sampled = token >= 0
+        # check_advance's conditions: a sampled token exactly when every known token is fed, within the budget
         if (c.phase is not running or fed < 1 or end > n or end > seq.qsa.capacity or end > len(seq.blocks) * bs
-                or sampled != (end == n) or (sampled and n - c.prompt_len >= seq.max_new)):
+                or ((end != n or n - c.prompt_len >= seq.max_new) if token >= 0 else end == n)):
             seq.check_advance(fed, token, bs)  # raises (the conditions above are its own)
-        work.append((seq, fed, token))
+        append((seq, c, end, token))  # the cursor and the end the commit pass needs, read once
     prefix = state.prefix
     acc = state.seq_digest
     suspects: list[int] = []
     M = MASK64
     vector = len(work) >= VECTOR_MIN
-    v_seqs: list[Sequence] = []
-    v_hash: list[int] = []
-    v_id: list[int] = []
-    v_len: list[int] = []
-    v_end: list[int] = []
-    v_blocks: list[int] = []
-    for seq, fed, token in work:  # every check passed: commit them all (and refresh their digest share)
-        c = seq.cursor
-        end = c.computed + fed
+    # (sequence, token hash, id, length, computed, blocks) of the sequences fingerprinted as columns below: one
+    # tuple a sequence, transposed once (six list appends a sequence were ~a tenth of this pass)
+    v_rows: list[tuple[Sequence, int, int, int, int, int]] = []
+    v_add = v_rows.append
+    for seq, c, end, token in work:  # every check passed: commit them all (and refresh their digest share)
         c.computed = end
         q = seq.qsa
         q.ingested = end
@@ -323,12 +332,7 @@ def _advance_all(state: ControlState, plan: StepPlanned, tokens: tuple[int, ...]
                     or c.phase is not running or end > blocks * bs or (blocks - 1) * bs >= max(n, 1)):
                 suspects.append(seq.seq_id)
             if vector and not seq.preemptions and not d.latched and c.phase is running:
-                v_seqs.append(seq)  # fingerprinted below, all at once
-                v_hash.append(th)
-                v_id.append(seq.seq_id)
-                v_len.append(n)
-                v_end.append(end)
-                v_blocks.append(blocks)
+                v_add((seq, th, seq.seq_id, n, end, blocks))  # fingerprinted below, all at once
                 continue
             # sequence_fingerprint without its rare-field round (no snapshots, no rollbacks, no drafter rows)
             h = (th ^ (seq.seq_id * 0x9E3779B97F4A7C15)) & M
@@ -342,7 +346,8 @@ def _advance_all(state: ControlState, plan: StepPlanned, tokens: tuple[int, ...]
             fp = h ^ (h >> 31)
         acc ^= seq.fingerprint ^ fp
         seq.fingerprint = fp
-    if v_seqs:
+    if v_rows:
+        v_seqs, v_hash, v_id, v_len, v_end, v_blocks = zip(*v_rows, strict=True)
         for seq, fp in zip(v_seqs, running_fingerprints(v_hash, v_id, v_len, v_end, v_blocks), strict=True):
             acc ^= seq.fingerprint ^ fp
             seq.fingerprint = fp

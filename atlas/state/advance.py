@@ -1,0 +1,114 @@
+"""StepExecuted's advance of a step without drafts in one pass: check, commit, invariant test and fingerprint.
+
+steps._advance_all checks every sequence in one pass and commits them in a second, so that a refusal leaves the
+state as it was. This pass does both per sequence and, when a later sequence cannot take the common path (a
+condition of check_advance fails, it is gone, its QSA keys are not its computed count, its drafter is MTP), puts
+back exactly what it moved for the sequences before it (computed, QSA keys, the appended token and the token hash,
+whose step is inverted: the FNV prime is odd, so it has an inverse mod 2**64) and gives the event to the two-pass
+path, which refuses naming the sequence or handles it, as before. Fingerprints and the digest are written only
+once every sequence passed. At batch 64 the second walk (a tuple per sequence, every cursor read again) was about
+a quarter of StepExecuted's apply (benchmarks/control_plane.py; docs/CONTROL-PLANE.md, fourth pass).
+"""
+
+from __future__ import annotations
+
+from atlas.hashing import MASK64
+from atlas.state.control import ControlState, running_fingerprints, sequence_fingerprint
+from atlas.state.events import StepPlanned
+from atlas.state.invariants import _holds
+from atlas.state.machines import Phase, Sequence
+
+_FNV = 0x100000001B3
+_FNV_INVERSE = pow(_FNV, -1, 1 << 64)  # (h * FNV + t + 1) * ... undone: h = (h' - t - 1) * FNV^-1 mod 2**64
+
+
+def advance_fused(state: ControlState, plan: StepPlanned, tokens: tuple[int, ...], bs: int,
+                  vector_min: int) -> list[int] | None:
+    """The suspects (steps._advance_all's return), or None having moved nothing: the caller's two passes then
+    run. Only for prefix caching off (register_blocks has no undo here)."""
+    seqs = state.seqs
+    get = seqs.get
+    running = Phase.RUNNING
+    M = MASK64
+    vector = len(plan.seqs) >= vector_min
+    suspects: list[int] = []
+    scalar: list[tuple[Sequence, int]] = []  # (sequence, fingerprint) written after the pass
+    v_rows: list[tuple[Sequence, int, int, int, int, int]] = []  # running_fingerprints' columns, one row each
+    v_add = v_rows.append
+    k = 0
+    for seq_id, fed, token in zip(plan.seqs, plan.fed, tokens, strict=True):
+        seq = get(seq_id)
+        if seq is None:
+            _undo(state, plan, tokens, k)
+            return None
+        c = seq.cursor
+        computed = c.computed
+        end = computed + fed
+        toks = c.tokens
+        n = len(toks)
+        q = seq.qsa
+        d = seq.drafter
+        blocks = len(seq.blocks)
+        # check_advance's conditions, and what the undo needs (QSA keys at computed, no MTP drafter to follow)
+        if (c.phase is not running or fed < 1 or end > n or end > q.capacity or end > blocks * bs
+                or ((end != n or n - c.prompt_len >= seq.max_new) if token >= 0 else end == n)
+                or q.ingested != computed or d.mtp):
+            _undo(state, plan, tokens, k)
+            return None
+        k += 1
+        c.computed = end
+        q.ingested = end
+        th = c.token_hash
+        if token >= 0:
+            toks.append(token)
+            n += 1
+            th = c.token_hash = (th * _FNV + token + 1) & M
+        if seq.ring.snapshots or seq.rollbacks or d.rows or d.carried:  # the rare fields: the functions themselves
+            scalar.append((seq, sequence_fingerprint(seq)))
+            if not _holds(seq, bs, 0):
+                suspects.append(seq_id)
+            continue
+        # _holds's conditions for this case (no snapshots, no drafter rows, not MTP, not carried)
+        pl = c.prompt_len
+        if (end < 0 or end > n or pl > n or n - pl > seq.max_new or q.ingested != end or end > q.capacity
+                or c.phase is not running or end > blocks * bs or (blocks - 1) * bs >= max(n, 1)):
+            suspects.append(seq_id)
+        if vector and not seq.preemptions and not d.latched:  # (running: checked above)
+            v_add((seq, th, seq_id, n, end, blocks))
+            continue
+        # sequence_fingerprint without its rare-field round (no snapshots, no rollbacks, no drafter rows)
+        h = (th ^ (seq_id * 0x9E3779B97F4A7C15)) & M
+        h = ((h ^ (h >> 30)) * 0xBF58476D1CE4E5B9) & M
+        h = ((h ^ (h >> 27)) * 0x94D049BB133111EB) & M
+        h = (h ^ (h >> 31)) + (n * 0xC2B2AE3D27D4EB4F + end * 0x165667B19E3779F9 + c.phase * 0xD6E8FEB86659FD93
+                               + blocks * 0xFF51AFD7ED558CCD + end * 0xC4CEB9FE1A85EC53
+                               + seq.preemptions * 0xBF58476D1CE4E5B9 + d.latched * 0x2545F4914F6CDD1D) & M
+        h = ((h ^ (h >> 30)) * 0xBF58476D1CE4E5B9) & M
+        h = ((h ^ (h >> 27)) * 0x94D049BB133111EB) & M
+        scalar.append((seq, h ^ (h >> 31)))
+    acc = state.seq_digest
+    for seq, fp in scalar:
+        acc ^= seq.fingerprint ^ fp
+        seq.fingerprint = fp
+    if v_rows:
+        v_seqs, v_hash, v_id, v_len, v_end, v_blocks = zip(*v_rows, strict=True)
+        for seq, fp in zip(v_seqs, running_fingerprints(v_hash, v_id, v_len, v_end, v_blocks), strict=True):
+            acc ^= seq.fingerprint ^ fp
+            seq.fingerprint = fp
+    state.seq_digest = acc
+    return suspects
+
+
+def _undo(state: ControlState, plan: StepPlanned, tokens: tuple[int, ...], k: int) -> None:
+    """Put back what the pass moved for the plan's first k sequences (each passed, so each is live, its QSA keys
+    were its computed count, and its token, if any, is the last one of its list)."""
+    M = MASK64
+    seqs = state.seqs
+    for seq_id, fed, token in zip(plan.seqs[:k], plan.fed, tokens, strict=False):
+        seq = seqs[seq_id]
+        c = seq.cursor
+        c.computed -= fed
+        seq.qsa.ingested = c.computed
+        if token >= 0:
+            c.tokens.pop()
+            c.token_hash = ((c.token_hash - token - 1) * _FNV_INVERSE) & M

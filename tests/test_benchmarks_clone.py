@@ -35,6 +35,7 @@ EXPECT = {
     "spec_divergence.py": '"identical"',
     "speculative.py": "oracle",
     "stamp_read.py": "fast ms/call",
+    "host_profile.py": "control_plane_ms",
     "sampling.py": "over argmax",
     "server_flood.py": "verdict:",
     "server_trace.py": "events/step",

@@ -164,7 +164,12 @@ def test_the_cuda_reader_shares_marked_cursors_and_a_damaged_stamp_is_named(stat
         j = next(j for j, n in enumerate(pools.names) if pools.kinds[n][0] == state)
         kind, layer = pools.kinds[pools.names[j]]
 
-    def damaging(seq_ids):  # after the step wrote its stamps, before the read: one layer of sequence b
+    early, damaged = store.prefetch, []
+
+    def damage() -> None:  # after the step wrote its stamps, before its read starts: one layer of sequence b, once
+        if damaged:
+            return
+        damaged.append(True)
         s = store.seqs[seq_b]
         if state == "kv":  # its last KV position's stamp cleared: the leading run ends one short
             view = pools.paged_pos.view(len(pools.paged_kinds), -1)
@@ -172,8 +177,16 @@ def test_the_cuda_reader_shares_marked_cursors_and_a_damaged_stamp_is_named(stat
             view[0, s.table[p // pools.block_size] * pools.block_size + p % pools.block_size] = -1
         else:
             pools.stamps[j, s.slot] += 1
+
+    def damaging_early(seq_ids):  # a plain step starts its read behind the forward (CudaStateStore.prefetch)
+        damage()
+        return early(seq_ids)
+
+    def damaging(seq_ids):
+        damage()
         return read(seq_ids)
 
+    store.prefetch = damaging_early
     store.read_cursors = damaging
     with pytest.raises(InvariantViolation):
         engine.step()

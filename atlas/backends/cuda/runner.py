@@ -279,11 +279,16 @@ class CudaBackend:
         if self.spec.ple is not None:
             state.ple_context = (state.ple_context + list(chunk.tokens))[-self.spec.ple.context_len :]
 
-    def _run_group(self, packed: torch.Tensor, shape: GroupShape) -> torch.Tensor:
+    def _group(self, packed: torch.Tensor, shape: GroupShape) -> Group:
+        """The device views of a packed group; a decode group's n-gram ids computed from the slots' context."""
         grp = Group.view(packed, shape, self.block_size)
         if shape.ngram_on_device:
             assert self.spec.ple is not None
             grp = attrs.evolve(grp, ngram_ids=device_ngram_ids(self.pools, grp, self.spec.ple, self._ple_tables_dev))
+        return grp
+
+    def _run_group(self, packed: torch.Tensor, shape: GroupShape) -> torch.Tensor:
+        grp = self._group(packed, shape)
         # decode groups take graph-capturable paths; prefill groups run eagerly (tuning.prefill_moe may sync)
         eager = shape.width > 1 and not shape.pending
         if regions.applies(self.spec, grp, self.tuning, eager):

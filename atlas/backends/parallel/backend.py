@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from atlas.backends.base import ChunkLike
-from atlas.backends.cuda.batch import Group, GroupShape
+from atlas.backends.cuda.batch import GroupShape
 from atlas.backends.cuda.layers import ple_context_update
 from atlas.backends.cuda.runner import CudaBackend
 from atlas.backends.parallel.comm import Comm
@@ -73,7 +73,7 @@ class TpBackend(CudaBackend):
 
     def _run_group(self, packed: torch.Tensor, shape: GroupShape) -> torch.Tensor:
         """CudaBackend._run_group with the rank's forward (tp_forward_group) in place of forward_group."""
-        grp = Group.view(packed, shape, self.block_size)
+        grp = self._group(packed, shape)
         hidden = tp_forward_group(self.spec, self.weights, self.pools, grp, self.layout, self.comm, self.first_id,
                                   eager_moe=shape.width > 1 and not shape.pending and self.prefill_moe == "grouped",
                                   gdn_kernel=self.gdn_kernel)

@@ -35,7 +35,7 @@ WAITS = ("synchronize", "tolist", "item", "cpu", "numpy")
 
 
 def run(model: Any, variant: str, batch: int, steps: int, warm: int, out: Path | None,
-        smoke: bool = False) -> dict[str, Any]:
+        smoke: bool = False, seeded: bool = False) -> dict[str, Any]:
     from atlas.backends.cuda.tuning import VARIANTS
     from atlas.bench_measure import TimedBackend
     from atlas.config import EngineConfig
@@ -51,7 +51,8 @@ def run(model: Any, variant: str, batch: int, steps: int, warm: int, out: Path |
     g = torch.Generator().manual_seed(batch)
     for i in range(batch):
         prompt = torch.randint(0, model.spec.vocab_size, (140,), generator=g).tolist()
-        engine.add_request(f"r{i}", prompt, SamplingParams(max_tokens=warm + steps + 8, ignore_eos=True))
+        sampling = dict(temperature=0.8, top_p=0.95, seed=1000 + i) if seeded else {}  # atlas.bench_measure.SEEDED
+        engine.add_request(f"r{i}", prompt, SamplingParams(max_tokens=warm + steps + 8, ignore_eos=True, **sampling))
     for _ in range(1 + warm):  # the prefill, then the captures and compiles
         engine.step()
     if torch.cuda.is_available():
@@ -81,10 +82,10 @@ def run(model: Any, variant: str, batch: int, steps: int, warm: int, out: Path |
     pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(40)
     pstats.Stats(prof, stream=text).sort_stats("cumulative").print_stats(60)
     if out is not None:
-        (out / f"host_profile_{variant}_b{batch}.txt").write_text(text.getvalue())
+        (out / f"host_profile_{variant}_b{batch}{'_seeded' if seeded else ''}.txt").write_text(text.getvalue())
     own = io.StringIO()
     pstats.Stats(prof, stream=own).sort_stats("tottime").print_stats(22)
-    row = {"variant": variant, "batch": batch, "ms_per_step": statistics.median(plain),
+    row = {"variant": variant, "batch": batch, "seeded": seeded, "ms_per_step": statistics.median(plain),
            "execute_ms": statistics.median(executes),
            "profiled_ms_per_step": statistics.median(walls),
            "device_wait_ms_per_step_profiled": waits * 1e3 / steps}
@@ -101,6 +102,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=24)
     parser.add_argument("--warm", type=int, default=6)
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--seeded", action="store_true", help="temperature 0.8, top_p 0.95, a seed per request")
     parser.add_argument("--smoke", action="store_true", help="the mechanics on the CPU: a shrunk model, eager")
     args = parser.parse_args()
     if args.smoke:
@@ -118,7 +120,7 @@ def main() -> None:
         model = random_model(json.loads(CONFIG.read_text()), device="cuda", dtype=torch.bfloat16, seed=0)
     for variant in args.variant.split(","):
         for batch in (int(b) for b in args.batches.split(",")):
-            run(model, variant, batch, args.steps, args.warm, args.out, args.smoke)
+            run(model, variant, batch, args.steps, args.warm, args.out, args.smoke, args.seeded)
 
 
 if __name__ == "__main__":

@@ -111,7 +111,7 @@ def main() -> None:
 
         torch.set_num_threads(1)
         model = shrunk("cpu")
-        args.variant, args.steps, args.warm = "baseline", 3, 1
+        args.variant, args.steps, args.warm, args.batches = "baseline", 3, 1, "2"
     elif not torch.cuda.is_available():
         raise SystemExit("benchmarks/host_profile.py needs an NVIDIA GPU")
     else:

@@ -17,7 +17,7 @@ from atlas.errors import InvariantViolation, TransitionRefused
 from atlas.hashing import mix64
 from atlas.sampling.params import SamplingParams
 from atlas.state import events as ev
-from atlas.state.control import ControlState, sequence_fingerprint
+from atlas.state.control import ControlState, common_fingerprint, sequence_fingerprint
 from atlas.state.invariants import _holds, check_sequence
 from atlas.state.machines import DrafterCarry, Phase, QsaCursor, Sequence, SequenceCursor, SsmRing
 
@@ -78,6 +78,11 @@ def test_holds_passes_exactly_what_check_sequence_passes(seq: Sequence, block_si
 @given(seq=sequences())
 def test_the_inline_fingerprint_is_the_specified_one(seq: Sequence) -> None:
     assert sequence_fingerprint(seq) == _reference_fingerprint(seq)
+    c, d = seq.cursor, seq.drafter
+    if not seq.ring.snapshots and not seq.rollbacks and not d.rows and c.computed == seq.qsa.ingested:
+        # the hot paths' form for such a sequence (the advance's common case)
+        assert common_fingerprint(c.token_hash, seq.seq_id, len(c.tokens), c.computed, c.phase, len(seq.blocks),
+                                  seq.preemptions, d.latched) == _reference_fingerprint(seq)
 
 
 def _running(prompts: list[int], max_new: list[int], full: list[bool], blocks: int = 2) -> ControlState:

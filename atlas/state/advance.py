@@ -13,7 +13,7 @@ a quarter of StepExecuted's apply (benchmarks/control_plane.py; docs/CONTROL-PLA
 from __future__ import annotations
 
 from atlas.hashing import MASK64
-from atlas.state.control import ControlState, running_fingerprints, sequence_fingerprint
+from atlas.state.control import ControlState, common_fingerprint, fold_fingerprints, sequence_fingerprint
 from atlas.state.events import StepPlanned
 from atlas.state.invariants import _holds
 from atlas.state.machines import Phase, Sequence
@@ -77,25 +77,12 @@ def advance_fused(state: ControlState, plan: StepPlanned, tokens: tuple[int, ...
             v_add((seq, th, seq_id, n, end, blocks))
             continue
         # sequence_fingerprint without its rare-field round (no snapshots, no rollbacks, no drafter rows)
-        h = (th ^ (seq_id * 0x9E3779B97F4A7C15)) & M
-        h = ((h ^ (h >> 30)) * 0xBF58476D1CE4E5B9) & M
-        h = ((h ^ (h >> 27)) * 0x94D049BB133111EB) & M
-        h = (h ^ (h >> 31)) + (n * 0xC2B2AE3D27D4EB4F + end * 0x165667B19E3779F9 + c.phase * 0xD6E8FEB86659FD93
-                               + blocks * 0xFF51AFD7ED558CCD + end * 0xC4CEB9FE1A85EC53
-                               + seq.preemptions * 0xBF58476D1CE4E5B9 + d.latched * 0x2545F4914F6CDD1D) & M
-        h = ((h ^ (h >> 30)) * 0xBF58476D1CE4E5B9) & M
-        h = ((h ^ (h >> 27)) * 0x94D049BB133111EB) & M
-        scalar.append((seq, h ^ (h >> 31)))
+        scalar.append((seq, common_fingerprint(th, seq_id, n, end, c.phase, blocks, seq.preemptions, d.latched)))
     acc = state.seq_digest
     for seq, fp in scalar:
         acc ^= seq.fingerprint ^ fp
         seq.fingerprint = fp
-    if v_rows:
-        v_seqs, v_hash, v_id, v_len, v_end, v_blocks = zip(*v_rows, strict=True)
-        for seq, fp in zip(v_seqs, running_fingerprints(v_hash, v_id, v_len, v_end, v_blocks), strict=True):
-            acc ^= seq.fingerprint ^ fp
-            seq.fingerprint = fp
-    state.seq_digest = acc
+    fold_fingerprints(state, acc, v_rows)
     return suspects
 
 

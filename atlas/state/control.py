@@ -71,6 +71,33 @@ def sequence_fingerprint(seq: Sequence) -> int:
     return h ^ (h >> 31)
 
 
+def common_fingerprint(th: int, seq_id: int, n: int, end: int, phase: int, blocks: int, preemptions: int,
+                       latched: int) -> int:
+    """sequence_fingerprint of a sequence without its rare fields (no ring snapshots, rollbacks, drafter rows),
+    computed == qsa.ingested == `end`, from the fields a step's advance already holds (the hot paths of
+    atlas/state/steps.py and advance.py; tested equal to sequence_fingerprint in tests/test_state_batched.py)."""
+    h = (th ^ (seq_id * 0x9E3779B97F4A7C15)) & _M
+    h = ((h ^ (h >> 30)) * 0xBF58476D1CE4E5B9) & _M
+    h = ((h ^ (h >> 27)) * 0x94D049BB133111EB) & _M
+    h = (h ^ (h >> 31)) + (n * 0xC2B2AE3D27D4EB4F + end * 0x165667B19E3779F9 + phase * 0xD6E8FEB86659FD93
+                           + blocks * 0xFF51AFD7ED558CCD + end * 0xC4CEB9FE1A85EC53
+                           + preemptions * 0xBF58476D1CE4E5B9 + latched * 0x2545F4914F6CDD1D) & _M
+    h = ((h ^ (h >> 30)) * 0xBF58476D1CE4E5B9) & _M
+    h = ((h ^ (h >> 27)) * 0x94D049BB133111EB) & _M
+    return h ^ (h >> 31)
+
+
+def fold_fingerprints(state: ControlState, acc: int, rows: list) -> None:
+    """The digest share `acc` with `rows` (sequence, token hash, id, length, end, blocks) fingerprinted as columns
+    (running_fingerprints) and each sequence's fingerprint replaced; the result is the state's sequence digest."""
+    if rows:
+        seqs, hashes, ids, lengths, ends, blocks = zip(*rows, strict=True)
+        for seq, fp in zip(seqs, running_fingerprints(hashes, ids, lengths, ends, blocks), strict=True):
+            acc ^= seq.fingerprint ^ fp
+            seq.fingerprint = fp
+    state.seq_digest = acc
+
+
 _U = np.uint64
 _K_ID, _K_MIX1, _K_MIX2 = _U(0x9E3779B97F4A7C15), _U(0xBF58476D1CE4E5B9), _U(0x94D049BB133111EB)
 _S30, _S27, _S31 = _U(30), _U(27), _U(31)

@@ -19,8 +19,11 @@ for the same logits, and by how much:
   each other (float64, not float32, for the noise and scores for this reason: float32 would be ~1e-6);
 - top_p: the cumulative mass is a float64 scan whose order differs by device (and possibly by batch shape
   on a GPU): a token whose preceding mass is within ~1e-15 relative of top_p may be kept on one and not the
-  other. min_p is compared in logit space, z - z_max >= log(min_p) with log(min_p) computed on the host,
-  so it is elementwise and exact; top_k is a sort and a gather, exact.
+  other. On a GPU, 16-bit keys find the threshold from a histogram of the row's bit patterns instead of a
+  sort (atlas_kernels.keyed_threshold: bin masses count x exp, summed in a fixed order per row, so on a GPU
+  the top_p scan does not depend on the batch), the same value up to that same ~1e-15 bound. min_p is
+  compared in logit space, z - z_max >= log(min_p) with log(min_p) computed on the host, so it is
+  elementwise and exact; top_k is a sort and a gather (or a count over the histogram), exact.
 Ties at a threshold are kept (every token with z equal to the last kept one's): the kept set is a function
 of the values, not of the token order.
 
@@ -154,7 +157,19 @@ def _temperature(rows: Rows) -> torch.Tensor:
 
 def threshold(key: torch.Tensor, rows: Rows) -> torch.Tensor:
     """`last` [B] float64: the scaled value of the last token top_k and top_p keep (after min_p), so the kept set
-    is {z - z_max >= log_min_p} & {z >= last}. `key` is the penalised logits (see penalised)."""
+    is {z - z_max >= log_min_p} & {z >= last}. `key` is the penalised logits (see penalised). On a GPU with
+    atlas_kernels, 16-bit keys take the histogram kernels (atlas_kernels.keyed_threshold: no sort, tested to give
+    threshold_sorted's value); ATLAS_SAMPLER_KERNEL=0 keeps the sort."""
+    if key.is_cuda and key.dtype in (torch.bfloat16, torch.float16):
+        binned = _binned()
+        if binned is not None:
+            zmax = key.max(dim=-1).values.to(torch.float64) / _temperature(rows)
+            return binned(key, rows.temperature, rows.log_min_p, rows.top_k, rows.top_p, zmax)
+    return threshold_sorted(key, rows)
+
+
+def threshold_sorted(key: torch.Tensor, rows: Rows) -> torch.Tensor:
+    """threshold() by sorting the row: the reference (and the path of float32 / float64 keys)."""
     vocab = key.shape[-1]
     s = torch.sort(key, dim=-1, descending=True).values.to(torch.float64) / _temperature(rows)[:, None]
     d = s - s[:, :1]  # z - z_max: s[:, 0] = fl(max(x) / T) == max(fl(x / T)), rounding is monotone
@@ -213,19 +228,27 @@ def _keyed_argmax_torch(key: torch.Tensor, rows: Rows, last: torch.Tensor | None
     return torch.where(rows.temperature > 0, drawn, key.argmax(dim=-1))
 
 
-_FUSED: list = []
+_KERNELS: dict[str, object] = {}
 
 
-def _fused():  # the kernel's launcher, or None
-    if not _FUSED:
+def _kernel(module: str, name: str):  # a launcher of atlas_kernels, or None (not importable, or switched off)
+    if name not in _KERNELS:
         fn = None
         if os.environ.get("ATLAS_SAMPLER_KERNEL", "1") != "0":
             try:
-                from atlas_kernels.keyed_sample import keyed_argmax as fn
+                fn = getattr(__import__(f"atlas_kernels.{module}", fromlist=[name]), name)
             except ImportError:
                 fn = None
-        _FUSED.append(fn)
-    return _FUSED[0]
+        _KERNELS[name] = fn
+    return _KERNELS[name]
+
+
+def _fused():  # the draw's launcher, or None
+    return _kernel("keyed_sample", "keyed_argmax")
+
+
+def _binned():  # the 16-bit threshold's launcher, or None
+    return _kernel("keyed_threshold", "keyed_threshold")
 
 
 def sample(logits: torch.Tensor, rows: Rows, *, banned: torch.Tensor | None = None,

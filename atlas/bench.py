@@ -81,7 +81,7 @@ def run(config_path: Path = DEFAULT_CONFIG, *, out: Path | None = None, batches:
     skipped), the long prefills on the fastest variant whose attention is SDPA, then transformers."""
     from atlas.backends.cuda.random_model import random_model
     from atlas.backends.cuda.tuning import VARIANTS
-    from atlas.bench_variants import best, guarded, measure_variants, variant_line
+    from atlas.bench_variants import best, guarded, measure_variants, profile_variants, variant_line
 
     if not torch.cuda.is_available():
         raise SystemExit("atlas bench gpu needs an NVIDIA GPU")
@@ -110,7 +110,8 @@ def run(config_path: Path = DEFAULT_CONFIG, *, out: Path | None = None, batches:
         save()
 
     report["variants"] = measure_variants(model, {n: VARIANTS[n] for n in names}, batches=batches,
-                                          prefill_tokens=2048, bw=bw, rate=rate, out=out, on_variant=progress)
+                                          prefill_tokens=2048, bw=bw, rate=rate, out=out, on_variant=progress,
+                                          profile=False)
     winner = best(report["variants"], "prefill", "ms")
     if winner is not None:
         report["prefill"] = {**winner[1], "variant": winner[0]}
@@ -151,14 +152,20 @@ def run(config_path: Path = DEFAULT_CONFIG, *, out: Path | None = None, batches:
             print(f"prefill {tokens} ({long_variant[0]}): " + (p["error"] if "error" in p else
                   f"{p['ms']:.1f} ms, {100 * p['achieved_of_matmul_rate']:.1f}% of the matmul rate"), flush=True)
             save()
-    del model
-    torch.cuda.empty_cache()
     if with_transformers:
         try:
             report["transformers"] = bench_transformers(config)
         except Exception as exc:  # the comparison must not cost the run's own numbers
             report["transformers"] = {"error": f"{type(exc).__name__}: {exc}"}
         save()
+    # the profiles last: a torch.profiler session slowed every decode timed after it in the same process by
+    # 10-25% (session 6 run 1: seeded x1.26-1.29 greedy measured after the profile, x1.04 in a process without one)
+    profile_variants(model, report["variants"], out)
+    for name, row in report["variants"].items():  # the rows again, now with their kernel counts
+        print(variant_line(name, row), flush=True)
+    save()
+    del model
+    torch.cuda.empty_cache()
     return report
 
 

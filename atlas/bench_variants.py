@@ -44,9 +44,11 @@ def _knobs(tuning: Any, names: tuple[str, ...]) -> tuple[str, ...]:
 
 
 def measure_variants(model: Any, variants: dict[str, Any], *, batches: tuple[int, ...], prefill_tokens: int,
-                     bw: float, rate: float, out: Path | None, on_variant: Callable[[str, dict], None]
-                     ) -> dict[str, dict[str, Any]]:
-    """{variant: {"tuning", "prefill", "decode_b{n}", "profile"}} with floors; figures reused where knobs agree."""
+                     bw: float, rate: float, out: Path | None, on_variant: Callable[[str, dict], None],
+                     profile: bool = True) -> dict[str, dict[str, Any]]:
+    """{variant: {"tuning", "prefill", "decode_b{n}", "profile"}} with floors; figures reused where knobs agree.
+    profile=False leaves the profiles to profile_variants (run them after every other timing: a torch.profiler
+    session left the rows timed after it 10-25% slower on the H200, session 6 run 1)."""
     from atlas.bench_measure import (
         bench_decode,
         bench_prefill,
@@ -85,11 +87,30 @@ def measure_variants(model: Any, variants: dict[str, Any], *, batches: tuple[int
                     d["floor_with_state_ms"] = (d["weight_bytes"] + state_bytes(model, batch, 180)) / bw * 1e3
                     d["over_floor"] = d["ms_per_step"] / d["floor_ms"]
                 row[f"decode_b{batch}"] = d
-            row["profile"] = guarded(lambda name=name, tuning=tuning: profile_steps(model, out, tuning, f"_{name}"))
+            if profile:
+                row["profile"] = guarded(lambda name=name, tuning=tuning: profile_steps(model, out, tuning,
+                                                                                        f"_{name}"))
             decode_seen[dk] = name
         results[name] = row
         on_variant(name, row)
     return results
+
+
+def profile_variants(model: Any, results: dict[str, dict[str, Any]], out: Path | None) -> None:
+    """The profiles measure_variants(profile=False) left out, one per distinct decode arrangement, in place."""
+    from atlas.backends.cuda.tuning import Tuning
+    from atlas.bench_measure import profile_steps
+
+    for name, row in results.items():
+        first = next((v for k, v in row.items() if k.startswith("decode_b")), {})
+        if "same_as" in first or row.get("profile"):
+            continue
+        tuning = Tuning(**row["tuning"])
+        row["profile"] = guarded(lambda name=name, tuning=tuning: profile_steps(model, out, tuning, f"_{name}"))
+    for row in results.values():
+        first = next((v for k, v in row.items() if k.startswith("decode_b")), {})
+        if "same_as" in first:
+            row["profile"] = results[first["same_as"]].get("profile", {})
 
 
 def best(results: dict[str, dict[str, Any]], key: str, metric: str) -> tuple[str, dict[str, Any]] | None:

@@ -56,6 +56,20 @@ def test_a_failing_variant_is_reported_and_the_rest_measured(fakes: list) -> Non
     assert "| triton | 50.0 |" in text
 
 
+def test_profiles_can_wait_until_every_timing_is_done(fakes: list) -> None:
+    from atlas.bench_variants import profile_variants
+
+    variants = {"baseline": Tuning(), "dense": Tuning(prefill_moe="dense"), "triton": Tuning(moe="triton")}
+    results = measure_variants(None, variants, batches=(1,), prefill_tokens=2048, bw=4e12, rate=7e14, out=None,
+                               on_variant=lambda name, row: None, profile=False)
+    assert not any(row.get("profile") for row in results.values())
+    profile_variants(None, results, None)
+    # one profile per decode arrangement; "dense" decodes as the baseline and shares its profile
+    assert [row["profile"]["decode_b1"] for row in results.values()] == [{"kernels": 9}] * 3
+    assert sum(1 for row in results.values() if "seconds" in row["profile"]) == 3  # "dense" has the baseline's
+    assert "| triton | " in "\n".join(variants_table(results, (1,))) and "| 9/- |" in variants_table(results, (1,))[2]
+
+
 def test_the_summary_table_names_the_winners_and_the_errors(fakes: list) -> None:
     from atlas.bench_variants import best
 

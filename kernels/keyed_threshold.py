@@ -32,7 +32,7 @@ from atlas_kernels import _interpreter_compat  # noqa: F401  (CPU interpreter fi
 
 BINS = 1 << 16
 HIST_BLOCK = 1024
-SCAN_BLOCK = 1024
+SCAN_BLOCK = 1024  # bins a chunk: 64 chunk programs a row
 
 
 @triton.jit
@@ -49,43 +49,69 @@ def _histogram_kernel(bits_ptr, counts_ptr, vocab, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _threshold_kernel(counts_ptr, values_ptr, mass_ptr, temp_ptr, lmp_ptr, topk_ptr, topp_ptr, zmax_ptr,
-                      last_ptr, vocab, BLOCK: tl.constexpr):
+def _chunk_kernel(counts_ptr, values_ptr, mass_ptr, sums_ptr, masses_ptr, lows_ptr, temp_ptr, lmp_ptr, zmax_ptr,
+                  CHUNK: tl.constexpr):
+    """Program (row, chunk of bins): each bin's mass over the min_p set (stored), the chunk's element count, mass
+    and lowest bin in the min_p set."""
+    row = tl.program_id(0)
+    chunk = tl.program_id(1)
+    chunks = tl.num_programs(1)
+    temp = tl.load(temp_ptr + row)
+    t = tl.where(temp > 0.0, temp, 1.0)
+    r = chunk * CHUNK + tl.arange(0, CHUNK)
+    base = row.to(tl.int64) * 65536
+    c = tl.load(counts_ptr + base + r)
+    d = tl.load(values_ptr + r) / t - tl.load(zmax_ptr + row)  # z - z_max, as the reference's s - s[0]
+    ok = (c > 0) & (d >= tl.load(lmp_ptr + row))
+    mass = tl.where(ok, c.to(tl.float64) * tl.exp(tl.where(ok, d, 0.0)), 0.0)  # no overflow off the set
+    tl.store(mass_ptr + base + r, mass)
+    at = row * chunks + chunk
+    tl.store(sums_ptr + at, tl.sum(c.to(tl.int64), axis=0))
+    tl.store(masses_ptr + at, tl.sum(mass, axis=0))
+    tl.store(lows_ptr + at, tl.max(tl.where(ok, r, -1), axis=0))
+
+
+@triton.jit
+def _threshold_kernel(counts_ptr, values_ptr, mass_ptr, sums_ptr, masses_ptr, lows_ptr, temp_ptr, topk_ptr,
+                      topp_ptr, last_ptr, vocab, CHUNK: tl.constexpr, CHUNKS: tl.constexpr):
+    """Program per row: the top_k bin from the chunk counts then within its chunk, the kept mass, the top_p bin
+    from the chunk masses then within its chunk; `last` = the chosen bin's value / T."""
     row = tl.program_id(0)
     temp = tl.load(temp_ptr + row)
     t = tl.where(temp > 0.0, temp, 1.0)
-    lmp = tl.load(lmp_ptr + row)
     top_k = tl.load(topk_ptr + row)
     k = tl.where(top_k > 0, tl.minimum(top_k, vocab), vocab)
     top_p = tl.load(topp_ptr + row)
-    zmax = tl.load(zmax_ptr + row)
     base = row.to(tl.int64) * 65536
-    before = tl.zeros((), tl.int64)  # elements in the bins above this block
-    total = tl.zeros((), tl.float64)
-    lowest = tl.full((), -1, tl.int32)  # the lowest kept bin (top_p off: the threshold)
-    for start in range(0, 65536, BLOCK):
-        r = start + tl.arange(0, BLOCK)
-        c = tl.load(counts_ptr + base + r)
-        d = tl.load(values_ptr + r) / t - zmax  # z - z_max, as the reference's s - s[0]
-        ahead = before + tl.cumsum(c.to(tl.int64), axis=0) - c  # elements in the bins above bin r
-        kept = (ahead < k) & (c > 0) & (d >= lmp)
-        mass = tl.where(kept, c.to(tl.float64) * tl.exp(tl.where(kept, d, 0.0)), 0.0)  # no overflow off the set
-        tl.store(mass_ptr + base + r, mass)
-        total += tl.sum(mass, axis=0)
-        lowest = tl.maximum(lowest, tl.max(tl.where(kept, r, -1), axis=0))
-        before += tl.sum(c.to(tl.int64), axis=0)
+    j = tl.arange(0, CHUNKS)
+    sums = tl.load(sums_ptr + row * CHUNKS + j)
+    masses = tl.load(masses_ptr + row * CHUNKS + j)
+    low = tl.max(tl.load(lows_ptr + row * CHUNKS + j), axis=0)  # the lowest nonempty bin of the min_p set
+    # top_k: the bin holding the k-th element (its whole tie is kept), found chunk first
+    counted = tl.cumsum(sums, axis=0)
+    chunk_k = tl.sum((counted < k).to(tl.int32), axis=0)
+    ahead = tl.sum(tl.where(j < chunk_k, sums, 0), axis=0)
+    r = tl.arange(0, CHUNK)
+    c = tl.load(counts_ptr + base + chunk_k * CHUNK + r)
+    bin_k = chunk_k * CHUNK + tl.sum(((ahead + tl.cumsum(c.to(tl.int64), axis=0)) < k).to(tl.int32), axis=0)
+    lowest = tl.minimum(bin_k, low)  # the lowest kept bin: the threshold when top_p is off
     chosen = lowest
     if top_p < 1.0:
-        goal = top_p * total
-        running = tl.zeros((), tl.float64)
-        first = tl.full((), 65536, tl.int32)
-        for start in range(0, 65536, BLOCK):
-            r = start + tl.arange(0, BLOCK)
-            mass = tl.load(mass_ptr + base + r)
-            cum = running + tl.cumsum(mass, axis=0)
-            first = tl.minimum(first, tl.min(tl.where((mass > 0.0) & (cum >= goal), r, 65536), axis=0))
-            running = tl.max(cum, axis=0)
-        chosen = tl.where(first < 65536, first, lowest)
+        # the kept mass by chunk: whole chunks above bin_k's, its part of that chunk, nothing below
+        m_k = tl.load(mass_ptr + base + chunk_k * CHUNK + r)
+        part = tl.sum(tl.where(chunk_k * CHUNK + r <= bin_k, m_k, 0.0), axis=0)
+        kept = tl.where(j < chunk_k, masses, tl.where(j == chunk_k, part, 0.0))
+        goal = top_p * tl.sum(kept, axis=0)
+        cum = tl.cumsum(kept, axis=0)
+        chunk_p = tl.minimum(tl.sum((cum < goal).to(tl.int32), axis=0), chunk_k)
+        carry = tl.sum(tl.where(j < chunk_p, kept, 0.0), axis=0)
+        m = tl.load(mass_ptr + base + chunk_p * CHUNK + r)
+        bins = chunk_p * CHUNK + r
+        m = tl.where(bins <= bin_k, m, 0.0)
+        reached = (m > 0.0) & ((carry + tl.cumsum(m, axis=0)) >= goal)
+        first = tl.min(tl.where(reached, bins, 65536), axis=0)
+        # the sums by chunk and by bin round apart: not reached inside the chunk means at its last kept bin
+        chosen = tl.where(first < 65536, first, tl.max(tl.where(m > 0.0, bins, -1), axis=0))
     tl.store(last_ptr + row, tl.load(values_ptr + chosen) / t)
 
 
@@ -116,9 +142,16 @@ def keyed_threshold(key: torch.Tensor, temperature: torch.Tensor, log_min_p: tor
     bits = key.contiguous().view(torch.int16)
     counts = torch.zeros(b, BINS, dtype=torch.int32, device=key.device)
     _histogram_kernel[(b, triton.cdiv(vocab, HIST_BLOCK))](bits, counts, vocab, BLOCK=HIST_BLOCK)
+    chunks = BINS // scan_block
     mass = torch.empty(b, BINS, dtype=torch.float64, device=key.device)
+    sums = torch.empty(b, chunks, dtype=torch.int64, device=key.device)
+    masses = torch.empty(b, chunks, dtype=torch.float64, device=key.device)
+    lows = torch.empty(b, chunks, dtype=torch.int32, device=key.device)
     last = torch.empty(b, dtype=torch.float64, device=key.device)
-    _threshold_kernel[(b,)](counts, bin_values(key.dtype, key.device), mass, temperature.contiguous(),
-                            log_min_p.contiguous(), top_k.contiguous(), top_p.contiguous(), zmax.contiguous(),
-                            last, vocab, BLOCK=scan_block)
+    values = bin_values(key.dtype, key.device)
+    temperature = temperature.contiguous()
+    _chunk_kernel[(b, chunks)](counts, values, mass, sums, masses, lows, temperature, log_min_p.contiguous(),
+                               zmax.contiguous(), CHUNK=scan_block)
+    _threshold_kernel[(b,)](counts, values, mass, sums, masses, lows, temperature, top_k.contiguous(),
+                            top_p.contiguous(), last, vocab, CHUNK=scan_block, CHUNKS=chunks)
     return last

@@ -123,11 +123,13 @@ def bin_values(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     NaN patterns, which no bin receives, read as NaN)."""
     cached = _VALUES.get((dtype, device))
     if cached is None:
-        rank = torch.arange(BINS, dtype=torch.int64)
+        # built on the device (no host copy: the first call may come inside a sampler graph's warm-up or a
+        # sync-checked region)
+        rank = torch.arange(BINS, dtype=torch.int64, device=device)
         code = 0xFFFF - rank
         u = torch.where(code >= 0x8000, code - 0x8000, 0xFFFF - code)
         bits = torch.where(u >= 0x8000, u - 0x10000, u).to(torch.int16)
-        cached = _VALUES[(dtype, device)] = bits.view(dtype).to(torch.float64).to(device)
+        cached = _VALUES[(dtype, device)] = bits.view(dtype).to(torch.float64)
     return cached
 
 

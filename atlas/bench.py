@@ -27,6 +27,7 @@ from atlas.bench_measure import (  # noqa: F401  (re-exported: the measurements 
     _median_ms,
     _run_steps,
     bench_decode,
+    bench_decode_pair,
     bench_prefill,
     ceilings,
     prefill_flops,
@@ -121,16 +122,27 @@ def run(config_path: Path = DEFAULT_CONFIG, *, out: Path | None = None, batches:
             report[f"decode_b{batch}"] = {**w[1], "variant": w[0]}
     save()
     # the issue-15 rows beside greedy, on each batch's fastest variant: seeded sampling (keyed draws on the device)
-    # and the batch-invariant mode, each against greedy runs of the same variant timed right before and after it
-    # (the same engine timed twice in one process moved by up to 10% between runs 1 and 2 of session 6, so a
-    # ratio against the greedy row timed minutes earlier measures the drift as much as the mode)
+    # (greedy and seeded alternated in one engine) and the batch-invariant mode (its own backend: against greedy runs
+    # of the same variant timed right before and after it); two timings of one arrangement in one process moved by
+    # up to 10% in session 6, so a ratio against the greedy row timed minutes earlier measures drift as much as mode
     for batch in batches if modes else ():
         fastest = report.get(f"decode_b{batch}")
         if fastest is None:
             continue
         tuning = VARIANTS[fastest["variant"]]
-        greedy = [guarded(lambda b=batch, t=tuning: bench_decode(m_model, b, tuning=t))]
-        for mode in modes:
+        if "seeded" in modes:  # greedy and seeded alternated through one engine
+            pair = guarded(lambda b=batch, t=tuning: bench_decode_pair(m_model, b, tuning=t))
+            d = pair if "error" in pair else {**pair["seeded"], "variant": fastest["variant"],
+                                              "greedy_ms": pair["greedy"]["ms_per_step"],
+                                              "vs_greedy": pair["vs_greedy"], "one_engine": True}
+            report[f"seeded_b{batch}"] = d
+            print(f"decode seeded b{batch} ({fastest['variant']}): " + (d["error"] if "error" in d else
+                  f"{d['ms_per_step']:.2f} ms/step, x{d['vs_greedy']:.2f} greedy ({d['greedy_ms']:.2f} ms, "
+                  f"alternated in one engine, 3 rounds)"), flush=True)
+            save()
+        others = [m for m in modes if m != "seeded"]
+        greedy = [guarded(lambda b=batch, t=tuning: bench_decode(m_model, b, tuning=t))] if others else []
+        for mode in others:
             backend = "cuda-invariant" if mode == "invariant" else "cuda"
             d = guarded(lambda b=batch, t=tuning, be=backend, m=mode: bench_decode(
                 m_model, b, tuning=t, backend=be, seeded=m == "seeded"))

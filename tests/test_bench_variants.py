@@ -111,3 +111,30 @@ def test_seeded_decode_gives_every_request_its_own_seed(monkeypatch: pytest.Monk
     seen.clear()
     measure._run_steps(None, [[1], [2]], max_tokens=4)
     assert all(p.temperature == 0.0 for p in seen)
+
+
+def test_seeded_and_greedy_alternate_in_one_engine(monkeypatch: pytest.MonkeyPatch) -> None:
+    """bench_decode_pair: rounds of greedy then seeded through the one engine it builds, each mode's median over
+    its own decode steps (prefill and capture steps left out), the ratio from those."""
+    from types import SimpleNamespace
+
+    timed = SimpleNamespace(calls=[])
+    runs: list[bool] = []
+    engines: list[object] = []
+
+    def engine(*_a: Any, **_k: Any):  # one engine for the whole pair
+        e = SimpleNamespace(close=lambda: None)
+        engines.append(e)
+        return e, timed
+
+    def run_steps(engine: Any, prompts: list, max_tokens: int, seeded: bool = False) -> list[float]:
+        runs.append(seeded)
+        timed.calls.extend([(2, 20, 1.0)] + [(2, 2, 1.0)] * 10)  # a prefill, then ten decode steps
+        return [99.0] + [5.0 if seeded else 4.0] * 10
+    monkeypatch.setattr(measure, "_engine", engine)
+    monkeypatch.setattr(measure, "_run_steps", run_steps)
+    model = SimpleNamespace(spec=SimpleNamespace(vocab_size=50))
+    out = measure.bench_decode_pair(model, 2, prompt_len=4, steps=10, rounds=3)
+    assert runs == [False, True] * 3 and len(engines) == 1
+    assert out["greedy"]["ms_per_step"] == 4.0 and out["seeded"]["ms_per_step"] == 5.0
+    assert out["seeded"]["steps_timed"] == 3 * 6 and out["vs_greedy"] == 1.25  # 4 decode steps skipped a round

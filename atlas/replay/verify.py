@@ -23,14 +23,19 @@ from atlas.errors import AdmissionError, EngineDead, InvariantViolation, QueueFu
 from atlas.registry import engine_for_run
 from atlas.replay import codec
 from atlas.replay.runs import MIN_RUN, run_end
-from atlas.replay.store import EventRecord, RunRecord, TraceReader, read_run
+from atlas.replay.store import EventRecord, RunRecord, read_run, read_stored
 from atlas.sampling.params import SamplingParams
+from atlas.state.column_arrivals import apply_arrivals
+from atlas.state.column_batch import finish_in_columns, plan_in_columns
 from atlas.state.column_runs import apply_run
 from atlas.state.control import ControlState
 from atlas.state.events import EVENT_TYPES, INPUT_KINDS, Event, InvariantViolated
 from atlas.state.invariants import check_invariants
 
 Progress = Callable[[int, int], None]
+ARRIVED_VERSION = EVENT_TYPES["request_arrived"].version
+# fewer arrivals than this go one at a time (apply_arrivals' ~25 numpy calls against ~100 K instructions an arrival)
+MIN_ARRIVALS = 2
 
 
 @attrs.frozen
@@ -186,17 +191,18 @@ def check_state_only(path_or_url: str | Path, run_id: int | None = None) -> Stat
     columns hold (atlas.replay.runs) is applied at once from its blobs (atlas.state.column_runs: every check and
     every event's digest over [steps x batch] arrays); any other row, and every row of a run that does not pass
     whole, is built into its event and applied, invariants checked, digest compared, one at a time."""
-    reader = TraceReader(path_or_url)
-    try:
-        run = reader.run(run_id)
-        rows = reader.stored_rows(run.run_id)
-    finally:
-        reader.close()
+    run, rows = read_stored(path_or_url, run_id)
+    return check_rows(Capacities.from_table(run.capacities), rows, run.digests_comparable)[0]
+
+
+def check_rows(caps: Capacities, rows: list[tuple[int, int, str, int, str | bytes, str]], comparable: bool = True
+               ) -> tuple[StateCheckReport, ControlState]:
+    """check_state_only over stored rows (TraceReader.stored_rows): the report and the state it leaves (every
+    column flushed when the rows all pass; tests compare it with the scalar path's)."""
     total = len(rows)
-    state = ControlState.create(Capacities.from_table(run.capacities))
+    state = ControlState.create(caps)
     state.columnar = True  # this loop owns the state: steps of the common path in columns (atlas.state.columns)
     apply, digest = state.apply, state.digest
-    comparable = run.digests_comparable
     types = EVENT_TYPES
     loads = json.loads
     load_event = codec.load_event
@@ -213,6 +219,15 @@ def check_state_only(path_or_url: str | Path, run_id: int | None = None) -> Stat
                     i = j
                     continue
                 plain_until = j
+        elif kind == "request_arrived" and i >= plain_until and version == ARRIVED_VERSION and type(payload) is str:
+            j = i + 1
+            while j < total and rows[j][2] == "request_arrived" and rows[j][3] == version and type(rows[j][4]) is str:
+                j += 1
+            if j - i >= MIN_ARRIVALS:
+                if apply_arrivals(state, [r[4] for r in rows[i:j]], [r[5] for r in rows[i:j]] if comparable else None):
+                    i = j
+                    continue
+                plain_until = j
         i += 1
         cls = types.get(kind)
         if type(payload) is str and cls is not None and cls.version == version:
@@ -222,15 +237,22 @@ def check_state_only(path_or_url: str | Path, run_id: int | None = None) -> Stat
         if kind == "invariant_violated":  # the run itself recorded a violation: the trace fails there
             assert isinstance(e, InvariantViolated)
             return StateCheckReport(total, f"recorded invariant violation in {e.machine}: {e.message} "
-                                    f"{e.fields}", e.event_index)
+                                    f"{e.fields}", e.event_index), state
         try:
-            touched = apply(e)
+            touched = None
+            if state.columns is not None:  # the batch changed in place, without a flush (atlas.state.column_batch)
+                if kind == "request_finished":
+                    touched = finish_in_columns(state, e)
+                elif kind == "step_planned" and (e.admitted or state.columns.gone):
+                    touched = plan_in_columns(state, e)
+            if touched is None:
+                touched = apply(e)
             check_invariants(state, touched, index)
         except TransitionRefused as exc:
-            return StateCheckReport(total, f"refused: {exc} {exc.fields}", index)
+            return StateCheckReport(total, f"refused: {exc} {exc.fields}", index), state
         except InvariantViolation as exc:
-            return StateCheckReport(total, str(exc), index)
+            return StateCheckReport(total, str(exc), index), state
         if comparable and digest() != recorded_digest:
-            return StateCheckReport(total, f"digest {digest()} != recorded {recorded_digest}", index)
+            return StateCheckReport(total, f"digest {digest()} != recorded {recorded_digest}", index), state
     state.flush_columns()
-    return StateCheckReport(total, None)
+    return StateCheckReport(total, None), state

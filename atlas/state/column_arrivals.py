@@ -17,6 +17,7 @@ back the same way.
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 
@@ -61,6 +62,63 @@ def waiting_fingerprints(token_hash: np.ndarray, seq_ids: np.ndarray, lengths: n
     return mix64_column(h)
 
 
+_PROMPT = '"prompt":['
+# a compact JSON list of ints as the trace writer writes it (no spaces), each within int64 (at most 18 digits)
+_INTS = re.compile(r"(?:-?(?:0|[1-9][0-9]{0,17}),)*-?(?:0|[1-9][0-9]{0,17})")
+
+
+def _parse(payloads: list[str]) -> tuple[list[dict], list[list[int]], np.ndarray] | None:
+    """The payloads' dicts, each prompt as its own list and every prompt's tokens as one int64 array; None for a
+    payload that is not JSON or not a dict. The prompts are parsed as numbers by numpy (json.loads made a Python
+    int of a substring per token: 25 M instructions for benchmarks/replay_check.py's 256 arrivals), the rest of
+    each payload by json.loads, with the prompt's list emptied. Payloads in another form (whitespace in the
+    prompt, one of them without a prompt) are all parsed by json.loads."""
+    loads = json.loads
+    heads = []
+    digits = []
+    for p in payloads:
+        a = p.find(_PROMPT) + len(_PROMPT)
+        b = p.find("]", a)
+        if a < len(_PROMPT) or b < a or p.find(_PROMPT, a) >= 0:
+            break
+        heads.append(p[:a] + p[b:])
+        digits.append(p[a:b])
+    else:
+        joined = ",".join(digits)
+        if "" not in digits and _INTS.fullmatch(joined):
+            try:
+                events = [loads(h) for h in heads]
+            except ValueError:
+                return None
+            # every dict must hold the list this emptied, and only it (a key "prompt" written otherwise, or twice)
+            if all(type(d) is dict and d.get("prompt") == [] for d in events):
+                flat = np.fromstring(joined, dtype=np.int64, sep=",")
+                counts = [x.count(",") + 1 for x in digits]
+                if len(flat) == sum(counts):
+                    tokens = flat.tolist()
+                    prompts = []
+                    at = 0
+                    for c in counts:
+                        prompts.append(tokens[at:at + c])
+                        at += c
+                    return events, prompts, flat
+    try:
+        events = [loads(p) for p in payloads]
+    except ValueError:
+        return None
+    prompts = []
+    for d in events:
+        prompt = d.get("prompt") if type(d) is dict else None
+        if type(prompt) is not list or set(map(type, prompt)) != {int}:
+            return None  # no prompt, or a float or string token: the event's converter decides, one at a time
+        prompts.append(prompt)
+    try:
+        flat = np.array([t for p in prompts for t in p], dtype=np.int64)
+    except OverflowError:
+        return None
+    return events, prompts, flat
+
+
 def apply_arrivals(state: ControlState, payloads: list[str], digests: list[str] | None) -> bool:
     """Apply RequestArrived events of these JSON payloads in order, comparing the state digest after each with
     `digests` (None: not comparable). True: all applied. False: nothing moved."""
@@ -69,16 +127,14 @@ def apply_arrivals(state: ControlState, payloads: list[str], digests: list[str] 
     if (state.dead or caps.qsa_index_capacity < 0 or len(pool.free) + pool.used != pool.total
             or len(state.running) > caps.max_batch_size):
         return False  # check_invariants would name one of these at the first arrival: the per-event path does
-    loads = json.loads
-    try:
-        events = [loads(p) for p in payloads]
-    except ValueError:
+    parsed = _parse(payloads)
+    if parsed is None:
         return False
+    events, prompts, flat = parsed
     k = len(events)
     first = state.next_seq_id
     live = state.by_request
     seen: set[str] = set()
-    prompts = []
     lengths = []
     budget = caps.max_seq_len
     for n, d in enumerate(events):
@@ -87,24 +143,16 @@ def apply_arrivals(state: ControlState, payloads: list[str], digests: list[str] 
         keys = d.keys()
         if keys != _KEYS and keys != _KEYS_NO_STREAM:
             return False
-        rid, sid, prompt, max_new = d["request_id"], d["seq_id"], d["prompt"], d["max_new"]
+        rid, sid, prompt, max_new = d["request_id"], d["seq_id"], prompts[n], d["max_new"]
         if (type(rid) is not str or type(sid) is not int or sid != first + n or rid in live or rid in seen
-                or type(prompt) is not list or type(max_new) is not int or type(d.get("stream", False)) is not bool
+                or type(max_new) is not int or type(d.get("stream", False)) is not bool
                 or type(d["params"]) is not dict):
             return False
         size = len(prompt)
         if not size or size + max_new > budget or max_new < 1:
             return False
         seen.add(rid)
-        prompts.append(prompt)
         lengths.append(size)
-    flat_list = [t for p in prompts for t in p]
-    if set(map(type, flat_list)) != {int}:
-        return False  # a float or string token: the event's converter decides, one at a time
-    try:
-        flat = np.array(flat_list, dtype=np.int64)
-    except OverflowError:
-        return False
     try:
         params = [SamplingParams.from_json(d["params"]) for d in events]
     except Exception:  # whatever it is, the per-event path meets it at its own event

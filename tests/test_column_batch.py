@@ -1,0 +1,213 @@
+"""Replay check's fifth pass: arrivals at once (atlas.state.column_arrivals), finishes and admission plans in the step
+columns without a flush (atlas.state.column_batch), the plain-sqlite3 read. On a codec-1 null-engine run whose batch
+changes under the columns: every recorded digest and, cut anywhere, the scalar path's typed state; a trace broken at
+an arrival, a finish or an admission plan gets exactly the report the scalar path gives (event, machine, message,
+numbers)."""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+import sqlite3
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from atlas.config import Capacities, EngineConfig
+from atlas.hashing import roll_tokens
+from atlas.registry import build_engine
+from atlas.replay import codec, verify
+from atlas.replay.store import TraceReader, read_stored
+from atlas.sampling.params import SamplingParams
+from atlas.state import column_arrivals
+from atlas.state.invariants import audit
+
+REQUESTS = 40  # batches of 20 (more than VECTOR_MIN): finishes one or a few at a time, admissions behind them
+
+
+@pytest.fixture(scope="module")
+def trace(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("batch") / "run.db"
+    config = EngineConfig(max_seq_len=128, max_batch_size=20, prefill_chunk_tokens=96, block_size=8)
+    engine = build_engine("atlas-tiny", backend="null", config=config, trace=str(path))
+    for i in range(REQUESTS):
+        engine.add_request(f"r{i}", [(i * 7 + k) % 200 + 1 for k in range(5 + (i * 5) % 19)],
+                           SamplingParams(max_tokens=10 + (i * 7) % 23, temperature=0.7, seed=i, ignore_eos=True))
+    while engine.has_unfinished():
+        engine.step()
+    engine.close()
+    return path
+
+
+def _rows(path: Path) -> tuple[Capacities, list[tuple]]:
+    run, rows = read_stored(path)
+    return Capacities.from_table(run.capacities), rows
+
+
+class _Count:
+    """Wraps one of verify's fast paths, recording what each call returned."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, name: str) -> None:
+        self.real = getattr(verify, name)
+        self.results: list = []
+        monkeypatch.setattr(verify, name, self)
+
+    def __call__(self, *args):  # type: ignore[no-untyped-def]
+        self.results.append(self.real(*args))
+        return self.results[-1]
+
+
+def test_the_fast_paths_give_every_digest_and_the_scalar_state(trace: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    caps, rows = _rows(trace)
+    arrivals = _Count(monkeypatch, "apply_arrivals")
+    finishes = _Count(monkeypatch, "finish_in_columns")
+    plans = _Count(monkeypatch, "plan_in_columns")
+    report, _ = verify.check_rows(caps, rows)
+    assert report.problem is None  # every digest compared and matched
+    assert any(arrivals.results) and sum(r is not None for r in finishes.results) >= 5
+    admitting = [r for r in plans.results if r is not None]
+    assert len(admitting) >= 3  # plans of a changed batch went through the columns
+    kinds = [r[2] for r in rows]
+    cuts = sorted({*range(0, len(rows) + 1, 29), len(rows)} | set([i + 1 for i, k in enumerate(kinds)
+                                                                    if k == "request_finished"][::3]))
+    for k in cuts:  # the state after any prefix equals the scalar path's (every field: ControlState's eq)
+        fast, state = verify.check_rows(caps, rows[:k])
+        slow, scalar = verify.check_rows(caps, rows[:k], fast=False)
+        assert fast == slow and fast.problem is None
+        assert state == scalar and state.digest() == scalar.digest(), k
+        assert list(state.pool.free) == list(scalar.pool.free)
+        audit(state, k)
+
+
+def _edit(trace: Path, tmp: Path, name: str, idx: int, payload: str | bytes | None = None, digest: str | None = None
+          ) -> Path:
+    path = tmp / f"{name}.db"
+    shutil.copy(trace, path)
+    with sqlite3.connect(path) as conn:
+        if payload is not None:
+            conn.execute("UPDATE events SET payload = ? WHERE idx = ?", (payload, idx))
+        if digest is not None:
+            conn.execute("UPDATE events SET digest = ? WHERE idx = ?", (digest, idx))
+    return path
+
+
+def _broken(trace: Path, tmp: Path, how: str) -> Path:
+    caps, rows = _rows(trace)
+    arrivals = [r for r in rows if r[2] == "request_arrived"]
+    middle = arrivals[len(arrivals) // 2]
+    p = json.loads(middle[4])
+    if how == "arrival past capacity":
+        return _edit(trace, tmp, how, middle[0], json.dumps({**p, "max_new": caps.max_seq_len}))
+    if how == "arrival out of order":
+        return _edit(trace, tmp, how, middle[0], json.dumps({**p, "seq_id": p["seq_id"] + 1}))
+    if how == "request id live":
+        return _edit(trace, tmp, how, middle[0], json.dumps({**p, "request_id": json.loads(arrivals[0][4])["request_id"]}))
+    if how == "arrival digest":
+        return _edit(trace, tmp, how, middle[0], digest="0123456789abcdef")
+    if how == "arrival prompt spaced":  # the same event in another JSON form: parsed by json.loads, still passes
+        return _edit(trace, tmp, how, middle[0], json.dumps(p, separators=(", ", ": ")))
+    if how == "float token":
+        return _edit(trace, tmp, how, middle[0], middle[4].replace('"prompt":[', '"prompt":[1.5,', 1))
+    # the finishes and the admission plans behind them (after the first plan the columns took whole)
+    admits = [r for r in rows if r[2] == "step_planned" and codec.load_event(*r[2:5]).admitted]
+    late = [r for r in admits if any(q[2] == "request_finished" for q in rows[:r[0]])]
+    plan_row = late[len(late) // 2]
+    finish = next(r for r in reversed(rows[:plan_row[0]]) if r[2] == "request_finished")
+    f = json.loads(finish[4])
+    if how == "finish reason":
+        return _edit(trace, tmp, how, finish[0], json.dumps({**f, "reason": "error"}), None)
+    if how == "finish unknown":
+        return _edit(trace, tmp, how, finish[0], json.dumps({**f, "seq_id": 10**6}))
+    if how == "finish digest":
+        return _edit(trace, tmp, how, finish[0], digest="fedcba9876543210")
+    e = codec.load_event(*plan_row[2:5])
+    rows_of = {row[0]: i for i, row in enumerate(e.alloc)}
+    r = max((rows_of[s] for s in e.admitted if s in rows_of), key=lambda i: len(e.alloc[i]))
+    row = e.alloc[r]
+    if how == "admitted KV past its blocks":  # its last block taken away
+        assert len(row) >= 3
+        alloc = (*e.alloc[:r], row[:-1], *e.alloc[r + 1:])
+        return _edit(trace, tmp, how, plan_row[0], codec.encode(_evolve(e, alloc=alloc)))
+    if how == "admitted block past the tokens":  # two more free blocks (the pool's last): a violation, not a refusal
+        alloc = (*e.alloc[:r], (*row, caps.num_kv_blocks - 1, caps.num_kv_blocks - 2), *e.alloc[r + 1:])
+        return _edit(trace, tmp, how, plan_row[0], codec.encode(_evolve(e, alloc=alloc)))
+    if how == "admitted block not free":
+        row = e.alloc[-1]
+        alloc = (*e.alloc[:-1], (row[0], caps.num_kv_blocks, *row[2:]))  # past the pool
+        return _edit(trace, tmp, how, plan_row[0], codec.encode(_evolve(e, alloc=alloc)))
+    if how == "admission of a running sequence":
+        return _edit(trace, tmp, how, plan_row[0], codec.encode(_evolve(e, admitted=(e.seqs[0], *e.admitted[1:]))))
+    assert how == "admission digest"
+    return _edit(trace, tmp, how, plan_row[0], digest="00000000000000ff")
+
+
+def _evolve(e, **kw):  # type: ignore[no-untyped-def]
+    import attrs
+
+    return attrs.evolve(e, **kw)
+
+
+BREAKS = ["arrival past capacity", "arrival out of order", "request id live", "arrival digest", "arrival prompt spaced",
+          "float token", "finish reason", "finish unknown", "finish digest", "admitted KV past its blocks", "admitted block past the tokens",
+          "admitted block not free", "admission of a running sequence", "admission digest"]
+
+
+@pytest.mark.parametrize("how", BREAKS)
+def test_a_break_is_reported_as_the_scalar_path_reports_it(trace: Path, tmp_path: Path, how: str) -> None:
+    path = _broken(trace, tmp_path, how)
+    caps, rows = _rows(path)
+    fast, _ = verify.check_rows(caps, rows)
+    slow, _ = verify.check_rows(caps, rows, fast=False)
+    assert fast == slow
+    assert verify.check_state_only(path) == slow
+    if how in ("arrival prompt spaced",):
+        assert slow.problem is None
+    elif how == "float token":  # the converter takes 1.5 as 1: the recorded digest no longer matches
+        assert slow.problem is not None and "digest" in slow.problem
+    else:
+        assert slow.problem is not None
+    expected = {"admitted KV past its blocks": "KV written past the sequence's blocks",
+                "admitted block past the tokens": "no block beyond the sequence's tokens",
+                "admitted block not free": "allocation of a block that is not free"}.get(how)
+    assert expected is None or expected in slow.problem
+
+
+def test_token_hashes_are_roll_tokens() -> None:
+    rng = random.Random(5)
+    prompts = [[rng.randrange(-2**63, 2**63) if rng.random() < 0.1 else rng.randrange(300)
+                for _ in range(rng.randrange(1, 70))] for _ in range(50)]
+    flat = np.array([t for p in prompts for t in p], dtype=np.int64)
+    got = column_arrivals.token_hashes(flat, np.array([len(p) for p in prompts], dtype=np.int64)).tolist()
+    assert got == [roll_tokens(0, p) for p in prompts]
+
+
+def test_the_prompt_parse_reads_what_json_reads() -> None:
+    base = {"request_id": "r", "seq_id": 0, "prompt": [3, 0, -7, 123456789012345678], "params": {"seed": 1},
+            "max_new": 4, "stream": False}
+    compact = json.dumps(base, separators=(",", ":"))
+    nested = json.dumps({**base, "params": {"prompt": [9]}}, separators=(",", ":"))  # the key twice: json's read
+    for payloads in ([compact, compact], [compact, json.dumps(base)], [nested, compact],
+                     [compact.replace("123456789012345678", "1234567890123456789")]):  # 19 digits: json's read
+        parsed = column_arrivals._parse(payloads)
+        assert parsed is not None
+        events, prompts, flat = parsed
+        assert prompts == [json.loads(p)["prompt"] for p in payloads]
+        assert flat.tolist() == [t for p in prompts for t in p]
+        for d, p in zip(events, payloads, strict=True):
+            assert {k: v for k, v in d.items() if k != "prompt"} == {
+                k: v for k, v in json.loads(p).items() if k != "prompt"}
+
+
+def test_the_sqlite_read_is_the_readers(trace: Path) -> None:
+    run, rows = read_stored(trace)
+    reader = TraceReader(trace)
+    try:
+        assert run == reader.run() and rows == reader.stored_rows(run.run_id)
+    finally:
+        reader.close()
+    with pytest.raises(FileNotFoundError):
+        read_stored(trace.with_name("absent.db"))
+    with pytest.raises(LookupError, match="no run 7"):
+        read_stored(trace, 7)

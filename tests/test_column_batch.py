@@ -183,23 +183,6 @@ def test_token_hashes_are_roll_tokens() -> None:
     assert got == [roll_tokens(0, p) for p in prompts]
 
 
-def test_the_prompt_parse_reads_what_json_reads() -> None:
-    base = {"request_id": "r", "seq_id": 0, "prompt": [3, 0, -7, 123456789012345678], "params": {"seed": 1},
-            "max_new": 4, "stream": False}
-    compact = json.dumps(base, separators=(",", ":"))
-    nested = json.dumps({**base, "params": {"prompt": [9]}}, separators=(",", ":"))  # the key twice: json's read
-    for payloads in ([compact, compact], [compact, json.dumps(base)], [nested, compact],
-                     [compact.replace("123456789012345678", "1234567890123456789")]):  # 19 digits: json's read
-        parsed = column_arrivals._parse(payloads)
-        assert parsed is not None
-        events, prompts, flat = parsed
-        assert prompts == [json.loads(p)["prompt"] for p in payloads]
-        assert flat.tolist() == [t for p in prompts for t in p]
-        for d, p in zip(events, payloads, strict=True):
-            assert {k: v for k, v in d.items() if k != "prompt"} == {
-                k: v for k, v in json.loads(p).items() if k != "prompt"}
-
-
 def test_the_sqlite_read_is_the_readers(trace: Path) -> None:
     run, rows = read_stored(trace)
     reader = TraceReader(trace)

@@ -18,12 +18,18 @@ import pytest
 from atlas.config import Capacities, EngineConfig
 from atlas.hashing import roll_tokens
 from atlas.registry import build_engine
-from atlas.replay import codec, verify
+from atlas.replay import codec, digests, verify
 from atlas.replay.store import TraceReader, read_stored
 from atlas.sampling.params import SamplingParams
 from atlas.state import column_arrivals
+from atlas.state.control import ControlState
 from atlas.state.invariants import audit
 
+_CAPS = {"max_seq_len": 128, "max_batch_size": 20, "max_batch_tokens": 96, "block_size": 8, "num_kv_blocks": 320,
+         "kv_blocks_per_seq": 16, "verify_width": 1, "drafter": "", "drafter_rows": 0, "qsa_index_capacity": 128,
+         "qsa_ratio": 1, "qsa_budget": 0, "num_qsa_layers": 0, "ngram_size": 0, "ring_slots": 0, "snapshot_interval": 64,
+         "max_waiting": 1024, "ring_slot_bytes": 0, "prefix_caching": False, "prefix_snapshots": 0,
+         "drafter_context": True, "prefill_align": 0}
 REQUESTS = 40  # batches of 20 (more than VECTOR_MIN): finishes one or a few at a time, admissions behind them
 
 
@@ -85,11 +91,15 @@ def _edit(trace: Path, tmp: Path, name: str, idx: int, payload: str | bytes | No
           ) -> Path:
     path = tmp / f"{name}.db"
     shutil.copy(trace, path)
-    with sqlite3.connect(path) as conn:
-        if payload is not None:
-            conn.execute("UPDATE events SET payload = ? WHERE idx = ?", (payload, idx))
-        if digest is not None:
-            conn.execute("UPDATE events SET digest = ? WHERE idx = ?", (digest, idx))
+    conn = sqlite3.connect(path)
+    try:
+        with conn:
+            if payload is not None:
+                conn.execute("UPDATE events SET payload = ? WHERE idx = ?", (payload, idx))
+            if digest is not None:
+                conn.execute("UPDATE events SET digest = ? WHERE idx = ?", (digest, idx))
+    finally:
+        conn.close()  # the last connection closed: the WAL is checkpointed into the file (which is then copied)
     return path
 
 
@@ -103,7 +113,8 @@ def _broken(trace: Path, tmp: Path, how: str) -> Path:
     if how == "arrival out of order":
         return _edit(trace, tmp, how, middle[0], json.dumps({**p, "seq_id": p["seq_id"] + 1}))
     if how == "request id live":
-        return _edit(trace, tmp, how, middle[0], json.dumps({**p, "request_id": json.loads(arrivals[0][4])["request_id"]}))
+        live = json.loads(arrivals[0][4])["request_id"]
+        return _edit(trace, tmp, how, middle[0], json.dumps({**p, "request_id": live}))
     if how == "arrival digest":
         return _edit(trace, tmp, how, middle[0], digest="0123456789abcdef")
     if how == "arrival prompt spaced":  # the same event in another JSON form: parsed by json.loads, still passes
@@ -150,8 +161,9 @@ def _evolve(e, **kw):  # type: ignore[no-untyped-def]
 
 
 BREAKS = ["arrival past capacity", "arrival out of order", "request id live", "arrival digest", "arrival prompt spaced",
-          "float token", "finish reason", "finish unknown", "finish digest", "admitted KV past its blocks", "admitted block past the tokens",
-          "admitted block not free", "admission of a running sequence", "admission digest"]
+          "float token", "finish reason", "finish unknown", "finish digest", "admitted KV past its blocks",
+          "admitted block past the tokens", "admitted block not free", "admission of a running sequence",
+          "admission digest"]
 
 
 @pytest.mark.parametrize("how", BREAKS)
@@ -172,6 +184,50 @@ def test_a_break_is_reported_as_the_scalar_path_reports_it(trace: Path, tmp_path
                 "admitted block past the tokens": "no block beyond the sequence's tokens",
                 "admitted block not free": "allocation of a block that is not free"}.get(how)
     assert expected is None or expected in slow.problem
+
+
+@pytest.mark.parametrize("batch", [1, 3, 4096])
+def test_a_digest_is_reported_before_a_later_refusal(trace: Path, tmp_path: Path, batch: int,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """The digests of events applied one at a time are compared in batches (atlas.replay.digests): a wrong one is
+    still the report when a later event is refused, an error is raised, or the trace ends, whatever the batch."""
+    monkeypatch.setattr(digests, "BATCH", batch)
+    caps, rows = _rows(trace)
+    finishes = [r for r in rows if r[2] == "request_finished"]
+    early = finishes[len(finishes) // 3]
+    path = _edit(trace, tmp_path, "early", early[0], digest="0000000000000001")
+    later = finishes[2 * len(finishes) // 3]
+    f = json.loads(later[4])
+    broken = _edit(path, tmp_path, "both", later[0], json.dumps({**f, "seq_id": 10**6}))
+    garbled = _edit(path, tmp_path, "garbled", later[0], "{not json")
+    for p in (path, broken, garbled):
+        c, r = _rows(p)
+        fast, _ = verify.check_rows(c, r)
+        assert fast.index == early[0] and "!= recorded 0000000000000001" in fast.problem
+        if p != garbled:  # one at a time, the garbled row is never reached either
+            assert fast == verify.check_rows(c, r, fast=False)[0]
+    with pytest.raises(ValueError):  # no earlier digest differs: the error is raised as one at a time
+        c, r = _rows(_edit(trace, tmp_path, "garbled-only", later[0], "{not json"))
+        verify.check_rows(c, r)
+
+
+def test_a_batch_of_digests_is_digest() -> None:
+    state = ControlState.create(Capacities.from_table(json.loads(json.dumps(_CAPS))))
+    lazy = digests.LazyDigests()
+    rng = random.Random(3)
+    expected = []
+    for k in range(40):
+        state.step, state.next_seq_id, state.finished_count = k, 3 * k, k // 2
+        state.inflight_hash, state.outcomes_hash = rng.getrandbits(64), rng.getrandbits(64)
+        state.seq_digest = rng.getrandbits(64)
+        state.waiting = list(range(k % 5))
+        state.dead = k == 39
+        expected.append(state.digest())
+        assert lazy.add(state, expected[-1] if k != 17 else "f" * 16, 100 + k) is None
+    assert lazy.first_mismatch() == (117, expected[17], "f" * 16) and lazy.first_mismatch() is None
+    row = (1 << 70, 2, 3, 4, 5)  # past 64 bits: the Python rounds (mix64 masks)
+    lazy.inputs, lazy.recorded, lazy.indices = [row], ["x"], [9]
+    assert lazy.first_mismatch() == (9, digests._digest(*row), "x")
 
 
 def test_token_hashes_are_roll_tokens() -> None:

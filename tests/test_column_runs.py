@@ -211,3 +211,19 @@ def test_a_run_given_back_moves_nothing(trace: Path) -> None:
     scalar = _scalar(caps, rows[:i])
     assert _fields(state) == _fields(scalar) and state.step == scalar.step
     assert sorted(state.pool.free) == sorted(scalar.pool.free)
+
+
+def test_the_affine_scan_is_the_recurrence() -> None:
+    """column_runs.affine_scan (the token hashes of a chunk of steps by a doubling scan) against the step-at-a-time
+    recurrence h' = mul * h + add over uint64, for chunk lengths around the powers of two."""
+    rng = np.random.default_rng(7)
+    for steps in (1, 2, 3, 4, 5, 31, 64, 65):
+        mul = np.where(rng.random((steps, 9)) < 0.8, np.uint64(0x100000001B3), np.uint64(1))
+        add = rng.integers(0, 2**63, (steps, 9), dtype=np.uint64)
+        h0 = rng.integers(0, 2**63, 9, dtype=np.uint64)
+        h, expected = h0.copy(), []
+        for k in range(steps):
+            h = h * mul[k] + add[k]
+            expected.append(h)
+        m, a = column_runs.affine_scan(mul.copy(), add.copy())
+        assert (m * h0 + a == np.array(expected)).all()

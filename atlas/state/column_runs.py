@@ -275,6 +275,20 @@ def _allocations_rows(state: ControlState, cols: StepColumns, A: np.ndarray, to:
     return G, np.array(kk, dtype=np.int64), np.array(rr, dtype=np.int64), blocks, used
 
 
+def affine_scan(mul: np.ndarray, add: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The maps h -> mul[k] * h + add[k] (uint64, mod 2**64: a ring, so composing them is exact) composed along
+    axis 0, in place: after it, row k maps the state before row 0 to the state after row k (h_k = mul[k] * h_0 +
+    add[k]). Hillis-Steele: round d composes each row with the one d before it, ceil(log2(rows)) rounds of 3 ufunc
+    calls. The step-at-a-time recurrence it replaces was 2 ufunc calls and 3 subscripts a step (64 steps of a
+    chunk: ~320 numpy calls against ~20; the runs' largest share, docs/CONTROL-PLANE.md fifth pass)."""
+    d = 1
+    while d < len(mul):
+        add[d:] += mul[d:] * add[:-d]  # the product of the old rows is made before the sum is written
+        mul[d:] *= mul[:-d]  # numpy copies an input that overlaps the output
+        d *= 2
+    return mul, add
+
+
 def _cursors(cols: StepColumns, F: np.ndarray, T: np.ndarray, G: np.ndarray, kk: np.ndarray, rr: np.ndarray,
              bs: int, seq_x: np.ndarray, delta_p: np.ndarray
              ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None:
@@ -306,15 +320,13 @@ def _cursors(cols: StepColumns, F: np.ndarray, T: np.ndarray, G: np.ndarray, kk:
         if not ((Fc >= 1) & (C <= NTb) & (S == (C == NTb)) & (C <= KV) & (C <= cap) & (NT <= budget)
                 & (KV - bs < NTb)).all():
             return None
-        # token hashes: h' = h * FNV + t + 1 for a sampled token, sequential over the steps, a step over the batch
+        # token hashes: h' = h * FNV + t + 1 for a sampled token (h' = h otherwise), an affine map a step: their
+        # running compositions by a doubling scan (log2(steps) rounds over the chunk) instead of a step at a time
         TH = np.empty((c1 - c0 + 1, n), dtype=np.uint64)
         TH[0] = th
-        mul = np.where(S, _FNV, _ONE)
-        add = np.where(S, Tc + 1, 0).astype(np.uint64)
-        for k in range(c1 - c0):
-            nxt = TH[k + 1]
-            np.multiply(TH[k], mul[k], out=nxt)
-            nxt += add[k]
+        mul, add = affine_scan(np.where(S, _FNV, _ONE), np.where(S, Tc + 1, 0).astype(np.uint64))
+        np.multiply(mul, th, out=TH[1:])
+        TH[1:] += add
         terms = NB.view(np.uint64) * _K_BLOCKS
         terms += _K_RUNNING
         FX = np.empty((c1 - c0 + 1, n), dtype=np.uint64)  # row 0: the fingerprints before the chunk

@@ -135,7 +135,7 @@ def plan_in_columns(state: ControlState, e: StepPlanned) -> tuple[int, ...] | No
         if not common(seq) or not _holds(seq, bs, 0):
             state.flush_columns()
             return touched  # apply's caller refreshes them (again: the same) and check_invariants names it
-    new = _combined(cols, kept, admitted, e.seqs, bs)
+    new = _combined(cols, kept, held + add, admitted, [new_blocks.get(s, 0) for s in e.admitted], e.seqs, bs)
     new.fed = fed
     state.columns = new
     row = new.row
@@ -144,30 +144,33 @@ def plan_in_columns(state: ControlState, e: StepPlanned) -> tuple[int, ...] | No
     return touched  # flushed by refresh_rows: check_invariants names what broke, on the objects
 
 
-def _combined(cols: StepColumns, kept: np.ndarray, admitted: list, ids: tuple[int, ...], bs: int) -> StepColumns:
-    """The columns of `ids`: the rows `kept` of `cols` (their blocks as the objects now hold them), then the
-    admitted sequences from their objects. `cols` (and its pending tokens) flush first whenever these do."""
+def _combined(cols: StepColumns, kept: np.ndarray, kept_blocks: np.ndarray, admitted: list, admitted_blocks: list[int],
+              ids: tuple[int, ...], bs: int) -> StepColumns:
+    """The columns of `ids`: the rows `kept` of `cols` (holding `kept_blocks` blocks now), then the admitted
+    sequences from their objects (holding `admitted_blocks`). `cols` (and its pending tokens) flush first whenever
+    these do. The admitted rows' fields in two conversions (int64 and uint64), not one a column."""
     new = StepColumns.__new__(StepColumns)
-    objs = [cols.objs[r] for r in kept.tolist()] + admitted
     new.ids = ids
-    new.objs = objs
+    new.objs = [cols.objs[r] for r in kept.tolist()] + admitted
     new.row = {s: i for i, s in enumerate(ids)}
     new.bs = bs
-    cur = [s.cursor for s in admitted]
-    new.hid = np.array(ids, dtype=_U) * _K_ID
-    new.computed = np.concatenate((cols.computed[kept], np.array([c.computed for c in cur], dtype=_I)))
-    new.ntok = np.concatenate((cols.ntok[kept], np.array([len(c.tokens) for c in cur], dtype=_I)))
-    new.token_hash = np.concatenate((cols.token_hash[kept], np.array([c.token_hash for c in cur], dtype=_U)))
-    new.nblocks = np.array([len(s.blocks) for s in objs], dtype=_I)
-    new.capacity = np.concatenate((cols.capacity[kept], np.array([s.qsa.capacity for s in admitted], dtype=_I)))
-    new.fp = np.concatenate((cols.fp[kept], np.array([s.fingerprint for s in admitted], dtype=_U)))
+    a = len(admitted)
+    ints = np.array([(c.computed, len(c.tokens), s.qsa.capacity, c.prompt_len + s.max_new)
+                     for s, c in zip(admitted, [s.cursor for s in admitted], strict=True)], dtype=_I).reshape(a, 4)
+    words = np.array([(s.cursor.token_hash, s.fingerprint, s.seq_id) for s in admitted], dtype=_U).reshape(a, 3)
+    new.hid = np.concatenate((cols.hid[kept], words[:, 2] * _K_ID))
+    new.computed = np.concatenate((cols.computed[kept], ints[:, 0]))
+    new.ntok = np.concatenate((cols.ntok[kept], ints[:, 1]))
+    new.token_hash = np.concatenate((cols.token_hash[kept], words[:, 0]))
+    new.nblocks = np.concatenate((kept_blocks, np.array(admitted_blocks, dtype=_I)))
+    new.capacity = np.concatenate((cols.capacity[kept], ints[:, 2]))
+    new.fp = np.concatenate((cols.fp[kept], words[:, 1]))
     new.fed = None
     new.tokens = []
     new.gone = set()
     new.prior = cols if cols.tokens or cols.prior is not None else None
-    new.budget_end = np.concatenate((cols.budget_end[kept], np.array(
-        [c.prompt_len + s.max_new for c, s in zip(cur, admitted, strict=True)], dtype=_I)))
+    new.budget_end = np.concatenate((cols.budget_end[kept], ints[:, 3]))
     new.limit = np.minimum(new.capacity, new.nblocks * bs)
     new.low = (new.nblocks - 1) * bs
-    new.blocks_term = new.nblocks.astype(_U) * _K_BLOCKS + _K_RUNNING
+    new.blocks_term = new.nblocks.view(_U) * _K_BLOCKS + _K_RUNNING
     return new

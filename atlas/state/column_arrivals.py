@@ -17,6 +17,7 @@ back the same way.
 from __future__ import annotations
 
 import json
+from itertools import chain
 
 import numpy as np
 
@@ -81,7 +82,7 @@ def _parse(payloads: list[str]) -> tuple[list[dict], list[list[int]], np.ndarray
             return None
         prompts.append(prompt)
     try:
-        flat = np.array([t for p in prompts for t in p], dtype=np.int64)
+        flat = np.fromiter(chain.from_iterable(prompts), np.int64, sum(map(len, prompts)))
     except OverflowError:
         return None
     return events, prompts, flat

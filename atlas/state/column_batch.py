@@ -98,7 +98,7 @@ def plan_in_columns(state: ControlState, e: StepPlanned) -> tuple[int, ...] | No
                 return None
             claimed.add(b)
     bs = caps.block_size
-    fed = np.array(e.fed, dtype=_I)
+    fed = np.fromiter(e.fed, _I, len(e.fed))
     kept = np.array(keep, dtype=_I)
     held = cols.nblocks[kept]
     computed = cols.computed[kept]

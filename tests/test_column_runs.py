@@ -213,17 +213,20 @@ def test_a_run_given_back_moves_nothing(trace: Path) -> None:
     assert sorted(state.pool.free) == sorted(scalar.pool.free)
 
 
-def test_the_affine_scan_is_the_recurrence() -> None:
-    """column_runs.affine_scan (the token hashes of a chunk of steps by a doubling scan) against the step-at-a-time
-    recurrence h' = mul * h + add over uint64, for chunk lengths around the powers of two."""
+def test_the_token_hash_rows_are_the_recurrence() -> None:
+    """column_runs.token_hash_rows (the token hashes of a chunk of steps in closed form) against the step-at-a-time
+    recurrence h' = h * FNV + t + 1 (h' = h when nothing is sampled) over uint64, for chunks of 1 to 65 steps."""
     rng = np.random.default_rng(7)
-    for steps in (1, 2, 3, 4, 5, 31, 64, 65):
-        mul = np.where(rng.random((steps, 9)) < 0.8, np.uint64(0x100000001B3), np.uint64(1))
-        add = rng.integers(0, 2**63, (steps, 9), dtype=np.uint64)
+    for steps in (1, 2, 3, 5, 31, 64, 65):
+        sampled = rng.random((steps, 9)) < 0.8
+        sampled[:, 0] = True  # a row sampling every step (a decode)
+        tokens = np.where(sampled, rng.integers(0, 2**31 - 1, (steps, 9)), -1).astype(np.int64)
         h0 = rng.integers(0, 2**63, 9, dtype=np.uint64)
-        h, expected = h0.copy(), []
+        h, expected = [int(x) for x in h0], []
         for k in range(steps):
-            h = h * mul[k] + add[k]
+            h = [(x * 0x100000001B3 + int(t) + 1) % 2**64 if s else x
+                 for x, t, s in zip(h, tokens[k], sampled[k], strict=True)]
             expected.append(h)
-        m, a = column_runs.affine_scan(mul.copy(), add.copy())
-        assert (m * h0 + a == np.array(expected)).all()
+        out = np.empty((steps, 9), dtype=np.uint64)
+        column_runs.token_hash_rows(h0, sampled, tokens, out)
+        assert out.tolist() == expected

@@ -275,18 +275,30 @@ def _allocations_rows(state: ControlState, cols: StepColumns, A: np.ndarray, to:
     return G, np.array(kk, dtype=np.int64), np.array(rr, dtype=np.int64), blocks, used
 
 
-def affine_scan(mul: np.ndarray, add: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """The maps h -> mul[k] * h + add[k] (uint64, mod 2**64: a ring, so composing them is exact) composed along
-    axis 0, in place: after it, row k maps the state before row 0 to the state after row k (h_k = mul[k] * h_0 +
-    add[k]). Hillis-Steele: round d composes each row with the one d before it, ceil(log2(rows)) rounds of 3 ufunc
-    calls. The step-at-a-time recurrence it replaces was 2 ufunc calls and 3 subscripts a step (64 steps of a
-    chunk: ~320 numpy calls against ~20; the runs' largest share, docs/CONTROL-PLANE.md fifth pass)."""
-    d = 1
-    while d < len(mul):
-        add[d:] += mul[d:] * add[:-d]  # the product of the old rows is made before the sum is written
-        mul[d:] *= mul[:-d]  # numpy copies an input that overlaps the output
-        d *= 2
-    return mul, add
+_FNV_INV = _U(pow(0x100000001B3, -1, 1 << 64))  # FNV's prime is odd: a unit mod 2**64
+
+
+def _powers(base: np.uint64, n: int) -> np.ndarray:
+    p = np.full(n, base, dtype=np.uint64)
+    p[0] = 1
+    return np.cumprod(p, dtype=np.uint64)
+
+
+def token_hash_rows(h0: np.ndarray, sampled: np.ndarray, tokens: np.ndarray, out: np.ndarray) -> None:
+    """The rolling token hash of each row after each of a chunk of steps (out[k]: after step k), from h0 before
+    it: a sampled token t maps h to h * FNV + t + 1, an unsampled one leaves it. With c_k the sampled count up to
+    step k, that is h_k = FNV^c_k * (h0 + sum_{j<=k} FNV^-c_j * (t_j + 1) [t_j sampled]), exact mod 2**64 (FNV is
+    odd, so a unit: every partial product has its inverse): a cumulative sum and a table gather, ~8 numpy calls a
+    chunk. The step-at-a-time recurrence it replaces was 2 ufunc calls and 3 subscripts a step (~320 numpy calls a
+    64-step chunk)."""
+    c = np.cumsum(sampled, axis=0)
+    steps = len(sampled) + 1
+    inv = _powers(_FNV_INV, steps)[c]
+    add = np.where(sampled, tokens.astype(np.int64) + 1, 0).view(np.uint64)  # int32 blobs: t + 1 in int64
+    add *= inv
+    np.cumsum(add, axis=0, out=add)
+    add += h0
+    np.multiply(_powers(_FNV, steps)[c], add, out=out)
 
 
 def _cursors(cols: StepColumns, F: np.ndarray, T: np.ndarray, G: np.ndarray, kk: np.ndarray, rr: np.ndarray,
@@ -320,13 +332,10 @@ def _cursors(cols: StepColumns, F: np.ndarray, T: np.ndarray, G: np.ndarray, kk:
         if not ((Fc >= 1) & (C <= NTb) & (S == (C == NTb)) & (C <= KV) & (C <= cap) & (NT <= budget)
                 & (KV - bs < NTb)).all():
             return None
-        # token hashes: h' = h * FNV + t + 1 for a sampled token (h' = h otherwise), an affine map a step: their
-        # running compositions by a doubling scan (log2(steps) rounds over the chunk) instead of a step at a time
+        # token hashes: h' = h * FNV + t + 1 for a sampled token (h' = h otherwise), in closed form over the chunk
         TH = np.empty((c1 - c0 + 1, n), dtype=np.uint64)
         TH[0] = th
-        mul, add = affine_scan(np.where(S, _FNV, _ONE), np.where(S, Tc + 1, 0).astype(np.uint64))
-        np.multiply(mul, th, out=TH[1:])
-        TH[1:] += add
+        token_hash_rows(th, S, Tc, TH[1:])
         terms = NB.view(np.uint64) * _K_BLOCKS
         terms += _K_RUNNING
         FX = np.empty((c1 - c0 + 1, n), dtype=np.uint64)  # row 0: the fingerprints before the chunk

@@ -150,6 +150,12 @@ def _broken(trace: Path, tmp: Path, how: str) -> Path:
         return _edit(trace, tmp, how, plan_row[0], codec.encode(_evolve(e, alloc=alloc)))
     if how == "admission of a running sequence":
         return _edit(trace, tmp, how, plan_row[0], codec.encode(_evolve(e, admitted=(e.seqs[0], *e.admitted[1:]))))
+    if how == "plan names a finished sequence":  # the batch before the finish, its block count unchanged
+        before = next(codec.load_event(*r[2:5]) for r in reversed(rows[:finish[0]]) if r[2] == "step_planned")
+        fed = dict(zip(e.seqs, e.fed, strict=True))
+        return _edit(trace, tmp, how, plan_row[0], codec.encode(_evolve(
+            e, admitted=(), seqs=before.seqs, fed=tuple(fed.get(s, 1) for s in before.seqs),
+            alloc=tuple(row for row in e.alloc if row[0] in before.seqs))))
     assert how == "admission digest"
     return _edit(trace, tmp, how, plan_row[0], digest="00000000000000ff")
 
@@ -163,7 +169,7 @@ def _evolve(e, **kw):  # type: ignore[no-untyped-def]
 BREAKS = ["arrival past capacity", "arrival out of order", "request id live", "arrival digest", "arrival prompt spaced",
           "float token", "finish reason", "finish unknown", "finish digest", "admitted KV past its blocks",
           "admitted block past the tokens", "admitted block not free", "admission of a running sequence",
-          "admission digest"]
+          "admission digest", "plan names a finished sequence"]
 
 
 @pytest.mark.parametrize("how", BREAKS)

@@ -237,7 +237,8 @@ def check_rows(caps: Capacities, rows: list[tuple[int, int, str, int, str | byte
         while i < total:
             index, _step, kind, version, payload, recorded_digest = rows[i]
             cols = state.columns
-            if cols is not None and kind == "step_planned" and i >= plain_until and cols.fed is None:
+            if (cols is not None and kind == "step_planned" and i >= plain_until and cols.fed is None
+                    and not cols.gone):
                 j = run_end(rows, i, cols.ids)
                 if j - i >= 2 * MIN_RUN:
                     if apply_run(state, [r[4] for r in rows[i:j:2]], [r[4] for r in rows[i + 1:j:2]],
@@ -275,6 +276,8 @@ def check_rows(caps: Capacities, rows: list[tuple[int, int, str, int, str | byte
                     elif kind == "step_planned" and (e.admitted or state.columns.gone):
                         touched = plan_in_columns(state, e)
                 if touched is None:
+                    if state.columns is not None and state.columns.gone:
+                        state.flush_columns()  # rows whose sequence finished: only column_batch reads such columns
                     touched = apply(e)
                 check_invariants(state, touched, index)
             except TransitionRefused as exc:

@@ -64,7 +64,7 @@ def _apply(state: ControlState, plans: list[bytes], execs: list[bytes], digests:
     cols = state.columns
     pool = state.pool
     caps = state.caps
-    if (cols is None or cols.fed is not None or state.inflight is not None or state.prefix is not None
+    if (cols is None or cols.fed is not None or cols.gone or state.inflight is not None or state.prefix is not None
             or not _LITTLE or not _orders_empty(state.orders) or len(pool.free) + pool.used != pool.total
             or len(state.running) > caps.max_batch_size or len(plans) != len(execs) or not plans):
         return False

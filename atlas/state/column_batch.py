@@ -89,6 +89,8 @@ def plan_in_columns(state: ControlState, e: StepPlanned) -> tuple[int, ...] | No
     pool = state.pool
     free, total = pool.free, pool.total
     batch = set(e.seqs)
+    if len(batch) != len(e.seqs):
+        return None  # a sequence twice in one plan: the scalar path meets it
     for row in e.alloc:
         if len(row) < 1 or row[0] not in batch or row[0] in new_blocks:
             return None

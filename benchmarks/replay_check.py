@@ -8,6 +8,15 @@ upcasting, applying each to the state machines, checking the invariants it touch
 are recorded in codec 1 (atlas.replay.codec); --json times a copy of the same run with every payload as JSON
 text (how traces were stored before codec 1: what an older trace costs to check). --no-runs applies every event
 one at a time (no runs of step pairs at once: atlas.state.column_runs), the third pass's path.
+
+On a loaded machine the instruction count is the figure to compare (docs/CONTROL-PLANE.md, fourth and fifth
+passes): callgrind collecting inside one check after a warm-up check, toggled on a builtin nothing in the check
+calls (SamplingParams' validator calls `sorted`), e.g. with this as check.py:
+
+    import sys; from functools import reduce; from atlas.replay.verify import check_state_only
+    check_state_only(sys.argv[1]); reduce(lambda a, b: check_state_only(sys.argv[1]), [0, 1])
+
+    valgrind --tool=callgrind --collect-atstart=no --toggle-collect=functools_reduce .venv/bin/python check.py T
 """
 
 from __future__ import annotations

@@ -211,3 +211,22 @@ def test_a_run_given_back_moves_nothing(trace: Path) -> None:
     scalar = _scalar(caps, rows[:i])
     assert _fields(state) == _fields(scalar) and state.step == scalar.step
     assert sorted(state.pool.free) == sorted(scalar.pool.free)
+
+
+def test_the_token_hash_rows_are_the_recurrence() -> None:
+    """column_runs.token_hash_rows (the token hashes of a chunk of steps in closed form) against the step-at-a-time
+    recurrence h' = h * FNV + t + 1 (h' = h when nothing is sampled) over uint64, for chunks of 1 to 65 steps."""
+    rng = np.random.default_rng(7)
+    for steps in (1, 2, 3, 5, 31, 64, 65):
+        sampled = rng.random((steps, 9)) < 0.8
+        sampled[:, 0] = True  # a row sampling every step (a decode)
+        tokens = np.where(sampled, rng.integers(0, 2**31 - 1, (steps, 9)), -1).astype(np.int64)
+        h0 = rng.integers(0, 2**63, 9, dtype=np.uint64)
+        h, expected = [int(x) for x in h0], []
+        for k in range(steps):
+            h = [(x * 0x100000001B3 + int(t) + 1) % 2**64 if s else x
+                 for x, t, s in zip(h, tokens[k], sampled[k], strict=True)]
+            expected.append(h)
+        out = np.empty((steps, 9), dtype=np.uint64)
+        column_runs.token_hash_rows(h0, sampled, tokens, out)
+        assert out.tolist() == expected

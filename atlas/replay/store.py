@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import queue
+import sqlite3
 import subprocess
 import threading
 import time
@@ -422,6 +423,44 @@ class TraceReader:
 
     def close(self) -> None:
         self.db.dispose()
+
+
+def read_stored(path_or_url: str | Path, run_id: int | None = None
+                ) -> tuple[RunRecord, list[tuple[int, int, str, int, str | bytes, str]]]:
+    """One run (the last one unless `run_id` says) and its rows as stored (TraceReader.stored_rows), for replay
+    check. A SQLite file path is read with the sqlite3 module alone: SQLAlchemy's engine, its dialect set-up,
+    the table inspection and the runs query around the fetch were 26 M of a 304 M-instruction check
+    (benchmarks/replay_check.py's trace; docs/CONTROL-PLANE.md, fifth pass). A URL goes through TraceReader."""
+    text = str(path_or_url)
+    if "://" in text:
+        reader = TraceReader(path_or_url)
+        try:
+            run = reader.run(run_id)
+            return run, reader.stored_rows(run.run_id)
+        finally:
+            reader.close()
+    path = Path(text).expanduser()
+    if not path.exists():
+        raise FileNotFoundError(f"no trace at {path_or_url}")
+    conn = sqlite3.connect(path)
+    try:
+        cols = ("run_id, engine_version, git_revision, model, model_fingerprint, backend, seed, config, "
+                "capacities")
+        found = conn.execute(f"SELECT {cols} FROM runs ORDER BY run_id").fetchall()
+        if not found:
+            raise LookupError("the trace holds no run")
+        if run_id is None:
+            r = found[-1]
+        else:
+            match = [r for r in found if r[0] == run_id]
+            if not match:
+                raise LookupError(f"no run {run_id} in the trace (runs: {[r[0] for r in found]})")
+            r = match[0]
+        run = RunRecord(run_id=r[0], engine_version=r[1], git_revision=r[2], model=r[3], model_fingerprint=r[4],
+                        backend=r[5], seed=r[6], config=json.loads(r[7]), capacities=json.loads(r[8]))
+        return run, conn.execute(_SELECT_EVENTS, (run.run_id,)).fetchall()
+    finally:
+        conn.close()
 
 
 def read_run(path_or_url: str | Path, run_id: int | None = None) -> tuple[RunRecord, list[EventRecord]]:

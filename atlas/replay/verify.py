@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -22,15 +23,21 @@ from atlas.engine.records import RecordingSink
 from atlas.errors import AdmissionError, EngineDead, InvariantViolation, QueueFull, TransitionRefused
 from atlas.registry import engine_for_run
 from atlas.replay import codec
+from atlas.replay.digests import LazyDigests
 from atlas.replay.runs import MIN_RUN, run_end
-from atlas.replay.store import EventRecord, RunRecord, TraceReader, read_run
+from atlas.replay.store import EventRecord, RunRecord, read_run, read_stored
 from atlas.sampling.params import SamplingParams
+from atlas.state.column_arrivals import apply_arrivals
+from atlas.state.column_batch import finish_in_columns, plan_in_columns
 from atlas.state.column_runs import apply_run
 from atlas.state.control import ControlState
 from atlas.state.events import EVENT_TYPES, INPUT_KINDS, Event, InvariantViolated
 from atlas.state.invariants import check_invariants
 
 Progress = Callable[[int, int], None]
+ARRIVED_VERSION = EVENT_TYPES["request_arrived"].version
+# fewer arrivals than this go one at a time (apply_arrivals' ~25 numpy calls against ~100 K instructions an arrival)
+MIN_ARRIVALS = 2
 
 
 @attrs.frozen
@@ -186,51 +193,111 @@ def check_state_only(path_or_url: str | Path, run_id: int | None = None) -> Stat
     columns hold (atlas.replay.runs) is applied at once from its blobs (atlas.state.column_runs: every check and
     every event's digest over [steps x batch] arrays); any other row, and every row of a run that does not pass
     whole, is built into its event and applied, invariants checked, digest compared, one at a time."""
-    reader = TraceReader(path_or_url)
+    run, rows = read_stored(path_or_url, run_id)
+    # the check builds objects that form no cycles: the collector's passes over them were ~6 M of a 253 M-instruction
+    # check (benchmarks/replay_check.py's trace); it runs again as it was once the check returns
+    collecting = gc.isenabled()
+    gc.disable()
     try:
-        run = reader.run(run_id)
-        rows = reader.stored_rows(run.run_id)
+        return check_rows(Capacities.from_table(run.capacities), rows, run.digests_comparable)[0]
     finally:
-        reader.close()
+        if collecting:
+            gc.enable()
+
+
+def _digest_report(total: int, wrong: tuple[int, str, str]) -> StateCheckReport:
+    index, ours, recorded = wrong
+    return StateCheckReport(total, f"digest {ours} != recorded {recorded}", index)
+
+
+def _first(lazy: LazyDigests | None, total: int, state: ControlState, report: StateCheckReport
+           ) -> tuple[StateCheckReport, ControlState]:
+    """`report`, unless an earlier event's digest differs (reported one at a time, it came first)."""
+    wrong = lazy.first_mismatch() if lazy is not None else None
+    return (report if wrong is None else _digest_report(total, wrong)), state
+
+
+def check_rows(caps: Capacities, rows: list[tuple[int, int, str, int, str | bytes, str]], comparable: bool = True,
+               *, fast: bool = True) -> tuple[StateCheckReport, ControlState]:
+    """check_state_only over stored rows (TraceReader.stored_rows): the report and the state it leaves (every
+    column flushed when the rows all pass). `fast` False: the scalar path alone, every event applied to the objects
+    one at a time (no columns, runs or arrivals at once): the oracle the tests hold the fast paths to."""
     total = len(rows)
-    state = ControlState.create(Capacities.from_table(run.capacities))
-    state.columnar = True  # this loop owns the state: steps of the common path in columns (atlas.state.columns)
+    state = ControlState.create(caps)
+    state.columnar = fast  # this loop owns the state: steps of the common path in columns (atlas.state.columns)
+    plain_until = 0 if fast else total  # a run that did not pass whole goes event by event up to here
     apply, digest = state.apply, state.digest
-    comparable = run.digests_comparable
     types = EVENT_TYPES
     loads = json.loads
     load_event = codec.load_event
-    plain_until = 0  # a run that did not pass whole goes event by event up to here
-    i = 0
-    while i < total:
-        index, _step, kind, version, payload, recorded_digest = rows[i]
-        cols = state.columns
-        if cols is not None and kind == "step_planned" and i >= plain_until and cols.fed is None:
-            j = run_end(rows, i, cols.ids)
-            if j - i >= 2 * MIN_RUN:
-                if apply_run(state, [r[4] for r in rows[i:j:2]], [r[4] for r in rows[i + 1:j:2]],
-                             [r[5] for r in rows[i:j]] if comparable else None):
-                    i = j
-                    continue
-                plain_until = j
-        i += 1
-        cls = types.get(kind)
-        if type(payload) is str and cls is not None and cls.version == version:
-            e = cls(**loads(payload))
-        else:
-            e = load_event(kind, version, payload)
-        if kind == "invariant_violated":  # the run itself recorded a violation: the trace fails there
-            assert isinstance(e, InvariantViolated)
-            return StateCheckReport(total, f"recorded invariant violation in {e.machine}: {e.message} "
-                                    f"{e.fields}", e.event_index)
-        try:
-            touched = apply(e)
-            check_invariants(state, touched, index)
-        except TransitionRefused as exc:
-            return StateCheckReport(total, f"refused: {exc} {exc.fields}", index)
-        except InvariantViolation as exc:
-            return StateCheckReport(total, str(exc), index)
-        if comparable and digest() != recorded_digest:
-            return StateCheckReport(total, f"digest {digest()} != recorded {recorded_digest}", index)
+    # digests of the events applied one at a time, compared in batches (atlas.replay.digests)
+    lazy = LazyDigests() if fast and comparable and state.prefix is None else None
+    try:
+        i = 0
+        while i < total:
+            index, _step, kind, version, payload, recorded_digest = rows[i]
+            cols = state.columns
+            if (cols is not None and kind == "step_planned" and i >= plain_until and cols.fed is None
+                    and not cols.gone):
+                j = run_end(rows, i, cols.ids)
+                if j - i >= 2 * MIN_RUN:
+                    if apply_run(state, [r[4] for r in rows[i:j:2]], [r[4] for r in rows[i + 1:j:2]],
+                                 [r[5] for r in rows[i:j]] if comparable else None):
+                        i = j
+                        continue
+                    plain_until = j
+            elif (kind == "request_arrived" and i >= plain_until and version == ARRIVED_VERSION
+                  and type(payload) is str):
+                j = i + 1
+                while (j < total and rows[j][2] == "request_arrived" and rows[j][3] == version
+                       and type(rows[j][4]) is str):
+                    j += 1
+                if j - i >= MIN_ARRIVALS:
+                    if apply_arrivals(state, [r[4] for r in rows[i:j]],
+                                      [r[5] for r in rows[i:j]] if comparable else None):
+                        i = j
+                        continue
+                    plain_until = j
+            i += 1
+            cls = types.get(kind)
+            if type(payload) is str and cls is not None and cls.version == version:
+                e = cls(**loads(payload))
+            else:
+                e = load_event(kind, version, payload)
+            if kind == "invariant_violated":  # the run itself recorded a violation: the trace fails there
+                assert isinstance(e, InvariantViolated)
+                return _first(lazy, total, state, StateCheckReport(
+                    total, f"recorded invariant violation in {e.machine}: {e.message} {e.fields}", e.event_index))
+            try:
+                touched = None
+                if state.columns is not None:  # the batch changed in place, no flush (atlas.state.column_batch)
+                    if kind == "request_finished":
+                        touched = finish_in_columns(state, e)
+                    elif kind == "step_planned" and (e.admitted or state.columns.gone):
+                        touched = plan_in_columns(state, e)
+                if touched is None:
+                    if state.columns is not None and state.columns.gone:
+                        state.flush_columns()  # rows whose sequence finished: only column_batch reads such columns
+                    touched = apply(e)
+                check_invariants(state, touched, index)
+            except TransitionRefused as exc:
+                return _first(lazy, total, state,
+                              StateCheckReport(total, f"refused: {exc} {exc.fields}", index))
+            except InvariantViolation as exc:
+                return _first(lazy, total, state, StateCheckReport(total, str(exc), index))
+            if lazy is not None:
+                wrong = lazy.add(state, recorded_digest, index)
+                if wrong is not None:
+                    return _digest_report(total, wrong), state
+            elif comparable and digest() != recorded_digest:
+                return StateCheckReport(total, f"digest {digest()} != recorded {recorded_digest}", index), state
+    except Exception:
+        wrong = lazy.first_mismatch() if lazy is not None else None
+        if wrong is None:
+            raise  # an error at a row no earlier digest contradicts: as one at a time
+        return _digest_report(total, wrong), state
+    wrong = lazy.first_mismatch() if lazy is not None else None
+    if wrong is not None:
+        return _digest_report(total, wrong), state
     state.flush_columns()
-    return StateCheckReport(total, None)
+    return StateCheckReport(total, None), state

@@ -19,7 +19,7 @@ def work_fits_columns(state: ControlState, e: StepPlanned, cols: StepColumns, ne
     for seq_id in new_blocks:
         if seq_id not in row:
             return False
-    fed = np.array(e.fed, dtype=np.int64)
+    fed = np.fromiter(e.fed, np.int64, len(e.fed))
     end = cols.computed + fed
     if not ((fed >= 1) & (end <= cols.ntok)).all():
         return False
@@ -68,7 +68,7 @@ def advance_columns(state: ControlState, cols: StepColumns, tokens: tuple[int, .
     drafter rows hold by construction), then the commit and the fingerprints. False, with the columns flushed
     and nothing moved, when any condition fails: steps._advance_all on the objects then refuses, or commits and names
     its suspects, exactly as without columns. ~35 numpy calls a step whatever the batch."""
-    tok = np.array(tokens, dtype=np.int64)
+    tok = np.fromiter(tokens, np.int64, len(tokens))
     fed = cols.fed
     assert fed is not None
     n = cols.ntok

@@ -65,7 +65,7 @@ class StepColumns:
     flush; the columns hold the current ones (`tokens`: the sampled-token rows since then, -1 = none)."""
 
     __slots__ = ("ids", "objs", "row", "bs", "computed", "ntok", "token_hash", "nblocks", "capacity", "fp", "fed",
-                 "tokens", "hid", "budget_end", "limit", "low", "blocks_term")
+                 "tokens", "hid", "budget_end", "limit", "low", "blocks_term", "gone", "prior")
 
     def __init__(self, ids: tuple[int, ...], objs: list[Sequence], bs: int) -> None:
         self.ids = ids
@@ -82,6 +82,10 @@ class StepColumns:
         self.fp = np.array([s.fingerprint for s in objs], dtype=_U)
         self.fed: np.ndarray | None = None  # the in-flight plan's fed counts (set by StepPlanned)
         self.tokens: list[np.ndarray] = []
+        # rows whose sequence finished since (atlas.state.column_batch: the batch changes in place); the columns
+        # they left, with their pending tokens, flushed first (`prior`)
+        self.gone: set[int] = set()
+        self.prior: StepColumns | None = None
         # derived once (the checks' bounds, the fingerprint's constant terms), moved with the block counts
         self.budget_end = np.array([c.prompt_len + s.max_new for c, s in zip(cur, objs, strict=True)], dtype=_I)
         self.limit = np.minimum(self.capacity, self.nblocks * bs)  # KV and QSA keys end within both
@@ -107,6 +111,9 @@ class StepColumns:
     def flush(self) -> None:
         """Write the columns back into the sequences (every field they moved). `tokens` holds one row per step
         (a step's tokens) or one [steps x batch] block per run (atlas.state.column_runs); -1: none sampled."""
+        if self.prior is not None:  # the earlier rows' tokens first (this flush then writes the current fields)
+            self.prior.flush()
+            self.prior = None
         logged = None
         if self.tokens:
             block = np.vstack(self.tokens)

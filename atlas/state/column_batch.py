@@ -1,0 +1,178 @@
+"""The batch of the step columns changed in place: finishes and admissions without a flush (replay check's fifth
+pass, docs/CONTROL-PLANE.md).
+
+Before this, every finish flushed the step columns (any event but a step's does), the next plan went the scalar
+path over the whole batch and gathered the columns again: 46 such steps were 70 M of a 304 M-instruction check
+(benchmarks/replay_check.py's trace). Here:
+
+- `finish_in_columns`: RequestFinished of a sequence the columns hold, as `requests.finished` and
+  `ControlState.finish` do it, with the columns' fingerprint of that row (the object's lags); the row is then gone
+  (`StepColumns.gone`). Its object leaves the state, so its lagging fields are never read again.
+- `plan_in_columns`: a StepPlanned whose work is the rows still there, in order, then the admitted sequences:
+  `steps.planned`'s checks over the columns and the few admitted objects, its moves, and new columns of the rows
+  kept plus the admitted (the old ones, with their pending tokens, flushed first whenever these are:
+  `StepColumns.prior`).
+
+Either returns None, moving nothing, when anything is off that path (a condition fails, another shape of plan);
+the caller then applies the event through `ControlState.apply`, which flushes and refuses or reports exactly as
+without this. Both return what `apply` would (the touched ids; Checked when the invariants' per-sequence test
+already ran), for check_invariants.
+"""
+
+from __future__ import annotations
+
+from bisect import insort
+
+import numpy as np
+
+from atlas.hashing import ints_key
+from atlas.state.column_steps import refresh_rows
+from atlas.state.columns import _K_BLOCKS, _K_ID, _K_RUNNING, StepColumns, common
+from atlas.state.control import Checked, ControlState
+from atlas.state.events import RequestFinished, StepPlanned
+from atlas.state.invariants import _holds
+from atlas.state.machines import FinishReason, Phase
+from atlas.state.orders import PlanOrders
+
+_REASONS = frozenset(r.value for r in FinishReason)
+_I = np.int64
+_U = np.uint64
+# the scalar path gathers columns from this many sequences a plan (steps.VECTOR_MIN): the same batches here
+VECTOR_MIN = 16
+
+
+def finish_in_columns(state: ControlState, e: RequestFinished) -> tuple[int, ...] | None:
+    cols = state.columns
+    if cols is None:
+        return None
+    r = cols.row.get(e.seq_id)
+    seq = state.seqs.get(e.seq_id)
+    if r is None or r in cols.gone or seq is None or type(e.reason) is not str or e.reason not in _REASONS:
+        return None
+    plan = state.inflight
+    if plan is not None and e.seq_id in plan.seqs:
+        return None
+    if e.seq_id in state.failing and e.reason != FinishReason.ERROR.value:
+        return None
+    refs = state.pool.refs
+    if not all(refs[b] > 0 for b in seq.blocks):  # BlockPool.release would refuse (after finish moved some)
+        return None
+    seq.fingerprint = int(cols.fp[r])  # the share the digest holds (the object's lags behind the columns)
+    state.finish(seq, e.reason, e.detail)
+    cols.gone.add(r)
+    return (e.seq_id,)
+
+
+def plan_in_columns(state: ControlState, e: StepPlanned) -> tuple[int, ...] | None:
+    cols = state.columns
+    caps = state.caps
+    if (cols is None or cols.fed is not None or e.drafts or e.restored or state.prefix is not None
+            or state.inflight is not None or e.step != state.step or len(e.seqs) != len(e.fed)
+            or len(e.seqs) < VECTOR_MIN or list(e.release) != state.pending_release or state.orders.rollbacks
+            or sum(e.fed) > caps.max_batch_tokens):
+        return None
+    gone = cols.gone
+    keep = [r for r in range(len(cols.ids)) if r not in gone]
+    k = len(keep)
+    ids = cols.ids
+    if tuple(ids[r] for r in keep) != e.seqs[:k] or e.seqs[k:] != e.admitted:
+        return None
+    seqs = state.seqs
+    admitted = []
+    for seq_id in e.admitted:
+        seq = seqs.get(seq_id)
+        if seq is None or seq.cursor.phase is not Phase.WAITING or seq.blocks or seq.on_device or seq.preemptions:
+            return None
+        admitted.append(seq)
+    new_blocks: dict[int, int] = {}
+    claimed: set[int] = set()
+    pool = state.pool
+    free, total = pool.free, pool.total
+    batch = set(e.seqs)
+    if len(batch) != len(e.seqs):
+        return None  # a sequence twice in one plan: the scalar path meets it
+    for row in e.alloc:
+        if len(row) < 1 or row[0] not in batch or row[0] in new_blocks:
+            return None
+        new_blocks[row[0]] = len(row) - 1
+        for b in row[1:]:
+            if b in claimed or not 0 <= b < total or b not in free:
+                return None
+            claimed.add(b)
+    bs = caps.block_size
+    fed = np.fromiter(e.fed, _I, len(e.fed))
+    kept = np.array(keep, dtype=_I)
+    held = cols.nblocks[kept]
+    computed = cols.computed[kept]
+    ntok = cols.ntok[kept]
+    add = np.array([new_blocks.get(s, 0) for s in e.seqs[:k]], dtype=_I)
+    end = computed + fed[:k]
+    if not ((fed[:k] >= 1) & (end <= ntok) & (end <= (held + add) * bs)).all():
+        return None
+    for seq, n in zip(admitted, e.fed[k:], strict=True):
+        c = seq.cursor
+        if n < 1 or c.computed + n > len(c.tokens) or c.computed + n > new_blocks.get(seq.seq_id, 0) * bs:
+            return None
+
+    # every check of StepPlanned passed: its moves (steps.planned's, in its order)
+    first_key = caps.drafter_context
+    for seq in admitted:
+        seq.cursor.phase = Phase.RUNNING
+        seq.on_device = True
+        seq.drafter.first_key = 0 if first_key else seq.cursor.prompt_len - 1
+        state.waiting.remove(seq.seq_id)
+        insort(state.running, seq.seq_id)
+    for row in e.alloc:
+        pool.allocate(row[0], row[1:])
+        seqs[row[0]].blocks.extend(row[1:])
+    state.pending_release.clear()
+    state.inflight_orders, state.orders = state.orders, PlanOrders()
+    state.inflight = e
+    state.inflight_hash = ints_key(b"atlas.plan", (e.seqs, e.fed, *e.alloc, e.release, e.reset, e.restored,
+                                                   *e.drafts))
+    state.step = e.step + 1
+    touched = tuple(e.admitted) + tuple(row[0] for row in e.alloc)
+    for seq in admitted:  # apply's refresh and check_invariants' test, on the objects (current: never in columns)
+        state.refresh(seq)
+        if not common(seq) or not _holds(seq, bs, 0):
+            state.flush_columns()
+            return touched  # apply's caller refreshes them (again: the same) and check_invariants names it
+    new = _combined(cols, kept, held + add, admitted, [new_blocks.get(s, 0) for s in e.admitted], e.seqs, bs)
+    new.fed = fed
+    state.columns = new
+    row = new.row
+    if refresh_rows(state, new, [row[s] for s in e.seqs[:k] if s in new_blocks]):
+        return Checked(touched, [])
+    return touched  # flushed by refresh_rows: check_invariants names what broke, on the objects
+
+
+def _combined(cols: StepColumns, kept: np.ndarray, kept_blocks: np.ndarray, admitted: list, admitted_blocks: list[int],
+              ids: tuple[int, ...], bs: int) -> StepColumns:
+    """The columns of `ids`: the rows `kept` of `cols` (holding `kept_blocks` blocks now), then the admitted
+    sequences from their objects (holding `admitted_blocks`). `cols` (and its pending tokens) flush first whenever
+    these do. The admitted rows' fields in two conversions (int64 and uint64), not one a column."""
+    new = StepColumns.__new__(StepColumns)
+    new.ids = ids
+    new.objs = [cols.objs[r] for r in kept.tolist()] + admitted
+    new.row = {s: i for i, s in enumerate(ids)}
+    new.bs = bs
+    a = len(admitted)
+    ints = np.array([(c.computed, len(c.tokens), s.qsa.capacity, c.prompt_len + s.max_new)
+                     for s, c in zip(admitted, [s.cursor for s in admitted], strict=True)], dtype=_I).reshape(a, 4)
+    words = np.array([(s.cursor.token_hash, s.fingerprint, s.seq_id) for s in admitted], dtype=_U).reshape(a, 3)
+    new.hid = np.concatenate((cols.hid[kept], words[:, 2] * _K_ID))
+    new.computed = np.concatenate((cols.computed[kept], ints[:, 0]))
+    new.ntok = np.concatenate((cols.ntok[kept], ints[:, 1]))
+    new.token_hash = np.concatenate((cols.token_hash[kept], words[:, 0]))
+    new.nblocks = np.concatenate((kept_blocks, np.array(admitted_blocks, dtype=_I)))
+    new.capacity = np.concatenate((cols.capacity[kept], ints[:, 2]))
+    new.fp = np.concatenate((cols.fp[kept], words[:, 1]))
+    new.fed = None
+    new.tokens = []
+    new.gone = set()
+    new.prior = cols if cols.tokens or cols.prior is not None else None
+    new.budget_end = np.concatenate((cols.budget_end[kept], ints[:, 3]))
+    new.limit = np.minimum(new.capacity, new.nblocks * bs)
+    new.low = (new.nblocks - 1) * bs
+    new.blocks_term = new.nblocks.view(_U) * _K_BLOCKS + _K_RUNNING
+    return new

@@ -10,7 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
-torch.set_num_threads(2)
+# one torch thread per worker: bin/test runs two xdist workers on a 2-core machine, so a second intra-op thread
+# only waits at each op's barrier for a core the other worker holds (atlas/threads.py measured 4-11x slower then);
+# was 2 per worker (4 threads on 2 cores): see the commit for the suite's worker-seconds before and after
+torch.set_num_threads(1)
 # the state-digest audit mode in every backend the tests build (atlas.backends.base.state_audit_default)
 os.environ.setdefault("ATLAS_STATE_AUDIT", "1")
 

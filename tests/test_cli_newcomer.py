@@ -74,6 +74,7 @@ def test_the_thread_policy_explicit_then_env_then_measured_default() -> None:
 
 
 def test_generate_and_replay_size_torch_threads_by_the_policy(capsys, gen_trace: Path) -> None:
+    before = torch.get_num_threads()  # restored after: the worker's later files keep conftest's count
     torch.set_num_threads(2)
     try:
         code, _, err = atlas(capsys, "generate", "--prompt", "hi", "--backend", "null", "--max-tokens", "2")
@@ -84,18 +85,19 @@ def test_generate_and_replay_size_torch_threads_by_the_policy(capsys, gen_trace:
         assert code == 0, err
         assert torch.get_num_threads() == 1
     finally:
-        torch.set_num_threads(2)
+        torch.set_num_threads(before)
 
 
 def test_atlas_llm_sizes_threads_by_the_policy() -> None:
     import atlas
 
+    before = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
         llm = atlas.LLM("atlas-tiny")
         assert llm.threads == 1 and torch.get_num_threads() == 1
     finally:
-        torch.set_num_threads(2)
+        torch.set_num_threads(before)
 
 
 def test_generate_without_max_tokens_stops_at_16(capsys) -> None:

@@ -63,7 +63,8 @@ _SEQ_ID, _TOKEN, _REFUSED = attrgetter("seq_id"), attrgetter("token"), attrgette
 _SAMPLE, _DRAFTS = attrgetter("sample"), attrgetter("drafts")
 
 
-def _decode_step(plan: StepPlan, result: StepResult, vocab_size: int | None) -> tuple[int, ...] | None:
+def _decode_step(plan: StepPlan, result: StepResult, vocab_size: int | None, cols: BatchColumns | None = None
+                 ) -> tuple[int, ...] | None:
     """StepExecuted's tokens when the result is a decode step's in its plain form: every planned sequence samples,
     none verifies, nothing is refused, the outcomes come in plan order and each token is in the vocabulary; else
     None (align and the loop below then check, and name, whatever differs). align's and the plain fold's tests as
@@ -72,18 +73,23 @@ def _decode_step(plan: StepPlan, result: StepResult, vocab_size: int | None) -> 
     if result.step != plan.step or len(outs) != len(work) or result.refused or not work:
         return None
     tokens = tuple(map(_TOKEN, outs))
-    if (None in tokens or not all(map(_SAMPLE, work)) or any(map(_DRAFTS, work))
+    if cols is not None and work is cols.work:  # built by BatchColumns.decode_work: every row samples, no drafts
+        if None in tokens or any(map(_REFUSED, outs)) or tuple(map(_SEQ_ID, outs)) != cols.ids:
+            return None
+    elif (None in tokens or not all(map(_SAMPLE, work)) or any(map(_DRAFTS, work))
             or any(map(_REFUSED, outs)) or tuple(map(_SEQ_ID, outs)) != tuple(map(_SEQ_ID, work))):
         return None
     if min(tokens) < 0 or (vocab_size is not None and max(tokens) >= vocab_size):
         return None
+    if cols is not None:
+        cols.aligned = result  # outcomes in the rows' order, none refused (cursor_violation need not look again)
     return tokens
 
 
 def outcome(state: ControlState, plan: StepPlan, result: StepResult, vocab_size: int | None, index: int) -> Outcome:
     """StepExecuted (every cursor moves by its fed count, or 1 + accepted for a verify) and the ring snapshots
     the backend took. Raises InvariantViolation when the result cannot be the plan's."""
-    decoded = _decode_step(plan, result, vocab_size)
+    decoded = _decode_step(plan, result, vocab_size, state.batch)
     if decoded is not None:  # a decode step: align's every test passed (outcomes already in plan order)
         events: list[Event] = [StepExecuted(plan.step, decoded)]
         if plan.snapshots:
@@ -162,7 +168,7 @@ def cursor_violation(state: ControlState, plan: StepPlan, result: StepResult, in
     outcomes = result.outcomes
     cols = state.batch
     if (cols is not None and cols.fed is None and not result.refused and not result.touched and not plan.restores
-            and not state.failing and _batch_cursors_hold(cols, outcomes)):
+            and not state.failing and _batch_cursors_hold(cols, result)):
         return None
     refused = {o.seq_id for o in outcomes if o.refused is not None} if any(map(_REFUSED, outcomes)) else set()
     if result.refused:
@@ -212,12 +218,14 @@ _CURSORS, _STAMPS = attrgetter("cursors"), attrgetter("stamps")
 _FIVE = attrgetter("kv_tokens", "qsa_ingested", "ssm_position", "ple_position", "drafter_rows")
 
 
-def _batch_cursors_hold(cols: BatchColumns, outcomes: tuple[SeqOutcome, ...]) -> bool:
+def _batch_cursors_hold(cols: BatchColumns, result: StepResult) -> bool:
     """cursor_violation's verdict for a result over exactly the engine's batch columns (atlas.state.batch_columns:
     every row running, computed == QSA keys, no drafter rows, none failing) when every reported cursor has no stamps
     and equals (computed, computed, computed, computed, 0): C-level passes over the batch instead of a field read of
     three objects a sequence. False: the loop checks them, and names the first that differs."""
-    if len(outcomes) != len(cols.ids) or tuple(map(_SEQ_ID, outcomes)) != cols.ids or any(map(_REFUSED, outcomes)):
+    outcomes = result.outcomes
+    if cols.aligned is not result and (len(outcomes) != len(cols.ids) or tuple(map(_SEQ_ID, outcomes)) != cols.ids
+                                       or any(map(_REFUSED, outcomes))):
         return False
     reported = tuple(map(_CURSORS, outcomes))
     if any(map(_STAMPS, reported)):

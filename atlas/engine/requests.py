@@ -10,7 +10,8 @@ the events before it left it; the engine applies each. RequestOutputs are collec
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Literal
+from operator import attrgetter
+from typing import Any, Literal
 
 import attrs
 
@@ -23,10 +24,12 @@ from atlas.engine.stopping import StopChecker, Tokenizer
 from atlas.engine.watchdog import WatchdogConfig, detect_loop
 from atlas.plan import SeqOutcome, StepPlan
 from atlas.sampling.params import SamplingParams
+from atlas.state.batch_columns import BatchColumns
 from atlas.state.control import ControlState
 from atlas.state.events import Event, RequestFinished, RollbackDeclined, RolledBack
 from atlas.state.machines import Sequence
 
+_PROMPT_LOGPROBS = attrgetter("prompt_logprobs")
 Sampled = tuple[int, float | None, tuple[tuple[int, float], ...]]
 # how the tokens ended the request (or None), the tokens it keeps, their logprobs, their top alternatives
 Taken = tuple[tuple[FinishReason, str] | None, list[int], list[float], list[tuple[tuple[int, float], ...]]]
@@ -57,6 +60,8 @@ class RequestBook:
         # decode([t]) of this book's tokenizer, by skip_special_tokens (StopChecker.pieces): decode is pure, so every
         # request shares one memo; at most one entry per vocabulary id
         self.pieces: dict[bool, dict[int, str]] = {True: {}, False: {}}
+        # the batch columns settle's quiet rows were built for, and those rows (_settle_quiet)
+        self._quiet: tuple[tuple[int, ...], list[tuple[StopChecker, Any, Any]] | None] | None = None
 
     def _checker(self, params: SamplingParams, max_new: int) -> StopChecker:
         pieces = self.pieces[params.skip_special_tokens] if self.tokenizer is not None else None
@@ -102,7 +107,14 @@ class RequestBook:
         tokenizer = self.tokenizer
         counts = self.counts
         stops = self.stops
-        for w, o in zip(plan.work, ordered, strict=True):
+        work = plan.work
+        cols = state.batch
+        if (quiet and not refused and cols is not None and work is cols.work and cols.aligned is not None
+                and cols.aligned.outcomes is ordered and cols.last is not None):  # a decode of the batch columns
+            done = self._settle_quiet(cols)
+            if done:
+                work, ordered = work[done:], ordered[done:]
+        for w, o in zip(work, ordered, strict=True):
             if o.prompt_logprobs:
                 self.prompt_lp.setdefault(w.seq_id, {}).update((pos, (lp, top)) for pos, lp, top in o.prompt_logprobs)
             if w.seq_id in refused:
@@ -146,6 +158,48 @@ class RequestBook:
         for seq_id, why in refused.items():  # an order refused for a sequence with no work in the plan
             if seq_id not in in_work and seq_id in state.seqs:
                 yield from self.finish_error(state, seq_id, why, out)
+
+    def _settle_quiet(self, cols: BatchColumns) -> int:
+        """settle's loop for the leading rows of a decode step over the engine's batch columns (atlas.state.
+        batch_columns) whose request is held back without logprobs or stop strings and whose token neither is a
+        stop token nor reaches the budget: exactly what the loop and StopChecker.on_token do for such a row (the
+        count, the token held and waiting for its text), without the call and the reads of each. How many rows it
+        took, in order; the loop does the rest (from the first token that may end its request). No watchdog (the
+        caller's `quiet`), none refused, no prompt logprobs reported (looked at here)."""
+        if any(map(_PROMPT_LOGPROBS, cols.aligned.outcomes)):  # type: ignore[union-attr]
+            return 0
+        if self._quiet is None or self._quiet[0] is not cols.ids:  # per batch: built again when its rows change
+            self._quiet = (cols.ids, self._quiet_checkers(cols))
+        checkers = self._quiet[1]
+        if checkers is None:
+            return 0
+        done = 0
+        for (stop, later, hold), token in zip(checkers, cols.last, strict=True):  # type: ignore[arg-type]
+            count = stop.count + 1
+            if count >= stop.max_new or token in stop.stop_ids:  # it may end here: the loop's on_token
+                break
+            stop.count = count
+            later(token)  # on_token: no stop strings, so the text waits (StopChecker.later)
+            hold(token)
+            done += 1
+        self.counts.generated_tokens += done
+        return done
+
+    def _quiet_checkers(self, cols: BatchColumns) -> list[tuple[StopChecker, Any, Any]] | None:
+        """(stop checker, its `later` append, the held tokens' append) of every row, or None when a row's request
+        streams, asks for logprobs or stop strings, or its checker has not seen this tokenizer yet."""
+        tokenizer = self.tokenizer
+        if tokenizer is None:
+            return None
+        out = []
+        for seq_id, p in zip(cols.ids, cols.params, strict=True):
+            h = self.held.get(seq_id)
+            stop = self.stops.get(seq_id)
+            if (h is None or stop is None or p.logprobs or p.stop or stop.params is not p
+                    or stop.tokenizer is not tokenizer):
+                return None
+            out.append((stop, stop.later.append, h.tokens.append))
+        return out
 
     def _take(self, seq: Sequence, sampled: list[Sampled]) -> Taken:
         """Each sampled token through the stop checker (and into the held-back output): (how it ended or None,

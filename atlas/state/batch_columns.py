@@ -40,6 +40,7 @@ _K_RUNNING_INT = 0xD6E8FEB86659FD93 * Phase.RUNNING & MASK64
 _K_RUNNING = _U(_K_RUNNING_INT)
 _FNV = _U(0x100000001B3)
 _ONE = _U(1)
+_MIN_ROWS = 16  # steps.VECTOR_MIN: below this many rows numpy's per-call cost loses to the objects' walk
 
 
 def on_common_path(seq: Sequence) -> bool:
@@ -61,7 +62,7 @@ class BatchColumns:
 
     __slots__ = ("ids", "objs", "cursors", "qsas", "row", "bs", "computed", "ends", "ntok", "token_hash", "nblocks",
                  "capacity", "fp", "hid", "limit", "low", "blocks_term", "budget_end", "params", "tables",
-                 "first_keys", "plain", "last", "fed", "decode")
+                 "first_keys", "plain", "last", "fed", "decode", "work", "aligned")
 
     def __init__(self, ids: tuple[int, ...], objs: list[Sequence], bs: int) -> None:
         self.ids = ids
@@ -90,6 +91,8 @@ class BatchColumns:
         self.last: list[int] | None = [c.tokens[-1] for c in cur]
         self.fed: np.ndarray | None = None  # the in-flight plan's fed counts (StepPlanned)
         self.decode = False  # the in-flight plan feeds every row its one last token (a decode step)
+        self.work: tuple | None = None  # the SeqWork tuple decode_work built last (outcome knows its rows decode)
+        self.aligned: object = None  # the StepResult outcome found in the rows' order, none refused
 
     @classmethod
     def gather(cls, seqs: dict[int, Sequence], ids: tuple[int, ...], bs: int) -> BatchColumns | None:
@@ -97,6 +100,30 @@ class BatchColumns:
         if not all(map(on_common_path, objs)):
             return None
         return cls(ids, objs, bs)
+
+    def without(self, seq_id: int) -> BatchColumns | None:
+        """The columns after a running sequence finished (RequestFinished between steps): its row taken out of every
+        column, in place (a finish every few steps at batch 64 would otherwise cost a scalar step and a gather),
+        or None when a plan is in flight or the batch gets too small for columns."""
+        r = self.row.get(seq_id)
+        if r is None:
+            return self
+        if self.fed is not None or len(self.ids) <= _MIN_ROWS:
+            return None
+        ids = list(self.ids)
+        del ids[r]
+        self.ids = tuple(ids)
+        self.row = {s: i for i, s in enumerate(ids)}
+        for name in ("computed", "ntok", "token_hash", "nblocks", "capacity", "fp", "hid", "limit", "low",
+                     "blocks_term", "budget_end"):
+            setattr(self, name, np.delete(getattr(self, name), r))
+        for rows in (self.objs, self.cursors, self.qsas, self.ends, self.params, self.tables, self.first_keys):
+            del rows[r]
+        if self.last is not None:
+            del self.last[r]
+        self.work = None
+        self.aligned = None
+        return self
 
     # ------------------------------------------------------------------------------------------ StepPlanned
 
@@ -213,5 +240,6 @@ class BatchColumns:
         if not self.decode or not self.plain or last is None:
             return None
         n = len(self.ids)
-        return tuple(map(seq_work, self.ids, [(t,) for t in last], self.ends, self.tables, repeat(True, n),
+        self.work = work = tuple(map(seq_work, self.ids, [(t,) for t in last], self.ends, self.tables, repeat(True, n),
                          self.params, repeat((), n), repeat((), n), self.first_keys, repeat(0, n), repeat(None, n)))
+        return work

@@ -26,7 +26,7 @@ from atlas.hashing import MASK64 as _M
 from atlas.hashing import mix64
 from atlas.state.batch_columns import BatchColumns
 from atlas.state.columns import StepColumns
-from atlas.state.events import Event, RequestArrived, StepExecuted, StepPlanned
+from atlas.state.events import Event, RequestArrived, RequestFinished, StepExecuted, StepPlanned
 from atlas.state.machines import BlockPool, Phase, Sequence
 from atlas.state.orders import PlanOrders
 from atlas.state.prefix_index import CarriedEntry, PrefixCache
@@ -125,9 +125,9 @@ def running_fingerprints(token_hash: Ints, seq_id: Ints, seq_len: Ints, computed
 
 
 _COLUMN_EVENTS = (StepPlanned, StepExecuted)  # the transitions that keep the step columns current
-# the transitions that keep the engine's batch columns (atlas.state.batch_columns): the step events themselves, and
-# an arrival (a new waiting sequence; no running one moves)
-_BATCH_EVENTS = (StepPlanned, StepExecuted, RequestArrived)
+# the transitions that keep the engine's batch columns (atlas.state.batch_columns): the step events themselves, an
+# arrival (a new waiting sequence; no running one moves) and a finish (`finish` takes its row out)
+_BATCH_EVENTS = (StepPlanned, StepExecuted, RequestArrived, RequestFinished)
 
 
 class Refreshed(tuple):  # type: ignore[type-arg]
@@ -280,6 +280,8 @@ class ControlState:
         if seq.on_device:
             self.pending_release.append(seq.seq_id)
         self.seq_digest ^= seq.fingerprint
+        if self.batch is not None:
+            self.batch = self.batch.without(seq.seq_id)
         self.orders.forget(seq.seq_id)
         self.failing.discard(seq.seq_id)
         seq.cursor.phase = Phase.FINISHED

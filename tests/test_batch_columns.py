@@ -51,6 +51,15 @@ def _run(on: bool, *, blocks: int | None = None) -> tuple[list, list, list, Cont
         return execute(plan)
 
     engine.backend.execute = recorded  # type: ignore[method-assign]
+    quiet = engine.book._settle_quiet
+    settled: list[int] = []
+
+    def counted(cols):  # type: ignore[no-untyped-def]
+        rest = quiet(cols)
+        settled.append(len(cols.ids) - len(cols.ids if rest is None else rest))
+        return rest
+
+    engine.book._settle_quiet = counted  # type: ignore[method-assign]
     used: list[int] = []
     outputs = []
     for i in range(REQUESTS - 4):
@@ -72,6 +81,7 @@ def _run(on: bool, *, blocks: int | None = None) -> tuple[list, list, list, Cont
         step += 1
     state = engine.state
     engine.close()
+    assert not on or sum(settled) >= 20  # held-back rows settled by the columns' quiet path
     return sink.rows, outputs, plans, state, used
 
 

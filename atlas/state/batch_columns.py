@@ -40,6 +40,7 @@ _K_RUNNING_INT = 0xD6E8FEB86659FD93 * Phase.RUNNING & MASK64
 _K_RUNNING = _U(_K_RUNNING_INT)
 _FNV = _U(0x100000001B3)
 _ONE = _U(1)
+_K_TOKEN_STEP = _U((0xC2B2AE3D27D4EB4F + int(_K_COMPUTED_QSA)) & MASK64)  # the terms' move for one decoded token
 _MIN_ROWS = 16  # steps.VECTOR_MIN: below this many rows numpy's per-call cost loses to the objects' walk
 
 
@@ -62,7 +63,7 @@ class BatchColumns:
 
     __slots__ = ("ids", "objs", "cursors", "qsas", "row", "bs", "computed", "ends", "ntok", "token_hash", "nblocks",
                  "capacity", "fp", "hid", "limit", "low", "blocks_term", "budget_end", "params", "tables",
-                 "first_keys", "plain", "last", "fed", "decode", "work", "aligned")
+                 "first_keys", "keys_at_zero", "plain", "last", "fed", "decode", "work", "aligned", "terms")
 
     def __init__(self, ids: tuple[int, ...], objs: list[Sequence], bs: int) -> None:
         self.ids = ids
@@ -83,9 +84,12 @@ class BatchColumns:
         self.limit = np.minimum(self.capacity, self.nblocks * bs)  # KV and QSA keys end within both
         self.low = (self.nblocks - 1) * bs  # the tokens reach past this (no block beyond them)
         self.blocks_term = self.nblocks.astype(_U) * _K_BLOCKS + _K_RUNNING
+        # the fingerprint's sum of field terms (token count, computed == QSA keys, blocks, phase) for the fields now
+        self.terms = self.ntok.view(_U) * _K_LEN + self.computed.view(_U) * _K_COMPUTED_QSA + self.blocks_term
         self.params = [s.params for s in objs]
         self.tables = [tuple(s.blocks) for s in objs]
         self.first_keys = [s.drafter.first_key for s in objs]
+        self.keys_at_zero = not any(self.first_keys)
         self.plain = all(map(_plain_request, objs))
         # the last token of every row when the last step sampled each (a decode's SeqWork token), else None
         self.last: list[int] | None = [c.tokens[-1] for c in cur]
@@ -115,7 +119,7 @@ class BatchColumns:
         self.ids = tuple(ids)
         self.row = {s: i for i, s in enumerate(ids)}
         for name in ("computed", "ntok", "token_hash", "nblocks", "capacity", "fp", "hid", "limit", "low",
-                     "blocks_term", "budget_end"):
+                     "blocks_term", "budget_end", "terms"):
             setattr(self, name, np.delete(getattr(self, name), r))
         for rows in (self.objs, self.cursors, self.qsas, self.ends, self.params, self.tables, self.first_keys):
             del rows[r]
@@ -155,7 +159,10 @@ class BatchColumns:
         self.nblocks[r] = b
         self.limit[r] = min(int(self.capacity[r]), b * self.bs)
         self.low[r] = (b - 1) * self.bs
-        self.blocks_term[r] = (b * 0xFF51AFD7ED558CCD + _K_RUNNING_INT) & MASK64
+        term = (b * 0xFF51AFD7ED558CCD + _K_RUNNING_INT) & MASK64
+        self.blocks_term[r] = term
+        self.terms[r] = (int(self.ntok[r]) * 0xC2B2AE3D27D4EB4F + int(self.computed[r]) * int(_K_COMPUTED_QSA)
+                         + term) & MASK64
         self.tables[r] = tuple(seq.blocks)
 
     # ----------------------------------------------------------------------------------------- StepExecuted
@@ -169,35 +176,44 @@ class BatchColumns:
         qsa.ingested == computed and no snapshots or drafter rows hold for every row by construction."""
         fed = self.fed
         assert fed is not None
-        try:
-            tok = np.array(tokens, dtype=_I)
-        except OverflowError:
+        if not tokens or min(tokens) < -(1 << 63) or max(tokens) >= 1 << 63:
             return None
+        tok = np.array(tokens, dtype=_I)
         n = self.ntok
-        end = self.computed + fed
-        unsampled = tok < 0
-        n2 = n + ~unsampled
-        left = n - end
-        # sampled exactly when every known token is fed (end == n; end < n otherwise), KV and QSA keys within the
-        # blocks and the index, the token within the budget, no block past the tokens
-        if not (((left > 0) == unsampled) & (left >= 0) & (end <= self.limit) & (n2 <= self.budget_end)
-                & (n2 > self.low)).all():
-            return None
         th = self.token_hash
-        some_unsampled = bool(unsampled.any())
-        if some_unsampled:
-            th = np.where(unsampled, th, th * _FNV + (tok.view(_U) + _ONE))
-        else:
+        if self.decode and min(tokens) >= 0:  # every row fed its last token (end == n) and sampled one
+            # the conditions below with end == n and every token sampled: KV and QSA keys within the blocks and the
+            # index, the new token within the budget, no block past the tokens
+            if not ((n <= self.limit) & (n < self.budget_end) & (n >= self.low)).all():
+                return None
+            end = n
+            n2 = n + 1
+            some_unsampled = False
             th = th * _FNV + (tok.view(_U) + _ONE)
+            terms = self.terms + _K_TOKEN_STEP  # one more token and one more computed: the terms move by a constant
+        else:
+            end = self.computed + fed
+            unsampled = tok < 0
+            n2 = n + ~unsampled
+            left = n - end
+            # sampled exactly when every known token is fed (end == n; end < n otherwise), KV and QSA keys within
+            # the blocks and the index, the token within the budget, no block past the tokens
+            if not (((left > 0) == unsampled) & (left >= 0) & (end <= self.limit) & (n2 <= self.budget_end)
+                    & (n2 > self.low)).all():
+                return None
+            some_unsampled = bool(unsampled.any())
+            if some_unsampled:
+                th = np.where(unsampled, th, th * _FNV + (tok.view(_U) + _ONE))
+            else:
+                th = th * _FNV + (tok.view(_U) + _ONE)
+            terms = n2.view(_U) * _K_LEN + end.view(_U) * _K_COMPUTED_QSA + self.blocks_term
         h = th ^ self.hid  # control.running_fingerprints' arithmetic (uint64 wraps where the scalar masks)
         h ^= h >> _S30
         h *= _K_MIX1
         h ^= h >> _S27
         h *= _K_MIX2
         h ^= h >> _S31
-        h += n2.view(_U) * _K_LEN
-        h += end.view(_U) * _K_COMPUTED_QSA
-        h += self.blocks_term
+        h += terms
         h ^= h >> _S30
         h *= _K_MIX1
         h ^= h >> _S27
@@ -224,7 +240,7 @@ class BatchColumns:
                 c.token_hash = th_
                 seq.fingerprint = fp
             self.last = list(tokens)
-        self.ends, self.computed, self.ntok, self.token_hash, self.fp = ends, end, n2, th, h
+        self.ends, self.computed, self.ntok, self.token_hash, self.fp, self.terms = ends, end, n2, th, h, terms
         self.fed = None
         self.decode = False
         return change
@@ -240,6 +256,11 @@ class BatchColumns:
         if not self.decode or not self.plain or last is None:
             return None
         n = len(self.ids)
-        self.work = work = tuple(map(seq_work, self.ids, [(t,) for t in last], self.ends, self.tables, repeat(True, n),
-                         self.params, repeat((), n), repeat((), n), self.first_keys, repeat(0, n), repeat(None, n)))
+        if self.keys_at_zero:  # the trailing fields all at SeqWork's defaults: six arguments, not eleven
+            work = tuple(map(seq_work, self.ids, [(t,) for t in last], self.ends, self.tables, repeat(True, n),
+                             self.params))
+        else:
+            work = tuple(map(seq_work, self.ids, [(t,) for t in last], self.ends, self.tables, repeat(True, n),
+                             self.params, repeat((), n), repeat((), n), self.first_keys, repeat(0, n), repeat(None, n)))
+        self.work = work
         return work

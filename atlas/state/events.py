@@ -87,7 +87,14 @@ def decode(kind: str, version: int, payload: dict[str, Any]) -> Event:
     return EVENT_TYPES[kind](**upcast(kind, version, payload))
 
 
+_EXACT_INT = frozenset((int,))
+
+
 def _ints(value: Any) -> tuple[int, ...]:
+    # a tuple of exact ints (what the engine and both trace readers build) is its own conversion: the type test is
+    # ~2/3 of map(int)'s cost (4.5 against 6.5 us at 64, timeit); anything else (lists, bools, numpy ints) converted
+    if type(value) is tuple and _EXACT_INT.issuperset(map(type, value)):
+        return value
     return tuple(map(int, value))  # map, not a generator: half the cost of building a batch-64 step event
 
 

@@ -103,6 +103,8 @@ def _check_columns(state: ControlState) -> None:
     assert cols.low.tolist() == [(len(s.blocks) - 1) * cols.bs for s in seqs]
     if cols.last is not None:
         assert cols.last == [s.cursor.tokens[-1] for s in seqs]
+    if cols.next_decode:
+        assert all(len(s.cursor.tokens) - s.cursor.computed == 1 for s in seqs)
 
 
 @pytest.mark.parametrize(("blocks", "columns_steps"), [(None, 8), (60, 3)])  # 60 blocks of 8: KV runs out, preempts

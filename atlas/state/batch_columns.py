@@ -27,7 +27,8 @@ from itertools import repeat
 
 import numpy as np
 
-from atlas.hashing import MASK64
+from atlas.hashing import MASK64, hash64, token_bytes
+from atlas.state.events import StepPlanned
 from atlas.state.machines import Phase, Sequence
 
 _U = np.uint64
@@ -63,7 +64,7 @@ class BatchColumns:
 
     __slots__ = ("ids", "objs", "cursors", "qsas", "row", "bs", "computed", "ends", "ntok", "token_hash", "nblocks",
                  "capacity", "fp", "hid", "limit", "low", "blocks_term", "budget_end", "params", "tables",
-                 "first_keys", "keys_at_zero", "plain", "last", "fed", "decode", "work", "aligned", "terms")
+                 "first_keys", "keys_at_zero", "plain", "last", "fed", "decode", "work", "aligned", "terms", "plan_head", "next_decode")
 
     def __init__(self, ids: tuple[int, ...], objs: list[Sequence], bs: int) -> None:
         self.ids = ids
@@ -93,8 +94,11 @@ class BatchColumns:
         self.plain = all(map(_plain_request, objs))
         # the last token of every row when the last step sampled each (a decode's SeqWork token), else None
         self.last: list[int] | None = [c.tokens[-1] for c in cur]
+        # every row has exactly its last token left to feed (its next step is a decode of one token)
+        self.next_decode = bool((self.ntok - self.computed == 1).all())
         self.fed: np.ndarray | None = None  # the in-flight plan's fed counts (StepPlanned)
         self.decode = False  # the in-flight plan feeds every row its one last token (a decode step)
+        self.plan_head: tuple[tuple[int, ...], bytes] | None = None  # (fed counts, plan_hash's bytes of the head)
         self.work: tuple | None = None  # the SeqWork tuple decode_work built last (outcome knows its rows decode)
         self.aligned: object = None  # the StepResult outcome found in the rows' order, none refused
 
@@ -127,7 +131,22 @@ class BatchColumns:
             del self.last[r]
         self.work = None
         self.aligned = None
+        self.plan_head = None
         return self
+
+    def plan_hash(self, e: StepPlanned) -> int:
+        """ints_key(b"atlas.plan", (seqs, fed, *alloc, release, reset, restored, *drafts)) of a plan over exactly
+        these rows (StepPlanned's share of the digest): the same bytes, with the head (the rows' ids and the fed
+        counts, the same every decode step) converted once per batch instead of every plan."""
+        head = self.plan_head
+        if head is None or head[0] != e.fed:
+            ids = self.ids
+            head = self.plan_head = (e.fed, token_bytes([len(ids), *ids, len(e.fed), *e.fed]))
+        flat: list[int] = []
+        for row in (*e.alloc, e.release, e.reset, e.restored, *e.drafts):
+            flat.append(len(row))
+            flat.extend(row)
+        return hash64(b"atlas.plan", head[1] + token_bytes(flat))
 
     # ------------------------------------------------------------------------------------------ StepPlanned
 
@@ -240,6 +259,7 @@ class BatchColumns:
                 c.token_hash = th_
                 seq.fingerprint = fp
             self.last = list(tokens)
+        self.next_decode = not some_unsampled  # each sampled: end == n, so one token (the new one) is left to feed
         self.ends, self.computed, self.ntok, self.token_hash, self.fp, self.terms = ends, end, n2, th, h, terms
         self.fed = None
         self.decode = False

@@ -183,8 +183,11 @@ def planned(state: ControlState, e: StepPlanned) -> tuple[int, ...]:
     state.pending_release.clear()
     state.inflight_orders, state.orders = state.orders, PlanOrders()  # the plan carries them; new ones queue anew
     state.inflight = e
-    state.inflight_hash = ints_key(b"atlas.plan", (e.seqs, e.fed, *e.alloc, e.release, e.reset, e.restored,
-                                                   *e.drafts))
+    if batch is not None:  # the same key, the batch's head converted once (BatchColumns.plan_hash)
+        state.inflight_hash = batch.plan_hash(e)
+    else:
+        state.inflight_hash = ints_key(b"atlas.plan", (e.seqs, e.fed, *e.alloc, e.release, e.reset, e.restored,
+                                                       *e.drafts))
     state.step = e.step + 1
     touched = tuple(e.admitted) + tuple(row[0] for row in e.alloc)
     if batch is not None:  # apply's refresh of the alloc'd rows, their new fingerprints kept in the column too

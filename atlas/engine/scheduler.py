@@ -96,10 +96,11 @@ def batch(state: ControlState, drafts: Mapping[int, int] | None = None) -> Sched
     plain = state.prefix is None and not caps.prefill_align
     cols = state.batch
     running = state.running
+    head: tuple[tuple[int, ...], tuple[int, ...]] = ((), ())  # the running sequences' (seqs, fed) from the columns
     if cols is not None and plain and not drafts and cols.fed is None and list(cols.ids) == running:
         fast = _running_from_columns(cols, budget, free)
         if fast is not None:
-            work, fed, alloc, budget = fast
+            head, alloc, budget = fast[:2], fast[2], fast[3]
             running = []  # every running sequence decided, exactly as the loop below decides them
     victims = list(state.running)  # newest last: preemption takes from the end
     for seq_id in running:
@@ -159,15 +160,15 @@ def batch(state: ControlState, drafts: Mapping[int, int] | None = None) -> Sched
     return Schedule(
         preempt=tuple(preempted),
         admitted=tuple(admitted),
-        seqs=tuple(work),
-        fed=tuple(fed),
+        seqs=head[0] + tuple(work) if work else head[0],  # the columns' own tuples when nothing is admitted
+        fed=head[1] + tuple(fed) if fed else head[1],
         alloc=tuple(alloc),
         drafts=tuple(verified) if any(verified) else (),
     )
 
 
 def _running_from_columns(cols: BatchColumns, budget: int, free: _FreeBlocks
-                          ) -> tuple[list[int], list[int], list[tuple[int, ...]], int] | None:
+                          ) -> tuple[tuple[int, ...], tuple[int, ...], list[tuple[int, ...]], int] | None:
     """batch's loop over the running queue, from the engine's batch columns (atlas.state.batch_columns), when its
     outcome is the plain one: every sequence feeds all it has left (>= 1; a decode: 1), their sum fits the budget
     and the blocks they need are free, so the loop would neither stop on the budget nor preempt. Then it feeds each
@@ -177,7 +178,7 @@ def _running_from_columns(cols: BatchColumns, budget: int, free: _FreeBlocks
         total = len(cols.ids)
         if total > budget:
             return None
-        fed = [1] * total
+        fed = cols.ones  # the same tuple objects every decode step: the event's converters pass them at once
         rows = np.flatnonzero(cols.ntok > cols.nblocks * cols.bs).tolist()  # computed <= blocks: 1 block at most
         counts = [1] * len(rows)
     else:
@@ -185,7 +186,7 @@ def _running_from_columns(cols: BatchColumns, budget: int, free: _FreeBlocks
         total = int(n.sum())
         if total > budget or int(n.min()) < 1:
             return None
-        fed = n.tolist()
+        fed = tuple(n.tolist())
         need = -((cols.computed + n) // -cols.bs) - cols.nblocks
         rows = np.flatnonzero(need > 0).tolist()
         counts = need[rows].tolist() if rows else []
@@ -196,7 +197,7 @@ def _running_from_columns(cols: BatchColumns, budget: int, free: _FreeBlocks
         alloc = [(ids[r], *free.take(k)) for r, k in zip(rows, counts, strict=True)]
     else:
         alloc = []
-    return list(cols.ids), fed, alloc, budget - total
+    return cols.ids, fed, alloc, budget - total
 
 
 def _chunk(state: ControlState, seq: Any, computed: int, budget: int, *, cold: bool = False) -> int:

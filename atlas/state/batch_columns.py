@@ -64,7 +64,7 @@ class BatchColumns:
 
     __slots__ = ("ids", "objs", "cursors", "qsas", "row", "bs", "computed", "ends", "ntok", "token_hash", "nblocks",
                  "capacity", "fp", "hid", "limit", "low", "blocks_term", "budget_end", "params", "tables",
-                 "first_keys", "keys_at_zero", "plain", "last", "fed", "decode", "work", "aligned", "terms", "plan_head", "next_decode")
+                 "first_keys", "keys_at_zero", "plain", "last", "fed", "decode", "work", "aligned", "terms", "plan_head", "next_decode", "ones")
 
     def __init__(self, ids: tuple[int, ...], objs: list[Sequence], bs: int) -> None:
         self.ids = ids
@@ -72,6 +72,7 @@ class BatchColumns:
         self.cursors = cur = [s.cursor for s in objs]
         self.qsas = [s.qsa for s in objs]
         self.row = {s: i for i, s in enumerate(ids)}
+        self.ones = (1,) * len(ids)  # a decode step's fed counts
         self.bs = bs
         self.ends = [c.computed for c in cur]  # the computed column as Python ints (plan_step, cursor_violation)
         self.computed = np.array(self.ends, dtype=_I)
@@ -122,6 +123,7 @@ class BatchColumns:
         del ids[r]
         self.ids = tuple(ids)
         self.row = {s: i for i, s in enumerate(ids)}
+        self.ones = (1,) * len(ids)
         for name in ("computed", "ntok", "token_hash", "nblocks", "capacity", "fp", "hid", "limit", "low",
                      "blocks_term", "budget_end", "terms"):
             setattr(self, name, np.delete(getattr(self, name), r))

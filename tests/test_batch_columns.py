@@ -245,3 +245,36 @@ def test_wrong_reported_cursor_named_as_without_columns(recorded: tuple[object, 
         results.append((v.event_index, v.machine, v.message, v.fields))
     assert results[0] == results[1]
     assert results[0][3]["seq_id"] == events[i - 1].seqs[13] if isinstance(events[i - 1], StepPlanned) else True
+
+
+@pytest.mark.parametrize("bad", ["stamp_behind", "none"])
+def test_shared_stamped_cursors_checked_as_without_columns(recorded: tuple[object, list[Event]], bad: str) -> None:
+    """The CUDA reader's form: one BackendCursors with stamps per position, its uniform() computed, shared by every
+    row at that position; one row's own cursor with a GDN stamp one behind (or none)."""
+    caps, events = recorded
+    i = _mid_decode(events, StepExecuted)
+    results = []
+    for on in (True, False):
+        state = ControlState.create(caps)  # type: ignore[arg-type]
+        state.batch_cache = on
+        for e in events[:i + 1]:
+            state.apply(e)
+        assert (state.batch is not None) == on
+        plan_event = events[i - 1] if isinstance(events[i - 1], StepPlanned) else None
+        ids = tuple(state.running)
+        shared: dict[int, BackendCursors] = {}
+        outs = []
+        for k, seq_id in enumerate(ids):
+            n = state.seqs[seq_id].cursor.computed
+            if k == 13 and bad == "stamp_behind":
+                cur = BackendCursors(n, n, n, n, 0, (("kv", 0, n), ("gdn", 1, n - 1), ("qsa", 2, n)))
+            else:
+                cur = shared.get(n) or shared.setdefault(n, BackendCursors(n, n, n, n, 0, (
+                    ("kv", 0, n), ("gdn", 1, n), ("qsa", 2, n))))
+            cur.uniform()
+            outs.append(SeqOutcome(seq_id, cur, 1))
+        v = cursor_violation(state, StepPlan(state.step - 1, ()), StepResult(state.step - 1, tuple(outs)), 7)
+        results.append(None if v is None else (v.machine, v.message, v.fields))
+    assert plan_event is None or plan_event.seqs == ids
+    assert results[0] == results[1]
+    assert (results[0] is None) == (bad == "none")

@@ -228,9 +228,27 @@ def _batch_cursors_hold(cols: BatchColumns, result: StepResult) -> bool:
                                        or any(map(_REFUSED, outcomes))):
         return False
     reported = tuple(map(_CURSORS, outcomes))
-    if any(map(_STAMPS, reported)):
-        return False
-    return list(map(_FIVE, reported)) == [(n, n, n, n, 0) for n in cols.ends]
+    if not any(map(_STAMPS, reported)):
+        return list(map(_FIVE, reported)) == [(n, n, n, n, 0) for n in cols.ends]
+    # stamps (the CUDA reader's, one shared BackendCursors per position): the loop's own tests, with the computed
+    # column for the three numbers; anything the loop would walk or name goes back to it
+    passed = None
+    passed_n = -1
+    for cur, n in zip(reported, cols.ends, strict=True):
+        if cur is passed and n == passed_n:
+            continue
+        stamps = cur.stamps
+        if stamps:
+            memo = cur._uniform
+            u = memo[1] if memo is not None and memo[0] is stamps else None
+            if u is None or (u[0] is not None and u[0] != n) or (u[1] is not None and u[1] != n) or (
+                    u[2] is not None and u[2] != 0):
+                return False
+        if (cur.kv_tokens != n or cur.qsa_ingested != n or cur.ssm_position != n or cur.ple_position != n
+                or cur.drafter_rows != 0):
+            return False
+        passed, passed_n = cur, n
+    return True
 
 
 def _stamp_violation(cur: BackendCursors, n: int, qsa: int, rows: int, step: int, seq_id: int, index: int

@@ -1,6 +1,7 @@
 """Control-plane throughput: schedule + apply + invariants + digest + SQLite trace, no tensors.
 
-    .venv/bin/python benchmarks/control_plane.py [--steps N] [--batches 1,64,256] [--no-trace] [--clock process] [--stamps 51] [--smoke]
+    .venv/bin/python benchmarks/control_plane.py [--steps N] [--batches 1,64,256] [--no-trace] [--clock process] [--stamps 51]
+        [--no-batch-columns] [--smoke]
 
 A fixed-token backend (honest cursors, no compute) stands in for the model, so the figure is the cost
 the engine adds to every decode step. It prints sequence-steps per second (one sequence advanced by
@@ -77,7 +78,8 @@ class FixedTokenBackend:
         return self._cursors(self._fed.get(seq_id, 0))
 
 
-def measure(batch: int, steps: int, trace_dir: Path | None, stamps: int = 0) -> tuple[float, float | None, float]:
+def measure(batch: int, steps: int, trace_dir: Path | None, stamps: int = 0, columns: bool = True
+            ) -> tuple[float, float | None, float]:
     """(sequence-steps/s, trace bytes per sequence-step, control-plane us per step outside execute)."""
     prompt_len, max_seq_len = 16, 16 + steps + 8
     config = EngineConfig(max_seq_len=max_seq_len, max_batch_size=batch, prefill_chunk_tokens=max(batch * prompt_len, 64),
@@ -91,6 +93,8 @@ def measure(batch: int, steps: int, trace_dir: Path | None, stamps: int = 0) -> 
                                       "config": config.to_json(), "capacities": {}})
     backend = FixedTokenBackend(stamps)
     engine = Engine(backend, tokenizer=ByteTokenizer(), config=config, sink=sink)
+    if hasattr(engine.state, "batch_cache"):  # --no-batch-columns: the objects alone (atlas.state.batch_columns)
+        engine.state.batch_cache = columns
     for i in range(batch):
         engine.add_request(f"r{i}", [1 + i % 200] * prompt_len, SamplingParams(max_tokens=steps + 4, ignore_eos=True))
     engine.step()  # the prefill step: not part of the decode figure
@@ -119,6 +123,8 @@ def main() -> None:
                     help="time with the wall clock (default) or this process's CPU time (a loaded machine)")
     ap.add_argument("--stamps", type=int, default=0,
                     help="per-layer position stamps a sequence reports (51: the 2.7B config's; 0: none, as before)")
+    ap.add_argument("--no-batch-columns", action="store_true",
+                    help="the engine without its batch columns (atlas.state.batch_columns): the objects alone")
     ap.add_argument("--smoke", action="store_true", help="20 steps at batch 1 and 8: seconds, for CI")
     args = ap.parse_args()
     global CLOCK
@@ -134,7 +140,8 @@ def main() -> None:
         print(f"{'batch':>6} {'seq-steps/s':>12} {'us/seq-step':>12} {'trace B/seq-step':>17} "
               f"{'control plane us/step':>22}")
         for batch in (int(b) for b in args.batches.split(",")):
-            runs = [measure(batch, args.steps, trace_dir, args.stamps) for _ in range(args.repeat)]
+            runs = [measure(batch, args.steps, trace_dir, args.stamps, not args.no_batch_columns)
+                    for _ in range(args.repeat)]
             rate, bytes_per, _ = max(runs, key=lambda r: r[0])
             plane_us = min(r[2] for r in runs)
             shown = "-" if bytes_per is None else f"{bytes_per:.1f}"

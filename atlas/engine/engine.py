@@ -80,6 +80,9 @@ class Engine:
         caps: Capabilities = backend.capabilities
         caps.check(config, self.capacities, backend.name, custom_drafter=drafter is not None)
         self.state = ControlState.create(self.capacities)
+        # the running decode batch's cursors in numpy columns across the step, written through to the objects
+        # (atlas.state.batch_columns; the engine's own state: every change goes through the journal)
+        self.state.batch_cache = True
         self.journal = Journal(self.state, sink, full_audit=full_audit)
         self.book = RequestBook(tokenizer, config, detokenize=detokenize)
         self.lanes = Lanes(eos=tuple(getattr(tokenizer, "eos_token_ids", ())))

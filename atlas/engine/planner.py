@@ -78,6 +78,28 @@ def plan_step(state: ControlState, lanes: Lanes) -> StepPlan:
     planned = state.inflight
     assert planned is not None, "plan_step needs a step in flight"
     seqs = state.seqs
+    spec = lanes.spec
+    cols = state.batch
+    decoded = None
+    if cols is not None and spec is None and planned.seqs == cols.ids:  # a decode of the cached batch: its rows
+        decoded = cols.decode_work(SeqWork)
+    if decoded is not None:
+        work: list[SeqWork] | tuple[SeqWork, ...] = decoded
+    else:
+        work = _work(state, planned, lanes)
+    # the ring off (ring_slots 0, every sequence's): no sequence snapshots (plan_snapshots' first test, for the batch)
+    snapshots = plan_snapshots(seqs, planned.seqs, planned.fed, state.caps.snapshot_interval) if (
+        state.caps.ring_slots) else ()
+    o = state.inflight_orders
+    return StepPlan(planned.step, tuple(work), planned.release, planned.reset,
+                    snapshots=snapshots,
+                    restores=tuple(o.rollbacks), prefix_stores=tuple(o.stores), prefix_restores=tuple(o.restores),
+                    carry=o.carry)
+
+
+def _work(state: ControlState, planned: StepPlanned, lanes: Lanes) -> list[SeqWork]:
+    """plan_step's SeqWork per planned sequence, from the objects."""
+    seqs = state.seqs
     drafts = planned.drafts or ((),) * len(planned.seqs)
     spec = lanes.spec
     eos = lanes.eos
@@ -102,11 +124,4 @@ def plan_step(state: ControlState, lanes: Lanes) -> StepPlan:
         append(SeqWork(seq_id, (toks[start],) if n == 1 else tuple(toks[start:end]), start, tuple(seq.blocks), sample,
                        p, banned, verify, seq.drafter.first_key, propose,
                        p.prompt_logprobs if start < c.prompt_len else None))
-    # the ring off (ring_slots 0, every sequence's): no sequence snapshots (plan_snapshots' first test, for the batch)
-    snapshots = plan_snapshots(seqs, planned.seqs, planned.fed, state.caps.snapshot_interval) if (
-        state.caps.ring_slots) else ()
-    o = state.inflight_orders
-    return StepPlan(planned.step, tuple(work), planned.release, planned.reset,
-                    snapshots=snapshots,
-                    restores=tuple(o.rollbacks), prefix_stores=tuple(o.stores), prefix_restores=tuple(o.restores),
-                    carry=o.carry)
+    return work

@@ -10,7 +10,8 @@ the events before it left it; the engine applies each. RequestOutputs are collec
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Literal
+from operator import attrgetter
+from typing import Any, Literal
 
 import attrs
 
@@ -23,10 +24,12 @@ from atlas.engine.stopping import StopChecker, Tokenizer
 from atlas.engine.watchdog import WatchdogConfig, detect_loop
 from atlas.plan import SeqOutcome, StepPlan
 from atlas.sampling.params import SamplingParams
+from atlas.state.batch_columns import BatchColumns
 from atlas.state.control import ControlState
 from atlas.state.events import Event, RequestFinished, RollbackDeclined, RolledBack
 from atlas.state.machines import Sequence
 
+_PROMPT_LOGPROBS = attrgetter("prompt_logprobs")
 Sampled = tuple[int, float | None, tuple[tuple[int, float], ...]]
 # how the tokens ended the request (or None), the tokens it keeps, their logprobs, their top alternatives
 Taken = tuple[tuple[FinishReason, str] | None, list[int], list[float], list[tuple[tuple[int, float], ...]]]
@@ -57,6 +60,8 @@ class RequestBook:
         # decode([t]) of this book's tokenizer, by skip_special_tokens (StopChecker.pieces): decode is pure, so every
         # request shares one memo; at most one entry per vocabulary id
         self.pieces: dict[bool, dict[int, str]] = {True: {}, False: {}}
+        # the batch columns settle's quiet rows were built for, and those rows (_settle_quiet)
+        self._quiet: tuple[tuple[int, ...], list[tuple[StopChecker, Any, Any] | None]] | None = None
 
     def _checker(self, params: SamplingParams, max_new: int) -> StopChecker:
         pieces = self.pieces[params.skip_special_tokens] if self.tokenizer is not None else None
@@ -102,7 +107,15 @@ class RequestBook:
         tokenizer = self.tokenizer
         counts = self.counts
         stops = self.stops
-        for w, o in zip(plan.work, ordered, strict=True):
+        pairs = zip(plan.work, ordered, strict=True)
+        cols = state.batch
+        if (quiet and not refused and cols is not None and cols.aligned is not None
+                and cols.aligned.outcomes is ordered and cols.last is not None):  # a decode of the batch columns
+            rest = self._settle_quiet(cols)
+            if rest is not None:
+                work = plan.work
+                pairs = ((work[i], ordered[i]) for i in rest)  # type: ignore[assignment]
+        for w, o in pairs:
             if o.prompt_logprobs:
                 self.prompt_lp.setdefault(w.seq_id, {}).update((pos, (lp, top)) for pos, lp, top in o.prompt_logprobs)
             if w.seq_id in refused:
@@ -146,6 +159,51 @@ class RequestBook:
         for seq_id, why in refused.items():  # an order refused for a sequence with no work in the plan
             if seq_id not in in_work and seq_id in state.seqs:
                 yield from self.finish_error(state, seq_id, why, out)
+
+    def _settle_quiet(self, cols: BatchColumns) -> list[int] | None:
+        """settle's loop for the rows of a decode step over the engine's batch columns (atlas.state.batch_columns:
+        outcome found every row sampled one token, in the rows' order, none refused) whose request is held back
+        without logprobs or stop strings and whose token neither is a stop token nor reaches the budget: exactly what
+        the loop and StopChecker.on_token do for such a row (the count, the token held, and waiting for its text),
+        without the call and the reads of each. Such a row yields no event and no output and moves only its own
+        checker and held tokens, so taking it first leaves every other row's events and outputs in their order.
+        Returns the rows the loop still has to take, in order (None: all of them). No watchdog (the caller's
+        `quiet`), none refused, no prompt logprobs reported (looked at here)."""
+        if any(map(_PROMPT_LOGPROBS, cols.aligned.outcomes)):  # type: ignore[union-attr]
+            return None
+        if self._quiet is None or self._quiet[0] is not cols.ids:  # per batch: built again when its rows change
+            self._quiet = (cols.ids, self._quiet_checkers(cols))
+        rest = []
+        done = 0
+        for r, (row, token) in enumerate(zip(self._quiet[1], cols.last, strict=True)):  # type: ignore[arg-type]
+            if row is not None:
+                stop, later, hold = row
+                count = stop.count + 1
+                if count < stop.max_new and token not in stop.stop_ids:  # else it may end here: on_token
+                    stop.count = count
+                    later(token)  # on_token: no stop strings, so the text waits (StopChecker.later)
+                    hold(token)
+                    done += 1
+                    continue
+            rest.append(r)
+        self.counts.generated_tokens += done
+        return rest
+
+    def _quiet_checkers(self, cols: BatchColumns) -> list[tuple[StopChecker, Any, Any] | None]:
+        """(stop checker, its `later` append, the held tokens' append) of every row; None for a row whose request
+        streams, asks for logprobs or stop strings, or whose checker has not seen this tokenizer yet."""
+        tokenizer = self.tokenizer
+        out: list[tuple[StopChecker, Any, Any] | None] = []
+        for seq_id, p in zip(cols.ids, cols.params, strict=True):
+            h = self.held.get(seq_id)
+            stop = self.stops.get(seq_id)
+            # settle reads the logprobs flag from the plan's params, on_token the stop strings from its own
+            if (tokenizer is None or h is None or stop is None or p.logprobs or stop.params.stop
+                    or stop.tokenizer is not tokenizer):
+                out.append(None)
+            else:
+                out.append((stop, stop.later.append, h.tokens.append))
+        return out
 
     def _take(self, seq: Sequence, sampled: list[Sampled]) -> Taken:
         """Each sampled token through the stop checker (and into the held-back output): (how it ended or None,

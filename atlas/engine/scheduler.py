@@ -26,7 +26,9 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 import attrs
+import numpy as np
 
+from atlas.state.batch_columns import BatchColumns
 from atlas.state.control import ControlState
 from atlas.state.prefix import free_order
 
@@ -89,11 +91,19 @@ def batch(state: ControlState, drafts: Mapping[int, int] | None = None) -> Sched
     alloc: list[tuple[int, ...]] = []
     verified: list[int] = []
 
-    victims = list(state.running)  # newest last: preemption takes from the end
     # no prefix cache, no aligned chunks: _chunk is min(tokens left, budget), inlined (two calls a sequence were
     # ~a third of this loop at batch 64, benchmarks/control_plane.py)
     plain = state.prefix is None and not caps.prefill_align
-    for seq_id in state.running:
+    cols = state.batch
+    running = state.running
+    head: tuple[tuple[int, ...], tuple[int, ...]] = ((), ())  # the running sequences' (seqs, fed) from the columns
+    if cols is not None and plain and not drafts and cols.fed is None and list(cols.ids) == running:
+        fast = _running_from_columns(cols, budget, free)
+        if fast is not None:
+            head, alloc, budget = fast[:2], fast[2], fast[3]
+            running = []  # every running sequence decided, exactly as the loop below decides them
+    victims = list(state.running)  # newest last: preemption takes from the end
+    for seq_id in running:
         if budget == 0:
             break
         if seq_id in preempted:
@@ -150,11 +160,44 @@ def batch(state: ControlState, drafts: Mapping[int, int] | None = None) -> Sched
     return Schedule(
         preempt=tuple(preempted),
         admitted=tuple(admitted),
-        seqs=tuple(work),
-        fed=tuple(fed),
+        seqs=head[0] + tuple(work) if work else head[0],  # the columns' own tuples when nothing is admitted
+        fed=head[1] + tuple(fed) if fed else head[1],
         alloc=tuple(alloc),
         drafts=tuple(verified) if any(verified) else (),
     )
+
+
+def _running_from_columns(cols: BatchColumns, budget: int, free: _FreeBlocks
+                          ) -> tuple[tuple[int, ...], tuple[int, ...], list[tuple[int, ...]], int] | None:
+    """batch's loop over the running queue, from the engine's batch columns (atlas.state.batch_columns), when its
+    outcome is the plain one: every sequence feeds all it has left (>= 1; a decode: 1), their sum fits the budget
+    and the blocks they need are free, so the loop would neither stop on the budget nor preempt. Then it feeds each
+    in order, and takes the blocks each needs from `free` in the same order. (work, fed, alloc, budget left), or
+    None (the loop decides, from the objects). At batch 64 the loop's field reads were ~8% of the control plane."""
+    if cols.next_decode:  # every row feeds one token: a block for exactly the rows whose tokens fill theirs
+        total = len(cols.ids)
+        if total > budget:
+            return None
+        fed = cols.ones  # the same tuple objects every decode step: the event's converters pass them at once
+        rows = np.flatnonzero(cols.ntok > cols.nblocks * cols.bs).tolist()  # computed <= blocks: 1 block at most
+        counts = [1] * len(rows)
+    else:
+        n = cols.ntok - cols.computed
+        total = int(n.sum())
+        if total > budget or int(n.min()) < 1:
+            return None
+        fed = tuple(n.tolist())
+        need = -((cols.computed + n) // -cols.bs) - cols.nblocks
+        rows = np.flatnonzero(need > 0).tolist()
+        counts = need[rows].tolist() if rows else []
+    if rows:
+        if sum(counts) > free.available:
+            return None
+        ids = cols.ids
+        alloc = [(ids[r], *free.take(k)) for r, k in zip(rows, counts, strict=True)]
+    else:
+        alloc = []
+    return cols.ids, fed, alloc, budget - total
 
 
 def _chunk(state: ControlState, seq: Any, computed: int, budget: int, *, cold: bool = False) -> int:

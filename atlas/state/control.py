@@ -24,8 +24,9 @@ from atlas.config import Capacities
 from atlas.errors import TransitionRefused
 from atlas.hashing import MASK64 as _M
 from atlas.hashing import mix64
+from atlas.state.batch_columns import BatchColumns
 from atlas.state.columns import StepColumns
-from atlas.state.events import Event, StepExecuted, StepPlanned
+from atlas.state.events import Event, RequestArrived, RequestFinished, StepExecuted, StepPlanned
 from atlas.state.machines import BlockPool, Phase, Sequence
 from atlas.state.orders import PlanOrders
 from atlas.state.prefix_index import CarriedEntry, PrefixCache
@@ -124,6 +125,9 @@ def running_fingerprints(token_hash: Ints, seq_id: Ints, seq_len: Ints, computed
 
 
 _COLUMN_EVENTS = (StepPlanned, StepExecuted)  # the transitions that keep the step columns current
+# the transitions that keep the engine's batch columns (atlas.state.batch_columns): the step events themselves, an
+# arrival (a new waiting sequence; no running one moves) and a finish (`finish` takes its row out)
+_BATCH_EVENTS = (StepPlanned, StepExecuted, RequestArrived, RequestFinished)
 
 
 class Refreshed(tuple):  # type: ignore[type-arg]
@@ -180,6 +184,12 @@ class ControlState:
     # `columns` holds the current cursors of the last plan's sequences while its objects lag (flush_columns)
     columnar: bool = attrs.field(default=False, eq=False, repr=False)
     columns: StepColumns | None = attrs.field(default=None, eq=False, repr=False)
+    # the engine's batch columns (atlas.state.batch_columns): on only in an Engine's state (`batch_cache`); `batch`
+    # holds the running queue's cursors, always equal to the objects'; `batch_tried`: the plan whose sequences could
+    # not be gathered (not tried again until the plan's sequences change)
+    batch_cache: bool = attrs.field(default=False, eq=False, repr=False)
+    batch: BatchColumns | None = attrs.field(default=None, eq=False, repr=False)
+    batch_tried: tuple[int, ...] = attrs.field(default=(), eq=False, repr=False)
 
     @classmethod
     def create(cls, caps: Capacities) -> ControlState:
@@ -189,10 +199,21 @@ class ControlState:
     # ------------------------------------------------------------------------------------------ digest
 
     def digest(self) -> str:
-        g = mix64(self.step ^ (self.pool.used << 20) ^ (self.next_seq_id << 40))
-        g = mix64(g ^ (len(self.waiting) << 32) ^ len(self.running) ^ (self.finished_count << 16))
-        g = mix64(g ^ (len(self.pending_release) << 8) ^ len(self.pending_faults) ^ (self.dead << 62))
-        g = mix64(g ^ self.inflight_hash ^ self.outcomes_hash)
+        # atlas.hashing.mix64 written out four times (the same arithmetic; this runs after every event, and the four
+        # calls were ~a fifth of it)
+        g = (self.step ^ (self.pool.used << 20) ^ (self.next_seq_id << 40)) & _M
+        g = ((g ^ (g >> 30)) * 0xBF58476D1CE4E5B9) & _M
+        g = ((g ^ (g >> 27)) * 0x94D049BB133111EB) & _M
+        g = (g ^ (g >> 31) ^ (len(self.waiting) << 32) ^ len(self.running) ^ (self.finished_count << 16)) & _M
+        g = ((g ^ (g >> 30)) * 0xBF58476D1CE4E5B9) & _M
+        g = ((g ^ (g >> 27)) * 0x94D049BB133111EB) & _M
+        g = (g ^ (g >> 31) ^ (len(self.pending_release) << 8) ^ len(self.pending_faults) ^ (self.dead << 62)) & _M
+        g = ((g ^ (g >> 30)) * 0xBF58476D1CE4E5B9) & _M
+        g = ((g ^ (g >> 27)) * 0x94D049BB133111EB) & _M
+        g = (g ^ (g >> 31) ^ self.inflight_hash ^ self.outcomes_hash) & _M
+        g = ((g ^ (g >> 30)) * 0xBF58476D1CE4E5B9) & _M
+        g = ((g ^ (g >> 27)) * 0x94D049BB133111EB) & _M
+        g ^= g >> 31
         if self.prefix is not None:
             carried = -1 if self.carry is None else self.carry.last_pair_key
             g = mix64(g ^ len(self.prefix.blocks) ^ (len(self.prefix.snapshots) << 24) ^ (carried << 40))
@@ -211,6 +232,8 @@ class ControlState:
         handler = _HANDLERS.get(type(e))
         if handler is None:
             raise TransitionRefused("ControlState", f"no transition for event kind {e.kind!r}")
+        if self.batch is not None and type(e) not in _BATCH_EVENTS:
+            self.batch = None  # another transition may move a running sequence: the objects alone from here
         if self.columns is not None:
             if type(e) not in _COLUMN_EVENTS:  # every other transition reads and writes the objects
                 self.flush_columns()
@@ -218,6 +241,12 @@ class ControlState:
                 touched = handler(self, e)
             except BaseException:
                 self.flush_columns()  # a refusal leaves the typed state current (what a report reads)
+                raise
+        elif self.batch is not None:
+            try:
+                touched = handler(self, e)
+            except BaseException:
+                self.batch = None  # a refusal: the columns stand aside (the objects are current)
                 raise
         else:
             touched = handler(self, e)
@@ -262,6 +291,8 @@ class ControlState:
         if seq.on_device:
             self.pending_release.append(seq.seq_id)
         self.seq_digest ^= seq.fingerprint
+        if self.batch is not None:
+            self.batch = self.batch.without(seq.seq_id)
         self.orders.forget(seq.seq_id)
         self.failing.discard(seq.seq_id)
         seq.cursor.phase = Phase.FINISHED

@@ -11,6 +11,7 @@ from atlas.errors import TransitionRefused
 from atlas.hashing import MASK64, ints_key
 from atlas.plan import RingRestore
 from atlas.state.advance import advance_fused
+from atlas.state.batch_columns import BatchColumns
 from atlas.state.column_steps import advance_columns, refresh_rows, work_fits_columns
 from atlas.state.columns import StepColumns
 from atlas.state.control import (
@@ -111,7 +112,12 @@ def _check_plan(state: ControlState, e: StepPlanned, cols: StepColumns | None = 
         raise TransitionRefused("Scheduler", "a step feeds at most max_batch_tokens (drafts included)",
                                 fed=fed_total, max_batch_tokens=state.caps.max_batch_tokens)
     new_blocks = {row[0]: len(row) - 1 for row in e.alloc}
-    if cols is None or not work_fits_columns(state, e, cols, new_blocks):
+    batch = state.batch
+    if batch is not None:  # the engine's batch columns (the plan is over exactly their rows: planned checked it)
+        if not batch.fits(e.fed, new_blocks):
+            state.batch = None
+            _check_work(state, e, new_blocks)  # names what failed
+    elif cols is None or not work_fits_columns(state, e, cols, new_blocks):
         state.flush_columns()
         _check_work(state, e, new_blocks)
     claimed: set[int] = set()
@@ -149,7 +155,12 @@ def planned(state: ControlState, e: StepPlanned) -> tuple[int, ...]:
     if cols is not None and (e.admitted or e.drafts or cols.fed is not None or e.seqs != cols.ids):
         state.flush_columns()  # another batch: the scalar path, and columns gathered anew below
         cols = None
+    batch = state.batch
+    if batch is not None and (e.admitted or e.drafts or e.restored or e.reset or batch.fed is not None
+                              or e.seqs != batch.ids):
+        state.batch = None  # not the cached batch's plain step: the objects alone (gathered again after a step)
     _check_plan(state, e, cols)
+    batch = state.batch  # None again if its check stood aside
     cols = state.columns  # None again if the check fell back to the objects
     for seq_id in e.admitted:
         seq = state.seqs[seq_id]
@@ -167,13 +178,25 @@ def planned(state: ControlState, e: StepPlanned) -> tuple[int, ...]:
         state.seqs[row[0]].blocks.extend(row[1:])
         if cols is not None:
             cols.add_blocks(cols.row[row[0]], len(row) - 1)
+        if batch is not None:
+            batch.add_blocks(state.seqs[row[0]], batch.row[row[0]])
     state.pending_release.clear()
     state.inflight_orders, state.orders = state.orders, PlanOrders()  # the plan carries them; new ones queue anew
     state.inflight = e
-    state.inflight_hash = ints_key(b"atlas.plan", (e.seqs, e.fed, *e.alloc, e.release, e.reset, e.restored,
-                                                   *e.drafts))
+    if batch is not None:  # the same key, the batch's head converted once (BatchColumns.plan_hash)
+        state.inflight_hash = batch.plan_hash(e)
+    else:
+        state.inflight_hash = ints_key(b"atlas.plan", (e.seqs, e.fed, *e.alloc, e.release, e.reset, e.restored,
+                                                       *e.drafts))
     state.step = e.step + 1
     touched = tuple(e.admitted) + tuple(row[0] for row in e.alloc)
+    if batch is not None:  # apply's refresh of the alloc'd rows, their new fingerprints kept in the column too
+        fps = batch.fp
+        for seq_id in touched:
+            seq = state.seqs[seq_id]
+            state.refresh(seq)
+            fps[batch.row[seq_id]] = seq.fingerprint
+        return Refreshed(touched)  # check_invariants tests each of them (`_holds`, then check_sequence)
     if cols is not None:  # the alloc'd sequences' digest shares and invariants, from the columns
         if not touched or refresh_rows(state, cols, [cols.row[s] for s in touched]):
             return Checked(touched, [])
@@ -203,6 +226,17 @@ def executed(state: ControlState, e: StepExecuted) -> tuple[int, ...]:
                                 accepted=len(e.accepted), verdicts=len(e.verdicts), seqs=len(plan.seqs))
     bs = state.caps.block_size
     seqs = state.seqs
+    batch = state.batch
+    if batch is not None:
+        if batch.fed is not None and not plan.drafts and not e.accepted and plan.seqs == batch.ids:
+            change = batch.advance(e.tokens)
+            if change is not None:
+                state.seq_digest ^= change
+                state.inflight = None
+                state.inflight_hash = 0
+                state.inflight_orders = PlanOrders()
+                return Checked(plan.seqs, [])
+        state.batch = None  # the objects below (which refuse, if that is why the columns stood aside)
     cols = state.columns
     if cols is not None:
         if (cols.fed is not None and not plan.drafts and not e.accepted and plan.seqs == cols.ids
@@ -217,6 +251,8 @@ def executed(state: ControlState, e: StepExecuted) -> tuple[int, ...]:
         state.inflight = None
         state.inflight_hash = 0
         state.inflight_orders = PlanOrders()
+        if state.batch_cache and not suspects:
+            _gather_batch(state, plan.seqs)
         return Checked(plan.seqs, suspects)
     work = []
     refused: list[Sequence] = []
@@ -253,6 +289,16 @@ def executed(state: ControlState, e: StepExecuted) -> tuple[int, ...]:
     state.inflight_hash = 0
     state.inflight_orders = PlanOrders()
     return plan.seqs
+
+
+def _gather_batch(state: ControlState, ids: tuple[int, ...]) -> None:
+    """The engine's batch columns of the step just executed, when it was the whole running queue on the common path
+    (atlas.state.batch_columns); a batch that could not be gathered is not tried again while its ids stay."""
+    if (ids == state.batch_tried or len(ids) < VECTOR_MIN or state.prefix is not None or state.caps.drafter_rows
+            or state.columns is not None or list(ids) != state.running):
+        return
+    state.batch = BatchColumns.gather(state.seqs, ids, state.caps.block_size)
+    state.batch_tried = () if state.batch is not None else ids
 
 
 # from this many sequences StepExecuted fingerprints the common ones as numpy columns (running_fingerprints): the

@@ -1,0 +1,288 @@
+"""The engine's running decode batch held in numpy columns across the step, written through to the objects.
+
+The replay's StepColumns (atlas.state.columns) let the objects lag and flush them before anything else reads them;
+the engine cannot: its planner, settle, lanes, server and tests read the `Sequence` objects between any two events.
+So these columns are a cache that is never ahead of the objects: every field a step moves is written to both in the
+same transition, and the columns only spare the step the *reads* and the per-sequence arithmetic: `batch` reads the
+token counts, computed counts and block counts here, StepPlanned's check and StepExecuted's check, commit, invariant
+test and fingerprints are numpy expressions over the batch, `plan_step` builds a decode's SeqWork from the per-row
+lists (token, start, block table, params, drafter key) and `cursor_violation` compares the reported cursors with the
+computed column. At batch 64 each of those walks read the same few fields of each Sequence through two or three
+attribute hops (docs/CONTROL-PLANE.md, fourth pass: ~48 K instructions a sequence-step, ~3.1 M a step).
+
+Validity: the columns are dropped (`ControlState.batch = None`; the objects are current, so nothing is lost) by any
+event other than StepPlanned, StepExecuted and RequestArrived (which creates a waiting sequence and touches no
+running one), by either step event that is not the cached batch's plain step, and by any refusal. They are gathered
+again after a StepExecuted whose plan was exactly the running queue, every sequence on the common path (running, no
+ring snapshots, rollbacks, preemptions, drafter rows, MTP, carry, latch; prefix caching off; no MTP drafter rows in
+the capacities). A batch that could not be gathered is not tried again until the plan's sequences change: each of
+those conditions, once false for a live sequence, stays false. Only `apply` moves a sequence (every mutation in the
+package is in a transition); a test that writes a field directly must set `state.batch = None` (or leave
+`state.batch_cache` off, the default of a bare ControlState: only the Engine turns it on).
+"""
+
+from __future__ import annotations
+
+from itertools import repeat
+
+import numpy as np
+
+from atlas.hashing import MASK64, hash64, token_bytes
+from atlas.state.events import StepPlanned
+from atlas.state.machines import Phase, Sequence
+
+_U = np.uint64
+_I = np.int64
+_K_ID, _K_MIX1, _K_MIX2 = _U(0x9E3779B97F4A7C15), _U(0xBF58476D1CE4E5B9), _U(0x94D049BB133111EB)
+_S30, _S27, _S31 = _U(30), _U(27), _U(31)
+_K_LEN, _K_BLOCKS = _U(0xC2B2AE3D27D4EB4F), _U(0xFF51AFD7ED558CCD)
+_K_COMPUTED_QSA = _U((0x165667B19E3779F9 + 0xC4CEB9FE1A85EC53) & MASK64)  # computed == qsa.ingested: one product
+_K_RUNNING_INT = 0xD6E8FEB86659FD93 * Phase.RUNNING & MASK64
+_K_RUNNING = _U(_K_RUNNING_INT)
+_FNV = _U(0x100000001B3)
+_ONE = _U(1)
+_K_TOKEN_STEP = _U((0xC2B2AE3D27D4EB4F + int(_K_COMPUTED_QSA)) & MASK64)  # the terms' move for one decoded token
+_MIN_ROWS = 16  # steps.VECTOR_MIN: below this many rows numpy's per-call cost loses to the objects' walk
+
+
+def on_common_path(seq: Sequence) -> bool:
+    """The sequence's fingerprint is control.running_fingerprints' form and its advance the plain one."""
+    c = seq.cursor
+    d = seq.drafter
+    return (c.phase is Phase.RUNNING and not seq.ring.snapshots and not seq.rollbacks and not seq.preemptions
+            and not d.rows and not d.mtp and not d.carried and not d.latched and seq.qsa.ingested == c.computed)
+
+
+def _plain_request(seq: Sequence) -> bool:
+    """plan_step's SeqWork needs nothing per request beyond the columns: no bans, no min_tokens, no prompt logprobs."""
+    p = seq.params
+    return not seq.banned and not p.min_tokens and p.prompt_logprobs is None
+
+
+class BatchColumns:
+    """The running queue `ids` (in order) as columns. Every field here equals the objects' after each event."""
+
+    __slots__ = ("ids", "objs", "cursors", "qsas", "row", "bs", "computed", "ends", "ntok", "token_hash", "nblocks",
+                 "capacity", "fp", "hid", "limit", "low", "blocks_term", "budget_end", "params", "tables",
+                 "first_keys", "keys_at_zero", "plain", "last", "fed", "decode", "work", "aligned", "terms", "plan_head", "next_decode", "ones")
+
+    def __init__(self, ids: tuple[int, ...], objs: list[Sequence], bs: int) -> None:
+        self.ids = ids
+        self.objs = objs
+        self.cursors = cur = [s.cursor for s in objs]
+        self.qsas = [s.qsa for s in objs]
+        self.row = {s: i for i, s in enumerate(ids)}
+        self.ones = (1,) * len(ids)  # a decode step's fed counts
+        self.bs = bs
+        self.ends = [c.computed for c in cur]  # the computed column as Python ints (plan_step, cursor_violation)
+        self.computed = np.array(self.ends, dtype=_I)
+        self.ntok = np.array([len(c.tokens) for c in cur], dtype=_I)
+        self.token_hash = np.array([c.token_hash for c in cur], dtype=_U)
+        self.nblocks = np.array([len(s.blocks) for s in objs], dtype=_I)
+        self.capacity = np.array([s.qsa.capacity for s in objs], dtype=_I)
+        self.fp = np.array([s.fingerprint for s in objs], dtype=_U)
+        self.hid = np.array(ids, dtype=_U) * _K_ID
+        self.budget_end = np.array([c.prompt_len + s.max_new for c, s in zip(cur, objs, strict=True)], dtype=_I)
+        self.limit = np.minimum(self.capacity, self.nblocks * bs)  # KV and QSA keys end within both
+        self.low = (self.nblocks - 1) * bs  # the tokens reach past this (no block beyond them)
+        self.blocks_term = self.nblocks.astype(_U) * _K_BLOCKS + _K_RUNNING
+        # the fingerprint's sum of field terms (token count, computed == QSA keys, blocks, phase) for the fields now
+        self.terms = self.ntok.view(_U) * _K_LEN + self.computed.view(_U) * _K_COMPUTED_QSA + self.blocks_term
+        self.params = [s.params for s in objs]
+        self.tables = [tuple(s.blocks) for s in objs]
+        self.first_keys = [s.drafter.first_key for s in objs]
+        self.keys_at_zero = not any(self.first_keys)
+        self.plain = all(map(_plain_request, objs))
+        # the last token of every row when the last step sampled each (a decode's SeqWork token), else None
+        self.last: list[int] | None = [c.tokens[-1] for c in cur]
+        # every row has exactly its last token left to feed (its next step is a decode of one token)
+        self.next_decode = bool((self.ntok - self.computed == 1).all())
+        self.fed: np.ndarray | None = None  # the in-flight plan's fed counts (StepPlanned)
+        self.decode = False  # the in-flight plan feeds every row its one last token (a decode step)
+        self.plan_head: tuple[tuple[int, ...], bytes] | None = None  # (fed counts, plan_hash's bytes of the head)
+        self.work: tuple | None = None  # the SeqWork tuple decode_work built last (outcome knows its rows decode)
+        self.aligned: object = None  # the StepResult outcome found in the rows' order, none refused
+
+    @classmethod
+    def gather(cls, seqs: dict[int, Sequence], ids: tuple[int, ...], bs: int) -> BatchColumns | None:
+        objs = [seqs[s] for s in ids]
+        if not all(map(on_common_path, objs)):
+            return None
+        return cls(ids, objs, bs)
+
+    def without(self, seq_id: int) -> BatchColumns | None:
+        """The columns after a running sequence finished (RequestFinished between steps): its row taken out of every
+        column, in place (a finish every few steps at batch 64 would otherwise cost a scalar step and a gather),
+        or None when a plan is in flight or the batch gets too small for columns."""
+        r = self.row.get(seq_id)
+        if r is None:
+            return self
+        if self.fed is not None or len(self.ids) <= _MIN_ROWS:
+            return None
+        ids = list(self.ids)
+        del ids[r]
+        self.ids = tuple(ids)
+        self.row = {s: i for i, s in enumerate(ids)}
+        self.ones = (1,) * len(ids)
+        for name in ("computed", "ntok", "token_hash", "nblocks", "capacity", "fp", "hid", "limit", "low",
+                     "blocks_term", "budget_end", "terms"):
+            setattr(self, name, np.delete(getattr(self, name), r))
+        for rows in (self.objs, self.cursors, self.qsas, self.ends, self.params, self.tables, self.first_keys):
+            del rows[r]
+        if self.last is not None:
+            del self.last[r]
+        self.work = None
+        self.aligned = None
+        self.plan_head = None
+        return self
+
+    def plan_hash(self, e: StepPlanned) -> int:
+        """ints_key(b"atlas.plan", (seqs, fed, *alloc, release, reset, restored, *drafts)) of a plan over exactly
+        these rows (StepPlanned's share of the digest): the same bytes, with the head (the rows' ids and the fed
+        counts, the same every decode step) converted once per batch instead of every plan."""
+        head = self.plan_head
+        if head is None or head[0] != e.fed:
+            ids = self.ids
+            head = self.plan_head = (e.fed, token_bytes([len(ids), *ids, len(e.fed), *e.fed]))
+        flat: list[int] = []
+        for row in (*e.alloc, e.release, e.reset, e.restored, *e.drafts):
+            flat.append(len(row))
+            flat.extend(row)
+        return hash64(b"atlas.plan", head[1] + token_bytes(flat))
+
+    # ------------------------------------------------------------------------------------------ StepPlanned
+
+    def fits(self, fed_counts: tuple[int, ...], new_blocks: dict[int, int]) -> bool:
+        """steps._check_work's conditions for a plan over exactly these rows (all running): every fed count >= 1,
+        within the known tokens, and its KV within the blocks held plus the plan's new ones. Sets `fed`."""
+        row = self.row
+        for seq_id in new_blocks:
+            if seq_id not in row:
+                return False
+        fed = np.array(fed_counts, dtype=_I)
+        end = self.computed + fed
+        if not ((fed >= 1) & (end <= self.ntok)).all():
+            return False
+        bs = self.bs
+        short = end > self.nblocks * bs  # past the blocks held: the plan's new ones must cover it
+        if short.any():
+            ids, ends, held = self.ids, end.tolist(), self.nblocks.tolist()
+            for r in np.flatnonzero(short).tolist():
+                if ends[r] > (held[r] + new_blocks.get(ids[r], 0)) * bs:
+                    return False
+        self.fed = fed
+        self.decode = bool((end == self.ntok).all()) and bool((fed == 1).all())
+        return True
+
+    def add_blocks(self, seq: Sequence, r: int) -> None:
+        """Row r's sequence got blocks (StepPlanned's alloc, already extended on the object)."""
+        b = len(seq.blocks)
+        self.nblocks[r] = b
+        self.limit[r] = min(int(self.capacity[r]), b * self.bs)
+        self.low[r] = (b - 1) * self.bs
+        term = (b * 0xFF51AFD7ED558CCD + _K_RUNNING_INT) & MASK64
+        self.blocks_term[r] = term
+        self.terms[r] = (int(self.ntok[r]) * 0xC2B2AE3D27D4EB4F + int(self.computed[r]) * int(_K_COMPUTED_QSA)
+                         + term) & MASK64
+        self.tables[r] = tuple(seq.blocks)
+
+    # ----------------------------------------------------------------------------------------- StepExecuted
+
+    def advance(self, tokens: tuple[int, ...]) -> int | None:
+        """StepExecuted of the plan `fits` accepted: Sequence.check_advance's conditions for every row and `_holds`'s
+        on the state the commit leaves as one expression, then the commit written through to the objects and the
+        columns, and the fingerprints. Returns the XOR of old and new fingerprints (the digest's change), or None
+        having moved nothing when any condition fails (the scalar path then refuses, or commits and names its
+        suspects, exactly as without columns). The fed counts >= 1 were checked by StepPlanned; running,
+        qsa.ingested == computed and no snapshots or drafter rows hold for every row by construction."""
+        fed = self.fed
+        assert fed is not None
+        if not tokens or min(tokens) < -(1 << 63) or max(tokens) >= 1 << 63:
+            return None
+        tok = np.array(tokens, dtype=_I)
+        n = self.ntok
+        th = self.token_hash
+        if self.decode and min(tokens) >= 0:  # every row fed its last token (end == n) and sampled one
+            # the conditions below with end == n and every token sampled: KV and QSA keys within the blocks and the
+            # index, the new token within the budget, no block past the tokens
+            if not ((n <= self.limit) & (n < self.budget_end) & (n >= self.low)).all():
+                return None
+            end = n
+            n2 = n + 1
+            some_unsampled = False
+            th = th * _FNV + (tok.view(_U) + _ONE)
+            terms = self.terms + _K_TOKEN_STEP  # one more token and one more computed: the terms move by a constant
+        else:
+            end = self.computed + fed
+            unsampled = tok < 0
+            n2 = n + ~unsampled
+            left = n - end
+            # sampled exactly when every known token is fed (end == n; end < n otherwise), KV and QSA keys within
+            # the blocks and the index, the token within the budget, no block past the tokens
+            if not (((left > 0) == unsampled) & (left >= 0) & (end <= self.limit) & (n2 <= self.budget_end)
+                    & (n2 > self.low)).all():
+                return None
+            some_unsampled = bool(unsampled.any())
+            if some_unsampled:
+                th = np.where(unsampled, th, th * _FNV + (tok.view(_U) + _ONE))
+            else:
+                th = th * _FNV + (tok.view(_U) + _ONE)
+            terms = n2.view(_U) * _K_LEN + end.view(_U) * _K_COMPUTED_QSA + self.blocks_term
+        h = th ^ self.hid  # control.running_fingerprints' arithmetic (uint64 wraps where the scalar masks)
+        h ^= h >> _S30
+        h *= _K_MIX1
+        h ^= h >> _S27
+        h *= _K_MIX2
+        h ^= h >> _S31
+        h += terms
+        h ^= h >> _S30
+        h *= _K_MIX1
+        h ^= h >> _S27
+        h *= _K_MIX2
+        h ^= h >> _S31
+        change = int(np.bitwise_xor.reduce(self.fp ^ h))
+        ends, hashes, fps = end.tolist(), th.tolist(), h.tolist()
+        if some_unsampled:
+            for c, q, seq, x, t, th_, fp in zip(self.cursors, self.qsas, self.objs, ends, tokens, hashes, fps,
+                                                strict=True):
+                c.computed = x
+                q.ingested = x
+                if t >= 0:
+                    c.tokens.append(t)
+                    c.token_hash = th_
+                seq.fingerprint = fp
+            self.last = None
+        else:
+            for c, q, seq, x, t, th_, fp in zip(self.cursors, self.qsas, self.objs, ends, tokens, hashes, fps,
+                                                strict=True):
+                c.computed = x
+                q.ingested = x
+                c.tokens.append(t)
+                c.token_hash = th_
+                seq.fingerprint = fp
+            self.last = list(tokens)
+        self.next_decode = not some_unsampled  # each sampled: end == n, so one token (the new one) is left to feed
+        self.ends, self.computed, self.ntok, self.token_hash, self.fp, self.terms = ends, end, n2, th, h, terms
+        self.fed = None
+        self.decode = False
+        return change
+
+    # ------------------------------------------------------------------------------------------------ plan
+
+    def decode_work(self, seq_work: type) -> tuple | None:
+        """plan_step's SeqWork of every row for a decode step over these rows (the plan `fits` marked `decode`),
+        when no row needs anything per request (bans, min_tokens, prompt logprobs) and the last tokens are known;
+        else None (plan_step's loop then builds them from the objects). Positional as plan_step passes them:
+        (seq_id, (token,), start, block_table, True, params, (), (), drafter_first_key, 0, None)."""
+        last = self.last
+        if not self.decode or not self.plain or last is None:
+            return None
+        n = len(self.ids)
+        if self.keys_at_zero:  # the trailing fields all at SeqWork's defaults: six arguments, not eleven
+            work = tuple(map(seq_work, self.ids, [(t,) for t in last], self.ends, self.tables, repeat(True, n),
+                             self.params))
+        else:
+            work = tuple(map(seq_work, self.ids, [(t,) for t in last], self.ends, self.tables, repeat(True, n),
+                             self.params, repeat((), n), repeat((), n), self.first_keys, repeat(0, n), repeat(None, n)))
+        self.work = work
+        return work

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import attrs
 import pytest
+from fixtures import null_workload
 
 from atlas.config import EngineConfig
 from atlas.engine.outcome import cursor_violation
@@ -127,16 +128,8 @@ def test_same_run_with_and_without_the_columns(blocks: int | None, columns_steps
 
 @pytest.fixture(scope="module")
 def recorded() -> tuple[object, list[Event]]:
-    config = EngineConfig(max_seq_len=128, max_batch_size=20, prefill_chunk_tokens=96, block_size=8)
     sink = RecordingSink()
-    engine = build_engine("atlas-tiny", backend="null", config=config, sink=sink)
-    for i in range(24):
-        engine.add_request(f"r{i}", [(i * 7 + k) % 200 + 1 for k in range(5 + (i * 5) % 19)],
-                           SamplingParams(max_tokens=12 + i % 9, temperature=0.7, seed=i, ignore_eos=True))
-    while engine.has_unfinished():
-        engine.step()
-    caps = engine.capacities
-    engine.close()
+    caps = null_workload.run(24, lambda i: 12 + i % 9, sink=sink)
     return caps, [e for _, _, e, _ in sink.rows]
 
 

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from fixtures import null_workload
 
 from atlas.config import Capacities, EngineConfig
 from atlas.hashing import roll_tokens
@@ -36,14 +37,7 @@ REQUESTS = 40  # batches of 20 (more than VECTOR_MIN): finishes one or a few at 
 @pytest.fixture(scope="module")
 def trace(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("batch") / "run.db"
-    config = EngineConfig(max_seq_len=128, max_batch_size=20, prefill_chunk_tokens=96, block_size=8)
-    engine = build_engine("atlas-tiny", backend="null", config=config, trace=str(path))
-    for i in range(REQUESTS):
-        engine.add_request(f"r{i}", [(i * 7 + k) % 200 + 1 for k in range(5 + (i * 5) % 19)],
-                           SamplingParams(max_tokens=10 + (i * 7) % 23, temperature=0.7, seed=i, ignore_eos=True))
-    while engine.has_unfinished():
-        engine.step()
-    engine.close()
+    null_workload.run(REQUESTS, lambda i: 10 + (i * 7) % 23, trace=str(path))
     return path
 
 

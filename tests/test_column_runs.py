@@ -11,13 +11,12 @@ from pathlib import Path
 import attrs
 import numpy as np
 import pytest
+from fixtures import null_workload
 
-from atlas.config import Capacities, EngineConfig
-from atlas.registry import build_engine
+from atlas.config import Capacities
 from atlas.replay import codec, verify
 from atlas.replay.runs import MIN_RUN, run_end
 from atlas.replay.store import TraceReader
-from atlas.sampling.params import SamplingParams
 from atlas.state import column_runs
 from atlas.state.control import ControlState
 from atlas.state.events import StepExecuted, StepPlanned
@@ -29,14 +28,7 @@ REQUESTS = 24  # batches of 20 (more than steps.VECTOR_MIN), blocks of 8: runs o
 @pytest.fixture(scope="module")
 def trace(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("runs") / "run.db"
-    config = EngineConfig(max_seq_len=128, max_batch_size=20, prefill_chunk_tokens=96, block_size=8)
-    engine = build_engine("atlas-tiny", backend="null", config=config, trace=str(path))
-    for i in range(REQUESTS):
-        engine.add_request(f"r{i}", [(i * 7 + k) % 200 + 1 for k in range(5 + (i * 5) % 19)],
-                           SamplingParams(max_tokens=24 + i % 9, temperature=0.7, seed=i, ignore_eos=True))
-    while engine.has_unfinished():
-        engine.step()
-    engine.close()
+    null_workload.run(REQUESTS, lambda i: 24 + i % 9, trace=str(path))
     return path
 
 

@@ -6,12 +6,11 @@ from __future__ import annotations
 
 import attrs
 import pytest
+from fixtures import null_workload
 
-from atlas.config import Capacities, EngineConfig
+from atlas.config import Capacities
 from atlas.engine.records import RecordingSink
 from atlas.errors import InvariantViolation, TransitionRefused
-from atlas.registry import build_engine
-from atlas.sampling.params import SamplingParams
 from atlas.state import steps
 from atlas.state.control import ControlState
 from atlas.state.events import Event, StepExecuted, StepPlanned
@@ -21,16 +20,8 @@ REQUESTS = 24  # more than steps.VECTOR_MIN at once, prompts of 1-3 blocks, fini
 
 
 def _recorded() -> tuple[Capacities, list[Event], list[str]]:
-    config = EngineConfig(max_seq_len=128, max_batch_size=20, prefill_chunk_tokens=96, block_size=8)
     sink = RecordingSink()
-    engine = build_engine("atlas-tiny", backend="null", config=config, sink=sink)
-    for i in range(REQUESTS):
-        engine.add_request(f"r{i}", [(i * 7 + k) % 200 + 1 for k in range(5 + (i * 5) % 19)],
-                           SamplingParams(max_tokens=12 + i % 9, temperature=0.7, seed=i, ignore_eos=True))
-    while engine.has_unfinished():
-        engine.step()
-    caps = engine.capacities
-    engine.close()
+    caps = null_workload.run(REQUESTS, lambda i: 12 + i % 9, sink=sink)
     return caps, [e for _, _, e, _ in sink.rows], [d for _, _, _, d in sink.rows]
 
 

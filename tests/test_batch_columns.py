@@ -212,15 +212,21 @@ def test_damaged_step_is_reported_as_without_columns(recorded: tuple[object, lis
     assert digests_on == digests_off
 
 
+def _replayed(caps: object, events: list[Event], upto: int, columns: bool) -> ControlState:
+    """A state with events[:upto] applied, the batch columns on or off."""
+    state = ControlState.create(caps)  # type: ignore[arg-type]
+    state.batch_cache = columns
+    for e in events[:upto]:
+        state.apply(e)
+    return state
+
+
 def test_wrong_reported_cursor_named_as_without_columns(recorded: tuple[object, list[Event]]) -> None:
     caps, events = recorded
     i = _mid_decode(events, StepExecuted)
     results = []
     for on in (True, False):
-        state = ControlState.create(caps)  # type: ignore[arg-type]
-        state.batch_cache = on
-        for e in events[:i]:
-            state.apply(e)
+        state = _replayed(caps, events, i, on)
         plan_event = state.inflight
         assert plan_event is not None
         state.apply(events[i])
@@ -248,10 +254,7 @@ def test_shared_stamped_cursors_checked_as_without_columns(recorded: tuple[objec
     i = _mid_decode(events, StepExecuted)
     results = []
     for on in (True, False):
-        state = ControlState.create(caps)  # type: ignore[arg-type]
-        state.batch_cache = on
-        for e in events[:i + 1]:
-            state.apply(e)
+        state = _replayed(caps, events, i + 1, on)
         assert (state.batch is not None) == on
         plan_event = events[i - 1] if isinstance(events[i - 1], StepPlanned) else None
         ids = tuple(state.running)

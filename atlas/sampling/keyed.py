@@ -34,6 +34,7 @@ far below what bf16 logits perturb.
 
 from __future__ import annotations
 
+import importlib
 import math
 import os
 from collections.abc import Sequence
@@ -236,7 +237,7 @@ def _kernel(module: str, name: str):  # a launcher of atlas_kernels, or None (no
         fn = None
         if os.environ.get("ATLAS_SAMPLER_KERNEL", "1") != "0":
             try:
-                fn = getattr(__import__(f"atlas_kernels.{module}", fromlist=[name]), name)
+                fn = getattr(importlib.import_module(f"atlas_kernels.{module}"), name)
             except ImportError:
                 fn = None
         _KERNELS[name] = fn

@@ -28,6 +28,7 @@ from itertools import repeat
 import numpy as np
 
 from atlas.hashing import MASK64, hash64, token_bytes
+from atlas.state.columns import common, plain_advance
 from atlas.state.events import StepPlanned
 from atlas.state.machines import Phase, Sequence
 
@@ -43,14 +44,6 @@ _FNV = _U(0x100000001B3)
 _ONE = _U(1)
 _K_TOKEN_STEP = _U((0xC2B2AE3D27D4EB4F + int(_K_COMPUTED_QSA)) & MASK64)  # the terms' move for one decoded token
 _MIN_ROWS = 16  # steps.VECTOR_MIN: below this many rows numpy's per-call cost loses to the objects' walk
-
-
-def on_common_path(seq: Sequence) -> bool:
-    """The sequence's fingerprint is control.running_fingerprints' form and its advance the plain one."""
-    c = seq.cursor
-    d = seq.drafter
-    return (c.phase is Phase.RUNNING and not seq.ring.snapshots and not seq.rollbacks and not seq.preemptions
-            and not d.rows and not d.mtp and not d.carried and not d.latched and seq.qsa.ingested == c.computed)
 
 
 def _plain_request(seq: Sequence) -> bool:
@@ -106,7 +99,7 @@ class BatchColumns:
     @classmethod
     def gather(cls, seqs: dict[int, Sequence], ids: tuple[int, ...], bs: int) -> BatchColumns | None:
         objs = [seqs[s] for s in ids]
-        if not all(map(on_common_path, objs)):
+        if not all(map(common, objs)):  # the replay columns' common path
             return None
         return cls(ids, objs, bs)
 
@@ -215,12 +208,8 @@ class BatchColumns:
         else:
             end = self.computed + fed
             unsampled = tok < 0
-            n2 = n + ~unsampled
-            left = n - end
-            # sampled exactly when every known token is fed (end == n; end < n otherwise), KV and QSA keys within
-            # the blocks and the index, the token within the budget, no block past the tokens
-            if not (((left > 0) == unsampled) & (left >= 0) & (end <= self.limit) & (n2 <= self.budget_end)
-                    & (n2 > self.low)).all():
+            n2 = plain_advance(n, end, unsampled, self.limit, self.budget_end, self.low)
+            if n2 is None:
                 return None
             some_unsampled = bool(unsampled.any())
             if some_unsampled:

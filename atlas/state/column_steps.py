@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 
 from atlas.hashing import MASK64
-from atlas.state.columns import StepColumns, mix_columns
+from atlas.state.columns import StepColumns, mix_columns, plain_advance
 from atlas.state.control import ControlState
 from atlas.state.events import StepPlanned
 
@@ -74,12 +74,8 @@ def advance_columns(state: ControlState, cols: StepColumns, tokens: tuple[int, .
     n = cols.ntok
     end = cols.computed + fed
     unsampled = tok < 0
-    n2 = n + ~unsampled
-    # sampled exactly when every known token is fed (end == n; end < n otherwise), KV and QSA keys within the
-    # blocks and the index, the token within the budget, no block past the tokens
-    left = n - end
-    if not (((left > 0) == unsampled) & (left >= 0) & (end <= cols.limit) & (n2 <= cols.budget_end)
-            & (n2 > cols.low)).all():
+    n2 = plain_advance(n, end, unsampled, cols.limit, cols.budget_end, cols.low)
+    if n2 is None:
         state.flush_columns()
         return False
     th = cols.token_hash

@@ -36,6 +36,18 @@ def common(seq: Sequence) -> bool:
             and not d.rows and not d.mtp and not d.carried and not d.latched and seq.qsa.ingested == c.computed)
 
 
+def plain_advance(n: np.ndarray, end: np.ndarray, unsampled: np.ndarray, limit: np.ndarray, budget_end: np.ndarray,
+                  low: np.ndarray) -> np.ndarray | None:
+    """The token counts after a step (n + 1 where a token was sampled) when every row's advance is the plain one,
+    else None: sampled exactly when every known token is fed (end == n; end < n otherwise), KV and QSA keys within
+    the blocks and the index, the token within the budget, no block past the tokens."""
+    n2 = n + ~unsampled
+    left = n - end
+    if not (((left > 0) == unsampled) & (left >= 0) & (end <= limit) & (n2 <= budget_end) & (n2 > low)).all():
+        return None
+    return n2
+
+
 def mix_columns(h: np.ndarray, seq_len: np.ndarray, computed: np.ndarray, blocks_term: np.ndarray) -> np.ndarray:
     """control.running_fingerprints over numpy columns: `h` the token hash ^ seq_id * K, `blocks_term` the
     running phase's and the block count's terms (uint64 arithmetic wraps mod 2**64 where the scalar masks)."""

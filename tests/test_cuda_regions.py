@@ -62,7 +62,11 @@ def test_regions_equal_the_layer_stack_bit_for_bit(tiny, kernels: bool) -> None:
         assert torch.equal(want, got_state[name]), name
 
 
-def test_regions_are_taken_for_decode_groups_only(tiny) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("tuning,widths", [(Tuning(decode_stack="regions"), [1]),
+                                            (Tuning(prefill_stack="regions"), [70, 5, 20]),
+                                            (Tuning(decode_stack="regions", prefill_stack="regions"), [70, 5, 20, 1])],
+                         ids=["decode", "prefill", "both"])
+def test_regions_are_taken_for_the_groups_their_knob_names(tiny, tuning: Tuning, widths: list[int]) -> None:  # type: ignore[no-untyped-def]
     calls = []
     real = regions.regions_stack
 
@@ -72,10 +76,21 @@ def test_regions_are_taken_for_decode_groups_only(tiny) -> None:  # type: ignore
 
     regions.regions_stack = spy
     try:
-        _decode(tiny, Tuning(decode_stack="regions"), kernels=False, steps=1)
+        _decode(tiny, tuning, kernels=False, steps=1)
     finally:
         regions.regions_stack = real
-    assert calls == [1]  # the decode, not the prefill chunk
+    assert calls == widths  # each prefill chunk alone (the three prompts' lengths), then the decode group
+
+
+def test_prefill_regions_equal_the_layer_stack_bit_for_bit(tiny) -> None:  # type: ignore[no-untyped-def]
+    """Prefill chunks through the regions (run eagerly) write the layer stack's state and give its logits, and
+    the decodes after them too."""
+    want_logits, want_state = _decode(tiny, Tuning(), kernels=False)
+    got_logits, got_state = _decode(tiny, Tuning(prefill_stack="regions", decode_stack="regions"), kernels=False)
+    for want, got in zip(want_logits, got_logits, strict=True):
+        assert torch.equal(want, got)
+    for name, want in want_state.items():
+        assert torch.equal(want, got_state[name]), name
 
 
 def test_every_region_traces_whole(tiny, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
@@ -84,17 +99,20 @@ def test_every_region_traces_whole(tiny, monkeypatch: pytest.MonkeyPatch) -> Non
     torch._dynamo.reset()
     traced: list[str] = []
 
-    def fullgraph(fn, mode):  # type: ignore[no-untyped-def]
+    def fullgraph(fn, mode, dynamic=None):  # type: ignore[no-untyped-def]
         if mode == "none":
             return fn
-        traced.append(fn.__name__)
-        return torch.compile(fn, backend="eager", fullgraph=True, dynamic=False)
+        traced.append((fn.__name__, dynamic))
+        return torch.compile(fn, backend="eager", fullgraph=True, dynamic=bool(dynamic))
 
     monkeypatch.setattr(regions, "compiled", fullgraph)
-    want, _ = _decode(tiny, Tuning(decode_stack="regions"), kernels=False, steps=1)
-    got, _ = _decode(tiny, Tuning(decode_stack="regions", compile_decode="default"), kernels=False, steps=1)
+    both = dict(decode_stack="regions", prefill_stack="regions")
+    want, _ = _decode(tiny, Tuning(**both), kernels=False, steps=1)
+    got, _ = _decode(tiny, Tuning(**both, compile_decode="default", compile_prefill="default"), kernels=False, steps=1)
     assert torch.equal(want[0], got[0])
-    assert {"gdn_head", "attn_head", "gdn_tail", "attn_tail", "final_mix"} <= set(traced)
+    kinds = {"gdn_head", "attn_head", "gdn_tail", "attn_tail", "final_mix"}
+    assert {(k, None) for k in kinds} <= set(traced)  # decode: automatic dynamic
+    assert {(k, True) for k in kinds} <= set(traced)  # prefill chunks: symbolic sizes from the first
 
 
 def test_regions_give_the_reference_tokens_through_the_engine(tiny) -> None:  # type: ignore[no-untyped-def]
@@ -165,8 +183,8 @@ def test_the_library_conv_equals_the_windowed_product(dilation: int) -> None:
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="Inductor on the GPU: the compiled regions")
 def test_compiled_regions_give_the_reference_tokens_on_the_gpu(tiny) -> None:  # type: ignore[no-untyped-def]
-    """fp32, CUDA graphs on: the regions through torch.compile, greedy and seeded rows side by side, against the
-    CPU reference."""
+    """fp32, CUDA graphs on: the decode and prefill regions through torch.compile, greedy and seeded rows side by
+    side, against the CPU reference."""
     from atlas.config import EngineConfig
     from atlas.engine.offline import generate
     from atlas.engine.records import RecordingSink
@@ -177,7 +195,8 @@ def test_compiled_regions_give_the_reference_tokens_on_the_gpu(tiny) -> None:  #
     params = [SamplingParams(max_tokens=12, ignore_eos=True),
               SamplingParams(max_tokens=12, ignore_eos=True, temperature=0.8, top_p=0.95, seed=7),
               SamplingParams(max_tokens=12, ignore_eos=True, temperature=1.0, top_k=20, seed=3)]
-    tuning = Tuning(decode_stack="regions", compile_decode="default")
+    tuning = Tuning(decode_stack="regions", compile_decode="default", prefill_stack="regions",
+                    compile_prefill="default")
     tokens = {}
     for backend, options in (("cpu", {}), ("cuda-fp32", {"device": DEVICE, "cuda_graphs": True, "tuning": tuning})):
         engine = build_engine("atlas-tiny", backend, config, loaded=tiny, sink=RecordingSink(),

@@ -53,10 +53,16 @@ from atlas.model.spec import FULL_ATTENTION, ModelSpec
 Pending = tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]
 
 
-def applies(spec: ModelSpec, grp: Group, tuning: Tuning, eager_moe: bool) -> bool:
-    """Whether this group runs as regions: the knob is on, a decode group, a hyper-connection model."""
-    return (tuning.decode_stack == "regions" and not eager_moe and grp.shape.width == 1 and not grp.shape.keep
-            and spec.has_hyper_connections)
+def applies(spec: ModelSpec, grp: Group, tuning: Tuning) -> bool:
+    """Whether this group runs as regions: a hyper-connection model, and the knob of its kind on: a decode group
+    (one token a row, no kept verify rows) under decode_stack, a prefill chunk (wider, not a verify) under
+    prefill_stack."""
+    shape = grp.shape
+    if not spec.has_hyper_connections or shape.keep:
+        return False
+    if shape.width == 1:
+        return tuning.decode_stack == "regions"
+    return tuning.prefill_stack == "regions" and not shape.pending
 
 
 def _site(spec: ModelSpec, streams: torch.Tensor, norm_w: torch.Tensor, down_w: torch.Tensor, up_w: torch.Tensor
@@ -79,12 +85,12 @@ def settle(streams: torch.Tensor, routed: torch.Tensor | None, shared: torch.Ten
 
 def gdn_head(spec: ModelSpec, streams: torch.Tensor, routed: torch.Tensor | None, shared: torch.Tensor | None,
              inject_prev: torch.Tensor | None, norm_w: torch.Tensor, down_w: torch.Tensor, up_w: torch.Tensor,
-             fused_in: torch.Tensor, conv_w: torch.Tensor, conv_pool: torch.Tensor, slots: torch.Tensor
-             ) -> tuple[torch.Tensor, ...]:
+             fused_in: torch.Tensor, conv_w: torch.Tensor, conv_pool: torch.Tensor, slots: torch.Tensor,
+             library_conv: bool = False) -> tuple[torch.Tensor, ...]:
     """(streams, inject, *gdn_in's parts) of a GDN layer, the previous ffn settled first."""
     streams = settle(streams, routed, shared, inject_prev)
     x, inject = _site(spec, streams, norm_w, down_w, up_w)
-    return (streams, inject, *gdn_in(spec, x, fused_in, conv_w, conv_pool[slots]))
+    return (streams, inject, *gdn_in(spec, x, fused_in, conv_w, conv_pool[slots], library_conv))
 
 
 def attn_head(spec: ModelSpec, streams: torch.Tensor, routed: torch.Tensor | None, shared: torch.Tensor | None,
@@ -146,16 +152,24 @@ def final_mix(spec: ModelSpec, streams: torch.Tensor, routed: torch.Tensor | Non
 
 
 def regions_stack(spec: ModelSpec, w: dict[str, torch.Tensor], pools: DevicePools, grp: Group, *,
-                  gdn_kernel: GdnKernel | None, tuning: Tuning) -> torch.Tensor:
-    """The decode group's final hidden states [B, T, H]: decoder_stack's result, cut into regions."""
-    mode = tuning.compile_decode
-    head_g, head_a = compiled(gdn_head, mode), compiled(attn_head, mode)
-    tail_g, tail_a = compiled(gdn_tail, mode), compiled(attn_tail, mode)
-    settle_c, final_c = compiled(settle, mode), compiled(final_mix, mode)
+                  gdn_kernel: GdnKernel | None, tuning: Tuning, invariant: bool = False) -> torch.Tensor:
+    """The group's final hidden states [B, T, H]: decoder_stack's result, cut into regions. A decode group takes
+    the decode knobs (compile_decode, moe, decode_attention), a prefill chunk the prefill ones (compile_prefill
+    with every size symbolic: one compile a region kind serves every chunk length, and a row's kernels do not
+    depend on which lengths came first; prefill_moe, attention, prefill_conv)."""
+    prefill = grp.shape.width > 1
+    mode = tuning.compile_prefill if prefill else tuning.compile_decode
+    dynamic = True if prefill else None
+    head_g, head_a = compiled(gdn_head, mode, dynamic), compiled(attn_head, mode, dynamic)
+    tail_g, tail_a = compiled(gdn_tail, mode, dynamic), compiled(attn_tail, mode, dynamic)
+    settle_c, final_c = compiled(settle, mode, dynamic), compiled(final_mix, mode, dynamic)
     dtype = w["embed_tokens.weight"].dtype
     cos, sin = rope_table(grp.positions.reshape(-1), spec.rotary_dim, spec.rope_theta, dtype)
-    sdpa = tuning.decode_attention == "sdpa"
-    route = tuning.moe == "triton"  # the routed kernels take the pairs' order counted in the tail region
+    sdpa = (tuning.attention if prefill else tuning.decode_attention) == "sdpa"
+    moe_mode = tuning.prefill_moe if prefill else tuning.moe
+    # the library conv for prefill chunks only, never in a batch-invariant mode (layers.conv_step)
+    library = prefill and tuning.prefill_conv == "library" and not invariant
+    route = moe_mode == "triton"  # the routed kernels take the pairs' order counted in the tail region
     ple_layers = spec.ple.layers if spec.ple is not None else ()
     streams = torch.cat([w["embed_tokens.weight"][grp.tokens]] * spec.hc_count, dim=-1)
     pending: Pending = (None, None, None)
@@ -166,7 +180,7 @@ def regions_stack(spec: ModelSpec, w: dict[str, torch.Tensor], pools: DevicePool
             assert grp.ngram_ids is not None
             streams = settle_c(streams, routed, shared, inject_prev)
             streams = streams + ple_layer(spec, w, pre + "ple.", streams, grp.ngram_ids[ple_layers.index(layer)],
-                                          grp, pools, layer)
+                                          grp, pools, layer, library)
             routed = shared = inject_prev = None
         site = (w[pre + "attn_hyper_connection.hc_norm.weight"], w[pre + "attn_hyper_connection.fused_down.weight"],
                 w[pre + "attn_hyper_connection.input_mix_weight_up.weight"])
@@ -187,14 +201,14 @@ def regions_stack(spec: ModelSpec, w: dict[str, torch.Tensor], pools: DevicePool
             g = pre + "linear_attn."
             streams, inject, *parts = head_g(spec, streams, routed, shared, inject_prev, *site,
                                              w[g + "fused_in.weight"], w[g + "conv1d.weight"],
-                                             pools.state[f"conv{layer}"], grp.slots)
+                                             pools.state[f"conv{layer}"], grp.slots, library)
             out = gdn_update(spec, w, g, layer, tuple(parts), grp, pools, gdn_kernel)
             streams, rows, inject, top_w, top_i, shared, pairs = tail_g(
                 spec, streams, inject, out, parts[3], w[g + "norm.weight"], w[g + "out_proj.weight"], *ffn_site,
                 *moe_w, route)
         if moe:
             assert spec.moe is not None and top_w is not None and top_i is not None
-            routed = moe_routed(spec.moe, w, pre + "mlp.", rows, top_w, top_i, mode=tuning.moe, route=pairs)
+            routed = moe_routed(spec.moe, w, pre + "mlp.", rows, top_w, top_i, mode=moe_mode, route=pairs)
         else:
             routed, shared = dense_mlp(w, pre + "mlp.", rows), None
         pending = (routed, shared, inject)

@@ -294,9 +294,9 @@ class CudaBackend:
         grp = self._group(packed, shape)
         # decode groups take graph-capturable paths; prefill groups run eagerly (tuning.prefill_moe may sync)
         eager = shape.width > 1 and not shape.pending
-        if regions.applies(self.spec, grp, self.tuning, eager):
+        if regions.applies(self.spec, grp, self.tuning):
             hidden = regions.regions_stack(self.spec, self.weights, self.pools, grp, gdn_kernel=self.gdn_kernel,
-                                           tuning=self.tuning)
+                                           tuning=self.tuning, invariant=self.batch_invariant)
         else:
             hidden = forward_group(self.spec, self.weights, self.pools, grp, eager_moe=eager,
                                    gdn_kernel=self.gdn_kernel, tuning=self.tuning, invariant=self.batch_invariant)

@@ -54,6 +54,12 @@ class Tuning:
     # "regions" cut at the state writes, each piece between two writes one function (atlas.backends.cuda.regions)
     # that compile_decode compiles once per region kind: one compiled graph per piece of a layer instead of per op
     decode_stack: str = attrs.field(default="layers", validator=_one_of(STACK))
+    # the same for prefill chunks: "regions" runs them through the same region functions (their state writes,
+    # GDN chunk kernel and routed experts eager between them), compiled by compile_prefill with symbolic sizes.
+    # The eager layer stack launches ~2,600 kernels a 2,048-token prefill, host-bound ~12 ms over its device
+    # time, with ~15 ms of unfused elementwise passes over the [T, hc * H] streams (H200, session 6)
+    prefill_stack: str = attrs.field(default="layers", validator=_one_of(STACK))
+    compile_prefill: str = attrs.field(default="none", validator=_one_of(COMPILE))
     # the causal convs of prefill chunks (bf16): "windowed" the reference's fp32 windowed product; "library"
     # depthwise F.conv1d (cuDNN), never in the batch-invariant modes (atlas.backends.cuda.layers.conv_step)
     prefill_conv: str = attrs.field(default="windowed", validator=_one_of(CONV))
@@ -84,7 +90,8 @@ VARIANTS: dict[str, Tuning] = {
     # the decode step as compiled regions (session 4): a layer is ~4 compiled pieces + its state writes, the
     # GDN kernel and the routed experts (dispatch count on the CPU: see docs/BENCHMARKS.md, session 4)
     "regions-compile": Tuning(moe="triton", prefill_moe="triton", attention="sdpa", decode_attention="sdpa",
-                              compile_decode="default", decode_stack="regions", prefill_conv="library"),
+                              compile_decode="default", decode_stack="regions", prefill_conv="library",
+                              prefill_stack="regions", compile_prefill="default"),
     # the same with Inductor's GEMM autotuning (Triton templates against cuBLAS, epilogues fused into the GEMM)
     "regions-autotune": Tuning(moe="triton", prefill_moe="triton", attention="sdpa", decode_attention="sdpa",
                                compile_decode="max-autotune-no-cudagraphs", decode_stack="regions",

@@ -5,6 +5,8 @@ fullgraph=True: no graph break, so Inductor on the GPU sees each region whole)."
 
 from __future__ import annotations
 
+import collections
+import functools
 import os
 
 import pytest
@@ -21,6 +23,8 @@ from atlas.plan import SeqWork, StepPlan
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # 3 sequences: one past the QSA inert bound (the selected path), one short, one in between
 PROMPTS = [list(b"The quick brown fox jumps over the lazy dog. " * 2)[:70], list(b"hello"), list(b"0123456789abcdefghij")]
+# below atlas-tiny's QSA inert bound (19 keys) through the first decodes: dense groups, where the paged kernel applies
+SHORT = [list(b"hello"), list(b"0123456789"), list(b"ab")]
 TABLES = [tuple(range(8 * i, 8 * i + 8)) for i in range(3)]
 
 
@@ -30,17 +34,17 @@ def tiny():
     return load_model("atlas-tiny")
 
 
-def _decode(tiny, tuning: Tuning, *, kernels: bool, steps: int = 2):  # type: ignore[no-untyped-def]
+def _decode(tiny, tuning: Tuning, *, kernels: bool, steps: int = 2, prompts: list[list[int]] = PROMPTS):  # type: ignore[no-untyped-def]
     """(logits of each decode step [3, vocab], the pools' state and stamps after them) on cuda-fp32."""
     backend = CudaBackend(tiny, num_kv_blocks=32, block_size=16, dtype=torch.float32, device=DEVICE,
                           max_batch_size=4, kernels=kernels, cuda_graphs=False, tuning=tuning)
-    backend.execute(StepPlan(0, tuple(SeqWork(i, tuple(p), 0, TABLES[i], True) for i, p in enumerate(PROMPTS))))
+    backend.execute(StepPlan(0, tuple(SeqWork(i, tuple(p), 0, TABLES[i], True) for i, p in enumerate(prompts))))
     out = []
     for step in range(steps):
-        decode = [SeqWork(i, (40 + i + step,), len(p) + step, TABLES[i], True) for i, p in enumerate(PROMPTS)]
+        decode = [SeqWork(i, (40 + i + step,), len(p) + step, TABLES[i], True) for i, p in enumerate(prompts)]
         backend._prepare(decode)
         logits = backend._last_logits(decode)
-        out.append(torch.stack([logits[i].float() for i in range(3)]))
+        out.append(torch.stack([logits[i].float() for i in range(len(prompts))]))
         for w in decode:
             backend._advance(w)
     pools = backend.pools
@@ -98,21 +102,32 @@ def test_every_region_traces_whole(tiny, monkeypatch: pytest.MonkeyPatch) -> Non
     result must also equal the uncompiled regions'."""
     torch._dynamo.reset()
     traced: list[str] = []
+    compiles: collections.Counter[str] = collections.Counter()
 
-    def fullgraph(fn, mode, dynamic=None):  # type: ignore[no-untyped-def]
+    @functools.cache  # as the real `compiled`: one wrapper a function (a new one would recompile)
+    def fullgraph(fn, mode):  # type: ignore[no-untyped-def]
         if mode == "none":
             return fn
-        traced.append((fn.__name__, dynamic))
-        return torch.compile(fn, backend="eager", fullgraph=True, dynamic=bool(dynamic))
+        traced.append(fn.__name__)
+
+        def backend(gm, inputs, name=fn.__name__):  # type: ignore[no-untyped-def]
+            compiles[name] += 1
+            return gm.forward
+
+        return torch.compile(fn, backend=backend, fullgraph=True, dynamic=None)
 
     monkeypatch.setattr(regions, "compiled", fullgraph)
     both = dict(decode_stack="regions", prefill_stack="regions")
     want, _ = _decode(tiny, Tuning(**both), kernels=False, steps=1)
     got, _ = _decode(tiny, Tuning(**both, compile_decode="default", compile_prefill="default"), kernels=False, steps=1)
     assert torch.equal(want[0], got[0])
-    kinds = {"gdn_head", "attn_head", "gdn_tail", "attn_tail", "final_mix"}
-    assert {(k, None) for k in kinds} <= set(traced)  # decode: automatic dynamic
-    assert {(k, True) for k in kinds} <= set(traced)  # prefill chunks: symbolic sizes from the first
+    assert {"gdn_head", "attn_head", "gdn_tail", "attn_tail", "final_mix"} <= set(traced)
+    # the three prefill chunks (70, 5 and 20 tokens) share one graph a GDN region and variant (their token
+    # dimension marked dynamic before the first call: no static graph for 70, no recompile; a region that
+    # specialised the marked dimension would raise), and the decode has its own: gdn_head's two variants (the
+    # first layer's and a PLE layer's, with no ffn to settle; and the rest) x (prefill, decode), gdn_tail's one x
+    # (prefill, decode). Without the mark: a static graph for 70 tokens, then a symbolic one (6 and 3)
+    assert compiles["gdn_head"] == 4 and compiles["gdn_tail"] == 2, compiles
 
 
 def test_regions_give_the_reference_tokens_through_the_engine(tiny) -> None:  # type: ignore[no-untyped-def]
@@ -183,8 +198,8 @@ def test_the_library_conv_equals_the_windowed_product(dilation: int) -> None:
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="Inductor on the GPU: the compiled regions")
 def test_compiled_regions_give_the_reference_tokens_on_the_gpu(tiny) -> None:  # type: ignore[no-untyped-def]
-    """fp32, CUDA graphs on: the decode and prefill regions through torch.compile, greedy and seeded rows side by
-    side, against the CPU reference."""
+    """fp32, CUDA graphs on: the decode and prefill regions through torch.compile and the paged decode attention,
+    greedy and seeded rows side by side, against the CPU reference."""
     from atlas.config import EngineConfig
     from atlas.engine.offline import generate
     from atlas.engine.records import RecordingSink
@@ -196,14 +211,16 @@ def test_compiled_regions_give_the_reference_tokens_on_the_gpu(tiny) -> None:  #
               SamplingParams(max_tokens=12, ignore_eos=True, temperature=0.8, top_p=0.95, seed=7),
               SamplingParams(max_tokens=12, ignore_eos=True, temperature=1.0, top_k=20, seed=3)]
     tuning = Tuning(decode_stack="regions", compile_decode="default", prefill_stack="regions",
-                    compile_prefill="default")
-    tokens = {}
-    for backend, options in (("cpu", {}), ("cuda-fp32", {"device": DEVICE, "cuda_graphs": True, "tuning": tuning})):
-        engine = build_engine("atlas-tiny", backend, config, loaded=tiny, sink=RecordingSink(),
-                              backend_options=options)
-        tokens[backend] = [r.token_ids for r in generate(engine, PROMPTS, params)]
-        engine.close()
-    assert tokens["cuda-fp32"] == tokens["cpu"]
+                    compile_prefill="default", decode_attention="paged")
+    for prompts in (PROMPTS, SHORT):  # QSA-selected decode groups (sdpa), then dense ones (the paged kernel)
+        tokens = {}
+        for backend, options in (("cpu", {}), ("cuda-fp32", {"device": DEVICE, "cuda_graphs": True,
+                                                             "tuning": tuning})):
+            engine = build_engine("atlas-tiny", backend, config, loaded=tiny, sink=RecordingSink(),
+                                  backend_options=options)
+            tokens[backend] = [r.token_ids for r in generate(engine, prompts, params)]
+            engine.close()
+        assert tokens["cuda-fp32"] == tokens["cpu"]
 
 
 def test_the_library_conv_is_for_prefill_chunks_of_a_non_invariant_backend(tiny) -> None:  # type: ignore[no-untyped-def]
@@ -243,3 +260,60 @@ def test_row_verifies_through_the_regions_give_speculation_offs_tokens(tiny) -> 
         if drafts:
             assert engine.stats().spec_verify_steps > 0
     assert runs["regions"] == runs["off"]
+
+
+def test_fused_weights_are_padded_to_aligned_rows_with_zeros(tiny) -> None:  # type: ignore[no-untyped-def]
+    """The hyper sites' mix-down + inject and the MoE router + shared-expert input are padded to ALIGN_ROWS output
+    rows (cuBLAS's sm90 kernels need 16-byte aligned output rows), the padding zero and dropped by split_out."""
+    from atlas.backends.cuda.layers import ALIGN_ROWS, prepare_weights, split_out
+
+    spec, raw = tiny.spec, tiny.weights
+    w = prepare_weights(spec, dict(raw))
+    site = "layers.0.attn_hyper_connection."
+    down = w[site + "fused_down.weight"]
+    rows = spec.hc_lowrank + spec.hc_count
+    assert down.shape[0] % ALIGN_ROWS == 0 and down.shape[0] >= rows
+    assert torch.equal(down[:rows], torch.cat([raw[site + "input_mix_weight_down.weight"],
+                                               raw[site + "block_inject_weight.weight"]]) / spec.hc_count)
+    assert not down[rows:].any()
+    moe = next(f"layers.{i}.mlp.fused_in.weight" for i in range(spec.num_layers) if spec.moe_layers[i])
+    assert w[moe].shape[0] % ALIGN_ROWS == 0
+    y = torch.arange(10.0)[None]
+    assert [p.tolist() for p in split_out(y, [3, 4])] == [[[0.0, 1.0, 2.0]], [[3.0, 4.0, 5.0, 6.0]]]
+    assert [p.shape[-1] for p in split_out(y, [3, 7])] == [3, 7]
+
+
+
+@pytest.mark.parametrize("stack", ["layers", "regions"])
+def test_the_paged_decode_attention_matches_the_torch_path(tiny, stack: str) -> None:  # type: ignore[no-untyped-def]
+    """decode_attention="paged" (the split-K kernel over the pools in place) against the materialised scores, fp32,
+    through the layer stack and the regions; the regions' paged step equals the layer stack's bit for bit."""
+    want, want_state = _decode(tiny, Tuning(decode_stack=stack), kernels=False, prompts=SHORT)
+    got, got_state = _decode(tiny, Tuning(decode_stack=stack, decode_attention="paged"), kernels=False, prompts=SHORT)
+    for a, b in zip(want, got, strict=True):
+        assert float((a - b).norm() / a.norm()) < 1e-5
+        assert not torch.equal(a, b) or DEVICE == "cuda"  # a different summation: the kernel really ran (CPU)
+    for name, state in want_state.items():  # the keys and states the step wrote are the same
+        if name.startswith(("keys.", "stamp.", "paged_pos", "index.")):
+            assert torch.equal(state, got_state[name]), name
+    if stack == "regions":
+        layers, _ = _decode(tiny, Tuning(decode_attention="paged"), kernels=False, prompts=SHORT)
+        assert all(torch.equal(a, b) for a, b in zip(layers, got, strict=True))
+
+
+def test_paged_attention_is_for_dense_decode_groups_only(tiny, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+    from atlas.backends.cuda import layers
+
+    calls = []
+    real = layers.attn_paged
+
+    def spy(q, k_pool, v_pool, grp):  # type: ignore[no-untyped-def]
+        calls.append((grp.shape.width, grp.shape.qsa_select))
+        return real(q, k_pool, v_pool, grp)
+
+    monkeypatch.setattr(layers, "attn_paged", spy)
+    monkeypatch.setattr(regions, "attn_paged", spy)
+    _decode(tiny, Tuning(decode_stack="regions", decode_attention="paged"), kernels=False, steps=1)  # QSA-selected
+    assert calls == []
+    _decode(tiny, Tuning(decode_stack="regions", decode_attention="paged"), kernels=False, steps=1, prompts=SHORT)
+    assert calls and set(calls) == {(1, False)}

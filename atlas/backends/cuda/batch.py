@@ -66,9 +66,11 @@ class Group:
         b, t, kb = shape.batch, shape.width, shape.key_blocks
         tokens = packed[:, :t]
         start = packed[:, t]
-        slots = packed[:, t + 1].contiguous()  # kernels index slots as a dense [B] array
+        # kernels index slots as a dense [B] array; a copy even at B = 1, where .contiguous() would keep the view's
+        # stride (the packed width): a compiled prefill region guards on it and would recompile per chunk width
+        slots = packed[:, t + 1].clone(memory_format=torch.contiguous_format)
         sentinel = packed[:, t + 2]
-        table = packed[:, t + 3 : t + 3 + kb]
+        table = packed[:, t + 3 : t + 3 + kb].contiguous()  # the paged kernel reads it as a dense [B, kb] array
         ngram = None
         if shape.ple_layers and not shape.ngram_on_device:  # (on the device: filled in by the runner's group)
             ngram = packed[:, t + 3 + kb :].reshape(b, shape.ple_layers, t, shape.ngram_heads).transpose(0, 1)

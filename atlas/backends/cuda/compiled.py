@@ -21,21 +21,20 @@ F = TypeVar("F", bound=Callable)
 
 
 @functools.cache
-def _compile(fn: Callable, mode: str, dynamic: bool | None) -> Callable:
-    # dynamic=None (automatic, decode): the first shape compiles static, a second shape of the same block
-    # recompiles once with symbolic sizes, so batch buckets 1..64 cost two compiles a block, not one each
-    # (dynamic=False would compile hyper_block x 2, moe_router once per bucket: on the CPU one compile of the
-    # three took 113 s wall). dynamic=True (prefill chunks): symbolic from the first call, so every chunk length
-    # runs the same kernels, whichever length a process saw first
+def _compile(fn: Callable, mode: str) -> Callable:
+    # dynamic=None (automatic): the first shape compiles static, a second shape of the same block recompiles once
+    # with symbolic sizes, so batch buckets 1..64 cost two compiles a block, not one each (dynamic=False would
+    # compile hyper_block x 2, moe_router once per bucket: on the CPU one compile of the three took 113 s wall).
+    # Prefill chunks mark their token dimension dynamic before the first call (regions._token_dim): one compile
     dynamo = torch._dynamo.config
     for knob in ("recompile_limit", "cache_size_limit"):  # the name moved between torch versions
         if hasattr(dynamo, knob):
             setattr(dynamo, knob, max(getattr(dynamo, knob), 32))
-    return torch.compile(fn, mode=mode, dynamic=dynamic)
+    return torch.compile(fn, mode=mode, dynamic=None)
 
 
-def compiled(fn: F, mode: str, dynamic: bool | None = None) -> F:
-    """fn itself for mode "none", else its torch.compile'd version (cached: one per (fn, mode, dynamic))."""
+def compiled(fn: F, mode: str) -> F:
+    """fn itself for mode "none", else its torch.compile'd version (cached: one per (fn, mode))."""
     if mode == "none":
         return fn
-    return _compile(fn, mode, dynamic)  # type: ignore[return-value]
+    return _compile(fn, mode)  # type: ignore[return-value]

@@ -37,9 +37,13 @@ def prepare_weights(spec: ModelSpec, w: dict[str, torch.Tensor]) -> dict[str, to
     -exp(A_log) in fp32."""
     w = dict(w)
 
-    def fuse(name: str, parts: list[str]) -> None:
+    def fuse(name: str, parts: list[str], align: int = 1) -> None:
         present = [p for p in parts if p in w]
-        w[name] = torch.cat([w.pop(p) for p in present], dim=0).contiguous()
+        fused = torch.cat([w.pop(p) for p in present], dim=0)
+        pad = -fused.shape[0] % align
+        if pad:  # zero rows: the product's extra columns are dropped (split_out)
+            fused = torch.cat([fused, fused.new_zeros(pad, *fused.shape[1:])])
+        w[name] = fused.contiguous()
 
     acc = acc_dtype(next(iter(w.values())).dtype)
     for name in [n for n in w if _is_zero_centred_norm(n)]:
@@ -60,16 +64,32 @@ def prepare_weights(spec: ModelSpec, w: dict[str, torch.Tensor]) -> dict[str, to
         if spec.has_hyper_connections:
             for hc in ("attn_hyper_connection.", "mlp_hyper_connection."):
                 fuse(pre + hc + "fused_down.weight", [pre + hc + "input_mix_weight_down.weight",
-                                                      pre + hc + "block_inject_weight.weight"])
+                                                      pre + hc + "block_inject_weight.weight"], ALIGN_ROWS)
                 w[pre + hc + "fused_down.weight"] /= spec.hc_count  # both products are divided by hc: fold it
         m = pre + "mlp."
         if spec.moe_layers[layer] and spec.moe is not None:
             fuse(m + "fused_in.weight", [m + "gate.weight", m + "shared_expert.gate_proj.weight",
-                                         m + "shared_expert.up_proj.weight", m + "shared_expert_gate.weight"])
+                                         m + "shared_expert.up_proj.weight", m + "shared_expert_gate.weight"],
+                 ALIGN_ROWS)
     if spec.has_hyper_connections:
         w["hyper_connection_mixer.input_mix_weight_down.weight"] = (
             w["hyper_connection_mixer.input_mix_weight_down.weight"] / spec.hc_count)
     return w
+
+
+# fused weights padded to a multiple of this many output rows (zeros): a product whose output rows are not 16-byte
+# aligned cannot take cuBLAS's sm90 kernels. H200, session 7: the hyper mix-down + inject (324 columns) ran as
+# cutlass_80 s16816 GEMMs (48 a step, 7.6 us each at batch 64, 55 us at 2,048 tokens) and the MoE router + shared
+# expert input (1,041 columns) as cutlass_75 s1688 (12.2 us at batch 64, 133 us at 2,048 tokens)
+ALIGN_ROWS = 8
+
+
+def split_out(y: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
+    """y's last dimension split into `sizes`, any padding columns past their sum dropped (prepare_weights pads
+    fused weights to ALIGN_ROWS rows; a caller's own unpadded fusion has none)."""
+    rest = y.shape[-1] - sum(sizes)
+    parts = list(y.split([*sizes, rest], dim=-1)) if rest else list(y.split(sizes, dim=-1))
+    return parts[: len(sizes)]
 
 
 def _is_zero_centred_norm(name: str) -> bool:
@@ -101,6 +121,7 @@ def hyper_mix(spec: ModelSpec, w: dict[str, torch.Tensor], pre: str, streams: to
     if kernel:
         from atlas_kernels.hyper import hyper_site
 
+        down_w = down_w[: spec.hc_lowrank + (spec.hc_count if combine else 0)]  # without the alignment rows
         return hyper_site(streams, w[pre + "hc_norm.weight"], down_w, w[pre + "input_mix_weight_up.weight"],
                           spec.hc_count, spec.hc_lowrank, spec.rms_norm_eps, combine)
     block = compiled(hyper_block, compile_mode)
@@ -113,7 +134,7 @@ def hyper_block(streams: torch.Tensor, norm_w: torch.Tensor, down_w: torch.Tenso
     """One hyper-connection site on tensors: (block input [.., H], injection weights [.., hc] or None)."""
     normed = rms_norm(streams, norm_w, eps, group=hidden)
     if combine:  # 1/hc is folded into the weights (prepare_weights)
-        down, inject = (normed @ down_w.T).split([lowrank, hc], dim=-1)
+        down, inject = split_out(normed @ down_w.T, [lowrank, hc])
     else:
         down, inject = normed @ down_w.T, None
     mix = torch.sigmoid(F.silu(down) @ up_w.T).unflatten(-1, (hc, hidden))
@@ -351,18 +372,47 @@ def attn_core(spec: ModelSpec, q: torch.Tensor, gate: torch.Tensor, qk: torch.Te
         out = _attend_sdpa(q.view(b, t, nh, hd), keys, values, mask, group).reshape(rows, nh * hd)
     else:
         out = _attend_torch(q.view(b, t, nkv, group, hd), keys, values, mask).reshape(rows, nh * hd)
-    out = out * torch.sigmoid(gate.reshape(rows, nh * hd))
+    return attn_gate_out(out, gate, o_w, b, t)
+
+
+def attn_gate_out(out: torch.Tensor, gate: torch.Tensor, o_w: torch.Tensor, b: int, t: int) -> torch.Tensor:
+    """The attention output [R, nh, hd] (or [R, nh * hd]) gated by sigmoid(gate) and projected -> [B, T, H]."""
+    rows = b * t
+    out = out.reshape(rows, -1) * torch.sigmoid(gate.reshape(rows, -1))
     return (out @ o_w.T).view(b, t, -1)
+
+
+def attn_paged(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, grp: Group) -> torch.Tensor:
+    """A decode group's attention (T = 1, dense: no QSA selection) over the paged KV through the split-K kernel
+    (Tuning.decode_attention = "paged"): q [R, nh, hd] normed and roped -> [R, nh, hd]. Keys are read in place
+    through the block table; each row sees positions [0, grp.ends) (its own key written before the call)."""
+    from atlas_kernels.paged_attention import paged_attention
+
+    b, t = grp.positions.shape
+    block_size = k_pool.shape[1]
+    out = paged_attention(q.view(b, t, *q.shape[1:]), k_pool, v_pool, grp.block_table, grp.ends, q.shape[-1] ** -0.5,
+                          grp.shape.key_blocks * block_size)
+    return out.view(b * t, *q.shape[1:])
+
+
+def paged_applies(grp: Group, mode: str) -> bool:
+    """Whether a group's attention takes the paged kernel: the knob, a decode-shaped group, no QSA selection."""
+    return mode == "paged" and grp.shape.width == 1 and not grp.shape.qsa_select
 
 
 def attention_layer(spec: ModelSpec, w: dict[str, torch.Tensor], pre: str, layer: int, x: torch.Tensor,
                     grp: Group, pools: DevicePools, cos: torch.Tensor, sin: torch.Tensor, *,
-                    sdpa: bool = False) -> torch.Tensor:
+                    sdpa: bool = False, paged: bool = False) -> torch.Tensor:
     """x [B, T, H] -> [B, T, H]: gated attention over the paged KV (QSA-selected past the inert bound).
-    sdpa: the scores through F.scaled_dot_product_attention (Tuning.attention / decode_attention)."""
+    sdpa: the scores through F.scaled_dot_product_attention (Tuning.attention / decode_attention); paged: the
+    split-K kernel (attn_paged; a dense decode group only)."""
     q, gate, k, v, qk = attn_in(spec, x, w[pre + "fused_in.weight"], w[pre + "q_norm.weight"],
                                 w[pre + "k_norm.weight"], cos, sin)
     attn_write(spec, layer, k, v, qk, grp, pools)
+    if paged:
+        b, t = grp.positions.shape
+        return attn_gate_out(attn_paged(q, pools.keys[layer], pools.values[layer], grp), gate,
+                             w[pre + "o_proj.weight"], b, t)
     return attn_core(spec, q, gate, qk, *attn_sources(spec, w, pre, layer, grp, pools), cos, sin,
                      grp.shape.qsa_select, sdpa)
 
@@ -381,8 +431,8 @@ def moe_router(moe: MoeSpec, x: torch.Tensor, fused_in: torch.Tensor, shared_dow
     """The routing and the shared expert on tensors: (top_w [R, K] in x's dtype, top_i [R, K], the gated
     shared expert's output [R, H]). ranked: the top-k as moe.ranked_topk (fusable; torch.topk's result)."""
     shared_width = moe.shared_intermediate_size
-    logits, shared_gate, shared_up, shared_scale = (x @ fused_in.T).split(
-        [moe.num_experts, shared_width, shared_width, 1], dim=-1)
+    logits, shared_gate, shared_up, shared_scale = split_out(
+        x @ fused_in.T, [moe.num_experts, shared_width, shared_width, 1])
     probs = torch.softmax(logits.to(acc_dtype(x.dtype)), dim=-1)
     top_w, top_i = ranked_topk(probs, moe.top_k) if ranked else torch.topk(probs, moe.top_k, dim=-1)
     if moe.norm_topk_prob:
@@ -530,9 +580,10 @@ class _GroupOps:
     def mixer(self, layer: int, x: torch.Tensor) -> torch.Tensor:
         spec, w, pre = self.spec, self.w, f"layers.{layer}."
         if spec.layer_types[layer] == FULL_ATTENTION:
-            sdpa = (self.tuning.attention if self.grp.shape.width > 1 else self.tuning.decode_attention) == "sdpa"
+            mode = self.tuning.attention if self.grp.shape.width > 1 else self.tuning.decode_attention
+            paged = paged_applies(self.grp, mode)
             return attention_layer(spec, w, pre + "self_attn.", layer, x, self.grp, self.pools, self.cos, self.sin,
-                                   sdpa=sdpa)
+                                   sdpa=mode != "torch" and not paged, paged=paged)
         return gdn_layer(spec, w, pre + "linear_attn.", layer, x, self.grp, self.pools, self.gdn_kernel,
                          self.library_conv)
 

@@ -32,7 +32,9 @@ from atlas.backends.cuda.compiled import compiled
 from atlas.backends.cuda.layers import (
     GdnKernel,
     attn_core,
+    attn_gate_out,
     attn_in,
+    attn_paged,
     attn_sources,
     attn_write,
     gdn_in,
@@ -41,6 +43,7 @@ from atlas.backends.cuda.layers import (
     hyper_block,
     moe_routed,
     moe_router,
+    paged_applies,
     ple_layer,
 )
 from atlas.backends.cuda.moe import SMALL_EXPERTS, counted_route
@@ -141,6 +144,16 @@ def attn_tail(spec: ModelSpec, streams: torch.Tensor, inject: torch.Tensor, q: t
     return _ffn_head(spec, streams, mixed, inject, norm_w, down_w, up_w, moe_in, shared_down, route)
 
 
+def attn_post(spec: ModelSpec, streams: torch.Tensor, inject: torch.Tensor, att: torch.Tensor, gate: torch.Tensor,
+              o_w: torch.Tensor, norm_w: torch.Tensor, down_w: torch.Tensor, up_w: torch.Tensor,
+              moe_in: torch.Tensor | None, shared_down: torch.Tensor | None, route: bool) -> tuple[torch.Tensor, ...]:
+    """attn_tail after the paged kernel's attention output att [R, nh, hd]: its gate and projection, then the ffn
+    head."""
+    b, t = streams.shape[:2]
+    return _ffn_head(spec, streams, attn_gate_out(att, gate, o_w, b, t), inject, norm_w, down_w, up_w, moe_in,
+                     shared_down, route)
+
+
 def final_mix(spec: ModelSpec, streams: torch.Tensor, routed: torch.Tensor | None, shared: torch.Tensor | None,
               inject: torch.Tensor | None, norm_w: torch.Tensor, down_w: torch.Tensor, up_w: torch.Tensor
               ) -> torch.Tensor:
@@ -151,21 +164,38 @@ def final_mix(spec: ModelSpec, streams: torch.Tensor, routed: torch.Tensor | Non
     return final
 
 
+def _same(x: torch.Tensor | None) -> torch.Tensor | None:
+    return x
+
+
+def _token_dim(x: torch.Tensor | None) -> torch.Tensor | None:
+    """A prefill chunk's activation with its token dimension marked dynamic (dim 1 of [1, T, ...], dim 0 of rows
+    [T, ...]) before a compiled region sees it: one compile a region kind serves every chunk length, and only the
+    token dimension is symbolic. dynamic=True instead made every size symbolic, weights' included, and the
+    kernels 5-10x slower (H200, session 7: a grouped RMSNorm over [2,048, 8,192] 157 us, ~15 us of traffic)."""
+    if x is not None:
+        torch._dynamo.mark_dynamic(x, 1 if x.dim() >= 2 and x.shape[0] == 1 else 0)
+    return x
+
+
 def regions_stack(spec: ModelSpec, w: dict[str, torch.Tensor], pools: DevicePools, grp: Group, *,
                   gdn_kernel: GdnKernel | None, tuning: Tuning, invariant: bool = False) -> torch.Tensor:
     """The group's final hidden states [B, T, H]: decoder_stack's result, cut into regions. A decode group takes
     the decode knobs (compile_decode, moe, decode_attention), a prefill chunk the prefill ones (compile_prefill
-    with every size symbolic: one compile a region kind serves every chunk length, and a row's kernels do not
-    depend on which lengths came first; prefill_moe, attention, prefill_conv)."""
+    with the token dimension symbolic: one compile a region kind serves every chunk length; prefill_moe,
+    attention, prefill_conv)."""
     prefill = grp.shape.width > 1
     mode = tuning.compile_prefill if prefill else tuning.compile_decode
-    dynamic = True if prefill else None
-    head_g, head_a = compiled(gdn_head, mode, dynamic), compiled(attn_head, mode, dynamic)
-    tail_g, tail_a = compiled(gdn_tail, mode, dynamic), compiled(attn_tail, mode, dynamic)
-    settle_c, final_c = compiled(settle, mode, dynamic), compiled(final_mix, mode, dynamic)
+    head_g, head_a = compiled(gdn_head, mode), compiled(attn_head, mode)
+    tail_g, tail_a, post_a = compiled(gdn_tail, mode), compiled(attn_tail, mode), compiled(attn_post, mode)
+    settle_c, final_c = compiled(settle, mode), compiled(final_mix, mode)
+    tok = _token_dim if prefill and mode != "none" else _same
     dtype = w["embed_tokens.weight"].dtype
     cos, sin = rope_table(grp.positions.reshape(-1), spec.rotary_dim, spec.rope_theta, dtype)
-    sdpa = (tuning.attention if prefill else tuning.decode_attention) == "sdpa"
+    cos, sin, positions = tok(cos), tok(sin), tok(grp.positions)
+    attention = tuning.attention if prefill else tuning.decode_attention
+    paged = paged_applies(grp, attention)  # the split-K kernel between the head and attn_post (eager, in the graph)
+    sdpa = attention != "torch" and not paged
     moe_mode = tuning.prefill_moe if prefill else tuning.moe
     # the library conv for prefill chunks only, never in a batch-invariant mode (layers.conv_step)
     library = prefill and tuning.prefill_conv == "library" and not invariant
@@ -178,7 +208,7 @@ def regions_stack(spec: ModelSpec, w: dict[str, torch.Tensor], pools: DevicePool
         routed, shared, inject_prev = pending
         if layer in ple_layers:  # PLE keeps its own conv state: settle, add it eagerly, then the head
             assert grp.ngram_ids is not None
-            streams = settle_c(streams, routed, shared, inject_prev)
+            streams = settle_c(tok(streams), tok(routed), tok(shared), tok(inject_prev))
             streams = streams + ple_layer(spec, w, pre + "ple.", streams, grp.ngram_ids[ple_layers.index(layer)],
                                           grp, pools, layer, library)
             routed = shared = inject_prev = None
@@ -190,22 +220,30 @@ def regions_stack(spec: ModelSpec, w: dict[str, torch.Tensor], pools: DevicePool
         moe_w = (w[pre + "mlp.fused_in.weight"], w[pre + "mlp.shared_expert.down_proj.weight"]) if moe else (None, None)
         if spec.layer_types[layer] == FULL_ATTENTION:
             a = pre + "self_attn."
-            streams, inject, q, gate, k, v, qk = head_a(spec, streams, routed, shared, inject_prev, *site,
+            streams, inject, q, gate, k, v, qk = head_a(spec, tok(streams), tok(routed), tok(shared), tok(inject_prev),
+                                                        *site,
                                                         w[a + "fused_in.weight"], w[a + "q_norm.weight"],
                                                         w[a + "k_norm.weight"], cos, sin)
             attn_write(spec, layer, k, v, qk, grp, pools)
-            streams, rows, inject, top_w, top_i, shared, pairs = tail_a(
-                spec, streams, inject, q, gate, qk, *attn_sources(spec, w, a, layer, grp, pools), cos, sin,
-                grp.shape.qsa_select, sdpa, *ffn_site, *moe_w, route)
+            k_pool, v_pool, raw_pool, read_slots, _, o_w, iq_norm, ik_norm = attn_sources(spec, w, a, layer, grp,
+                                                                                         pools)
+            if paged:
+                att = attn_paged(q, k_pool, v_pool, grp)
+                streams, rows, inject, top_w, top_i, shared, pairs = post_a(spec, streams, inject, att, gate, o_w,
+                                                                            *ffn_site, *moe_w, route)
+            else:
+                streams, rows, inject, top_w, top_i, shared, pairs = tail_a(
+                    spec, tok(streams), tok(inject), tok(q), tok(gate), tok(qk), k_pool, v_pool, raw_pool, read_slots,
+                    positions, o_w, iq_norm, ik_norm, cos, sin, grp.shape.qsa_select, sdpa, *ffn_site, *moe_w, route)
         else:
             g = pre + "linear_attn."
-            streams, inject, *parts = head_g(spec, streams, routed, shared, inject_prev, *site,
+            streams, inject, *parts = head_g(spec, tok(streams), tok(routed), tok(shared), tok(inject_prev), *site,
                                              w[g + "fused_in.weight"], w[g + "conv1d.weight"],
                                              pools.state[f"conv{layer}"], grp.slots, library)
             out = gdn_update(spec, w, g, layer, tuple(parts), grp, pools, gdn_kernel)
             streams, rows, inject, top_w, top_i, shared, pairs = tail_g(
-                spec, streams, inject, out, parts[3], w[g + "norm.weight"], w[g + "out_proj.weight"], *ffn_site,
-                *moe_w, route)
+                spec, tok(streams), tok(inject), tok(out), tok(parts[3]), w[g + "norm.weight"],
+                w[g + "out_proj.weight"], *ffn_site, *moe_w, route)
         if moe:
             assert spec.moe is not None and top_w is not None and top_i is not None
             routed = moe_routed(spec.moe, w, pre + "mlp.", rows, top_w, top_i, mode=moe_mode, route=pairs)
@@ -213,7 +251,8 @@ def regions_stack(spec: ModelSpec, w: dict[str, torch.Tensor], pools: DevicePool
             routed, shared = dense_mlp(w, pre + "mlp.", rows), None
         pending = (routed, shared, inject)
     routed, shared, inject_prev = pending
-    final = final_c(spec, streams, routed, shared, inject_prev, w["hyper_connection_mixer.hc_norm.weight"],
+    final = final_c(spec, tok(streams), tok(routed), tok(shared), tok(inject_prev),
+                    w["hyper_connection_mixer.hc_norm.weight"],
                     w["hyper_connection_mixer.input_mix_weight_down.weight"],
                     w["hyper_connection_mixer.input_mix_weight_up.weight"])
     return final

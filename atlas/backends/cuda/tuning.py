@@ -14,6 +14,7 @@ import attrs
 MOE = ("torch", "triton")
 PREFILL_MOE = ("grouped", "dense", "triton", "grouped_mm")
 ATTENTION = ("torch", "sdpa")
+DECODE_ATTENTION = (*ATTENTION, "paged")
 HYPER = ("torch", "triton")
 COMPILE = ("none", "default", "max-autotune-no-cudagraphs")
 STACK = ("layers", "regions")
@@ -40,8 +41,12 @@ class Tuning:
     # prefill attention: "torch" materialised fp32 scores, "sdpa" F.scaled_dot_product_attention (flash or
     # memory-efficient kernels; the causal / QSA mask passed as a boolean mask where one is needed)
     attention: str = attrs.field(default="torch", validator=_one_of(ATTENTION))
-    # decode attention (T = 1, inside the decode graphs): the same two choices
-    decode_attention: str = attrs.field(default="torch", validator=_one_of(ATTENTION))
+    # decode attention (T = 1, inside the decode graphs): the same two choices, or "paged": the split-K Triton
+    # kernel over the KV pools in place (atlas_kernels.paged_attention: fixed 256-key partitions merged in a fixed
+    # order), no gather of the keys, no copy to the query heads, no mask; dense groups only (QSA-selected groups
+    # take sdpa). H200, session 7: sdpa's path was ~100 us a layer at batch 64 (cuDNN 53 us + the keys' gather
+    # and head copy 45 us), the kernel 8-10 us at 256 keys (benchmarks/kernels.py --only attn)
+    decode_attention: str = attrs.field(default="torch", validator=_one_of(DECODE_ATTENTION))
     # hyper-connection sites (decode and prefill): "torch" ~13 kernels a site, "triton" the four kernels of
     # atlas_kernels.hyper (per-stream norm; split-K mix-down; split sum + silu / injection sigmoid; mix-up +
     # sigmoid + mix + mean)
@@ -66,7 +71,8 @@ class Tuning:
 
     @property
     def uses_triton(self) -> bool:
-        return self.moe == "triton" or self.prefill_moe == "triton" or self.hyper == "triton"
+        return (self.moe == "triton" or self.prefill_moe == "triton" or self.hyper == "triton"
+                or self.decode_attention == "paged")
 
 
 # the variants `atlas bench gpu` times side by side (name -> knobs), each predicted in docs/BENCHMARKS.md;
@@ -89,7 +95,7 @@ VARIANTS: dict[str, Tuning] = {
                             compile_decode="default"),
     # the decode step as compiled regions (session 4): a layer is ~4 compiled pieces + its state writes, the
     # GDN kernel and the routed experts (dispatch count on the CPU: see docs/BENCHMARKS.md, session 4)
-    "regions-compile": Tuning(moe="triton", prefill_moe="triton", attention="sdpa", decode_attention="sdpa",
+    "regions-compile": Tuning(moe="triton", prefill_moe="triton", attention="sdpa", decode_attention="paged",
                               compile_decode="default", decode_stack="regions", prefill_conv="library",
                               prefill_stack="regions", compile_prefill="default"),
     # the same with Inductor's GEMM autotuning (Triton templates against cuBLAS, epilogues fused into the GEMM)

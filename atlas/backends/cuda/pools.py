@@ -184,7 +184,10 @@ class DevicePools:
         if keep:  # kept by reference until the commit reads it (a graph's static tensor lives until its next replay)
             self.kept[name] = (per_token, (positions + 1).T.to(torch.int32), slots)  # type: ignore[assignment]
         else:
-            self.state[name][slots] = final.to(self.state[name].dtype)  # type: ignore[union-attr]
+            # a dense copy then index_copy_: index_put of the strided tail (the conv's last S of S + T columns) was
+            # 12.6 us a write at batch 64 on the H200 (20 a step), for ~6 MB
+            dest = self.state[name]
+            dest.index_copy_(0, slots, final.to(dest.dtype).contiguous())  # type: ignore[union-attr]
             self.stamp[name][slots] = ends
 
     # -- paged stamps ---------------------------------------------------------------------------------

@@ -106,7 +106,7 @@ def attn_head(spec: ModelSpec, streams: torch.Tensor, routed: torch.Tensor | Non
     return (streams, inject, *attn_in(spec, x, fused_in, q_norm, k_norm, cos, sin))
 
 
-def _ffn_head(spec: ModelSpec, streams: torch.Tensor, mixed: torch.Tensor, inject: torch.Tensor,
+def ffn_head(spec: ModelSpec, streams: torch.Tensor, mixed: torch.Tensor, inject: torch.Tensor,
               norm_w: torch.Tensor, down_w: torch.Tensor, up_w: torch.Tensor, moe_in: torch.Tensor | None,
               shared_down: torch.Tensor | None, route: bool) -> tuple[torch.Tensor, ...]:
     """The mixer's output injected, then the ffn's site and (MoE) router: (streams, rows, inject, top_w, top_i,
@@ -129,7 +129,7 @@ def gdn_tail(spec: ModelSpec, streams: torch.Tensor, inject: torch.Tensor, out: 
              gnorm_w: torch.Tensor, out_w: torch.Tensor, norm_w: torch.Tensor, down_w: torch.Tensor,
              up_w: torch.Tensor, moe_in: torch.Tensor | None, shared_down: torch.Tensor | None, route: bool
              ) -> tuple[torch.Tensor, ...]:
-    return _ffn_head(spec, streams, gdn_out(spec, out, z, gnorm_w, out_w), inject, norm_w, down_w, up_w, moe_in,
+    return ffn_head(spec, streams, gdn_out(spec, out, z, gnorm_w, out_w), inject, norm_w, down_w, up_w, moe_in,
                      shared_down, route)
 
 
@@ -141,7 +141,7 @@ def attn_tail(spec: ModelSpec, streams: torch.Tensor, inject: torch.Tensor, q: t
               shared_down: torch.Tensor | None, route: bool) -> tuple[torch.Tensor, ...]:
     mixed = attn_core(spec, q, gate, qk, k_pool, v_pool, raw_pool, read_slots, positions, o_w, iq_norm, ik_norm,
                       cos, sin, qsa_select, sdpa)
-    return _ffn_head(spec, streams, mixed, inject, norm_w, down_w, up_w, moe_in, shared_down, route)
+    return ffn_head(spec, streams, mixed, inject, norm_w, down_w, up_w, moe_in, shared_down, route)
 
 
 def attn_post(spec: ModelSpec, streams: torch.Tensor, inject: torch.Tensor, att: torch.Tensor, gate: torch.Tensor,
@@ -150,7 +150,7 @@ def attn_post(spec: ModelSpec, streams: torch.Tensor, inject: torch.Tensor, att:
     """attn_tail after the paged kernel's attention output att [R, nh, hd]: its gate and projection, then the ffn
     head."""
     b, t = streams.shape[:2]
-    return _ffn_head(spec, streams, attn_gate_out(att, gate, o_w, b, t), inject, norm_w, down_w, up_w, moe_in,
+    return ffn_head(spec, streams, attn_gate_out(att, gate, o_w, b, t), inject, norm_w, down_w, up_w, moe_in,
                      shared_down, route)
 
 
@@ -188,6 +188,7 @@ def regions_stack(spec: ModelSpec, w: dict[str, torch.Tensor], pools: DevicePool
     mode = tuning.compile_prefill if prefill else tuning.compile_decode
     head_g, head_a = compiled(gdn_head, mode), compiled(attn_head, mode)
     tail_g, tail_a, post_a = compiled(gdn_tail, mode), compiled(attn_tail, mode), compiled(attn_post, mode)
+    ffn_c = compiled(ffn_head, mode)
     settle_c, final_c = compiled(settle, mode), compiled(final_mix, mode)
     tok = _token_dim if prefill and mode != "none" else _same
     dtype = w["embed_tokens.weight"].dtype
@@ -231,6 +232,14 @@ def regions_stack(spec: ModelSpec, w: dict[str, torch.Tensor], pools: DevicePool
                 att = attn_paged(q, k_pool, v_pool, grp)
                 streams, rows, inject, top_w, top_i, shared, pairs = post_a(spec, streams, inject, att, gate, o_w,
                                                                             *ffn_site, *moe_w, route)
+            elif prefill:
+                # a prefill chunk's attention eager (as the layer stack's): Inductor's lowering of sdpa on CUDA
+                # specialises the query length (H200, session 7: a ConstraintViolationError on the marked token
+                # dimension, T = 32 and 2,048), which would recompile the region for every chunk length
+                mixed = attn_core(spec, q, gate, qk, k_pool, v_pool, raw_pool, read_slots, grp.positions, o_w,
+                                  iq_norm, ik_norm, cos, sin, grp.shape.qsa_select, sdpa)
+                streams, rows, inject, top_w, top_i, shared, pairs = ffn_c(
+                    spec, tok(streams), tok(mixed), tok(inject), *ffn_site, *moe_w, route)
             else:
                 streams, rows, inject, top_w, top_i, shared, pairs = tail_a(
                     spec, tok(streams), tok(inject), tok(q), tok(gate), tok(qk), k_pool, v_pool, raw_pool, read_slots,

@@ -5,6 +5,7 @@ random prompts share the engine with it (issue 15, deliverable 4; goal 1,000 of 
     python benchmarks/invariance.py --smoke     # atlas-tiny, the CUDA backend's fp32 math on the CPU, 6 trials
 
     python benchmarks/invariance.py --stream [--trials 1000]   # one engine, a stream of arrivals (see below)
+    python benchmarks/invariance.py --stream --variant regions-compile   # the benchmark's fastest knobs
 
 Each trial builds a batch of the target prompt plus a random number of random other prompts (random lengths, so
 the scheduler's prefill chunks and the decode batch differ from trial to trial), generates greedily (or with
@@ -44,6 +45,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--stream", action="store_true", help="one engine, targets and others arriving over time")
     parser.add_argument("--smoke", action="store_true")
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--variant", default=None,
+                        help="a Tuning variant (atlas.backends.cuda.tuning.VARIANTS, e.g. regions-compile); default: "
+                        "the backend's own tuning")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     from atlas.config import EngineConfig
@@ -64,6 +68,12 @@ def main(argv: list[str] | None = None) -> int:
 
         model = random_model(json.loads(CONFIG.read_text()), device="cuda", dtype=torch.bfloat16, seed=0)
         name = model.name
+    if args.variant is not None:
+        from atlas.backends.cuda.tuning import VARIANTS
+
+        if args.variant not in VARIANTS:
+            parser.error(f"--variant {args.variant!r}: one of {', '.join(VARIANTS)}")
+        options["tuning"] = VARIANTS[args.variant]
     vocab = model.spec.vocab_size
     config = EngineConfig(max_seq_len=args.prompt_len + args.tokens + 16, max_batch_size=args.max_others + 1)
     engine = build_engine(name, args.backend, config, loaded=model, sink=RecordingSink(), backend_options=options)

@@ -198,8 +198,8 @@ def test_the_library_conv_equals_the_windowed_product(dilation: int) -> None:
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="Inductor on the GPU: the compiled regions")
 def test_compiled_regions_give_the_reference_tokens_on_the_gpu(tiny) -> None:  # type: ignore[no-untyped-def]
-    """fp32, CUDA graphs on: the decode and prefill regions through torch.compile and the paged decode attention,
-    greedy and seeded rows side by side, against the CPU reference."""
+    """fp32, CUDA graphs on: the decode regions through torch.compile and the paged decode attention, greedy and
+    seeded rows side by side, against the CPU reference."""
     from atlas.config import EngineConfig
     from atlas.engine.offline import generate
     from atlas.engine.records import RecordingSink
@@ -210,8 +210,7 @@ def test_compiled_regions_give_the_reference_tokens_on_the_gpu(tiny) -> None:  #
     params = [SamplingParams(max_tokens=12, ignore_eos=True),
               SamplingParams(max_tokens=12, ignore_eos=True, temperature=0.8, top_p=0.95, seed=7),
               SamplingParams(max_tokens=12, ignore_eos=True, temperature=1.0, top_k=20, seed=3)]
-    tuning = Tuning(decode_stack="regions", compile_decode="default", prefill_stack="regions",
-                    compile_prefill="default", decode_attention="paged")
+    tuning = Tuning(decode_stack="regions", compile_decode="default", decode_attention="paged")
     for prompts in (PROMPTS, SHORT):  # QSA-selected decode groups (sdpa), then dense ones (the paged kernel)
         tokens = {}
         for backend, options in (("cpu", {}), ("cuda-fp32", {"device": DEVICE, "cuda_graphs": True,
@@ -221,6 +220,37 @@ def test_compiled_regions_give_the_reference_tokens_on_the_gpu(tiny) -> None:  #
             tokens[backend] = [r.token_ids for r in generate(engine, prompts, params)]
             engine.close()
         assert tokens["cuda-fp32"] == tokens["cpu"]
+
+
+def test_compiled_prefill_regions_give_the_reference_tokens(tiny, monkeypatch: pytest.MonkeyPatch, request) -> None:  # type: ignore[no-untyped-def]
+    """32-token prefill chunks through the compiled prefill regions (Inductor on a GPU; on the CPU the traced graphs
+    run eagerly, what is tested there is Dynamo's tracing with the marked token dimension) give the CPU
+    reference's tokens. Without fullgraph=True this raised ConstraintViolationError (session 7, H200 and CPU)."""
+    from atlas.config import EngineConfig
+    from atlas.engine.offline import generate
+    from atlas.engine.records import RecordingSink
+    from atlas.registry import build_engine
+    from atlas.sampling.params import SamplingParams
+
+    config = EngineConfig(max_seq_len=128, max_batch_size=3, prefill_chunk_tokens=32)
+    params = [SamplingParams(max_tokens=12, ignore_eos=True)] * len(PROMPTS)
+    if DEVICE != "cuda":  # the compiled module's own options (fullgraph, dynamic), the eager backend
+        from atlas.backends.cuda import compiled as module
+
+        real = torch.compile
+        monkeypatch.setattr(module.torch, "compile", lambda fn, **kw: real(fn, **{**kw, "mode": None,
+                                                                               "backend": "eager"}))
+        module._compile.cache_clear()
+        torch._dynamo.reset()
+        request.addfinalizer(module._compile.cache_clear)  # no eager-backed function outlives the test
+    tuning = Tuning(prefill_stack="regions", compile_prefill="default")
+    tokens = {}
+    for backend, options in (("cpu", {}), ("cuda-fp32", {"device": DEVICE, "cuda_graphs": DEVICE == "cuda",
+                                                         "tuning": tuning})):
+        engine = build_engine("atlas-tiny", backend, config, loaded=tiny, sink=RecordingSink(), backend_options=options)
+        tokens[backend] = [r.token_ids for r in generate(engine, PROMPTS, params)]
+        engine.close()
+    assert tokens["cuda-fp32"] == tokens["cpu"]
 
 
 def test_the_library_conv_is_for_prefill_chunks_of_a_non_invariant_backend(tiny) -> None:  # type: ignore[no-untyped-def]

@@ -25,12 +25,16 @@ def _compile(fn: Callable, mode: str) -> Callable:
     # dynamic=None (automatic): the first shape compiles static, a second shape of the same block recompiles once
     # with symbolic sizes, so batch buckets 1..64 cost two compiles a block, not one each (dynamic=False would
     # compile hyper_block x 2, moe_router once per bucket: on the CPU one compile of the three took 113 s wall).
-    # Prefill chunks mark their token dimension dynamic before the first call (regions._token_dim): one compile
+    # Prefill chunks mark their token dimension dynamic before the first call (regions._token_dim): one compile.
+    # fullgraph=True: every block traces whole (tests/test_cuda_regions.py), and without it a 32-token prefill chunk
+    # of atlas-tiny raised ConstraintViolationError (the marked token dimension specialised to 32 once Dynamo
+    # retried gdn_tail's inner hyper_inject as a frame of its own); with it the same chunks compile and give the
+    # reference's tokens (CPU, eager and Inductor)
     dynamo = torch._dynamo.config
     for knob in ("recompile_limit", "cache_size_limit"):  # the name moved between torch versions
         if hasattr(dynamo, knob):
             setattr(dynamo, knob, max(getattr(dynamo, knob), 32))
-    return torch.compile(fn, mode=mode, dynamic=None)
+    return torch.compile(fn, mode=mode, dynamic=None, fullgraph=True)
 
 
 def compiled(fn: F, mode: str) -> F:

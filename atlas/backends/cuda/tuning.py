@@ -62,7 +62,11 @@ class Tuning:
     # the same for prefill chunks: "regions" runs them through the same region functions (their state writes,
     # GDN chunk kernel and routed experts eager between them), compiled by compile_prefill with symbolic sizes.
     # The eager layer stack launches ~2,600 kernels a 2,048-token prefill, host-bound ~12 ms over its device
-    # time, with ~15 ms of unfused elementwise passes over the [T, hc * H] streams (H200, session 6)
+    # time, with ~15 ms of unfused elementwise passes over the [T, hc * H] streams (H200, session 6). Opt-in and
+    # only in the "regions-prefill" variant: on the H200 (session 7) compiled regions raised ConstraintViolationError
+    # (the marked token dimension specialised to the chunk length, 2,048 and 32); reproduced on the CPU afterwards
+    # (atlas-tiny, 32-token chunks) and fixed there by fullgraph=True (atlas.backends.cuda.compiled), not yet run on
+    # a GPU. The prefill's device time in the failing runs' profile was 35-36 ms against the layer stack's 51-54
     prefill_stack: str = attrs.field(default="layers", validator=_one_of(STACK))
     compile_prefill: str = attrs.field(default="none", validator=_one_of(COMPILE))
     # the causal convs of prefill chunks (bf16): "windowed" the reference's fp32 windowed product; "library"
@@ -95,7 +99,12 @@ VARIANTS: dict[str, Tuning] = {
                             compile_decode="default"),
     # the decode step as compiled regions (session 4): a layer is ~4 compiled pieces + its state writes, the
     # GDN kernel and the routed experts (dispatch count on the CPU: see docs/BENCHMARKS.md, session 4)
+    # (prefill_stack="regions" + compile_prefill stays out until it runs on the GPU: session 7, see the knob)
     "regions-compile": Tuning(moe="triton", prefill_moe="triton", attention="sdpa", decode_attention="paged",
+                              compile_decode="default", decode_stack="regions", prefill_conv="library"),
+    # regions-compile with the prefill chunks through the compiled regions too (session 7: unmeasured since the
+    # fullgraph fix; the device time of its failing runs' prefill profile was 35-36 ms against 51-54 ms)
+    "regions-prefill": Tuning(moe="triton", prefill_moe="triton", attention="sdpa", decode_attention="paged",
                               compile_decode="default", decode_stack="regions", prefill_conv="library",
                               prefill_stack="regions", compile_prefill="default"),
     # the same with Inductor's GEMM autotuning (Triton templates against cuBLAS, epilogues fused into the GEMM)

@@ -23,7 +23,10 @@ package is in a transition); a test that writes a field directly must set `state
 
 from __future__ import annotations
 
+import sys
 from itertools import repeat
+from sys import getrefcount
+from weakref import getweakrefcount
 
 import numpy as np
 
@@ -55,6 +58,22 @@ def _plain_request(seq: Sequence) -> bool:
     """plan_step's SeqWork needs nothing per request beyond the columns: no bans, no min_tokens, no prompt logprobs."""
     p = seq.params
     return not seq.banned and not p.min_tokens and p.prompt_logprobs is None
+
+
+# decode_work's reuse of the last decode's SeqWork objects needs exact reference counts: CPython's (with the GIL: the
+# free-threaded build's counts are split between threads)
+_REUSE = sys.implementation.name == "cpython" and getattr(sys, "_is_gil_enabled", lambda: True)()
+
+
+def _unshared(work: tuple) -> bool:
+    """Nothing but the caller's `self.work` holds `work` or any SeqWork in it (no reference, no weak reference)."""
+    # references to the tuple: self.work, the caller's local, this argument and getrefcount's; to each SeqWork: the
+    # tuple's and getrefcount's argument (map hands it over without keeping one)
+    return getrefcount(work) == _TUPLE_REFS and max(map(getrefcount, work)) == 2 and not any(
+        map(getweakrefcount, work))
+
+
+_TUPLE_REFS = 4
 
 
 class BatchColumns:
@@ -307,6 +326,17 @@ class BatchColumns:
         last = self.last
         if not self.decode or not self.plain or last is None:
             return None
+        prev = self.work
+        if prev is not None and type(prev[0]) is seq_work and _REUSE and _unshared(prev):
+            # the last decode's SeqWork tuple, which nothing but these columns holds any more (the plan, the backend
+            # and everyone else let go of it and of each SeqWork in it): moved to this step's tokens, positions and
+            # block tables in place. No one can see the change (what no reference reaches cannot be read), and a
+            # SeqWork costs ~3.5 K instructions to build against ~0.3 K to move (~190 K of a batch-64 step)
+            for w, t, start, table in zip(prev, zip(last), self.ends, self.tables):
+                w.tokens = t
+                w.start = start
+                w.block_table = table
+            return prev
         n = len(self.ids)
         if self.keys_at_zero:  # the trailing fields all at SeqWork's defaults: six arguments, not eleven
             work = tuple(map(seq_work, self.ids, zip(last), self.ends, self.tables, repeat(True, n), self.params))

@@ -332,7 +332,7 @@ class BatchColumns:
             # and everyone else let go of it and of each SeqWork in it): moved to this step's tokens, positions and
             # block tables in place. No one can see the change (what no reference reaches cannot be read), and a
             # SeqWork costs ~3.5 K instructions to build against ~0.3 K to move (~190 K of a batch-64 step)
-            for w, t, start, table in zip(prev, zip(last), self.ends, self.tables):
+            for w, t, start, table in zip(prev, zip(last), self.ends, self.tables, strict=True):
                 w.tokens = t
                 w.start = start
                 w.block_table = table

@@ -16,10 +16,10 @@ from fixtures import null_workload
 
 from atlas.config import EngineConfig
 from atlas.engine.records import RecordingSink
+from atlas.errors import InvariantViolation, TransitionRefused
 from atlas.registry import build_engine
 from atlas.sampling.params import SamplingParams
 from atlas.state import batch_columns
-from atlas.errors import InvariantViolation, TransitionRefused
 from atlas.state.batch_columns import BatchColumns
 from atlas.state.control import ControlState
 from atlas.state.events import Event, StepPlanned

@@ -1,12 +1,14 @@
 """Control-plane throughput: schedule + apply + invariants + digest + SQLite trace, no tensors.
 
-    .venv/bin/python benchmarks/control_plane.py [--steps N] [--batches 1,64,256] [--no-trace] [--clock process] [--stamps 51]
-        [--no-batch-columns] [--smoke]
+    .venv/bin/python benchmarks/control_plane.py [--steps N] [--batches 1,64,256] [--no-trace | --memory-sink]
+        [--clock process] [--stamps 51] [--no-batch-columns] [--smoke]
 
 A fixed-token backend (honest cursors, no compute) stands in for the model, so the figure is the cost
 the engine adds to every decode step. It prints sequence-steps per second (one sequence advanced by
 one step) at each batch size, with the trace on, the trace's bytes per sequence-step, and the control
 plane's time per decode step: the engine's wall time outside Backend.execute (issue 15's measure).
+--memory-sink: the events kept in memory (RecordingSink), as atlas.bench_measure's H200 decode rows keep them (their
+control-plane share has no SQLite trace in it).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from atlas.backends.base import Capabilities
 from atlas.backends.null import ByteTokenizer
 from atlas.config import EngineConfig
 from atlas.engine.engine import Engine
+from atlas.engine.records import RecordingSink
 from atlas.plan import BackendCursors, SeqOutcome, StepPlan, StepResult
 from atlas.replay.store import TraceWriter
 from atlas.sampling.params import SamplingParams
@@ -78,15 +81,15 @@ class FixedTokenBackend:
         return self._cursors(self._fed.get(seq_id, 0))
 
 
-def measure(batch: int, steps: int, trace_dir: Path | None, stamps: int = 0, columns: bool = True
-            ) -> tuple[float, float | None, float]:
+def measure(batch: int, steps: int, trace_dir: Path | None, stamps: int = 0, columns: bool = True,
+            memory_sink: bool = False) -> tuple[float, float | None, float]:
     """(sequence-steps/s, trace bytes per sequence-step, control-plane us per step outside execute)."""
     prompt_len, max_seq_len = 16, 16 + steps + 8
     config = EngineConfig(max_seq_len=max_seq_len, max_batch_size=batch, prefill_chunk_tokens=max(batch * prompt_len, 64),
                           block_size=16)
-    sink = None
+    sink: TraceWriter | RecordingSink | None = RecordingSink() if memory_sink else None
     path = None
-    if trace_dir is not None:
+    if trace_dir is not None and not memory_sink:
         path = trace_dir / f"bench-{batch}-{time.perf_counter_ns()}.db"  # a fresh trace per run
         sink = TraceWriter(path, run={"engine_version": "bench", "git_revision": None, "model": "none",
                                       "model_fingerprint": "none", "backend": "fixed", "seed": None,
@@ -118,6 +121,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=400)
     ap.add_argument("--batches", default="1,64,256")
     ap.add_argument("--no-trace", action="store_true")
+    ap.add_argument("--memory-sink", action="store_true",
+                    help="events kept in memory (RecordingSink, as the H200 decode rows keep them), no SQLite trace")
     ap.add_argument("--repeat", type=int, default=1, help="runs per batch size; the fastest is shown")
     ap.add_argument("--clock", choices=("wall", "process"), default="wall",
                     help="time with the wall clock (default) or this process's CPU time (a loaded machine)")
@@ -140,7 +145,7 @@ def main() -> None:
         print(f"{'batch':>6} {'seq-steps/s':>12} {'us/seq-step':>12} {'trace B/seq-step':>17} "
               f"{'control plane us/step':>22}")
         for batch in (int(b) for b in args.batches.split(",")):
-            runs = [measure(batch, args.steps, trace_dir, args.stamps, not args.no_batch_columns)
+            runs = [measure(batch, args.steps, trace_dir, args.stamps, not args.no_batch_columns, args.memory_sink)
                     for _ in range(args.repeat)]
             rate, bytes_per, _ = max(runs, key=lambda r: r[0])
             plane_us = min(r[2] for r in runs)

@@ -179,7 +179,7 @@ def _running_from_columns(cols: BatchColumns, budget: int, free: _FreeBlocks
         if total > budget:
             return None
         fed = cols.ones  # the same tuple objects every decode step: the event's converters pass them at once
-        rows = np.flatnonzero(cols.ntok > cols.nblocks * cols.bs).tolist()  # computed <= blocks: 1 block at most
+        rows = cols.short_rows()  # computed <= blocks: 1 block at most (StepPlanned's check reads the same list)
         counts = [1] * len(rows)
     else:
         n = cols.ntok - cols.computed

@@ -1,0 +1,180 @@
+"""The batch columns' decode shortcuts (docs/CONTROL-PLANE.md, sixth pass): StepPlanned's check of a decode plan
+(fed counts equal to the columns' ones) reads only the short rows (tokens past their blocks), computed once for
+`batch` and the check; StepExecuted's bounds are one column (`hi`). On recorded null-engine events: the same digests
+after every event with the columns on and off, the shortcut taken, every memo equal to what it stands for after every
+event, and a decode plan that leaves a short row without its new block (or gives it one too few) refused exactly as
+without columns."""
+
+from __future__ import annotations
+
+import weakref
+
+import attrs
+import numpy as np
+import pytest
+from fixtures import null_workload
+
+from atlas.config import EngineConfig
+from atlas.engine.records import RecordingSink
+from atlas.errors import InvariantViolation, TransitionRefused
+from atlas.registry import build_engine
+from atlas.sampling.params import SamplingParams
+from atlas.state import batch_columns
+from atlas.state.batch_columns import BatchColumns
+from atlas.state.control import ControlState
+from atlas.state.events import Event, StepPlanned
+from atlas.state.invariants import check_invariants
+
+
+@pytest.fixture(scope="module")
+def recorded() -> tuple[object, list[Event]]:
+    sink = RecordingSink()
+    caps = null_workload.run(24, lambda i: 14 + i % 9, sink=sink)
+    return caps, [e for _, _, e, _ in sink.rows]
+
+
+def _memos_hold(cols: BatchColumns) -> None:
+    assert (cols.hi == np.minimum(cols.limit, cols.budget_end - 1)).all()
+    if cols.short is not None:
+        assert cols.short == np.flatnonzero(cols.ntok > cols.nblocks * cols.bs).tolist()
+    if cols.ones_fed is not None:
+        assert cols.ones_fed.tolist() == list(cols.ones)
+
+
+def _apply_all(caps: object, events: list[Event], on: bool) -> tuple[list[str], tuple | None, set[int]]:
+    """The digests after every event, the first failure, and the StepPlanned indices the decode shortcut took."""
+    state = ControlState.create(caps)  # type: ignore[arg-type]
+    state.batch_cache = on
+    digests: list[str] = []
+    shortcut: set[int] = set()
+    for index, e in enumerate(events):
+        cols = state.batch
+        took = (cols is not None and isinstance(e, StepPlanned) and cols.next_decode and e.seqs == cols.ids
+                and e.fed == cols.ones and not (e.admitted or e.drafts or e.restored or e.reset))
+        try:
+            check_invariants(state, state.apply(e), index)
+        except TransitionRefused as exc:
+            return digests, ("refused", index, exc.machine, exc.why, exc.fields), shortcut
+        except InvariantViolation as exc:
+            return digests, ("violation", index, exc.machine, exc.message, exc.fields), shortcut
+        if took and state.batch is cols:
+            assert cols.decode and cols.fed is cols.ones_fed
+            shortcut.add(index)
+        if state.batch is not None:
+            _memos_hold(state.batch)
+        digests.append(state.digest())
+    return digests, None, shortcut
+
+
+def test_decode_plans_take_the_shortcut_with_the_same_digests(recorded: tuple[object, list[Event]]) -> None:
+    caps, events = recorded
+    on, failure_on, shortcut = _apply_all(caps, events, True)
+    off, failure_off, _ = _apply_all(caps, events, False)
+    assert failure_on is failure_off is None
+    assert on == off
+    assert len(shortcut) >= 8
+    # some of them allocated a block for a short row (the only rows the shortcut looks at)
+    assert any(events[i].alloc for i in shortcut)
+
+
+def test_equal_fed_counts_not_the_same_tuple(recorded: tuple[object, list[Event]]) -> None:
+    """A plan whose fed counts equal the ones but are another tuple (a trace's, a test's) takes the same path."""
+    caps, events = recorded
+    rebuilt = [attrs.evolve(e, fed=tuple(list(e.fed))) if isinstance(e, StepPlanned) else e for e in events]
+    on, failure, shortcut = _apply_all(caps, rebuilt, True)
+    assert failure is None
+    assert on == _apply_all(caps, events, False)[0]
+    assert len(shortcut) >= 8
+
+
+@pytest.mark.parametrize("damage", ["no_new_block", "block_taken_from_another"])
+def test_short_row_without_its_block_refused_as_without_columns(recorded: tuple[object, list[Event]],
+                                                                 damage: str) -> None:
+    caps, events = recorded
+    _, _, shortcut = _apply_all(caps, events, True)
+    i = next(i for i in sorted(shortcut) if events[i].alloc)
+    e = events[i]
+    if damage == "no_new_block":  # the short row's block left out of the plan
+        bad_alloc = e.alloc[1:]
+    else:  # the block given to another row instead (a row that did not need one): the short row is left short
+        other = next(s for s in e.seqs if s not in {row[0] for row in e.alloc})
+        bad_alloc = ((other, *e.alloc[0][1:]), *e.alloc[1:])
+    bad = [*events[:i], attrs.evolve(e, alloc=bad_alloc), *events[i + 1:]]
+    digests_on, failure_on, _ = _apply_all(caps, bad, True)
+    digests_off, failure_off, _ = _apply_all(caps, bad, False)
+    assert failure_off is not None and failure_off[1] == i
+    assert failure_on == failure_off
+    assert digests_on == digests_off
+
+
+# ------------------------------------------------------------------------- decode_work's reuse of unshared SeqWork
+
+
+class _Watching:
+    """Delegates to a backend; notes each plan's work as values (and, with `keep`, holds every plan, strongly or
+    through weak references only)."""
+
+    def __init__(self, inner: object, keep: str | None) -> None:
+        self.inner = inner
+        self.keep = keep
+        self.kept: list[object] = []
+        self.seen: list[tuple] = []
+        self.ids: list[int] = []
+        self.alive = 0  # weakly held SeqWork of earlier plans found alive (and so unchanged) at a later execute
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.inner, name)
+
+    def execute(self, plan):  # type: ignore[no-untyped-def]
+        self.seen.append(tuple((w.seq_id, w.tokens, w.start, w.block_table, w.sample) for w in plan.work))
+        self.ids.append(id(plan.work))
+        if self.keep == "strong":
+            self.kept.append((plan, self.seen[-1]))
+        elif self.keep == "weak":  # what is still alive of the earlier plans' work is what they handed over
+            for refs, seen in self.kept:
+                for r, row in zip(refs, seen, strict=True):  # type: ignore[call-overload]
+                    w = r()
+                    if w is not None:
+                        self.alive += 1
+                        assert (w.seq_id, w.tokens, w.start, w.block_table, w.sample) == row
+            self.kept.append(([weakref.ref(w) for w in plan.work], self.seen[-1]))
+        return self.inner.execute(plan)
+
+
+def _decode_run(keep: str | None, reuse: bool, monkeypatch: pytest.MonkeyPatch) -> tuple[_Watching, list, list]:
+    monkeypatch.setattr(batch_columns, "_REUSE", reuse)
+    sink = RecordingSink()
+    config = EngineConfig(max_seq_len=96, max_batch_size=20, prefill_chunk_tokens=200, block_size=8)
+    engine = build_engine("atlas-tiny", backend="null", config=config, sink=sink)
+    watching = _Watching(engine.backend, keep)
+    engine.backend = watching  # type: ignore[assignment]
+    for i in range(18):
+        engine.add_request(f"r{i}", [(i * 5 + k) % 150 + 1 for k in range(6 + i % 5)],
+                           SamplingParams(max_tokens=20 + i % 4, temperature=0.7, seed=i, ignore_eos=True))
+    outputs = []
+    while engine.has_unfinished():
+        outputs += engine.step()
+    engine.close()
+    return watching, [(e, d) for _, _, e, d in sink.rows], outputs
+
+
+def test_unshared_work_is_reused_with_the_same_plans_events_and_outputs(monkeypatch: pytest.MonkeyPatch) -> None:
+    on, events_on, out_on = _decode_run(None, True, monkeypatch)
+    off, events_off, out_off = _decode_run(None, False, monkeypatch)
+    assert on.seen == off.seen and events_on == events_off and out_on == out_off
+    # the decode steps of one batch handed the backend one tuple, moved step by step (ids repeat only with reuse)
+    assert len(on.ids) - len(set(on.ids)) >= 10
+    assert len(off.ids) - len(set(off.ids)) <= 2  # (CPython may give a freed tuple's address to a new one)
+
+
+@pytest.mark.parametrize("keep", ["strong", "weak"])
+def test_work_anyone_holds_is_never_moved(keep: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    held, events, outputs = _decode_run(keep, True, monkeypatch)
+    _, events_off, outputs_off = _decode_run(None, False, monkeypatch)
+    assert events == events_off and outputs == outputs_off
+    if keep == "strong":
+        for kept, seen in held.kept:
+            assert tuple((w.seq_id, w.tokens, w.start, w.block_table, w.sample) for w in kept.work) == seen
+    # weakly held: each is gone once the tuple holding it is replaced (a moved one would be alive and changed)
+    if keep == "strong":
+        assert len(held.ids) == len(set(held.ids))  # every plan is alive, so none was reused

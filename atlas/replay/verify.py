@@ -23,11 +23,12 @@ from atlas.engine.records import RecordingSink
 from atlas.errors import AdmissionError, EngineDead, InvariantViolation, QueueFull, TransitionRefused
 from atlas.registry import engine_for_run
 from atlas.replay import codec
+from atlas.replay.arrivals import ParamsCache, parse_arrivals
 from atlas.replay.digests import LazyDigests
 from atlas.replay.runs import MIN_RUN, run_end
 from atlas.replay.store import EventRecord, RunRecord, read_run, read_stored
 from atlas.sampling.params import SamplingParams
-from atlas.state.column_arrivals import apply_arrivals
+from atlas.state.column_arrivals import apply_arrivals, apply_parsed
 from atlas.state.column_batch import finish_in_columns, plan_in_columns
 from atlas.state.column_runs import apply_run
 from atlas.state.control import ControlState
@@ -232,6 +233,7 @@ def check_rows(caps: Capacities, rows: list[tuple[int, int, str, int, str | byte
     load_event = codec.load_event
     # digests of the events applied one at a time, compared in batches (atlas.replay.digests)
     lazy = LazyDigests() if fast and comparable and state.prefix is None else None
+    params: ParamsCache = {}  # codec-1 arrivals' params, validated once per text (atlas.replay.arrivals)
     try:
         i = 0
         while i < total:
@@ -246,15 +248,17 @@ def check_rows(caps: Capacities, rows: list[tuple[int, int, str, int, str | byte
                         i = j
                         continue
                     plain_until = j
-            elif (kind == "request_arrived" and i >= plain_until and version == ARRIVED_VERSION
-                  and type(payload) is str):
+            elif kind == "request_arrived" and i >= plain_until and version == ARRIVED_VERSION:
+                form = type(payload)  # a run of JSON arrivals, or of codec-1 ones
                 j = i + 1
                 while (j < total and rows[j][2] == "request_arrived" and rows[j][3] == version
-                       and type(rows[j][4]) is str):
+                       and type(rows[j][4]) is form):
                     j += 1
                 if j - i >= MIN_ARRIVALS:
-                    if apply_arrivals(state, [r[4] for r in rows[i:j]],
-                                      [r[5] for r in rows[i:j]] if comparable else None):
+                    payloads = [r[4] for r in rows[i:j]]
+                    recorded = [r[5] for r in rows[i:j]] if comparable else None
+                    if (apply_parsed(state, parse_arrivals(payloads, params), recorded) if form is bytes
+                            else apply_arrivals(state, payloads, recorded)):
                         i = j
                         continue
                     plain_until = j

@@ -64,7 +64,7 @@ class _Count:
 def test_the_fast_paths_give_every_digest_and_the_scalar_state(trace: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     caps, rows = _rows(trace)
     arrivals = _Count(monkeypatch, "apply_parsed")  # the recorded arrivals are codec 1 (sixth pass)
-    finishes = _Count(monkeypatch, "finish_in_columns")
+    finishes = _Count(monkeypatch, "finish_text_in_columns")  # JSON finishes, no event built (sixth pass)
     plans = _Count(monkeypatch, "plan_in_columns")
     report, _ = verify.check_rows(caps, rows)
     assert report.problem is None  # every digest compared and matched

@@ -29,7 +29,7 @@ from atlas.replay.runs import MIN_RUN, run_end
 from atlas.replay.store import EventRecord, RunRecord, read_run, read_stored
 from atlas.sampling.params import SamplingParams
 from atlas.state.column_arrivals import apply_arrivals, apply_parsed
-from atlas.state.column_batch import finish_in_columns, plan_in_columns
+from atlas.state.column_batch import finish_in_columns, finish_text_in_columns, plan_in_columns
 from atlas.state.column_runs import apply_run
 from atlas.state.control import ControlState
 from atlas.state.events import EVENT_TYPES, INPUT_KINDS, Event, InvariantViolated
@@ -37,6 +37,7 @@ from atlas.state.invariants import check_invariants
 
 Progress = Callable[[int, int], None]
 ARRIVED_VERSION = EVENT_TYPES["request_arrived"].version
+FINISHED_VERSION = EVENT_TYPES["request_finished"].version
 # fewer arrivals than this go one at a time (apply_arrivals' ~25 numpy calls against ~100 K instructions an arrival)
 MIN_ARRIVALS = 2
 
@@ -231,6 +232,7 @@ def check_rows(caps: Capacities, rows: list[tuple[int, int, str, int, str | byte
     types = EVENT_TYPES
     loads = json.loads
     load_event = codec.load_event
+    finish_text = finish_text_in_columns
     # digests of the events applied one at a time, compared in batches (atlas.replay.digests)
     lazy = LazyDigests() if fast and comparable and state.prefix is None else None
     params: ParamsCache = {}  # codec-1 arrivals' params, validated once per text (atlas.replay.arrivals)
@@ -263,6 +265,24 @@ def check_rows(caps: Capacities, rows: list[tuple[int, int, str, int, str | byte
                         continue
                     plain_until = j
             i += 1
+            if (kind == "request_finished" and state.columns is not None and version == FINISHED_VERSION
+                    and type(payload) is str):
+                try:  # a finish of a row the columns hold, no event built (atlas.state.column_batch)
+                    done = finish_text(state, payload)
+                    if done is not None:
+                        if state.pool.used + len(state.pool.free) != state.pool.total:
+                            check_invariants(state, (done,), index)  # names it
+                except InvariantViolation as exc:
+                    return _first(lazy, total, state, StateCheckReport(total, str(exc), index))
+                if done is not None:
+                    if lazy is not None:
+                        wrong = lazy.add(state, recorded_digest, index)
+                        if wrong is not None:
+                            return _digest_report(total, wrong), state
+                    elif comparable and digest() != recorded_digest:
+                        return StateCheckReport(total, f"digest {digest()} != recorded {recorded_digest}",
+                                                index), state
+                    continue
             cls = types.get(kind)
             if type(payload) is str and cls is not None and cls.version == version:
                 e = cls(**loads(payload))

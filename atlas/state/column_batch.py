@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import zlib
 from bisect import insort
+from itertools import chain
 
 import numpy as np
 
@@ -77,7 +78,8 @@ def plan_in_columns(state: ControlState, e: StepPlanned) -> tuple[int, ...] | No
     keep = [r for r in range(len(cols.ids)) if r not in gone]
     k = len(keep)
     ids = cols.ids
-    if tuple(ids[r] for r in keep) != e.seqs[:k] or e.seqs[k:] != e.admitted:
+    run = bool(keep) and keep[-1] - keep[0] + 1 == k  # the kept rows are one range (see `kept` below)
+    if (ids[keep[0]:keep[-1] + 1] if run else tuple(ids[r] for r in keep)) != e.seqs[:k] or e.seqs[k:] != e.admitted:
         return None
     seqs = state.seqs
     admitted = []
@@ -103,7 +105,9 @@ def plan_in_columns(state: ControlState, e: StepPlanned) -> tuple[int, ...] | No
             claimed.add(b)
     bs = caps.block_size
     fed = np.fromiter(e.fed, _I, len(e.fed))
-    kept = np.array(keep, dtype=_I)
+    # the rows kept as a slice when they are one range (the finished rows are the oldest: a prefix), a gather else:
+    # a slice is a view, a fancy index a copy at ~4 K instructions (12 of them a plan, here and in _combined)
+    kept: slice | np.ndarray = slice(keep[0], keep[-1] + 1) if run else np.array(keep, dtype=_I)
     held = cols.nblocks[kept]
     computed = cols.computed[kept]
     ntok = cols.ntok[kept]
@@ -148,20 +152,23 @@ def plan_in_columns(state: ControlState, e: StepPlanned) -> tuple[int, ...] | No
     return touched  # flushed by refresh_rows: check_invariants names what broke, on the objects
 
 
-def _combined(cols: StepColumns, kept: np.ndarray, kept_blocks: np.ndarray, admitted: list, admitted_blocks: list[int],
-              ids: tuple[int, ...], bs: int) -> StepColumns:
+def _combined(cols: StepColumns, kept: slice | np.ndarray, kept_blocks: np.ndarray, admitted: list,
+              admitted_blocks: list[int], ids: tuple[int, ...], bs: int) -> StepColumns:
     """The columns of `ids`: the rows `kept` of `cols` (holding `kept_blocks` blocks now), then the admitted
     sequences from their objects (holding `admitted_blocks`). `cols` (and its pending tokens) flush first whenever
     these do. The admitted rows' fields in two conversions (int64 and uint64), not one a column."""
     new = StepColumns.__new__(StepColumns)
     new.ids = ids
-    new.objs = [cols.objs[r] for r in kept.tolist()] + admitted
+    new.objs = (cols.objs[kept] if type(kept) is slice else [cols.objs[r] for r in kept.tolist()]) + admitted
     new.row = {s: i for i, s in enumerate(ids)}
     new.bs = bs
     a = len(admitted)
-    ints = np.array([(c.computed, len(c.tokens), s.qsa.capacity, c.prompt_len + s.max_new)
-                     for s, c in zip(admitted, [s.cursor for s in admitted], strict=True)], dtype=_I).reshape(a, 4)
-    words = np.array([(s.cursor.token_hash, s.fingerprint, s.seq_id) for s in admitted], dtype=_U).reshape(a, 3)
+    # flat iterables: np.array of a list of tuples discovers its shape element by element (~2x the instructions)
+    ints = np.fromiter(chain.from_iterable((c.computed, len(c.tokens), s.qsa.capacity, c.prompt_len + s.max_new)
+                                           for s, c in zip(admitted, [s.cursor for s in admitted], strict=True)),
+                       _I, 4 * a).reshape(a, 4)
+    words = np.fromiter(chain.from_iterable((s.cursor.token_hash, s.fingerprint, s.seq_id) for s in admitted),
+                        _U, 3 * a).reshape(a, 3)
     new.hid = np.concatenate((cols.hid[kept], words[:, 2] * _K_ID))
     new.computed = np.concatenate((cols.computed[kept], ints[:, 0]))
     new.ntok = np.concatenate((cols.ntok[kept], ints[:, 1]))

@@ -5,8 +5,9 @@
 
 Records the trace once (cached at --trace), then times check_state_only: reading the events from SQLite,
 upcasting, applying each to the state machines, checking the invariants it touched and its digest. Step events
-are recorded in codec 1 (atlas.replay.codec); --json times a copy of the same run with every payload as JSON
-text (how traces were stored before codec 1: what an older trace costs to check). --no-runs applies every event
+and arrivals are recorded in codec 1 (atlas.replay.codec; arrivals since the sixth pass: a trace cached by older
+code keeps JSON arrivals, which still check, at ~222 against ~189 M instructions); --json times a copy of the same
+run with every payload as JSON text (how traces were stored before codec 1: what an older trace costs to check). --no-runs applies every event
 one at a time (no runs of step pairs at once: atlas.state.column_runs), the third pass's path.
 
 On a loaded machine the instruction count is the figure to compare (docs/CONTROL-PLANE.md, fourth and fifth
@@ -89,8 +90,9 @@ def main() -> None:
     t = time.perf_counter()
     recorded = list(reader.events(run.run_id))
     read_s = time.perf_counter() - t
-    steps = sum(1 for _, _, kind, _, payload, _ in _stored(reader, run.run_id) if kind.startswith("step_")
-                and isinstance(payload, bytes))
+    stored = _stored(reader, run.run_id)
+    steps = sum(1 for _, _, kind, _, payload, _ in stored if kind.startswith("step_") and isinstance(payload, bytes))
+    arrivals = sum(1 for _, _, kind, _, payload, _ in stored if kind == "request_arrived" and isinstance(payload, bytes))
     reader.close()
     events = len(recorded)
     # one StepPlanned and one StepExecuted per step, each moving every sequence in the batch: a
@@ -104,7 +106,7 @@ def main() -> None:
         report = check_state_only(args.trace)
         best = min(best, clock() - t)
         assert report.problem is None, report
-    print(f"{events} events ({args.trace}, {args.trace.stat().st_size / 1e6:.1f} MB, {steps} step payloads in codec 1), "
+    print(f"{events} events ({args.trace}, {args.trace.stat().st_size / 1e6:.1f} MB, {steps} step payloads and {arrivals} arrivals in codec 1), "
           f"{transitions} per-sequence transitions: state-only check {best:.2f} s (reading {read_s:.2f} s), "
           f"{events / best:,.0f} events/s, {transitions / best:,.0f} per-sequence transitions/s")
 

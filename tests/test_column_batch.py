@@ -17,13 +17,15 @@ import pytest
 from fixtures import null_workload
 
 from atlas.config import Capacities, EngineConfig
+from atlas.errors import UnknownEvent
 from atlas.hashing import roll_tokens
 from atlas.registry import build_engine
-from atlas.replay import codec, digests, verify
+from atlas.replay import arrivals, codec, digests, verify
 from atlas.replay.store import TraceReader, read_stored
 from atlas.sampling.params import SamplingParams
 from atlas.state import column_arrivals
 from atlas.state.control import ControlState
+from atlas.state.events import RequestArrived
 from atlas.state.invariants import audit
 
 _CAPS = {"max_seq_len": 128, "max_batch_size": 20, "max_batch_tokens": 96, "block_size": 8, "num_kv_blocks": 320,
@@ -61,8 +63,8 @@ class _Count:
 
 def test_the_fast_paths_give_every_digest_and_the_scalar_state(trace: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     caps, rows = _rows(trace)
-    arrivals = _Count(monkeypatch, "apply_arrivals")
-    finishes = _Count(monkeypatch, "finish_in_columns")
+    arrivals = _Count(monkeypatch, "apply_parsed")  # the recorded arrivals are codec 1 (sixth pass)
+    finishes = _Count(monkeypatch, "finish_text_in_columns")  # JSON finishes, no event built (sixth pass)
     plans = _Count(monkeypatch, "plan_in_columns")
     report, _ = verify.check_rows(caps, rows)
     assert report.problem is None  # every digest compared and matched
@@ -102,13 +104,13 @@ def test_arrivals_between_steps_leave_the_columns_as_the_scalar_path_leaves_the_
     kinds = [r[2] for r in rows]
     late = [i for i in range(1, len(rows)) if kinds[i] == "request_arrived" and kinds[i - 1] != "request_arrived"]
     assert len(late) >= 3  # arrivals came between steps
-    real, seen = verify.apply_arrivals, []
+    real, seen = verify.apply_parsed, []  # codec-1 arrivals (the recorded form)
 
-    def apply_arrivals(state, *args):  # type: ignore[no-untyped-def]
+    def apply_parsed(state, *args):  # type: ignore[no-untyped-def]
         seen.append((state.columns is not None, real(state, *args)))
         return seen[-1][1]
 
-    monkeypatch.setattr(verify, "apply_arrivals", apply_arrivals)
+    monkeypatch.setattr(verify, "apply_parsed", apply_parsed)
     assert verify.check_rows(caps, rows)[0].problem is None
     assert (True, True) in seen  # taken at once with the step columns held
     for k in sorted({*late, *(i + 2 for i in late), *range(0, len(rows) + 1, 31), len(rows)}):
@@ -138,20 +140,30 @@ def _broken(trace: Path, tmp: Path, how: str) -> Path:
     caps, rows = _rows(trace)
     arrivals = [r for r in rows if r[2] == "request_arrived"]
     middle = arrivals[len(arrivals) // 2]
-    p = json.loads(middle[4])
+    p = codec.decode("request_arrived", middle[3], middle[4])  # codec 1 as recorded; the edits write JSON back
     if how == "arrival past capacity":
         return _edit(trace, tmp, how, middle[0], json.dumps({**p, "max_new": caps.max_seq_len}))
     if how == "arrival out of order":
         return _edit(trace, tmp, how, middle[0], json.dumps({**p, "seq_id": p["seq_id"] + 1}))
     if how == "request id live":
-        live = json.loads(arrivals[0][4])["request_id"]
+        live = codec.decode("request_arrived", arrivals[0][3], arrivals[0][4])["request_id"]
         return _edit(trace, tmp, how, middle[0], json.dumps({**p, "request_id": live}))
     if how == "arrival digest":
         return _edit(trace, tmp, how, middle[0], digest="0123456789abcdef")
     if how == "arrival prompt spaced":  # the same event in another JSON form: parsed by json.loads, still passes
         return _edit(trace, tmp, how, middle[0], json.dumps(p, separators=(", ", ": ")))
     if how == "float token":
-        return _edit(trace, tmp, how, middle[0], middle[4].replace('"prompt":[', '"prompt":[1.5,', 1))
+        text = json.dumps(p, separators=(",", ":"))
+        return _edit(trace, tmp, how, middle[0], text.replace('"prompt":[', '"prompt":[1.5,', 1))
+    e = codec.load_event("request_arrived", middle[3], middle[4])
+    if how == "binary arrival past capacity":  # still codec 1: the binary run checks it
+        return _edit(trace, tmp, how, middle[0], codec.encode(_evolve(e, max_new=caps.max_seq_len)))
+    if how == "binary params refused":  # top_p 0: SamplingParams refuses it (an error raised, as one at a time)
+        return _edit(trace, tmp, how, middle[0], codec.encode(_evolve(e, params={**e.params, "top_p": 0.0})))
+    if how == "binary arrival garbled":  # a length that does not add up: the codec refuses the row when reached
+        raw = bytearray(middle[4])
+        raw[-40] ^= 0x7F
+        return _edit(trace, tmp, how, middle[0], bytes(raw[:-1]))
     # the finishes and the admission plans behind them (after the first plan the columns took whole)
     admits = [r for r in rows if r[2] == "step_planned" and codec.load_event(*r[2:5]).admitted]
     late = [r for r in admits if any(q[2] == "request_finished" for q in rows[:r[0]])]
@@ -198,7 +210,7 @@ def _evolve(e, **kw):  # type: ignore[no-untyped-def]
 
 
 BREAKS = ["arrival past capacity", "arrival out of order", "request id live", "arrival digest", "arrival prompt spaced",
-          "float token", "finish reason", "finish unknown", "finish digest", "admitted KV past its blocks",
+          "float token", "binary arrival past capacity", "finish reason", "finish unknown", "finish digest", "admitted KV past its blocks",
           "admitted block past the tokens", "admitted block not free", "admission of a running sequence",
           "admission digest", "plan names a finished sequence"]
 
@@ -221,6 +233,36 @@ def test_a_break_is_reported_as_the_scalar_path_reports_it(trace: Path, tmp_path
                 "admitted block past the tokens": "no block beyond the sequence's tokens",
                 "admitted block not free": "allocation of a block that is not free"}.get(how)
     assert expected is None or expected in slow.problem
+
+
+@pytest.mark.parametrize("how", ["binary params refused", "binary arrival garbled"])
+def test_an_arrival_that_cannot_be_built_raises_as_one_at_a_time(trace: Path, tmp_path: Path, how: str) -> None:
+    caps, rows = _rows(_broken(trace, tmp_path, how))
+    errors = (ValueError,) if how == "binary params refused" else (UnknownEvent,)
+    with pytest.raises(errors) as fast:
+        verify.check_rows(caps, rows)
+    with pytest.raises(errors) as slow:
+        verify.check_rows(caps, rows, fast=False)
+    assert str(fast.value) == str(slow.value)
+
+
+def test_params_validated_once_per_text_are_from_json() -> None:
+    """Codec-1 params differing only in the seed share one validation (atlas.replay.arrivals.params_of): each is
+    SamplingParams.from_json of its own recorded dict, key order and all, whatever came first."""
+    cache: arrivals.ParamsCache = {}
+    base = [SamplingParams(temperature=0.7, seed=1, stop=("x",)).to_json(), SamplingParams(top_k=3).to_json(),
+            {"temperature": 0.5}, {"seed": 4, "top_p": 0.5}]
+    for k in range(40):
+        params = {**base[k % 4]}
+        if "seed" in params:
+            params["seed"] = k // 3 - 5
+        e = RequestArrived(request_id=f"r{k}", seq_id=k, prompt=(1, 2), params=params, max_new=3)
+        f = codec.arrived_fields(codec.encode(e))
+        assert f is not None
+        got = arrivals.params_of(cache, f[7], f[4], f[2])
+        assert got == SamplingParams.from_json(params) and got.seed == params.get("seed", 0)
+        assert codec.decode("request_arrived", 2, codec.encode(e)) == json.loads(e.payload_json())
+    assert len(cache) == 4
 
 
 @pytest.mark.parametrize("batch", [1, 3, 4096])
@@ -287,3 +329,19 @@ def test_the_sqlite_read_is_the_readers(trace: Path) -> None:
         read_stored(trace.with_name("absent.db"))
     with pytest.raises(LookupError, match="no run 7"):
         read_stored(trace, 7)
+
+
+def test_json_arrivals_still_go_at_once(trace: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same run with every payload JSON (jsonl export and import: a trace recorded before codec-1 arrivals):
+    its arrivals go through the JSON run, every digest matches, and it ends in the codec-1 trace's state."""
+    from atlas.replay.jsonl import export_jsonl, import_jsonl
+
+    lines, copy = tmp_path / "run.jsonl", tmp_path / "json.db"
+    export_jsonl(trace, lines)
+    import_jsonl(lines, copy)
+    caps, rows = _rows(copy)
+    assert all(type(r[4]) is str for r in rows)
+    arrivals = _Count(monkeypatch, "apply_arrivals")
+    report, state = verify.check_rows(caps, rows)
+    assert report.problem is None and any(arrivals.results)
+    assert state == verify.check_rows(*_rows(trace))[1]

@@ -15,7 +15,8 @@ from hypothesis import strategies as st
 from atlas.errors import UnknownEvent
 from atlas.replay import codec
 from atlas.replay.store import TraceReader, TraceWriter
-from atlas.state.events import RequestFinished, StepExecuted, StepPlanned
+from atlas.sampling.params import SamplingParams
+from atlas.state.events import RequestArrived, RequestFinished, StepExecuted, StepPlanned
 
 ints = st.lists(st.integers(-1, 2**31 - 1), max_size=70).map(tuple)
 rows = st.lists(st.lists(st.integers(0, 2**31 - 1), min_size=1, max_size=5).map(tuple), max_size=6).map(tuple)
@@ -47,6 +48,31 @@ def test_a_step_event_round_trips_to_the_same_event_and_payload(e: StepPlanned |
 def test_what_codec_1_does_not_cover_stays_json() -> None:
     assert codec.encode(RequestFinished(3, "length", "max_tokens 3")) is None
     assert codec.encode(StepExecuted(1, (2**31,))) is None  # past int32
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=0.7, seed=-9, stop=("é",)).to_json(), {},
+                                    {"top_k": 2, "seed": 2**63 - 1}, {"seed": 0}])
+def test_an_arrival_round_trips_to_the_same_event_and_payload(params: dict) -> None:
+    e = RequestArrived(request_id="r-é", seq_id=7, prompt=(0, -1, 2**31 - 1, 5), params=params, max_new=9,
+                       stream=True)
+    raw = codec.encode(e)
+    assert type(raw) is bytes
+    assert codec.load_event(e.kind, e.version, raw) == e
+    payload = codec.decode(e.kind, e.version, raw)
+    assert json.dumps(payload) == json.dumps(json.loads(e.payload_json()))  # the same dict, key order included
+    for cut in (raw[:-1], raw + b"x", raw[:codec.ARRIVED.size - 1]):
+        with pytest.raises(UnknownEvent, match="request_arrived v2"):
+            codec.load_event(e.kind, e.version, cut)
+
+
+def test_an_arrival_past_the_layout_stays_json() -> None:
+    def arrival(prompt: tuple[int, ...], params: dict) -> RequestArrived:
+        return RequestArrived(request_id="r", seq_id=0, prompt=prompt, params=params, max_new=2)
+
+    assert codec.encode(arrival((2**31,), {})) is None  # a token past int32
+    assert codec.encode(arrival((1,), {"seed": 2**63})) is None  # a seed past int64
+    assert codec.encode(arrival((1,), {"seed": 1.5})) is None  # a seed that is not an int
+    assert codec.encode(arrival((1,), {"seed": True})) is None
 
 
 @pytest.mark.parametrize("raw", [b"", b"\x02" + bytes(8), b"\x01" + bytes(3), b"\x01" + (5).to_bytes(4, "little"),

@@ -1,4 +1,4 @@
-"""The trace's event payloads: JSON text for every event, or a binary form for the step events (codec 1).
+"""The trace's event payloads: JSON text for every event, or a binary form for the step events and arrivals (codec 1).
 
 A step event (StepPlanned v3, StepExecuted v2) is 64 integers and more per step at batch 64, and most of a
 trace; as JSON, reading one back (json.loads, then the event's converters turning lists into tuples) cost more
@@ -10,6 +10,15 @@ and its values, in field order (an event with a value outside int32 is stored as
     step_executed v2:  step, tokens*, accepted*, verdicts*
     (x* = len, values; x** = number of rows, then each row as x*)
 
+A request arrival (RequestArrived v2, replay check's sixth pass: its JSON parse and SamplingParams' validation were
+~37 M of a 231 M-instruction check of benchmarks/replay_check.py's trace) is a fixed head, the prompt as int32s, then
+text: codec byte, seed (int64), seq_id, max_new, stream, seed_at, len(prompt), len(request id), len(params) (int32s),
+prompt, the request id (UTF-8), and the params without their seed as compact JSON (UTF-8); `seed_at` is the seed's
+place among the params' keys (-1: the params have none), so the decoded dict is the recorded one, key order
+included. Requests that share their params but for the seed share that text: replay check validates it once
+(atlas.state.column_arrivals). An arrival whose seed is not an int64, whose prompt has a token past int32 or whose
+text will not encode as UTF-8 stays JSON.
+
 A payload is text (JSON) or bytes (this codec): the reader tells them apart per row, so a trace may hold both
 (an edited or imported row is JSON) and every trace recorded before codec 1 reads as it always did. The row's
 event version says which layout the bytes hold; a later version of a step event gets its own layout here (the
@@ -19,13 +28,14 @@ old ones stay), and upcasting runs on the decoded payload as for JSON. Only the 
 from __future__ import annotations
 
 import json
+import struct
 import sys
 from array import array
 from collections.abc import Callable
 from typing import Any
 
 from atlas.errors import UnknownEvent
-from atlas.state.events import EVENT_TYPES, Event, StepExecuted, StepPlanned, upcast
+from atlas.state.events import EVENT_TYPES, Event, RequestArrived, StepExecuted, StepPlanned, upcast
 
 CODEC = 1
 _HEAD = bytes([CODEC])
@@ -72,8 +82,88 @@ def _encode_executed(e: StepExecuted) -> array:
 _ENCODERS: dict[type, Callable[[Any], array]] = {StepPlanned: _encode_planned, StepExecuted: _encode_executed}
 
 
+# RequestArrived v2's head: codec, seed, seq_id, max_new, stream, seed_at, len(prompt), len(request id), len(params)
+ARRIVED = struct.Struct("<Bq7i")
+_INT32 = range(-(1 << 31), 1 << 31)
+_INT64 = range(-(1 << 63), 1 << 63)
+_COMPACT = json.JSONEncoder(separators=(",", ":")).encode  # the events' own JSON form (Event.payload_json)
+
+
+def _encode_arrived(e: RequestArrived) -> bytes | None:
+    params = e.params
+    if (type(params) is not dict or type(e.request_id) is not str or type(e.seq_id) is not int
+            or type(e.max_new) is not int or type(e.stream) is not bool
+            or e.seq_id not in _INT32 or e.max_new not in _INT32):
+        return None
+    seed = params.get("seed", 0)
+    seed_at = list(params).index("seed") if "seed" in params else -1
+    if type(seed) is not int or seed not in _INT64:
+        return None
+    try:
+        prompt = array("i", e.prompt)
+        rid = e.request_id.encode()
+        text = _COMPACT({k: v for k, v in params.items() if k != "seed"}).encode()
+    except (OverflowError, TypeError, ValueError, UnicodeEncodeError):
+        return None
+    if not _LITTLE:
+        prompt.byteswap()
+    return (ARRIVED.pack(CODEC, seed, e.seq_id, e.max_new, e.stream, seed_at, len(prompt), len(rid), len(text))
+            + prompt.tobytes() + rid + text)
+
+
+def arrived_fields(raw: bytes) -> tuple[int, int, int, bool, int, bytes, str, bytes] | None:
+    """(seq_id, max_new, seed, stream, seed_at, prompt's int32 bytes, request id, params text without the seed) of a
+    codec-1 RequestArrived v2, or None when the bytes are not one (lengths that do not add up, a stream flag other
+    than 0 or 1, a seed_at out of place, a request id that is not UTF-8)."""
+    if len(raw) < ARRIVED.size or raw[0] != CODEC:
+        return None
+    _, seed, seq_id, max_new, stream, seed_at, n, nr, npar = ARRIVED.unpack_from(raw)
+    a = ARRIVED.size + 4 * n
+    b = a + nr
+    if n < 0 or nr < 0 or npar < 0 or b + npar != len(raw) or stream not in (0, 1) or seed_at < -1:
+        return None
+    try:
+        rid = raw[a:b].decode()
+    except UnicodeDecodeError:
+        return None
+    return seq_id, max_new, seed, stream == 1, seed_at, raw[ARRIVED.size:a], rid, raw[b:]
+
+
+def params_with_seed(text: bytes, seed_at: int, seed: int) -> dict[str, Any] | None:
+    """The recorded params dict: `text` (JSON, without the seed) with the seed put back at its place; None when
+    `text` is not a JSON object or the place is past its keys."""
+    try:
+        d = json.loads(text)
+    except ValueError:
+        return None
+    if type(d) is not dict or seed_at > len(d) or "seed" in d:
+        return None
+    if seed_at < 0:
+        return d
+    items = list(d.items())
+    items.insert(seed_at, ("seed", seed))
+    return dict(items)
+
+
+def _decode_arrived(version: int, raw: bytes) -> dict[str, Any]:
+    fields = arrived_fields(raw)
+    params = None if fields is None else params_with_seed(fields[7], fields[4], fields[2])
+    if fields is None or params is None:
+        raise UnknownEvent(f"request_arrived v{version}: a malformed codec-{CODEC} payload ({len(raw)} bytes)")
+    seq_id, max_new, _seed, stream, _at, prompt, rid, _text = fields
+    a = array("i")
+    a.frombytes(prompt)
+    if not _LITTLE:
+        a.byteswap()
+    return {"request_id": rid, "seq_id": seq_id, "prompt": a.tolist(), "params": params, "max_new": max_new,
+            "stream": stream}
+
+
 def encode(e: Event) -> bytes | None:
-    """Codec 1's bytes for a step event of the current version; None for any other event (stored as JSON)."""
+    """Codec 1's bytes for a step event or an arrival of the current version; None for any other event (stored as
+    JSON)."""
+    if type(e) is RequestArrived:
+        return _encode_arrived(e) if e.version == _ARRIVED_VERSION else None
     enc = _ENCODERS.get(type(e))
     if enc is None:
         return None
@@ -143,6 +233,9 @@ _DECODERS: dict[tuple[str, int], tuple[tuple[str, ...], Callable[[_Reader], tupl
 }
 
 
+_ARRIVED_VERSION = 2  # the RequestArrived version codec 1 has a layout for
+
+
 def _values(kind: str, version: int, raw: bytes) -> tuple[tuple[str, ...], tuple[Any, ...]]:
     spec = _DECODERS.get((kind, version))
     if not raw or raw[0] != CODEC or spec is None:
@@ -169,6 +262,8 @@ def decode(kind: str, version: int, raw: str | bytes) -> dict[str, Any]:
     """The payload as recorded (that version's fields, JSON values: lists, not tuples), never upcast."""
     if isinstance(raw, str):
         return json.loads(raw)
+    if kind == "request_arrived" and version == _ARRIVED_VERSION and raw[:1] == _HEAD:
+        return _decode_arrived(version, raw)
     names, values = _values(kind, version, raw)
     return {n: [list(x) for x in v] if n in ("alloc", "drafts") else list(v) if isinstance(v, tuple) else v
             for n, v in zip(names, values, strict=True)}
@@ -178,7 +273,7 @@ def load_event(kind: str, version: int, raw: str | bytes) -> Event:
     """The event of a stored payload, upcast to the current version. A codec-1 payload of the current version
     becomes its event without the JSON dict or the field converters (its values are int tuples already)."""
     cls = EVENT_TYPES.get(kind)
-    if cls is not None and isinstance(raw, bytes) and cls.version == version:
+    if cls is not None and isinstance(raw, bytes) and cls.version == version and kind != "request_arrived":
         names, values = _values(kind, version, raw)
         e = object.__new__(cls)
         for n, v in zip(names, values, strict=True):

@@ -23,12 +23,13 @@ from atlas.engine.records import RecordingSink
 from atlas.errors import AdmissionError, EngineDead, InvariantViolation, QueueFull, TransitionRefused
 from atlas.registry import engine_for_run
 from atlas.replay import codec
+from atlas.replay.arrivals import ParamsCache, parse_arrivals
 from atlas.replay.digests import LazyDigests
 from atlas.replay.runs import MIN_RUN, run_end
 from atlas.replay.store import EventRecord, RunRecord, read_run, read_stored
 from atlas.sampling.params import SamplingParams
-from atlas.state.column_arrivals import apply_arrivals
-from atlas.state.column_batch import finish_in_columns, plan_in_columns
+from atlas.state.column_arrivals import apply_arrivals, apply_parsed
+from atlas.state.column_batch import finish_in_columns, finish_text_in_columns, plan_in_columns
 from atlas.state.column_runs import apply_run
 from atlas.state.control import ControlState
 from atlas.state.events import EVENT_TYPES, INPUT_KINDS, Event, InvariantViolated
@@ -36,6 +37,7 @@ from atlas.state.invariants import check_invariants
 
 Progress = Callable[[int, int], None]
 ARRIVED_VERSION = EVENT_TYPES["request_arrived"].version
+FINISHED_VERSION = EVENT_TYPES["request_finished"].version
 # fewer arrivals than this go one at a time (apply_arrivals' ~25 numpy calls against ~100 K instructions an arrival)
 MIN_ARRIVALS = 2
 
@@ -230,8 +232,10 @@ def check_rows(caps: Capacities, rows: list[tuple[int, int, str, int, str | byte
     types = EVENT_TYPES
     loads = json.loads
     load_event = codec.load_event
+    finish_text = finish_text_in_columns
     # digests of the events applied one at a time, compared in batches (atlas.replay.digests)
     lazy = LazyDigests() if fast and comparable and state.prefix is None else None
+    params: ParamsCache = {}  # codec-1 arrivals' params, validated once per text (atlas.replay.arrivals)
     try:
         i = 0
         while i < total:
@@ -246,19 +250,39 @@ def check_rows(caps: Capacities, rows: list[tuple[int, int, str, int, str | byte
                         i = j
                         continue
                     plain_until = j
-            elif (kind == "request_arrived" and i >= plain_until and version == ARRIVED_VERSION
-                  and type(payload) is str):
+            elif kind == "request_arrived" and i >= plain_until and version == ARRIVED_VERSION:
+                form = type(payload)  # a run of JSON arrivals, or of codec-1 ones
                 j = i + 1
                 while (j < total and rows[j][2] == "request_arrived" and rows[j][3] == version
-                       and type(rows[j][4]) is str):
+                       and type(rows[j][4]) is form):
                     j += 1
                 if j - i >= MIN_ARRIVALS:
-                    if apply_arrivals(state, [r[4] for r in rows[i:j]],
-                                      [r[5] for r in rows[i:j]] if comparable else None):
+                    payloads = [r[4] for r in rows[i:j]]
+                    recorded = [r[5] for r in rows[i:j]] if comparable else None
+                    if (apply_parsed(state, parse_arrivals(payloads, params), recorded) if form is bytes
+                            else apply_arrivals(state, payloads, recorded)):
                         i = j
                         continue
                     plain_until = j
             i += 1
+            if (kind == "request_finished" and state.columns is not None and version == FINISHED_VERSION
+                    and type(payload) is str):
+                try:  # a finish of a row the columns hold, no event built (atlas.state.column_batch)
+                    done = finish_text(state, payload)
+                    if done is not None:
+                        if state.pool.used + len(state.pool.free) != state.pool.total:
+                            check_invariants(state, (done,), index)  # names it
+                except InvariantViolation as exc:
+                    return _first(lazy, total, state, StateCheckReport(total, str(exc), index))
+                if done is not None:
+                    if lazy is not None:
+                        wrong = lazy.add(state, recorded_digest, index)
+                        if wrong is not None:
+                            return _digest_report(total, wrong), state
+                    elif comparable and digest() != recorded_digest:
+                        return StateCheckReport(total, f"digest {digest()} != recorded {recorded_digest}",
+                                                index), state
+                    continue
             cls = types.get(kind)
             if type(payload) is str and cls is not None and cls.version == version:
                 e = cls(**loads(payload))

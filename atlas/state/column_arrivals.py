@@ -88,44 +88,67 @@ def _parse(payloads: list[str]) -> tuple[list[dict], list[list[int]], np.ndarray
     return events, prompts, flat
 
 
+# what a run of arrivals holds once parsed: request ids, sequence ids, prompts, every prompt's tokens (int64),
+# budgets, stream flags, validated params
+Parsed = tuple[list[str], list[int], list[list[int]], np.ndarray, list[int], list[bool], list[SamplingParams]]
+
+
+def _parse_json(payloads: list[str]) -> Parsed | None:
+    parsed = _parse(payloads)
+    if parsed is None:
+        return None
+    events, prompts, flat = parsed
+    for d in events:
+        keys = d.keys()
+        if keys != _KEYS and keys != _KEYS_NO_STREAM:
+            return None
+        if (type(d["request_id"]) is not str or type(d["seq_id"]) is not int or type(d["max_new"]) is not int
+                or type(d.get("stream", False)) is not bool or type(d["params"]) is not dict):
+            return None
+    try:
+        params = [SamplingParams.from_json(d["params"]) for d in events]
+    except Exception:  # whatever it is, the per-event path meets it at its own event
+        return None
+    return ([d["request_id"] for d in events], [d["seq_id"] for d in events], prompts, flat,
+            [d["max_new"] for d in events], [d.get("stream", False) for d in events], params)
+
+
 def apply_arrivals(state: ControlState, payloads: list[str], digests: list[str] | None) -> bool:
     """Apply RequestArrived events of these JSON payloads in order, comparing the state digest after each with
     `digests` (None: not comparable). True: all applied. False: nothing moved."""
+    return _fits(state) and apply_parsed(state, _parse_json(payloads), digests)
+
+
+def _fits(state: ControlState) -> bool:
     caps = state.caps
     pool = state.pool
-    if (state.dead or caps.qsa_index_capacity < 0 or len(pool.free) + pool.used != pool.total
-            or len(state.running) > caps.max_batch_size):
-        return False  # check_invariants would name one of these at the first arrival: the per-event path does
-    parsed = _parse(payloads)
-    if parsed is None:
+    # check_invariants would name one of these at the first arrival: the per-event path does
+    return not (state.dead or caps.qsa_index_capacity < 0 or len(pool.free) + pool.used != pool.total
+                or len(state.running) > caps.max_batch_size)
+
+
+def apply_parsed(state: ControlState, parsed: Parsed | None, digests: list[str] | None) -> bool:
+    """apply_arrivals of arrivals already parsed (`_parse_json`, or codec-1 payloads by atlas.replay.arrivals);
+    None: they could not be (False, nothing moved)."""
+    if parsed is None or not parsed[0] or not _fits(state):
         return False
-    events, prompts, flat = parsed
-    k = len(events)
+    caps = state.caps
+    pool = state.pool
+    rids, sids, prompts, flat, budgets, streams, params = parsed
+    k = len(rids)
     first = state.next_seq_id
     live = state.by_request
     seen: set[str] = set()
     lengths = []
     budget = caps.max_seq_len
-    for n, d in enumerate(events):
-        if type(d) is not dict:
+    for n in range(k):
+        rid, max_new, size = rids[n], budgets[n], len(prompts[n])
+        if sids[n] != first + n or rid in live or rid in seen:
             return False
-        keys = d.keys()
-        if keys != _KEYS and keys != _KEYS_NO_STREAM:
-            return False
-        rid, sid, prompt, max_new = d["request_id"], d["seq_id"], prompts[n], d["max_new"]
-        if (type(rid) is not str or type(sid) is not int or sid != first + n or rid in live or rid in seen
-                or type(max_new) is not int or type(d.get("stream", False)) is not bool
-                or type(d["params"]) is not dict):
-            return False
-        size = len(prompt)
         if not size or size + max_new > budget or max_new < 1:
             return False
         seen.add(rid)
         lengths.append(size)
-    try:
-        params = [SamplingParams.from_json(d["params"]) for d in events]
-    except Exception:  # whatever it is, the per-event path meets it at its own event
-        return False
     size_col = np.array(lengths, dtype=np.int64)
     hashes = token_hashes(flat, size_col)
     ids = np.arange(first, first + k, dtype=np.int64)
@@ -155,16 +178,14 @@ def apply_arrivals(state: ControlState, payloads: list[str], digests: list[str] 
     step = state.step
     qcap, ratio, slots, mtp = caps.qsa_index_capacity, caps.qsa_ratio, caps.ring_slots, caps.drafter_rows > 0
     seqs, waiting = state.seqs, state.waiting
-    for d, p, prompt, size, h, fp in zip(events, params, prompts, lengths, hashes.tolist(), fps.tolist(),
-                                         strict=True):
-        sid = d["seq_id"]
+    for sid, rid, p, max_new, stream, prompt, size, h, fp in zip(sids, rids, params, budgets, streams, prompts,
+                                                                  lengths, hashes.tolist(), fps.tolist(), strict=True):
         cursor = SequenceCursor(tokens=prompt, prompt_len=size)
         cursor.token_hash = h
-        seqs[sid] = Sequence(seq_id=sid, request_id=d["request_id"], arrival_step=step, params=p,
-                             max_new=d["max_new"], cursor=cursor, qsa=QsaCursor(capacity=qcap, ratio=ratio),
-                             ring=SsmRing(slots=slots), drafter=DrafterCarry(mtp=mtp), stream=d.get("stream", False),
-                             fingerprint=fp)
-        live[d["request_id"]] = sid
+        seqs[sid] = Sequence(seq_id=sid, request_id=rid, arrival_step=step, params=p, max_new=max_new, cursor=cursor,
+                             qsa=QsaCursor(capacity=qcap, ratio=ratio), ring=SsmRing(slots=slots),
+                             drafter=DrafterCarry(mtp=mtp), stream=stream, fingerprint=fp)
+        live[rid] = sid
         waiting.append(sid)
     state.next_seq_id = first + k
     state.seq_digest = int(seqd[-1])

@@ -87,7 +87,9 @@ def _apply(state: ControlState, plans: list[bytes], execs: list[bytes], digests:
     o = np.cumsum(L)
     o -= L  # each plan's first integer in A
     A = np.frombuffer(b"".join([p[1:] for p in plans]), dtype="<i4")
-    H = A[o[:, None] + np.arange(head)]
+    # the heads joined as bytes: a gather of A by [R x head] indices was ~0.6 M instructions a run (mapiter)
+    hb = 1 + 4 * head
+    H = np.frombuffer(b"".join([p[1:hb] for p in plans]), dtype="<i4").reshape(R, head)
     E = np.frombuffer(b"".join([x[1:] for x in execs]), dtype="<i4").reshape(R, n + 4)
     s0 = state.step
     stepno = np.arange(s0, s0 + R, dtype=np.int64)

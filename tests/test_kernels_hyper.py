@@ -56,8 +56,10 @@ def test_fused_site_matches_the_torch_block(dtype: torch.dtype, rows: int, hidde
 ON_GPU = torch.cuda.is_available()
 
 
+# 16 rows at hidden 2048 only compiled: on the interpreter it runs the grids 1 row does (one 64-row GEMM tile,
+# partly masked; norm tiles full or not as 1 and 64 rows have them) for 38 s of the suite's worker time
 @pytest.mark.parametrize("hc", [2, 4])
-@pytest.mark.parametrize(("rows", "hidden"), [(1, 2048), (16, 2048), (64, 2048),
+@pytest.mark.parametrize(("rows", "hidden"), [(1, 2048), *([(16, 2048)] if ON_GPU else []), (64, 2048),
                                               (2048 if ON_GPU else 256, 2048 if ON_GPU else 128)])
 def test_benchmark_hidden_size_matches_the_torch_block(rows: int, hidden: int, hc: int) -> None:
     # hidden 2048 (the benchmark model's): 8 or 16 splits of 512 columns in the split-K mix-down; 2048 rows: 32

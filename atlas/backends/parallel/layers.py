@@ -23,6 +23,7 @@ from atlas.backends.cuda.layers import (
     moe_layer,
     ple_layer,
     rms_norm,
+    split_out,
 )
 from atlas.backends.cuda.pools import DevicePools
 from atlas.backends.decoder import decoder_stack
@@ -39,8 +40,8 @@ def ep_moe_layer(moe: MoeSpec, w: dict[str, torch.Tensor], pre: str, x: torch.Te
     ([first_expert, first_expert + local experts)), plus its share of the width-split shared expert. The same
     three paths as atlas.backends.cuda.layers.moe_layer, on the local experts."""
     shared_width = moe.shared_intermediate_size
-    logits, shared_gate, shared_up, shared_scale = (x @ w[pre + "fused_in.weight"].T).split(
-        [moe.num_experts, shared_width, shared_width, 1], dim=-1)
+    logits, shared_gate, shared_up, shared_scale = split_out(  # (prepare_weights pads the fused rows)
+        x @ w[pre + "fused_in.weight"].T, [moe.num_experts, shared_width, shared_width, 1])
     probs = torch.softmax(logits.to(acc_dtype(x.dtype)), dim=-1)
     top_w, top_i = torch.topk(probs, moe.top_k, dim=-1)
     if moe.norm_topk_prob:

@@ -395,9 +395,17 @@ def attn_paged(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, grp:
     return out.view(b * t, *q.shape[1:])
 
 
-def paged_applies(grp: Group, mode: str) -> bool:
-    """Whether a group's attention takes the paged kernel: the knob, a decode-shaped group, no QSA selection."""
-    return mode == "paged" and grp.shape.width == 1 and not grp.shape.qsa_select
+def attention_kind(grp: Group, mode: str) -> tuple[bool, bool]:
+    """(sdpa, paged) of a group's attention under `mode` (Tuning.attention or decode_attention): the paged kernel
+    for a decode-shaped group without QSA selection when the knob says "paged", else sdpa unless "torch"."""
+    paged = mode == "paged" and grp.shape.width == 1 and not grp.shape.qsa_select
+    return mode != "torch" and not paged, paged
+
+
+def library_conv(tuning: Tuning, grp: Group, invariant: bool) -> bool:
+    """Whether a group's causal convs take the library conv: prefill chunks only, never in a batch-invariant mode
+    (see conv_step)."""
+    return tuning.prefill_conv == "library" and grp.shape.width > 1 and not invariant
 
 
 def attention_layer(spec: ModelSpec, w: dict[str, torch.Tensor], pre: str, layer: int, x: torch.Tensor,
@@ -572,18 +580,17 @@ class _GroupOps:
         self.moe_mode = tuning.prefill_moe if eager_moe else tuning.moe
         # torch.compile for decode groups only (fixed shapes, captured under the graphs); prefill stays eager
         self.compile_mode = "none" if eager_moe else tuning.compile_decode
-        # the library conv for prefill chunks only, never in a batch-invariant mode (see conv_step)
-        self.library_conv = tuning.prefill_conv == "library" and grp.shape.width > 1 and not invariant
+        self.library_conv = library_conv(tuning, grp, invariant)
         dtype = w["embed_tokens.weight"].dtype
         self.cos, self.sin = rope_table(grp.positions.reshape(-1), spec.rotary_dim, spec.rope_theta, dtype)
 
     def mixer(self, layer: int, x: torch.Tensor) -> torch.Tensor:
         spec, w, pre = self.spec, self.w, f"layers.{layer}."
         if spec.layer_types[layer] == FULL_ATTENTION:
-            mode = self.tuning.attention if self.grp.shape.width > 1 else self.tuning.decode_attention
-            paged = paged_applies(self.grp, mode)
+            sdpa, paged = attention_kind(self.grp, self.tuning.attention if self.grp.shape.width > 1
+                                         else self.tuning.decode_attention)
             return attention_layer(spec, w, pre + "self_attn.", layer, x, self.grp, self.pools, self.cos, self.sin,
-                                   sdpa=mode != "torch" and not paged, paged=paged)
+                                   sdpa=sdpa, paged=paged)
         return gdn_layer(spec, w, pre + "linear_attn.", layer, x, self.grp, self.pools, self.gdn_kernel,
                          self.library_conv)
 

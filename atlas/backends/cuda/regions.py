@@ -31,6 +31,7 @@ from atlas.backends.cuda.batch import Group
 from atlas.backends.cuda.compiled import compiled
 from atlas.backends.cuda.layers import (
     GdnKernel,
+    attention_kind,
     attn_core,
     attn_gate_out,
     attn_in,
@@ -41,9 +42,9 @@ from atlas.backends.cuda.layers import (
     gdn_out,
     gdn_update,
     hyper_block,
+    library_conv,
     moe_routed,
     moe_router,
-    paged_applies,
     ple_layer,
 )
 from atlas.backends.cuda.moe import SMALL_EXPERTS, counted_route
@@ -193,13 +194,11 @@ def regions_stack(spec: ModelSpec, w: dict[str, torch.Tensor], pools: DevicePool
     tok = _token_dim if prefill and mode != "none" else _same
     dtype = w["embed_tokens.weight"].dtype
     cos, sin = rope_table(grp.positions.reshape(-1), spec.rotary_dim, spec.rope_theta, dtype)
-    cos, sin, positions = tok(cos), tok(sin), tok(grp.positions)
-    attention = tuning.attention if prefill else tuning.decode_attention
-    paged = paged_applies(grp, attention)  # the split-K kernel between the head and attn_post (eager, in the graph)
-    sdpa = attention != "torch" and not paged
+    cos, sin = tok(cos), tok(sin)
+    # paged: the split-K kernel between the head and attn_post (eager, in the graph)
+    sdpa, paged = attention_kind(grp, tuning.attention if prefill else tuning.decode_attention)
     moe_mode = tuning.prefill_moe if prefill else tuning.moe
-    # the library conv for prefill chunks only, never in a batch-invariant mode (layers.conv_step)
-    library = prefill and tuning.prefill_conv == "library" and not invariant
+    library = library_conv(tuning, grp, invariant)
     route = moe_mode == "triton"  # the routed kernels take the pairs' order counted in the tail region
     ple_layers = spec.ple.layers if spec.ple is not None else ()
     streams = torch.cat([w["embed_tokens.weight"][grp.tokens]] * spec.hc_count, dim=-1)
@@ -233,17 +232,18 @@ def regions_stack(spec: ModelSpec, w: dict[str, torch.Tensor], pools: DevicePool
                 streams, rows, inject, top_w, top_i, shared, pairs = post_a(spec, streams, inject, att, gate, o_w,
                                                                             *ffn_site, *moe_w, route)
             elif prefill:
-                # a prefill chunk's attention eager (as the layer stack's): Inductor's lowering of sdpa on CUDA
-                # specialises the query length (H200, session 7: a ConstraintViolationError on the marked token
-                # dimension, T = 32 and 2,048), which would recompile the region for every chunk length
+                # a prefill chunk's attention eager (as the layer stack's), its ffn head compiled. Written when the
+                # ConstraintViolationError (H200, session 7) was taken for Inductor's sdpa lowering specialising the
+                # query length; the cause was the frame retry that fullgraph=True ends (atlas.backends.cuda.compiled),
+                # so attn_tail could serve prefill too: unmeasured, kept as run
                 mixed = attn_core(spec, q, gate, qk, k_pool, v_pool, raw_pool, read_slots, grp.positions, o_w,
                                   iq_norm, ik_norm, cos, sin, grp.shape.qsa_select, sdpa)
                 streams, rows, inject, top_w, top_i, shared, pairs = ffn_c(
                     spec, tok(streams), tok(mixed), tok(inject), *ffn_site, *moe_w, route)
             else:
                 streams, rows, inject, top_w, top_i, shared, pairs = tail_a(
-                    spec, tok(streams), tok(inject), tok(q), tok(gate), tok(qk), k_pool, v_pool, raw_pool, read_slots,
-                    positions, o_w, iq_norm, ik_norm, cos, sin, grp.shape.qsa_select, sdpa, *ffn_site, *moe_w, route)
+                    spec, streams, inject, q, gate, qk, k_pool, v_pool, raw_pool, read_slots, grp.positions, o_w,
+                    iq_norm, ik_norm, cos, sin, grp.shape.qsa_select, sdpa, *ffn_site, *moe_w, route)  # decode only
         else:
             g = pre + "linear_attn."
             streams, inject, *parts = head_g(spec, tok(streams), tok(routed), tok(shared), tok(inject_prev), *site,

@@ -56,6 +56,18 @@ def test_a_failing_variant_is_reported_and_the_rest_measured(fakes: list) -> Non
     assert "| triton | 50.0 |" in text
 
 
+def test_every_prefill_knob_keeps_a_variant_from_reusing_prefill_figures(fakes: list) -> None:
+    from atlas.backends.cuda.tuning import VARIANTS
+
+    variants = {name: VARIANTS[name] for name in ("regions-compile", "regions-prefill")}
+    results = measure_variants(None, variants, batches=(1,), prefill_tokens=2048, bw=4e12, rate=7e14, out=None,
+                               on_variant=lambda name, row: None, profile=False)
+    # the two differ only in prefill_stack / compile_prefill: the prefill measured twice, the decode once
+    assert "same_as" not in results["regions-prefill"]["prefill"]
+    assert results["regions-prefill"]["decode_b1"]["same_as"] == "regions-compile"
+    assert [kind for kind, _ in fakes] == ["prefill", "decode", "prefill"]
+
+
 def test_profiles_can_wait_until_every_timing_is_done(fakes: list) -> None:
     from atlas.bench_variants import profile_variants
 

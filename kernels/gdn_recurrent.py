@@ -18,12 +18,13 @@ from atlas_kernels.reference import L2_EPS, check_gdn_state_pool
 @triton.jit
 def _gdn_recurrent_kernel(
     q_ptr, k_ptr, v_ptr,  # q, k: [N, T, Hk, DK], v: [N, T, Hv, DV], heads and dims packed, tokens strided
-    g_ptr, beta_ptr,  # [N, T, Hv]: g and beta, or with FUSED_GATING the raw projections a and b
+    g_ptr, beta_ptr,  # [N, T, Hv]: g and beta, or with FUSED_GATING the raw projections a and b (heads packed)
     a_log_ptr, dt_bias_ptr,  # [Hv], read only with FUSED_GATING
     state_ptr, slot_ptr,  # state pool [slots, Hv, DK, DV] fp32; slot of each sequence [N]
     out_ptr, states_out_ptr,  # out [N, T, Hv, DV]; per-token states [N, T, Hv, DK, DV] fp32
     stamp_ptr, end_ptr,  # with STAMP: the state's int32 position stamp per slot, and each sequence's new one [N]
-    num_tokens, num_k_heads, num_v_heads, qk_token_stride, v_token_stride, scale, eps,
+    num_tokens, num_k_heads, num_v_heads, qk_token_stride, v_token_stride, g_token_stride, beta_token_stride,
+    scale, eps,
     DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     STORE_STATES: tl.constexpr, COMMIT: tl.constexpr, FUSED_GATING: tl.constexpr, STAMP: tl.constexpr,
 ):
@@ -52,16 +53,17 @@ def _gdn_recurrent_kernel(
         k = k * tl.rsqrt(tl.sum(k * k, 0) + eps)
         v = tl.load(v_ptr + token.to(tl.int64) * v_token_stride + head * DV + offs_v, mask=mask_v,
                     other=0.0).to(tl.float32)
-        gate = token * num_v_heads + head
+        g_at = g_ptr + token.to(tl.int64) * g_token_stride + head
+        beta_at = beta_ptr + token.to(tl.int64) * beta_token_stride + head
         if FUSED_GATING:
             # g = -exp(A_log) * softplus(a + dt_bias), beta = sigmoid(b), as the GDN layer computes them
-            x = tl.load(g_ptr + gate).to(tl.float32) + tl.load(dt_bias_ptr + head).to(tl.float32)
+            x = tl.load(g_at).to(tl.float32) + tl.load(dt_bias_ptr + head).to(tl.float32)
             softplus = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(x)))  # torch's threshold
             g = -tl.exp(tl.load(a_log_ptr + head).to(tl.float32)) * softplus
-            beta = tl.sigmoid(tl.load(beta_ptr + gate).to(tl.float32))
+            beta = tl.sigmoid(tl.load(beta_at).to(tl.float32))
         else:
-            g = tl.load(g_ptr + gate).to(tl.float32)
-            beta = tl.load(beta_ptr + gate).to(tl.float32)
+            g = tl.load(g_at).to(tl.float32)
+            beta = tl.load(beta_at).to(tl.float32)
 
         state = state * tl.exp(g)
         predicted = tl.sum(state * k[:, None], 0)  # what the state already says for this key: [BV]
@@ -89,6 +91,12 @@ def _token_stride(x: torch.Tensor) -> int | None:
         return None
     stride = x.stride(1) if num_tokens > 1 else x.stride(0)
     return stride if x.shape[0] == 1 or x.stride(0) == num_tokens * stride else None
+
+
+def _gate_stride(x: torch.Tensor) -> int | None:
+    """The same for a gate [N, T, H] whose heads are packed (a slice of the in-projection's output: at batch 64
+    its copy was two launches a GDN layer, 36 a decode step), or None if it needs a copy."""
+    return _token_stride(x[..., None])
 
 
 def gdn_recurrent(
@@ -156,7 +164,11 @@ def _launch(q, k, v, g, beta, gating, state_pool, slots, store_states, commit, o
     if v_stride is None:
         v = v.contiguous()
         v_stride = num_v_heads * dv
-    g, beta = g.contiguous(), beta.contiguous()
+    g_stride, beta_stride = _gate_stride(g), _gate_stride(beta)
+    if g_stride is None:
+        g, g_stride = g.contiguous(), num_v_heads
+    if beta_stride is None:
+        beta, beta_stride = beta.contiguous(), num_v_heads
     a_log, dt_bias = gating if gating is not None else (g, g)
     out = torch.empty(v.shape, dtype=out_dtype or v.dtype, device=v.device)
     states = None
@@ -175,7 +187,8 @@ def _launch(q, k, v, g, beta, gating, state_pool, slots, store_states, commit, o
     stamps, ends = stamp if stamp is not None else (slots, slots)
     _gdn_recurrent_kernel[grid](
         q, k, v, g, beta, a_log, dt_bias, state_pool, slots, out, states if states is not None else out,
-        stamps, ends, num_tokens, num_k_heads, num_v_heads, qk_stride, v_stride, dk**-0.5, L2_EPS,
+        stamps, ends, num_tokens, num_k_heads, num_v_heads, qk_stride, v_stride, g_stride, beta_stride, dk**-0.5,
+        L2_EPS,
         DK=dk, DV=dv, BK=block_k, BV=block_v, STORE_STATES=store_states, COMMIT=commit,
         FUSED_GATING=gating is not None, STAMP=stamp is not None,
     )

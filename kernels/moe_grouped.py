@@ -138,10 +138,12 @@ def num_warps(block_m: int) -> int:
 
 def moe_grouped(x: torch.Tensor, top_i: torch.Tensor, top_w: torch.Tensor, gate_up: torch.Tensor,
                 down: torch.Tensor, *, blocks: tuple[int, int, int] | None = None,
-                route: tuple[torch.Tensor, torch.Tensor] | None = None, stages: int | None = None) -> torch.Tensor:
+                route: tuple[torch.Tensor, torch.Tensor] | None = None, stages: int | None = None,
+                summed: bool = True) -> torch.Tensor:
     """The routed experts' weighted sum [R, H] in x's dtype (the shared expert is the caller's). `route`: the
     (order, offsets) moe_route would compute, if the caller has them; `stages`: the loops' pipeline depth
-    (Triton's default when None)."""
+    (Triton's default when None); summed=False: each pair's weighted output [R, K, H] instead, for a caller that
+    sums over the slots inside a fused kernel of its own (the sum is one more launch a layer here)."""
     rows, hidden = x.shape
     experts, two_inter, w_hidden = gate_up.shape
     inter = two_inter // 2
@@ -166,4 +168,5 @@ def moe_grouped(x: torch.Tensor, top_i: torch.Tensor, top_w: torch.Tensor, gate_
     _moe_down_kernel[(experts * m_tiles, triton.cdiv(hidden, bn))](
         act, order, offsets, top_w, down, outs, hidden, inter, m_tiles,
         BM=bm, BN=bn, BK=down_bk, EVEN_K=inter % down_bk == 0, PRECISION=precision, num_warps=warps, **extra)
-    return outs.view(rows, top_k, hidden).sum(dim=1)
+    outs = outs.view(rows, top_k, hidden)
+    return outs.sum(dim=1) if summed else outs

@@ -56,9 +56,13 @@ def _decode(tiny, tuning: Tuning, *, kernels: bool, steps: int = 2, prompts: lis
 
 @pytest.mark.parametrize("kernels", [False, pytest.param(True, marks=pytest.mark.skipif(
     DEVICE != "cuda", reason="the Triton GDN kernel runs on a GPU only"))], ids=["torch-gdn", "triton-gdn"])
-def test_regions_equal_the_layer_stack_bit_for_bit(tiny, kernels: bool) -> None:  # type: ignore[no-untyped-def]
-    want_logits, want_state = _decode(tiny, Tuning(), kernels=kernels)
-    got_logits, got_state = _decode(tiny, Tuning(decode_stack="regions"), kernels=kernels)
+@pytest.mark.parametrize("moe", ["torch", "triton"])
+def test_regions_equal_the_layer_stack_bit_for_bit(tiny, kernels: bool, moe: str) -> None:  # type: ignore[no-untyped-def]
+    """moe="triton": the routed kernels with the route ranked in the tail region and their pairs summed in the
+    next region (moe_routed(summed=False), regions.settle) against the layer stack's counted-by-the-kernel route
+    and its own sum."""
+    want_logits, want_state = _decode(tiny, Tuning(moe=moe), kernels=kernels)
+    got_logits, got_state = _decode(tiny, Tuning(moe=moe, decode_stack="regions"), kernels=kernels)
     for want, got in zip(want_logits, got_logits, strict=True):
         assert torch.equal(want, got)
     assert want_state.keys() == got_state.keys()
@@ -173,8 +177,10 @@ def test_counted_route_is_the_sorted_route(rows: int, experts: int, k: int) -> N
     top_i = torch.stack([torch.randperm(experts, generator=gen)[:k] for _ in range(rows)])
     experts_sorted, order = torch.sort(top_i.flatten(), stable=True)
     offsets = torch.searchsorted(experts_sorted, torch.arange(experts + 1), out_int32=True)
-    got_order, got_offsets = counted_route(top_i, experts)
-    assert torch.equal(got_order, order) and torch.equal(got_offsets, offsets)
+    for ranked in (False, True):
+        got_order, got_offsets = counted_route(top_i, experts, ranked=ranked)
+        assert torch.equal(got_order, order) and torch.equal(got_offsets, offsets), ranked
+        assert got_offsets.dtype == torch.int32 and got_order.dtype == order.dtype
 
 
 @pytest.mark.parametrize("dilation", [1, 3])

@@ -104,7 +104,8 @@ def test_verify_without_commit_leaves_state_and_states_allow_partial_accept() ->
 
 @pytest.mark.parametrize("tokens", [1, 3])
 def test_gated_recurrent_on_conv_output_slices_matches_reference(tokens: int) -> None:
-    """q, k, v as strided slices of one conv output [N, T, 2 Hk dk + Hv dv] (no copies), gates from raw a, b."""
+    """q, k, v as strided slices of one conv output [N, T, 2 Hk dk + Hv dv] (no copies), gates from raw a, b
+    that are strided slices of one projection output too (read at their token stride, no copies)."""
     gen = torch.Generator().manual_seed(60 + tokens)
     seqs, k_heads, v_heads, dk, dv = 2, 2, 4, 16, 32
     key_dim = k_heads * dk
@@ -112,8 +113,9 @@ def test_gated_recurrent_on_conv_output_slices_matches_reference(tokens: int) ->
     q = mixed[..., :key_dim].view(seqs, tokens, k_heads, dk)
     k = mixed[..., key_dim : 2 * key_dim].view(seqs, tokens, k_heads, dk)
     v = mixed[..., 2 * key_dim :].view(seqs, tokens, v_heads, dv)
-    a = torch.randn(seqs, tokens, v_heads, generator=gen).to(DEVICE, torch.bfloat16)
-    b = torch.randn(seqs, tokens, v_heads, generator=gen).to(DEVICE, torch.bfloat16)
+    proj = torch.randn(seqs, tokens, 2 * v_heads + 5, generator=gen).to(DEVICE, torch.bfloat16)
+    a, b = proj[..., 3 : 3 + v_heads], proj[..., 3 + v_heads : 3 + 2 * v_heads]
+    assert not a.is_contiguous() and not b.is_contiguous()
     a_log = torch.empty(v_heads).uniform_(0.01, 16, generator=gen).log().to(DEVICE)
     dt_bias = torch.randn(v_heads, generator=gen).to(DEVICE)
     pool = random_pool(gen, 3, v_heads, dk, dv)

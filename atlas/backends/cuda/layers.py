@@ -227,11 +227,13 @@ def gdn_out(spec: ModelSpec, out: torch.Tensor, z: torch.Tensor, norm_w: torch.T
 
 
 def gdn_update(spec: ModelSpec, w: dict[str, torch.Tensor], pre: str, layer: int, parts: tuple[torch.Tensor, ...],
-               grp: Group, pools: DevicePools, kernel: GdnKernel | None) -> torch.Tensor:
+               grp: Group, pools: DevicePools, kernel: GdnKernel | None, conv_written: bool = False) -> torch.Tensor:
     """gdn_in's parts -> the recurrence's output [B, T, nv, dv], writing the conv and recurrent state and their
-    stamps at the group's slots (a wide verify keeps the state after each row instead)."""
+    stamps at the group's slots (a wide verify keeps the state after each row instead). conv_written: the conv
+    state's data is in its pool already (a compiled region's head wrote it; its stamp is the caller's)."""
     q, k, v, _z, beta_raw, a, cols = parts
-    put_conv(pools, grp, f"conv{layer}", cols)
+    if not conv_written:
+        put_conv(pools, grp, f"conv{layer}", cols)
     state_pool = pools.gdn_state[layer]
     if kernel is not None:  # the kernel computes the gates from the raw projections (decode: in-kernel)
         # the kernel writes the live state and its stamp itself (unless keep: then the kept rows, here)
@@ -337,15 +339,24 @@ def attn_write(spec: ModelSpec, layer: int, k: torch.Tensor, v: torch.Tensor, qk
                pools: DevicePools) -> None:
     """The group's new KV rows (and QSA raw index keys) into the paged pools, with their position stamps; the
     slot past the group's end loses its stale stamp."""
-    nkv, hd = spec.num_kv_heads, spec.head_dim
-    write = grp.write_slots.reshape(-1)
-    pools.keys[layer].view(-1, nkv, hd).index_copy_(0, write, k)
-    pools.values[layer].view(-1, nkv, hd).index_copy_(0, write, v)
+    attn_store(spec, k, v, qk, grp.write_slots.reshape(-1), pools.keys[layer], pools.values[layer],
+               pools.index_keys.get(layer))
     pools.kv_pos[layer].view(-1).index_copy_(0, grp.stamp_at, grp.stamp_values)
     if spec.qsa is not None:
-        d = spec.qsa.head_dim
-        pools.index_keys[layer].view(-1, d).index_copy_(0, write, qk[:, spec.qsa.n_heads * d :])
         pools.index_pos[layer].view(-1).index_copy_(0, grp.stamp_at, grp.stamp_values)
+
+
+def attn_store(spec: ModelSpec, k: torch.Tensor, v: torch.Tensor, qk: torch.Tensor, write: torch.Tensor,
+               k_pool: torch.Tensor, v_pool: torch.Tensor, raw_pool: torch.Tensor | None) -> None:
+    """attn_write's data half: the new KV rows (and QSA raw index keys) at the flat KV slots `write` [R], on the
+    pools handed in (a compiled region's head calls it, its stamps written once a step after the layers)."""
+    nkv, hd = spec.num_kv_heads, spec.head_dim
+    k_pool.view(-1, nkv, hd).index_copy_(0, write, k)
+    v_pool.view(-1, nkv, hd).index_copy_(0, write, v)
+    if spec.qsa is not None:
+        assert raw_pool is not None
+        d = spec.qsa.head_dim
+        raw_pool.view(-1, d).index_copy_(0, write, qk[:, spec.qsa.n_heads * d :])
 
 
 def attn_core(spec: ModelSpec, q: torch.Tensor, gate: torch.Tensor, qk: torch.Tensor, k_pool: torch.Tensor,
@@ -460,8 +471,9 @@ def moe_layer(moe: MoeSpec, w: dict[str, torch.Tensor], pre: str, x: torch.Tenso
 
 def moe_routed(moe: MoeSpec, w: dict[str, torch.Tensor], pre: str, x: torch.Tensor, top_w: torch.Tensor,
                top_i: torch.Tensor, *, eager: bool = False, mode: str | None = None,
-               route: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-    """sum_k top_w * expert_{top_i}(x) [R, H].
+               route: tuple[torch.Tensor, torch.Tensor] | None = None, summed: bool = True) -> torch.Tensor:
+    """sum_k top_w * expert_{top_i}(x) [R, H] (summed=False with mode "triton": the pairs' weighted outputs
+    [R, K, H], each the row's own slot k, the sum over k the caller's; every other mode sums here).
 
     eager: group tokens by expert (one host sync for the counts; right for prefill, where each expert
     sees many tokens). Otherwise fixed shapes for CUDA graphs: with fewer routed slots than experts, the
@@ -477,7 +489,7 @@ def moe_routed(moe: MoeSpec, w: dict[str, torch.Tensor], pre: str, x: torch.Tens
     if mode == "grouped_mm" and not grouped_mm_works(x.device.type, x.dtype):
         mode = "triton"
     if mode == "triton":
-        return routed_triton(x, top_i, top_w, gate_up, down, route)
+        return routed_triton(x, top_i, top_w, gate_up, down, route, summed)
     if mode == "grouped_mm":
         return routed_grouped_mm(x, top_i, top_w, gate_up, down)
     if eager:

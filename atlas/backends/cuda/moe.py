@@ -17,12 +17,14 @@ import torch.nn.functional as F
 
 
 def routed_triton(x: torch.Tensor, top_i: torch.Tensor, top_w: torch.Tensor, gate_up: torch.Tensor,
-                  down: torch.Tensor, route: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                  down: torch.Tensor, route: tuple[torch.Tensor, torch.Tensor] | None = None,
+                  summed: bool = True) -> torch.Tensor:
     """sum_k top_w * expert(x) [R, H] through atlas_kernels.moe_grouped (two kernels + routing + the sum);
-    `route`: the (order, offsets) of the pairs if the caller computed them (counted_route)."""
+    `route`: the (order, offsets) of the pairs if the caller computed them (counted_route); summed=False: the
+    pairs' weighted outputs [R, K, H], the sum left to the caller (regions.settle)."""
     from atlas_kernels.moe_grouped import moe_grouped
 
-    return moe_grouped(x, top_i, top_w, gate_up, down, route=route)
+    return moe_grouped(x, top_i, top_w, gate_up, down, route=route, summed=summed)
 
 
 # ranked_topk / counted_route: for at most this many experts (their [R, E, E] / [R * K, E] temporaries)
@@ -43,12 +45,30 @@ def ranked_topk(probs: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor
     return probs.gather(1, top_i), top_i
 
 
-def counted_route(top_i: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+# counted_route's pair-by-pair ranks: for at most this many (row, slot) pairs (a [P, P] comparison a route)
+RANKED_PAIRS = 1024
+
+
+def counted_route(top_i: torch.Tensor, num_experts: int, ranked: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """atlas_kernels.moe_grouped.moe_route (the pairs r*K + k in a stable order by expert, and each expert's
-    offsets [E + 1] int32) by counting instead of sorting: a one-hot, its running sums and a scatter, fusable
-    (the sort and searchsorted are three kernels, ~12 us a layer at batch 1 on the H200)."""
+    offsets [E + 1] int32) by counting instead of sorting, fusable (the sort and searchsorted are three kernels,
+    ~12 us a layer at batch 1 on the H200).
+
+    ranked (decode groups, at most RANKED_PAIRS pairs): each pair's place is its rank among the pairs by
+    (expert, pair index), one [P, P] comparison summed, and an expert's offset the count of pairs routed to a
+    lower expert: comparisons and sums only. Otherwise a one-hot and its running sums over the pairs: Inductor's
+    scan along the pairs was one 26.5 us kernel a layer at batch 64 (256 pairs) on the H200 (session 8), 0.64 ms
+    of a 6.5 ms step. Both give the same order and offsets (tests/test_cuda_regions.py)."""
     flat = top_i.flatten()
     pairs = flat.shape[0]
+    if ranked:
+        idx = torch.arange(pairs, device=flat.device)
+        mine, other = flat[:, None], flat[None, :]
+        # pairs before pair p in the stable sort: a lower expert, or the same expert at a lower pair index
+        place = ((other < mine) | ((other == mine) & (idx[None, :] < idx[:, None]))).sum(dim=1)
+        lower = flat[None, :] < torch.arange(num_experts + 1, device=flat.device)[:, None]
+        offsets = lower.sum(dim=1).to(torch.int32)
+        return torch.empty_like(flat).scatter_(0, place, idx), offsets
     onehot = (flat[:, None] == torch.arange(num_experts, device=flat.device)).to(torch.int32)
     before = (torch.cumsum(onehot, dim=0) - onehot).gather(1, flat[:, None])[:, 0]  # same expert, earlier pairs
     offsets = torch.cat([onehot.new_zeros(1), torch.cumsum(onehot.sum(dim=0), dim=0)]).to(torch.int32)

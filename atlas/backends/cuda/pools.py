@@ -27,6 +27,13 @@ from atlas.errors import SlotsExhausted
 from atlas.model.spec import ModelSpec
 
 
+def store_final(dest: torch.Tensor, slots: torch.Tensor, final: torch.Tensor) -> None:
+    """A group's new per-slot state `final` [B, ...] into `dest` at `slots` (the data half of DevicePools.put; a
+    compiled region calls it on the pool it was handed, Inductor fusing it with the state's computation). A dense
+    copy then index_copy_: index_put of the strided tail (the conv's last S of S + T columns) was 12.6 us a write
+    at batch 64 on the H200 (20 a step), for ~6 MB."""
+    dest.index_copy_(0, slots, final.to(dest.dtype).contiguous())
+
 class DevicePools:
     def __init__(self, spec: ModelSpec, *, num_kv_blocks: int, block_size: int, max_seqs: int, scratch_slots: int,
                  dtype: torch.dtype, device: torch.device, verify_width: int = 1, ring_slots: int = 0,
@@ -83,6 +90,9 @@ class DevicePools:
         self.stamps = torch.zeros(len(self.names), slots, dtype=torch.int32, device=device)
         self.stamp = {name: self.stamps[i] for i, name in enumerate(self.names)}
         self.index = {name: i for i, name in enumerate(self.names)}
+        # the GDN conv states' rows of `stamps`: stamp_states writes all of them at once (regions: one launch a step)
+        self.conv_rows = torch.tensor([self.index[f"conv{layer}"] for layer in spec.gdn_layers], dtype=torch.long,
+                                      device=device)
         self.gdn_conv = {layer: self.state[f"conv{layer}"] for layer in spec.gdn_layers}
         self.gdn_state = {layer: self.state[f"gdn{layer}"] for layer in spec.gdn_layers}
         self.ple_conv = {layer: self.state[f"pconv{layer}"] for layer in (spec.ple.layers if spec.ple else ())}
@@ -184,11 +194,14 @@ class DevicePools:
         if keep:  # kept by reference until the commit reads it (a graph's static tensor lives until its next replay)
             self.kept[name] = (per_token, (positions + 1).T.to(torch.int32), slots)  # type: ignore[assignment]
         else:
-            # a dense copy then index_copy_: index_put of the strided tail (the conv's last S of S + T columns) was
-            # 12.6 us a write at batch 64 on the H200 (20 a step), for ~6 MB
-            dest = self.state[name]
-            dest.index_copy_(0, slots, final.to(dest.dtype).contiguous())  # type: ignore[union-attr]
+            assert final is not None
+            store_final(self.state[name], slots, final)
             self.stamp[name][slots] = ends
+
+    def stamp_states(self, rows: torch.Tensor, slots: torch.Tensor, ends: torch.Tensor) -> None:
+        """The stamps of several per-slot states (`rows` of `stamps`, e.g. conv_rows) at `slots` set to `ends` [B]
+        int32: what put's stamp write does for each of them, in one launch (their data written before)."""
+        self.stamps.index_put_((rows[:, None], slots[None, :]), ends[None, :].expand(rows.shape[0], -1))
 
     # -- paged stamps ---------------------------------------------------------------------------------
 

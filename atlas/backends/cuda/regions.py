@@ -37,7 +37,7 @@ from atlas.backends.cuda.layers import (
     attn_in,
     attn_paged,
     attn_sources,
-    attn_write,
+    attn_store,
     gdn_in,
     gdn_out,
     gdn_update,
@@ -47,13 +47,14 @@ from atlas.backends.cuda.layers import (
     moe_router,
     ple_layer,
 )
-from atlas.backends.cuda.moe import SMALL_EXPERTS, counted_route
-from atlas.backends.cuda.pools import DevicePools
+from atlas.backends.cuda.moe import RANKED_PAIRS, SMALL_EXPERTS, counted_route
+from atlas.backends.cuda.pools import DevicePools, store_final
 from atlas.backends.cuda.tuning import Tuning
 from atlas.backends.ops import dense_mlp, hyper_inject, rope_table
 from atlas.model.spec import FULL_ATTENTION, ModelSpec
 
-# (routed, shared, inject) of the ffn not yet injected into the streams; all None before the first layer
+# (routed [R, H] or its pairs [R, K, H], shared, inject) of the ffn not yet injected into the streams; all None before
+# the first layer
 Pending = tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]
 
 
@@ -79,10 +80,14 @@ def _site(spec: ModelSpec, streams: torch.Tensor, norm_w: torch.Tensor, down_w: 
 
 def settle(streams: torch.Tensor, routed: torch.Tensor | None, shared: torch.Tensor | None,
             inject: torch.Tensor | None) -> torch.Tensor:
-    """The previous ffn's output (routed + shared experts [R, H]) injected into the streams [B, T, hc*H]."""
+    """The previous ffn's output (routed + shared experts [R, H]) injected into the streams [B, T, hc*H]. routed
+    may be the routed pairs' outputs [R, K, H] (moe_routed(summed=False)): summed over the slots here, in the
+    region's fused kernel (the same sum as moe_grouped's own, one launch a layer fewer)."""
     if routed is None:
         return streams
     assert inject is not None
+    if routed.dim() == 3:
+        routed = routed.sum(dim=1)
     out = routed if shared is None else routed + shared
     return hyper_inject(streams, out.view(*streams.shape[:-1], -1), inject)
 
@@ -91,27 +96,37 @@ def gdn_head(spec: ModelSpec, streams: torch.Tensor, routed: torch.Tensor | None
              inject_prev: torch.Tensor | None, norm_w: torch.Tensor, down_w: torch.Tensor, up_w: torch.Tensor,
              fused_in: torch.Tensor, conv_w: torch.Tensor, conv_pool: torch.Tensor, slots: torch.Tensor,
              library_conv: bool = False) -> tuple[torch.Tensor, ...]:
-    """(streams, inject, *gdn_in's parts) of a GDN layer, the previous ffn settled first."""
+    """(streams, inject, *gdn_in's parts but the conv columns) of a GDN layer, the previous ffn settled first; the
+    new conv state written into conv_pool at `slots` here (fused with the conv; its stamp is the stack's, once a
+    step for every layer)."""
     streams = settle(streams, routed, shared, inject_prev)
     x, inject = _site(spec, streams, norm_w, down_w, up_w)
-    return (streams, inject, *gdn_in(spec, x, fused_in, conv_w, conv_pool[slots], library_conv))
+    *parts, cols = gdn_in(spec, x, fused_in, conv_w, conv_pool[slots], library_conv)
+    store_final(conv_pool, slots, cols[:, :, -conv_pool.shape[-1]:])
+    return (streams, inject, *parts, None)
 
 
 def attn_head(spec: ModelSpec, streams: torch.Tensor, routed: torch.Tensor | None, shared: torch.Tensor | None,
               inject_prev: torch.Tensor | None, norm_w: torch.Tensor, down_w: torch.Tensor, up_w: torch.Tensor,
-              fused_in: torch.Tensor, q_norm: torch.Tensor, k_norm: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+              fused_in: torch.Tensor, q_norm: torch.Tensor, k_norm: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+              write: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, raw_pool: torch.Tensor | None
               ) -> tuple[torch.Tensor, ...]:
-    """(streams, inject, q, gate, k, v, qk) of an attention layer, the previous ffn settled first."""
+    """(streams, inject, q, gate, qk) of an attention layer, the previous ffn settled first; its new KV rows (and
+    QSA raw keys) written into the pools at the flat slots `write` here (their stamps are the stack's, once a
+    step for every layer)."""
     streams = settle(streams, routed, shared, inject_prev)
     x, inject = _site(spec, streams, norm_w, down_w, up_w)
-    return (streams, inject, *attn_in(spec, x, fused_in, q_norm, k_norm, cos, sin))
+    q, gate, k, v, qk = attn_in(spec, x, fused_in, q_norm, k_norm, cos, sin)
+    attn_store(spec, k, v, qk, write, k_pool, v_pool, raw_pool)
+    return streams, inject, q, gate, qk
 
 
 def ffn_head(spec: ModelSpec, streams: torch.Tensor, mixed: torch.Tensor, inject: torch.Tensor,
               norm_w: torch.Tensor, down_w: torch.Tensor, up_w: torch.Tensor, moe_in: torch.Tensor | None,
-              shared_down: torch.Tensor | None, route: bool) -> tuple[torch.Tensor, ...]:
+              shared_down: torch.Tensor | None, route: str) -> tuple[torch.Tensor, ...]:
     """The mixer's output injected, then the ffn's site and (MoE) router: (streams, rows, inject, top_w, top_i,
-    shared, the pairs' (order, offsets) for the routed kernels when `route`); a dense ffn's rows only (its router
+    shared, the pairs' (order, offsets) for the routed kernels when `route`: "ranked" or "counted", see
+    moe.counted_route; "" none); a dense ffn's rows only (its router
     parts None). Few experts: the top-k and the route as comparisons and counts (moe.ranked_topk /
     counted_route), which fuse here, instead of torch.topk and a sort."""
     streams = hyper_inject(streams, mixed, inject)
@@ -122,13 +137,15 @@ def ffn_head(spec: ModelSpec, streams: torch.Tensor, mixed: torch.Tensor, inject
     assert shared_down is not None
     small = spec.moe.num_experts <= SMALL_EXPERTS
     top_w, top_i, shared = moe_router(spec.moe, rows, moe_in, shared_down, ranked=small)
-    pairs = counted_route(top_i, spec.moe.num_experts) if route and small else None
+    # a decode group's pairs ranked (comparisons, no scan); a prefill chunk's counted (its token count symbolic)
+    ranked = route == "ranked" and top_i.numel() <= RANKED_PAIRS
+    pairs = counted_route(top_i, spec.moe.num_experts, ranked=ranked) if route and small else None
     return streams, rows, inject, top_w, top_i, shared, pairs
 
 
 def gdn_tail(spec: ModelSpec, streams: torch.Tensor, inject: torch.Tensor, out: torch.Tensor, z: torch.Tensor,
              gnorm_w: torch.Tensor, out_w: torch.Tensor, norm_w: torch.Tensor, down_w: torch.Tensor,
-             up_w: torch.Tensor, moe_in: torch.Tensor | None, shared_down: torch.Tensor | None, route: bool
+             up_w: torch.Tensor, moe_in: torch.Tensor | None, shared_down: torch.Tensor | None, route: str
              ) -> tuple[torch.Tensor, ...]:
     return ffn_head(spec, streams, gdn_out(spec, out, z, gnorm_w, out_w), inject, norm_w, down_w, up_w, moe_in,
                      shared_down, route)
@@ -139,7 +156,7 @@ def attn_tail(spec: ModelSpec, streams: torch.Tensor, inject: torch.Tensor, q: t
               read_slots: torch.Tensor, positions: torch.Tensor, o_w: torch.Tensor, iq_norm: torch.Tensor | None,
               ik_norm: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor, qsa_select: bool, sdpa: bool,
               norm_w: torch.Tensor, down_w: torch.Tensor, up_w: torch.Tensor, moe_in: torch.Tensor | None,
-              shared_down: torch.Tensor | None, route: bool) -> tuple[torch.Tensor, ...]:
+              shared_down: torch.Tensor | None, route: str) -> tuple[torch.Tensor, ...]:
     mixed = attn_core(spec, q, gate, qk, k_pool, v_pool, raw_pool, read_slots, positions, o_w, iq_norm, ik_norm,
                       cos, sin, qsa_select, sdpa)
     return ffn_head(spec, streams, mixed, inject, norm_w, down_w, up_w, moe_in, shared_down, route)
@@ -147,7 +164,7 @@ def attn_tail(spec: ModelSpec, streams: torch.Tensor, inject: torch.Tensor, q: t
 
 def attn_post(spec: ModelSpec, streams: torch.Tensor, inject: torch.Tensor, att: torch.Tensor, gate: torch.Tensor,
               o_w: torch.Tensor, norm_w: torch.Tensor, down_w: torch.Tensor, up_w: torch.Tensor,
-              moe_in: torch.Tensor | None, shared_down: torch.Tensor | None, route: bool) -> tuple[torch.Tensor, ...]:
+              moe_in: torch.Tensor | None, shared_down: torch.Tensor | None, route: str) -> tuple[torch.Tensor, ...]:
     """attn_tail after the paged kernel's attention output att [R, nh, hd]: its gate and projection, then the ffn
     head."""
     b, t = streams.shape[:2]
@@ -195,11 +212,13 @@ def regions_stack(spec: ModelSpec, w: dict[str, torch.Tensor], pools: DevicePool
     dtype = w["embed_tokens.weight"].dtype
     cos, sin = rope_table(grp.positions.reshape(-1), spec.rotary_dim, spec.rope_theta, dtype)
     cos, sin = tok(cos), tok(sin)
+    write = grp.write_slots.reshape(-1)
     # paged: the split-K kernel between the head and attn_post (eager, in the graph)
     sdpa, paged = attention_kind(grp, tuning.attention if prefill else tuning.decode_attention)
     moe_mode = tuning.prefill_moe if prefill else tuning.moe
     library = library_conv(tuning, grp, invariant)
-    route = moe_mode == "triton"  # the routed kernels take the pairs' order counted in the tail region
+    # the routed kernels take the pairs' order computed in the tail region: ranked (decode) or counted (prefill)
+    route = ("counted" if prefill else "ranked") if moe_mode == "triton" else ""
     ple_layers = spec.ple.layers if spec.ple is not None else ()
     streams = torch.cat([w["embed_tokens.weight"][grp.tokens]] * spec.hc_count, dim=-1)
     pending: Pending = (None, None, None)
@@ -220,13 +239,12 @@ def regions_stack(spec: ModelSpec, w: dict[str, torch.Tensor], pools: DevicePool
         moe_w = (w[pre + "mlp.fused_in.weight"], w[pre + "mlp.shared_expert.down_proj.weight"]) if moe else (None, None)
         if spec.layer_types[layer] == FULL_ATTENTION:
             a = pre + "self_attn."
-            streams, inject, q, gate, k, v, qk = head_a(spec, tok(streams), tok(routed), tok(shared), tok(inject_prev),
-                                                        *site,
-                                                        w[a + "fused_in.weight"], w[a + "q_norm.weight"],
-                                                        w[a + "k_norm.weight"], cos, sin)
-            attn_write(spec, layer, k, v, qk, grp, pools)
             k_pool, v_pool, raw_pool, read_slots, _, o_w, iq_norm, ik_norm = attn_sources(spec, w, a, layer, grp,
                                                                                          pools)
+            streams, inject, q, gate, qk = head_a(spec, tok(streams), tok(routed), tok(shared), tok(inject_prev),
+                                                  *site, w[a + "fused_in.weight"], w[a + "q_norm.weight"],
+                                                  w[a + "k_norm.weight"], cos, sin, tok(write), k_pool, v_pool,
+                                                  raw_pool)
             if paged:
                 att = attn_paged(q, k_pool, v_pool, grp)
                 streams, rows, inject, top_w, top_i, shared, pairs = post_a(spec, streams, inject, att, gate, o_w,
@@ -249,16 +267,23 @@ def regions_stack(spec: ModelSpec, w: dict[str, torch.Tensor], pools: DevicePool
             streams, inject, *parts = head_g(spec, tok(streams), tok(routed), tok(shared), tok(inject_prev), *site,
                                              w[g + "fused_in.weight"], w[g + "conv1d.weight"],
                                              pools.state[f"conv{layer}"], grp.slots, library)
-            out = gdn_update(spec, w, g, layer, tuple(parts), grp, pools, gdn_kernel)
+            out = gdn_update(spec, w, g, layer, tuple(parts), grp, pools, gdn_kernel, conv_written=True)
             streams, rows, inject, top_w, top_i, shared, pairs = tail_g(
                 spec, tok(streams), tok(inject), tok(out), tok(parts[3]), w[g + "norm.weight"],
                 w[g + "out_proj.weight"], *ffn_site, *moe_w, route)
         if moe:
             assert spec.moe is not None and top_w is not None and top_i is not None
-            routed = moe_routed(spec.moe, w, pre + "mlp.", rows, top_w, top_i, mode=moe_mode, route=pairs)
+            routed = moe_routed(spec.moe, w, pre + "mlp.", rows, top_w, top_i, mode=moe_mode, route=pairs,
+                                summed=False)
         else:
             routed, shared = dense_mlp(w, pre + "mlp.", rows), None
         pending = (routed, shared, inject)
+    # the stamps of the state the heads wrote, after all of it (a stamp never runs ahead of its data): every
+    # layer's conv state at the slots, every attention layer's KV and QSA positions at the new rows (each of
+    # these was one launch a layer, 30 a step, with the data's copies)
+    pools.stamp_states(pools.conv_rows, grp.slots, grp.ends)
+    if spec.attention_layers:
+        pools.stamp_rows(grp.stamp_at, grp.stamp_values)
     routed, shared, inject_prev = pending
     final = final_c(spec, tok(streams), tok(routed), tok(shared), tok(inject_prev),
                     w["hyper_connection_mixer.hc_norm.weight"],

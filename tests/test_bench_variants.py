@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import attrs
 import pytest
 
 import atlas.bench as bench
@@ -59,13 +60,18 @@ def test_a_failing_variant_is_reported_and_the_rest_measured(fakes: list) -> Non
 def test_every_prefill_knob_keeps_a_variant_from_reusing_prefill_figures(fakes: list) -> None:
     from atlas.backends.cuda.tuning import VARIANTS
 
-    variants = {name: VARIANTS[name] for name in ("regions-compile", "regions-prefill")}
+    layers_prefill = attrs.evolve(VARIANTS["regions-compile"], prefill_stack="layers", compile_prefill="none")
+    variants = {"regions-compile": VARIANTS["regions-compile"], "layers-prefill": layers_prefill,
+                "regions-gemv": VARIANTS["regions-gemv"]}
     results = measure_variants(None, variants, batches=(1,), prefill_tokens=2048, bw=4e12, rate=7e14, out=None,
                                on_variant=lambda name, row: None, profile=False)
-    # the two differ only in prefill_stack / compile_prefill: the prefill measured twice, the decode once
-    assert "same_as" not in results["regions-prefill"]["prefill"]
-    assert results["regions-prefill"]["decode_b1"]["same_as"] == "regions-compile"
-    assert [kind for kind, _ in fakes] == ["prefill", "decode", "prefill"]
+    # layers-prefill differs in prefill_stack / compile_prefill only: its prefill measured, its decode shared;
+    # regions-gemv in a decode-only knob: the reverse
+    assert "same_as" not in results["layers-prefill"]["prefill"]
+    assert results["layers-prefill"]["decode_b1"]["same_as"] == "regions-compile"
+    assert results["regions-gemv"]["prefill"]["same_as"] == "regions-compile"
+    assert "same_as" not in results["regions-gemv"]["decode_b1"]
+    assert [kind for kind, _ in fakes] == ["prefill", "decode", "prefill", "decode"]
 
 
 def test_profiles_can_wait_until_every_timing_is_done(fakes: list) -> None:

@@ -353,3 +353,49 @@ def test_paged_attention_is_for_dense_decode_groups_only(tiny, monkeypatch: pyte
     assert calls == []
     _decode(tiny, Tuning(decode_stack="regions", decode_attention="paged"), kernels=False, steps=1, prompts=SHORT)
     assert calls and set(calls) == {(1, False)}
+
+
+def test_linear_as_a_reduction_is_the_product() -> None:
+    from atlas.backends.cuda.layers import linear
+
+    gen = torch.Generator().manual_seed(5)
+    x, w = torch.randn(3, 1, 40, generator=gen), torch.randn(24, 40, generator=gen)
+    assert torch.allclose(linear(x, w, reduce=True), x @ w.T, atol=1e-5, rtol=1e-5)
+    xb, wb = x.to(torch.bfloat16), w.to(torch.bfloat16)
+    got = linear(xb, wb, reduce=True)
+    assert got.dtype == torch.bfloat16  # fp32 accumulation, rounded once as the GEMM rounds
+    assert torch.allclose(got.float(), (xb.float() @ wb.float().T).to(torch.bfloat16).float(), atol=0, rtol=2**-7)
+
+
+def test_decode_gemv_takes_the_reduction_only_in_compiled_decode_regions_of_few_rows(
+        tiny, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+    """decode_gemv="reduce": the compiled decode regions (Dynamo, eager backend) of <= GEMV_ROWS rows take
+    layers.linear's reduction (counted), prefill chunks and uncompiled regions never; the logits stay the
+    library product's within fp32 rounding."""
+    from atlas.backends.cuda import layers
+
+    torch._dynamo.reset()
+    seen: list[tuple[int, bool]] = []
+    real = layers.linear
+
+    def spy(x, w, reduce=False):  # type: ignore[no-untyped-def]
+        seen.append((x.reshape(-1, x.shape[-1]).shape[0], reduce))
+        return real(x, w, reduce)
+
+    monkeypatch.setattr(layers, "linear", spy)
+
+    @functools.cache
+    def eager_compile(fn, mode):  # type: ignore[no-untyped-def]
+        return fn if mode == "none" else torch.compile(fn, backend="eager", fullgraph=True, dynamic=None)
+
+    monkeypatch.setattr(regions, "compiled", eager_compile)
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 32)  # as atlas.backends.cuda.compiled sets it
+    base = dict(decode_stack="regions", prefill_stack="regions", compile_decode="default", compile_prefill="default")
+    want, _ = _decode(tiny, Tuning(**base), kernels=False, steps=1)
+    assert seen and not any(reduce for _, reduce in seen)
+    seen.clear()
+    got, _ = _decode(tiny, Tuning(**base, decode_gemv="reduce"), kernels=False, steps=1)
+    assert torch.allclose(want[0], got[0], atol=1e-4, rtol=1e-4)
+    # the decode group (3 rows <= GEMV_ROWS) reduces, every prefill chunk (70, 5, 20 tokens) takes the product
+    assert {rows for rows, reduce in seen if reduce} == {3}
+    assert {rows for rows, reduce in seen if not reduce} == {70, 5, 20}

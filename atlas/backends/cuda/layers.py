@@ -129,15 +129,29 @@ def hyper_mix(spec: ModelSpec, w: dict[str, torch.Tensor], pre: str, streams: to
                  spec.hc_count, spec.hidden_size, spec.hc_lowrank, spec.rms_norm_eps, combine)
 
 
+def linear(x: torch.Tensor, w: torch.Tensor, reduce: bool = False) -> torch.Tensor:
+    """x [..., K] @ w.T [N, K]. reduce (Tuning.decode_gemv = "reduce", a compiled decode region of few rows): the
+    product written as a broadcast multiply and an fp32 sum over K, which Inductor lowers to a reduction kernel of
+    its own, fused with what surrounds it, in place of a cuBLAS GEMV (H200, session 8: the hyper sites' 5 MB
+    GEMVs 4-7 us each, + a split-K reduce, at 15-30% of the copy rate). Rounded once, as the GEMM rounds: fp32
+    accumulation in either. Eagerly it materialises [..., N, K]: a compiled region's form only."""
+    if not reduce:
+        return x @ w.T
+    acc = acc_dtype(x.dtype)
+    return (x.unsqueeze(-2).to(acc) * w.to(acc)).sum(dim=-1).to(x.dtype)
+
+
 def hyper_block(streams: torch.Tensor, norm_w: torch.Tensor, down_w: torch.Tensor, up_w: torch.Tensor, hc: int,
-                hidden: int, lowrank: int, eps: float, combine: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """One hyper-connection site on tensors: (block input [.., H], injection weights [.., hc] or None)."""
+                hidden: int, lowrank: int, eps: float, combine: bool, gemv: bool = False
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One hyper-connection site on tensors: (block input [.., H], injection weights [.., hc] or None). gemv: its
+    two products as `linear(reduce=True)`."""
     normed = rms_norm(streams, norm_w, eps, group=hidden)
     if combine:  # 1/hc is folded into the weights (prepare_weights)
-        down, inject = split_out(normed @ down_w.T, [lowrank, hc])
+        down, inject = split_out(linear(normed, down_w, gemv), [lowrank, hc])
     else:
-        down, inject = normed @ down_w.T, None
-    mix = torch.sigmoid(F.silu(down) @ up_w.T).unflatten(-1, (hc, hidden))
+        down, inject = linear(normed, down_w, gemv), None
+    mix = torch.sigmoid(linear(F.silu(down), up_w, gemv)).unflatten(-1, (hc, hidden))
     mixed = (mix * normed.unflatten(-1, (hc, hidden))).mean(dim=-2)
     if inject is None:
         return mixed, None
@@ -446,17 +460,18 @@ def attn_sources(spec: ModelSpec, w: dict[str, torch.Tensor], pre: str, layer: i
 
 
 def moe_router(moe: MoeSpec, x: torch.Tensor, fused_in: torch.Tensor, shared_down: torch.Tensor,
-               ranked: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+               ranked: bool = False, gemv: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The routing and the shared expert on tensors: (top_w [R, K] in x's dtype, top_i [R, K], the gated
-    shared expert's output [R, H]). ranked: the top-k as moe.ranked_topk (fusable; torch.topk's result)."""
+    shared expert's output [R, H]). ranked: the top-k as moe.ranked_topk (fusable; torch.topk's result); gemv:
+    the two products as `linear(reduce=True)`."""
     shared_width = moe.shared_intermediate_size
     logits, shared_gate, shared_up, shared_scale = split_out(
-        x @ fused_in.T, [moe.num_experts, shared_width, shared_width, 1])
+        linear(x, fused_in, gemv), [moe.num_experts, shared_width, shared_width, 1])
     probs = torch.softmax(logits.to(acc_dtype(x.dtype)), dim=-1)
     top_w, top_i = ranked_topk(probs, moe.top_k) if ranked else torch.topk(probs, moe.top_k, dim=-1)
     if moe.norm_topk_prob:
         top_w = top_w / top_w.sum(dim=-1, keepdim=True)
-    shared = (F.silu(shared_gate) * shared_up) @ shared_down.T
+    shared = linear(F.silu(shared_gate) * shared_up, shared_down, gemv)
     return top_w.to(x.dtype), top_i, torch.sigmoid(shared_scale) * shared
 
 

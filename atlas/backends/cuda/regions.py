@@ -53,6 +53,10 @@ from atlas.backends.cuda.tuning import Tuning
 from atlas.backends.ops import dense_mlp, hyper_inject, rope_table
 from atlas.model.spec import FULL_ATTENTION, ModelSpec
 
+# Tuning.decode_gemv = "reduce" applies to decode groups of at most this many rows: the reduction re-reads a weight
+# from L2 once a row (cuBLAS's GEMM reads it once), so it can only win where the GEMV's fixed cost dominates
+GEMV_ROWS = 4
+
 # (routed [R, H] or its pairs [R, K, H], shared, inject) of the ffn not yet injected into the streams; all None before
 # the first layer
 Pending = tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]
@@ -70,10 +74,10 @@ def applies(spec: ModelSpec, grp: Group, tuning: Tuning) -> bool:
     return tuning.prefill_stack == "regions" and not shape.pending
 
 
-def _site(spec: ModelSpec, streams: torch.Tensor, norm_w: torch.Tensor, down_w: torch.Tensor, up_w: torch.Tensor
-          ) -> tuple[torch.Tensor, torch.Tensor]:
+def _site(spec: ModelSpec, streams: torch.Tensor, norm_w: torch.Tensor, down_w: torch.Tensor, up_w: torch.Tensor,
+          gemv: bool) -> tuple[torch.Tensor, torch.Tensor]:
     x, inject = hyper_block(streams, norm_w, down_w, up_w, spec.hc_count, spec.hidden_size, spec.hc_lowrank,
-                            spec.rms_norm_eps, True)
+                            spec.rms_norm_eps, True, gemv)
     assert inject is not None
     return x, inject
 
@@ -95,12 +99,12 @@ def settle(streams: torch.Tensor, routed: torch.Tensor | None, shared: torch.Ten
 def gdn_head(spec: ModelSpec, streams: torch.Tensor, routed: torch.Tensor | None, shared: torch.Tensor | None,
              inject_prev: torch.Tensor | None, norm_w: torch.Tensor, down_w: torch.Tensor, up_w: torch.Tensor,
              fused_in: torch.Tensor, conv_w: torch.Tensor, conv_pool: torch.Tensor, slots: torch.Tensor,
-             library_conv: bool = False) -> tuple[torch.Tensor, ...]:
+             library_conv: bool = False, gemv: bool = False) -> tuple[torch.Tensor, ...]:
     """(streams, inject, *gdn_in's parts but the conv columns) of a GDN layer, the previous ffn settled first; the
     new conv state written into conv_pool at `slots` here (fused with the conv; its stamp is the stack's, once a
     step for every layer)."""
     streams = settle(streams, routed, shared, inject_prev)
-    x, inject = _site(spec, streams, norm_w, down_w, up_w)
+    x, inject = _site(spec, streams, norm_w, down_w, up_w, gemv)
     *parts, cols = gdn_in(spec, x, fused_in, conv_w, conv_pool[slots], library_conv)
     store_final(conv_pool, slots, cols[:, :, -conv_pool.shape[-1]:])
     return (streams, inject, *parts, None)
@@ -109,13 +113,13 @@ def gdn_head(spec: ModelSpec, streams: torch.Tensor, routed: torch.Tensor | None
 def attn_head(spec: ModelSpec, streams: torch.Tensor, routed: torch.Tensor | None, shared: torch.Tensor | None,
               inject_prev: torch.Tensor | None, norm_w: torch.Tensor, down_w: torch.Tensor, up_w: torch.Tensor,
               fused_in: torch.Tensor, q_norm: torch.Tensor, k_norm: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-              write: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, raw_pool: torch.Tensor | None
-              ) -> tuple[torch.Tensor, ...]:
+              write: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, raw_pool: torch.Tensor | None,
+              gemv: bool = False) -> tuple[torch.Tensor, ...]:
     """(streams, inject, q, gate, qk) of an attention layer, the previous ffn settled first; its new KV rows (and
     QSA raw keys) written into the pools at the flat slots `write` here (their stamps are the stack's, once a
     step for every layer)."""
     streams = settle(streams, routed, shared, inject_prev)
-    x, inject = _site(spec, streams, norm_w, down_w, up_w)
+    x, inject = _site(spec, streams, norm_w, down_w, up_w, gemv)
     q, gate, k, v, qk = attn_in(spec, x, fused_in, q_norm, k_norm, cos, sin)
     attn_store(spec, k, v, qk, write, k_pool, v_pool, raw_pool)
     return streams, inject, q, gate, qk
@@ -123,20 +127,20 @@ def attn_head(spec: ModelSpec, streams: torch.Tensor, routed: torch.Tensor | Non
 
 def ffn_head(spec: ModelSpec, streams: torch.Tensor, mixed: torch.Tensor, inject: torch.Tensor,
               norm_w: torch.Tensor, down_w: torch.Tensor, up_w: torch.Tensor, moe_in: torch.Tensor | None,
-              shared_down: torch.Tensor | None, route: str) -> tuple[torch.Tensor, ...]:
+              shared_down: torch.Tensor | None, route: str, gemv: bool = False) -> tuple[torch.Tensor, ...]:
     """The mixer's output injected, then the ffn's site and (MoE) router: (streams, rows, inject, top_w, top_i,
     shared, the pairs' (order, offsets) for the routed kernels when `route`: "ranked" or "counted", see
     moe.counted_route; "" none); a dense ffn's rows only (its router
     parts None). Few experts: the top-k and the route as comparisons and counts (moe.ranked_topk /
     counted_route), which fuse here, instead of torch.topk and a sort."""
     streams = hyper_inject(streams, mixed, inject)
-    x, inject = _site(spec, streams, norm_w, down_w, up_w)
+    x, inject = _site(spec, streams, norm_w, down_w, up_w, gemv)
     rows = x.reshape(-1, x.shape[-1])
     if moe_in is None or spec.moe is None:
         return streams, rows, inject, None, None, None, None
     assert shared_down is not None
     small = spec.moe.num_experts <= SMALL_EXPERTS
-    top_w, top_i, shared = moe_router(spec.moe, rows, moe_in, shared_down, ranked=small)
+    top_w, top_i, shared = moe_router(spec.moe, rows, moe_in, shared_down, ranked=small, gemv=gemv)
     # a decode group's pairs ranked (comparisons, no scan); a prefill chunk's counted (its token count symbolic)
     ranked = route == "ranked" and top_i.numel() <= RANKED_PAIRS
     pairs = counted_route(top_i, spec.moe.num_experts, ranked=ranked) if route and small else None
@@ -145,10 +149,10 @@ def ffn_head(spec: ModelSpec, streams: torch.Tensor, mixed: torch.Tensor, inject
 
 def gdn_tail(spec: ModelSpec, streams: torch.Tensor, inject: torch.Tensor, out: torch.Tensor, z: torch.Tensor,
              gnorm_w: torch.Tensor, out_w: torch.Tensor, norm_w: torch.Tensor, down_w: torch.Tensor,
-             up_w: torch.Tensor, moe_in: torch.Tensor | None, shared_down: torch.Tensor | None, route: str
-             ) -> tuple[torch.Tensor, ...]:
+             up_w: torch.Tensor, moe_in: torch.Tensor | None, shared_down: torch.Tensor | None, route: str,
+             gemv: bool = False) -> tuple[torch.Tensor, ...]:
     return ffn_head(spec, streams, gdn_out(spec, out, z, gnorm_w, out_w), inject, norm_w, down_w, up_w, moe_in,
-                     shared_down, route)
+                     shared_down, route, gemv)
 
 
 def attn_tail(spec: ModelSpec, streams: torch.Tensor, inject: torch.Tensor, q: torch.Tensor, gate: torch.Tensor,
@@ -156,29 +160,30 @@ def attn_tail(spec: ModelSpec, streams: torch.Tensor, inject: torch.Tensor, q: t
               read_slots: torch.Tensor, positions: torch.Tensor, o_w: torch.Tensor, iq_norm: torch.Tensor | None,
               ik_norm: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor, qsa_select: bool, sdpa: bool,
               norm_w: torch.Tensor, down_w: torch.Tensor, up_w: torch.Tensor, moe_in: torch.Tensor | None,
-              shared_down: torch.Tensor | None, route: str) -> tuple[torch.Tensor, ...]:
+              shared_down: torch.Tensor | None, route: str, gemv: bool = False) -> tuple[torch.Tensor, ...]:
     mixed = attn_core(spec, q, gate, qk, k_pool, v_pool, raw_pool, read_slots, positions, o_w, iq_norm, ik_norm,
                       cos, sin, qsa_select, sdpa)
-    return ffn_head(spec, streams, mixed, inject, norm_w, down_w, up_w, moe_in, shared_down, route)
+    return ffn_head(spec, streams, mixed, inject, norm_w, down_w, up_w, moe_in, shared_down, route, gemv)
 
 
 def attn_post(spec: ModelSpec, streams: torch.Tensor, inject: torch.Tensor, att: torch.Tensor, gate: torch.Tensor,
               o_w: torch.Tensor, norm_w: torch.Tensor, down_w: torch.Tensor, up_w: torch.Tensor,
-              moe_in: torch.Tensor | None, shared_down: torch.Tensor | None, route: str) -> tuple[torch.Tensor, ...]:
+              moe_in: torch.Tensor | None, shared_down: torch.Tensor | None, route: str, gemv: bool = False
+              ) -> tuple[torch.Tensor, ...]:
     """attn_tail after the paged kernel's attention output att [R, nh, hd]: its gate and projection, then the ffn
     head."""
     b, t = streams.shape[:2]
     return ffn_head(spec, streams, attn_gate_out(att, gate, o_w, b, t), inject, norm_w, down_w, up_w, moe_in,
-                     shared_down, route)
+                     shared_down, route, gemv)
 
 
 def final_mix(spec: ModelSpec, streams: torch.Tensor, routed: torch.Tensor | None, shared: torch.Tensor | None,
-              inject: torch.Tensor | None, norm_w: torch.Tensor, down_w: torch.Tensor, up_w: torch.Tensor
-              ) -> torch.Tensor:
+              inject: torch.Tensor | None, norm_w: torch.Tensor, down_w: torch.Tensor, up_w: torch.Tensor,
+              gemv: bool = False) -> torch.Tensor:
     """The last ffn settled, then the final mixer: the hidden states [B, T, H]."""
     streams = settle(streams, routed, shared, inject)
     final, _ = hyper_block(streams, norm_w, down_w, up_w, spec.hc_count, spec.hidden_size, spec.hc_lowrank,
-                           spec.rms_norm_eps, False)
+                           spec.rms_norm_eps, False, gemv)
     return final
 
 
@@ -213,6 +218,8 @@ def regions_stack(spec: ModelSpec, w: dict[str, torch.Tensor], pools: DevicePool
     cos, sin = rope_table(grp.positions.reshape(-1), spec.rotary_dim, spec.rope_theta, dtype)
     cos, sin = tok(cos), tok(sin)
     write = grp.write_slots.reshape(-1)
+    # a decode group of few rows: the hyper sites' and router's products as reductions Inductor fuses (linear)
+    gemv = not prefill and mode != "none" and tuning.decode_gemv == "reduce" and grp.tokens.shape[0] <= GEMV_ROWS
     # paged: the split-K kernel between the head and attn_post (eager, in the graph)
     sdpa, paged = attention_kind(grp, tuning.attention if prefill else tuning.decode_attention)
     moe_mode = tuning.prefill_moe if prefill else tuning.moe
@@ -244,11 +251,11 @@ def regions_stack(spec: ModelSpec, w: dict[str, torch.Tensor], pools: DevicePool
             streams, inject, q, gate, qk = head_a(spec, tok(streams), tok(routed), tok(shared), tok(inject_prev),
                                                   *site, w[a + "fused_in.weight"], w[a + "q_norm.weight"],
                                                   w[a + "k_norm.weight"], cos, sin, tok(write), k_pool, v_pool,
-                                                  raw_pool)
+                                                  raw_pool, gemv)
             if paged:
                 att = attn_paged(q, k_pool, v_pool, grp)
                 streams, rows, inject, top_w, top_i, shared, pairs = post_a(spec, streams, inject, att, gate, o_w,
-                                                                            *ffn_site, *moe_w, route)
+                                                                            *ffn_site, *moe_w, route, gemv)
             elif prefill:
                 # a prefill chunk's attention eager (as the layer stack's), its ffn head compiled. Written when the
                 # ConstraintViolationError (H200, session 7) was taken for Inductor's sdpa lowering specialising the
@@ -261,16 +268,17 @@ def regions_stack(spec: ModelSpec, w: dict[str, torch.Tensor], pools: DevicePool
             else:
                 streams, rows, inject, top_w, top_i, shared, pairs = tail_a(
                     spec, streams, inject, q, gate, qk, k_pool, v_pool, raw_pool, read_slots, grp.positions, o_w,
-                    iq_norm, ik_norm, cos, sin, grp.shape.qsa_select, sdpa, *ffn_site, *moe_w, route)  # decode only
+                    iq_norm, ik_norm, cos, sin, grp.shape.qsa_select, sdpa, *ffn_site, *moe_w, route,
+                    gemv)  # decode only
         else:
             g = pre + "linear_attn."
             streams, inject, *parts = head_g(spec, tok(streams), tok(routed), tok(shared), tok(inject_prev), *site,
                                              w[g + "fused_in.weight"], w[g + "conv1d.weight"],
-                                             pools.state[f"conv{layer}"], grp.slots, library)
+                                             pools.state[f"conv{layer}"], grp.slots, library, gemv)
             out = gdn_update(spec, w, g, layer, tuple(parts), grp, pools, gdn_kernel, conv_written=True)
             streams, rows, inject, top_w, top_i, shared, pairs = tail_g(
                 spec, tok(streams), tok(inject), tok(out), tok(parts[3]), w[g + "norm.weight"],
-                w[g + "out_proj.weight"], *ffn_site, *moe_w, route)
+                w[g + "out_proj.weight"], *ffn_site, *moe_w, route, gemv)
         if moe:
             assert spec.moe is not None and top_w is not None and top_i is not None
             routed = moe_routed(spec.moe, w, pre + "mlp.", rows, top_w, top_i, mode=moe_mode, route=pairs,
@@ -288,5 +296,5 @@ def regions_stack(spec: ModelSpec, w: dict[str, torch.Tensor], pools: DevicePool
     final = final_c(spec, tok(streams), tok(routed), tok(shared), tok(inject_prev),
                     w["hyper_connection_mixer.hc_norm.weight"],
                     w["hyper_connection_mixer.input_mix_weight_down.weight"],
-                    w["hyper_connection_mixer.input_mix_weight_up.weight"])
+                    w["hyper_connection_mixer.input_mix_weight_up.weight"], gemv)
     return final

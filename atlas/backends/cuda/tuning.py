@@ -19,6 +19,7 @@ HYPER = ("torch", "triton")
 COMPILE = ("none", "default", "max-autotune-no-cudagraphs")
 STACK = ("layers", "regions")
 CONV = ("windowed", "library")
+GEMV = ("library", "reduce")
 
 
 def _one_of(options: tuple[str, ...]):  # type: ignore[no-untyped-def]
@@ -62,16 +63,20 @@ class Tuning:
     # the same for prefill chunks: "regions" runs them through the same region functions (their state writes,
     # GDN chunk kernel and routed experts eager between them), compiled by compile_prefill with symbolic sizes.
     # The eager layer stack launches ~2,600 kernels a 2,048-token prefill, host-bound ~12 ms over its device
-    # time, with ~15 ms of unfused elementwise passes over the [T, hc * H] streams (H200, session 6). Opt-in and
-    # only in the "regions-prefill" variant: on the H200 (session 7) compiled regions raised ConstraintViolationError
-    # (the marked token dimension specialised to the chunk length, 2,048 and 32); reproduced on the CPU afterwards
-    # (atlas-tiny, 32-token chunks) and fixed there by fullgraph=True (atlas.backends.cuda.compiled), not yet run on
-    # a GPU. The prefill's device time in the failing runs' profile was 35-36 ms against the layer stack's 51-54
+    # time, with ~15 ms of unfused elementwise passes over the [T, hc * H] streams (H200, session 6). H200, session
+    # 8 (after session 7's ConstraintViolationError was fixed by fullgraph=True, atlas.backends.cuda.compiled): a
+    # 2,048-token prefill 67.5 -> 56.0 ms, 8,192 263.6 -> 174.7 ms, 32,752 1,362 -> 1,085 ms; in regions-compile
     prefill_stack: str = attrs.field(default="layers", validator=_one_of(STACK))
     compile_prefill: str = attrs.field(default="none", validator=_one_of(COMPILE))
     # the causal convs of prefill chunks (bf16): "windowed" the reference's fp32 windowed product; "library"
     # depthwise F.conv1d (cuDNN), never in the batch-invariant modes (atlas.backends.cuda.layers.conv_step)
     prefill_conv: str = attrs.field(default="windowed", validator=_one_of(CONV))
+    # the small products of compiled decode regions of at most regions.GEMV_ROWS rows (the hyper sites' mix-down and
+    # mix-up, the MoE router + shared expert in and down): "library" cuBLAS GEMVs; "reduce" a broadcast multiply
+    # and fp32 sum (layers.linear) that Inductor lowers to reduction kernels fused with their neighbours. H200,
+    # session 8, batch 1: 199 GEMVs 1.52 ms of a 3.2 ms device step, the sites' 5 MB ones 4-7 us each (+ a 1.7 us
+    # split-K reduce) against ~1.3 us of bytes
+    decode_gemv: str = attrs.field(default="library", validator=_one_of(GEMV))
 
     @property
     def uses_triton(self) -> bool:
@@ -99,14 +104,15 @@ VARIANTS: dict[str, Tuning] = {
                             compile_decode="default"),
     # the decode step as compiled regions (session 4): a layer is ~4 compiled pieces + its state writes, the
     # GDN kernel and the routed experts (dispatch count on the CPU: see docs/BENCHMARKS.md, session 4)
-    # (prefill_stack="regions" + compile_prefill stays out until it runs on the GPU: session 7, see the knob)
+    # the prefill chunks through the same compiled regions since session 8 (the "regions-prefill" variant of session
+    # 7 won: 56.0 against 67.5 ms at 2,048 tokens, see the prefill_stack knob)
     "regions-compile": Tuning(moe="triton", prefill_moe="triton", attention="sdpa", decode_attention="paged",
-                              compile_decode="default", decode_stack="regions", prefill_conv="library"),
-    # regions-compile with the prefill chunks through the compiled regions too (session 7: unmeasured since the
-    # fullgraph fix; the device time of its failing runs' prefill profile was 35-36 ms against 51-54 ms)
-    "regions-prefill": Tuning(moe="triton", prefill_moe="triton", attention="sdpa", decode_attention="paged",
                               compile_decode="default", decode_stack="regions", prefill_conv="library",
                               prefill_stack="regions", compile_prefill="default"),
+    # regions-compile with batch 1-4's small products as Inductor reductions (decode_gemv, layers.linear)
+    "regions-gemv": Tuning(moe="triton", prefill_moe="triton", attention="sdpa", decode_attention="paged",
+                           compile_decode="default", decode_stack="regions", prefill_conv="library",
+                           prefill_stack="regions", compile_prefill="default", decode_gemv="reduce"),
     # the same with Inductor's GEMM autotuning (Triton templates against cuBLAS, epilogues fused into the GEMM)
     "regions-autotune": Tuning(moe="triton", prefill_moe="triton", attention="sdpa", decode_attention="sdpa",
                                compile_decode="max-autotune-no-cudagraphs", decode_stack="regions",

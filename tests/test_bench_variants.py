@@ -62,15 +62,15 @@ def test_every_prefill_knob_keeps_a_variant_from_reusing_prefill_figures(fakes: 
 
     layers_prefill = attrs.evolve(VARIANTS["regions-compile"], prefill_stack="layers", compile_prefill="none")
     variants = {"regions-compile": VARIANTS["regions-compile"], "layers-prefill": layers_prefill,
-                "regions-gemv": VARIANTS["regions-gemv"]}
+                "regions-cublas": VARIANTS["regions-cublas"]}
     results = measure_variants(None, variants, batches=(1,), prefill_tokens=2048, bw=4e12, rate=7e14, out=None,
                                on_variant=lambda name, row: None, profile=False)
     # layers-prefill differs in prefill_stack / compile_prefill only: its prefill measured, its decode shared;
-    # regions-gemv in a decode-only knob: the reverse
+    # regions-cublas in a decode-only knob: the reverse
     assert "same_as" not in results["layers-prefill"]["prefill"]
     assert results["layers-prefill"]["decode_b1"]["same_as"] == "regions-compile"
-    assert results["regions-gemv"]["prefill"]["same_as"] == "regions-compile"
-    assert "same_as" not in results["regions-gemv"]["decode_b1"]
+    assert results["regions-cublas"]["prefill"]["same_as"] == "regions-compile"
+    assert "same_as" not in results["regions-cublas"]["decode_b1"]
     assert [kind for kind, _ in fakes] == ["prefill", "decode", "prefill", "decode"]
 
 

@@ -203,9 +203,12 @@ def test_the_library_conv_equals_the_windowed_product(dilation: int) -> None:
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="Inductor on the GPU: the compiled regions")
-def test_compiled_regions_give_the_reference_tokens_on_the_gpu(tiny) -> None:  # type: ignore[no-untyped-def]
-    """fp32, CUDA graphs on: the decode regions through torch.compile and the paged decode attention, greedy and
-    seeded rows side by side, against the CPU reference."""
+@pytest.mark.parametrize("variant", ["decode", "regions-compile"])
+def test_compiled_regions_give_the_reference_tokens_on_the_gpu(tiny, variant: str) -> None:  # type: ignore[no-untyped-def]
+    """fp32, CUDA graphs on: the decode regions through torch.compile and the paged decode attention (and, as
+    VARIANTS["regions-compile"]: the prefill regions, the routed kernels, the batch-3 products as reductions),
+    greedy and seeded rows side by side, against the CPU reference."""
+    from atlas.backends.cuda.tuning import VARIANTS
     from atlas.config import EngineConfig
     from atlas.engine.offline import generate
     from atlas.engine.records import RecordingSink
@@ -216,7 +219,8 @@ def test_compiled_regions_give_the_reference_tokens_on_the_gpu(tiny) -> None:  #
     params = [SamplingParams(max_tokens=12, ignore_eos=True),
               SamplingParams(max_tokens=12, ignore_eos=True, temperature=0.8, top_p=0.95, seed=7),
               SamplingParams(max_tokens=12, ignore_eos=True, temperature=1.0, top_k=20, seed=3)]
-    tuning = Tuning(decode_stack="regions", compile_decode="default", decode_attention="paged")
+    tuning = (Tuning(decode_stack="regions", compile_decode="default", decode_attention="paged")
+              if variant == "decode" else VARIANTS["regions-compile"])
     for prompts in (PROMPTS, SHORT):  # QSA-selected decode groups (sdpa), then dense ones (the paged kernel)
         tokens = {}
         for backend, options in (("cpu", {}), ("cuda-fp32", {"device": DEVICE, "cuda_graphs": True,

@@ -105,14 +105,15 @@ VARIANTS: dict[str, Tuning] = {
     # the decode step as compiled regions (session 4): a layer is ~4 compiled pieces + its state writes, the
     # GDN kernel and the routed experts (dispatch count on the CPU: see docs/BENCHMARKS.md, session 4)
     # the prefill chunks through the same compiled regions since session 8 (the "regions-prefill" variant of session
-    # 7 won: 56.0 against 67.5 ms at 2,048 tokens, see the prefill_stack knob)
+    # 7 won: 56.0 against 67.5 ms at 2,048 tokens, see the prefill_stack knob), and batch 1-4's small products as
+    # Inductor reductions (decode_gemv: b1 4.15 -> 3.45 ms, 1,234 -> 1,040 kernels, H200 session 8)
     "regions-compile": Tuning(moe="triton", prefill_moe="triton", attention="sdpa", decode_attention="paged",
                               compile_decode="default", decode_stack="regions", prefill_conv="library",
-                              prefill_stack="regions", compile_prefill="default"),
-    # regions-compile with batch 1-4's small products as Inductor reductions (decode_gemv, layers.linear)
-    "regions-gemv": Tuning(moe="triton", prefill_moe="triton", attention="sdpa", decode_attention="paged",
-                           compile_decode="default", decode_stack="regions", prefill_conv="library",
-                           prefill_stack="regions", compile_prefill="default", decode_gemv="reduce"),
+                              prefill_stack="regions", compile_prefill="default", decode_gemv="reduce"),
+    # regions-compile with cuBLAS's GEMVs at batch 1-4 (what decode_gemv replaced)
+    "regions-cublas": Tuning(moe="triton", prefill_moe="triton", attention="sdpa", decode_attention="paged",
+                             compile_decode="default", decode_stack="regions", prefill_conv="library",
+                             prefill_stack="regions", compile_prefill="default"),
     # the same with Inductor's GEMM autotuning (Triton templates against cuBLAS, epilogues fused into the GEMM)
     "regions-autotune": Tuning(moe="triton", prefill_moe="triton", attention="sdpa", decode_attention="sdpa",
                                compile_decode="max-autotune-no-cudagraphs", decode_stack="regions",

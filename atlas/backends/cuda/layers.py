@@ -129,23 +129,36 @@ def hyper_mix(spec: ModelSpec, w: dict[str, torch.Tensor], pre: str, streams: to
                  spec.hc_count, spec.hidden_size, spec.hc_lowrank, spec.rms_norm_eps, combine)
 
 
-def linear(x: torch.Tensor, w: torch.Tensor, reduce: bool = False) -> torch.Tensor:
-    """x [..., K] @ w.T [N, K]. reduce (Tuning.decode_gemv = "reduce", a compiled decode region of few rows): the
+# linear(gemv="split"): the reduction over K cut into chunks of this many inputs where K is a multiple of it, >= 2 of them
+SPLIT_K = 1024
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, gemv: str = "") -> torch.Tensor:
+    """x [..., K] @ w.T [N, K]; gemv "" the GEMM. "reduce" (Tuning.decode_gemv, a compiled decode region of few rows): the
     product written as a broadcast multiply and an fp32 sum over K, which Inductor lowers to a reduction kernel of
     its own, fused with what surrounds it, in place of a cuBLAS GEMV (H200, session 8: the hyper sites' 5 MB
     GEMVs 4-7 us each, + a split-K reduce, at 15-30% of the copy rate). Rounded once, as the GEMM rounds: fp32
-    accumulation in either. Eagerly it materialises [..., N, K]: a compiled region's form only."""
-    if not reduce:
+    accumulation in either. Eagerly it materialises [..., N, K]: a compiled region's form only.
+
+    "split": the sum over K as partial sums over chunks of SPLIT_K, then their sum, so a
+    product of few outputs and a long K (the mix-down: 328 outputs of 8,192 inputs, one 8 us reduction kernel of
+    328 programs at batch 1, H200 session 8) runs as N x K / SPLIT_K programs; the partials' sum fuses into the
+    consumer. Unmeasured on a GPU."""
+    if not gemv:
         return x @ w.T
     acc = acc_dtype(x.dtype)
+    k = x.shape[-1]
+    if gemv == "split" and k % SPLIT_K == 0 and k >= 2 * SPLIT_K:
+        xs, ws = x.unflatten(-1, (k // SPLIT_K, SPLIT_K)), w.unflatten(-1, (k // SPLIT_K, SPLIT_K))
+        return (xs.unsqueeze(-3).to(acc) * ws.to(acc)).sum(dim=-1).sum(dim=-1).to(x.dtype)
     return (x.unsqueeze(-2).to(acc) * w.to(acc)).sum(dim=-1).to(x.dtype)
 
 
 def hyper_block(streams: torch.Tensor, norm_w: torch.Tensor, down_w: torch.Tensor, up_w: torch.Tensor, hc: int,
-                hidden: int, lowrank: int, eps: float, combine: bool, gemv: bool = False
+                hidden: int, lowrank: int, eps: float, combine: bool, gemv: str = ""
                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One hyper-connection site on tensors: (block input [.., H], injection weights [.., hc] or None). gemv: its
-    two products as `linear(reduce=True)`."""
+    two products' form (`linear`)."""
     normed = rms_norm(streams, norm_w, eps, group=hidden)
     if combine:  # 1/hc is folded into the weights (prepare_weights)
         down, inject = split_out(linear(normed, down_w, gemv), [lowrank, hc])
@@ -428,9 +441,11 @@ def attention_kind(grp: Group, mode: str) -> tuple[bool, bool]:
 
 
 def library_conv(tuning: Tuning, grp: Group, invariant: bool) -> bool:
-    """Whether a group's causal convs take the library conv: prefill chunks only, never in a batch-invariant mode
-    (see conv_step)."""
-    return tuning.prefill_conv == "library" and grp.shape.width > 1 and not invariant
+    """Whether a group's eager causal convs take the library conv: prefill chunks only, never in a batch-invariant
+    mode (see conv_step). prefill_conv "inductor" is "library" for eager convs (the layer stack's, PLE's); a
+    compiled prefill region's GDN conv takes the windowed product then (regions.regions_stack), which Inductor
+    fuses into one pass instead of materialising the windows."""
+    return tuning.prefill_conv in ("library", "inductor") and grp.shape.width > 1 and not invariant
 
 
 def attention_layer(spec: ModelSpec, w: dict[str, torch.Tensor], pre: str, layer: int, x: torch.Tensor,
@@ -460,10 +475,10 @@ def attn_sources(spec: ModelSpec, w: dict[str, torch.Tensor], pre: str, layer: i
 
 
 def moe_router(moe: MoeSpec, x: torch.Tensor, fused_in: torch.Tensor, shared_down: torch.Tensor,
-               ranked: bool = False, gemv: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+               ranked: bool = False, gemv: str = "") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The routing and the shared expert on tensors: (top_w [R, K] in x's dtype, top_i [R, K], the gated
     shared expert's output [R, H]). ranked: the top-k as moe.ranked_topk (fusable; torch.topk's result); gemv:
-    the two products as `linear(reduce=True)`."""
+    the two products' form (`linear`)."""
     shared_width = moe.shared_intermediate_size
     logits, shared_gate, shared_up, shared_scale = split_out(
         linear(x, fused_in, gemv), [moe.num_experts, shared_width, shared_width, 1])

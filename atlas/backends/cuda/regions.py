@@ -53,7 +53,7 @@ from atlas.backends.cuda.tuning import Tuning
 from atlas.backends.ops import dense_mlp, hyper_inject, rope_table
 from atlas.model.spec import FULL_ATTENTION, ModelSpec
 
-# Tuning.decode_gemv = "reduce" applies to decode groups of at most this many rows: the reduction re-reads a weight
+# Tuning.decode_gemv ("reduce", "split") applies to decode groups of at most this many rows: the reduction re-reads a weight
 # from L2 once a row (cuBLAS's GEMM reads it once), so it can only win where the GEMV's fixed cost dominates
 GEMV_ROWS = 4
 
@@ -75,7 +75,7 @@ def applies(spec: ModelSpec, grp: Group, tuning: Tuning) -> bool:
 
 
 def _site(spec: ModelSpec, streams: torch.Tensor, norm_w: torch.Tensor, down_w: torch.Tensor, up_w: torch.Tensor,
-          gemv: bool) -> tuple[torch.Tensor, torch.Tensor]:
+          gemv: str) -> tuple[torch.Tensor, torch.Tensor]:
     x, inject = hyper_block(streams, norm_w, down_w, up_w, spec.hc_count, spec.hidden_size, spec.hc_lowrank,
                             spec.rms_norm_eps, True, gemv)
     assert inject is not None
@@ -99,7 +99,7 @@ def settle(streams: torch.Tensor, routed: torch.Tensor | None, shared: torch.Ten
 def gdn_head(spec: ModelSpec, streams: torch.Tensor, routed: torch.Tensor | None, shared: torch.Tensor | None,
              inject_prev: torch.Tensor | None, norm_w: torch.Tensor, down_w: torch.Tensor, up_w: torch.Tensor,
              fused_in: torch.Tensor, conv_w: torch.Tensor, conv_pool: torch.Tensor, slots: torch.Tensor,
-             library_conv: bool = False, gemv: bool = False) -> tuple[torch.Tensor, ...]:
+             library_conv: bool = False, gemv: str = "") -> tuple[torch.Tensor, ...]:
     """(streams, inject, *gdn_in's parts but the conv columns) of a GDN layer, the previous ffn settled first; the
     new conv state written into conv_pool at `slots` here (fused with the conv; its stamp is the stack's, once a
     step for every layer)."""
@@ -114,7 +114,7 @@ def attn_head(spec: ModelSpec, streams: torch.Tensor, routed: torch.Tensor | Non
               inject_prev: torch.Tensor | None, norm_w: torch.Tensor, down_w: torch.Tensor, up_w: torch.Tensor,
               fused_in: torch.Tensor, q_norm: torch.Tensor, k_norm: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
               write: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, raw_pool: torch.Tensor | None,
-              gemv: bool = False) -> tuple[torch.Tensor, ...]:
+              gemv: str = "") -> tuple[torch.Tensor, ...]:
     """(streams, inject, q, gate, qk) of an attention layer, the previous ffn settled first; its new KV rows (and
     QSA raw keys) written into the pools at the flat slots `write` here (their stamps are the stack's, once a
     step for every layer)."""
@@ -127,7 +127,7 @@ def attn_head(spec: ModelSpec, streams: torch.Tensor, routed: torch.Tensor | Non
 
 def ffn_head(spec: ModelSpec, streams: torch.Tensor, mixed: torch.Tensor, inject: torch.Tensor,
               norm_w: torch.Tensor, down_w: torch.Tensor, up_w: torch.Tensor, moe_in: torch.Tensor | None,
-              shared_down: torch.Tensor | None, route: str, gemv: bool = False) -> tuple[torch.Tensor, ...]:
+              shared_down: torch.Tensor | None, route: str, gemv: str = "") -> tuple[torch.Tensor, ...]:
     """The mixer's output injected, then the ffn's site and (MoE) router: (streams, rows, inject, top_w, top_i,
     shared, the pairs' (order, offsets) for the routed kernels when `route`: "ranked" or "counted", see
     moe.counted_route; "" none); a dense ffn's rows only (its router
@@ -150,7 +150,7 @@ def ffn_head(spec: ModelSpec, streams: torch.Tensor, mixed: torch.Tensor, inject
 def gdn_tail(spec: ModelSpec, streams: torch.Tensor, inject: torch.Tensor, out: torch.Tensor, z: torch.Tensor,
              gnorm_w: torch.Tensor, out_w: torch.Tensor, norm_w: torch.Tensor, down_w: torch.Tensor,
              up_w: torch.Tensor, moe_in: torch.Tensor | None, shared_down: torch.Tensor | None, route: str,
-             gemv: bool = False) -> tuple[torch.Tensor, ...]:
+             gemv: str = "") -> tuple[torch.Tensor, ...]:
     return ffn_head(spec, streams, gdn_out(spec, out, z, gnorm_w, out_w), inject, norm_w, down_w, up_w, moe_in,
                      shared_down, route, gemv)
 
@@ -160,7 +160,7 @@ def attn_tail(spec: ModelSpec, streams: torch.Tensor, inject: torch.Tensor, q: t
               read_slots: torch.Tensor, positions: torch.Tensor, o_w: torch.Tensor, iq_norm: torch.Tensor | None,
               ik_norm: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor, qsa_select: bool, sdpa: bool,
               norm_w: torch.Tensor, down_w: torch.Tensor, up_w: torch.Tensor, moe_in: torch.Tensor | None,
-              shared_down: torch.Tensor | None, route: str, gemv: bool = False) -> tuple[torch.Tensor, ...]:
+              shared_down: torch.Tensor | None, route: str, gemv: str = "") -> tuple[torch.Tensor, ...]:
     mixed = attn_core(spec, q, gate, qk, k_pool, v_pool, raw_pool, read_slots, positions, o_w, iq_norm, ik_norm,
                       cos, sin, qsa_select, sdpa)
     return ffn_head(spec, streams, mixed, inject, norm_w, down_w, up_w, moe_in, shared_down, route, gemv)
@@ -168,7 +168,7 @@ def attn_tail(spec: ModelSpec, streams: torch.Tensor, inject: torch.Tensor, q: t
 
 def attn_post(spec: ModelSpec, streams: torch.Tensor, inject: torch.Tensor, att: torch.Tensor, gate: torch.Tensor,
               o_w: torch.Tensor, norm_w: torch.Tensor, down_w: torch.Tensor, up_w: torch.Tensor,
-              moe_in: torch.Tensor | None, shared_down: torch.Tensor | None, route: str, gemv: bool = False
+              moe_in: torch.Tensor | None, shared_down: torch.Tensor | None, route: str, gemv: str = ""
               ) -> tuple[torch.Tensor, ...]:
     """attn_tail after the paged kernel's attention output att [R, nh, hd]: its gate and projection, then the ffn
     head."""
@@ -179,7 +179,7 @@ def attn_post(spec: ModelSpec, streams: torch.Tensor, inject: torch.Tensor, att:
 
 def final_mix(spec: ModelSpec, streams: torch.Tensor, routed: torch.Tensor | None, shared: torch.Tensor | None,
               inject: torch.Tensor | None, norm_w: torch.Tensor, down_w: torch.Tensor, up_w: torch.Tensor,
-              gemv: bool = False) -> torch.Tensor:
+              gemv: str = "") -> torch.Tensor:
     """The last ffn settled, then the final mixer: the hidden states [B, T, H]."""
     streams = settle(streams, routed, shared, inject)
     final, _ = hyper_block(streams, norm_w, down_w, up_w, spec.hc_count, spec.hidden_size, spec.hc_lowrank,
@@ -219,11 +219,14 @@ def regions_stack(spec: ModelSpec, w: dict[str, torch.Tensor], pools: DevicePool
     cos, sin = tok(cos), tok(sin)
     write = grp.write_slots.reshape(-1)
     # a decode group of few rows: the hyper sites' and router's products as reductions Inductor fuses (linear)
-    gemv = not prefill and mode != "none" and tuning.decode_gemv == "reduce" and grp.tokens.shape[0] <= GEMV_ROWS
+    small = not prefill and mode != "none" and grp.tokens.shape[0] <= GEMV_ROWS
+    gemv = tuning.decode_gemv if small and tuning.decode_gemv != "library" else ""
     # paged: the split-K kernel between the head and attn_post (eager, in the graph)
     sdpa, paged = attention_kind(grp, tuning.attention if prefill else tuning.decode_attention)
     moe_mode = tuning.prefill_moe if prefill else tuning.moe
-    library = library_conv(tuning, grp, invariant)
+    library = library_conv(tuning, grp, invariant)  # the eager convs' (PLE's)
+    # the GDN heads' conv: under "inductor" a compiled region's is the windowed product, fused there
+    head_library = library and not (tuning.prefill_conv == "inductor" and mode != "none")
     # the routed kernels take the pairs' order computed in the tail region: ranked (decode) or counted (prefill)
     route = ("counted" if prefill else "ranked") if moe_mode == "triton" else ""
     ple_layers = spec.ple.layers if spec.ple is not None else ()
@@ -274,7 +277,7 @@ def regions_stack(spec: ModelSpec, w: dict[str, torch.Tensor], pools: DevicePool
             g = pre + "linear_attn."
             streams, inject, *parts = head_g(spec, tok(streams), tok(routed), tok(shared), tok(inject_prev), *site,
                                              w[g + "fused_in.weight"], w[g + "conv1d.weight"],
-                                             pools.state[f"conv{layer}"], grp.slots, library, gemv)
+                                             pools.state[f"conv{layer}"], grp.slots, head_library, gemv)
             out = gdn_update(spec, w, g, layer, tuple(parts), grp, pools, gdn_kernel, conv_written=True)
             streams, rows, inject, top_w, top_i, shared, pairs = tail_g(
                 spec, tok(streams), tok(inject), tok(out), tok(parts[3]), w[g + "norm.weight"],

@@ -18,8 +18,8 @@ DECODE_ATTENTION = (*ATTENTION, "paged")
 HYPER = ("torch", "triton")
 COMPILE = ("none", "default", "max-autotune-no-cudagraphs")
 STACK = ("layers", "regions")
-CONV = ("windowed", "library")
-GEMV = ("library", "reduce")
+CONV = ("windowed", "library", "inductor")
+GEMV = ("library", "reduce", "split")
 
 
 def _one_of(options: tuple[str, ...]):  # type: ignore[no-untyped-def]
@@ -69,13 +69,17 @@ class Tuning:
     prefill_stack: str = attrs.field(default="layers", validator=_one_of(STACK))
     compile_prefill: str = attrs.field(default="none", validator=_one_of(COMPILE))
     # the causal convs of prefill chunks (bf16): "windowed" the reference's fp32 windowed product; "library"
-    # depthwise F.conv1d (cuDNN), never in the batch-invariant modes (atlas.backends.cuda.layers.conv_step)
+    # depthwise F.conv1d (cuDNN), never in the batch-invariant modes (atlas.backends.cuda.layers.conv_step);
+    # "inductor": library for the eager convs (PLE's, the layer stack's), the windowed product inside a compiled
+    # prefill region's GDN head, which Inductor fuses with the cat and silu around it (H200 session 8: ATen's
+    # depthwise kernel was 176 us a layer at 2,048 tokens, 3.5 ms of a 33.7 ms prefill; unmeasured)
     prefill_conv: str = attrs.field(default="windowed", validator=_one_of(CONV))
     # the small products of compiled decode regions of at most regions.GEMV_ROWS rows (the hyper sites' mix-down and
     # mix-up, the MoE router + shared expert in and down): "library" cuBLAS GEMVs; "reduce" a broadcast multiply
     # and fp32 sum (layers.linear) that Inductor lowers to reduction kernels fused with their neighbours. H200,
     # session 8, batch 1: 199 GEMVs 1.52 ms of a 3.2 ms device step, the sites' 5 MB ones 4-7 us each (+ a 1.7 us
-    # split-K reduce) against ~1.3 us of bytes
+    # split-K reduce) against ~1.3 us of bytes; "split" the same with a long K's sum cut into chunks (layers.linear:
+    # the mix-down's 328 outputs of 8,192 inputs were one 7-8 us reduction of 328 programs; unmeasured)
     decode_gemv: str = attrs.field(default="library", validator=_one_of(GEMV))
 
     @property
@@ -110,6 +114,12 @@ VARIANTS: dict[str, Tuning] = {
     "regions-compile": Tuning(moe="triton", prefill_moe="triton", attention="sdpa", decode_attention="paged",
                               compile_decode="default", decode_stack="regions", prefill_conv="library",
                               prefill_stack="regions", compile_prefill="default", decode_gemv="reduce"),
+    # the next candidates, each a knob of one kind of step (so the bench's prefill row measures the conv alone and
+    # its decode rows the split alone): the compiled prefill regions' GDN conv fused by Inductor, the split-K
+    # reductions at batch 1-4 (session 8: both unmeasured)
+    "regions-next": Tuning(moe="triton", prefill_moe="triton", attention="sdpa", decode_attention="paged",
+                           compile_decode="default", decode_stack="regions", prefill_conv="inductor",
+                           prefill_stack="regions", compile_prefill="default", decode_gemv="split"),
     # regions-compile with cuBLAS's GEMVs at batch 1-4 (what decode_gemv replaced)
     "regions-cublas": Tuning(moe="triton", prefill_moe="triton", attention="sdpa", decode_attention="paged",
                              compile_decode="default", decode_stack="regions", prefill_conv="library",

@@ -176,6 +176,10 @@ def _broken(trace: Path, tmp: Path, how: str) -> Path:
         return _edit(trace, tmp, how, finish[0], json.dumps({**f, "seq_id": 10**6}))
     if how == "finish digest":
         return _edit(trace, tmp, how, finish[0], digest="fedcba9876543210")
+    if how == "finish spaced":  # whitespace around and inside: json.loads takes it, the finish's own scan does not
+        return _edit(trace, tmp, how, finish[0], " " + json.dumps(f, separators=(" , ", " : ")) + "\n")
+    if how == "finish trailing text":  # json.loads refuses it (an error raised, as one at a time)
+        return _edit(trace, tmp, how, finish[0], finish[4] + " x")
     e = codec.load_event(*plan_row[2:5])
     rows_of = {row[0]: i for i, row in enumerate(e.alloc)}
     r = max((rows_of[s] for s in e.admitted if s in rows_of), key=lambda i: len(e.alloc[i]))
@@ -210,7 +214,8 @@ def _evolve(e, **kw):  # type: ignore[no-untyped-def]
 
 
 BREAKS = ["arrival past capacity", "arrival out of order", "request id live", "arrival digest", "arrival prompt spaced",
-          "float token", "binary arrival past capacity", "finish reason", "finish unknown", "finish digest", "admitted KV past its blocks",
+          "float token", "binary arrival past capacity", "finish reason", "finish unknown", "finish digest",
+          "finish spaced", "admitted KV past its blocks",
           "admitted block past the tokens", "admitted block not free", "admission of a running sequence",
           "admission digest", "plan names a finished sequence"]
 
@@ -223,7 +228,7 @@ def test_a_break_is_reported_as_the_scalar_path_reports_it(trace: Path, tmp_path
     slow, _ = verify.check_rows(caps, rows, fast=False)
     assert fast == slow
     assert verify.check_state_only(path) == slow
-    if how in ("arrival prompt spaced",):
+    if how in ("arrival prompt spaced", "finish spaced"):
         assert slow.problem is None
     elif how == "float token":  # the converter takes 1.5 as 1: the recorded digest no longer matches
         assert slow.problem is not None and "digest" in slow.problem
@@ -235,10 +240,10 @@ def test_a_break_is_reported_as_the_scalar_path_reports_it(trace: Path, tmp_path
     assert expected is None or expected in slow.problem
 
 
-@pytest.mark.parametrize("how", ["binary params refused", "binary arrival garbled"])
+@pytest.mark.parametrize("how", ["binary params refused", "binary arrival garbled", "finish trailing text"])
 def test_an_arrival_that_cannot_be_built_raises_as_one_at_a_time(trace: Path, tmp_path: Path, how: str) -> None:
     caps, rows = _rows(_broken(trace, tmp_path, how))
-    errors = (ValueError,) if how == "binary params refused" else (UnknownEvent,)
+    errors = (UnknownEvent,) if how == "binary arrival garbled" else (ValueError,)
     with pytest.raises(errors) as fast:
         verify.check_rows(caps, rows)
     with pytest.raises(errors) as slow:

@@ -131,9 +131,17 @@ def plan_in_columns(state: ControlState, e: StepPlanned) -> tuple[int, ...] | No
         seq.drafter.first_key = 0 if first_key else seq.cursor.prompt_len - 1
         state.waiting.remove(seq.seq_id)
         insort(state.running, seq.seq_id)
+    # BlockPool.allocate's moves (its checks are the loop above's: every block in the pool, free, once in the plan)
+    refs = pool.refs
+    given = 0
     for row in e.alloc:
-        pool.allocate(row[0], row[1:])
-        seqs[row[0]].blocks.extend(row[1:])
+        b = row[1:]
+        for x in b:
+            del free[x]
+            refs[x] = 1
+        given += len(b)
+        seqs[row[0]].blocks.extend(b)
+    pool.used += given
     state.pending_release.clear()
     state.inflight_orders, state.orders = state.orders, PlanOrders()
     state.inflight = e

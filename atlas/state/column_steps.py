@@ -38,9 +38,10 @@ def refresh_rows(state: ControlState, cols: StepColumns, rows: list[int]) -> boo
     (`_holds`: KV within the blocks, no block past the tokens; nothing else moved) and their fingerprints again,
     scalar over the few rows (a numpy pass over the batch cost ~15 us a plan). False, with the columns flushed,
     when one fails: apply and check_invariants then refresh and check them on the objects, naming it."""
-    ntok, computed, limit, low = cols.ntok.tolist(), cols.computed.tolist(), cols.limit.tolist(), cols.low.tolist()
+    # the few rows' values by .item (four tolist calls of the whole batch were most of this)
+    ntok, computed, limit, low = cols.ntok.item, cols.computed.item, cols.limit.item, cols.low.item
     for r in rows:
-        if computed[r] > limit[r] or low[r] >= ntok[r]:
+        if computed(r) > limit(r) or low(r) >= ntok(r):
             state.flush_columns()
             return False
     acc = state.seq_digest
@@ -50,8 +51,9 @@ def refresh_rows(state: ControlState, cols: StepColumns, rows: list[int]) -> boo
         h = (th.item(r) ^ (cols.ids[r] * 0x9E3779B97F4A7C15)) & M
         h = ((h ^ (h >> 30)) * 0xBF58476D1CE4E5B9) & M
         h = ((h ^ (h >> 27)) * 0x94D049BB133111EB) & M
-        h = ((h ^ (h >> 31)) + ntok[r] * 0xC2B2AE3D27D4EB4F + computed[r] * 0x165667B19E3779F9
-             + computed[r] * 0xC4CEB9FE1A85EC53 + terms.item(r)) & M
+        done = computed(r)
+        h = ((h ^ (h >> 31)) + ntok(r) * 0xC2B2AE3D27D4EB4F + done * 0x165667B19E3779F9
+             + done * 0xC4CEB9FE1A85EC53 + terms.item(r)) & M
         h = ((h ^ (h >> 30)) * 0xBF58476D1CE4E5B9) & M
         h = ((h ^ (h >> 27)) * 0x94D049BB133111EB) & M
         fp = h ^ (h >> 31)

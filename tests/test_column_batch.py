@@ -66,14 +66,18 @@ def test_the_fast_paths_give_every_digest_and_the_scalar_state(trace: Path, monk
     arrivals = _Count(monkeypatch, "apply_parsed")  # the recorded arrivals are codec 1 (sixth pass)
     finishes = _Count(monkeypatch, "finish_text_in_columns")  # JSON finishes, no event built (sixth pass)
     plans = _Count(monkeypatch, "plan_in_columns")
+    executions = _Count(monkeypatch, "execute_blob")  # the admission steps' executions, no event built (seventh)
     report, _ = verify.check_rows(caps, rows)
     assert report.problem is None  # every digest compared and matched
     assert any(arrivals.results) and sum(r is not None for r in finishes.results) >= 5
     admitting = [r for r in plans.results if r is not None]
     assert len(admitting) >= 3  # plans of a changed batch went through the columns
+    assert sum(r is not None for r in executions.results) >= len(admitting)
     kinds = [r[2] for r in rows]
+    admitted = [i for i, r in enumerate(rows) if r[2] == "step_planned" and codec.load_event(*r[2:5]).admitted]
     cuts = sorted({*range(0, len(rows) + 1, 29), len(rows)} | set([i + 1 for i, k in enumerate(kinds)
-                                                                    if k == "request_finished"][::3]))
+                                                                    if k == "request_finished"][::3])
+                  | {i + 2 for i in admitted[::2]})  # right after an admission step's execution
     for k in cuts:  # the state after any prefix equals the scalar path's (every field: ControlState's eq)
         fast, state = verify.check_rows(caps, rows[:k])
         slow, scalar = verify.check_rows(caps, rows[:k], fast=False)
@@ -181,6 +185,18 @@ def _broken(trace: Path, tmp: Path, how: str) -> Path:
     if how == "finish trailing text":  # json.loads refuses it (an error raised, as one at a time)
         return _edit(trace, tmp, how, finish[0], finish[4] + " x")
     e = codec.load_event(*plan_row[2:5])
+    x_row = rows[rows.index(plan_row) + 1]
+    x = codec.load_event(*x_row[2:5])
+    assert x_row[2] == "step_executed" and isinstance(x_row[4], bytes)
+    if how == "admission step's token missing":  # the last admitted sequence's prompt all fed, nothing sampled
+        return _edit(trace, tmp, how, x_row[0], codec.encode(_evolve(x, tokens=(*x.tokens[:-1], -1))))
+    if how == "admission step's token for the wrong step":
+        return _edit(trace, tmp, how, x_row[0], codec.encode(_evolve(x, step=x.step + 1)))
+    if how == "admission step's accepted counts":  # accepted drafts without drafts (a refusal)
+        n = len(x.tokens)
+        return _edit(trace, tmp, how, x_row[0], codec.encode(_evolve(x, accepted=(1,) * n, verdicts=(0,) * n)))
+    if how == "admission step's execution digest":
+        return _edit(trace, tmp, how, x_row[0], digest="0000000000000abc")
     rows_of = {row[0]: i for i, row in enumerate(e.alloc)}
     r = max((rows_of[s] for s in e.admitted if s in rows_of), key=lambda i: len(e.alloc[i]))
     row = e.alloc[r]
@@ -217,7 +233,9 @@ BREAKS = ["arrival past capacity", "arrival out of order", "request id live", "a
           "float token", "binary arrival past capacity", "finish reason", "finish unknown", "finish digest",
           "finish spaced", "admitted KV past its blocks",
           "admitted block past the tokens", "admitted block not free", "admission of a running sequence",
-          "admission digest", "plan names a finished sequence"]
+          "admission digest", "plan names a finished sequence", "admission step's token missing",
+          "admission step's token for the wrong step", "admission step's accepted counts",
+          "admission step's execution digest"]
 
 
 @pytest.mark.parametrize("how", BREAKS)

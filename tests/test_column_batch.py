@@ -66,14 +66,18 @@ def test_the_fast_paths_give_every_digest_and_the_scalar_state(trace: Path, monk
     arrivals = _Count(monkeypatch, "apply_parsed")  # the recorded arrivals are codec 1 (sixth pass)
     finishes = _Count(monkeypatch, "finish_text_in_columns")  # JSON finishes, no event built (sixth pass)
     plans = _Count(monkeypatch, "plan_in_columns")
+    executions = _Count(monkeypatch, "execute_blob")  # the admission steps' executions, no event built (seventh)
     report, _ = verify.check_rows(caps, rows)
     assert report.problem is None  # every digest compared and matched
     assert any(arrivals.results) and sum(r is not None for r in finishes.results) >= 5
     admitting = [r for r in plans.results if r is not None]
     assert len(admitting) >= 3  # plans of a changed batch went through the columns
+    assert sum(r is not None for r in executions.results) >= len(admitting)
     kinds = [r[2] for r in rows]
+    admitted = [i for i, r in enumerate(rows) if r[2] == "step_planned" and codec.load_event(*r[2:5]).admitted]
     cuts = sorted({*range(0, len(rows) + 1, 29), len(rows)} | set([i + 1 for i, k in enumerate(kinds)
-                                                                    if k == "request_finished"][::3]))
+                                                                    if k == "request_finished"][::3])
+                  | {i + 2 for i in admitted[::2]})  # right after an admission step's execution
     for k in cuts:  # the state after any prefix equals the scalar path's (every field: ControlState's eq)
         fast, state = verify.check_rows(caps, rows[:k])
         slow, scalar = verify.check_rows(caps, rows[:k], fast=False)
@@ -176,7 +180,23 @@ def _broken(trace: Path, tmp: Path, how: str) -> Path:
         return _edit(trace, tmp, how, finish[0], json.dumps({**f, "seq_id": 10**6}))
     if how == "finish digest":
         return _edit(trace, tmp, how, finish[0], digest="fedcba9876543210")
+    if how == "finish spaced":  # whitespace around and inside: json.loads takes it, the finish's own scan does not
+        return _edit(trace, tmp, how, finish[0], " " + json.dumps(f, separators=(" , ", " : ")) + "\n")
+    if how == "finish trailing text":  # json.loads refuses it (an error raised, as one at a time)
+        return _edit(trace, tmp, how, finish[0], finish[4] + " x")
     e = codec.load_event(*plan_row[2:5])
+    x_row = rows[rows.index(plan_row) + 1]
+    x = codec.load_event(*x_row[2:5])
+    assert x_row[2] == "step_executed" and isinstance(x_row[4], bytes)
+    if how == "admission step's token missing":  # the last admitted sequence's prompt all fed, nothing sampled
+        return _edit(trace, tmp, how, x_row[0], codec.encode(_evolve(x, tokens=(*x.tokens[:-1], -1))))
+    if how == "admission step's token for the wrong step":
+        return _edit(trace, tmp, how, x_row[0], codec.encode(_evolve(x, step=x.step + 1)))
+    if how == "admission step's accepted counts":  # accepted drafts without drafts (a refusal)
+        n = len(x.tokens)
+        return _edit(trace, tmp, how, x_row[0], codec.encode(_evolve(x, accepted=(1,) * n, verdicts=(0,) * n)))
+    if how == "admission step's execution digest":
+        return _edit(trace, tmp, how, x_row[0], digest="0000000000000abc")
     rows_of = {row[0]: i for i, row in enumerate(e.alloc)}
     r = max((rows_of[s] for s in e.admitted if s in rows_of), key=lambda i: len(e.alloc[i]))
     row = e.alloc[r]
@@ -210,9 +230,12 @@ def _evolve(e, **kw):  # type: ignore[no-untyped-def]
 
 
 BREAKS = ["arrival past capacity", "arrival out of order", "request id live", "arrival digest", "arrival prompt spaced",
-          "float token", "binary arrival past capacity", "finish reason", "finish unknown", "finish digest", "admitted KV past its blocks",
+          "float token", "binary arrival past capacity", "finish reason", "finish unknown", "finish digest",
+          "finish spaced", "admitted KV past its blocks",
           "admitted block past the tokens", "admitted block not free", "admission of a running sequence",
-          "admission digest", "plan names a finished sequence"]
+          "admission digest", "plan names a finished sequence", "admission step's token missing",
+          "admission step's token for the wrong step", "admission step's accepted counts",
+          "admission step's execution digest"]
 
 
 @pytest.mark.parametrize("how", BREAKS)
@@ -223,7 +246,7 @@ def test_a_break_is_reported_as_the_scalar_path_reports_it(trace: Path, tmp_path
     slow, _ = verify.check_rows(caps, rows, fast=False)
     assert fast == slow
     assert verify.check_state_only(path) == slow
-    if how in ("arrival prompt spaced",):
+    if how in ("arrival prompt spaced", "finish spaced"):
         assert slow.problem is None
     elif how == "float token":  # the converter takes 1.5 as 1: the recorded digest no longer matches
         assert slow.problem is not None and "digest" in slow.problem
@@ -235,10 +258,10 @@ def test_a_break_is_reported_as_the_scalar_path_reports_it(trace: Path, tmp_path
     assert expected is None or expected in slow.problem
 
 
-@pytest.mark.parametrize("how", ["binary params refused", "binary arrival garbled"])
+@pytest.mark.parametrize("how", ["binary params refused", "binary arrival garbled", "finish trailing text"])
 def test_an_arrival_that_cannot_be_built_raises_as_one_at_a_time(trace: Path, tmp_path: Path, how: str) -> None:
     caps, rows = _rows(_broken(trace, tmp_path, how))
-    errors = (ValueError,) if how == "binary params refused" else (UnknownEvent,)
+    errors = (UnknownEvent,) if how == "binary arrival garbled" else (ValueError,)
     with pytest.raises(errors) as fast:
         verify.check_rows(caps, rows)
     with pytest.raises(errors) as slow:

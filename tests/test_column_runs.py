@@ -222,3 +222,91 @@ def test_the_token_hash_rows_are_the_recurrence() -> None:
         out = np.empty((steps, 9), dtype=np.uint64)
         column_runs.token_hash_rows(h0, sampled, tokens, out)
         assert out.tolist() == expected
+
+
+def _decode_case(rng: np.random.Generator, n: int, m: int, bs: int) -> tuple:
+    """Columns of n decoding rows and m steps of a valid decode run over them: every row fed 1, sampling every step,
+    a block given at the step whose token needs it."""
+    ntok = rng.integers(20, 200, n)
+    comp = ntok - 1
+    nb = -(-ntok // bs)
+    cols = type("Cols", (), {})()
+    cols.computed, cols.ntok, cols.nblocks = comp, ntok, nb
+    cols.token_hash = rng.integers(0, 2**63, n, dtype=np.uint64)
+    cols.fp = rng.integers(0, 2**63, n, dtype=np.uint64)
+    cols.hid = rng.integers(0, 2**63, n, dtype=np.uint64)
+    cols.capacity = comp + m + rng.integers(0, 3, n)
+    cols.budget_end = ntok + m + rng.integers(0, 3, n)
+    F = np.ones((m, n), dtype=np.int32)
+    T = rng.integers(0, 2**31 - 1, (m, n)).astype(np.int32)
+    G = np.zeros((m, n), dtype=np.int64)
+    held = nb.copy()
+    for k in range(m):
+        short = comp + k + 1 > held * bs
+        G[k, short] = 1
+        held += short
+    return cols, F, T, G
+
+
+def _both(cols, F, T, G, bs):  # type: ignore[no-untyped-def]
+    """_cursors' result the general way and with decode chunks: (final cursors or None, seq_x, delta_p) each."""
+    kk, rr = (x.astype(np.int64) for x in np.nonzero(G))
+    got = []
+    for decode in (False, True):
+        column_runs.DECODE_CHUNKS = decode
+        try:
+            seq_x, delta_p = np.zeros(len(F), dtype=np.uint64), np.zeros(len(F), dtype=np.uint64)
+            final = column_runs._cursors(cols, F, T, G, kk, rr, bs, seq_x, delta_p)
+        finally:
+            column_runs.DECODE_CHUNKS = True
+        got.append((None if final is None else [x.tolist() for x in final], seq_x.tolist(), delta_p.tolist()))
+    return got
+
+
+@pytest.mark.parametrize("break_", ["none", "pending prompt", "past capacity", "past budget", "block late",
+                                    "block early", "no token", "fed 2", "computed ahead"])
+def test_decode_chunks_are_the_general_chunks(break_: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """column_runs._decode_chunk (a chunk of steps every row decodes through: no cumulative sums of the fed and
+    sampled counts, no table gathers) gives what the general chunk gives: the same cursors, fingerprint XORs and
+    allocation deltas when the run holds, None exactly when the general chunk fails (a row still prefilling, past
+    its QSA capacity or its budget, a block given a step late or early, an unsampled token, a fed count of 2, a row
+    computed ahead of its tokens), over chunks of 1, 7 and 64 steps, a 100-step run in two chunks."""
+    rng = np.random.default_rng(11)
+    taken = []
+    real = column_runs._decode_chunk
+    monkeypatch.setattr(column_runs, "_decode_chunk", lambda *a: taken.append(real(*a) is not None) or real(*a))
+    for m, n in ((1, 5), (7, 16), (64, 64), (100, 64)):
+        cols, F, T, G = _decode_case(rng, n, m, 4)
+        k, r = m // 2, n // 3
+        if break_ == "pending prompt":
+            cols.computed = cols.computed.copy()
+            cols.computed[r] -= 1
+        elif break_ == "past capacity":
+            cols.capacity[r] = cols.computed[r] + m - 1
+        elif break_ == "past budget":
+            cols.budget_end[r] = cols.ntok[r] + m - 1
+        elif break_ in ("block late", "block early"):
+            given = np.flatnonzero(G[:, r])
+            if break_ == "block early":  # a step before its token (its block then starts empty: no block past them)
+                if len(given) and given[0] > 0:
+                    G[given[0], r] = 0
+                    G[given[0] - 1, r] = 1
+                else:
+                    G[0, r] += 1
+            elif len(given):
+                G[given[0], r] = 0
+                G[min(m - 1, given[0] + 1), r] += 0 if given[0] + 1 >= m else 1
+            else:
+                continue  # no block due in this chunk
+        elif break_ == "no token":
+            T[k, r] = -1
+        elif break_ == "fed 2":
+            F[k, r] = 2
+        elif break_ == "computed ahead":
+            cols.computed = cols.computed.copy()
+            cols.computed[r] += 1
+        general, decode = _both(cols, F, T, G, 4)
+        assert decode == general
+        assert (general[0] is None) == (break_ != "none")
+    if break_ == "none":
+        assert taken and all(taken)  # every chunk went the decode way

@@ -31,6 +31,7 @@ from atlas.sampling.params import SamplingParams
 from atlas.state.column_arrivals import apply_arrivals, apply_parsed
 from atlas.state.column_batch import finish_in_columns, finish_text_in_columns, plan_in_columns
 from atlas.state.column_runs import apply_run
+from atlas.state.column_steps import execute_blob
 from atlas.state.control import ControlState
 from atlas.state.events import EVENT_TYPES, INPUT_KINDS, Event, InvariantViolated
 from atlas.state.invariants import check_invariants
@@ -38,6 +39,7 @@ from atlas.state.invariants import check_invariants
 Progress = Callable[[int, int], None]
 ARRIVED_VERSION = EVENT_TYPES["request_arrived"].version
 FINISHED_VERSION = EVENT_TYPES["request_finished"].version
+EXECUTED_VERSION = EVENT_TYPES["step_executed"].version
 # fewer arrivals than this go one at a time (apply_arrivals' ~25 numpy calls against ~100 K instructions an arrival)
 MIN_ARRIVALS = 2
 
@@ -275,6 +277,22 @@ def check_rows(caps: Capacities, rows: list[tuple[int, int, str, int, str | byte
                 except InvariantViolation as exc:
                     return _first(lazy, total, state, StateCheckReport(total, str(exc), index))
                 if done is not None:
+                    if lazy is not None:
+                        wrong = lazy.add(state, recorded_digest, index)
+                        if wrong is not None:
+                            return _digest_report(total, wrong), state
+                    elif comparable and digest() != recorded_digest:
+                        return StateCheckReport(total, f"digest {digest()} != recorded {recorded_digest}",
+                                                index), state
+                    continue
+            if (kind == "step_executed" and version == EXECUTED_VERSION and state.columns is not None
+                    and type(payload) is bytes):
+                touched = execute_blob(state, payload)  # the plan in flight's execution, no event built
+                if touched is not None:
+                    try:
+                        check_invariants(state, touched, index)
+                    except InvariantViolation as exc:
+                        return _first(lazy, total, state, StateCheckReport(total, str(exc), index))
                     if lazy is not None:
                         wrong = lazy.add(state, recorded_digest, index)
                         if wrong is not None:

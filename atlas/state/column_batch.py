@@ -22,6 +22,7 @@ already ran), for check_invariants.
 from __future__ import annotations
 
 import json
+import json.scanner
 import zlib
 from bisect import insort
 from itertools import chain
@@ -38,6 +39,8 @@ from atlas.state.machines import FinishReason, Phase
 from atlas.state.orders import PlanOrders
 
 _REASONS = frozenset(r.value for r in FinishReason)
+# the enum members as constants: an attribute of an Enum class is looked up through its metaclass's hook (3.11)
+_WAITING, _RUNNING, _FINISHED, _ERROR = Phase.WAITING, Phase.RUNNING, Phase.FINISHED, FinishReason.ERROR.value
 _I = np.int64
 _U = np.uint64
 # the scalar path gathers columns from this many sequences a plan (steps.VECTOR_MIN): the same batches here
@@ -55,7 +58,7 @@ def finish_in_columns(state: ControlState, e: RequestFinished) -> tuple[int, ...
     plan = state.inflight
     if plan is not None and e.seq_id in plan.seqs:
         return None
-    if e.seq_id in state.failing and e.reason != FinishReason.ERROR.value:
+    if e.seq_id in state.failing and e.reason != _ERROR:
         return None
     refs = state.pool.refs
     if not all(refs[b] > 0 for b in seq.blocks):  # BlockPool.release would refuse (after finish moved some)
@@ -85,7 +88,7 @@ def plan_in_columns(state: ControlState, e: StepPlanned) -> tuple[int, ...] | No
     admitted = []
     for seq_id in e.admitted:
         seq = seqs.get(seq_id)
-        if seq is None or seq.cursor.phase is not Phase.WAITING or seq.blocks or seq.on_device or seq.preemptions:
+        if seq is None or seq.cursor.phase is not _WAITING or seq.blocks or seq.on_device or seq.preemptions:
             return None
         admitted.append(seq)
     new_blocks: dict[int, int] = {}
@@ -123,14 +126,22 @@ def plan_in_columns(state: ControlState, e: StepPlanned) -> tuple[int, ...] | No
     # every check of StepPlanned passed: its moves (steps.planned's, in its order)
     first_key = caps.drafter_context
     for seq in admitted:
-        seq.cursor.phase = Phase.RUNNING
+        seq.cursor.phase = _RUNNING
         seq.on_device = True
         seq.drafter.first_key = 0 if first_key else seq.cursor.prompt_len - 1
         state.waiting.remove(seq.seq_id)
         insort(state.running, seq.seq_id)
+    # BlockPool.allocate's moves (its checks are the loop above's: every block in the pool, free, once in the plan)
+    refs = pool.refs
+    given = 0
     for row in e.alloc:
-        pool.allocate(row[0], row[1:])
-        seqs[row[0]].blocks.extend(row[1:])
+        b = row[1:]
+        for x in b:
+            del free[x]
+            refs[x] = 1
+        given += len(b)
+        seqs[row[0]].blocks.extend(b)
+    pool.used += given
     state.pending_release.clear()
     state.inflight_orders, state.orders = state.orders, PlanOrders()
     state.inflight = e
@@ -188,6 +199,7 @@ def _combined(cols: StepColumns, kept: slice | np.ndarray, kept_blocks: np.ndarr
 
 
 _FINISH_KEYS = frozenset(("seq_id", "reason", "detail"))
+_scan = json.scanner.make_scanner(json.JSONDecoder())  # json.loads' own (the C scanner where there is one)
 _M64 = (1 << 64) - 1
 
 
@@ -200,9 +212,11 @@ def finish_text_in_columns(state: ControlState, payload: str) -> int | None:
     cols = state.columns
     if cols is None or state.batch is not None:
         return None
-    try:
-        d = json.loads(payload)
-    except ValueError:
+    try:  # json.loads' scanner without its wrapper (two whitespace matches and a frame: ~8 K instructions a call)
+        d, end = _scan(payload, 0)
+    except (StopIteration, ValueError, RecursionError):
+        return None  # not a JSON document here (surrounding whitespace included): the event path parses it
+    if end != len(payload):
         return None
     if type(d) is not dict or d.keys() != _FINISH_KEYS:
         return None
@@ -217,7 +231,7 @@ def finish_text_in_columns(state: ControlState, payload: str) -> int | None:
     if plan is not None and seq_id in plan.seqs:
         return None
     failing = state.failing
-    if seq_id in failing and reason != FinishReason.ERROR.value:
+    if seq_id in failing and reason != _ERROR:
         return None
     orders = state.orders
     if orders.rollbacks or orders.restores:
@@ -226,7 +240,7 @@ def finish_text_in_columns(state: ControlState, payload: str) -> int | None:
     refs = pool.refs
     blocks = seq.blocks
     try:
-        if any(refs[b] <= 0 for b in blocks):  # BlockPool.release would refuse
+        if blocks and min(map(refs.__getitem__, blocks)) <= 0:  # BlockPool.release would refuse
             return None
     except IndexError:
         return None
@@ -244,7 +258,7 @@ def finish_text_in_columns(state: ControlState, payload: str) -> int | None:
                 free[b] = None
                 used -= 1
         pool.used = used
-    if seq.cursor.phase is Phase.WAITING:
+    if seq.cursor.phase is _WAITING:
         state.waiting.remove(seq_id)
     else:
         state.running.remove(seq_id)
@@ -254,7 +268,7 @@ def finish_text_in_columns(state: ControlState, payload: str) -> int | None:
     seq.fingerprint = fp
     state.seq_digest ^= fp
     failing.discard(seq_id)
-    seq.cursor.phase = Phase.FINISHED
+    seq.cursor.phase = _FINISHED
     del state.seqs[seq_id]
     del state.by_request[seq.request_id]
     state.finished_count += 1

@@ -303,6 +303,61 @@ def token_hash_rows(h0: np.ndarray, sampled: np.ndarray, tokens: np.ndarray, out
     np.multiply(_powers(_FNV, steps)[c], add, out=out)
 
 
+# a chunk whose every row is fed 1 token and samples one at every step (a decode) goes _decode_chunk's way (False: every
+# chunk the general way; the tests compare the two)
+DECODE_CHUNKS = True
+_POWERS: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+
+
+def _step_tables(m: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Columns [m x 1] of 1..m, FNV^1..FNV^m and FNV^-1..FNV^-m (mod 2**64), made once per chunk length."""
+    t = _POWERS.get(m)
+    if t is None:
+        t = _POWERS[m] = (np.arange(1, m + 1, dtype=np.int64)[:, None], _powers(_FNV, m + 1)[1:, None],
+                          _powers(_FNV_INV, m + 1)[1:, None])
+    return t
+
+
+def _decode_chunk(comp: np.ndarray, ntok: np.ndarray, th: np.ndarray, nb: np.ndarray, fp: np.ndarray,
+                  cap: np.ndarray, budget: np.ndarray, hid: np.ndarray, Fc: np.ndarray, Tc: np.ndarray,
+                  Gc: np.ndarray, bs: int) -> tuple | None:
+    """_cursors' chunk when every row is fed 1 and samples a token at every step of it, and every row starts with
+    every known token but one computed (a decode): computed after X_k is comp + k + 1, the token count ntok + k + 1,
+    the count before X_k equals computed (so the sampling condition holds), and the bounds on computed and the token
+    count hold at every step when they hold at the chunk's last (both only grow): the general chunk's conditions,
+    with only the two on the blocks left [steps x batch]. The token hash's closed form with c_k = k + 1 takes no
+    gathers. None when any of this does not hold (the general chunk then decides, which refuses what fails);
+    otherwise the cursors after the chunk, the XOR of the fingerprints after each X_k, and the [steps x batch]
+    token hashes (row 0: before the chunk), fingerprints (the same), computed counts and block counts."""
+    m = len(Fc)
+    if not ((Fc == 1).all() and (Tc >= 0).all() and (ntok == comp + 1).all() and (comp + m <= cap).all()
+            and (ntok + m <= budget).all()):
+        return None
+    K, P, Q = _step_tables(m)
+    C = K + comp  # computed after X_k, and the token count before it
+    NB = np.cumsum(Gc, axis=0)
+    NB += nb  # blocks after P_k
+    KV = NB * bs
+    if not ((C <= KV) & (KV - bs < C)).all():  # KV within the blocks, no block past the tokens
+        return None
+    TH = np.empty((m + 1, len(comp)), dtype=np.uint64)
+    TH[0] = th
+    add = Tc.astype(np.int64)  # int32 blobs: t + 1 in int64
+    add += 1
+    add = add.view(np.uint64)
+    add *= Q
+    np.cumsum(add, axis=0, out=add)
+    add += th
+    np.multiply(P, add, out=TH[1:])
+    terms = NB.view(np.uint64) * _K_BLOCKS
+    terms += _K_RUNNING
+    FX = np.empty((m + 1, len(comp)), dtype=np.uint64)
+    FX[0] = fp
+    FX[1:] = mix_columns(TH[1:] ^ hid, C + 1, C, terms)
+    sx = np.bitwise_xor.reduce(FX[1:], axis=1)
+    return C[-1], ntok + m, TH[-1], NB[-1], FX[-1], sx, TH, FX, C, NB
+
+
 def _cursors(cols: StepColumns, F: np.ndarray, T: np.ndarray, G: np.ndarray, kk: np.ndarray, rr: np.ndarray,
              bs: int, seq_x: np.ndarray, delta_p: np.ndarray
              ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None:
@@ -318,6 +373,20 @@ def _cursors(cols: StepColumns, F: np.ndarray, T: np.ndarray, G: np.ndarray, kk:
     for ci, c0 in enumerate(range(0, R, step)):
         c1 = min(R, c0 + step)
         Fc, Tc = F[c0:c1], T[c0:c1]
+        if DECODE_CHUNKS:
+            got = _decode_chunk(comp, ntok, th, nb, fp, cap, budget, hid, Fc, Tc, G[c0:c1], bs)
+            if got is not None:
+                comp, ntok, th, nb, fp, sx, TH, FX, C, NB = got
+                seq_x[c0:c1] = sx
+                a, b = cuts[ci], cuts[ci + 1]
+                if b > a:  # as below: NTb is C (ntok == comp + 1), the fed counts are 1
+                    k, r = kk[a:b] - c0, rr[a:b]
+                    terms = NB[k, r].view(np.uint64) * _K_BLOCKS
+                    terms += _K_RUNNING
+                    new = mix_columns(TH[k, r] ^ hid[r], C[k, r], C[k, r] - 1, terms)
+                    new ^= FX[k, r]
+                    np.bitwise_xor.at(delta_p, k + c0, new)
+                continue
         S = Tc >= 0
         C = np.cumsum(Fc, axis=0, dtype=np.int64)
         C += comp  # computed after X_k

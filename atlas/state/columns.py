@@ -26,6 +26,7 @@ _K_LEN, _K_BLOCKS = _U(0xC2B2AE3D27D4EB4F), _U(0xFF51AFD7ED558CCD)
 _K_COMPUTED_QSA = _U((0x165667B19E3779F9 + 0xC4CEB9FE1A85EC53) & 0xFFFFFFFFFFFFFFFF)
 _M64 = (1 << 64) - 1
 _K_RUNNING = _U(0xD6E8FEB86659FD93 * Phase.RUNNING & _M64)
+_FINISHED = Phase.FINISHED
 
 
 def common(seq: Sequence) -> bool:
@@ -126,13 +127,26 @@ class StepColumns:
         if self.prior is not None:  # the earlier rows' tokens first (this flush then writes the current fields)
             self.prior.flush()
             self.prior = None
+        objs = self.objs
+        computed_c, hash_c, fp_c = self.computed, self.token_hash, self.fp
+        # a row whose sequence finished since (atlas.state.column_batch) is not written: its object left the state
+        # (nothing reads it again), and its tokens were most of a flush's cost (the replay's last flush is all such)
+        live = [i for i, s in enumerate(objs) if s.cursor.phase is not _FINISHED]
+        if len(live) != len(objs):
+            if not live:
+                self.tokens = []
+                return
+            objs = [objs[i] for i in live]
+            computed_c, hash_c, fp_c = computed_c[live], hash_c[live], fp_c[live]
         logged = None
         if self.tokens:
             block = np.vstack(self.tokens)
+            if len(live) != len(self.objs):
+                block = block[:, live]
             skipped = (block < 0).any(axis=0).tolist()
             logged = block.T.tolist()
-        for i, (seq, computed, h, fp) in enumerate(zip(self.objs, self.computed.tolist(), self.token_hash.tolist(),
-                                                       self.fp.tolist(), strict=True)):
+        for i, (seq, computed, h, fp) in enumerate(zip(objs, computed_c.tolist(), hash_c.tolist(), fp_c.tolist(),
+                                                       strict=True)):
             c = seq.cursor
             c.computed = computed
             seq.qsa.ingested = computed

@@ -94,7 +94,7 @@ def _ints(value: Any) -> tuple[int, ...]:
     # a tuple of exact ints (what the engine and both trace readers build) is its own conversion: the type test is
     # under half of map(int)'s cost (15 against 35 K instructions at 64, callgrind); anything else (lists, bools,
     # numpy ints) is converted
-    if type(value) is tuple and _EXACT_INT.issuperset(map(type, value)):
+    if type(value) is tuple and (not value or _EXACT_INT.issuperset(map(type, value))):  # () without the map
         return value
     return tuple(map(int, value))  # map, not a generator: half the cost of building a batch-64 step event
 
@@ -117,6 +117,8 @@ def _remembering_ints() -> Callable[[Any], tuple[int, ...]]:
 
 
 def _int_rows(value: Any) -> tuple[tuple[int, ...], ...]:
+    if type(value) is tuple and not value:  # () (a step without allocations or drafts): no generator
+        return value
     return tuple(tuple(map(int, row)) for row in value)
 
 

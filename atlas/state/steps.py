@@ -34,7 +34,7 @@ from atlas.state.events import (
 )
 from atlas.state.invariants import _holds
 from atlas.state.machines import Phase, Sequence
-from atlas.state.orders import PlanOrders
+from atlas.state.orders import empty_or_new
 from atlas.state.prefix import forget_blocks, register_blocks
 
 
@@ -181,7 +181,8 @@ def planned(state: ControlState, e: StepPlanned) -> tuple[int, ...]:
         if batch is not None:
             batch.add_blocks(state.seqs[row[0]], batch.row[row[0]])
     state.pending_release.clear()
-    state.inflight_orders, state.orders = state.orders, PlanOrders()  # the plan carries them; new ones queue anew
+    # the plan carries them; new ones queue anew (in the executed plan's, when it left them empty)
+    state.inflight_orders, state.orders = state.orders, empty_or_new(state.inflight_orders)
     state.inflight = e
     if batch is not None:  # the same key, the batch's head converted once (BatchColumns.plan_hash)
         state.inflight_hash = batch.plan_hash(e)
@@ -234,7 +235,7 @@ def executed(state: ControlState, e: StepExecuted) -> tuple[int, ...]:
                 state.seq_digest ^= change
                 state.inflight = None
                 state.inflight_hash = 0
-                state.inflight_orders = PlanOrders()
+                state.inflight_orders = empty_or_new(state.inflight_orders)
                 return Checked(plan.seqs, [])
         state.batch = None  # the objects below (which refuse, if that is why the columns stood aside)
     cols = state.columns
@@ -243,14 +244,14 @@ def executed(state: ControlState, e: StepExecuted) -> tuple[int, ...]:
                 and advance_columns(state, cols, e.tokens)):
             state.inflight = None
             state.inflight_hash = 0
-            state.inflight_orders = PlanOrders()
+            state.inflight_orders = empty_or_new(state.inflight_orders)
             return Checked(plan.seqs, [])
         state.flush_columns()  # the scalar path below (which refuses, if that is why the columns stepped aside)
     if not plan.drafts and not e.accepted:  # no verify and nothing refused: every sequence advances
         suspects = _advance_all(state, plan, e.tokens, bs)
         state.inflight = None
         state.inflight_hash = 0
-        state.inflight_orders = PlanOrders()
+        state.inflight_orders = empty_or_new(state.inflight_orders)
         if state.batch_cache and not suspects:
             _gather_batch(state, plan.seqs)
         return Checked(plan.seqs, suspects)
@@ -287,7 +288,7 @@ def executed(state: ControlState, e: StepExecuted) -> tuple[int, ...]:
         register_blocks(state, seq)
     state.inflight = None
     state.inflight_hash = 0
-    state.inflight_orders = PlanOrders()
+    state.inflight_orders = empty_or_new(state.inflight_orders)
     return plan.seqs
 
 

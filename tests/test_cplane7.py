@@ -6,7 +6,7 @@ from __future__ import annotations
 import random
 
 from atlas.config import EngineConfig, derive_capacities
-from atlas.hashing import MASK64, mix64
+from atlas.hashing import mix64
 from atlas.plan import CarryOrder, PrefixStore, RingRestore
 from atlas.state.control import ControlState
 from atlas.state.orders import PlanOrders, empty_or_new

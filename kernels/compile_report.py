@@ -114,7 +114,7 @@ def gdn_recurrent_case(block_v: int = 32, store_states: bool = False, fused_gati
     types = dict(q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", g_ptr="*fp32", beta_ptr="*bf16", a_log_ptr="*fp32",
                  dt_bias_ptr="*fp32", state_ptr="*fp32", slot_ptr="*i64", out_ptr="*bf16", states_out_ptr="*fp32",
                  stamp_ptr="*i32", end_ptr="*i32", num_tokens="i32", num_k_heads="i32", num_v_heads="i32", qk_token_stride="i32",
-                 v_token_stride="i32", scale="fp32", eps="fp32")
+                 v_token_stride="i32", g_token_stride="i32", beta_token_stride="i32", scale="fp32", eps="fp32")
     # the decode case (commit) writes its state's stamp in the kernel, as the backend launches it
     consts = dict(DK=128, DV=128, BK=128, BV=block_v, STORE_STATES=store_states, COMMIT=not store_states,
                   FUSED_GATING=fused_gating, STAMP=not store_states)

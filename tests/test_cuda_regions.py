@@ -21,6 +21,8 @@ from atlas.model import load_model
 from atlas.plan import SeqWork, StepPlan
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# Dynamo's recompile limit (the name moved between torch versions; atlas.backends.cuda.compiled raises it the same way)
+_LIMIT = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
 # 3 sequences: one past the QSA inert bound (the selected path), one short, one in between
 PROMPTS = [list(b"The quick brown fox jumps over the lazy dog. " * 2)[:70], list(b"hello"), list(b"0123456789abcdefghij")]
 # below atlas-tiny's QSA inert bound (19 keys) through the first decodes: dense groups, where the paged kernel applies
@@ -397,7 +399,7 @@ def test_decode_gemv_takes_the_reduction_only_in_compiled_decode_regions_of_few_
         return fn if mode == "none" else torch.compile(fn, backend="eager", fullgraph=True, dynamic=None)
 
     monkeypatch.setattr(regions, "compiled", eager_compile)
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 32)  # as atlas.backends.cuda.compiled sets it
+    monkeypatch.setattr(torch._dynamo.config, _LIMIT, 32, raising=False)  # as atlas.backends.cuda.compiled sets it
     base = dict(decode_stack="regions", prefill_stack="regions", compile_decode="default", compile_prefill="default")
     want, _ = _decode(tiny, Tuning(**base), kernels=False, steps=1)
     assert seen and not any(reduce for _, reduce in seen)
@@ -432,7 +434,7 @@ def test_the_inductor_conv_is_windowed_in_compiled_prefill_heads_and_library_els
     monkeypatch.setattr(regions, "gdn_in", gdn_in)
     monkeypatch.setattr(regions, "ple_layer", ple_layer)
     monkeypatch.setattr(regions, "compiled", eager_compile)
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 32)
+    monkeypatch.setattr(torch._dynamo.config, _LIMIT, 32, raising=False)
     for mode, want_gdn in (("default", {False}), ("none", {True})):
         seen.clear()
         _decode(tiny, Tuning(prefill_stack="regions", compile_prefill=mode, prefill_conv="inductor"), kernels=False,

@@ -20,7 +20,7 @@ from __future__ import annotations
 import hashlib
 import sys
 from array import array
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 MASK64 = (1 << 64) - 1
 ROOT = 0x5BD1E995  # the chain key of the empty prefix
@@ -36,6 +36,19 @@ def token_bytes(tokens: Sequence[int]) -> bytes:
 
 def hash64(person: bytes, data: bytes) -> int:
     return int.from_bytes(hashlib.blake2b(data, digest_size=8, person=person).digest(), "little")
+
+
+def hash64_after(person: bytes, head: bytes) -> Callable[[bytes], int]:
+    """tail -> hash64(person, head + tail), with `head` absorbed once (BLAKE2b's state copied for each tail: the
+    same digest as hashing head + tail in one call)."""
+    absorbed = hashlib.blake2b(head, digest_size=8, person=person)
+
+    def finish(tail: bytes) -> int:
+        h = absorbed.copy()
+        h.update(tail)
+        return int.from_bytes(h.digest(), "little")
+
+    return finish
 
 
 def block_key(parent: int, tokens: Sequence[int]) -> int:

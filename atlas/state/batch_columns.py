@@ -24,13 +24,14 @@ package is in a transition); a test that writes a field directly must set `state
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from itertools import repeat
 from sys import getrefcount
 from weakref import getweakrefcount
 
 import numpy as np
 
-from atlas.hashing import MASK64, hash64, token_bytes
+from atlas.hashing import MASK64, hash64_after, token_bytes
 from atlas.state.columns import common, plain_advance
 from atlas.state.events import StepPlanned
 from atlas.state.machines import Phase, Sequence
@@ -74,6 +75,7 @@ def _unshared(work: tuple) -> bool:
 
 
 _TUPLE_REFS = 4
+_NOTHING_AFTER = token_bytes([0, 0, 0])  # a plan's rows after the head when it only feeds: release, reset, restored
 
 
 class BatchColumns:
@@ -122,7 +124,8 @@ class BatchColumns:
         self.ones_fed: np.ndarray | None = None  # `ones` as an array (a decode plan's fed column)
         self.fed: np.ndarray | None = None  # the in-flight plan's fed counts (StepPlanned)
         self.decode = False  # the in-flight plan feeds every row its one last token (a decode step)
-        self.plan_head: tuple[tuple[int, ...], bytes] | None = None  # (fed counts, plan_hash's bytes of the head)
+        # (fed counts, plan_hash's key of the head and a tail, the key of a plan with nothing after the head)
+        self.plan_head: tuple[tuple[int, ...], Callable[[bytes], int], int] | None = None
         self.work: tuple | None = None  # the SeqWork tuple decode_work built last (outcome knows its rows decode)
         self.aligned: object = None  # the StepResult outcome found in the rows' order, none refused
 
@@ -164,16 +167,21 @@ class BatchColumns:
     def plan_hash(self, e: StepPlanned) -> int:
         """ints_key(b"atlas.plan", (seqs, fed, *alloc, release, reset, restored, *drafts)) of a plan over exactly
         these rows (StepPlanned's share of the digest): the same bytes, with the head (the rows' ids and the fed
-        counts, the same every decode step) converted once per batch instead of every plan."""
+        counts, the same every decode step) converted and absorbed into BLAKE2b once per batch instead of every plan
+        (hash64_after), and the key of a plan with nothing after the head (no allocation, release, reset, restore or
+        draft: release, reset and restored each its length 0) kept with it."""
         head = self.plan_head
         if head is None or head[0] != e.fed:
             ids = self.ids
-            head = self.plan_head = (e.fed, token_bytes([len(ids), *ids, len(e.fed), *e.fed]))
+            finish = hash64_after(b"atlas.plan", token_bytes([len(ids), *ids, len(e.fed), *e.fed]))
+            head = self.plan_head = (e.fed, finish, finish(_NOTHING_AFTER))
+        if not (e.alloc or e.release or e.reset or e.restored or e.drafts):
+            return head[2]
         flat: list[int] = []
         for row in (*e.alloc, e.release, e.reset, e.restored, *e.drafts):
             flat.append(len(row))
             flat.extend(row)
-        return hash64(b"atlas.plan", head[1] + token_bytes(flat))
+        return head[1](token_bytes(flat))
 
     # ------------------------------------------------------------------------------------------ StepPlanned
 

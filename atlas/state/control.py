@@ -192,6 +192,9 @@ class ControlState:
     batch_tried: tuple[int, ...] = attrs.field(default=(), eq=False, repr=False)
     # digest()'s first three rounds and the counters they were computed from (a cache of a pure function of them)
     digest_memo: tuple[tuple[Any, ...], int] | None = attrs.field(default=None, eq=False, repr=False)
+    # the last StepPlanned's rows (seqs, fed, alloc, release, reset, restored, drafts) and their ints_key (the plan's
+    # share of the digest: a pure function of them)
+    plan_memo: tuple[tuple[Any, ...], int] | None = attrs.field(default=None, eq=False, repr=False)
 
     @classmethod
     def create(cls, caps: Capacities) -> ControlState:

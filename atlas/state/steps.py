@@ -186,9 +186,15 @@ def planned(state: ControlState, e: StepPlanned) -> tuple[int, ...]:
     state.inflight = e
     if batch is not None:  # the same key, the batch's head converted once (BatchColumns.plan_hash)
         state.inflight_hash = batch.plan_hash(e)
-    else:
-        state.inflight_hash = ints_key(b"atlas.plan", (e.seqs, e.fed, *e.alloc, e.release, e.reset, e.restored,
-                                                       *e.drafts))
+    else:  # the last plan's key again when the rows are the same (a decode step's, but for its step number)
+        key = (e.seqs, e.fed, e.alloc, e.release, e.reset, e.restored, e.drafts)
+        memo = state.plan_memo
+        if memo is not None and memo[0] == key:
+            state.inflight_hash = memo[1]
+        else:
+            state.inflight_hash = ints_key(b"atlas.plan", (e.seqs, e.fed, *e.alloc, e.release, e.reset, e.restored,
+                                                           *e.drafts))
+            state.plan_memo = (key, state.inflight_hash)
     state.step = e.step + 1
     touched = tuple(e.admitted) + tuple(row[0] for row in e.alloc)
     if batch is not None:  # apply's refresh of the alloc'd rows, their new fingerprints kept in the column too

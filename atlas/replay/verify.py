@@ -221,6 +221,18 @@ def _first(lazy: LazyDigests | None, total: int, state: ControlState, report: St
     return (report if wrong is None else _digest_report(total, wrong)), state
 
 
+def _digest_wrong(lazy: LazyDigests | None, comparable: bool, total: int, state: ControlState, recorded: str,
+                  index: int) -> StateCheckReport | None:
+    """The report when the state's digest after event `index` is not the recorded one (through the lazy digests
+    when on), else None."""
+    if lazy is not None:
+        wrong = lazy.add(state, recorded, index)
+        return None if wrong is None else _digest_report(total, wrong)
+    if comparable and state.digest() != recorded:
+        return StateCheckReport(total, f"digest {state.digest()} != recorded {recorded}", index)
+    return None
+
+
 def check_rows(caps: Capacities, rows: list[tuple[int, int, str, int, str | bytes, str]], comparable: bool = True,
                *, fast: bool = True) -> tuple[StateCheckReport, ControlState]:
     """check_state_only over stored rows (TraceReader.stored_rows): the report and the state it leaves (every
@@ -230,7 +242,7 @@ def check_rows(caps: Capacities, rows: list[tuple[int, int, str, int, str | byte
     state = ControlState.create(caps)
     state.columnar = fast  # this loop owns the state: steps of the common path in columns (atlas.state.columns)
     plain_until = 0 if fast else total  # a run that did not pass whole goes event by event up to here
-    apply, digest = state.apply, state.digest
+    apply = state.apply
     types = EVENT_TYPES
     loads = json.loads
     load_event = codec.load_event
@@ -277,13 +289,9 @@ def check_rows(caps: Capacities, rows: list[tuple[int, int, str, int, str | byte
                 except InvariantViolation as exc:
                     return _first(lazy, total, state, StateCheckReport(total, str(exc), index))
                 if done is not None:
-                    if lazy is not None:
-                        wrong = lazy.add(state, recorded_digest, index)
-                        if wrong is not None:
-                            return _digest_report(total, wrong), state
-                    elif comparable and digest() != recorded_digest:
-                        return StateCheckReport(total, f"digest {digest()} != recorded {recorded_digest}",
-                                                index), state
+                    report = _digest_wrong(lazy, comparable, total, state, recorded_digest, index)
+                    if report is not None:
+                        return report, state
                     continue
             if (kind == "step_executed" and version == EXECUTED_VERSION and state.columns is not None
                     and type(payload) is bytes):
@@ -293,13 +301,9 @@ def check_rows(caps: Capacities, rows: list[tuple[int, int, str, int, str | byte
                         check_invariants(state, touched, index)
                     except InvariantViolation as exc:
                         return _first(lazy, total, state, StateCheckReport(total, str(exc), index))
-                    if lazy is not None:
-                        wrong = lazy.add(state, recorded_digest, index)
-                        if wrong is not None:
-                            return _digest_report(total, wrong), state
-                    elif comparable and digest() != recorded_digest:
-                        return StateCheckReport(total, f"digest {digest()} != recorded {recorded_digest}",
-                                                index), state
+                    report = _digest_wrong(lazy, comparable, total, state, recorded_digest, index)
+                    if report is not None:
+                        return report, state
                     continue
             cls = types.get(kind)
             if type(payload) is str and cls is not None and cls.version == version:
@@ -327,12 +331,9 @@ def check_rows(caps: Capacities, rows: list[tuple[int, int, str, int, str | byte
                               StateCheckReport(total, f"refused: {exc} {exc.fields}", index))
             except InvariantViolation as exc:
                 return _first(lazy, total, state, StateCheckReport(total, str(exc), index))
-            if lazy is not None:
-                wrong = lazy.add(state, recorded_digest, index)
-                if wrong is not None:
-                    return _digest_report(total, wrong), state
-            elif comparable and digest() != recorded_digest:
-                return StateCheckReport(total, f"digest {digest()} != recorded {recorded_digest}", index), state
+            report = _digest_wrong(lazy, comparable, total, state, recorded_digest, index)
+            if report is not None:
+                return report, state
     except Exception:
         wrong = lazy.first_mismatch() if lazy is not None else None
         if wrong is None:

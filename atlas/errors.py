@@ -90,6 +90,7 @@ class StateDigestMismatch(RuntimeError):
     """Audit mode: restored or committed state bytes differ from the digest recorded when they were saved or
     computed. The engine records it as an invariant violation (machine "StateDigest")."""
 
-    def __init__(self, seq_id: int, what: str, recorded: str, actual: str) -> None:
-        super().__init__(f"sequence {seq_id}: {what}: state digest {actual} != recorded {recorded}")
-        self.seq_id, self.what, self.recorded, self.actual = seq_id, what, recorded, actual
+    def __init__(self, seq_id: int, what: str, differs: tuple[str, ...]) -> None:
+        super().__init__(f"sequence {seq_id}: {what}: the state differs from what was recorded in "
+                         f"{', '.join(differs) or 'nothing named'}")
+        self.seq_id, self.what, self.differs = seq_id, what, differs

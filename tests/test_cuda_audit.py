@@ -42,13 +42,14 @@ def violations(engine) -> list[InvariantViolated]:
     return [e for _, _, e, _ in engine.sink.rows if isinstance(e, InvariantViolated)]
 
 
-def caught(engine, run, what: str) -> None:
-    """`run(engine)` ends in a StateDigest violation whose message names `what`."""
+def caught(engine, run, what: str, differs: list[str]) -> None:
+    """`run(engine)` ends in a StateDigest violation whose message names `what` and whose fields name exactly
+    the state parts that differ (`differs`)."""
     with pytest.raises(InvariantViolation):
         run(engine)
     (v,) = violations(engine)
     assert v.machine == "StateDigest" and what in v.message, (v.machine, v.message)
-    assert v.fields["recorded"] != v.fields["actual"]
+    assert v.fields["differs"] == differs, v.fields
 
 
 def looping_engine(audit: bool = True):
@@ -104,14 +105,15 @@ def skipping(pools, method: str, name: str) -> None:
 def test_a_ring_restore_that_leaves_one_gdn_state_untouched_is_caught() -> None:
     engine = looping_engine()
     skipping(engine.backend.pools, "ring_load", "gdn1")  # type: ignore[attr-defined]
-    caught(engine, loop_run, "ring restore")
+    caught(engine, loop_run, "ring restore", ["gdn1"])
 
 
 def test_a_prefix_load_that_leaves_the_ple_conv_state_untouched_is_caught() -> None:
     engine = cuda_engine(_prefix_config(True, 0))
     pools = engine.backend.pools  # type: ignore[attr-defined]
-    skipping(pools, "load_slot", next(n for n in pools.names if n.startswith("conv")))
-    caught(engine, lambda e: run_script(e, SESSION, OPENERS), "prefix restore")
+    name = next(n for n in pools.names if n.startswith("conv"))
+    skipping(pools, "load_slot", name)
+    caught(engine, lambda e: run_script(e, SESSION, OPENERS), "prefix restore", [name])
 
 
 @pytest.mark.parametrize("mode", ["rows", "wide"])
@@ -134,7 +136,7 @@ def test_a_commit_that_keeps_a_rejected_rows_gdn_state_is_caught(mode: str) -> N
         pools.state[name][slots] = state.to(pools.state[name].dtype)
 
     pools.inter_load = broken
-    caught(engine, lambda e: greedy(e, PROMPTS, 16), "verify commit")
+    caught(engine, lambda e: greedy(e, PROMPTS, 16), "verify commit", ["gdn1"])
 
 
 def test_drafter_rows_built_from_another_hidden_are_caught() -> None:
@@ -148,7 +150,7 @@ def test_drafter_rows_built_from_another_hidden_are_caught() -> None:
         store.pending_hidden[seq_id] = hidden.roll(1, dims=0)
 
     store.record_verify = broken
-    caught(engine, lambda e: greedy(e, PROMPTS, 16), "drafter rows of a verify commit")
+    caught(engine, lambda e: greedy(e, PROMPTS, 16), "drafter rows of a verify commit", ["hidden"])
 
 
 def test_with_the_audit_off_nothing_is_digested_and_the_desync_goes_unseen(monkeypatch) -> None:

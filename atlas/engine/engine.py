@@ -190,7 +190,7 @@ class Engine:
             return self.backend.execute(plan)
         except StateDigestMismatch as exc:  # audit mode: state bytes that are not what was saved or computed
             self.journal.violation(InvariantViolation(self.journal.index, "StateDigest", exc.what, {
-                "step": plan.step, "seq_id": exc.seq_id, "recorded": exc.recorded, "actual": exc.actual}))
+                "step": plan.step, "seq_id": exc.seq_id, "differs": list(exc.differs)}))
         except DeviceFault as exc:
             if exc.fatal:
                 self._die(plan.step, f"fatal device fault: {exc}", injected=False)

@@ -5,22 +5,24 @@ positions 0 .. kv_tokens - 1 through its block table, the QSA raw keys, GDN conv
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 
+from atlas.backends.audit import Parts, parts
 from atlas.backends.audit import feed as _feed
 
 
-def _feed_recurrent(h: hashlib.blake2b, s: Any) -> None:
+def _recurrent(s: Any) -> Iterator[tuple[str, torch.Tensor | None]]:
     """The non-positional state (a SequenceState's or a StateSnapshot's): GDN conv + recurrent, PLE context +
-    short conv, in one fixed order."""
+    short conv, named, in one fixed order."""
     for layer in sorted(s.gdn_conv):
-        _feed(h, f"c{layer}", s.gdn_conv[layer])
-        _feed(h, f"r{layer}", s.gdn_recurrent[layer])
-    _feed(h, "pc", s.ple_context)
+        yield f"c{layer}", s.gdn_conv[layer]
+        yield f"r{layer}", s.gdn_recurrent[layer]
+    yield "pc", s.ple_context
     for layer in sorted(s.ple_conv):
-        _feed(h, f"p{layer}", s.ple_conv[layer])
+        yield f"p{layer}", s.ple_conv[layer]
 
 
 def sequence_digest(store: Any, seq_id: int, *, drafter: bool = True) -> str:
@@ -39,7 +41,8 @@ def sequence_digest(store: Any, seq_id: int, *, drafter: bool = True) -> str:
             _feed(h, f"v{layer}", v)
     for layer in sorted(s.qsa_keys):
         _feed(h, f"q{layer}", s.qsa_keys[layer])
-    _feed_recurrent(h, s)
+    for name, t in _recurrent(s):
+        _feed(h, name, t)
     d = store.drafts.get(seq_id) if drafter else None
     if d is not None:
         h.update(f"d{d.first_key}:{d.rows}".encode())
@@ -52,10 +55,7 @@ def sequence_digest(store: Any, seq_id: int, *, drafter: bool = True) -> str:
     return h.hexdigest()
 
 
-def snapshot_digest(snap: Any) -> str:
-    """A digest of a StateSnapshot's (or a SequenceState's) non-positional bytes: GDN conv + recurrent, PLE
-    context + short conv, and the positions they encode."""
-    h = hashlib.blake2b(digest_size=16, person=b"atlas.snapshot")
-    _feed_recurrent(h, snap)
-    h.update(repr(sorted(snap.stamps.items())).encode())
-    return h.hexdigest()
+def snapshot_digest(snap: Any) -> Parts:
+    """The audit's digest of a StateSnapshot's (or a SequenceState's) non-positional bytes, part by part: GDN
+    conv + recurrent, PLE context + short conv, and the positions they encode (the stamps)."""
+    return parts([*_recurrent(snap), ("stamps", repr(sorted(snap.stamps.items())).encode())])

@@ -12,28 +12,22 @@ bytes is caught at its restore as well as a restore that brought back the wrong 
 
 from __future__ import annotations
 
-import hashlib
-
 import torch
 
-from atlas.backends.audit import feed
+from atlas.backends.audit import Parts, parts
 from atlas.backends.cuda.pools import DevicePools
 
 
-def _digest(names: tuple[str, ...], states: list[torch.Tensor], stamps: torch.Tensor) -> str:
-    h = hashlib.blake2b(digest_size=16, person=b"atlas.snapshot")
-    for name, t in zip(names, states, strict=True):
-        feed(h, name, t)
-    feed(h, "stamps", stamps.to(torch.int32))
-    return h.hexdigest()
+def _digest(names: tuple[str, ...], states: list[torch.Tensor], stamps: torch.Tensor) -> Parts:
+    return parts([*zip(names, states, strict=True), ("stamps", stamps.to(torch.int32))])
 
 
-def slot_digest(pools: DevicePools, slot: int) -> str:
+def slot_digest(pools: DevicePools, slot: int) -> Parts:
     """The slot's live per-slot state and stamps."""
     return _digest(pools.names, [pools.state[n][slot] for n in pools.names], pools.stamps[:, slot])
 
 
-def verify_row_digests(pools: DevicePools, slot: int, width: int) -> tuple[str, ...]:
+def verify_row_digests(pools: DevicePools, slot: int, width: int) -> tuple[Parts, ...]:
     """For rows = 1 .. width: the digest of the state a commit of `rows` rows installs at `slot`."""
     out = []
     for r in range(1, width + 1):

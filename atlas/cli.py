@@ -13,7 +13,15 @@ import sys
 
 import typer
 
-from atlas.cli_checks import TINY_MODEL, UsageError, check_backend, check_model, check_port, check_trace_out
+from atlas.cli_checks import (
+    TINY_MODEL,
+    UsageError,
+    check_backend,
+    check_model,
+    check_port,
+    check_trace_out,
+    check_tuning,
+)
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode=None, pretty_exceptions_enable=False,
                   help="Atlas: serve and replay hybrid LMs. Add --debug to any command for tracebacks.")
@@ -58,6 +66,9 @@ def serve(
     api_key: str = typer.Option(None, help="require 'Authorization: Bearer KEY' (visible in ps: prefer "
                                 "--api-key-file or the ATLAS_API_KEY variable; an empty key is an error)"),
     backend: str = typer.Option("cpu", help="cpu | cuda | cuda-fp32 | cuda-invariant | null"),
+    tuning: str = typer.Option(None, help="CUDA backends: the kernels' arrangement, one of the variants `atlas "
+                               "bench gpu` measures (regions-compile: fastest on the H200, compiles on the first "
+                               "steps of each shape; default: baseline, eager)"),
     max_seq_len: int = typer.Option(None, help="longest prompt + completion, in tokens (default: 4096, or the "
                                                "model's max_position_embeddings when smaller)"),
     max_batch_size: int = typer.Option(None, help="sequences decoded together (default: 64)"),
@@ -90,6 +101,7 @@ def serve(
 ) -> None:
     """Serve the OpenAI-compatible API. Exits 0 after SIGTERM/SIGINT (drained), 2 for a usage error, 3 if the
     engine died of a fatal fault."""
+    check_tuning(tuning, backend)
     check_backend(backend, SERVE_BACKENDS)
     _check_drafter(drafter)
     check_model(model or TINY_MODEL, tokenizer)
@@ -109,7 +121,8 @@ def serve(
                       loop_watchdog=loop_watchdog, num_drafts=num_drafts, drafter=drafter, threads=threads,
                       enable_fault_injection=enable_fault_injection, prefix_caching=prefix_caching,
                       served_model_name=served_model_name, api_key_file=api_key_file,
-                      allow_unauthenticated=allow_unauthenticated, settings=settings, prefill_align=prefill_align)
+                      allow_unauthenticated=allow_unauthenticated, settings=settings, prefill_align=prefill_align,
+                      tuning=tuning)
     raise typer.Exit(code)
 
 

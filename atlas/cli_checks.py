@@ -68,6 +68,20 @@ def check_backend(backend: str, choices: tuple[str, ...]) -> None:
                              "machine; use --backend cpu")
 
 
+def check_tuning(tuning: str | None, backend: str) -> None:
+    """`--tuning NAME`: one of the CUDA backend's measured variants (atlas.backends.cuda.tuning.VARIANTS), on a
+    CUDA backend only (the CPU reference has one arithmetic)."""
+    if tuning is None:
+        return
+    from atlas.backends.cuda.tuning import VARIANTS
+
+    if tuning not in VARIANTS:
+        raise UsageError(f"--tuning {tuning!r} is not a CUDA tuning; use one of {', '.join(VARIANTS)}")
+    if not backend.startswith("cuda"):
+        raise UsageError(f"--tuning {tuning} picks the CUDA backend's kernels; --backend {backend} has none "
+                         "(use --backend cuda, or drop --tuning)")
+
+
 def check_model(model: str, tokenizer: str = "auto") -> None:
     """`model` is atlas-tiny or a checkpoint directory with config.json (and tokenizer.json unless
     `--tokenizer byte`). A hub id is refused with what to do: Atlas never downloads (offline by design)."""

@@ -138,6 +138,52 @@ def test_cuda_backend_without_a_gpu_is_one_line_and_exit_2(capsys) -> None:
         assert "--backend cuda" in line and "no CUDA GPU" in line and "--backend cpu" in line
 
 
+def test_a_bad_tuning_names_the_knob_and_the_choices_before_any_gpu_check(capsys) -> None:
+    code, out, err = atlas(capsys, "serve", "--backend", "cuda", "--tuning", "fastest")
+    assert code == 2 and out == ""
+    line = one_line(err)
+    assert "--tuning 'fastest'" in line and "regions-compile" in line and "baseline" in line
+    code, _, err = atlas(capsys, "serve", "--tuning", "regions-compile")  # the default backend is cpu
+    assert code == 2
+    line = one_line(err)
+    assert "--tuning regions-compile" in line and "--backend cpu" in line and "--backend cuda" in line
+
+
+def test_serving_with_a_tuning_builds_that_arrangement_and_records_it(tmp_path: Path) -> None:
+    """cuda-fp32 on CPU tensors (no GPU here): the backend the server builds holds the variant's knobs and the
+    trace's run row records them, so a replay rebuilds the same arithmetic."""
+    import attrs
+
+    import atlas.server.serve as serve_module
+    from atlas.backends.cuda.tuning import VARIANTS
+    from atlas.replay.store import TraceReader
+
+    built: dict = {}
+    real = serve_module.registry_build
+
+    def on_cpu(model, backend, config, *, trace=None, backend_options=None):
+        built["options"] = backend_options
+        return real(model, backend, config, trace=trace,
+                    backend_options={**backend_options, "device": "cpu", "cuda_graphs": False})
+
+    serve_module.registry_build = on_cpu
+    try:
+        engine = serve_module.engine_for_serving(None, backend="cuda-fp32", trace=str(tmp_path / "t.db"),
+                                                 max_seq_len=64, max_batch_size=2, tuning="moe-triton")
+    finally:
+        serve_module.registry_build = real
+    try:
+        assert built["options"]["tuning"] == VARIANTS["moe-triton"]
+        assert engine.backend.tuning == VARIANTS["moe-triton"]
+    finally:
+        engine.close()
+    reader = TraceReader(tmp_path / "t.db")
+    try:
+        assert reader.run().config["backend_tuning"] == attrs.asdict(VARIANTS["moe-triton"])
+    finally:
+        reader.close()
+
+
 def test_a_bad_drafter_names_the_knob_and_the_choices(capsys) -> None:
     code, _, err = atlas(capsys, "generate", "--prompt", "hi", "--num-drafts", "2", "--drafter", "eagle")
     assert code == 2

@@ -57,7 +57,10 @@ def engine_for_serving(
     drafter: str | None = None,
     prefix_caching: bool | None = None,
     prefill_align: int | None = None,
+    tuning: str | None = None,
 ) -> Any:
+    """`tuning`: a CUDA backend's variant name (atlas.backends.cuda.tuning.VARIANTS; the trace records its knobs,
+    so a replay rebuilds the same arithmetic)."""
     from atlas.config import EngineConfig
 
     knobs = {"max_seq_len": max_seq_len, "max_batch_size": max_batch_size, "ring_slots": ring_slots,
@@ -66,7 +69,13 @@ def engine_for_serving(
              # prefix caching: on by default where the backend stores prefix snapshots (cpu)
              "enable_prefix_caching": backend == "cpu" if prefix_caching is None else prefix_caching}
     config = EngineConfig(**{k: v for k, v in knobs.items() if v is not None})
-    return registry_build(model or "atlas-tiny", backend, config, trace=trace)
+    options = None
+    if tuning is not None:
+        from atlas.backends.cuda.tuning import VARIANTS
+
+        options = {"tuning": VARIANTS[tuning]}
+        log.info("CUDA tuning", tuning=tuning, knobs=attrs.asdict(VARIANTS[tuning]))
+    return registry_build(model or "atlas-tiny", backend, config, trace=trace, backend_options=options)
 
 
 class ServerThread:
@@ -165,6 +174,7 @@ def serve(
     allow_unauthenticated: bool = False,
     settings: ServerSettings | None = None,
     prefill_align: int | None = None,
+    tuning: str | None = None,
 ) -> int:
     """Serve until stopped. Returns the process exit status: 0 (also after SIGTERM/SIGINT: drained),
     EXIT_BAD_CONFIG when the engine cannot be built or the flags are wrong (the reason is logged), or
@@ -181,7 +191,7 @@ def serve(
         engine = engine_for_serving(model, backend=backend, trace=trace, max_seq_len=max_seq_len,
                               max_batch_size=max_batch_size, ring_slots=ring_slots, loop_watchdog=loop_watchdog,
                               num_drafts=num_drafts, drafter=drafter, prefix_caching=prefix_caching,
-                              prefill_align=prefill_align)
+                              prefill_align=prefill_align, tuning=tuning)
     except (ValueError, OSError) as exc:  # CapacityError is a ValueError: it names the knob and numbers
         log.error("cannot start the engine", error=str(exc))
         return EXIT_BAD_CONFIG

@@ -62,7 +62,7 @@ def test_every_prefill_knob_keeps_a_variant_from_reusing_prefill_figures(fakes: 
 
     layers_prefill = attrs.evolve(VARIANTS["regions-compile"], prefill_stack="layers", compile_prefill="none")
     variants = {"regions-compile": VARIANTS["regions-compile"], "layers-prefill": layers_prefill,
-                "regions-cublas": VARIANTS["regions-cublas"]}
+                "regions-cublas": VARIANTS["regions-cublas"], "regions-graphs": VARIANTS["regions-graphs"]}
     results = measure_variants(None, variants, batches=(1,), prefill_tokens=2048, bw=4e12, rate=7e14, out=None,
                                on_variant=lambda name, row: None, profile=False)
     # layers-prefill differs in prefill_stack / compile_prefill only: its prefill measured, its decode shared;
@@ -71,7 +71,10 @@ def test_every_prefill_knob_keeps_a_variant_from_reusing_prefill_figures(fakes: 
     assert results["layers-prefill"]["decode_b1"]["same_as"] == "regions-compile"
     assert results["regions-cublas"]["prefill"]["same_as"] == "regions-compile"
     assert "same_as" not in results["regions-cublas"]["decode_b1"]
-    assert [kind for kind, _ in fakes] == ["prefill", "decode", "prefill", "decode"]
+    # regions-graphs: prefill graphs only (a prefill knob)
+    assert "same_as" not in results["regions-graphs"]["prefill"]
+    assert results["regions-graphs"]["decode_b1"]["same_as"] == "regions-compile"
+    assert [kind for kind, _ in fakes] == ["prefill", "decode", "prefill", "decode", "prefill"]
 
 
 def test_profiles_can_wait_until_every_timing_is_done(fakes: list) -> None:

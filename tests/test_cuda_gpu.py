@@ -207,3 +207,42 @@ def test_the_feature_tests_run_on_the_gpu() -> None:
                            str(Path(__file__).parent / "test_cuda_features.py")], env=env, capture_output=True,
                           text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
+
+
+def test_prefill_chunks_replayed_from_graphs_equal_their_eager_run_bit_for_bit() -> None:
+    """Tuning.prefill_graphs = "recurring" (bf16, the Triton kernels): a chunk shape's first feed runs eagerly, its
+    second is captured and replayed, later ones replay: every feed of one prompt gives the first's logits and
+    hidden bit for bit; two chunks of that shape in one step each get their own (the replay's outputs are copied
+    out before the next)."""
+    from atlas.backends.cuda import CudaBackend
+    from atlas.backends.cuda.tuning import Tuning
+    from atlas.model import load_model
+    from atlas.plan import SeqWork
+
+    tiny = load_model("atlas-tiny")
+    backend = CudaBackend(tiny, num_kv_blocks=64, block_size=16, max_batch_size=4,
+                          tuning=Tuning(prefill_moe="triton", attention="sdpa", prefill_graphs="recurring"))
+    prompts = [PROMPTS[0][:64], PROMPTS[2][:32] * 2]
+    tables = [tuple(range(8 * i, 8 * i + 8)) for i in range(4)]
+
+    def feed(pairs: list[tuple[int, int]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        work = [SeqWork(seq, tuple(prompts[p]), 0, tables[seq], True) for seq, p in pairs]
+        backend._prepare(work)  # each from position 0: the sequence is reset
+        logits = backend._last_logits(work)
+        out = [(logits[i].float().clone(), backend.fed_hidden[i].float().clone()) for i in range(len(work))]
+        for w in work:
+            backend._advance(w)
+        return out
+
+    first = feed([(0, 0)])[0]
+    assert len(backend.prefill_graphs) == 0  # a shape fed once runs eagerly
+    for _ in range(2):
+        again = feed([(1, 0)])[0]
+        assert torch.equal(again[0], first[0]) and torch.equal(again[1], first[1])
+    assert len(backend.prefill_graphs) == 1
+    other = feed([(2, 1)])[0]  # another prompt of the same shape: replayed
+    assert len(backend.prefill_graphs) == 1 and not torch.equal(other[0], first[0])
+    both = feed([(0, 0), (3, 1)])  # two chunks of the graphed shape in one step
+    assert torch.equal(both[0][0], first[0]) and torch.equal(both[1][0], other[0])
+    assert torch.equal(both[1][1], other[1])
+    backend.close()

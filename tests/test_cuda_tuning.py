@@ -96,6 +96,39 @@ def test_grouped_mm_feature_test_runs_here() -> None:
 def test_unknown_knob_values_are_refused_with_the_choices() -> None:
     with pytest.raises(ValueError, match="Tuning.moe must be one of torch, triton"):
         Tuning(moe="cutlass")
+    with pytest.raises(ValueError, match="prefill_graphs 'recurring'.*prefill_moe 'grouped' syncs"):
+        Tuning(prefill_graphs="recurring")  # the default prefill_moe syncs with the host: not capturable
+
+
+def test_recurring_prefill_shapes_are_captured_on_their_second_feed_up_to_the_cap() -> None:
+    from atlas.backends.cuda.batch import GroupShape
+    from atlas.backends.cuda.graphs import Recurring
+
+    shapes = [GroupShape(1, width, 8, True, 0, 0) for width in (64, 128, 256)]
+    policy = Recurring(cap=2)
+    assert [policy.take(shapes[0]) for _ in range(3)] == [False, True, True]
+    assert [policy.take(shapes[1]) for _ in range(2)] == [False, True]
+    assert [policy.take(shapes[2]) for _ in range(3)] == [False, False, False]  # two held: the rest stay eager
+    assert policy.take(shapes[0]) and policy.graphed == set(shapes[:2])
+
+
+def test_prefill_graph_shapes_give_the_reference_tokens(tiny, reference) -> None:  # type: ignore[no-untyped-def]
+    """Under prefill_graphs every prefill chunk's key blocks are rounded up (the graphs' shapes; on a CPU nothing is
+    captured): the extra keys are masked, so the tokens are the reference's (fp32, chunks of 32 past the QSA bound)."""
+    seen = []
+    real = CudaBackend._run_group
+
+    def spy(self, packed, shape):  # type: ignore[no-untyped-def]
+        seen.append(shape)
+        return real(self, packed, shape)
+
+    CudaBackend._run_group = spy  # type: ignore[method-assign]
+    try:
+        assert run_tokens(tiny, "cuda-fp32", Tuning(prefill_moe="dense", prefill_graphs="recurring")) == reference
+    finally:
+        CudaBackend._run_group = real  # type: ignore[method-assign]
+    prefill = {s.key_blocks for s in seen if s.width > 1}
+    assert prefill == {4, 8}  # 2 / 3 / 5 / 6 blocks of 16 keys rounded up
 
 
 @pytest.mark.slow

@@ -9,10 +9,16 @@ The keyed sampler (atlas.sampling.keyed) is captured too, one graph per (decode 
 the decode graph's static logits and a static [B, COLUMNS] buffer of packed per-row parameters: a sampled
 decode step is two replays, one host->device copy of the rows and one device->host copy of the tokens.
 All-greedy steps use the argmax captured with the forward and run no sampler graph.
+
+Prefill chunks (Tuning.prefill_graphs = "recurring") take the same machinery, a DecodeGraphs of their own over the
+runner's prefill function: `Recurring` decides which chunk shapes are worth a capture (one fed before, at most
+PREFILL_GRAPHS of them), and the runner copies a replay's outputs out at once (two chunks of one shape in a step
+replay the same graph).
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable
 
 import attrs
@@ -28,6 +34,28 @@ def bucket(n: int, smallest: int = 1) -> int:
     while b < n:
         b *= 2
     return b
+
+
+PREFILL_GRAPHS = 16  # prefill chunk shapes captured at most (each holds its static input and outputs)
+
+
+class Recurring:
+    """The prefill chunk shapes replayed from a graph: a shape is captured the second time it is fed (a one-off
+    prompt length never pays a capture's two warm-up runs), until `cap` shapes are held; then the rest run eagerly."""
+
+    def __init__(self, cap: int = PREFILL_GRAPHS) -> None:
+        self.cap = cap
+        self.seen: Counter = Counter()
+        self.graphed: set = set()
+
+    def take(self, shape: GroupShape) -> bool:
+        if shape in self.graphed:
+            return True
+        self.seen[shape] += 1
+        if self.seen[shape] >= 2 and len(self.graphed) < self.cap:
+            self.graphed.add(shape)
+            return True
+        return False
 
 
 @attrs.define

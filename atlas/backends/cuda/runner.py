@@ -28,7 +28,7 @@ from atlas.backends.base import (
 from atlas.backends.cuda import picks, regions
 from atlas.backends.cuda.batch import Group, GroupShape, Row, pack_rows
 from atlas.backends.cuda.faults import FaultGuard, probe_device
-from atlas.backends.cuda.graphs import DecodeGraphs, bucket
+from atlas.backends.cuda.graphs import DecodeGraphs, Recurring, bucket
 from atlas.backends.cuda.layers import (
     GdnKernel,
     device_ngram_ids,
@@ -182,6 +182,11 @@ class CudaBackend:
         self.graphs = DecodeGraphs(self._decode_logits, self.device) if use_graphs else None
         # wide verifies ([B, K] groups) replayed from graphs of their own: every row's logits come back
         self.verify_graphs = DecodeGraphs(self._verify_logits, self.device) if use_graphs else None
+        # prefill chunks of a recurring shape replayed from graphs of their own (Tuning.prefill_graphs)
+        self.prefill_graphs = None
+        if use_graphs and self.tuning.prefill_graphs != "none":
+            self.prefill_graphs = DecodeGraphs(self._prefill_logits, self.device)
+        self._recurring = Recurring()
         self._seqs = self.store.seqs
         # the decode group replayed from a graph this step (its shape, its chunk indices): its rows are sampled
         # by the sampler graph on the graph's own logits
@@ -227,7 +232,7 @@ class CudaBackend:
         reference cycle), so without this its pools, fused weights and graph pools wait for the cyclic garbage
         collector; a process that builds engines one after another (the benchmarks) ran out of the H200's
         139 GiB at the fourteenth (GPU run 2 of session 3)."""
-        self.graphs = self.verify_graphs = None
+        self.graphs = self.verify_graphs = self.prefill_graphs = None
         self.store.reader.close()
         if self.device.type == "cuda":  # the CPU path (tests) has no graphs and memory to spare: no collection
             gc.collect()
@@ -311,6 +316,12 @@ class CudaBackend:
         self._hidden_out[shape] = last
         return last @ self.weights["lm_head.weight"].T
 
+    def _prefill_logits(self, packed: torch.Tensor, shape: GroupShape) -> torch.Tensor:
+        """A prefill chunk's last-row logits [1, vocab], its every row's hidden kept (the eager path's ops)."""
+        hidden = self._run_group(packed, shape)
+        self._hidden_out[shape] = hidden
+        return hidden[:, -1] @ self.weights["lm_head.weight"].T
+
     def _verify_logits(self, packed: torch.Tensor, shape: GroupShape) -> torch.Tensor:
         """A wide verify group: every row's logits [B, K, vocab] (its hidden kept for the drafter's commit)."""
         hidden = self._run_group(packed, shape)
@@ -376,6 +387,8 @@ class CudaBackend:
                 shape = attrs.evolve(shape, batch=bucket(self.max_batch_size), key_blocks=self.max_blocks_per_seq)
             elif width == 1 and self.graphs is not None:
                 shape = attrs.evolve(shape, batch=bucket(len(members)), key_blocks=bucket(shape.key_blocks, 4))
+            elif self.tuning.prefill_graphs != "none":  # eager or replayed, a chunk computes one shape
+                shape = attrs.evolve(shape, key_blocks=bucket(shape.key_blocks, 4))
             rows = [self._row(c, not shape.ngram_on_device) for c in members]
             packed = pack_rows(shape, rows, self.pools.scratch_slots, self.pools.scratch_block, self.block_size)
             if width == 1 and self.graphs is not None:
@@ -386,6 +399,11 @@ class CudaBackend:
             elif width == 1:
                 logits = self._decode_logits(packed.to(self.device), shape)
                 hidden = self._hidden_out[shape][:, None]
+            elif self.prefill_graphs is not None and self._recurring.take(shape):
+                host = packed.pin_memory() if self.device.type == "cuda" else packed
+                logits, _ = self.prefill_graphs.replay(shape, host, self._padding(shape))
+                # copied out now: another chunk of this shape in the step replays the same static outputs
+                logits, hidden = logits.clone(), self._hidden_out[shape].clone()
             else:
                 hidden = self._run_group(packed.to(self.device), shape)
                 logits = hidden[:, -1] @ head.T

@@ -20,6 +20,7 @@ COMPILE = ("none", "default", "max-autotune-no-cudagraphs")
 STACK = ("layers", "regions")
 CONV = ("windowed", "library", "inductor")
 GEMV = ("library", "reduce", "split")
+PREFILL_GRAPHS = ("none", "recurring")
 
 
 def _one_of(options: tuple[str, ...]):  # type: ignore[no-untyped-def]
@@ -81,6 +82,19 @@ class Tuning:
     # split-K reduce) against ~1.3 us of bytes; "split" the same with a long K's sum cut into chunks (layers.linear:
     # the mix-down's 328 outputs of 8,192 inputs were one 7-8 us reduction of 328 programs; unmeasured)
     decode_gemv: str = attrs.field(default="library", validator=_one_of(GEMV))
+    # prefill chunks replayed from CUDA graphs: "none"; "recurring": every prefill chunk's key blocks rounded up to a
+    # power of two (as the decode graphs' are), and a chunk shape (width, key blocks, QSA selection) captured the
+    # second time it is fed, at most runner.PREFILL_GRAPHS shapes, replayed from then on (a full chunk of a long
+    # prompt, a benchmark's repeated prompt). Written for the host's launch overhead (H200 session 8: a 2,048-token
+    # prefill through compiled regions 56.0 ms wall over 33.7 ms of device work in ~1,700 kernels; Inductor's Triton
+    # launches ~10-16 us of host each); needs prefill_moe other than "grouped" (no host sync). Unmeasured.
+    prefill_graphs: str = attrs.field(default="none", validator=_one_of(PREFILL_GRAPHS))
+
+    def __attrs_post_init__(self) -> None:
+        if self.prefill_graphs != "none" and self.prefill_moe == "grouped":
+            raise ValueError(f"Tuning.prefill_graphs {self.prefill_graphs!r} captures prefill chunks in CUDA graphs, "
+                             "and prefill_moe 'grouped' syncs with the host every layer: use triton, dense or "
+                             "grouped_mm")
 
     @property
     def uses_triton(self) -> bool:
@@ -114,6 +128,12 @@ VARIANTS: dict[str, Tuning] = {
     "regions-compile": Tuning(moe="triton", prefill_moe="triton", attention="sdpa", decode_attention="paged",
                               compile_decode="default", decode_stack="regions", prefill_conv="library",
                               prefill_stack="regions", compile_prefill="default", decode_gemv="reduce"),
+    # regions-compile with its prefill chunks replayed from CUDA graphs once their shape recurs (prefill_graphs:
+    # written in session 9 for the prefill's host overhead, unmeasured; its decode rows are regions-compile's)
+    "regions-graphs": Tuning(moe="triton", prefill_moe="triton", attention="sdpa", decode_attention="paged",
+                             compile_decode="default", decode_stack="regions", prefill_conv="library",
+                             prefill_stack="regions", compile_prefill="default", decode_gemv="reduce",
+                             prefill_graphs="recurring"),
     # the next candidates, each a knob of one kind of step (so the bench's prefill row measures the conv alone and
     # its decode rows the split alone): the compiled prefill regions' GDN conv fused by Inductor, the split-K
     # reductions at batch 1-4 (session 8: both unmeasured)

@@ -308,6 +308,25 @@ def test_packed_rows_round_trip_bit_for_bit() -> None:
     assert RowBatch.of([SamplingParams(temperature=1.0, min_p=0.5)], [0]).mode == "sampled"
 
 
+def test_the_row_packer_packs_what_row_batch_packs_step_after_step() -> None:
+    """The decode group's packer keeps the last rows by parameter identity and rewrites the positions: each call
+    equals RowBatch.of, after a row's parameters change (another object), the batch size changes or a row turns
+    greedy, and an earlier call's parameters are never served for another set."""
+    from atlas.sampling.keyed import RowPacker
+
+    greedy = SamplingParams()
+    seeded = [SamplingParams(temperature=0.8, top_p=0.95, seed=1000 + i) for i in range(4)]
+    packer = RowPacker()
+    steps = [([*seeded], [10, 11, 12, 13]), ([*seeded], [11, 12, 13, 14]),
+             ([seeded[0], greedy, seeded[2], seeded[3]], [12, 0, 14, 15]),  # a row finished: padding
+             ([seeded[0], SamplingParams(temperature=0.5, seed=7), seeded[2], seeded[3]], [13, 3, 15, 16]),
+             ([greedy, greedy], [0, 0]), ([*seeded[:2]], [20, 21])]
+    for params, positions in steps:
+        got, want = packer.of(params, positions), RowBatch.of(params, positions)
+        assert torch.equal(got.packed, want.packed), (params, positions)
+        assert (got.sampled, got.filtered) == (want.sampled, want.filtered)
+
+
 def test_logprobs_are_the_raw_distributions() -> None:
     logits, _, _ = random_rows(4, 100, 5)
     tokens = torch.tensor([3, 1, 4, 1])

@@ -13,6 +13,8 @@ from atlas.plan import PromptLogprob, SeqWork
 from atlas.sampling.keyed import RowBatch, logprobs, sample
 from atlas.sampling.params import SamplingParams
 
+GREEDY = SamplingParams()  # a graph's padding rows (one object: the packer compares rows by identity)
+
 
 def prompt_logprobs(backend: Any, w: SeqWork, rows: torch.Tensor) -> tuple[PromptLogprob, ...]:
     """Each fed prompt token's logprob under the logits of the position before it (this chunk's rows, or the
@@ -64,10 +66,11 @@ def sample_rows(backend: Any, work: Sequence[SeqWork], logits: dict[int, torch.T
         shape, idx = backend._replayed
         in_graph = {i: j for j, i in enumerate(idx) if work[i].sample and not work[i].banned}
     if in_graph:
-        params, positions = [SamplingParams()] * shape.batch, [0] * shape.batch
+        params, positions = [GREEDY] * shape.batch, [0] * shape.batch
         for i, j in in_graph.items():
             params[j], positions[j] = work[i].sampling, work[i].end
-        parts.append(backend.graphs.sample(shape, RowBatch.of(params, positions, pin=pin)))  # type: ignore[union-attr]
+        # the decode group's rows repeat step after step: the packer keeps them and writes the positions
+        parts.append(backend.graphs.sample(shape, backend.row_packer.of(params, positions)))  # type: ignore[union-attr]
         order.extend(-1 for _ in range(shape.batch))  # every graph row comes back; padding is dropped
         for i, j in in_graph.items():
             order[j] = i

@@ -44,6 +44,7 @@ from atlas.config import Capacities
 from atlas.model.loader import LoadedModel
 from atlas.model.ngram import NgramTables, ngram_ids, ngram_tables
 from atlas.plan import BackendCursors, PromptLogprob, SeqOutcome, SeqWork, StepPlan, StepResult
+from atlas.sampling.keyed import RowPacker
 
 # the backend name is what a trace records, so it names the whole mode and a replay rebuilds the same one:
 # "cuda" (bf16, fp32 recurrent state), "-fp32" the parity mode, "-invariant" batch-invariant decode
@@ -187,6 +188,8 @@ class CudaBackend:
         if use_graphs and self.tuning.prefill_graphs != "none":
             self.prefill_graphs = DecodeGraphs(self._prefill_logits, self.device)
         self._recurring = Recurring()
+        # the decode graph's sampler rows, kept between steps (atlas.sampling.keyed.RowPacker)
+        self.row_packer = RowPacker(pin=self.device.type == "cuda")
         self._seqs = self.store.seqs
         # the decode group replayed from a graph this step (its shape, its chunk indices): its rows are sampled
         # by the sampler graph on the graph's own logits

@@ -181,7 +181,10 @@ def check_chunk(chunk: ChunkLike, vocab_size: int, held: int) -> None:
         raise ValueError(f"sequence {chunk.seq_id}: empty chunk at position {chunk.start}")
     tokens = chunk.tokens
     # min/max first (C speed: a batch-64 decode step checks 64 chunks); the list only to name the bad ids
-    bad = [t for t in tokens if not 0 <= t < vocab_size] if min(tokens) < 0 or max(tokens) >= vocab_size else []
+    if len(tokens) == 1:  # a decode row: one comparison
+        bad = [] if 0 <= tokens[0] < vocab_size else list(tokens)
+    else:
+        bad = [t for t in tokens if not 0 <= t < vocab_size] if min(tokens) < 0 or max(tokens) >= vocab_size else []
     if bad:
         raise ValueError(f"sequence {chunk.seq_id}: token ids {bad[:5]} outside the vocabulary [0, {vocab_size})")
     if chunk.start != 0 and chunk.start != held:

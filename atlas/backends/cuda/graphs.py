@@ -102,10 +102,12 @@ class DecodeGraphs:
         self._graphs[shape] = captured
         return captured
 
-    def replay(self, shape: GroupShape, packed_host: torch.Tensor, padding: torch.Tensor
+    def replay(self, shape: GroupShape, packed_host: torch.Tensor, padding: Callable[[GroupShape], torch.Tensor]
                ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(logits [B, vocab], argmax [B]) of the rows in packed_host, from the graph for `shape`."""
-        captured = self._graphs.get(shape) or self.capture(shape, padding)
+        """(logits [B, vocab], argmax [B]) of the rows in packed_host, from the graph for `shape`; `padding(shape)`
+        packs the all-padding input a first capture runs on (called only then: a batch-64 step packed 64 scratch
+        rows it never used)."""
+        captured = self._graphs.get(shape) or self.capture(shape, padding(shape))
         captured.packed.copy_(packed_host, non_blocking=packed_host.is_pinned())
         captured.graph.replay()
         return captured.logits, captured.greedy

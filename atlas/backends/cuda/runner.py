@@ -12,7 +12,7 @@ Its Capabilities declare what it supports; the engine builder refuses any other 
 from __future__ import annotations
 
 import gc
-from collections.abc import Sequence
+from collections.abc import Iterator, Mapping, Sequence
 
 import attrs
 import torch
@@ -49,6 +49,33 @@ from atlas.sampling.keyed import RowPacker
 # the backend name is what a trace records, so it names the whole mode and a replay rebuilds the same one:
 # "cuda" (bf16, fp32 recurrent state), "-fp32" the parity mode, "-invariant" batch-invariant decode
 MODES = ("cuda", "cuda-fp32", "cuda-invariant", "cuda-fp32-invariant")
+
+
+class GroupRows(Mapping):
+    """Chunk index -> its row of a group's batched tensor ([vocab] logits, a hidden), indexed when asked: a
+    batch-64 decode step used to slice 128 views a step (64 logits, 64 hiddens) that the sampler graph and a
+    drafter-less step never read."""
+
+    def __init__(self) -> None:
+        self._at: dict[int, tuple[torch.Tensor, int]] = {}
+
+    def put(self, tensor: torch.Tensor, idx: Sequence[int]) -> None:
+        at = self._at
+        for j, i in enumerate(idx):
+            at[i] = (tensor, j)
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        tensor, j = self._at[i]
+        return tensor[j]
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._at)
+
+    def __len__(self) -> int:
+        return len(self._at)
+
+    def __contains__(self, i: object) -> bool:
+        return i in self._at
 
 
 def parse_backend(name: str) -> tuple[torch.dtype, bool]:
@@ -280,7 +307,7 @@ class CudaBackend:
     def _row(self, chunk: ChunkLike, ngram: bool = True) -> Row:
         """The chunk's packed row; `ngram` False: without its n-gram ids (the device computes them)."""
         state = self._seqs[chunk.seq_id]
-        return (list(chunk.tokens), chunk.start, state.slot, list(chunk.block_table),
+        return (chunk.tokens, chunk.start, state.slot, chunk.block_table,
                 self._ngram_rows(state, chunk.tokens) if ngram else [])
 
     def _advance(self, chunk: ChunkLike) -> None:
@@ -340,16 +367,21 @@ class CudaBackend:
     # -- compute ------------------------------------------------------------------------------------
 
     def _check_chunk(self, chunk: ChunkLike) -> None:
-        held = self._seqs[chunk.seq_id].position if chunk.seq_id in self._seqs else 0
-        check_chunk(chunk, self.spec.vocab_size, held)
+        state = self._seqs.get(chunk.seq_id)
+        check_chunk(chunk, self.spec.vocab_size, state.position if state is not None else 0)
         end = chunk.start + len(chunk.tokens)
         needed = -(-end // self.block_size)
-        table = chunk.block_table[:needed]
+        whole = chunk.block_table
+        if state is not None and state.checked[0] is whole and needed <= state.checked[1]:
+            return  # this table object's first `needed` blocks were checked at an earlier step
+        table = whole[:needed]
         if len(table) < needed:
-            raise ValueError(f"block table has {len(chunk.block_table)} blocks; positions up to {end} need {needed} "
+            raise ValueError(f"block table has {len(whole)} blocks; positions up to {end} need {needed} "
                              f"of block_size {self.block_size}")
         if table and (min(table) < 0 or max(table) >= self.pools.num_kv_blocks):
             raise ValueError(f"block table {list(table)} names a block outside [0, {self.pools.num_kv_blocks})")
+        if state is not None and isinstance(whole, tuple):  # a tuple cannot change under us
+            state.checked = (whole, needed)
 
     def _prepare(self, chunks: Sequence[ChunkLike]) -> None:
         seq_ids = [c.seq_id for c in chunks]
@@ -371,15 +403,15 @@ class CudaBackend:
         groups = [[i] for i, c in enumerate(chunks) if len(c.tokens) > 1]
         return ([decodes] if decodes else []) + groups
 
-    def _last_logits(self, chunks: Sequence[ChunkLike], full: set[int] | None = None) -> dict[int, torch.Tensor]:
+    def _last_logits(self, chunks: Sequence[ChunkLike], full: set[int] | None = None) -> GroupRows:
         """Feed the chunks; the logits of each one's last fed position, by chunk index ([vocab] each). For the
         chunks in `full` (prompt logprobs), every fed position's logits go to self.full_logits [n, vocab]. Each
         chunk's final hidden states (every position of a prefill chunk, the last of a decode) go to
         self.fed_hidden, for the drafter."""
-        out: dict[int, torch.Tensor] = {}
+        out = GroupRows()
         self._replayed = None
         self.full_logits: dict[int, torch.Tensor] = {}
-        self.fed_hidden: dict[int, torch.Tensor] = {}
+        self.fed_hidden = GroupRows()
         full = full or set()
         head = self.weights["lm_head.weight"]
         for idx in self._groups(chunks):
@@ -396,7 +428,7 @@ class CudaBackend:
             packed = pack_rows(shape, rows, self.pools.scratch_slots, self.pools.scratch_block, self.block_size)
             if width == 1 and self.graphs is not None:
                 host = packed.pin_memory() if self.device.type == "cuda" else packed
-                logits, _ = self.graphs.replay(shape, host, self._padding(shape))
+                logits, _ = self.graphs.replay(shape, host, self._padding)
                 self._replayed = (shape, idx)
                 hidden = self._hidden_out[shape][:, None]
             elif width == 1:
@@ -404,7 +436,7 @@ class CudaBackend:
                 hidden = self._hidden_out[shape][:, None]
             elif self.prefill_graphs is not None and self._recurring.take(shape):
                 host = packed.pin_memory() if self.device.type == "cuda" else packed
-                logits, _ = self.prefill_graphs.replay(shape, host, self._padding(shape))
+                logits, _ = self.prefill_graphs.replay(shape, host, self._padding)
                 # copied out now: another chunk of this shape in the step replays the same static outputs
                 logits, hidden = logits.clone(), self._hidden_out[shape].clone()
             else:
@@ -412,9 +444,9 @@ class CudaBackend:
                 logits = hidden[:, -1] @ head.T
             for c in members:
                 self._advance(c)
+            out.put(logits, idx)
+            self.fed_hidden.put(hidden, idx)
             for j, i in enumerate(idx):
-                out[i] = logits[j]
-                self.fed_hidden[i] = hidden[j]
                 if i in full:
                     self.full_logits[i] = logits[j][None] if width == 1 else hidden[j] @ head.T
         return out
@@ -470,8 +502,8 @@ class CudaBackend:
                 results[w.seq_id] = dict(token=token, logprob=logprob, top_logprobs=top,
                                          prompt_logprobs=self._prompt_logprobs(w, self.full_logits[i])
                                          if i in scored else ())
-            hidden = {w.seq_id: self.fed_hidden[i] for i, w in enumerate(plain)}
             if self.drafter is not None:
+                hidden = {w.seq_id: self.fed_hidden[i] for i, w in enumerate(plain)}
                 self.drafter.feed([(w.seq_id, w.start, w.tokens, w.drafter_first_key) for w in plain], hidden)
             for seq_id, run in run_verifies(self, verifies).items():
                 results[seq_id] = self._verified(run)

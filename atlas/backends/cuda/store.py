@@ -41,6 +41,9 @@ class SeqState:
     position: int = 0  # tokens fed and committed: where the next chunk starts (the stamps are the measurement)
     ple_context: list[int] = attrs.field(factory=list)  # host mirror of the device's n-gram context
     table: tuple[int, ...] = ()  # the last block table it was fed through
+    # the block table object whose first n entries the runner has checked (a decode step passes the same tuple
+    # step after step: CudaBackend._check_chunk checks only what it has not)
+    checked: tuple[tuple[int, ...], int] = ((), 0)
     ring: dict[int, tuple[int, list[int]]] = attrs.field(factory=dict)  # ring slot -> (position, context)
     pending: tuple[int, tuple[int, ...]] | None = None  # a verify awaiting its commit: (start, tokens)
 

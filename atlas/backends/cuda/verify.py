@@ -75,7 +75,7 @@ def _feed(backend: Any, members: list[SeqWork], width: int) -> tuple[torch.Tenso
         packed = pack_rows(shape, rows, pools.scratch_slots, pools.scratch_block, backend.block_size)
         if backend.verify_graphs is not None:  # replayed: a graph per (batch bucket, width, key blocks, QSA)
             host = packed.pin_memory() if dev.type == "cuda" else packed
-            logits, _ = backend.verify_graphs.replay(shape, host, backend._padding(shape))
+            logits, _ = backend.verify_graphs.replay(shape, host, backend._padding)
             pools.kept = dict(backend._kept_out[shape])  # the graph's static per-token tensors, this replay's rows
             return logits[:n], backend._hidden_out[shape][:n].clone()
         hidden = backend._run_group(packed.to(dev), shape)[:n]
@@ -97,7 +97,7 @@ def _feed(backend: Any, members: list[SeqWork], width: int) -> tuple[torch.Tenso
         packed = pack_rows(shape, sub, pools.scratch_slots, pools.scratch_block, backend.block_size)
         if backend.graphs is not None:  # a decode's shape: replayed from its graph
             host = packed.pin_memory() if dev.type == "cuda" else packed
-            row_logits, _ = backend.graphs.replay(shape, host, backend._padding(shape))
+            row_logits, _ = backend.graphs.replay(shape, host, backend._padding)
         else:
             row_logits = backend._decode_logits(packed.to(dev), shape)
         logits.append(row_logits[:n].clone())

@@ -6,14 +6,20 @@ preempt, and a step that releases finished sequences."""
 
 from __future__ import annotations
 
+import attrs
 import pytest
 
 from atlas.config import EngineConfig
 from atlas.engine import engine as engine_module
 from atlas.engine import planner
 from atlas.engine.records import RecordingSink
+from atlas.errors import InvariantViolation, TransitionRefused
 from atlas.registry import build_engine
 from atlas.sampling.params import SamplingParams
+from atlas.state import batch_columns
+from atlas.state.control import ControlState
+from atlas.state.events import StepPlanned
+from atlas.state.invariants import check_invariants
 
 _REAL = planner.steady_decode
 
@@ -73,3 +79,75 @@ def test_steady_decode_stands_aside_when_batch_would_preempt_or_admit(monkeypatc
         planned = [e for _, _, e, _ in rows if type(e).__name__ == "StepPlanned"]
         assert any(getattr(e, field) for e in planned)  # the workload preempts / admits (through schedule)
         assert not any(e.reset or e.admitted for e, _ in decided)
+
+
+# ------------------------------------------------------------------ StepPlanned's allocation of many rows in one pass
+
+_ALIGNED = (EngineConfig(max_seq_len=96, max_batch_size=20, prefill_chunk_tokens=400, block_size=8), 20)
+
+
+def _aligned_run(columns: bool, monkeypatch: pytest.MonkeyPatch) -> tuple[list, list, list[int], object]:
+    """20 rows with prompts of one length: every row crosses a block boundary in the same steps."""
+    config, n = _ALIGNED
+    passes: list[int] = []  # the alloc rows of each StepPlanned BatchColumns.allocate took
+    real = batch_columns.BatchColumns.allocate
+
+    def counted(self, pool, alloc):  # type: ignore[no-untyped-def]
+        done = real(self, pool, alloc)
+        if done is not None:
+            passes.append(len(alloc))
+        return done
+
+    monkeypatch.setattr(batch_columns.BatchColumns, "allocate", counted)
+    sink = RecordingSink()
+    engine = build_engine("atlas-tiny", backend="null", config=config, sink=sink)
+    engine.state.batch_cache = columns
+    for i in range(n):
+        engine.add_request(f"r{i}", [(i * 3 + k) % 150 + 1 for k in range(7)],
+                           SamplingParams(max_tokens=30 + i % 3, temperature=0.7, seed=i, ignore_eos=True))
+    outputs = []
+    while engine.has_unfinished():
+        outputs += engine.step()
+    caps = engine.capacities
+    engine.close()
+    return list(sink.rows), outputs, passes, caps
+
+
+def test_many_rows_allocated_in_one_pass_with_the_same_events_and_digests(monkeypatch: pytest.MonkeyPatch) -> None:
+    rows_on, out_on, passes, _ = _aligned_run(True, monkeypatch)
+    rows_off, out_off, none, _ = _aligned_run(False, monkeypatch)
+    assert rows_on == rows_off and out_on == out_off  # every digest equal to the objects' own refresh
+    assert not none
+    assert len(passes) >= 3 and max(passes) == 20  # whole-batch allocations took the one pass
+
+
+def _apply(caps: object, events: list, on: bool, damage: int | None) -> tuple[list[str], tuple | None]:
+    """The digests after every event and the first failure; at index `damage`, every alloc row of that StepPlanned
+    gets one more block than it needs (from the free list, after the ones the plan takes)."""
+    state = ControlState.create(caps)  # type: ignore[arg-type]
+    state.batch_cache = on
+    digests: list[str] = []
+    for index, e in enumerate(events):
+        if index == damage:
+            planned = {b for row in e.alloc for b in row[1:]}
+            spare = iter([b for b in reversed(state.pool.free) if b not in planned])
+            e = attrs.evolve(e, alloc=tuple((*row, next(spare)) for row in e.alloc))
+        try:
+            check_invariants(state, state.apply(e), index)
+        except TransitionRefused as exc:
+            return digests, ("refused", index, exc.machine, exc.why, exc.fields)
+        except InvariantViolation as exc:
+            return digests, ("violation", index, exc.machine, exc.message, exc.fields)
+        digests.append(state.digest())
+    return digests, None
+
+
+def test_a_block_too_many_named_as_without_columns(monkeypatch: pytest.MonkeyPatch) -> None:
+    rows, _, _, caps = _aligned_run(True, monkeypatch)
+    events = [e for _, _, e, _ in rows]
+    assert _apply(caps, events, True, None) == _apply(caps, events, False, None)
+    i = next(i for i, e in enumerate(events) if isinstance(e, StepPlanned) and len(e.alloc) >= 4 and not e.admitted)
+    on, failure_on = _apply(caps, events, True, i)
+    off, failure_off = _apply(caps, events, False, i)
+    assert failure_off is not None and failure_off[:3] == ("violation", i, "BlockPool")
+    assert failure_on == failure_off and on == off

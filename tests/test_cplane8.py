@@ -151,3 +151,105 @@ def test_a_block_too_many_named_as_without_columns(monkeypatch: pytest.MonkeyPat
     off, failure_off = _apply(caps, events, False, i)
     assert failure_off is not None and failure_off[:3] == ("violation", i, "BlockPool")
     assert failure_on == failure_off and on == off
+
+
+def test_int_rows_passes_exact_int_rows_and_converts_anything_else() -> None:
+    import numpy as np
+
+    from atlas.state.events import _int_rows
+
+    rows = ((1, 2), (3, 4, 5))
+    assert _int_rows(rows) is rows  # the scheduler's rows: no tuple built
+    for value in (((1, np.int64(2)),), [[1, 2]], ((True, 2),), ([1, 2],), ((1,), [2])):
+        out = _int_rows(value)
+        assert out == tuple(tuple(int(b) for b in row) for row in value)
+        assert type(out) is tuple and all(type(r) is tuple and all(type(b) is int for b in r) for r in out)
+
+
+# ------------------------------------------------------------------------------ the batch's cursor check, per field
+
+
+class _Skewed:
+    """Delegates to a backend; at one decode step reports one field of one row's cursors one off."""
+
+    def __init__(self, inner: object, field: str, at_step: int, row: int) -> None:
+        self.inner, self.field, self.at_step, self.row = inner, field, at_step, row
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.inner, name)
+
+    def execute(self, plan):  # type: ignore[no-untyped-def]
+        result = self.inner.execute(plan)
+        if plan.step != self.at_step:
+            return result
+        outs = list(result.outcomes)
+        o = outs[self.row]
+        cur = attrs.evolve(o.cursors, **{self.field: getattr(o.cursors, self.field) + 1})
+        outs[self.row] = attrs.evolve(o, cursors=cur)
+        return attrs.evolve(result, outcomes=tuple(outs))
+
+
+def _skewed_run(field: str, columns: bool) -> tuple[str, str, dict, int]:
+    config, n = _ALIGNED
+    engine = build_engine("atlas-tiny", backend="null", config=config, sink=RecordingSink())
+    engine.state.batch_cache = columns
+    engine.backend = _Skewed(engine.backend, field, 6, 13)  # type: ignore[assignment]
+    for i in range(n):
+        engine.add_request(f"r{i}", [(i * 3 + k) % 150 + 1 for k in range(7)],
+                           SamplingParams(max_tokens=30, temperature=0.7, seed=i, ignore_eos=True))
+    saw_columns = False
+    with pytest.raises(InvariantViolation) as caught:
+        while engine.has_unfinished():
+            saw_columns |= engine.state.step == 6 and engine.state.batch is not None
+            engine.step()
+    assert saw_columns == columns  # the skewed step ran on the batch columns (on) or the objects (off)
+    v = caught.value
+    return v.machine, v.message, v.fields, v.event_index
+
+
+@pytest.mark.parametrize("field", ["kv_tokens", "qsa_ingested", "ssm_position", "ple_position", "drafter_rows"])
+def test_each_cursor_field_one_off_is_named_as_without_columns(field: str) -> None:
+    on = _skewed_run(field, True)
+    assert on[0] == "BackendCursors" and on[2]["step"] == 6
+    assert on == _skewed_run(field, False)
+
+
+# ----------------------------------------------------------------------- settle's quiet rows as C-level passes
+
+
+def _settle_run(bulk: bool, ignore_eos: bool, monkeypatch: pytest.MonkeyPatch) -> tuple[list, list, int]:
+    from atlas.engine import requests
+
+    monkeypatch.setattr(requests, "_BULK", bulk)
+    passes = [0]
+    real = requests._consume
+
+    def counted(it):  # type: ignore[no-untyped-def]
+        passes[0] += 1
+        return real(it)
+
+    monkeypatch.setattr(requests, "_consume", counted)
+    config = EngineConfig(max_seq_len=96, max_batch_size=24, prefill_chunk_tokens=200, block_size=8)
+    sink = RecordingSink()
+    engine = build_engine("atlas-tiny", backend="null", config=config, sink=sink)
+    for i in range(20):
+        engine.add_request(f"r{i}", [(i * 7 + k) % 150 + 1 for k in range(5 + i % 6)],
+                           SamplingParams(max_tokens=18 + i % 5, temperature=0.9, seed=i, ignore_eos=ignore_eos))
+    outputs = []
+    while engine.has_unfinished():
+        outputs += engine.step()
+    engine.close()
+    return list(sink.rows), outputs, passes[0]
+
+
+@pytest.mark.parametrize("ignore_eos", [True, False])
+def test_quiet_rows_in_bulk_give_the_loops_outputs(ignore_eos: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    rows_on, out_on, passes = _settle_run(True, ignore_eos, monkeypatch)
+    rows_off, out_off, none = _settle_run(False, ignore_eos, monkeypatch)
+    assert rows_on == rows_off and out_on == out_off  # texts, token ids, counts, finish reasons
+    assert none == 0
+    assert len(out_on) == 20 and all(o.finished and o.new_text and o.new_token_ids for o in out_on)
+    if ignore_eos:
+        assert passes >= 3 * 10  # three passes a bulk step
+    else:
+        assert passes == 0  # EOS is a stop token: the rows go through the loop

@@ -9,11 +9,8 @@ the events before it left it; the engine applies each. RequestOutputs are collec
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Iterator
-from functools import partial
-from itertools import repeat
-from operator import add, attrgetter, sub
+from operator import attrgetter
 from typing import Any, Literal
 
 import attrs
@@ -33,9 +30,6 @@ from atlas.state.events import Event, RequestFinished, RollbackDeclined, RolledB
 from atlas.state.machines import Sequence
 
 _PROMPT_LOGPROBS = attrgetter("prompt_logprobs")
-_COUNT = attrgetter("count")
-_consume = partial(deque, maxlen=0)  # runs an iterator of side effects to its end at C level
-_BULK = True  # _settle_quiet's C-level passes when every row is quiet (off: the per-row loop; tests compare them)
 Sampled = tuple[int, float | None, tuple[tuple[int, float], ...]]
 # how the tokens ended the request (or None), the tokens it keeps, their logprobs, their top alternatives
 Taken = tuple[tuple[FinishReason, str] | None, list[int], list[float], list[tuple[tuple[int, float], ...]]]
@@ -67,7 +61,7 @@ class RequestBook:
         # request shares one memo; at most one entry per vocabulary id
         self.pieces: dict[bool, dict[int, str]] = {True: {}, False: {}}
         # the batch columns settle's quiet rows were built for, and those rows (_settle_quiet)
-        self._quiet: tuple[tuple[int, ...], list[tuple[StopChecker, Any, Any] | None], tuple | None] | None = None
+        self._quiet: tuple[tuple[int, ...], list[tuple[StopChecker, Any, Any] | None]] | None = None
 
     def _checker(self, params: SamplingParams, max_new: int) -> StopChecker:
         pieces = self.pieces[params.skip_special_tokens] if self.tokenizer is not None else None
@@ -178,26 +172,7 @@ class RequestBook:
         if any(map(_PROMPT_LOGPROBS, cols.aligned.outcomes)):  # type: ignore[union-attr]
             return None
         if self._quiet is None or self._quiet[0] is not cols.ids:  # per batch: built again when its rows change
-            checkers = self._quiet_checkers(cols)
-            bulk = None
-            if _BULK and None not in checkers and not any(stop.stop_ids for stop, _, _ in checkers):  # type: ignore[misc]
-                stops = [stop for stop, _, _ in checkers]  # type: ignore[misc]
-                # (checkers, their `later` lists, the held tokens' lists, their budgets): the lists the appends
-                # below are bound to
-                bulk = (stops, [s.later for s in stops], [a.__self__ for _, _, a in checkers],  # type: ignore[misc]
-                        [s.max_new for s in stops])
-            self._quiet = (cols.ids, checkers, bulk)
-        bulk = self._quiet[2]
-        last = cols.last
-        if bulk is not None:  # every row quiet and no stop tokens: the loop below as C-level passes over the rows
-            stops, laters, holds, budgets = bulk
-            counts = list(map(_COUNT, stops))
-            if min(map(sub, budgets, counts)) > 1:  # count + 1 < max_new for every row: none ends here
-                _consume(map(setattr, stops, repeat("count"), map(add, counts, repeat(1))))
-                _consume(map(list.append, laters, last))  # type: ignore[arg-type]
-                _consume(map(list.append, holds, last))  # type: ignore[arg-type]
-                self.counts.generated_tokens += len(stops)
-                return []
+            self._quiet = (cols.ids, self._quiet_checkers(cols))
         rest = []
         done = 0
         for r, (row, token) in enumerate(zip(self._quiet[1], cols.last, strict=True)):  # type: ignore[arg-type]

@@ -24,9 +24,7 @@ package is in a transition); a test that writes a field directly must set `state
 from __future__ import annotations
 
 import sys
-from collections import deque
 from collections.abc import Callable
-from functools import partial
 from itertools import repeat
 from sys import getrefcount
 from weakref import getweakrefcount
@@ -77,7 +75,6 @@ def _unshared(work: tuple) -> bool:
 
 
 _TUPLE_REFS = 4
-_consume = partial(deque, maxlen=0)  # runs an iterator of side effects to its end at C level
 _NOTHING_AFTER = token_bytes([0, 0, 0])  # a plan's rows after the head when it only feeds: release, reset, restored
 
 
@@ -400,16 +397,15 @@ class BatchColumns:
         if not self.decode or not self.plain or last is None:
             return None
         prev = self.work
-        if prev is not None and type(prev[0]) is seq_work and len(prev) == len(last) and _REUSE and _unshared(prev):
+        if prev is not None and type(prev[0]) is seq_work and _REUSE and _unshared(prev):
             # the last decode's SeqWork tuple, which nothing but these columns holds any more (the plan, the backend
             # and everyone else let go of it and of each SeqWork in it): moved to this step's tokens, positions and
             # block tables in place. No one can see the change (what no reference reaches cannot be read), and a
             # SeqWork costs ~3.5 K instructions to build against ~0.3 K to move (~190 K of a batch-64 step)
-            # the three fields by map(setattr) (C-level passes: ~1.5 K instructions a row as a Python loop); the rows
-            # are as many as prev's (tested above; the columns drop `work` whenever their rows change)
-            _consume(map(setattr, prev, repeat("tokens"), zip(last)))
-            _consume(map(setattr, prev, repeat("start"), self.ends))
-            _consume(map(setattr, prev, repeat("block_table"), self.tables))
+            for w, t, start, table in zip(prev, zip(last), self.ends, self.tables, strict=True):
+                w.tokens = t
+                w.start = start
+                w.block_table = table
             return prev
         n = len(self.ids)
         if self.keys_at_zero:  # the trailing fields all at SeqWork's defaults: six arguments, not eleven

@@ -171,7 +171,8 @@ class Engine:
         self.journal.stepping = self.state.step
         try:
             self._fire_faults(out)
-            steady = steady_decode(self.state, self.lanes)  # the batch columns' decode: one StepPlanned, decided
+            # the batch columns' decode: its one StepPlanned decided at once (no call without columns: b1's path)
+            steady = steady_decode(self.state, self.lanes) if self.state.batch is not None else None
             if steady is not None:
                 self.journal.apply(steady)
             else:

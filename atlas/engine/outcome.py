@@ -215,7 +215,8 @@ def cursor_violation(state: ControlState, plan: StepPlan, result: StepResult, in
 
 
 _CURSORS, _STAMPS = attrgetter("cursors"), attrgetter("stamps")
-_FIVE = attrgetter("kv_tokens", "qsa_ingested", "ssm_position", "ple_position", "drafter_rows")
+_KV, _QSA, _SSM, _PLE, _ROWS = (attrgetter(f) for f in ("kv_tokens", "qsa_ingested", "ssm_position", "ple_position",
+                                                         "drafter_rows"))
 
 
 def _batch_cursors_hold(cols: BatchColumns, result: StepResult) -> bool:
@@ -229,7 +230,11 @@ def _batch_cursors_hold(cols: BatchColumns, result: StepResult) -> bool:
         return False
     reported = tuple(map(_CURSORS, outcomes))
     if not any(map(_STAMPS, reported)):
-        return list(map(_FIVE, reported)) == [(n, n, n, n, 0) for n in cols.ends]
+        # four single-field passes against the computed column and one count, no tuple built a row
+        ends = cols.ends
+        return (list(map(_KV, reported)) == ends and list(map(_QSA, reported)) == ends
+                and list(map(_SSM, reported)) == ends and list(map(_PLE, reported)) == ends
+                and list(map(_ROWS, reported)).count(0) == len(ends))
     # stamps (the CUDA reader's, one shared BackendCursors per position): the loop's own tests, with the computed
     # column for the three numbers; anything the loop would walk or name goes back to it
     passed = None

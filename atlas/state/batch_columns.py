@@ -34,7 +34,7 @@ import numpy as np
 from atlas.hashing import MASK64, hash64_after, token_bytes
 from atlas.state.columns import common, plain_advance
 from atlas.state.events import StepPlanned
-from atlas.state.machines import Phase, Sequence
+from atlas.state.machines import BlockPool, Phase, Sequence
 
 _U = np.uint64
 _I = np.int64
@@ -244,6 +244,68 @@ class BatchColumns:
         self.hi[r] = min(int(self.limit[r]), int(self.budget_end[r]) - 1)
         self.short = None
         self.tables[r] = tuple(seq.blocks)
+
+    def allocate(self, pool: BlockPool, alloc: tuple[tuple[int, ...], ...]) -> tuple[int, list[int]] | None:
+        """StepPlanned's allocation of `alloc`'s rows (seq_id, block, ...), every seq_id a row here and once, as one
+        pass: the blocks taken from the pool (StepPlanned's check proved each free, in range and claimed once), each
+        sequence's blocks extended, the block columns moved, the rows' fingerprints as advance computes them (only
+        their blocks term moved) and `_holds`'s conditions on them: an allocation moves only the block count, under
+        which every condition but `(blocks - 1) * bs < len(tokens)` held before (a sequence's fields move only in a
+        transition, each checked after it) and holds after (computed <= blocks * bs stays true with more blocks).
+        Returns (the digest's change, the ids failing that condition, in alloc order), or None having moved nothing
+        (a seq_id twice or not a row: the per-row path). add_blocks' arithmetic for many rows at once: at batch 64 an
+        allocation step of every row was ~60 K instructions a row on that path (docs/CONTROL-PLANE.md, eighth pass)."""
+        row = self.row
+        rows = [row.get(a[0], -1) for a in alloc]
+        if min(rows) < 0 or len(set(rows)) != len(rows):
+            return None
+        free, refs = pool.free, pool.refs
+        objs = self.objs
+        tables = self.tables
+        taken = 0
+        for r, a in zip(rows, alloc, strict=True):
+            for b in a[1:]:
+                del free[b]
+                refs[b] = 1
+            blocks = objs[r].blocks
+            blocks.extend(a[1:])
+            taken += len(a) - 1
+            tables[r] = tuple(blocks)
+        pool.used += taken
+        idx = np.array(rows, dtype=np.intp)
+        bs = self.bs
+        nb = self.nblocks[idx] + np.array([len(a) - 1 for a in alloc], dtype=_I)
+        self.nblocks[idx] = nb
+        limit = np.minimum(self.capacity[idx], nb * bs)
+        self.limit[idx] = limit
+        low = (nb - 1) * bs
+        self.low[idx] = low
+        term = nb.view(_U) * _K_BLOCKS + _K_RUNNING
+        self.blocks_term[idx] = term
+        ntok = self.ntok[idx]
+        terms = ntok.view(_U) * _K_LEN + self.computed[idx].view(_U) * _K_COMPUTED_QSA + term
+        self.terms[idx] = terms
+        self.hi[idx] = np.minimum(limit, self.budget_end[idx] - 1)
+        self.short = None
+        h = self.token_hash[idx] ^ self.hid[idx]  # advance's fingerprint arithmetic for these rows
+        h ^= h >> _S30
+        h *= _K_MIX1
+        h ^= h >> _S27
+        h *= _K_MIX2
+        h ^= h >> _S31
+        h += terms
+        h ^= h >> _S30
+        h *= _K_MIX1
+        h ^= h >> _S27
+        h *= _K_MIX2
+        h ^= h >> _S31
+        change = int(np.bitwise_xor.reduce(self.fp[idx] ^ h))
+        self.fp[idx] = h
+        for r, fp in zip(rows, h.tolist(), strict=True):
+            objs[r].fingerprint = fp
+        ok = ntok > low
+        suspects = [] if _nonzero(ok) == len(rows) else [alloc[i][0] for i in np.flatnonzero(~ok).tolist()]
+        return change, suspects
 
     # ----------------------------------------------------------------------------------------- StepExecuted
 

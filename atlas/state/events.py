@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
+from itertools import chain
 from typing import Any, ClassVar
 
 import attrs
@@ -88,6 +89,7 @@ def decode(kind: str, version: int, payload: dict[str, Any]) -> Event:
 
 
 _EXACT_INT = frozenset((int,))
+_TUPLE = frozenset((tuple,))
 
 
 def _ints(value: Any) -> tuple[int, ...]:
@@ -118,6 +120,10 @@ def _remembering_ints() -> Callable[[Any], tuple[int, ...]]:
 
 def _int_rows(value: Any) -> tuple[tuple[int, ...], ...]:
     if type(value) is tuple and not value:  # () (a step without allocations or drafts): no generator
+        return value
+    # a tuple of tuples of exact ints (the scheduler's alloc rows) as it is: C-level type tests, no tuple built a row
+    if (type(value) is tuple and _TUPLE.issuperset(map(type, value))
+            and _EXACT_INT.issuperset(map(type, chain.from_iterable(value)))):
         return value
     return tuple(tuple(map(int, row)) for row in value)
 

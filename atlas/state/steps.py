@@ -170,7 +170,10 @@ def planned(state: ControlState, e: StepPlanned) -> tuple[int, ...]:
         seq.drafter.first_key = 0 if state.caps.drafter_context else seq.cursor.prompt_len - 1
         state.waiting.remove(seq_id)
         insort(state.running, seq_id)
-    for row in e.alloc:
+    # many rows' blocks at once on the batch columns (one pass; their digest shares and `_holds` with it)
+    allocated = batch.allocate(state.pool, e.alloc) if (
+        batch is not None and len(e.alloc) >= ALLOC_ROWS and cols is None and state.prefix is None) else None
+    for row in () if allocated is not None else e.alloc:
         state.pool.allocate(row[0], row[1:])
         if state.prefix is not None:  # a cached block handed out again is evicted
             for b in row[1:]:
@@ -197,6 +200,9 @@ def planned(state: ControlState, e: StepPlanned) -> tuple[int, ...]:
             state.plan_memo = (key, state.inflight_hash)
     state.step = e.step + 1
     touched = tuple(e.admitted) + tuple(row[0] for row in e.alloc)
+    if allocated is not None:  # e.admitted is empty (the batch stood aside otherwise): touched is the alloc'd rows
+        state.seq_digest ^= allocated[0]
+        return Checked(touched, allocated[1])  # check_invariants gives the suspects to check_sequence
     if batch is not None:  # apply's refresh of the alloc'd rows, their new fingerprints kept in the column too
         fps = batch.fp
         for seq_id in touched:
@@ -311,6 +317,8 @@ def _gather_batch(state: ControlState, ids: tuple[int, ...]) -> None:
 # from this many sequences StepExecuted fingerprints the common ones as numpy columns (running_fingerprints): the
 # per-call cost of numpy loses to the scalar form below ~16 (measured: 27 vs 68 us at 64)
 VECTOR_MIN = 16
+# StepPlanned's allocation through BatchColumns.allocate from this many alloc rows (fewer: add_blocks per row)
+ALLOC_ROWS = 2
 
 
 def _advance_all(state: ControlState, plan: StepPlanned, tokens: tuple[int, ...], bs: int) -> list[int]:

@@ -335,10 +335,15 @@ def _decode_chunk(comp: np.ndarray, ntok: np.ndarray, th: np.ndarray, nb: np.nda
         return None
     K, P, Q = _step_tables(m)
     C = K + comp  # computed after X_k, and the token count before it
-    NB = np.cumsum(Gc, axis=0)
-    NB += nb  # blocks after P_k
-    KV = NB * bs
-    if not ((C <= KV) & (KV - bs < C)).all():  # KV within the blocks, no block past the tokens
+    # KV within the blocks and no block past the tokens, (NB - 1) * bs < C <= NB * bs with NB = nb + cumsum(G) the
+    # blocks after P_k, is NB == ceil(C / bs) (C >= 1): each plan's blocks the step's rise of ceil(C / bs), from nb
+    # (no cumulative sum over the steps, a shift for a power-of-two block size)
+    NB = C + (bs - 1)
+    if bs & (bs - 1):
+        NB //= bs
+    else:
+        NB >>= bs.bit_length() - 1
+    if not ((NB[0] - nb == Gc[0]).all() and (NB[1:] - NB[:-1] == Gc[1:]).all()):
         return None
     TH = np.empty((m + 1, len(comp)), dtype=np.uint64)
     TH[0] = th

@@ -386,10 +386,13 @@ def _cursors(cols: StepColumns, F: np.ndarray, T: np.ndarray, G: np.ndarray, kk:
                 a, b = cuts[ci], cuts[ci + 1]
                 if b > a:  # as below: NTb is C (ntok == comp + 1), the fed counts are 1
                     k, r = kk[a:b] - c0, rr[a:b]
-                    terms = NB[k, r].view(np.uint64) * _K_BLOCKS
+                    f = k * n  # [k, r] of the [steps x batch] arrays as one flat index (a 1-D take, no 2-D mapiter)
+                    f += r
+                    terms = NB.ravel().take(f).view(np.uint64) * _K_BLOCKS
                     terms += _K_RUNNING
-                    new = mix_columns(TH[k, r] ^ hid[r], C[k, r], C[k, r] - 1, terms)
-                    new ^= FX[k, r]
+                    Cf = C.ravel().take(f)
+                    new = mix_columns(TH.ravel().take(f) ^ hid.take(r), Cf, Cf - 1, terms)
+                    new ^= FX.ravel().take(f)
                     np.bitwise_xor.at(delta_p, k + c0, new)
                 continue
         S = Tc >= 0

@@ -103,7 +103,7 @@ def _apply(state: ControlState, plans: list[bytes], execs: list[bytes], digests:
     alloc = _allocations(state, cols, A, o + head, L - head)
     if alloc is None:
         return False
-    G, kk, rr, blocks, used = alloc
+    G, kk, rr, blocks, used, single = alloc
 
     # the in-flight plan's hash of each plan: ints_key's bytes are (n, seqs, n, fed, alloc rows, release, reset,
     # restored) as int64, the blob's are (.., fed, len(alloc), alloc rows, release, reset, len(drafts) = 0, restored)
@@ -156,11 +156,17 @@ def _apply(state: ControlState, plans: list[bytes], execs: list[bytes], digests:
     free = pool.free
     refs = pool.refs
     objs = cols.objs
-    for r, b in zip(rr.tolist(), blocks, strict=True):
-        for x in b:
+    if single:  # one block a row (a decode's tail): the blocks as they are, no list a row
+        for r, x in zip(rr.tolist(), blocks, strict=True):
             del free[x]
             refs[x] = 1
-        objs[r].blocks.extend(b)
+            objs[r].blocks.append(x)
+    else:
+        for r, b in zip(rr.tolist(), blocks, strict=True):
+            for x in b:
+                del free[x]
+                refs[x] = 1
+            objs[r].blocks.extend(b)
     pool.used = int(used[-1])
     computed, ntok, token_hash, fp, nblocks = final
     cols.computed, cols.ntok, cols.token_hash, cols.fp, cols.nblocks = computed, ntok, token_hash, fp, nblocks
@@ -179,11 +185,13 @@ def _apply(state: ControlState, plans: list[bytes], execs: list[bytes], digests:
 
 
 def _allocations(state: ControlState, cols: StepColumns, A: np.ndarray, to: np.ndarray, tl: np.ndarray
-                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[list[int]], np.ndarray] | None:
+                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[int] | list[list[int]], np.ndarray,
+                            bool] | None:
     """The plans' tails (alloc rows, release, reset, drafts, restored: `tl` integers of A from `to`), checked as
     StepPlanned checks them: every row's sequence in the batch and once a plan, every block in the pool, free and
     allocated once in the run (no block is freed within one), the first plan's release the pending one, then none,
-    no drafts, nothing restored. Returns ([R x batch] blocks given, each row's plan and batch row, its blocks, the
+    no drafts, nothing restored. Returns ([R x batch] blocks given, each row's plan and batch row, its blocks (one
+    block a row when the last value is True: then the blocks themselves, a list of lists otherwise), the
     pool's used count after each plan), or None when one fails."""
     R, n = len(to), len(cols.ids)
     pool = state.pool
@@ -213,12 +221,12 @@ def _allocations(state: ControlState, cols: StepColumns, A: np.ndarray, to: np.n
                 blocks = b.tolist()
                 if not all(map(pool.free.__contains__, blocks)):
                     return None
-                return G, kk, rr, [[x] for x in blocks], pool.used + np.cumsum(na, dtype=np.int64)
+                return G, kk, rr, blocks, pool.used + np.cumsum(na, dtype=np.int64), True
     return _allocations_rows(state, cols, A, to, tl)
 
 
 def _allocations_rows(state: ControlState, cols: StepColumns, A: np.ndarray, to: np.ndarray, tl: np.ndarray
-                      ) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[list[int]], np.ndarray] | None:
+                      ) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[list[int]], np.ndarray, bool] | None:
     """_allocations for any tail, row by row in Python."""
     R, n = len(to), len(cols.ids)
     row = cols.row
@@ -274,7 +282,7 @@ def _allocations_rows(state: ControlState, cols: StepColumns, A: np.ndarray, to:
     G = np.zeros((R, n), dtype=np.int64)
     if kk:
         G[kk, rr] = given
-    return G, np.array(kk, dtype=np.int64), np.array(rr, dtype=np.int64), blocks, used
+    return G, np.array(kk, dtype=np.int64), np.array(rr, dtype=np.int64), blocks, used, False
 
 
 _FNV_INV = _U(pow(0x100000001B3, -1, 1 << 64))  # FNV's prime is odd: a unit mod 2**64

@@ -368,3 +368,29 @@ def test_json_arrivals_still_go_at_once(trace: Path, tmp_path: Path, monkeypatch
     report, state = verify.check_rows(caps, rows)
     assert report.problem is None and any(arrivals.results)
     assert state == verify.check_rows(*_rows(trace))[1]
+
+
+def test_an_admission_plans_key_off_its_blob_is_ints_key(trace: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """plan_in_columns hashes the in-flight plan off its codec-1 blob (eighth pass): the same key as ints_key over
+    the event's rows, for plans of any shape without drafts or restored sequences, and taken by the admission
+    plans of a check (whose digests all match)."""
+    from atlas.hashing import ints_key
+    from atlas.state import column_batch
+    from atlas.state.events import StepPlanned
+
+    rng = random.Random(8)
+    for _ in range(500):
+        n = rng.randint(0, 70)
+        seqs = tuple(rng.sample(range(1000), n))
+        alloc = tuple((s, *rng.sample(range(4096), rng.randint(0, 4))) for s in rng.sample(seqs, min(n, 8)))
+        e = StepPlanned(step=rng.randint(0, 10**6), admitted=tuple(rng.sample(range(1000), rng.randint(0, 5))),
+                        seqs=seqs, fed=tuple(rng.randint(1, 600) for _ in seqs), alloc=alloc,
+                        release=tuple(rng.sample(range(100), rng.randint(0, 3))),
+                        reset=tuple(rng.sample(range(100), rng.randint(0, 3))), drafts=(), restored=())
+        assert column_batch.plan_key_of_blob(codec.encode(e)) == ints_key(
+            b"atlas.plan", (e.seqs, e.fed, *e.alloc, e.release, e.reset, e.restored, *e.drafts))
+    keys = []
+    real = column_batch.plan_key_of_blob
+    monkeypatch.setattr(column_batch, "plan_key_of_blob", lambda b: keys.append(real(b)) or keys[-1])
+    caps, rows = _rows(trace)
+    assert verify.check_rows(caps, rows)[0].problem is None and len(keys) >= 3

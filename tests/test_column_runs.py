@@ -122,8 +122,10 @@ def test_the_row_by_row_tail_reads_what_the_common_one_reads(trace: Path) -> Non
     fast = column_runs._allocations(state, state.columns, A, o + head, sizes - head)
     rows_ = column_runs._allocations_rows(state, state.columns, A, o + head, sizes - head)
     assert fast is not None and rows_ is not None and fast[1].size  # blocks given in the run
-    for a, b in zip(fast, rows_, strict=True):
-        assert (np.asarray(a) == np.asarray(b)).all() if not isinstance(a, list) else a == b
+    assert fast[5] and not rows_[5]  # the common tail's blocks one a row, as ints; the rows' as lists
+    assert [[x] for x in fast[3]] == rows_[3]
+    for a, b in zip(fast[:3] + fast[4:5], rows_[:3] + rows_[4:5], strict=True):
+        assert (np.asarray(a) == np.asarray(b)).all()
 
 
 def _broken(trace: Path, tmp: Path, how: str) -> tuple[Path, int, int]:

@@ -320,7 +320,7 @@ def check_rows(caps: Capacities, rows: list[tuple[int, int, str, int, str | byte
                     if kind == "request_finished":
                         touched = finish_in_columns(state, e)
                     elif kind == "step_planned" and (e.admitted or state.columns.gone):
-                        touched = plan_in_columns(state, e)
+                        touched = plan_in_columns(state, e, payload if type(payload) is bytes else None)
                 if touched is None:
                     if state.columns is not None and state.columns.gone:
                         state.flush_columns()  # rows whose sequence finished: only column_batch reads such columns

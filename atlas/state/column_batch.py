@@ -21,8 +21,10 @@ already ran), for check_invariants.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import json.scanner
+import sys
 import zlib
 from bisect import insort
 from itertools import chain
@@ -42,6 +44,7 @@ _REASONS = frozenset(r.value for r in FinishReason)
 # the enum members as constants: an attribute of an Enum class is looked up through its metaclass's hook (3.11)
 _WAITING, _RUNNING, _FINISHED, _ERROR = Phase.WAITING, Phase.RUNNING, Phase.FINISHED, FinishReason.ERROR.value
 _I = np.int64
+_LITTLE = sys.byteorder == "little"
 _U = np.uint64
 # the scalar path gathers columns from this many sequences a plan (steps.VECTOR_MIN): the same batches here
 VECTOR_MIN = 16
@@ -69,7 +72,24 @@ def finish_in_columns(state: ControlState, e: RequestFinished) -> tuple[int, ...
     return (e.seq_id,)
 
 
-def plan_in_columns(state: ControlState, e: StepPlanned) -> tuple[int, ...] | None:
+def plan_key_of_blob(blob: bytes) -> int:
+    """`ints_key(b"atlas.plan", (seqs, fed, *alloc, release, reset, restored, *drafts))` of a codec-1 StepPlanned
+    blob without drafts or restored sequences (the caller knows it decodes to such an event), hashed off its
+    integers as int64 bytes (the runs' way, atlas.state.column_runs) instead of a flat list built in Python: the
+    blob's integers from len(seqs) on are (n, seqs, fed, len(alloc), alloc rows, release, reset, len(drafts) = 0,
+    len(restored) = 0), the key's (n, seqs, n, fed, alloc rows, release, reset, len(restored) = 0)."""
+    v = np.frombuffer(blob, "<i4", offset=1).astype("<i8")
+    p = 2 + int(v[1])  # past step and the admitted
+    n = int(v[p])
+    w = v[p:len(v) - 1]  # as long as the key's: fed moves one up over the alloc count, gets its length before it
+    w[n + 2:2 * n + 2] = w[n + 1:2 * n + 1]  # (an overlapping copy: numpy buffers it)
+    w[n + 1] = n
+    w[-1] = 0  # len(drafts) = 0 read as len(restored)
+    return int.from_bytes(hashlib.blake2b(w.data, digest_size=8, person=b"atlas.plan").digest(), "little")
+
+
+def plan_in_columns(state: ControlState, e: StepPlanned, blob: bytes | None = None) -> tuple[int, ...] | None:
+    """`blob`: the codec-1 payload `e` was decoded from, if it was (its in-flight hash is read off it)."""
     cols = state.columns
     caps = state.caps
     if (cols is None or cols.fed is not None or e.drafts or e.restored or state.prefix is not None
@@ -145,8 +165,9 @@ def plan_in_columns(state: ControlState, e: StepPlanned) -> tuple[int, ...] | No
     state.pending_release.clear()
     state.inflight_orders, state.orders = state.orders, PlanOrders()
     state.inflight = e
-    state.inflight_hash = ints_key(b"atlas.plan", (e.seqs, e.fed, *e.alloc, e.release, e.reset, e.restored,
-                                                   *e.drafts))
+    state.inflight_hash = (plan_key_of_blob(blob) if blob is not None and _LITTLE else
+                           ints_key(b"atlas.plan", (e.seqs, e.fed, *e.alloc, e.release, e.reset, e.restored,
+                                                    *e.drafts)))
     state.step = e.step + 1
     touched = tuple(e.admitted) + tuple(row[0] for row in e.alloc)
     for seq in admitted:  # apply's refresh and check_invariants' test, on the objects (current: never in columns)

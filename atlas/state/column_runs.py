@@ -103,7 +103,7 @@ def _apply(state: ControlState, plans: list[bytes], execs: list[bytes], digests:
     alloc = _allocations(state, cols, A, o + head, L - head)
     if alloc is None:
         return False
-    G, kk, rr, blocks, used = alloc
+    G, kk, rr, blocks, used, single = alloc
 
     # the in-flight plan's hash of each plan: ints_key's bytes are (n, seqs, n, fed, alloc rows, release, reset,
     # restored) as int64, the blob's are (.., fed, len(alloc), alloc rows, release, reset, len(drafts) = 0, restored)
@@ -156,11 +156,17 @@ def _apply(state: ControlState, plans: list[bytes], execs: list[bytes], digests:
     free = pool.free
     refs = pool.refs
     objs = cols.objs
-    for r, b in zip(rr.tolist(), blocks, strict=True):
-        for x in b:
+    if single:  # one block a row (a decode's tail): the blocks as they are, no list a row
+        for r, x in zip(rr.tolist(), blocks, strict=True):
             del free[x]
             refs[x] = 1
-        objs[r].blocks.extend(b)
+            objs[r].blocks.append(x)
+    else:
+        for r, b in zip(rr.tolist(), blocks, strict=True):
+            for x in b:
+                del free[x]
+                refs[x] = 1
+            objs[r].blocks.extend(b)
     pool.used = int(used[-1])
     computed, ntok, token_hash, fp, nblocks = final
     cols.computed, cols.ntok, cols.token_hash, cols.fp, cols.nblocks = computed, ntok, token_hash, fp, nblocks
@@ -179,11 +185,13 @@ def _apply(state: ControlState, plans: list[bytes], execs: list[bytes], digests:
 
 
 def _allocations(state: ControlState, cols: StepColumns, A: np.ndarray, to: np.ndarray, tl: np.ndarray
-                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[list[int]], np.ndarray] | None:
+                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[int] | list[list[int]], np.ndarray,
+                            bool] | None:
     """The plans' tails (alloc rows, release, reset, drafts, restored: `tl` integers of A from `to`), checked as
     StepPlanned checks them: every row's sequence in the batch and once a plan, every block in the pool, free and
     allocated once in the run (no block is freed within one), the first plan's release the pending one, then none,
-    no drafts, nothing restored. Returns ([R x batch] blocks given, each row's plan and batch row, its blocks, the
+    no drafts, nothing restored. Returns ([R x batch] blocks given, each row's plan and batch row, its blocks (one
+    block a row when the last value is True: then the blocks themselves, a list of lists otherwise), the
     pool's used count after each plan), or None when one fails."""
     R, n = len(to), len(cols.ids)
     pool = state.pool
@@ -213,12 +221,12 @@ def _allocations(state: ControlState, cols: StepColumns, A: np.ndarray, to: np.n
                 blocks = b.tolist()
                 if not all(map(pool.free.__contains__, blocks)):
                     return None
-                return G, kk, rr, [[x] for x in blocks], pool.used + np.cumsum(na, dtype=np.int64)
+                return G, kk, rr, blocks, pool.used + np.cumsum(na, dtype=np.int64), True
     return _allocations_rows(state, cols, A, to, tl)
 
 
 def _allocations_rows(state: ControlState, cols: StepColumns, A: np.ndarray, to: np.ndarray, tl: np.ndarray
-                      ) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[list[int]], np.ndarray] | None:
+                      ) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[list[int]], np.ndarray, bool] | None:
     """_allocations for any tail, row by row in Python."""
     R, n = len(to), len(cols.ids)
     row = cols.row
@@ -274,7 +282,7 @@ def _allocations_rows(state: ControlState, cols: StepColumns, A: np.ndarray, to:
     G = np.zeros((R, n), dtype=np.int64)
     if kk:
         G[kk, rr] = given
-    return G, np.array(kk, dtype=np.int64), np.array(rr, dtype=np.int64), blocks, used
+    return G, np.array(kk, dtype=np.int64), np.array(rr, dtype=np.int64), blocks, used, False
 
 
 _FNV_INV = _U(pow(0x100000001B3, -1, 1 << 64))  # FNV's prime is odd: a unit mod 2**64
@@ -335,10 +343,15 @@ def _decode_chunk(comp: np.ndarray, ntok: np.ndarray, th: np.ndarray, nb: np.nda
         return None
     K, P, Q = _step_tables(m)
     C = K + comp  # computed after X_k, and the token count before it
-    NB = np.cumsum(Gc, axis=0)
-    NB += nb  # blocks after P_k
-    KV = NB * bs
-    if not ((C <= KV) & (KV - bs < C)).all():  # KV within the blocks, no block past the tokens
+    # KV within the blocks and no block past the tokens, (NB - 1) * bs < C <= NB * bs with NB = nb + cumsum(G) the
+    # blocks after P_k, is NB == ceil(C / bs) (C >= 1): each plan's blocks the step's rise of ceil(C / bs), from nb
+    # (no cumulative sum over the steps, a shift for a power-of-two block size)
+    NB = C + (bs - 1)
+    if bs & (bs - 1):
+        NB //= bs
+    else:
+        NB >>= bs.bit_length() - 1
+    if not ((NB[0] - nb == Gc[0]).all() and (NB[1:] - NB[:-1] == Gc[1:]).all()):
         return None
     TH = np.empty((m + 1, len(comp)), dtype=np.uint64)
     TH[0] = th
@@ -381,10 +394,13 @@ def _cursors(cols: StepColumns, F: np.ndarray, T: np.ndarray, G: np.ndarray, kk:
                 a, b = cuts[ci], cuts[ci + 1]
                 if b > a:  # as below: NTb is C (ntok == comp + 1), the fed counts are 1
                     k, r = kk[a:b] - c0, rr[a:b]
-                    terms = NB[k, r].view(np.uint64) * _K_BLOCKS
+                    f = k * n  # [k, r] of the [steps x batch] arrays as one flat index (a 1-D take, no 2-D mapiter)
+                    f += r
+                    terms = NB.ravel().take(f).view(np.uint64) * _K_BLOCKS
                     terms += _K_RUNNING
-                    new = mix_columns(TH[k, r] ^ hid[r], C[k, r], C[k, r] - 1, terms)
-                    new ^= FX[k, r]
+                    Cf = C.ravel().take(f)
+                    new = mix_columns(TH.ravel().take(f) ^ hid.take(r), Cf, Cf - 1, terms)
+                    new ^= FX.ravel().take(f)
                     np.bitwise_xor.at(delta_p, k + c0, new)
                 continue
         S = Tc >= 0

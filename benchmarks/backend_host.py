@@ -117,9 +117,12 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=180)
     parser.add_argument("--seeded", action="store_true", help="temperature 0.8, top_p 0.95, a seed per row")
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--smoke", action="store_true", help="batches 1,4 and 12 steps (CI: it runs to the end)")
     parser.add_argument("--callgrind", action="store_true", help="run --steps steps inside functools.reduce (the "
                         "toggle for valgrind --tool=callgrind --collect-atstart=no --toggle-collect=functools_reduce)")
     args = parser.parse_args()
+    if args.smoke:
+        args.batches, args.steps = "1,4", 12
     torch.set_num_threads(1)
     print(f"| batch | execute host us / step ({'seeded' if args.seeded else 'greedy'}, process time, best of 5) |")
     print("|---|---|")

@@ -22,6 +22,7 @@ pytestmark = pytest.mark.slow
 BENCHMARKS = sorted(p.name for p in (ROOT / "benchmarks").glob("*.py"))
 # what each smoke run must print (a line of its table), so a run that printed nothing does not pass
 EXPECT = {
+    "backend_host.py": "execute host us / step",
     "control_plane.py": "seq-steps/s",
     "cpu_model.py": "atlas chunks",
     "cuda_features.py": "ring snapshot",

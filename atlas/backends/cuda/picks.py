@@ -60,21 +60,19 @@ def sample_rows(backend: Any, work: Sequence[SeqWork], logits: dict[int, torch.T
         return {}
     pin = backend.device.type == "cuda"
     parts: list[torch.Tensor] = []
-    order: list[int] = []
-    in_graph: dict[int, int] = {}
+    in_graph: dict[int, int] = {}  # chunk index -> its row of the replayed decode graph
     if backend._replayed is not None and backend.graphs is not None:
         shape, idx = backend._replayed
-        in_graph = {i: j for j, i in enumerate(idx) if work[i].sample and not work[i].banned}
-    if in_graph:
         params, positions = [GREEDY] * shape.batch, [0] * shape.batch
-        for i, j in in_graph.items():
-            params[j], positions[j] = work[i].sampling, work[i].end
-        # the decode group's rows repeat step after step: the packer keeps them and writes the positions
-        parts.append(backend.graphs.sample(shape, backend.row_packer.of(params, positions)))  # type: ignore[union-attr]
-        order.extend(-1 for _ in range(shape.batch))  # every graph row comes back; padding is dropped
-        for i, j in in_graph.items():
-            order[j] = i
-    rest = [i for i in sampled if i not in in_graph]
+        for j, i in enumerate(idx):  # one pass: the graph's rows and their sampler parameters
+            w = work[i]
+            if w.sample and not w.banned:
+                in_graph[i] = j
+                params[j], positions[j] = w.sampling, w.end
+        if in_graph:
+            # the decode group's rows repeat step after step: the packer keeps them and writes the positions
+            parts.append(backend.graphs.sample(shape, backend.row_packer.of(params, positions)))
+    rest = [i for i in sampled if i not in in_graph] if len(in_graph) < len(sampled) else []
     if rest:
         rows = torch.stack([logits[i] for i in rest])
         banned = None
@@ -85,8 +83,12 @@ def sample_rows(backend: Any, work: Sequence[SeqWork], logits: dict[int, torch.T
             banned = (ids.pin_memory() if pin else ids).to(backend.device, non_blocking=pin)
         batch = RowBatch.of([work[i].sampling for i in rest], [work[i].end for i in rest], pin=pin)
         parts.append(sample(rows, batch.to(backend.device), banned=banned))
-        order.extend(rest)
-    chosen = {i: t for i, t in zip(order, torch.cat(parts).tolist(), strict=True) if i >= 0}  # one copy
+    tokens = (torch.cat(parts) if len(parts) > 1 else parts[0]).tolist()  # one copy
+    # the graph's rows first (every one comes back; padding is dropped), then the rest in order
+    chosen = {i: tokens[j] for i, j in in_graph.items()}
+    if rest:
+        base = len(tokens) - len(rest)
+        chosen.update((i, tokens[base + r]) for r, i in enumerate(rest))
     asked = [i for i in sampled if work[i].sampling.logprobs]
     lps: dict[int, tuple[float, tuple[tuple[int, float], ...]]] = {}
     if asked:
@@ -98,4 +100,6 @@ def sample_rows(backend: Any, work: Sequence[SeqWork], logits: dict[int, torch.T
             n = work[i].sampling.top_logprobs
             lps[i] = host[r][0], tuple((int(t), v) for t, v in zip(host[r][1 + top : 1 + top + n],
                                                                    host[r][1 : 1 + n], strict=True))
+    if not lps:
+        return {i: (chosen[i], None, ()) for i in sampled}
     return {i: (chosen[i], *lps.get(i, (None, ()))) for i in sampled}

@@ -62,3 +62,27 @@ def test_graph_rows_give_the_eager_rows_tokens_and_logprobs(backend: CudaBackend
         backend.graphs, backend._replayed = None, None
     assert graph.calls == 2 and set(eager) == set(range(len(work)))
     assert eager[2][1] is not None and len(eager[2][2]) == 2 and eager[0][1] is None
+
+
+def test_a_plain_steps_fast_result_equals_the_general_paths() -> None:
+    """execute's plain-step result (no verify, snapshot, drafter, refusal, prompt logprobs: the steady decode)
+    equals what the general path builds, step for step, prefill and decode, greedy and seeded rows."""
+    from atlas.plan import StepPlan
+
+    tiny = load_model("atlas-tiny")
+    fast, general = (CudaBackend(tiny, num_kv_blocks=16, dtype=torch.float32, device="cpu", max_batch_size=4,
+                                 cuda_graphs=False) for _ in range(2))
+    general.plain_fast = False
+    params = [SamplingParams(), SamplingParams(temperature=0.9, seed=3, logprobs=True, top_logprobs=2), SamplingParams(temperature=1.2, seed=4)]
+    tables = [(0, 1, 2, 3), (4, 5, 6, 7), (8, 9, 10, 11)]
+    prompts = [list(b"hello there"), list(b"0123456789abcdefghij"), list(b"ab")]
+    plans = [StepPlan(0, tuple(SeqWork(i, tuple(p), 0, tables[i], True, params[i]) for i, p in enumerate(prompts)))]
+    got = [fast.execute(plans[0]), general.execute(plans[0])]
+    assert got[0] == got[1]
+    ends = [len(p) for p in prompts]
+    for step in range(1, 4):
+        tokens = [o.token for o in got[0].outcomes]
+        plan = StepPlan(step, tuple(SeqWork(i, (tokens[i],), ends[i], tables[i], True, params[i]) for i in range(3)))
+        got = [fast.execute(plan), general.execute(plan)]
+        assert got[0] == got[1] and all(o.token is not None for o in got[0].outcomes)
+        ends = [e + 1 for e in ends]

@@ -215,6 +215,8 @@ class CudaBackend:
         if use_graphs and self.tuning.prefill_graphs != "none":
             self.prefill_graphs = DecodeGraphs(self._prefill_logits, self.device)
         self._recurring = Recurring()
+        # a plain step's outcomes built without the general path's per-row dicts (execute; off only in a test)
+        self.plain_fast = True
         # the decode graph's sampler rows, kept between steps (atlas.sampling.keyed.RowPacker)
         self.row_packer = RowPacker(pin=self.device.type == "cuda")
         self._seqs = self.store.seqs
@@ -496,6 +498,10 @@ class CudaBackend:
                 # stream, so its launch overlaps the forward and the sampler's token copy waits for its copy too
                 store.prefetch(read)
             picked = self._sample(plain, logits)
+            if (self.plain_fast and not verifies and not plan.snapshots and self.drafter is None and not done.refused
+                    and not scored):
+                # a plain step (the steady decode): each outcome built at once, no per-row results dict
+                return self._plain_result(plan, picked, read)
             results: dict[int, dict] = {}
             for i, w in enumerate(plain):
                 token, logprob, top = picked.get(i, (None, None, ()))
@@ -526,6 +532,19 @@ class CudaBackend:
             return StepResult(plan.step, tuple(outcomes),
                               touched=tuple((s, cursors[s]) for s in done.restored if s not in in_work),
                               refused=tuple((s, why) for s, why in done.refused.items() if s not in in_work))
+
+    def _plain_result(self, plan: StepPlan, picked: dict, read: list[int]) -> StepResult:
+        """execute's result for a step of plain chunks only (no verify, snapshot, drafter, refusal or prompt
+        logprobs): what the general path builds, without its per-row dicts."""
+        cursors = self.store.read_cursors(read)
+        none: tuple = (None, None, ())
+        outcomes = []
+        for i, w in enumerate(plan.work):
+            token, logprob, top = picked.get(i, none)
+            outcomes.append(SeqOutcome(w.seq_id, cursors[w.seq_id], token, logprob, top))
+        in_work = {w.seq_id for w in plan.work}
+        return StepResult(plan.step, tuple(outcomes),
+                          touched=tuple((s, cursors[s]) for s in read[len(plan.work):] if s not in in_work))
 
     def _verified(self, run: VerifyRun) -> dict:
         if run.refused is not None:

@@ -78,6 +78,23 @@ _TUPLE_REFS = 4
 _NOTHING_AFTER = token_bytes([0, 0, 0])  # a plan's rows after the head when it only feeds: release, reset, restored
 
 
+def _mix(h: np.ndarray, terms: np.ndarray) -> np.ndarray:
+    """control.running_fingerprints' arithmetic on uint64 columns (it wraps where the scalar masks): the token
+    hash XOR the sequence id (`h`, a fresh array, mixed in place), then the terms added and mixed again."""
+    h ^= h >> _S30
+    h *= _K_MIX1
+    h ^= h >> _S27
+    h *= _K_MIX2
+    h ^= h >> _S31
+    h += terms
+    h ^= h >> _S30
+    h *= _K_MIX1
+    h ^= h >> _S27
+    h *= _K_MIX2
+    h ^= h >> _S31
+    return h
+
+
 class BatchColumns:
     """The running queue `ids` (in order) as columns. Every field here equals the objects' after each event."""
 
@@ -287,18 +304,7 @@ class BatchColumns:
         self.terms[idx] = terms
         self.hi[idx] = np.minimum(limit, self.budget_end[idx] - 1)
         self.short = None
-        h = self.token_hash[idx] ^ self.hid[idx]  # advance's fingerprint arithmetic for these rows
-        h ^= h >> _S30
-        h *= _K_MIX1
-        h ^= h >> _S27
-        h *= _K_MIX2
-        h ^= h >> _S31
-        h += terms
-        h ^= h >> _S30
-        h *= _K_MIX1
-        h ^= h >> _S27
-        h *= _K_MIX2
-        h ^= h >> _S31
+        h = _mix(self.token_hash[idx] ^ self.hid[idx], terms)  # advance's fingerprint arithmetic for these rows
         change = int(np.bitwise_xor.reduce(self.fp[idx] ^ h))
         self.fp[idx] = h
         for r, fp in zip(rows, h.tolist(), strict=True):
@@ -345,18 +351,7 @@ class BatchColumns:
             else:
                 th = th * _FNV + (tok.view(_U) + _ONE)
             terms = n2.view(_U) * _K_LEN + end.view(_U) * _K_COMPUTED_QSA + self.blocks_term
-        h = th ^ self.hid  # control.running_fingerprints' arithmetic (uint64 wraps where the scalar masks)
-        h ^= h >> _S30
-        h *= _K_MIX1
-        h ^= h >> _S27
-        h *= _K_MIX2
-        h ^= h >> _S31
-        h += terms
-        h ^= h >> _S30
-        h *= _K_MIX1
-        h ^= h >> _S27
-        h *= _K_MIX2
-        h ^= h >> _S31
+        h = _mix(th ^ self.hid, terms)
         change = int(np.bitwise_xor.reduce(self.fp ^ h))
         ends, hashes, fps = end.tolist(), th.tolist(), h.tolist()
         if some_unsampled:

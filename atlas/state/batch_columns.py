@@ -32,14 +32,13 @@ from weakref import getweakrefcount
 import numpy as np
 
 from atlas.hashing import MASK64, hash64_after, token_bytes
-from atlas.state.columns import common, plain_advance
+from atlas.state.columns import common, mix64_column, plain_advance
 from atlas.state.events import StepPlanned
 from atlas.state.machines import BlockPool, Phase, Sequence
 
 _U = np.uint64
 _I = np.int64
-_K_ID, _K_MIX1, _K_MIX2 = _U(0x9E3779B97F4A7C15), _U(0xBF58476D1CE4E5B9), _U(0x94D049BB133111EB)
-_S30, _S27, _S31 = _U(30), _U(27), _U(31)
+_K_ID = _U(0x9E3779B97F4A7C15)
 _K_LEN, _K_BLOCKS = _U(0xC2B2AE3D27D4EB4F), _U(0xFF51AFD7ED558CCD)
 _K_COMPUTED_QSA = _U((0x165667B19E3779F9 + 0xC4CEB9FE1A85EC53) & MASK64)  # computed == qsa.ingested: one product
 _K_RUNNING_INT = 0xD6E8FEB86659FD93 * Phase.RUNNING & MASK64
@@ -79,20 +78,11 @@ _NOTHING_AFTER = token_bytes([0, 0, 0])  # a plan's rows after the head when it 
 
 
 def _mix(h: np.ndarray, terms: np.ndarray) -> np.ndarray:
-    """control.running_fingerprints' arithmetic on uint64 columns (it wraps where the scalar masks): the token
-    hash XOR the sequence id (`h`, a fresh array, mixed in place), then the terms added and mixed again."""
-    h ^= h >> _S30
-    h *= _K_MIX1
-    h ^= h >> _S27
-    h *= _K_MIX2
-    h ^= h >> _S31
+    """control.running_fingerprints' arithmetic on uint64 columns (columns.mix64_column twice): the token hash XOR
+    the sequence id (`h`, a fresh array, mixed in place), then the terms added and mixed again."""
+    h = mix64_column(h)
     h += terms
-    h ^= h >> _S30
-    h *= _K_MIX1
-    h ^= h >> _S27
-    h *= _K_MIX2
-    h ^= h >> _S31
-    return h
+    return mix64_column(h)
 
 
 class BatchColumns:

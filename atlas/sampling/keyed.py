@@ -104,7 +104,7 @@ class RowBatch:
     @classmethod
     def of(cls, params: Sequence[SamplingParams], positions: Sequence[int], pin: bool = False) -> RowBatch:
         n = len(params)
-        # numpy from flat tuples: torch.tensor of nested lists was ~55 us at 64 rows (this box), this ~15
+        # numpy from flat tuples: torch.tensor of nested lists was 43.6 us at 64 rows (this box), this 27.8
         floats = np.array([(p.temperature, p.top_p, math.log(p.min_p) if p.min_p > 0 else _NEG_INF,
                             p.repetition_penalty) for p in params], dtype=np.float64).reshape(n, 4)
         ints = np.array([(p.top_k, seed64(p.seed), pos) for p, pos in zip(params, positions, strict=True)],

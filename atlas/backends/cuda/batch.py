@@ -7,6 +7,8 @@ a fixed-shape function of that one buffer and can be captured in a CUDA graph.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import attrs
 import numpy as np
 import torch
@@ -86,7 +88,7 @@ class Group:
                    stamp_values)
 
 
-Row = tuple[list[int], int, int, list[int], list[list[int]]]
+Row = tuple[Sequence[int], int, int, Sequence[int], list[list[int]]]  # tokens, start, slot, block table, n-gram ids
 
 
 def sentinel_slot(table: list[int] | tuple[int, ...], end: int, block_size: int, scratch_block: int) -> int:

@@ -542,9 +542,8 @@ class CudaBackend:
         for i, w in enumerate(plan.work):
             token, logprob, top = picked.get(i, none)
             outcomes.append(SeqOutcome(w.seq_id, cursors[w.seq_id], token, logprob, top))
-        in_work = {w.seq_id for w in plan.work}
-        return StepResult(plan.step, tuple(outcomes),
-                          touched=tuple((s, cursors[s]) for s in read[len(plan.work):] if s not in in_work))
+        # read: the work's sequences, then the restored ones without work (execute built it so)
+        return StepResult(plan.step, tuple(outcomes), touched=tuple((s, cursors[s]) for s in read[len(plan.work):]))
 
     def _verified(self, run: VerifyRun) -> dict:
         if run.refused is not None:

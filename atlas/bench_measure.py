@@ -133,22 +133,28 @@ def _run_steps(engine: Any, prompts: list[list[int]], max_tokens: int, seeded: b
 
 
 def bench_prefill(model: Any, tokens: int = 2048, repeat: int = 3, moe: str | None = None,
-                  tuning: Any = None) -> dict[str, Any]:
-    engine, timed = _engine(model, batch=1, max_seq_len=tokens + 16, chunk=tokens, tuning=tuning)
+                  tuning: Any = None, backend: str = "cuda") -> dict[str, Any]:
+    """One `tokens`-long prompt prefilled `repeat` times after its warm-up runs (one chunk each, a fresh prompt each
+    time): the first compiles, and under Tuning.prefill_graphs the second is the chunk shape's capture (H200 session
+    10: the 8,192-token row's median of [capture 490 ms, replay 157 ms] was reported as 352.9 ms). "runs" /
+    "execute_runs": every run's wall / execute ms in order, the `warm` first ones left out of the medians."""
+    engine, timed = _engine(model, batch=1, max_seq_len=tokens + 16, chunk=tokens, tuning=tuning, backend=backend)
     if moe is not None:
         timed.inner.prefill_moe = moe
-    moe = timed.inner.prefill_moe
+    moe = getattr(timed.inner, "prefill_moe", None)
+    warm = 2 if getattr(tuning, "prefill_graphs", "none") != "none" else 1
     g = torch.Generator().manual_seed(1)
     steps = []
-    for _ in range(repeat + 1):  # the first compiles the chunked-prefill kernel
+    for _ in range(repeat + warm):
         prompt = torch.randint(0, model.spec.vocab_size, (tokens,), generator=g).tolist()
         timed.calls.clear()
         walls = _run_steps(engine, [prompt], max_tokens=1)
         steps.append((walls[0], timed.calls[0][2]))
     engine.close()
-    wall = statistics.median(s[0] for s in steps[1:])
-    execute = statistics.median(s[1] for s in steps[1:])
-    return {"tokens": tokens, "moe": moe, "ms": wall, "tokens_per_s": tokens / wall * 1e3, "execute_ms": execute}
+    wall = statistics.median(s[0] for s in steps[warm:])
+    execute = statistics.median(s[1] for s in steps[warm:])
+    return {"tokens": tokens, "moe": moe, "ms": wall, "tokens_per_s": tokens / wall * 1e3, "execute_ms": execute,
+            "runs": [s[0] for s in steps], "execute_runs": [s[1] for s in steps], "warm": warm}
 
 
 def bench_decode(model: Any, batch: int, prompt_len: int = 140, steps: int = 40, tuning: Any = None,

@@ -33,6 +33,7 @@ EXPECT = {
     "mini_tpot.py": "TPOT ms",
     "multiturn.py": "tokens equal on/off",
     "mutation_campaign.py": "acceptance",
+    "prefill_runs.py": "runs ms",
     "replay_check.py": "state-only check",
     "rollback.py": "restore a snapshot",
     "spec_divergence.py": '"identical"',

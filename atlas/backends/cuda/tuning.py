@@ -73,21 +73,25 @@ class Tuning:
     # depthwise F.conv1d (cuDNN), never in the batch-invariant modes (atlas.backends.cuda.layers.conv_step);
     # "inductor": library for the eager convs (PLE's, the layer stack's), the windowed product inside a compiled
     # prefill region's GDN head, which Inductor fuses with the cat and silu around it (H200 session 8: ATen's
-    # depthwise kernel was 176 us a layer at 2,048 tokens, 3.5 ms of a 33.7 ms prefill; unmeasured)
+    # depthwise kernel was 176 us a layer at 2,048 tokens, 3.5 ms of a 33.7 ms prefill; session 10: the prefill's device
+    # time 34.2 -> 31.2 ms, 1,699 -> 1,663 kernels, wall 52.8 -> 51.0 ms; in regions-compile)
     prefill_conv: str = attrs.field(default="windowed", validator=_one_of(CONV))
     # the small products of compiled decode regions of at most regions.GEMV_ROWS rows (the hyper sites' mix-down and
     # mix-up, the MoE router + shared expert in and down): "library" cuBLAS GEMVs; "reduce" a broadcast multiply
     # and fp32 sum (layers.linear) that Inductor lowers to reduction kernels fused with their neighbours. H200,
     # session 8, batch 1: 199 GEMVs 1.52 ms of a 3.2 ms device step, the sites' 5 MB ones 4-7 us each (+ a 1.7 us
     # split-K reduce) against ~1.3 us of bytes; "split" the same with a long K's sum cut into chunks (layers.linear:
-    # the mix-down's 328 outputs of 8,192 inputs were one 7-8 us reduction of 328 programs; unmeasured)
+    # the mix-down's 328 outputs of 8,192 inputs were one 7-8 us reduction of 328 programs; H200 session 10: b1 3.47 ->
+    # 3.30 ms a step, 1,039 -> 1,088 kernels, device 2.8 ms both; in regions-compile)
     decode_gemv: str = attrs.field(default="library", validator=_one_of(GEMV))
     # prefill chunks replayed from CUDA graphs: "none"; "recurring": every prefill chunk's key blocks rounded up to a
     # power of two (as the decode graphs' are), and a chunk shape (width, key blocks, QSA selection) captured the
     # second time it is fed, at most runner.PREFILL_GRAPHS shapes, replayed from then on (a full chunk of a long
     # prompt, a benchmark's repeated prompt). Written for the host's launch overhead (H200 session 8: a 2,048-token
     # prefill through compiled regions 56.0 ms wall over 33.7 ms of device work in ~1,700 kernels; Inductor's Triton
-    # launches ~10-16 us of host each); needs prefill_moe other than "grouped" (no host sync). Unmeasured.
+    # launches ~10-16 us of host each); needs prefill_moe other than "grouped" (no host sync). H200 session 10: 2,048
+    # tokens 52.8 -> 41.7 ms (execute 40.7 ms over an eager device time of 34.2), 8,192 tokens 161.0 -> 157.2 ms
+    # (benchmarks/prefill_runs.py; the capture, the second feed, 490 ms); in regions-compile
     prefill_graphs: str = attrs.field(default="none", validator=_one_of(PREFILL_GRAPHS))
 
     def __attrs_post_init__(self) -> None:
@@ -123,27 +127,23 @@ VARIANTS: dict[str, Tuning] = {
     # the decode step as compiled regions (session 4): a layer is ~4 compiled pieces + its state writes, the
     # GDN kernel and the routed experts (dispatch count on the CPU: see docs/BENCHMARKS.md, session 4)
     # the prefill chunks through the same compiled regions since session 8 (the "regions-prefill" variant of session
-    # 7 won: 56.0 against 67.5 ms at 2,048 tokens, see the prefill_stack knob), and batch 1-4's small products as
-    # Inductor reductions (decode_gemv: b1 4.15 -> 3.45 ms, 1,234 -> 1,040 kernels, H200 session 8)
+    # 7 won: 56.0 against 67.5 ms at 2,048 tokens, see the prefill_stack knob), batch 1-4's small products as
+    # Inductor reductions with a long K's sum split (decode_gemv "split"), the compiled prefill heads' conv fused by
+    # Inductor (prefill_conv "inductor"), and recurring prefill chunks replayed from CUDA graphs (prefill_graphs).
+    # H200 session 10 against session 8's arrangement: decode b1 3.47 -> 3.30 ms, b16 4.89 -> 4.80, b64 6.91 ->
+    # 6.78; prefill 2,048 52.8 -> 41.7 ms (graphs; 65.9 -> 43.4 ms on a slower host), 8,192 161.0 -> 157.2 ms
     "regions-compile": Tuning(moe="triton", prefill_moe="triton", attention="sdpa", decode_attention="paged",
-                              compile_decode="default", decode_stack="regions", prefill_conv="library",
-                              prefill_stack="regions", compile_prefill="default", decode_gemv="reduce"),
-    # regions-compile with its prefill chunks replayed from CUDA graphs once their shape recurs (prefill_graphs:
-    # written in session 9 for the prefill's host overhead, unmeasured; its decode rows are regions-compile's)
-    "regions-graphs": Tuning(moe="triton", prefill_moe="triton", attention="sdpa", decode_attention="paged",
-                             compile_decode="default", decode_stack="regions", prefill_conv="library",
-                             prefill_stack="regions", compile_prefill="default", decode_gemv="reduce",
-                             prefill_graphs="recurring"),
-    # the next candidates, each a knob of one kind of step (so the bench's prefill row measures the conv alone and
-    # its decode rows the split alone): the compiled prefill regions' GDN conv fused by Inductor, the split-K
-    # reductions at batch 1-4 (session 8: both unmeasured)
-    "regions-next": Tuning(moe="triton", prefill_moe="triton", attention="sdpa", decode_attention="paged",
-                           compile_decode="default", decode_stack="regions", prefill_conv="inductor",
-                           prefill_stack="regions", compile_prefill="default", decode_gemv="split"),
+                              compile_decode="default", decode_stack="regions", prefill_conv="inductor",
+                              prefill_stack="regions", compile_prefill="default", decode_gemv="split",
+                              prefill_graphs="recurring"),
+    # regions-compile with its prefill chunks eager (what prefill_graphs replaced; its decode rows are regions-compile's)
+    "regions-eager-prefill": Tuning(moe="triton", prefill_moe="triton", attention="sdpa", decode_attention="paged",
+                                    compile_decode="default", decode_stack="regions", prefill_conv="inductor",
+                                    prefill_stack="regions", compile_prefill="default", decode_gemv="split"),
     # regions-compile with cuBLAS's GEMVs at batch 1-4 (what decode_gemv replaced)
     "regions-cublas": Tuning(moe="triton", prefill_moe="triton", attention="sdpa", decode_attention="paged",
-                             compile_decode="default", decode_stack="regions", prefill_conv="library",
-                             prefill_stack="regions", compile_prefill="default"),
+                             compile_decode="default", decode_stack="regions", prefill_conv="inductor",
+                             prefill_stack="regions", compile_prefill="default", prefill_graphs="recurring"),
     # the same with Inductor's GEMM autotuning (Triton templates against cuBLAS, epilogues fused into the GEMM)
     "regions-autotune": Tuning(moe="triton", prefill_moe="triton", attention="sdpa", decode_attention="sdpa",
                                compile_decode="max-autotune-no-cudagraphs", decode_stack="regions",

@@ -1,0 +1,64 @@
+"""Every run of a prefill, per Tuning variant and prompt length: where a median hides a slow replay or capture.
+
+    python3 benchmarks/prefill_runs.py [--variants regions-compile,regions-eager-prefill] [--tokens 2048,8192] [--repeat 4]
+    python3 benchmarks/prefill_runs.py --smoke        # the CPU backend, atlas-tiny, 64 tokens (a clone's check)
+
+Not a test: it prints figures. Written for session 10's question (issue 15.3): `prefill_graphs = "recurring"` took
+a 2,048-token prefill from 52.8 to 41.7 ms on the H200 but the 8,192-token one to 352.9 ms (session 8's eager
+regions: 174.7 ms). `atlas bench gpu` reports one median a length; this prints each fresh prompt's wall and
+execute ms in order (the first run compiles; with prefill_graphs the second is the capture and the rest replays;
+the bench's median leaves out these warm-up runs), the peak device memory, on the benchmark config with random bf16 weights.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+CONFIG = Path(__file__).resolve().parent / "configs" / "qwen4exp-2p7b.json"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--variants", default="regions-compile,regions-eager-prefill")
+    parser.add_argument("--tokens", default="2048,8192")
+    parser.add_argument("--repeat", type=int, default=4)
+    parser.add_argument("--smoke", action="store_true")
+    args = parser.parse_args()
+    import torch
+
+    from atlas.bench_measure import bench_prefill
+
+    if args.smoke:
+        from atlas.model import load_model
+
+        torch.set_num_threads(1)
+        result = bench_prefill(load_model("atlas-tiny"), tokens=64, repeat=2, backend="cpu")
+        print(f"cpu atlas-tiny 64 tokens: runs ms {' '.join(f'{r:.1f}' for r in result['runs'])}")
+        return
+    from atlas.backends.cuda.random_model import random_model
+    from atlas.backends.cuda.tuning import VARIANTS
+
+    model = random_model(json.loads(CONFIG.read_text()), device="cuda", dtype=torch.bfloat16, seed=0)
+    for name in args.variants.split(","):
+        for tokens in map(int, args.tokens.split(",")):
+            torch.cuda.reset_peak_memory_stats()
+            try:
+                r = bench_prefill(model, tokens=tokens, repeat=args.repeat, tuning=VARIANTS[name])
+            except Exception as error:  # one failing variant must not lose the others' rows
+                print(f"{name} {tokens}: ERROR {type(error).__name__}: {error}", flush=True)
+                torch.cuda.empty_cache()
+                continue
+            peak = torch.cuda.max_memory_allocated() / 2**30
+            print(f"{name} {tokens} tokens: median {r['ms']:.1f} ms of the last {args.repeat}; runs ms "
+                  + " ".join(f"{w:.1f}" for w in r["runs"]) + "; execute ms "
+                  + " ".join(f"{e:.1f}" for e in r["execute_runs"]) + f"; peak {peak:.1f} GiB", flush=True)
+            torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()

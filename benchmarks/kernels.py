@@ -186,9 +186,12 @@ def bench_gdn_chunk(cfg: dict, with_fp32: bool) -> None:
             (f"fused BV={bv} w={w}", lambda pool, bv=bv, w=w, inputs=inputs: gdn_chunk_prefill(
                 *inputs, cu, pool, slots, block_v=bv, num_warps=w)) for bv, w in [(32, 4), (64, 8)]
         ]
+        # the scan's grid is dv tiles x heads (128 programs at tile 32 for 32 heads, on 132 SMs): tile 16 doubles it;
+        # pw: the prepare kernel's warps (8 spilled 2.4 KB a thread in the sm_90 compile report)
         variants += [
-            (f"split BV={bv} w={w}", lambda pool, bv=bv, w=w, inputs=inputs: gdn_chunk_prefill_split(
-                *inputs, cu, pool, slots, tokens, block_v=bv, scan_warps=w)) for bv, w in [(64, 8), (32, 4)]
+            (f"split BV={bv} w={w} pw={pw}", lambda pool, bv=bv, w=w, pw=pw, inputs=inputs: gdn_chunk_prefill_split(
+                *inputs, cu, pool, slots, tokens, block_v=bv, scan_warps=w, prepare_warps=pw))
+            for bv, w, pw in [(64, 8, 8), (32, 4, 8), (16, 4, 8), (16, 2, 8), (32, 2, 8), (32, 4, 4), (32, 4, 16)]
         ]
         for name, run in variants:
             pool = 0.1 * torch.randn(1, hv, dk, dv, device=DEV)

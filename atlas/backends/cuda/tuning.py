@@ -106,6 +106,11 @@ class Tuning:
                 or self.decode_attention == "paged")
 
 
+# regions-compile's knobs (see its entry below), the arrangement its neighbours in VARIANTS change one knob of
+_REGIONS = Tuning(moe="triton", prefill_moe="triton", attention="sdpa", decode_attention="paged", compile_decode="default",
+                  decode_stack="regions", prefill_conv="inductor", prefill_stack="regions", compile_prefill="default",
+                  decode_gemv="split", prefill_graphs="recurring")
+
 # the variants `atlas bench gpu` times side by side (name -> knobs), each predicted in docs/BENCHMARKS.md;
 # "baseline" is the arrangement measured before (H200 run 2: decode b1 5.83 ms, prefill 2048 92.7 ms dense)
 VARIANTS: dict[str, Tuning] = {
@@ -132,18 +137,11 @@ VARIANTS: dict[str, Tuning] = {
     # Inductor (prefill_conv "inductor"), and recurring prefill chunks replayed from CUDA graphs (prefill_graphs).
     # H200 session 10 against session 8's arrangement: decode b1 3.47 -> 3.30 ms, b16 4.89 -> 4.80, b64 6.91 ->
     # 6.78; prefill 2,048 52.8 -> 41.7 ms (graphs; 65.9 -> 43.4 ms on a slower host), 8,192 161.0 -> 157.2 ms
-    "regions-compile": Tuning(moe="triton", prefill_moe="triton", attention="sdpa", decode_attention="paged",
-                              compile_decode="default", decode_stack="regions", prefill_conv="inductor",
-                              prefill_stack="regions", compile_prefill="default", decode_gemv="split",
-                              prefill_graphs="recurring"),
+    "regions-compile": _REGIONS,
     # regions-compile with its prefill chunks eager (what prefill_graphs replaced; its decode rows are regions-compile's)
-    "regions-eager-prefill": Tuning(moe="triton", prefill_moe="triton", attention="sdpa", decode_attention="paged",
-                                    compile_decode="default", decode_stack="regions", prefill_conv="inductor",
-                                    prefill_stack="regions", compile_prefill="default", decode_gemv="split"),
+    "regions-eager-prefill": attrs.evolve(_REGIONS, prefill_graphs="none"),
     # regions-compile with cuBLAS's GEMVs at batch 1-4 (what decode_gemv replaced)
-    "regions-cublas": Tuning(moe="triton", prefill_moe="triton", attention="sdpa", decode_attention="paged",
-                             compile_decode="default", decode_stack="regions", prefill_conv="inductor",
-                             prefill_stack="regions", compile_prefill="default", prefill_graphs="recurring"),
+    "regions-cublas": attrs.evolve(_REGIONS, decode_gemv="library"),
     # the same with Inductor's GEMM autotuning (Triton templates against cuBLAS, epilogues fused into the GEMM)
     "regions-autotune": Tuning(moe="triton", prefill_moe="triton", attention="sdpa", decode_attention="sdpa",
                                compile_decode="max-autotune-no-cudagraphs", decode_stack="regions",

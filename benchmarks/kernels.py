@@ -339,6 +339,13 @@ def bench_norms(cfg: dict) -> None:
 MOE_TILES = [(16, bn, bk, st) for bn in (16, 32, 64) for bk in (64, 128, 256) for st in (None, 2, 4)]
 
 
+# prefill-sized rows (a 2,048-token chunk: 8,192 pairs, ~512 an expert on the benchmark model): (block_m, block_n,
+# block_k, warps, stages); the tile is then fixed for every prefill size in block_sizes (rows > 64)
+PREFILL_MOE_TILES = [(bm, bn, bk, w, st) for bm, bn in ((64, 64), (64, 128), (128, 64), (128, 128))
+                     for bk in (32, 64) for w in (4, 8) for st in (2, 3, 4)]
+PREFILL_MOE_ROWS = (2048, 8192)
+
+
 def bench_moe(cfg: dict) -> None:
     from atlas_kernels.moe_grouped import block_sizes, moe_grouped
 
@@ -374,11 +381,54 @@ def bench_moe(cfg: dict) -> None:
             print(f"# moe rows {rows}: best tile {best[1]} {best[0] * 1e3:.1f} us", flush=True)
 
 
+def moe_weights(cfg: dict) -> tuple[torch.Tensor, torch.Tensor, int]:
+    hidden, inter = cfg["hidden_size"], cfg["moe_intermediate_size"]
+    experts = cfg["num_experts"]
+    gate_up = torch.randn(experts, 2 * inter, hidden, device=DEV, dtype=BF16) / hidden**0.5
+    down = torch.randn(experts, hidden, inter, device=DEV, dtype=BF16) / inter**0.5
+    return gate_up, down, cfg["num_experts_per_tok"]
+
+
+def bench_moe_prefill(gate_up: torch.Tensor, down: torch.Tensor, top_k: int) -> None:
+    """The grouped kernels at prefill rows over PREFILL_MOE_TILES (tile, warps, pipeline depth), against today's
+    block_sizes / num_warps; the whole call (routing, both kernels, the slot sum) graph-timed."""
+    from atlas_kernels.moe_grouped import block_sizes, moe_grouped, num_warps
+
+    experts, two_inter, hidden = gate_up.shape
+    flops_per_pair = 2 * hidden * (two_inter + two_inter // 2)  # gate-up then down, 2 FLOPs a multiply-add
+    for rows in PREFILL_MOE_ROWS:
+        x = torch.randn(rows, hidden, device=DEV, dtype=BF16)
+        top_w, top_i = torch.topk(torch.randn(rows, experts, device=DEV).softmax(-1), top_k, dim=-1)
+        top_w = top_w.to(BF16)
+        want = moe_grouped(x, top_i, top_w, gate_up, down)
+        bm0, bn0, bk0 = block_sizes(rows)
+        today = (bm0, bn0, bk0, num_warps(bm0), None)
+        timed = []
+        for tile in [today, *PREFILL_MOE_TILES]:
+            bm, bn, bk, w, st = tile
+            def step(bm=bm, bn=bn, bk=bk, w=w, st=st, x=x, top_i=top_i, top_w=top_w) -> None:
+                moe_grouped(x, top_i, top_w, gate_up, down, blocks=(bm, bn, bk), stages=st, warps=w)
+            try:
+                got = moe_grouped(x, top_i, top_w, gate_up, down, blocks=(bm, bn, bk), stages=st, warps=w)
+                err = float((got.float() - want.float()).norm() / want.float().norm())
+                ms = time_ms(step)
+            except Exception as error:  # a tile that does not compile (registers, shared memory)
+                print(f"# moe prefill tile {tile} failed: {type(error).__name__}: {str(error)[:120]}")
+                continue
+            mark = " (today)" if tile == today else ""
+            record("moe_grouped prefill", f"rows {rows}, tile {bm}x{bn}x{bk} warps {w} stages {st}", ms,
+                   flops=rows * top_k * flops_per_pair, note=f"rel err vs today {err:.1e}{mark}")
+            timed.append((ms, tile))
+        timed.sort()
+        print(f"# moe prefill rows {rows}: today {today} -> best {[(round(m * 1e3, 1), t) for m, t in timed[:4]]}",
+              flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", type=Path, default=DEFAULT_CONFIG)
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".")))
-    parser.add_argument("--only", default="", help="comma-separated subset: gdn,conv,attn,qsa,norms,moe,chunk")
+    parser.add_argument("--only", default="", help="comma-separated subset: gdn,conv,attn,qsa,norms,moe,moe_prefill,chunk")
     parser.add_argument("--fp32-chunk", action="store_true", help="also time the fp32 (parity) chunked prefill")
     parser.add_argument("--dry-run", "--smoke", action="store_true",
                         help="load the config and list what would be timed; no GPU needed")
@@ -386,7 +436,7 @@ def main() -> None:
     cfg = load_config(args.config)
     gdn_layers = cfg["layer_types"].count("linear_attention")
     attn_layers = len(cfg["layer_types"]) - gdn_layers
-    groups = ("gdn", "conv", "attn", "qsa", "norms", "moe", "chunk")
+    groups = ("gdn", "conv", "attn", "qsa", "norms", "moe", "moe_prefill", "chunk")
     unknown = [name for name in args.only.split(",") if name and name not in groups]
     if unknown:
         parser.error(f"--only {','.join(unknown)}: not a kernel group; use some of {','.join(groups)}")
@@ -409,6 +459,7 @@ def main() -> None:
         "qsa": lambda: bench_qsa(cfg, attn_layers),
         "norms": lambda: bench_norms(cfg),
         "moe": lambda: bench_moe(cfg),
+        "moe_prefill": lambda: bench_moe_prefill(*moe_weights(cfg)),
         "chunk": lambda: bench_gdn_chunk(cfg, args.fp32_chunk),
     }
     chosen = [name for name in args.only.split(",") if name] or list(benches)

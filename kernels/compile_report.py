@@ -96,17 +96,22 @@ def gdn_chunk_case(block_v: int = 32, num_warps: int = 4, precision: str = "tf32
 def gdn_chunk_split_cases() -> list[CompileReport]:
     work = dict(w_ptr="*fp32", u_ptr="*fp32", q_decayed_ptr="*fp32", k_decayed_ptr="*fp32", p_ptr="*fp32",
                 g_cum_ptr="*fp32", cu_seqlens_ptr="*i32")
-    prepare = dict(q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", g_ptr="*fp32", beta_ptr="*bf16", **work,
-                   num_k_heads="i32", num_v_heads="i32", scale="fp32", eps="fp32")
-    scan = dict(**work, state_ptr="*fp32", slot_ptr="*i64", out_ptr="*bf16", num_v_heads="i32")
+    # as the backend launches them (gdn_chunk_prefill_gated): the raw gates a / b (bf16 slices of the projection)
+    # in, the gates in the kernel, uniform sequence lengths; the scan at dv tile 32 with 4 warps, the stamp in it
+    prepare = dict(q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", g_ptr="*bf16", beta_ptr="*bf16",
+                   a_log_ptr="*fp32", dt_bias_ptr="*fp32", **work, num_k_heads="i32", num_v_heads="i32",
+                   qk_stride="i32", v_stride="i32", g_stride="i32", beta_stride="i32", seq_len="i32", scale="fp32",
+                   eps="fp32")
+    scan = dict(**work, state_ptr="*fp32", slot_ptr="*i64", out_ptr="*bf16", stamp_ptr="*i32", end_ptr="*i32",
+                num_v_heads="i32", seq_len="i32")
     c = gdn_chunk.CHUNK
     return [
         compile_for_hopper(gdn_chunk_split._prepare_kernel, prepare,
-                           dict(DK=128, DV=128, BK=128, BDV=128, C=c, LOG2_C=6, PRECISION="tf32"), 8,
-                           "warps=8 stages=1 tf32", num_stages=1),
+                           dict(DK=128, DV=128, BK=128, BDV=128, C=c, LOG2_C=6, PRECISION="tf32", FUSED_GATING=True,
+                                UNIFORM=True), 8, "warps=8 stages=1 tf32 gated uniform", num_stages=1),
         compile_for_hopper(gdn_chunk_split._scan_kernel, scan,
-                           dict(DK=128, DV=128, BK=128, BV=64, C=c, PRECISION="tf32"), 8,
-                           "BV=64 warps=8 stages=1 tf32", num_stages=1),
+                           dict(DK=128, DV=128, BK=128, BV=32, C=c, PRECISION="tf32", UNIFORM=True, STAMP=True), 4,
+                           "BV=32 warps=4 stages=1 tf32 uniform stamp", num_stages=1),
     ]
 
 

@@ -30,18 +30,25 @@ from atlas_kernels.reference import L2_EPS, check_gdn_state_pool
 
 @triton.jit
 def _prepare_kernel(
-    q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, cu_seqlens_ptr,  # as gdn_chunk: packed [L, H, D] tokens
+    q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, cu_seqlens_ptr,  # tokens [L, H, D], heads and dims packed, tokens strided
+    a_log_ptr, dt_bias_ptr,  # [Hv], read only with FUSED_GATING (g_ptr, beta_ptr are then the raw a, b)
     w_ptr, u_ptr, q_decayed_ptr, k_decayed_ptr, p_ptr, g_cum_ptr,  # per token: [L, Hv, DK|DV|C], [L, Hv]
-    num_k_heads, num_v_heads, scale, eps,
+    num_k_heads, num_v_heads, qk_stride, v_stride, g_stride, beta_stride, seq_len, scale, eps,
     DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BDV: tl.constexpr,
-    C: tl.constexpr, LOG2_C: tl.constexpr, PRECISION: tl.constexpr,
+    C: tl.constexpr, LOG2_C: tl.constexpr, PRECISION: tl.constexpr, FUSED_GATING: tl.constexpr,
+    UNIFORM: tl.constexpr,
 ):
     chunk = tl.program_id(0)
     seq = tl.program_id(1)
     head = tl.program_id(2)
     k_head = head // (num_v_heads // num_k_heads)
-    chunk_start = tl.load(cu_seqlens_ptr + seq) + chunk * C
-    end = tl.load(cu_seqlens_ptr + seq + 1)
+    if UNIFORM:  # every sequence seq_len tokens: no cu_seqlens tensor to build a layer
+        seq_start = seq * seq_len
+        end = seq_start + seq_len
+    else:
+        seq_start = tl.load(cu_seqlens_ptr + seq)
+        end = tl.load(cu_seqlens_ptr + seq + 1)
+    chunk_start = seq_start + chunk * C
     if chunk_start >= end:
         return
 
@@ -54,7 +61,8 @@ def _prepare_kernel(
     strictly_lower = offs_c[:, None] > offs_c[None, :]
     identity = tl.where(offs_c[:, None] == offs_c[None, :], 1.0, 0.0)
 
-    qk_rows = (tokens * num_k_heads + k_head)[:, None] * DK + offs_k[None, :]
+    wide = tokens.to(tl.int64)
+    qk_rows = (wide * qk_stride + k_head * DK)[:, None] + offs_k[None, :]
     qk_mask = valid[:, None] & (offs_k < DK)[None, :]
     q = tl.load(q_ptr + qk_rows, mask=qk_mask, other=0.0).to(tl.float32)
     k = tl.load(k_ptr + qk_rows, mask=qk_mask, other=0.0).to(tl.float32)
@@ -62,9 +70,15 @@ def _prepare_kernel(
     k = k * tl.rsqrt(tl.sum(k * k, 1) + eps)[:, None]
     head_rows = tokens * num_v_heads + head
     v_mask = valid[:, None] & (offs_v < DV)[None, :]
-    v = tl.load(v_ptr + head_rows[:, None] * DV + offs_v[None, :], mask=v_mask, other=0.0).to(tl.float32)
-    g = tl.load(g_ptr + head_rows, mask=valid, other=0.0).to(tl.float32)
-    beta = tl.load(beta_ptr + head_rows, mask=valid, other=0.0).to(tl.float32)
+    v = tl.load(v_ptr + (wide * v_stride + head * DV)[:, None] + offs_v[None, :], mask=v_mask,
+                other=0.0).to(tl.float32)
+    g = tl.load(g_ptr + wide * g_stride + head, mask=valid, other=0.0).to(tl.float32)
+    beta = tl.load(beta_ptr + wide * beta_stride + head, mask=valid, other=0.0).to(tl.float32)
+    if FUSED_GATING:  # g = -exp(A_log) * softplus(a + dt_bias), beta = sigmoid(b), as the GDN layer computes them
+        x = g + tl.load(dt_bias_ptr + head).to(tl.float32)
+        softplus = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(x)))  # torch's threshold
+        g = tl.where(valid, -tl.exp(tl.load(a_log_ptr + head).to(tl.float32)) * softplus, 0.0)
+        beta = tl.where(valid, tl.sigmoid(beta), 0.0)
 
     g_cum = tl.cumsum(g, 0)
     g_last = tl.min(tl.where(valid, g_cum, float("inf")), 0)  # g <= 0: the cumulative sum only falls
@@ -92,15 +106,19 @@ def _prepare_kernel(
 @triton.jit
 def _scan_kernel(
     w_ptr, u_ptr, q_decayed_ptr, k_decayed_ptr, p_ptr, g_cum_ptr, cu_seqlens_ptr,
-    state_ptr, slot_ptr, out_ptr, num_v_heads,
+    state_ptr, slot_ptr, out_ptr, stamp_ptr, end_ptr, num_v_heads, seq_len,
     DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, UNIFORM: tl.constexpr, STAMP: tl.constexpr,
 ):
     v_tile = tl.program_id(0)
     seq = tl.program_id(1)
     head = tl.program_id(2)
-    start = tl.load(cu_seqlens_ptr + seq)
-    end = tl.load(cu_seqlens_ptr + seq + 1)
+    if UNIFORM:
+        start = seq * seq_len
+        end = start + seq_len
+    else:
+        start = tl.load(cu_seqlens_ptr + seq)
+        end = tl.load(cu_seqlens_ptr + seq + 1)
     offs_c = tl.arange(0, C)
     offs_k = tl.arange(0, BK)
     offs_v = v_tile * BV + tl.arange(0, BV)
@@ -136,6 +154,9 @@ def _scan_kernel(
         state = state * tl.exp(g_last) + tl.dot(tl.trans(k_decayed), v_new.to(work), input_precision=PRECISION)
 
     tl.store(state_tile, state, mask=state_mask)
+    if STAMP:  # the stamp goes with the state, by the same kernel (one program a sequence writes it)
+        if (v_tile == 0) & (head == 0):
+            tl.store(stamp_ptr + slot, tl.load(end_ptr + seq))
 
 
 def gdn_chunk_prefill_split(
@@ -160,13 +181,79 @@ def gdn_chunk_prefill_split(
     Launch shapes from the sm_90 compile report (no GPU timing yet): the scan at dv tile 64 with 8 warps
     and no software pipelining spills 128 bytes and needs 147 KB of shared memory; with the default 3
     pipeline stages its three [64, 128] fp32 operand tiles would need 426 KB, over the 227 KB limit."""
+    q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
     num_k_heads, dk = k.shape[1], k.shape[2]
     num_v_heads, dv = v.shape[1], v.shape[2]
+    strides = (num_k_heads * dk, num_v_heads * dv, num_v_heads, num_v_heads)
+    return _launch(q, k, v, g, beta, None, cu_seqlens, None, state_pool, slots, max_seqlen, strides, None,
+                   out_dtype, block_v, prepare_warps, scan_warps)
+
+
+def gdn_chunk_prefill_gated(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    a_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    state_pool: torch.Tensor,
+    slots: torch.Tensor,
+    *,
+    stamp: tuple[torch.Tensor, torch.Tensor] | None = None,
+    out_dtype: torch.dtype | None = None,
+    block_v: int = 32,
+    prepare_warps: int = 8,
+    scan_warps: int = 4,
+) -> torch.Tensor:
+    """N sequences of T tokens each through the chunked gated delta rule, as a GDN layer's prefill feeds them:
+    q, k [N, T, Hk, dk], v [N, T, Hv, dv] and the raw gates a, b [N, T, Hv] may be token-strided views (slices
+    of the in-projection's or the conv's output: no copy when heads and dims are packed), the gates computed in
+    the prepare kernel (g = -exp(A_log) * softplus(a + dt_bias), beta = sigmoid(b), A_log / dt_bias [Hv]), the
+    sequences' bounds from T (no cu_seqlens tensor), and with `stamp` (the pool's int32 stamps [slots], each
+    sequence's new stamp [N] int32) the state's stamp written by the scan that writes the state. Before it a
+    2,048-token GDN layer ran ~12 eager launches around the two kernels (the gates, cu_seqlens, q / k / v copies,
+    the stamp). Returns out [N, T, Hv, dv] (default v's dtype). Same numbers as gdn_chunk_prefill_split given
+    the same gates (the tests check both against the reference)."""
+    from atlas_kernels.gdn_recurrent import _gate_stride, _token_stride
+
+    num_seqs, seq_len, num_k_heads, dk = k.shape
+    num_v_heads, dv = v.shape[2], v.shape[3]
+    qk_stride = _token_stride(q)
+    if qk_stride is None or _token_stride(k) != qk_stride:
+        q, k = q.contiguous(), k.contiguous()
+        qk_stride = num_k_heads * dk
+    v_stride = _token_stride(v)
+    if v_stride is None:
+        v, v_stride = v.contiguous(), num_v_heads * dv
+    a_stride, b_stride = _gate_stride(a), _gate_stride(b)
+    if a_stride is None:
+        a, a_stride = a.contiguous(), num_v_heads
+    if b_stride is None:
+        b, b_stride = b.contiguous(), num_v_heads
+    if stamp is not None and (stamp[0].dtype != torch.int32 or stamp[1].dtype != torch.int32):
+        raise ValueError("gdn_chunk_prefill_gated: stamp= needs int32 (stamps, ends)")
+    out = _launch(q, k, v, a, b, (a_log, dt_bias), None, seq_len, state_pool, slots, seq_len,
+                  (qk_stride, v_stride, a_stride, b_stride), stamp, out_dtype, block_v, prepare_warps, scan_warps)
+    return out.view(num_seqs, seq_len, num_v_heads, dv)
+
+
+def _launch(q, k, v, g, beta, gating, cu_seqlens, seq_len, state_pool, slots, max_seqlen, strides, stamp,
+            out_dtype, block_v, prepare_warps, scan_warps):
+    """Both entry points' two launches. q, k, v, g, beta: token-strided by `strides` (elements from one token to
+    the next: q/k, v, g, beta), indexed as flat tokens [L, ...] (N sequences of seq_len tokens when seq_len is
+    not None: cu_seqlens unused)."""
+    num_k_heads, dk = k.shape[-2], k.shape[-1]
+    num_v_heads, dv = v.shape[-2], v.shape[-1]
     check_gdn_state_pool(state_pool, num_k_heads, num_v_heads, dk, dv)
-    q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
     assert state_pool.is_contiguous()
     precision = "ieee" if v.dtype == torch.float32 else "tf32"
-    num_tokens, num_seqs = v.shape[0], cu_seqlens.numel() - 1
+    num_tokens = v.numel() // (num_v_heads * dv)
+    uniform = seq_len is not None
+    num_seqs = num_tokens // seq_len if uniform else cu_seqlens.numel() - 1
+    a_log, dt_bias = gating if gating is not None else (g, g)
+    bounds = slots if uniform else cu_seqlens  # (unread when uniform)
+    stamps, ends = stamp if stamp is not None else (slots, slots)
 
     def scratch(width: int) -> torch.Tensor:
         return torch.empty((num_tokens, num_v_heads, width), dtype=torch.float32, device=v.device)
@@ -175,15 +262,18 @@ def gdn_chunk_prefill_split(
     g_cum = torch.empty((num_tokens, num_v_heads), dtype=torch.float32, device=v.device)
     block_k = triton.next_power_of_2(dk)
     _prepare_kernel[(triton.cdiv(max_seqlen, CHUNK), num_seqs, num_v_heads)](
-        q, k, v, g, beta, cu_seqlens, w, u, q_decayed, k_decayed, p, g_cum,
-        num_k_heads, num_v_heads, dk**-0.5, L2_EPS,
+        q, k, v, g, beta, bounds, a_log, dt_bias, w, u, q_decayed, k_decayed, p, g_cum,
+        num_k_heads, num_v_heads, *strides, seq_len or 0, dk**-0.5, L2_EPS,
         DK=dk, DV=dv, BK=block_k, BDV=triton.next_power_of_2(dv), C=CHUNK, LOG2_C=CHUNK.bit_length() - 1,
-        PRECISION=precision, num_warps=prepare_warps, num_stages=1,
+        PRECISION=precision, FUSED_GATING=gating is not None, UNIFORM=uniform, num_warps=prepare_warps,
+        num_stages=1,
     )
-    out = torch.empty(v.shape, dtype=out_dtype or v.dtype, device=v.device)
+    out = torch.empty((num_tokens, num_v_heads, dv), dtype=out_dtype or v.dtype, device=v.device)
     block_v = min(block_v, triton.next_power_of_2(dv))
     _scan_kernel[(triton.cdiv(dv, block_v), num_seqs, num_v_heads)](
-        w, u, q_decayed, k_decayed, p, g_cum, cu_seqlens, state_pool, slots, out, num_v_heads,
-        DK=dk, DV=dv, BK=block_k, BV=block_v, C=CHUNK, PRECISION=precision, num_warps=scan_warps, num_stages=1,
+        w, u, q_decayed, k_decayed, p, g_cum, bounds, state_pool, slots, out, stamps, ends, num_v_heads,
+        seq_len or 0,
+        DK=dk, DV=dv, BK=block_k, BV=block_v, C=CHUNK, PRECISION=precision, UNIFORM=uniform,
+        STAMP=stamp is not None, num_warps=scan_warps, num_stages=1,
     )
     return out

@@ -139,10 +139,10 @@ def num_warps(block_m: int) -> int:
 def moe_grouped(x: torch.Tensor, top_i: torch.Tensor, top_w: torch.Tensor, gate_up: torch.Tensor,
                 down: torch.Tensor, *, blocks: tuple[int, int, int] | None = None,
                 route: tuple[torch.Tensor, torch.Tensor] | None = None, stages: int | None = None,
-                summed: bool = True) -> torch.Tensor:
+                summed: bool = True, warps: int | None = None) -> torch.Tensor:
     """The routed experts' weighted sum [R, H] in x's dtype (the shared expert is the caller's). `route`: the
     (order, offsets) moe_route would compute, if the caller has them; `stages`: the loops' pipeline depth
-    (Triton's default when None); summed=False: each pair's weighted output [R, K, H] instead, for a caller that
+    (Triton's default when None); warps: the programs' warps (num_warps(block_m) when None); summed=False: each pair's weighted output [R, K, H] instead, for a caller that
     sums over the slots inside a fused kernel of its own (the sum is one more launch a layer here)."""
     rows, hidden = x.shape
     experts, two_inter, w_hidden = gate_up.shape
@@ -156,7 +156,7 @@ def moe_grouped(x: torch.Tensor, top_i: torch.Tensor, top_w: torch.Tensor, gate_
     x, gate_up, down, top_w = x.contiguous(), gate_up.contiguous(), down.contiguous(), top_w.contiguous()
     order, offsets = moe_route(top_i, experts) if route is None else route
     down_bk = min(bk, triton.next_power_of_2(inter))
-    warps = num_warps(bm)
+    warps = warps or num_warps(bm)
     extra = {} if stages is None else {"num_stages": stages}
     m_tiles = triton.cdiv(rows, bm)  # an expert holds at most one pair per row
     act = torch.empty(rows * top_k, inter, dtype=x.dtype, device=x.device)

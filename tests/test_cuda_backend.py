@@ -78,9 +78,11 @@ def test_hidden_states_match_the_reference_chunked_past_the_inert_bound(tiny) ->
     assert dev.cursors(1).as_tuple() == cpu.cursors(1).as_tuple()  # the summary positions (stamps: the store tests)
 
 
-def test_decode_ngram_ids_equal_the_reference(tiny) -> None:
-    """The host's per-row ids (_ngram_one) and the device's for a whole decode group (layers.device_ngram_ids,
-    from the slots' n-gram context) equal atlas.model.ngram.ngram_ids, EOS restarts included."""
+@pytest.mark.parametrize("width", [1, 5])
+def test_group_ngram_ids_equal_the_reference(tiny, width: int) -> None:
+    """The host's per-row ids (_ngram_one, decode) and the device's for a whole group (layers.device_ngram_ids,
+    from the slots' n-gram context continued by `width` tokens: a decode, or a prefill chunk) equal
+    atlas.model.ngram.ngram_ids for the group's last `width` positions, EOS restarts included."""
     spec = tiny.spec
     ple = spec.ple
     assert ple is not None
@@ -88,25 +90,27 @@ def test_decode_ngram_ids_equal_the_reference(tiny) -> None:
                           max_batch_size=8)
     g = torch.Generator().manual_seed(5)
     for trial in range(12):
-        histories = torch.randint(0, spec.vocab_size, (8, ple.context_len + 1), generator=g)
-        for row in range(0, 8, 2 + trial % 2):  # EOS inside some contexts (or as the token) restarts the n-gram
-            histories[row, int(torch.randint(0, ple.context_len + 1, (1,), generator=g))] = EOS
+        histories = torch.randint(0, spec.vocab_size, (8, ple.context_len + width), generator=g)
+        for row in range(0, 8, 2 + trial % 2):  # EOS inside some contexts (or among the tokens) restarts the n-gram
+            for _ in range(1 + trial % 3):
+                histories[row, int(torch.randint(0, ple.context_len + width, (1,), generator=g))] = EOS
         slots = torch.randperm(8, generator=g)
-        backend.pools.state["pctx"][slots] = histories[:, :-1]
-        zero = torch.zeros(8, 1, dtype=torch.long)  # start, sentinel, a one-block table
-        grp = Group.view(torch.cat([histories[:, -1:], zero, slots[:, None], zero, zero], dim=1),
-                         GroupShape(batch=8, width=1, key_blocks=1, qsa_select=False, ngram_heads=ple.num_heads,
+        backend.pools.state["pctx"][slots] = histories[:, : ple.context_len]
+        zero = torch.zeros(8, 1, dtype=torch.long)  # start, sentinel, a two-block table (positions 0..7)
+        grp = Group.view(torch.cat([histories[:, ple.context_len :], zero, slots[:, None], zero, zero, zero], dim=1),
+                         GroupShape(batch=8, width=width, key_blocks=2, qsa_select=False, ngram_heads=ple.num_heads,
                                     ple_layers=len(ple.layers), ngram_on_device=True), 4)
         device = device_ngram_ids(backend.pools, grp, ple, backend._ple_tables_dev)
-        assert device.shape == (len(ple.layers), 8, 1, ple.num_heads)
+        assert device.shape == (len(ple.layers), 8, width, ple.num_heads)
         for rank in range(len(ple.layers)):
             tables = ngram_tables(ple, spec.vocab_size, rank)
             for row in range(8):
                 history = histories[row]
-                want = ngram_ids(history, 1, ple, tables).flatten().tolist()
-                got = _ngram_one(history.tolist(), ple.ngram_size, ple.heads_per_ngram, ple.eos_token_id, tables)
-                assert got == want
-                assert device[rank, row, 0].tolist() == want, (trial, rank, row)
+                want = ngram_ids(history, width, ple, tables)
+                assert torch.equal(device[rank, row], want), (trial, rank, row)
+                if width == 1:
+                    got = _ngram_one(history.tolist(), ple.ngram_size, ple.heads_per_ngram, ple.eos_token_id, tables)
+                    assert got == want.flatten().tolist()
 
 
 def test_every_feature_is_declared_and_a_configuration_beyond_it_is_refused_at_start(tiny) -> None:

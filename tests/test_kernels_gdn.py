@@ -16,7 +16,7 @@ if not torch.cuda.is_available():
 
 from atlas_kernels import reference as ref
 from atlas_kernels.gdn_chunk import gdn_chunk_prefill
-from atlas_kernels.gdn_chunk_split import gdn_chunk_prefill_split
+from atlas_kernels.gdn_chunk_split import gdn_chunk_prefill_gated, gdn_chunk_prefill_split
 from atlas_kernels.gdn_recurrent import gdn_recurrent, gdn_recurrent_gated
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -160,6 +160,52 @@ def test_chunked_prefill_matches_recurrent_reference(dtype: torch.dtype, prefill
         assert rel_err(out[span], want_out) < tolerance
         assert rel_err(pool[slots[n]], want_states[-1]) < tolerance
     assert torch.equal(pool[2], before[2])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gated_chunked_prefill_on_conv_output_slices_matches_reference(dtype: torch.dtype) -> None:
+    """gdn_chunk_prefill_gated, as a GDN layer's prefill calls it: N sequences of T tokens, q / k / v strided
+    slices of one conv output, the raw gates a / b strided slices of one projection (read in place, the gates
+    computed in the kernel), the state's stamp written by the scan; against the recurrent reference, and equal
+    to gdn_chunk_prefill_split given the torch-computed gates on contiguous copies."""
+    gen = torch.Generator().manual_seed(70)
+    seqs, tokens, k_heads, v_heads, dk, dv = 2, 75, 2, 4, 16, 32  # a partial second chunk
+    key_dim = k_heads * dk
+    mixed = torch.randn(seqs, tokens, 2 * key_dim + v_heads * dv, generator=gen).to(DEVICE, dtype)
+    q = mixed[..., :key_dim].view(seqs, tokens, k_heads, dk)
+    k = mixed[..., key_dim : 2 * key_dim].view(seqs, tokens, k_heads, dk)
+    v = mixed[..., 2 * key_dim :].view(seqs, tokens, v_heads, dv)
+    proj = torch.randn(seqs, tokens, 2 * v_heads + 5, generator=gen).to(DEVICE, dtype)
+    a, b = proj[..., 3 : 3 + v_heads], proj[..., 3 + v_heads : 3 + 2 * v_heads]
+    a_log = torch.empty(v_heads).uniform_(0.01, 16, generator=gen).log().to(DEVICE)
+    dt_bias = (torch.randn(v_heads, generator=gen) - 4.0).to(DEVICE)
+    pool = random_pool(gen, 3, v_heads, dk, dv)
+    before = pool.clone()
+    slots = torch.tensor([2, 0], device=DEVICE)
+    stamps = torch.full((3,), 5, dtype=torch.int32, device=DEVICE)
+    ends = torch.tensor([40, 9], dtype=torch.int32, device=DEVICE)
+
+    out = gdn_chunk_prefill_gated(q, k, v, a, b, a_log, dt_bias, pool, slots, stamp=(stamps, ends))
+
+    assert out.shape == (seqs, tokens, v_heads, dv) and out.dtype == dtype
+    assert stamps.tolist() == [9, 5, 40]  # slot 2 is sequence 0's, slot 0 sequence 1's; slot 1 untouched
+    assert torch.equal(pool[1], before[1])
+    g = -a_log.exp() * torch.nn.functional.softplus(a.float() + dt_bias)
+    beta = torch.sigmoid(b.float())
+    tolerance = {torch.float32: 1e-4, torch.bfloat16: 1.5e-2}[dtype]
+    for n in range(seqs):
+        want_out, want_states = ref.gdn_recurrent(q[n], k[n], v[n], g[n], beta[n], before[slots[n]])
+        assert rel_err(out[n], want_out) < tolerance
+        assert rel_err(pool[slots[n]], want_states[-1]) < tolerance
+    split_pool = before.clone()
+    cu = torch.tensor([0, tokens, 2 * tokens], dtype=torch.int32, device=DEVICE)
+    flat = [x.reshape(seqs * tokens, *x.shape[2:]) for x in (q, k, v, g, beta)]
+    split = gdn_chunk_prefill_split(*flat, cu, split_pool, slots, tokens, block_v=32, scan_warps=4)
+    # the same kernels, the gates in the kernel against torch's (exp / log1p a rounding apart: bf16 outputs
+    # then flip an ulp here and there)
+    same = {torch.float32: 1e-6, torch.bfloat16: 1e-4}[dtype]
+    assert rel_err(out.reshape(split.shape), split) < same
+    assert rel_err(pool, split_pool) < 1e-5
 
 
 @PREFILLS

@@ -239,7 +239,9 @@ def gdn_in(spec: ModelSpec, x: torch.Tensor, fused_in: torch.Tensor, conv_w: tor
     nk, nv, dk, dv = spec.gdn_k_heads, spec.gdn_v_heads, spec.gdn_k_dim, spec.gdn_v_dim
     qkv, z, beta_raw, a = (x @ fused_in.T).split([spec.gdn_conv_dim, nv * dv, nv, nv], dim=-1)
     mixed, cols = conv_step(conv_prev, qkv.transpose(1, 2), conv_w, library=library_conv)
-    mixed = F.silu(mixed).transpose(1, 2)  # [B, T, C]
+    # [B, T, C] laid out channels-last (a no-op at T = 1): q / k / v are then token-strided slices the GDN kernels
+    # read in place (a compiled region writes this layout directly; before, each was copied a prefill layer)
+    mixed = F.silu(mixed).transpose(1, 2).contiguous()
     q, k, v = mixed.split([nk * dk, nk * dk, nv * dv], dim=-1)
     return (q.reshape(b, t, nk, dk), k.reshape(b, t, nk, dk), v.reshape(b, t, nv, dv), z.reshape(b, t, nv, dv),
             beta_raw, a, cols)
@@ -570,22 +572,25 @@ def ple_layer(spec: ModelSpec, w: dict[str, torch.Tensor], pre: str, streams: to
 
 def device_ngram_ids(pools: DevicePools, grp: Group, ple: PleSpec, tables: Sequence[tuple[torch.Tensor, ...]]
                      ) -> torch.Tensor:
-    """[P, B, 1, heads] int64: the PLE n-gram ids of a decode group's tokens (T = 1), from each slot's n-gram
-    context on the device (pools "pctx", the last context_len ids) continued by the token: what
-    atlas.model.ngram.ngram_ids gives for the last position of context + token (the token `order - 1` back, or
-    EOS when an EOS lies between; int64 arithmetic as there). `tables`: per PLE layer (multipliers, head vocab
-    sizes, head offsets) as device int64 tensors. Replaces the host's per-row Python ids (H200, session 5:
-    2,048 `_ngram_one` calls a batch-64 step, ~0.4 ms of host time before the graph could launch)."""
+    """[P, B, T, heads] int64: the PLE n-gram ids of a group's tokens, from each slot's n-gram context on the
+    device (pools "pctx", the last context_len ids) continued by the tokens: what atlas.model.ngram.ngram_ids
+    gives for the last T positions of context + tokens (the token `order - 1` back, or EOS when an EOS lies
+    between; int64 arithmetic as there). `tables`: per PLE layer (multipliers, head vocab sizes, head offsets)
+    as device int64 tensors. Replaces the host's per-row Python ids: for decode (H200, session 5: 2,048
+    `_ngram_one` calls a batch-64 step, ~0.4 ms of host time before the graph could launch) and for prefill
+    chunks (session 11: a 2,048-token chunk's ids, their `tolist` and packing were ~2-4 ms of host time)."""
     ctx = pools.state["pctx"][grp.slots]  # [B, L]
-    length = ctx.shape[1]
+    length, width = ctx.shape[1], grp.shape.width
     if length < ple.ngram_size - 1:
         raise ValueError(f"the PLE context holds {length} ids; n-grams of {ple.ngram_size} need {ple.ngram_size - 1}")
-    history = torch.cat([ctx, grp.tokens[:, -1:]], dim=1)  # [B, L + 1]; the token at index L
+    history = torch.cat([ctx, grp.tokens], dim=1)  # [B, L + T]; the new tokens at L .. L + T - 1
     eos = ple.eos_token_id
-    shifted = [history[:, length]]
+    shifted = [history[:, length:]]
+    eos_between = torch.zeros_like(grp.tokens, dtype=torch.bool)
     for back in range(1, ple.ngram_size):  # the token `back` positions before, or EOS past an EOS
-        window = history[:, length - back : length]
-        shifted.append(torch.where((window == eos).any(dim=1), eos, history[:, length - back]))
+        before = history[:, length - back : length - back + width]
+        eos_between = eos_between | (before == eos)  # an EOS among the `back` tokens before
+        shifted.append(torch.where(eos_between, eos, before))
     out = []
     for mult, sizes, offsets in tables:
         mixed = shifted[0] * mult[0]
@@ -593,10 +598,10 @@ def device_ngram_ids(pools: DevicePools, grp: Group, ple: PleSpec, tables: Seque
         for order in range(2, ple.ngram_size + 1):
             mixed = torch.bitwise_xor(mixed, shifted[order - 1] * mult[order - 1])
             lo = (order - 2) * ple.heads_per_ngram
-            blocks.append(torch.remainder(mixed[:, None], sizes[lo : lo + ple.heads_per_ngram])
+            blocks.append(torch.remainder(mixed[..., None], sizes[lo : lo + ple.heads_per_ngram])
                           + offsets[lo : lo + ple.heads_per_ngram])
-        out.append(torch.cat(blocks, dim=1))
-    return torch.stack(out)[:, :, None, :]
+        out.append(torch.cat(blocks, dim=-1))
+    return torch.stack(out)
 
 
 def ple_context_update(pools: DevicePools, grp: Group) -> None:

@@ -89,7 +89,7 @@ def triton_gdn() -> GdnKernel | None:
     """The Triton GDN kernels (decode: recurrent update; prefill: chunked), or None when atlas_kernels is not
     importable. On a CPU they run only under TRITON_INTERPRET=1 (tests)."""
     try:
-        from atlas_kernels.gdn_chunk_split import gdn_chunk_prefill_split
+        from atlas_kernels.gdn_chunk_split import gdn_chunk_prefill_gated
         from atlas_kernels.gdn_recurrent import gdn_recurrent_gated
     except ImportError:
         return None
@@ -99,24 +99,19 @@ def triton_gdn() -> GdnKernel | None:
             stamp: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(out, per-token states [B, T, ...] when `keep`: a wide verify, whose live state is left as it was).
         stamp: (the state's stamps [slots], each row's new stamp [B]), written with the state unless `keep`."""
-        b, t = q.shape[:2]
         if keep:  # a verify: every row's state kept for the commit, the slot not written
             return gdn_recurrent_gated(q, k, v, a, b_raw, a_log, dt_bias, pool, slots, store_states=True,
                                        commit=False)
-        if t == 1:  # g, beta and the stamp in the kernel: no separate launches for them per layer
+        if q.shape[1] == 1:  # g, beta and the stamp in the kernel: no separate launches for them per layer
             return gdn_recurrent_gated(q, k, v, a, b_raw, a_log, dt_bias, pool, slots, stamp=stamp)[0], None
-        g = -a_log.float().exp() * torch.nn.functional.softplus(a.float() + dt_bias.float())
-        beta = torch.sigmoid(b_raw).float()
-        cu = torch.arange(b + 1, device=q.device, dtype=torch.int32) * t
         # the split chunk kernel (chunk-local products in a parallel kernel, then the state scan), dv tile 32 with
         # 4 scan warps: 435 us a 2,048-token layer on an H200 against the fused kernel's 683 (session 6 run 1,
-        # benchmarks/kernels.py --only chunk; fla-core 0.6.0's chunk_gated_delta_rule: 1,170 us)
-        out = gdn_chunk_prefill_split(q.reshape(b * t, *q.shape[2:]), k.reshape(b * t, *k.shape[2:]),
-                                      v.reshape(b * t, *v.shape[2:]), g.reshape(b * t, -1),
-                                      beta.reshape(b * t, -1), cu, pool, slots, t, block_v=32, scan_warps=4)
-        if stamp is not None:  # the chunk kernel wrote the state: its stamp right after it
-            stamp[0][slots] = stamp[1]
-        return out.view(b, t, *out.shape[1:]), None
+        # benchmarks/kernels.py --only chunk; fla-core 0.6.0's chunk_gated_delta_rule: 626 us, session 10); the
+        # gates, the sequences' bounds and the stamp in its kernels, q / k / v / a / b read in place (session 11:
+        # ~12 eager launches a layer before)
+        out = gdn_chunk_prefill_gated(q, k, v, a, b_raw, a_log, dt_bias, pool, slots, stamp=stamp, block_v=32,
+                                      scan_warps=4)
+        return out, None
 
     return gdn
 
@@ -293,7 +288,7 @@ class CudaBackend:
         return GroupShape(batch=batch, width=width, key_blocks=-(-end // self.block_size),
                           qsa_select=qsa is not None and end > qsa.inert_bound,
                           ngram_heads=ple.num_heads if ple else 0, ple_layers=len(ple.layers) if ple else 0,
-                          ngram_on_device=ple is not None and width == 1)
+                          ngram_on_device=ple is not None)
 
     def _ngram_rows(self, state: SeqState, tokens: Sequence[int]) -> list[list[int]]:
         """Per PLE layer, the n-gram ids of `tokens` continuing the sequence's context, flattened."""

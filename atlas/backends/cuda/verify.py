@@ -62,7 +62,10 @@ def _feed(backend: Any, members: list[SeqWork], width: int) -> tuple[torch.Tenso
         s = store.seqs[w.seq_id]
         tokens = tuple(w.tokens) + tuple(w.drafts)
         s.table, s.pending = tuple(w.block_table), (w.start, tokens)
-        rows.append((list(tokens), w.start, s.slot, list(w.block_table), backend._ngram_rows(s, tokens)))
+        # a wide verify's n-gram ids come from the device (the slots' context and the rows' tokens, like any group);
+        # the row-by-row verify packs the host's, each row's own
+        ngram = [] if backend.verify_mode == "wide" else backend._ngram_rows(s, tokens)
+        rows.append((list(tokens), w.start, s.slot, list(w.block_table), ngram))
     n = len(members)
     head = backend.weights["lm_head.weight"]
     pools.kept.clear()

@@ -94,7 +94,7 @@ def gdn_chunk_case(block_v: int = 32, num_warps: int = 4, precision: str = "tf32
 
 
 def gdn_chunk_split_cases() -> list[CompileReport]:
-    work = dict(w_ptr="*fp32", u_ptr="*fp32", q_decayed_ptr="*fp32", k_decayed_ptr="*fp32", p_ptr="*fp32",
+    work = dict(w_ptr="*fp32", u_ptr="*fp32", q_norm_ptr="*fp32", k_norm_ptr="*fp32", p_ptr="*fp32",
                 g_cum_ptr="*fp32", cu_seqlens_ptr="*i32")
     # as the backend launches them (gdn_chunk_prefill_gated): the raw gates a / b (bf16 slices of the projection)
     # in, the gates in the kernel, uniform sequence lengths; the scan at dv tile 32 with 4 warps, the stamp in it
@@ -102,8 +102,10 @@ def gdn_chunk_split_cases() -> list[CompileReport]:
                    a_log_ptr="*fp32", dt_bias_ptr="*fp32", **work, num_k_heads="i32", num_v_heads="i32",
                    qk_stride="i32", v_stride="i32", g_stride="i32", beta_stride="i32", seq_len="i32", scale="fp32",
                    eps="fp32")
-    scan = dict(**work, state_ptr="*fp32", slot_ptr="*i64", out_ptr="*bf16", stamp_ptr="*i32", end_ptr="*i32",
-                num_v_heads="i32", seq_len="i32")
+    scan = dict(w_ptr="*fp32", u_ptr="*fp32", q_ptr="*bf16", k_ptr="*bf16", q_norm_ptr="*fp32", k_norm_ptr="*fp32",
+                p_ptr="*fp32", g_cum_ptr="*fp32", cu_seqlens_ptr="*i32", state_ptr="*fp32", slot_ptr="*i64",
+                out_ptr="*bf16", stamp_ptr="*i32", end_ptr="*i32", num_k_heads="i32", num_v_heads="i32",
+                qk_stride="i32", seq_len="i32")
     c = gdn_chunk.CHUNK
     return [
         compile_for_hopper(gdn_chunk_split._prepare_kernel, prepare,

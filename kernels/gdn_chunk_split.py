@@ -7,10 +7,12 @@ chunk-local matrix products (the (I + A)^-1 solve above all) sit on the sequenti
 state, so here:
 
 1. prepare (grid: chunk x sequence x head, all parallel): normalise q/k, solve the WY form, and write per
-   token w = (I + A)^-1 (beta k e^gcum), u = (I + A)^-1 (beta v), the decayed q and k, and the masked
-   intra-chunk attention matrix P = (q k^T) * decay.
+   token w = (I + A)^-1 (beta k e^gcum), u = (I + A)^-1 (beta v), the masked intra-chunk attention matrix
+   P = (q k^T) * decay, the cumulative log decay and q's / k's norms.
 2. scan (grid: dv tile x sequence x head, sequential over chunks): per chunk only four products,
-   v_new = u - w S;  out = q_decayed S + P v_new;  S = e^glast S + k_decayed^T v_new.
+   v_new = u - w S;  out = q_decayed S + P v_new;  S = e^glast S + k_decayed^T v_new,
+   the decayed q and k rebuilt from the inputs (bf16: half the bytes of the [C, DK] fp32 tiles prepare stored
+   before session 11) with the same float operations, so the same values.
 
 The intermediates are stored in fp32 and the products run in tf32 for bf16 inputs (ieee fp32 for fp32
 inputs, the parity mode). Storing them in bf16 instead, as flash-linear-attention does, would halve their
@@ -32,7 +34,7 @@ from atlas_kernels.reference import L2_EPS, check_gdn_state_pool
 def _prepare_kernel(
     q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, cu_seqlens_ptr,  # tokens [L, H, D], heads and dims packed, tokens strided
     a_log_ptr, dt_bias_ptr,  # [Hv], read only with FUSED_GATING (g_ptr, beta_ptr are then the raw a, b)
-    w_ptr, u_ptr, q_decayed_ptr, k_decayed_ptr, p_ptr, g_cum_ptr,  # per token: [L, Hv, DK|DV|C], [L, Hv]
+    w_ptr, u_ptr, q_norm_ptr, k_norm_ptr, p_ptr, g_cum_ptr,  # per token: [L, Hv, DK|DV], [L, Hv], [L, Hv, C], [L, Hv]
     num_k_heads, num_v_heads, qk_stride, v_stride, g_stride, beta_stride, seq_len, scale, eps,
     DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BDV: tl.constexpr,
     C: tl.constexpr, LOG2_C: tl.constexpr, PRECISION: tl.constexpr, FUSED_GATING: tl.constexpr,
@@ -66,8 +68,10 @@ def _prepare_kernel(
     qk_mask = valid[:, None] & (offs_k < DK)[None, :]
     q = tl.load(q_ptr + qk_rows, mask=qk_mask, other=0.0).to(tl.float32)
     k = tl.load(k_ptr + qk_rows, mask=qk_mask, other=0.0).to(tl.float32)
-    q = q * (tl.rsqrt(tl.sum(q * q, 1) + eps) * scale)[:, None]
-    k = k * tl.rsqrt(tl.sum(k * k, 1) + eps)[:, None]
+    q_norm = tl.rsqrt(tl.sum(q * q, 1) + eps) * scale
+    k_norm = tl.rsqrt(tl.sum(k * k, 1) + eps)
+    q = q * q_norm[:, None]
+    k = k * k_norm[:, None]
     head_rows = tokens * num_v_heads + head
     v_mask = valid[:, None] & (offs_v < DV)[None, :]
     v = tl.load(v_ptr + (wide * v_stride + head * DV)[:, None] + offs_v[None, :], mask=v_mask,
@@ -81,7 +85,6 @@ def _prepare_kernel(
         beta = tl.where(valid, tl.sigmoid(beta), 0.0)
 
     g_cum = tl.cumsum(g, 0)
-    g_last = tl.min(tl.where(valid, g_cum, float("inf")), 0)  # g <= 0: the cumulative sum only falls
     decay = tl.exp(tl.where(lower, g_cum[:, None] - g_cum[None, :], float("-inf")))
     a = tl.where(strictly_lower, tl.dot(k, tl.trans(k), input_precision=PRECISION) * beta[:, None] * decay, 0.0)
     inverse = identity - a  # (I + a)^-1 = prod (I + (-a)^(2^i)), exact since a^C = 0
@@ -96,8 +99,10 @@ def _prepare_kernel(
     p = tl.dot(q, tl.trans(k), input_precision=PRECISION) * decay
     key_rows = head_rows[:, None] * DK + offs_k[None, :]
     tl.store(w_ptr + key_rows, w.to(work), mask=qk_mask)
-    tl.store(q_decayed_ptr + key_rows, (q * tl.exp(g_cum)[:, None]).to(work), mask=qk_mask)
-    tl.store(k_decayed_ptr + key_rows, (k * tl.exp(g_last - g_cum)[:, None]).to(work), mask=qk_mask)
+    # the decayed q and k are not stored: the scan rebuilds them from q / k and these per-token norms with the
+    # same float operations (the same values: half the bytes of [C, DK] fp32 tiles read a chunk)
+    tl.store(q_norm_ptr + head_rows, q_norm, mask=valid)
+    tl.store(k_norm_ptr + head_rows, k_norm, mask=valid)
     tl.store(u_ptr + head_rows[:, None] * DV + offs_v[None, :], u.to(work), mask=v_mask)
     tl.store(p_ptr + head_rows[:, None] * C + offs_c[None, :], p.to(work), mask=valid[:, None])
     tl.store(g_cum_ptr + head_rows, g_cum, mask=valid)
@@ -105,14 +110,15 @@ def _prepare_kernel(
 
 @triton.jit
 def _scan_kernel(
-    w_ptr, u_ptr, q_decayed_ptr, k_decayed_ptr, p_ptr, g_cum_ptr, cu_seqlens_ptr,
-    state_ptr, slot_ptr, out_ptr, stamp_ptr, end_ptr, num_v_heads, seq_len,
+    w_ptr, u_ptr, q_ptr, k_ptr, q_norm_ptr, k_norm_ptr, p_ptr, g_cum_ptr, cu_seqlens_ptr,
+    state_ptr, slot_ptr, out_ptr, stamp_ptr, end_ptr, num_k_heads, num_v_heads, qk_stride, seq_len,
     DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
     PRECISION: tl.constexpr, UNIFORM: tl.constexpr, STAMP: tl.constexpr,
 ):
     v_tile = tl.program_id(0)
     seq = tl.program_id(1)
     head = tl.program_id(2)
+    k_head = head // (num_v_heads // num_k_heads)
     if UNIFORM:
         start = seq * seq_len
         end = start + seq_len
@@ -140,11 +146,18 @@ def _scan_kernel(
         value_rows = head_rows[:, None] * DV + offs_v[None, :]
         value_mask = valid[:, None] & mask_v[None, :]
         w = tl.load(w_ptr + key_rows, mask=key_mask, other=0.0)
-        q_decayed = tl.load(q_decayed_ptr + key_rows, mask=key_mask, other=0.0)
-        k_decayed = tl.load(k_decayed_ptr + key_rows, mask=key_mask, other=0.0)
+        qk_rows = (tokens.to(tl.int64) * qk_stride + k_head * DK)[:, None] + offs_k[None, :]
+        g_cum = tl.load(g_cum_ptr + head_rows, mask=valid, other=0.0)
+        g_last = tl.min(tl.where(valid, g_cum, float("inf")), 0)
+        # the prepare kernel's decayed q and k, rebuilt with its float operations (normalise, then decay)
+        q_decayed = tl.load(q_ptr + qk_rows, mask=key_mask, other=0.0).to(tl.float32)
+        q_decayed = q_decayed * tl.load(q_norm_ptr + head_rows, mask=valid, other=0.0)[:, None]
+        q_decayed = (q_decayed * tl.exp(g_cum)[:, None]).to(work)
+        k_decayed = tl.load(k_ptr + qk_rows, mask=key_mask, other=0.0).to(tl.float32)
+        k_decayed = k_decayed * tl.load(k_norm_ptr + head_rows, mask=valid, other=0.0)[:, None]
+        k_decayed = (k_decayed * tl.exp(g_last - g_cum)[:, None]).to(work)
         u = tl.load(u_ptr + value_rows, mask=value_mask, other=0.0).to(tl.float32)
         p = tl.load(p_ptr + head_rows[:, None] * C + offs_c[None, :], mask=valid[:, None], other=0.0)
-        g_last = tl.min(tl.load(g_cum_ptr + head_rows, mask=valid, other=float("inf")), 0)
 
         state_operand = state.to(work)
         v_new = u - tl.dot(w, state_operand, input_precision=PRECISION)
@@ -258,11 +271,12 @@ def _launch(q, k, v, g, beta, gating, cu_seqlens, seq_len, state_pool, slots, ma
     def scratch(width: int) -> torch.Tensor:
         return torch.empty((num_tokens, num_v_heads, width), dtype=torch.float32, device=v.device)
 
-    w, q_decayed, k_decayed, u, p = scratch(dk), scratch(dk), scratch(dk), scratch(dv), scratch(CHUNK)
-    g_cum = torch.empty((num_tokens, num_v_heads), dtype=torch.float32, device=v.device)
+    w, u, p = scratch(dk), scratch(dv), scratch(CHUNK)
+    g_cum, q_norm, k_norm = (torch.empty((num_tokens, num_v_heads), dtype=torch.float32, device=v.device)
+                             for _ in range(3))
     block_k = triton.next_power_of_2(dk)
     _prepare_kernel[(triton.cdiv(max_seqlen, CHUNK), num_seqs, num_v_heads)](
-        q, k, v, g, beta, bounds, a_log, dt_bias, w, u, q_decayed, k_decayed, p, g_cum,
+        q, k, v, g, beta, bounds, a_log, dt_bias, w, u, q_norm, k_norm, p, g_cum,
         num_k_heads, num_v_heads, *strides, seq_len or 0, dk**-0.5, L2_EPS,
         DK=dk, DV=dv, BK=block_k, BDV=triton.next_power_of_2(dv), C=CHUNK, LOG2_C=CHUNK.bit_length() - 1,
         PRECISION=precision, FUSED_GATING=gating is not None, UNIFORM=uniform, num_warps=prepare_warps,
@@ -271,8 +285,8 @@ def _launch(q, k, v, g, beta, gating, cu_seqlens, seq_len, state_pool, slots, ma
     out = torch.empty((num_tokens, num_v_heads, dv), dtype=out_dtype or v.dtype, device=v.device)
     block_v = min(block_v, triton.next_power_of_2(dv))
     _scan_kernel[(triton.cdiv(dv, block_v), num_seqs, num_v_heads)](
-        w, u, q_decayed, k_decayed, p, g_cum, bounds, state_pool, slots, out, stamps, ends, num_v_heads,
-        seq_len or 0,
+        w, u, q, k, q_norm, k_norm, p, g_cum, bounds, state_pool, slots, out, stamps, ends, num_k_heads, num_v_heads,
+        strides[0], seq_len or 0,
         DK=dk, DV=dv, BK=block_k, BV=block_v, C=CHUNK, PRECISION=precision, UNIFORM=uniform,
         STAMP=stamp is not None, num_warps=scan_warps, num_stages=1,
     )

@@ -126,10 +126,14 @@ def block_sizes(rows: int) -> tuple[int, int, int]:
     block_k-128 tile at every size (block_k 256 won rows 1 by 0.5 us and lost rows 64; pipeline depth 2-4 within
     noise). Fewer, wider programs: at batch 1 the 16-column tiles left each program a short loop of loads. It
     spills (compile_report, sm_90: gate_up 11.6 KB, down 72 B; 16x32x128 spills 92 B in gate_up) and is faster
-    all the same: the measurement decides (tests/test_kernels_compile.py allows exactly these)."""
+    all the same: the measurement decides (tests/test_kernels_compile.py allows exactly these).
+    Prefill rows 128 x 64 x 64 (8 warps, Triton's default 3 stages) from `benchmarks/kernels.py --only moe_prefill`
+    (H200, session 11, 49 tiles x warps x stages, the whole call graph-timed at 2,048 rows: 8,192 pairs): 255.6 us
+    against 280.7 for the 64 x 64 x 64 before; 64x64x64 at 4 warps, 3 stages 265.2; 128 x 128 x 64 256.8; at 8,192
+    rows 64 x 128 x 32 with 4 warps, 4 stages was best of the 18 reached (714.6 against 820.8 us)."""
     if rows <= 64:
         return 16, 64, 128
-    return 64, 64, 64
+    return 128, 64, 64
 
 
 def num_warps(block_m: int) -> int:

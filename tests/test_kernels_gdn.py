@@ -203,9 +203,9 @@ def test_gated_chunked_prefill_on_conv_output_slices_matches_reference(dtype: to
     split = gdn_chunk_prefill_split(*flat, cu, split_pool, slots, tokens, block_v=32, scan_warps=4)
     # the same kernels, the gates in the kernel against torch's (exp / log1p a rounding apart: bf16 outputs
     # then flip an ulp here and there)
-    same = {torch.float32: 1e-6, torch.bfloat16: 1e-4}[dtype]
+    same = {torch.float32: 1e-5, torch.bfloat16: 2e-3}[dtype]  # (the reference's tolerance: 1e-4 / 1.5e-2)
     assert rel_err(out.reshape(split.shape), split) < same
-    assert rel_err(pool, split_pool) < 1e-5
+    assert rel_err(pool, split_pool) < 1e-4
 
 
 @PREFILLS

@@ -185,14 +185,20 @@ def conv_step(prev: torch.Tensor, new: torch.Tensor, weight: torch.Tensor, dilat
     is not known to be batch-invariant, so the invariant modes keep the windowed product)."""
     state_len = prev.shape[-1]
     k = weight.shape[-1]
-    cols = torch.cat([prev.to(new.dtype), new], dim=-1)  # [B, C, S + T]
     base = state_len - (k - 1) * dilation  # first column the first new output reads
     if library and new.shape[-1] > 1 and new.dtype in (torch.bfloat16, torch.float16):
+        cols = torch.cat([prev.to(new.dtype), new], dim=-1)  # [B, C, S + T]
         return F.conv1d(cols[:, :, base:], weight.to(new.dtype), groups=cols.shape[1], dilation=dilation), cols
+    # time-major [B, S + T, C] (the layout the projection's output has: `new` is its transposed view), out and
+    # cols handed back as [B, C, ...] views of it: a compiled prefill region then neither transposes the 2,048 x
+    # 8,192 columns into channel-major order nor back for the GDN kernels (session 11: that cat was a 70 us kernel
+    # a GDN layer at 2,048 tokens). The same products and sum order as channel-major.
+    rows = torch.cat([prev.transpose(1, 2).to(new.dtype), new.transpose(1, 2)], dim=1)  # [B, S + T, C]
     span = (k - 1) * dilation + 1
-    windows = cols[:, :, base:].unfold(-1, span, 1)[..., ::dilation]  # [B, C, T, K], a view
+    windows = rows[:, base:].unfold(1, span, 1)[..., ::dilation]  # [B, T, C, K], a view
     acc = acc_dtype(new.dtype)
-    return (windows.to(acc) * weight[None, :, None, 0, :].to(acc)).sum(-1).to(new.dtype), cols
+    out = (windows.to(acc) * weight[None, None, :, 0, :].to(acc)).sum(-1).to(new.dtype)  # [B, T, C]
+    return out.transpose(1, 2), rows.transpose(1, 2)
 
 
 def causal_conv_pooled(pools: DevicePools, grp: Group, name: str, new: torch.Tensor, weight: torch.Tensor,
@@ -239,8 +245,8 @@ def gdn_in(spec: ModelSpec, x: torch.Tensor, fused_in: torch.Tensor, conv_w: tor
     nk, nv, dk, dv = spec.gdn_k_heads, spec.gdn_v_heads, spec.gdn_k_dim, spec.gdn_v_dim
     qkv, z, beta_raw, a = (x @ fused_in.T).split([spec.gdn_conv_dim, nv * dv, nv, nv], dim=-1)
     mixed, cols = conv_step(conv_prev, qkv.transpose(1, 2), conv_w, library=library_conv)
-    # [B, T, C] laid out channels-last (a no-op at T = 1): q / k / v are then token-strided slices the GDN kernels
-    # read in place (a compiled region writes this layout directly; before, each was copied a prefill layer)
+    # [B, T, C] channels-last (conv_step's windowed out is; the library conv's is copied): q / k / v are then
+    # token-strided slices the GDN kernels read in place (before, each was copied a prefill layer)
     mixed = F.silu(mixed).transpose(1, 2).contiguous()
     q, k, v = mixed.split([nk * dk, nk * dk, nv * dv], dim=-1)
     return (q.reshape(b, t, nk, dk), k.reshape(b, t, nk, dk), v.reshape(b, t, nv, dv), z.reshape(b, t, nv, dv),

@@ -204,6 +204,26 @@ def test_the_library_conv_equals_the_windowed_product(dilation: int) -> None:
     assert float((got.float() - want.float()).norm() / want.float().norm()) < 1e-2
 
 
+@pytest.mark.parametrize("dilation", [1, 3])
+def test_the_shifted_conv_equals_the_windowed_product(dilation: int) -> None:
+    """prefill_conv "shifted": the taps as a time-major sum of shifted slices, its out and columns [B, C, ...] views
+    of time-major tensors (the GDN kernels read q / k / v from them in place), the windowed product's values."""
+    from atlas.backends.cuda.layers import conv_step
+
+    gen = torch.Generator().manual_seed(10 + dilation)
+    b, c, k, t = 2, 24, 4, 37
+    prev = torch.randn(b, c, (k - 1) * dilation, generator=gen)
+    new = torch.randn(b, t, c, generator=gen).transpose(1, 2)  # as the projection's output is handed in
+    weight = torch.randn(c, 1, k, generator=gen)
+    want, cols = conv_step(prev, new, weight, dilation)
+    got, got_cols = conv_step(prev, new, weight, dilation, shifted=True)
+    assert torch.equal(got_cols, cols)
+    assert got.transpose(1, 2).is_contiguous() and got.shape == want.shape
+    assert torch.allclose(got, want, atol=1e-5, rtol=1e-5)
+    one, _ = conv_step(prev, new[:, :, :1], weight, dilation, shifted=True)  # decode: the windowed product
+    assert torch.equal(one, conv_step(prev, new[:, :, :1], weight, dilation)[0])
+
+
 @pytest.mark.skipif(DEVICE != "cuda", reason="Inductor on the GPU: the compiled regions")
 @pytest.mark.parametrize("variant", ["decode", "regions-compile"])
 def test_compiled_regions_give_the_reference_tokens_on_the_gpu(tiny, variant: str) -> None:  # type: ignore[no-untyped-def]
@@ -234,10 +254,13 @@ def test_compiled_regions_give_the_reference_tokens_on_the_gpu(tiny, variant: st
         assert tokens["cuda-fp32"] == tokens["cpu"]
 
 
-def test_compiled_prefill_regions_give_the_reference_tokens(tiny, monkeypatch: pytest.MonkeyPatch, request) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("conv", ["windowed", "shifted"])
+def test_compiled_prefill_regions_give_the_reference_tokens(tiny, monkeypatch: pytest.MonkeyPatch, request,  # type: ignore[no-untyped-def]
+                                                            conv: str) -> None:
     """32-token prefill chunks through the compiled prefill regions (Inductor on a GPU; on the CPU the traced graphs
     run eagerly, what is tested there is Dynamo's tracing with the marked token dimension) give the CPU
-    reference's tokens. Without fullgraph=True this raised ConstraintViolationError (session 7, H200 and CPU)."""
+    reference's tokens, the GDN heads' conv windowed or shifted (prefill_conv). Without fullgraph=True this raised
+    ConstraintViolationError (session 7, H200 and CPU)."""
     from atlas.config import EngineConfig
     from atlas.engine.offline import generate
     from atlas.engine.records import RecordingSink
@@ -255,7 +278,7 @@ def test_compiled_prefill_regions_give_the_reference_tokens(tiny, monkeypatch: p
         module._compile.cache_clear()
         torch._dynamo.reset()
         request.addfinalizer(module._compile.cache_clear)  # no eager-backed function outlives the test
-    tuning = Tuning(prefill_stack="regions", compile_prefill="default")
+    tuning = Tuning(prefill_stack="regions", compile_prefill="default", prefill_conv=conv)
     tokens = {}
     for backend, options in (("cpu", {}), ("cuda-fp32", {"device": DEVICE, "cuda_graphs": DEVICE == "cuda",
                                                          "tuning": tuning})):

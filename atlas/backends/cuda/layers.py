@@ -172,7 +172,7 @@ def hyper_block(streams: torch.Tensor, norm_w: torch.Tensor, down_w: torch.Tenso
 
 
 def conv_step(prev: torch.Tensor, new: torch.Tensor, weight: torch.Tensor, dilation: int = 1,
-              library: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+              library: bool = False, shifted: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Depthwise causal conv of new columns [B, C, T] continuing the states prev [B, C, S] (pure: nothing
     written): (out [B, C, T] with fp32 accumulation in new's dtype, the columns [B, C, S + T] whose last S are
     the state after the group).
@@ -182,23 +182,35 @@ def conv_step(prev: torch.Tensor, new: torch.Tensor, weight: torch.Tensor, dilat
     windows: at 2,048 tokens that product, its casts and its sum were ~20 ms of an 81 ms prefill on the H200
     (session 4 profile). fp32 (the parity mode) and decode keep the windowed product: its order is the
     reference's, and T = 1 is tiny. Opt-in until measured on the GPU (and cuDNN's choice of algorithm by shape
-    is not known to be batch-invariant, so the invariant modes keep the windowed product)."""
+    is not known to be batch-invariant, so the invariant modes keep the windowed product).
+    shifted (Tuning.prefill_conv = "shifted", compiled prefill heads; more than one token): the same taps in
+    time-major order as a sum of shifted slices (per element, so batch-invariant; the sum's order is the taps',
+    not necessarily torch's sum over the windows)."""
     state_len = prev.shape[-1]
     k = weight.shape[-1]
     base = state_len - (k - 1) * dilation  # first column the first new output reads
     if library and new.shape[-1] > 1 and new.dtype in (torch.bfloat16, torch.float16):
         cols = torch.cat([prev.to(new.dtype), new], dim=-1)  # [B, C, S + T]
         return F.conv1d(cols[:, :, base:], weight.to(new.dtype), groups=cols.shape[1], dilation=dilation), cols
-    # time-major [B, S + T, C] (the layout the projection's output has: `new` is its transposed view), out and
-    # cols handed back as [B, C, ...] views of it: a compiled prefill region then neither transposes the 2,048 x
-    # 8,192 columns into channel-major order nor back for the GDN kernels (session 11: that cat was a 70 us kernel
-    # a GDN layer at 2,048 tokens). The same products and sum order as channel-major.
-    rows = torch.cat([prev.transpose(1, 2).to(new.dtype), new.transpose(1, 2)], dim=1)  # [B, S + T, C]
     span = (k - 1) * dilation + 1
-    windows = rows[:, base:].unfold(1, span, 1)[..., ::dilation]  # [B, T, C, K], a view
     acc = acc_dtype(new.dtype)
-    out = (windows.to(acc) * weight[None, None, :, 0, :].to(acc)).sum(-1).to(new.dtype)  # [B, T, C]
-    return out.transpose(1, 2), rows.transpose(1, 2)
+    if shifted and new.shape[-1] > 1:
+        # time-major [B, S + T, C] (the layout of the projection's output: `new` is its transposed view), the K taps
+        # as shifted slices summed in order (one pointwise pass, no [B, T, C, K] windows for Inductor to
+        # materialise), out and cols handed back as [B, C, ...] views: the compiled prefill head then neither
+        # transposes the 2,048 x 8,192 columns into channel-major order nor back for the GDN kernels
+        rows = torch.cat([prev.transpose(1, 2).to(new.dtype), new.transpose(1, 2)], dim=1)  # [B, S + T, C]
+        t = new.shape[-1]
+        out = None
+        for tap in range(k):
+            at = base + tap * dilation
+            term = rows[:, at : at + t].to(acc) * weight[None, None, :, 0, tap].to(acc)
+            out = term if out is None else out + term
+        assert out is not None
+        return out.to(new.dtype).transpose(1, 2), rows.transpose(1, 2)
+    cols = torch.cat([prev.to(new.dtype), new], dim=-1)  # [B, C, S + T]
+    windows = cols[:, :, base:].unfold(-1, span, 1)[..., ::dilation]  # [B, C, T, K], a view
+    return (windows.to(acc) * weight[None, :, None, 0, :].to(acc)).sum(-1).to(new.dtype), cols
 
 
 def causal_conv_pooled(pools: DevicePools, grp: Group, name: str, new: torch.Tensor, weight: torch.Tensor,
@@ -238,15 +250,16 @@ def gdn_recurrence(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.T
 
 
 def gdn_in(spec: ModelSpec, x: torch.Tensor, fused_in: torch.Tensor, conv_w: torch.Tensor, conv_prev: torch.Tensor,
-           library_conv: bool = False) -> tuple[torch.Tensor, ...]:
+           library_conv: bool = False, shifted_conv: bool = False) -> tuple[torch.Tensor, ...]:
     """A GDN layer's projections and causal conv (pure): x [B, T, H], the slots' conv states [B, C, S] ->
     (q, k [B, T, nk, dk], v [B, T, nv, dv], z [B, T, nv, dv], beta_raw, a [B, T, nv], conv columns [B, C, S + T])."""
     b, t, _ = x.shape
     nk, nv, dk, dv = spec.gdn_k_heads, spec.gdn_v_heads, spec.gdn_k_dim, spec.gdn_v_dim
     qkv, z, beta_raw, a = (x @ fused_in.T).split([spec.gdn_conv_dim, nv * dv, nv, nv], dim=-1)
-    mixed, cols = conv_step(conv_prev, qkv.transpose(1, 2), conv_w, library=library_conv)
-    # [B, T, C] channels-last (conv_step's windowed out is; the library conv's is copied): q / k / v are then
-    # token-strided slices the GDN kernels read in place (before, each was copied a prefill layer)
+    mixed, cols = conv_step(conv_prev, qkv.transpose(1, 2), conv_w, library=library_conv, shifted=shifted_conv)
+    # [B, T, C] channels-last (a no-op at T = 1 and for the shifted conv; the others' is copied, Inductor fusing the
+    # copy with the silu): q / k / v are then token-strided slices the GDN kernels read in place (before, each was
+    # copied a prefill layer)
     mixed = F.silu(mixed).transpose(1, 2).contiguous()
     q, k, v = mixed.split([nk * dk, nk * dk, nv * dv], dim=-1)
     return (q.reshape(b, t, nk, dk), k.reshape(b, t, nk, dk), v.reshape(b, t, nv, dv), z.reshape(b, t, nv, dv),
@@ -453,7 +466,7 @@ def library_conv(tuning: Tuning, grp: Group, invariant: bool) -> bool:
     mode (see conv_step). prefill_conv "inductor" is "library" for eager convs (the layer stack's, PLE's); a
     compiled prefill region's GDN conv takes the windowed product then (regions.regions_stack), which Inductor
     fuses into one pass instead of materialising the windows."""
-    return tuning.prefill_conv in ("library", "inductor") and grp.shape.width > 1 and not invariant
+    return tuning.prefill_conv in ("library", "inductor", "shifted") and grp.shape.width > 1 and not invariant
 
 
 def attention_layer(spec: ModelSpec, w: dict[str, torch.Tensor], pre: str, layer: int, x: torch.Tensor,

@@ -99,13 +99,13 @@ def settle(streams: torch.Tensor, routed: torch.Tensor | None, shared: torch.Ten
 def gdn_head(spec: ModelSpec, streams: torch.Tensor, routed: torch.Tensor | None, shared: torch.Tensor | None,
              inject_prev: torch.Tensor | None, norm_w: torch.Tensor, down_w: torch.Tensor, up_w: torch.Tensor,
              fused_in: torch.Tensor, conv_w: torch.Tensor, conv_pool: torch.Tensor, slots: torch.Tensor,
-             library_conv: bool = False, gemv: str = "") -> tuple[torch.Tensor, ...]:
+             library_conv: bool = False, gemv: str = "", shifted_conv: bool = False) -> tuple[torch.Tensor, ...]:
     """(streams, inject, *gdn_in's parts but the conv columns) of a GDN layer, the previous ffn settled first; the
     new conv state written into conv_pool at `slots` here (fused with the conv; its stamp is the stack's, once a
     step for every layer)."""
     streams = settle(streams, routed, shared, inject_prev)
     x, inject = _site(spec, streams, norm_w, down_w, up_w, gemv)
-    *parts, cols = gdn_in(spec, x, fused_in, conv_w, conv_pool[slots], library_conv)
+    *parts, cols = gdn_in(spec, x, fused_in, conv_w, conv_pool[slots], library_conv, shifted_conv)
     store_final(conv_pool, slots, cols[:, :, -conv_pool.shape[-1]:])
     return (streams, inject, *parts, None)
 
@@ -225,8 +225,11 @@ def regions_stack(spec: ModelSpec, w: dict[str, torch.Tensor], pools: DevicePool
     sdpa, paged = attention_kind(grp, tuning.attention if prefill else tuning.decode_attention)
     moe_mode = tuning.prefill_moe if prefill else tuning.moe
     library = library_conv(tuning, grp, invariant)  # the eager convs' (PLE's)
-    # the GDN heads' conv: under "inductor" a compiled region's is the windowed product, fused there
-    head_library = library and not (tuning.prefill_conv == "inductor" and mode != "none")
+    # the GDN heads' conv: under "inductor" a compiled region's is the windowed product, under "shifted" the
+    # time-major shifted sum, fused there
+    fused_conv = tuning.prefill_conv in ("inductor", "shifted") and mode != "none"
+    head_library = library and not fused_conv
+    head_shifted = prefill and fused_conv and tuning.prefill_conv == "shifted"
     # the routed kernels take the pairs' order computed in the tail region: ranked (decode) or counted (prefill)
     route = ("counted" if prefill else "ranked") if moe_mode == "triton" else ""
     ple_layers = spec.ple.layers if spec.ple is not None else ()
@@ -277,7 +280,8 @@ def regions_stack(spec: ModelSpec, w: dict[str, torch.Tensor], pools: DevicePool
             g = pre + "linear_attn."
             streams, inject, *parts = head_g(spec, tok(streams), tok(routed), tok(shared), tok(inject_prev), *site,
                                              w[g + "fused_in.weight"], w[g + "conv1d.weight"],
-                                             pools.state[f"conv{layer}"], grp.slots, head_library, gemv)
+                                             pools.state[f"conv{layer}"], grp.slots, head_library, gemv,
+                                             head_shifted)
             out = gdn_update(spec, w, g, layer, tuple(parts), grp, pools, gdn_kernel, conv_written=True)
             streams, rows, inject, top_w, top_i, shared, pairs = tail_g(
                 spec, tok(streams), tok(inject), tok(out), tok(parts[3]), w[g + "norm.weight"],

@@ -76,7 +76,9 @@ class Tuning:
     # depthwise kernel was 176 us a layer at 2,048 tokens, 3.5 ms of a 33.7 ms prefill; session 10: the prefill's device
     # time 34.2 -> 31.2 ms, 1,699 -> 1,663 kernels, wall 52.8 -> 51.0 ms; in regions-compile); "shifted": as
     # "inductor" but the compiled head's conv time-major, a sum of K shifted slices (no channel-major transpose of
-    # the columns; session 11: time-major windows made Inductor materialise [T, C, K] fp32 products, +1.4 ms)
+    # the columns; session 11: time-major windows made Inductor materialise [T, C, K] fp32 products, +1.4 ms).
+    # Measured slower (H200 session 11 run 3, as regions-compile + this: prefill 2,048 31.8 against 29.3 ms), so
+    # not in regions-compile; kept as a tested knob (the channel-major transposes are still the conv's cost)
     prefill_conv: str = attrs.field(default="windowed", validator=_one_of(CONV))
     # the small products of compiled decode regions of at most regions.GEMV_ROWS rows (the hyper sites' mix-down and
     # mix-up, the MoE router + shared expert in and down): "library" cuBLAS GEMVs; "reduce" a broadcast multiply
@@ -140,8 +142,6 @@ VARIANTS: dict[str, Tuning] = {
     # H200 session 10 against session 8's arrangement: decode b1 3.47 -> 3.30 ms, b16 4.89 -> 4.80, b64 6.91 ->
     # 6.78; prefill 2,048 52.8 -> 41.7 ms (graphs; 65.9 -> 43.4 ms on a slower host), 8,192 161.0 -> 157.2 ms
     "regions-compile": _REGIONS,
-    # the compiled prefill heads' GDN conv as a time-major sum of shifted slices (session 11, to be measured)
-    "regions-conv-shifted": attrs.evolve(_REGIONS, prefill_conv="shifted"),
     # regions-compile with its prefill chunks eager (what prefill_graphs replaced; its decode rows are regions-compile's)
     "regions-eager-prefill": attrs.evolve(_REGIONS, prefill_graphs="none"),
     # regions-compile with cuBLAS's GEMVs at batch 1-4 (what decode_gemv replaced)

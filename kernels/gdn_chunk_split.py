@@ -228,26 +228,15 @@ def gdn_chunk_prefill_gated(
     2,048-token GDN layer ran ~12 eager launches around the two kernels (the gates, cu_seqlens, q / k / v copies,
     the stamp). Returns out [N, T, Hv, dv] (default v's dtype). Same numbers as gdn_chunk_prefill_split given
     the same gates (the tests check both against the reference)."""
-    from atlas_kernels.gdn_recurrent import _gate_stride, _token_stride
+    from atlas_kernels.gdn_recurrent import strided_inputs
 
-    num_seqs, seq_len, num_k_heads, dk = k.shape
+    num_seqs, seq_len = k.shape[:2]
     num_v_heads, dv = v.shape[2], v.shape[3]
-    qk_stride = _token_stride(q)
-    if qk_stride is None or _token_stride(k) != qk_stride:
-        q, k = q.contiguous(), k.contiguous()
-        qk_stride = num_k_heads * dk
-    v_stride = _token_stride(v)
-    if v_stride is None:
-        v, v_stride = v.contiguous(), num_v_heads * dv
-    a_stride, b_stride = _gate_stride(a), _gate_stride(b)
-    if a_stride is None:
-        a, a_stride = a.contiguous(), num_v_heads
-    if b_stride is None:
-        b, b_stride = b.contiguous(), num_v_heads
+    q, k, v, a, b, strides = strided_inputs(q, k, v, a, b)
     if stamp is not None and (stamp[0].dtype != torch.int32 or stamp[1].dtype != torch.int32):
         raise ValueError("gdn_chunk_prefill_gated: stamp= needs int32 (stamps, ends)")
-    out = _launch(q, k, v, a, b, (a_log, dt_bias), None, seq_len, state_pool, slots, seq_len,
-                  (qk_stride, v_stride, a_stride, b_stride), stamp, out_dtype, block_v, prepare_warps, scan_warps)
+    out = _launch(q, k, v, a, b, (a_log, dt_bias), None, seq_len, state_pool, slots, seq_len, strides, stamp,
+                  out_dtype, block_v, prepare_warps, scan_warps)
     return out.view(num_seqs, seq_len, num_v_heads, dv)
 
 

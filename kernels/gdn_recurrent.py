@@ -99,6 +99,28 @@ def _gate_stride(x: torch.Tensor) -> int | None:
     return _token_stride(x[..., None])
 
 
+def strided_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor
+                   ) -> tuple[torch.Tensor, ...]:
+    """(q, k, v, g, beta, (q/k, v, g, beta token strides)): each input as it is where the kernels can read it at a
+    token stride (heads and dims packed), else a contiguous copy. q, k [N, T, Hk, dk], v [N, T, Hv, dv], g, beta
+    [N, T, Hv] (the gates or the raw a, b)."""
+    num_k_heads, dk = k.shape[2], k.shape[3]
+    num_v_heads, dv = v.shape[2], v.shape[3]
+    qk_stride = _token_stride(q)
+    if qk_stride is None or _token_stride(k) != qk_stride:
+        q, k = q.contiguous(), k.contiguous()
+        qk_stride = num_k_heads * dk
+    v_stride = _token_stride(v)
+    if v_stride is None:
+        v, v_stride = v.contiguous(), num_v_heads * dv
+    g_stride, beta_stride = _gate_stride(g), _gate_stride(beta)
+    if g_stride is None:
+        g, g_stride = g.contiguous(), num_v_heads
+    if beta_stride is None:
+        beta, beta_stride = beta.contiguous(), num_v_heads
+    return q, k, v, g, beta, (qk_stride, v_stride, g_stride, beta_stride)
+
+
 def gdn_recurrent(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -156,19 +178,7 @@ def _launch(q, k, v, g, beta, gating, state_pool, slots, store_states, commit, o
     num_v_heads, dv = v.shape[2], v.shape[3]
     check_gdn_state_pool(state_pool, num_k_heads, num_v_heads, dk, dv)
     assert state_pool.is_contiguous()
-    qk_stride = _token_stride(q)
-    if qk_stride is None or _token_stride(k) != qk_stride:
-        q, k = q.contiguous(), k.contiguous()
-        qk_stride = num_k_heads * dk
-    v_stride = _token_stride(v)
-    if v_stride is None:
-        v = v.contiguous()
-        v_stride = num_v_heads * dv
-    g_stride, beta_stride = _gate_stride(g), _gate_stride(beta)
-    if g_stride is None:
-        g, g_stride = g.contiguous(), num_v_heads
-    if beta_stride is None:
-        beta, beta_stride = beta.contiguous(), num_v_heads
+    q, k, v, g, beta, (qk_stride, v_stride, g_stride, beta_stride) = strided_inputs(q, k, v, g, beta)
     a_log, dt_bias = gating if gating is not None else (g, g)
     out = torch.empty(v.shape, dtype=out_dtype or v.dtype, device=v.device)
     states = None

@@ -193,6 +193,8 @@ def bench_gdn_chunk(cfg: dict, with_fp32: bool) -> None:
                 *inputs, cu, pool, slots, tokens, block_v=bv, scan_warps=w, prepare_warps=pw))
             for bv, w, pw in [(64, 8, 8), (32, 4, 8), (16, 4, 8), (16, 2, 8), (32, 2, 8), (32, 4, 4), (32, 4, 16)]
         ]
+        variants.append(("gated (the backend's call: strided slices, gates in-kernel)", gated_chunk_call(
+            tokens, hk, hv, dk, dv, dtype)))
         for name, run in variants:
             pool = 0.1 * torch.randn(1, hv, dk, dv, device=DEV)
             try:
@@ -213,6 +215,23 @@ def bench_gdn_chunk(cfg: dict, with_fp32: bool) -> None:
             record("fla_chunk", f"L={tokens} bf16", ms, flops=flops, note=f"{tokens / ms / 1e3:.2f}M tok/s/layer")
         except Exception as error:
             print(f"# fla chunk failed: {error}", flush=True)
+
+
+def gated_chunk_call(tokens: int, hk: int, hv: int, dk: int, dv: int, dtype: torch.dtype) -> Callable:
+    """gdn_chunk_prefill_gated as a GDN layer's prefill calls it (runner.triton_gdn): q / k / v token-strided slices
+    of one channels-last conv output, a / b slices of one projection, the gates and the stamp in the kernels."""
+    from atlas_kernels.gdn_chunk_split import gdn_chunk_prefill_gated
+
+    key = hk * dk
+    mixed = torch.randn(1, tokens, 2 * key + hv * dv, device=DEV, dtype=dtype)
+    q, k = mixed[..., :key].view(1, tokens, hk, dk), mixed[..., key : 2 * key].view(1, tokens, hk, dk)
+    v = mixed[..., 2 * key :].view(1, tokens, hv, dv)
+    proj = torch.randn(1, tokens, 2 * hv, device=DEV, dtype=dtype)
+    a, b = proj[..., :hv], proj[..., hv:]
+    a_log, dt_bias = torch.zeros(hv, device=DEV), torch.full((hv,), -4.0, device=DEV)
+    slots = torch.zeros(1, dtype=torch.long, device=DEV)
+    stamps, ends = torch.zeros(1, dtype=torch.int32, device=DEV), torch.full((1,), tokens, dtype=torch.int32, device=DEV)
+    return lambda pool: gdn_chunk_prefill_gated(q, k, v, a, b, a_log, dt_bias, pool, slots, stamp=(stamps, ends))
 
 
 def bench_conv(cfg: dict, layers: int) -> None:

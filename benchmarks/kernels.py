@@ -368,10 +368,9 @@ PREFILL_MOE_ROWS = (2048, 8192)
 def bench_moe(cfg: dict) -> None:
     from atlas_kernels.moe_grouped import block_sizes, moe_grouped
 
-    hidden, inter = cfg["hidden_size"], cfg["moe_intermediate_size"]
-    experts, top_k = cfg["num_experts"], cfg["num_experts_per_tok"]
-    gate_up = torch.randn(experts, 2 * inter, hidden, device=DEV, dtype=BF16) / hidden**0.5
-    down = torch.randn(experts, hidden, inter, device=DEV, dtype=BF16) / inter**0.5
+    gate_up, down, top_k = moe_weights(cfg)
+    experts, two_inter, hidden = gate_up.shape
+    inter = two_inter // 2
     for rows in BATCHES:
         x = torch.randn(rows, hidden, device=DEV, dtype=BF16)
         top_w, top_i = torch.topk(torch.randn(rows, experts, device=DEV).softmax(-1), top_k, dim=-1)

@@ -301,11 +301,11 @@ class CudaBackend:
         hist = torch.tensor(history, dtype=torch.long)
         return [ngram_ids(hist, len(tokens), ple, t).flatten().tolist() for t in self._ple_tables]
 
-    def _row(self, chunk: ChunkLike, ngram: bool = True) -> Row:
-        """The chunk's packed row; `ngram` False: without its n-gram ids (the device computes them)."""
+    def _row(self, chunk: ChunkLike) -> Row:
+        """The chunk's packed row, without n-gram ids: every group the runner packs computes them on the device
+        (GroupShape.ngram_on_device; only the row-by-row verify packs the host's, from _ngram_rows)."""
         state = self._seqs[chunk.seq_id]
-        return (chunk.tokens, chunk.start, state.slot, chunk.block_table,
-                self._ngram_rows(state, chunk.tokens) if ngram else [])
+        return (chunk.tokens, chunk.start, state.slot, chunk.block_table, [])
 
     def _advance(self, chunk: ChunkLike) -> None:
         state = self._seqs[chunk.seq_id]
@@ -421,7 +421,7 @@ class CudaBackend:
                 shape = attrs.evolve(shape, batch=bucket(len(members)), key_blocks=bucket(shape.key_blocks, 4))
             elif self.tuning.prefill_graphs != "none":  # eager or replayed, a chunk computes one shape
                 shape = attrs.evolve(shape, key_blocks=bucket(shape.key_blocks, 4))
-            rows = [self._row(c, not shape.ngram_on_device) for c in members]
+            rows = [self._row(c) for c in members]
             packed = pack_rows(shape, rows, self.pools.scratch_slots, self.pools.scratch_block, self.block_size)
             if width == 1 and self.graphs is not None:
                 host = packed.pin_memory() if self.device.type == "cuda" else packed
@@ -455,7 +455,7 @@ class CudaBackend:
             out = []
             for chunk in chunks:
                 shape = self._shape(1, len(chunk.tokens), chunk.start + len(chunk.tokens))
-                packed = pack_rows(shape, [self._row(chunk, not shape.ngram_on_device)], self.pools.scratch_slots, self.pools.scratch_block,
+                packed = pack_rows(shape, [self._row(chunk)], self.pools.scratch_slots, self.pools.scratch_block,
                                    self.block_size)
                 out.append(self._run_group(packed.to(self.device), shape)[0])
                 self._advance(chunk)

@@ -195,6 +195,13 @@ def bench_gdn_chunk(cfg: dict, with_fp32: bool) -> None:
         ]
         variants.append(("gated (the backend's call: strided slices, gates in-kernel)", gated_chunk_call(
             tokens, hk, hv, dk, dv, dtype)))
+        # the backend's call with the scan's loop pipelined and / or the outputs off the scan (parallel_out: the scan
+        # stores each chunk's state and v_new, a third kernel computes every chunk's output at once)
+        variants += [
+            (f"gated {' '.join(f'{key}={value}' for key, value in schedule.items())}",
+             gated_chunk_call(tokens, hk, hv, dk, dv, dtype, **schedule))
+            for schedule in GATED_CHUNK_SCHEDULES
+        ]
         for name, run in variants:
             pool = 0.1 * torch.randn(1, hv, dk, dv, device=DEV)
             try:
@@ -217,7 +224,19 @@ def bench_gdn_chunk(cfg: dict, with_fp32: bool) -> None:
             print(f"# fla chunk failed: {error}", flush=True)
 
 
-def gated_chunk_call(tokens: int, hk: int, hv: int, dk: int, dv: int, dtype: torch.dtype) -> Callable:
+GATED_CHUNK_SCHEDULES = [
+    {"scan_stages": 2},
+    {"parallel_out": True},
+    {"parallel_out": True, "scan_stages": 2},
+    {"parallel_out": True, "block_v": 16},
+    {"parallel_out": True, "block_v": 16, "scan_stages": 2},
+    {"parallel_out": True, "block_v": 64, "scan_warps": 8},
+    {"parallel_out": True, "out_block_v": 128, "out_warps": 8},
+    {"parallel_out": True, "out_block_v": 32},
+]
+
+
+def gated_chunk_call(tokens: int, hk: int, hv: int, dk: int, dv: int, dtype: torch.dtype, **schedule) -> Callable:
     """gdn_chunk_prefill_gated as a GDN layer's prefill calls it (runner.triton_gdn): q / k / v token-strided slices
     of one channels-last conv output, a / b slices of one projection, the gates and the stamp in the kernels."""
     from atlas_kernels.gdn_chunk_split import gdn_chunk_prefill_gated
@@ -231,7 +250,8 @@ def gated_chunk_call(tokens: int, hk: int, hv: int, dk: int, dv: int, dtype: tor
     a_log, dt_bias = torch.zeros(hv, device=DEV), torch.full((hv,), -4.0, device=DEV)
     slots = torch.zeros(1, dtype=torch.long, device=DEV)
     stamps, ends = torch.zeros(1, dtype=torch.int32, device=DEV), torch.full((1,), tokens, dtype=torch.int32, device=DEV)
-    return lambda pool: gdn_chunk_prefill_gated(q, k, v, a, b, a_log, dt_bias, pool, slots, stamp=(stamps, ends))
+    return lambda pool: gdn_chunk_prefill_gated(q, k, v, a, b, a_log, dt_bias, pool, slots, stamp=(stamps, ends),
+                                                **schedule)
 
 
 def bench_conv(cfg: dict, layers: int) -> None:
@@ -407,10 +427,13 @@ def moe_weights(cfg: dict) -> tuple[torch.Tensor, torch.Tensor, int]:
     return gate_up, down, cfg["num_experts_per_tok"]
 
 
-def bench_moe_prefill(gate_up: torch.Tensor, down: torch.Tensor, top_k: int) -> None:
-    """The grouped kernels at prefill rows over PREFILL_MOE_TILES (tile, warps, pipeline depth), against today's
-    block_sizes / num_warps; the whole call (routing, both kernels, the slot sum) graph-timed."""
+def bench_moe_prefill(gate_up: torch.Tensor, down: torch.Tensor, top_k: int, sweep: bool = True) -> None:
+    """The grouped kernels at prefill rows over PREFILL_MOE_TILES (tile, warps, pipeline depth; only today's
+    block_sizes / num_warps without `sweep`), and torch._grouped_mm on the same pairs (the backend's
+    prefill_moe "grouped_mm"); the whole call (routing, both GEMMs, the slot sum) graph-timed."""
     from atlas_kernels.moe_grouped import block_sizes, moe_grouped, num_warps
+
+    from atlas.backends.cuda.moe import grouped_mm_works, routed_grouped_mm
 
     experts, two_inter, hidden = gate_up.shape
     flops_per_pair = 2 * hidden * (two_inter + two_inter // 2)  # gate-up then down, 2 FLOPs a multiply-add
@@ -422,7 +445,16 @@ def bench_moe_prefill(gate_up: torch.Tensor, down: torch.Tensor, top_k: int) -> 
         bm0, bn0, bk0 = block_sizes(rows)
         today = (bm0, bn0, bk0, num_warps(bm0), None)
         timed = []
-        for tile in [today, *PREFILL_MOE_TILES]:
+        if grouped_mm_works("cuda", BF16):
+            def grouped(x=x, top_i=top_i, top_w=top_w) -> torch.Tensor:
+                return routed_grouped_mm(x, top_i, top_w, gate_up, down)
+            got = grouped()
+            err = float((got.float() - want.float()).norm() / want.float().norm())
+            record("moe grouped_mm prefill", f"rows {rows}", time_ms(grouped), flops=rows * top_k * flops_per_pair,
+                   note=f"torch._grouped_mm; rel err vs the Triton kernels {err:.1e}")
+        else:
+            print("# torch._grouped_mm: not usable here for bf16", flush=True)
+        for tile in [today, *(PREFILL_MOE_TILES if sweep else [])]:
             bm, bn, bk, w, st = tile
             def step(bm=bm, bn=bn, bk=bk, w=w, st=st, x=x, top_i=top_i, top_w=top_w) -> None:
                 moe_grouped(x, top_i, top_w, gate_up, down, blocks=(bm, bn, bk), stages=st, warps=w)
@@ -448,6 +480,8 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".")))
     parser.add_argument("--only", default="", help="comma-separated subset: gdn,conv,attn,qsa,norms,moe,moe_prefill,chunk")
     parser.add_argument("--fp32-chunk", action="store_true", help="also time the fp32 (parity) chunked prefill")
+    parser.add_argument("--no-sweep", action="store_true",
+                        help="moe_prefill: today's tile and torch._grouped_mm only, not the tile sweep")
     parser.add_argument("--dry-run", "--smoke", action="store_true",
                         help="load the config and list what would be timed; no GPU needed")
     args = parser.parse_args()
@@ -477,7 +511,7 @@ def main() -> None:
         "qsa": lambda: bench_qsa(cfg, attn_layers),
         "norms": lambda: bench_norms(cfg),
         "moe": lambda: bench_moe(cfg),
-        "moe_prefill": lambda: bench_moe_prefill(*moe_weights(cfg)),
+        "moe_prefill": lambda: bench_moe_prefill(*moe_weights(cfg), sweep=not args.no_sweep),
         "chunk": lambda: bench_gdn_chunk(cfg, args.fp32_chunk),
     }
     chosen = [name for name in args.only.split(",") if name] or list(benches)

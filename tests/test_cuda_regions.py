@@ -185,6 +185,32 @@ def test_counted_route_is_the_sorted_route(rows: int, experts: int, k: int) -> N
         assert got_offsets.dtype == torch.int32 and got_order.dtype == order.dtype
 
 
+@pytest.mark.parametrize("summed", [True, False])
+def test_grouped_mm_experts_equal_the_grouped_path_with_a_counted_route(summed: bool) -> None:
+    """routed_grouped_mm (torch._grouped_mm over expert-sorted rows) with the route the prefill tail region counts,
+    the slots summed here or left to the caller (regions.settle), against the host-grouped eager path."""
+    from atlas.backends.cuda.layers import moe_routed
+    from atlas.backends.cuda.moe import counted_route, grouped_mm_works, routed_grouped_mm
+    from atlas.model.spec import MoeSpec
+
+    if not grouped_mm_works(DEVICE, torch.float32):
+        pytest.skip("torch._grouped_mm missing in this torch")
+    gen = torch.Generator().manual_seed(11)
+    rows, hidden, inter, experts, k = 37, 32, 24, 6, 2  # expert 5 chosen by nobody
+    x = torch.randn(rows, hidden, generator=gen).to(DEVICE)
+    gate_up = (torch.randn(experts, 2 * inter, hidden, generator=gen) / hidden**0.5).to(DEVICE)
+    down = (torch.randn(experts, hidden, inter, generator=gen) / inter**0.5).to(DEVICE)
+    top_i = torch.stack([torch.randperm(experts - 1, generator=gen)[:k] for _ in range(rows)]).to(DEVICE)
+    top_w = torch.rand(rows, k, generator=gen).to(DEVICE)
+    w = {"mlp.experts.gate_up_proj": gate_up, "mlp.experts.down_proj": down}
+    moe = MoeSpec(num_experts=experts, top_k=k, intermediate_size=inter, shared_intermediate_size=inter,
+                  norm_topk_prob=True)
+    want = moe_routed(moe, w, "mlp.", x, top_w, top_i, mode="grouped")
+    got = routed_grouped_mm(x, top_i, top_w, gate_up, down, counted_route(top_i, experts), summed)
+    assert got.shape == ((rows, hidden) if summed else (rows, k, hidden))
+    assert torch.allclose(got if summed else got.sum(dim=1), want, atol=1e-5, rtol=1e-4)
+
+
 @pytest.mark.parametrize("dilation", [1, 3])
 def test_the_library_conv_equals_the_windowed_product(dilation: int) -> None:
     from atlas.backends.cuda.layers import conv_step
@@ -254,13 +280,14 @@ def test_compiled_regions_give_the_reference_tokens_on_the_gpu(tiny, variant: st
         assert tokens["cuda-fp32"] == tokens["cpu"]
 
 
-@pytest.mark.parametrize("conv", ["windowed", "shifted"])
+@pytest.mark.parametrize("conv", ["windowed", "shifted", "grouped-mm"])
 def test_compiled_prefill_regions_give_the_reference_tokens(tiny, monkeypatch: pytest.MonkeyPatch, request,  # type: ignore[no-untyped-def]
                                                             conv: str) -> None:
     """32-token prefill chunks through the compiled prefill regions (Inductor on a GPU; on the CPU the traced graphs
     run eagerly, what is tested there is Dynamo's tracing with the marked token dimension) give the CPU
-    reference's tokens, the GDN heads' conv windowed or shifted (prefill_conv). Without fullgraph=True this raised
-    ConstraintViolationError (session 7, H200 and CPU)."""
+    reference's tokens, the GDN heads' conv windowed or shifted (prefill_conv), or windowed with the routed experts
+    through torch._grouped_mm on the route the tail region counts (prefill_moe "grouped_mm"). Without
+    fullgraph=True this raised ConstraintViolationError (session 7, H200 and CPU)."""
     from atlas.config import EngineConfig
     from atlas.engine.offline import generate
     from atlas.engine.records import RecordingSink
@@ -278,7 +305,8 @@ def test_compiled_prefill_regions_give_the_reference_tokens(tiny, monkeypatch: p
         module._compile.cache_clear()
         torch._dynamo.reset()
         request.addfinalizer(module._compile.cache_clear)  # no eager-backed function outlives the test
-    tuning = Tuning(prefill_stack="regions", compile_prefill="default", prefill_conv=conv)
+    knobs = {"prefill_conv": "inductor", "prefill_moe": "grouped_mm"} if conv == "grouped-mm" else {"prefill_conv": conv}
+    tuning = Tuning(prefill_stack="regions", compile_prefill="default", **knobs)
     tokens = {}
     for backend, options in (("cpu", {}), ("cuda-fp32", {"device": DEVICE, "cuda_graphs": DEVICE == "cuda",
                                                          "tuning": tuning})):

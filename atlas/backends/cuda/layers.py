@@ -523,7 +523,7 @@ def moe_layer(moe: MoeSpec, w: dict[str, torch.Tensor], pre: str, x: torch.Tenso
 def moe_routed(moe: MoeSpec, w: dict[str, torch.Tensor], pre: str, x: torch.Tensor, top_w: torch.Tensor,
                top_i: torch.Tensor, *, eager: bool = False, mode: str | None = None,
                route: tuple[torch.Tensor, torch.Tensor] | None = None, summed: bool = True) -> torch.Tensor:
-    """sum_k top_w * expert_{top_i}(x) [R, H] (summed=False with mode "triton": the pairs' weighted outputs
+    """sum_k top_w * expert_{top_i}(x) [R, H] (summed=False with mode "triton" / "grouped_mm": the pairs' weighted outputs
     [R, K, H], each the row's own slot k, the sum over k the caller's; every other mode sums here).
 
     eager: group tokens by expert (one host sync for the counts; right for prefill, where each expert
@@ -542,7 +542,7 @@ def moe_routed(moe: MoeSpec, w: dict[str, torch.Tensor], pre: str, x: torch.Tens
     if mode == "triton":
         return routed_triton(x, top_i, top_w, gate_up, down, route, summed)
     if mode == "grouped_mm":
-        return routed_grouped_mm(x, top_i, top_w, gate_up, down)
+        return routed_grouped_mm(x, top_i, top_w, gate_up, down, route, summed)
     if eager:
         # (token, slot) pairs sorted by expert: one host sync for the counts, each pair's output written once
         # (no atomics), then summed over the slots in a fixed order

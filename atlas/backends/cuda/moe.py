@@ -96,16 +96,21 @@ def grouped_mm_works(device_type: str, dtype: torch.dtype) -> bool:
 
 
 def routed_grouped_mm(x: torch.Tensor, top_i: torch.Tensor, top_w: torch.Tensor, gate_up: torch.Tensor,
-                      down: torch.Tensor) -> torch.Tensor:
+                      down: torch.Tensor, route: tuple[torch.Tensor, torch.Tensor] | None = None,
+                      summed: bool = True) -> torch.Tensor:
     """The same through torch._grouped_mm over the expert-sorted rows (cuBLAS / CUTLASS grouped GEMMs):
-    gather rows, two grouped GEMMs with SwiGLU between, scatter back, weighted sum (~8 kernels a layer)."""
+    gather rows, two grouped GEMMs with SwiGLU between, each pair's output weighted (rounded to x's dtype, then
+    times its weight, as the Triton kernel does) and scattered back to pair order r*K + k; `route` and `summed`
+    as routed_triton's (summed=False: [R, K, H], the slot sum left to the caller)."""
     from atlas_kernels.moe_grouped import moe_route
 
     rows, top_k = top_i.shape
-    order, offsets = moe_route(top_i, gate_up.shape[0])
+    order, offsets = moe_route(top_i, gate_up.shape[0]) if route is None else route
+    order = order.long()
     ends = offsets[1:]
     gu = torch._grouped_mm(x[order // top_k], gate_up.transpose(1, 2), offs=ends)  # [R*K, 2I] expert-sorted
     g, u = gu.chunk(2, dim=-1)
     out = torch._grouped_mm(F.silu(g) * u, down.transpose(1, 2), offs=ends)  # [R*K, H]
-    outs = torch.empty_like(out).index_copy_(0, order.long(), out)  # back to pair order r*K + k
-    return (outs.view(rows, top_k, -1) * top_w[..., None]).sum(dim=1)
+    out = out * top_w.flatten()[order][:, None]
+    outs = torch.empty_like(out).index_copy_(0, order, out).view(rows, top_k, -1)  # back to pair order
+    return outs.sum(dim=1) if summed else outs

@@ -231,7 +231,7 @@ def regions_stack(spec: ModelSpec, w: dict[str, torch.Tensor], pools: DevicePool
     head_library = library and not fused_conv
     head_shifted = prefill and fused_conv and tuning.prefill_conv == "shifted"
     # the routed kernels take the pairs' order computed in the tail region: ranked (decode) or counted (prefill)
-    route = ("counted" if prefill else "ranked") if moe_mode == "triton" else ""
+    route = ("counted" if prefill else "ranked") if moe_mode in ("triton", "grouped_mm") else ""
     ple_layers = spec.ple.layers if spec.ple is not None else ()
     streams = torch.cat([w["embed_tokens.weight"][grp.tokens]] * spec.hc_count, dim=-1)
     pending: Pending = (None, None, None)

@@ -21,6 +21,7 @@ STACK = ("layers", "regions")
 CONV = ("windowed", "library", "inductor", "shifted")
 GEMV = ("library", "reduce", "split")
 PREFILL_GRAPHS = ("none", "recurring")
+GDN_CHUNK = ("scan", "parallel-out")
 
 
 def _one_of(options: tuple[str, ...]):  # type: ignore[no-untyped-def]
@@ -97,6 +98,11 @@ class Tuning:
     # tokens 52.8 -> 41.7 ms (execute 40.7 ms over an eager device time of 34.2), 8,192 tokens 161.0 -> 157.2 ms
     # (benchmarks/prefill_runs.py; the capture, the second feed, 490 ms); in regions-compile
     prefill_graphs: str = attrs.field(default="none", validator=_one_of(PREFILL_GRAPHS))
+    # the GDN chunked prefill kernels (atlas_kernels.gdn_chunk_split): "scan" computes each chunk's output in the
+    # sequential state scan (four products a chunk on the sequential path); "parallel-out" has the scan store each
+    # chunk's initial state and v_new (two products a chunk) and a third kernel compute every chunk's output in
+    # parallel (fla's chunk_o split; 64 MB of fp32 states a 2,048-token layer written and read back)
+    gdn_chunk: str = attrs.field(default="scan", validator=_one_of(GDN_CHUNK))
 
     def __attrs_post_init__(self) -> None:
         if self.prefill_graphs != "none" and self.prefill_moe == "grouped":
@@ -144,6 +150,10 @@ VARIANTS: dict[str, Tuning] = {
     "regions-compile": _REGIONS,
     # regions-compile with its prefill chunks eager (what prefill_graphs replaced; its decode rows are regions-compile's)
     "regions-eager-prefill": attrs.evolve(_REGIONS, prefill_graphs="none"),
+    # regions-compile with the prefill's routed experts through torch._grouped_mm (cuBLAS / CUTLASS grouped GEMMs)
+    "regions-grouped-mm": attrs.evolve(_REGIONS, prefill_moe="grouped_mm"),
+    # regions-compile with the GDN chunk outputs off the sequential scan (gdn_chunk "parallel-out")
+    "regions-parallel-out": attrs.evolve(_REGIONS, gdn_chunk="parallel-out"),
     # regions-compile with cuBLAS's GEMVs at batch 1-4 (what decode_gemv replaced)
     "regions-cublas": attrs.evolve(_REGIONS, decode_gemv="library"),
     # the same with Inductor's GEMM autotuning (Triton templates against cuBLAS, epilogues fused into the GEMM)

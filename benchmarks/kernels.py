@@ -195,8 +195,7 @@ def bench_gdn_chunk(cfg: dict, with_fp32: bool) -> None:
         ]
         variants.append(("gated (the backend's call: strided slices, gates in-kernel)", gated_chunk_call(
             tokens, hk, hv, dk, dv, dtype)))
-        # the backend's call with the scan's loop pipelined and / or the outputs off the scan (parallel_out: the scan
-        # stores each chunk's state and v_new, a third kernel computes every chunk's output at once)
+        # the backend's call under other launch schedules
         variants += [
             (f"gated {' '.join(f'{key}={value}' for key, value in schedule.items())}",
              gated_chunk_call(tokens, hk, hv, dk, dv, dtype, **schedule))
@@ -224,15 +223,17 @@ def bench_gdn_chunk(cfg: dict, with_fp32: bool) -> None:
             print(f"# fla chunk failed: {error}", flush=True)
 
 
+# the backend's call under other launch schedules (prepare warps, the scan loop's pipelining depth) against its
+# defaults (gdn_chunk_prefill_gated's docstring)
 GATED_CHUNK_SCHEDULES = [
-    {"scan_stages": 2},
-    {"parallel_out": True},
-    {"parallel_out": True, "scan_stages": 2},
-    {"parallel_out": True, "block_v": 16},
-    {"parallel_out": True, "block_v": 16, "scan_stages": 2},
-    {"parallel_out": True, "block_v": 64, "scan_warps": 8},
-    {"parallel_out": True, "out_block_v": 128, "out_warps": 8},
-    {"parallel_out": True, "out_block_v": 32},
+    {"prepare_warps": 8, "scan_stages": 1},  # the defaults before session 12
+    {"prepare_warps": 8},
+    {"scan_stages": 1},
+    {"scan_stages": 3},
+    {"prepare_warps": 2},
+    {"scan_warps": 8},
+    {"block_v": 16},
+    {"block_v": 16, "scan_stages": 3},
 ]
 
 

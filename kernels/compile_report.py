@@ -97,7 +97,8 @@ def gdn_chunk_split_cases() -> list[CompileReport]:
     work = dict(w_ptr="*fp32", u_ptr="*fp32", q_norm_ptr="*fp32", k_norm_ptr="*fp32", p_ptr="*fp32",
                 g_cum_ptr="*fp32", cu_seqlens_ptr="*i32")
     # as the backend launches them (gdn_chunk_prefill_gated): the raw gates a / b (bf16 slices of the projection)
-    # in, the gates in the kernel, uniform sequence lengths; the scan at dv tile 32 with 4 warps, the stamp in it
+    # in, the gates in the kernel, uniform sequence lengths; 4 prepare warps; the scan at dv tile 32 with 4 warps, its
+    # loop pipelined 2 deep, the stamp in it
     prepare = dict(q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", g_ptr="*bf16", beta_ptr="*bf16",
                    a_log_ptr="*fp32", dt_bias_ptr="*fp32", **work, num_k_heads="i32", num_v_heads="i32",
                    qk_stride="i32", v_stride="i32", g_stride="i32", beta_stride="i32", seq_len="i32", scale="fp32",
@@ -110,10 +111,10 @@ def gdn_chunk_split_cases() -> list[CompileReport]:
     return [
         compile_for_hopper(gdn_chunk_split._prepare_kernel, prepare,
                            dict(DK=128, DV=128, BK=128, BDV=128, C=c, LOG2_C=6, PRECISION="tf32", FUSED_GATING=True,
-                                UNIFORM=True), 8, "warps=8 stages=1 tf32 gated uniform", num_stages=1),
+                                UNIFORM=True), 4, "warps=4 stages=1 tf32 gated uniform", num_stages=1),
         compile_for_hopper(gdn_chunk_split._scan_kernel, scan,
                            dict(DK=128, DV=128, BK=128, BV=32, C=c, PRECISION="tf32", UNIFORM=True, STAMP=True), 4,
-                           "BV=32 warps=4 stages=1 tf32 uniform stamp", num_stages=1),
+                           "BV=32 warps=4 stages=2 tf32 uniform stamp", num_stages=2),
     ]
 
 

@@ -109,71 +109,11 @@ def _prepare_kernel(
 
 
 @triton.jit
-def _chunk_output(q_ptr, q_norm_ptr, p_ptr, qk_rows, key_mask, head_rows, valid, g_cum, state_operand, v_new,
-                  offs_c, C: tl.constexpr, work: tl.constexpr, PRECISION: tl.constexpr):
-    """A chunk's output q_decayed S + P v_new, q_decayed rebuilt as the prepare kernel made it (normalise, decay)."""
-    q_decayed = tl.load(q_ptr + qk_rows, mask=key_mask, other=0.0).to(tl.float32)
-    q_decayed = q_decayed * tl.load(q_norm_ptr + head_rows, mask=valid, other=0.0)[:, None]
-    q_decayed = (q_decayed * tl.exp(g_cum)[:, None]).to(work)
-    p = tl.load(p_ptr + head_rows[:, None] * C + offs_c[None, :], mask=valid[:, None], other=0.0)
-    out = tl.dot(q_decayed, state_operand, input_precision=PRECISION)
-    return out + tl.dot(p, v_new.to(work), input_precision=PRECISION)
-
-
-@triton.jit
-def _output_kernel(
-    q_ptr, q_norm_ptr, p_ptr, g_cum_ptr, v_new_ptr, h_ptr, cu_seqlens_ptr, out_ptr,
-    num_k_heads, num_v_heads, qk_stride, seq_len, max_chunks,
-    DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
-    PRECISION: tl.constexpr, UNIFORM: tl.constexpr,
-):
-    """PARALLEL_OUT's second half (grid: chunk x dv tile, sequence, head; all parallel): the outputs from the
-    states and v_new the scan stored."""
-    v_tiles = tl.cdiv(DV, BV)
-    chunk = tl.program_id(0) // v_tiles
-    v_tile = tl.program_id(0) % v_tiles
-    seq = tl.program_id(1)
-    head = tl.program_id(2)
-    k_head = head // (num_v_heads // num_k_heads)
-    if UNIFORM:
-        start = seq * seq_len
-        end = start + seq_len
-    else:
-        start = tl.load(cu_seqlens_ptr + seq)
-        end = tl.load(cu_seqlens_ptr + seq + 1)
-    chunk_start = start + chunk * C
-    if chunk_start >= end:
-        return
-    offs_c = tl.arange(0, C)
-    offs_k = tl.arange(0, BK)
-    offs_v = v_tile * BV + tl.arange(0, BV)
-    mask_k = offs_k < DK
-    mask_v = offs_v < DV
-    tokens = chunk_start + offs_c
-    valid = tokens < end
-    head_rows = tokens * num_v_heads + head
-    key_mask = valid[:, None] & mask_k[None, :]
-    value_rows = head_rows[:, None] * DV + offs_v[None, :]
-    value_mask = valid[:, None] & mask_v[None, :]
-    qk_rows = (tokens.to(tl.int64) * qk_stride + k_head * DK)[:, None] + offs_k[None, :]
-    work = v_new_ptr.dtype.element_ty
-    h_tile = h_ptr + (((seq * max_chunks + chunk) * num_v_heads + head).to(tl.int64) * DK * DV
-                      + offs_k[:, None] * DV + offs_v[None, :])
-    state = tl.load(h_tile, mask=mask_k[:, None] & mask_v[None, :], other=0.0)
-    g_cum = tl.load(g_cum_ptr + head_rows, mask=valid, other=0.0)
-    v_new = tl.load(v_new_ptr + value_rows, mask=value_mask, other=0.0)
-    out = _chunk_output(q_ptr, q_norm_ptr, p_ptr, qk_rows, key_mask, head_rows, valid, g_cum, state.to(work),
-                        v_new, offs_c, C, work, PRECISION)
-    tl.store(out_ptr + value_rows, out.to(out_ptr.dtype.element_ty), mask=value_mask)
-
-
-@triton.jit
 def _scan_kernel(
     w_ptr, u_ptr, q_ptr, k_ptr, q_norm_ptr, k_norm_ptr, p_ptr, g_cum_ptr, cu_seqlens_ptr,
-    state_ptr, slot_ptr, out_ptr, stamp_ptr, end_ptr, h_ptr, num_k_heads, num_v_heads, qk_stride, seq_len,
-    max_chunks,
+    state_ptr, slot_ptr, out_ptr, stamp_ptr, end_ptr, num_k_heads, num_v_heads, qk_stride, seq_len,
     DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
-    PRECISION: tl.constexpr, UNIFORM: tl.constexpr, STAMP: tl.constexpr, PARALLEL_OUT: tl.constexpr,
+    PRECISION: tl.constexpr, UNIFORM: tl.constexpr, STAMP: tl.constexpr,
 ):
     v_tile = tl.program_id(0)
     seq = tl.program_id(1)
@@ -197,10 +137,6 @@ def _scan_kernel(
     state = tl.load(state_tile, mask=state_mask, other=0.0)
     work = w_ptr.dtype.element_ty
 
-    # PARALLEL_OUT: each chunk's initial state goes to h [seq, chunk, Hv, DK, DV] and v_new over u (in place), and
-    # _output_kernel computes the outputs for every chunk at once: two products a chunk on the sequential path
-    h_tile = h_ptr + ((seq * max_chunks) * num_v_heads + head).to(tl.int64) * DK * DV
-    h_tile += offs_k[:, None] * DV + offs_v[None, :]
     for chunk_start in range(start, end, C):
         tokens = chunk_start + offs_c
         valid = tokens < end
@@ -213,22 +149,21 @@ def _scan_kernel(
         qk_rows = (tokens.to(tl.int64) * qk_stride + k_head * DK)[:, None] + offs_k[None, :]
         g_cum = tl.load(g_cum_ptr + head_rows, mask=valid, other=0.0)
         g_last = tl.min(tl.where(valid, g_cum, float("inf")), 0)
-        # the prepare kernel's decayed k, rebuilt with its float operations (normalise, then decay)
+        # the prepare kernel's decayed q and k, rebuilt with its float operations (normalise, then decay)
+        q_decayed = tl.load(q_ptr + qk_rows, mask=key_mask, other=0.0).to(tl.float32)
+        q_decayed = q_decayed * tl.load(q_norm_ptr + head_rows, mask=valid, other=0.0)[:, None]
+        q_decayed = (q_decayed * tl.exp(g_cum)[:, None]).to(work)
         k_decayed = tl.load(k_ptr + qk_rows, mask=key_mask, other=0.0).to(tl.float32)
         k_decayed = k_decayed * tl.load(k_norm_ptr + head_rows, mask=valid, other=0.0)[:, None]
         k_decayed = (k_decayed * tl.exp(g_last - g_cum)[:, None]).to(work)
         u = tl.load(u_ptr + value_rows, mask=value_mask, other=0.0).to(tl.float32)
+        p = tl.load(p_ptr + head_rows[:, None] * C + offs_c[None, :], mask=valid[:, None], other=0.0)
 
         state_operand = state.to(work)
         v_new = u - tl.dot(w, state_operand, input_precision=PRECISION)
-        if PARALLEL_OUT:
-            tl.store(h_tile, state, mask=state_mask)
-            h_tile += num_v_heads * DK * DV
-            tl.store(u_ptr + value_rows, v_new.to(u_ptr.dtype.element_ty), mask=value_mask)
-        else:
-            out = _chunk_output(q_ptr, q_norm_ptr, p_ptr, qk_rows, key_mask, head_rows, valid, g_cum, state_operand,
-                                v_new, offs_c, C, work, PRECISION)
-            tl.store(out_ptr + value_rows, out.to(out_ptr.dtype.element_ty), mask=value_mask)
+        out = tl.dot(q_decayed, state_operand, input_precision=PRECISION)
+        out += tl.dot(p, v_new.to(work), input_precision=PRECISION)
+        tl.store(out_ptr + value_rows, out.to(out_ptr.dtype.element_ty), mask=value_mask)
         state = state * tl.exp(g_last) + tl.dot(tl.trans(k_decayed), v_new.to(work), input_precision=PRECISION)
 
     tl.store(state_tile, state, mask=state_mask)
@@ -252,7 +187,7 @@ def gdn_chunk_prefill_split(
     block_v: int = 64,
     prepare_warps: int = 8,
     scan_warps: int = 8,
-    **schedule,
+    scan_stages: int = 1,
 ) -> torch.Tensor:
     """Same contract as gdn_chunk.gdn_chunk_prefill, plus max_seqlen: a host-known bound on the longest
     sequence in the batch (sizes the prepare grid only).
@@ -265,7 +200,7 @@ def gdn_chunk_prefill_split(
     num_v_heads, dv = v.shape[1], v.shape[2]
     strides = (num_k_heads * dk, num_v_heads * dv, num_v_heads, num_v_heads)
     return _launch(q, k, v, g, beta, None, cu_seqlens, None, state_pool, slots, max_seqlen, strides, None,
-                   out_dtype, block_v, prepare_warps, scan_warps, **schedule)
+                   out_dtype, block_v, prepare_warps, scan_warps, scan_stages)
 
 
 def gdn_chunk_prefill_gated(
@@ -282,9 +217,9 @@ def gdn_chunk_prefill_gated(
     stamp: tuple[torch.Tensor, torch.Tensor] | None = None,
     out_dtype: torch.dtype | None = None,
     block_v: int = 32,
-    prepare_warps: int = 8,
+    prepare_warps: int = 4,
     scan_warps: int = 4,
-    **schedule,
+    scan_stages: int = 2,
 ) -> torch.Tensor:
     """N sequences of T tokens each through the chunked gated delta rule, as a GDN layer's prefill feeds them:
     q, k [N, T, Hk, dk], v [N, T, Hv, dv] and the raw gates a, b [N, T, Hv] may be token-strided views (slices
@@ -294,7 +229,16 @@ def gdn_chunk_prefill_gated(
     sequence's new stamp [N] int32) the state's stamp written by the scan that writes the state. Before it a
     2,048-token GDN layer ran ~12 eager launches around the two kernels (the gates, cu_seqlens, q / k / v copies,
     the stamp). Returns out [N, T, Hv, dv] (default v's dtype). Same numbers as gdn_chunk_prefill_split given
-    the same gates (the tests check both against the reference)."""
+    the same gates (the tests check both against the reference).
+
+    Launch defaults from `benchmarks/kernels.py --only chunk` (H200, session 12, one 2,048-token layer of the 2.7B
+    config, this call): 4 prepare warps and the scan loop pipelined 2 deep (its next chunk's loads issued
+    before this chunk's products) against 8 warps and no pipelining: 8 -> 4 prepare warps 377 -> 346 us (the
+    prepare no longer keeps the decayed q / k tiles: 8 warps lost to 4 in session 10), 1 -> 2 stages 378 -> 350 us.
+    Tried and dropped (same session): the outputs off the sequential scan (the scan storing each chunk's fp32
+    state and v_new, a third kernel computing every chunk's output in parallel, as fla's chunk_o): 398 us, 380
+    with 2 stages; the 64 MB of states written and read back cost more than the two products it took off the
+    sequential path (a 2,048-token prefill 28.8 -> 29.1 ms)."""
     from atlas_kernels.gdn_recurrent import strided_inputs
 
     num_seqs, seq_len = k.shape[:2]
@@ -303,18 +247,15 @@ def gdn_chunk_prefill_gated(
     if stamp is not None and (stamp[0].dtype != torch.int32 or stamp[1].dtype != torch.int32):
         raise ValueError("gdn_chunk_prefill_gated: stamp= needs int32 (stamps, ends)")
     out = _launch(q, k, v, a, b, (a_log, dt_bias), None, seq_len, state_pool, slots, seq_len, strides, stamp,
-                  out_dtype, block_v, prepare_warps, scan_warps, **schedule)
+                  out_dtype, block_v, prepare_warps, scan_warps, scan_stages)
     return out.view(num_seqs, seq_len, num_v_heads, dv)
 
 
 def _launch(q, k, v, g, beta, gating, cu_seqlens, seq_len, state_pool, slots, max_seqlen, strides, stamp,
-            out_dtype, block_v, prepare_warps, scan_warps, *, parallel_out: bool = False, scan_stages: int = 1,
-            out_block_v: int = 64, out_warps: int = 4):
-    """Both entry points' launches. q, k, v, g, beta: token-strided by `strides` (elements from one token to
+            out_dtype, block_v, prepare_warps, scan_warps, scan_stages):
+    """Both entry points' two launches. q, k, v, g, beta: token-strided by `strides` (elements from one token to
     the next: q/k, v, g, beta), indexed as flat tokens [L, ...] (N sequences of seq_len tokens when seq_len is
-    not None: cu_seqlens unused). The schedule knobs: parallel_out (the scan stores each chunk's initial state
-    and v_new, a third kernel computes the outputs of all chunks in parallel), scan_stages (the scan loop's
-    software pipelining), out_block_v / out_warps (the output kernel's dv tile and warps)."""
+    not None: cu_seqlens unused)."""
     num_k_heads, dk = k.shape[-2], k.shape[-1]
     num_v_heads, dv = v.shape[-2], v.shape[-1]
     check_gdn_state_pool(state_pool, num_k_heads, num_v_heads, dk, dv)
@@ -343,20 +284,10 @@ def _launch(q, k, v, g, beta, gating, cu_seqlens, seq_len, state_pool, slots, ma
     )
     out = torch.empty((num_tokens, num_v_heads, dv), dtype=out_dtype or v.dtype, device=v.device)
     block_v = min(block_v, triton.next_power_of_2(dv))
-    max_chunks = triton.cdiv(max_seqlen, CHUNK)
-    h = (torch.empty((num_seqs * max_chunks, num_v_heads, dk, dv), dtype=torch.float32, device=v.device)
-         if parallel_out else u)  # (unread without parallel_out)
     _scan_kernel[(triton.cdiv(dv, block_v), num_seqs, num_v_heads)](
-        w, u, q, k, q_norm, k_norm, p, g_cum, bounds, state_pool, slots, out, stamps, ends, h, num_k_heads,
-        num_v_heads, strides[0], seq_len or 0, max_chunks,
+        w, u, q, k, q_norm, k_norm, p, g_cum, bounds, state_pool, slots, out, stamps, ends, num_k_heads, num_v_heads,
+        strides[0], seq_len or 0,
         DK=dk, DV=dv, BK=block_k, BV=block_v, C=CHUNK, PRECISION=precision, UNIFORM=uniform,
-        STAMP=stamp is not None, PARALLEL_OUT=parallel_out, num_warps=scan_warps, num_stages=scan_stages,
+        STAMP=stamp is not None, num_warps=scan_warps, num_stages=scan_stages,
     )
-    if parallel_out:
-        out_block_v = min(out_block_v, triton.next_power_of_2(dv))
-        _output_kernel[(max_chunks * triton.cdiv(dv, out_block_v), num_seqs, num_v_heads)](
-            q, q_norm, p, g_cum, u, h, bounds, out, num_k_heads, num_v_heads, strides[0], seq_len or 0, max_chunks,
-            DK=dk, DV=dv, BK=block_k, BV=out_block_v, C=CHUNK, PRECISION=precision, UNIFORM=uniform,
-            num_warps=out_warps, num_stages=1,
-        )
     return out

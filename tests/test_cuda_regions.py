@@ -465,10 +465,11 @@ def test_decode_gemv_takes_the_reduction_only_in_compiled_decode_regions_of_few_
 def test_the_inductor_conv_is_windowed_in_compiled_prefill_heads_and_library_elsewhere(
         tiny, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
     """prefill_conv="inductor": a compiled prefill region's GDN conv takes the windowed product (Inductor fuses it),
-    the eager PLE conv the library one; uncompiled regions keep the library conv for both."""
+    and so does the compiled PLE region's (regions.ple_block); uncompiled regions keep the library conv for both,
+    the PLE layer then eager (layers.ple_layer)."""
     torch._dynamo.reset()
     seen: dict[str, set[bool]] = collections.defaultdict(set)
-    real_in, real_ple = regions.gdn_in, regions.ple_layer
+    real_in, real_ple, real_mix = regions.gdn_in, regions.ple_layer, regions.ple_mix
 
     def gdn_in(*args, **kwargs):  # type: ignore[no-untyped-def]
         seen["gdn"].add(bool(args[5]))
@@ -478,16 +479,21 @@ def test_the_inductor_conv_is_windowed_in_compiled_prefill_heads_and_library_els
         seen["ple"].add(bool(args[-1]))
         return real_ple(*args, **kwargs)
 
+    def ple_mix(*args, **kwargs):  # type: ignore[no-untyped-def]
+        seen["ple_block"].add(bool(args[11]))
+        return real_mix(*args, **kwargs)
+
     @functools.cache
     def eager_compile(fn, mode):  # type: ignore[no-untyped-def]
         return fn if mode == "none" else torch.compile(fn, backend="eager", fullgraph=True, dynamic=None)
 
     monkeypatch.setattr(regions, "gdn_in", gdn_in)
     monkeypatch.setattr(regions, "ple_layer", ple_layer)
+    monkeypatch.setattr(regions, "ple_mix", ple_mix)
     monkeypatch.setattr(regions, "compiled", eager_compile)
     monkeypatch.setattr(torch._dynamo.config, _LIMIT, 32, raising=False)
-    for mode, want_gdn in (("default", {False}), ("none", {True})):
+    for mode, want in (("default", {"gdn": {False}, "ple_block": {False}}), ("none", {"gdn": {True}, "ple": {True}})):
         seen.clear()
         _decode(tiny, Tuning(prefill_stack="regions", compile_prefill=mode, prefill_conv="inductor"), kernels=False,
                 steps=0)
-        assert seen["gdn"] == want_gdn and seen["ple"] == {True}, (mode, dict(seen))
+        assert dict(seen) == want, mode

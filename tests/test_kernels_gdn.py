@@ -32,13 +32,7 @@ def split_prefill(*args: torch.Tensor, max_seqlen: int) -> torch.Tensor:
     return gdn_chunk_prefill_split(*args, max_seqlen)
 
 
-def parallel_out_prefill(*args: torch.Tensor, max_seqlen: int) -> torch.Tensor:
-    """The split kernels with the outputs off the scan: per-chunk states stored, a third kernel for the outputs."""
-    return gdn_chunk_prefill_split(*args, max_seqlen, parallel_out=True, out_block_v=16)
-
-
-PREFILLS = pytest.mark.parametrize("prefill", [fused_prefill, split_prefill, parallel_out_prefill],
-                                   ids=["fused", "split", "parallel-out"])
+PREFILLS = pytest.mark.parametrize("prefill", [fused_prefill, split_prefill], ids=["fused", "split"])
 
 
 def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -168,9 +162,8 @@ def test_chunked_prefill_matches_recurrent_reference(dtype: torch.dtype, prefill
     assert torch.equal(pool[2], before[2])
 
 
-@pytest.mark.parametrize("parallel_out", [False, True], ids=["scan-out", "parallel-out"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_gated_chunked_prefill_on_conv_output_slices_matches_reference(dtype: torch.dtype, parallel_out: bool) -> None:
+def test_gated_chunked_prefill_on_conv_output_slices_matches_reference(dtype: torch.dtype) -> None:
     """gdn_chunk_prefill_gated, as a GDN layer's prefill calls it: N sequences of T tokens, q / k / v strided
     slices of one conv output, the raw gates a / b strided slices of one projection (read in place, the gates
     computed in the kernel), the state's stamp written by the scan; against the recurrent reference, and equal
@@ -192,8 +185,7 @@ def test_gated_chunked_prefill_on_conv_output_slices_matches_reference(dtype: to
     stamps = torch.full((3,), 5, dtype=torch.int32, device=DEVICE)
     ends = torch.tensor([40, 9], dtype=torch.int32, device=DEVICE)
 
-    out = gdn_chunk_prefill_gated(q, k, v, a, b, a_log, dt_bias, pool, slots, stamp=(stamps, ends),
-                                  parallel_out=parallel_out)
+    out = gdn_chunk_prefill_gated(q, k, v, a, b, a_log, dt_bias, pool, slots, stamp=(stamps, ends))
 
     assert out.shape == (seqs, tokens, v_heads, dv) and out.dtype == dtype
     assert stamps.tolist() == [9, 5, 40]  # slot 2 is sequence 0's, slot 0 sequence 1's; slot 1 untouched

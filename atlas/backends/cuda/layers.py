@@ -572,21 +572,39 @@ def ple_layer(spec: ModelSpec, w: dict[str, torch.Tensor], pre: str, streams: to
               grp: Group, pools: DevicePools, layer: int, library_conv: bool = False) -> torch.Tensor:
     """streams [B, T, hc*H], n-gram ids [B, T, heads] -> the addition to the streams (PLE, see
     atlas.backends.cpu.ple); the dilated short conv's state lives in conv_pool at the group's slots."""
+    name = f"pconv{layer}"
+    add, cols = ple_mix(spec, streams, ids, *ple_weights(w, pre), pools.state[name][grp.slots], library_conv)
+    put_conv(pools, grp, name, cols)
+    return add
+
+
+def ple_weights(w: dict[str, torch.Tensor], pre: str) -> tuple[torch.Tensor, ...]:
+    """A PLE layer's weights in ple_mix's order."""
+    return tuple(w[pre + name] for name in ("ngram_embedding.weight", "key_proj.weight", "norm_key.weight",
+                                             "norm_query.weight", "value_proj.weight", "norm_conv.weight",
+                                             "conv1d.weight"))
+
+
+def ple_mix(spec: ModelSpec, streams: torch.Tensor, ids: torch.Tensor, table: torch.Tensor, key_w: torch.Tensor,
+            key_norm: torch.Tensor, query_norm: torch.Tensor, value_w: torch.Tensor, conv_norm: torch.Tensor,
+            conv_w: torch.Tensor, prev: torch.Tensor, library_conv: bool = False, shifted_conv: bool = False
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the PLE addition to the streams [B, T, hc*H], the conv's columns [B, C, S + T] whose last S are its new
+    state) from the n-gram ids [B, T, heads] and the conv state before the group `prev` [B, C, S]; pure."""
     assert spec.ple is not None
     hc, hidden = spec.hc_count, spec.hidden_size
     b, t, _ = streams.shape
     eps = spec.rms_norm_eps
-    emb = w[pre + "ngram_embedding.weight"][ids].flatten(-2)  # [B, T, embed_dim]
-    key = rms_norm(emb @ w[pre + "key_proj.weight"].T, w[pre + "norm_key.weight"], eps, group=hidden)
-    query = rms_norm(streams, w[pre + "norm_query.weight"], eps, group=hidden)
-    value = emb @ w[pre + "value_proj.weight"].T
+    emb = table[ids].flatten(-2)  # [B, T, embed_dim]
+    key = rms_norm(emb @ key_w.T, key_norm, eps, group=hidden)
+    query = rms_norm(streams, query_norm, eps, group=hidden)
+    value = emb @ value_w.T
     gate = (key.view(b, t, hc, hidden) * query.view(b, t, hc, hidden)).sum(-1, keepdim=True) / math.sqrt(hidden)
     gate = gate.abs().clamp_min(1e-6).sqrt() * gate.sign()  # signed square root
     gated = (torch.sigmoid(gate) * value.unsqueeze(-2)).flatten(-2)  # [B, T, hc*H]
-    normed = rms_norm(gated, w[pre + "norm_conv.weight"], eps, group=hidden)
-    conv = causal_conv_pooled(pools, grp, f"pconv{layer}", normed.transpose(1, 2), w[pre + "conv1d.weight"],
-                              dilation=spec.ple.ngram_size, library=library_conv)
-    return gated + F.silu(conv).transpose(1, 2)
+    normed = rms_norm(gated, conv_norm, eps, group=hidden)
+    conv, cols = conv_step(prev, normed.transpose(1, 2), conv_w, spec.ple.ngram_size, library_conv, shifted_conv)
+    return gated + F.silu(conv).transpose(1, 2), cols
 
 
 def device_ngram_ids(pools: DevicePools, grp: Group, ple: PleSpec, tables: Sequence[tuple[torch.Tensor, ...]]

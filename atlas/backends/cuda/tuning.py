@@ -21,7 +21,6 @@ STACK = ("layers", "regions")
 CONV = ("windowed", "library", "inductor", "shifted")
 GEMV = ("library", "reduce", "split")
 PREFILL_GRAPHS = ("none", "recurring")
-GDN_CHUNK = ("scan", "parallel-out")
 
 
 def _one_of(options: tuple[str, ...]):  # type: ignore[no-untyped-def]
@@ -98,11 +97,6 @@ class Tuning:
     # tokens 52.8 -> 41.7 ms (execute 40.7 ms over an eager device time of 34.2), 8,192 tokens 161.0 -> 157.2 ms
     # (benchmarks/prefill_runs.py; the capture, the second feed, 490 ms); in regions-compile
     prefill_graphs: str = attrs.field(default="none", validator=_one_of(PREFILL_GRAPHS))
-    # the GDN chunked prefill kernels (atlas_kernels.gdn_chunk_split): "scan" computes each chunk's output in the
-    # sequential state scan (four products a chunk on the sequential path); "parallel-out" has the scan store each
-    # chunk's initial state and v_new (two products a chunk) and a third kernel compute every chunk's output in
-    # parallel (fla's chunk_o split; 64 MB of fp32 states a 2,048-token layer written and read back)
-    gdn_chunk: str = attrs.field(default="scan", validator=_one_of(GDN_CHUNK))
 
     def __attrs_post_init__(self) -> None:
         if self.prefill_graphs != "none" and self.prefill_moe == "grouped":
@@ -150,10 +144,13 @@ VARIANTS: dict[str, Tuning] = {
     "regions-compile": _REGIONS,
     # regions-compile with its prefill chunks eager (what prefill_graphs replaced; its decode rows are regions-compile's)
     "regions-eager-prefill": attrs.evolve(_REGIONS, prefill_graphs="none"),
-    # regions-compile with the prefill's routed experts through torch._grouped_mm (cuBLAS / CUTLASS grouped GEMMs)
+    # regions-compile with the prefill's routed experts through torch._grouped_mm (cuBLAS / CUTLASS grouped GEMMs).
+    # H200 session 12: prefill 2,048 31.7 against 28.8 ms; the routed call alone (benchmarks/kernels.py --only
+    # moe_prefill) 375.6 against the Triton kernels' 253.0 us at 2,048 rows, 1,023 against 677 us at 8,192
     "regions-grouped-mm": attrs.evolve(_REGIONS, prefill_moe="grouped_mm"),
-    # regions-compile with the GDN chunk outputs off the sequential scan (gdn_chunk "parallel-out")
-    "regions-parallel-out": attrs.evolve(_REGIONS, gdn_chunk="parallel-out"),
+    # regions-compile with the compiled prefill heads' convs (GDN and PLE) as time-major shifted slices
+    # (prefill_conv "shifted"; session 11: 31.8 against 29.3 ms, before the PLE layer was a compiled region)
+    "regions-conv-shifted": attrs.evolve(_REGIONS, prefill_conv="shifted"),
     # regions-compile with cuBLAS's GEMVs at batch 1-4 (what decode_gemv replaced)
     "regions-cublas": attrs.evolve(_REGIONS, decode_gemv="library"),
     # the same with Inductor's GEMM autotuning (Triton templates against cuBLAS, epilogues fused into the GEMM)

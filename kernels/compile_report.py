@@ -137,6 +137,14 @@ def conv_case() -> CompileReport:
     return compile_for_hopper(conv._conv_update_kernel, types, consts, 4, "C tile 256, K=S=4")
 
 
+def conv_prefill_case() -> CompileReport:
+    # as causal_conv_prefill launches it on a GDN head's projection slice (bf16, K = 4, S = 3, dilation 1)
+    types = dict(x_ptr="*bf16", prev_ptr="*bf16", weight_ptr="*bf16", out_ptr="*bf16", num_tokens="i32",
+                 channels="i32", x_seq_stride="i32", x_token_stride="i32")
+    consts = dict(K=4, S=3, DIL=1, BT=32, BC=128, SILU=True)
+    return compile_for_hopper(conv._conv_prefill_kernel, types, consts, 8, "T tile 32, C tile 128, K=4 S=3, 8 warps")
+
+
 def attention_cases() -> list[CompileReport]:
     types = dict(q_ptr="*bf16", k_pool_ptr="*bf16", v_pool_ptr="*bf16", block_tables_ptr="*i32",
                  seq_lens_ptr="*i32", selected_ptr="*i32", selected_count_ptr="*i32", m_ptr="*fp32",
@@ -243,7 +251,7 @@ def stamp_summary_case() -> CompileReport:
 def all_reports() -> list[CompileReport]:
     """The kernels at the benchmark model's (qwen4exp-2p7b) sizes, in the configurations the wrappers pick."""
     return [gdn_recurrent_case(), gdn_recurrent_case(64, store_states=True, fused_gating=True), gdn_chunk_case(),
-            *gdn_chunk_split_cases(), conv_case(),
+            *gdn_chunk_split_cases(), conv_case(), conv_prefill_case(),
             *attention_cases(), *qsa_cases(), *norm_cases(), *keyed_sample_cases(),
             *moe_cases(), *hyper_cases(), stamp_summary_case()]
 

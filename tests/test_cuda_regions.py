@@ -280,12 +280,13 @@ def test_compiled_regions_give_the_reference_tokens_on_the_gpu(tiny, variant: st
         assert tokens["cuda-fp32"] == tokens["cpu"]
 
 
-@pytest.mark.parametrize("conv", ["windowed", "shifted", "grouped-mm"])
+@pytest.mark.parametrize("conv", ["windowed", "shifted", "triton", "grouped-mm"])
 def test_compiled_prefill_regions_give_the_reference_tokens(tiny, monkeypatch: pytest.MonkeyPatch, request,  # type: ignore[no-untyped-def]
                                                             conv: str) -> None:
     """32-token prefill chunks through the compiled prefill regions (Inductor on a GPU; on the CPU the traced graphs
     run eagerly, what is tested there is Dynamo's tracing with the marked token dimension) give the CPU
-    reference's tokens, the GDN heads' conv windowed or shifted (prefill_conv), or windowed with the routed experts
+    reference's tokens, the GDN heads' conv windowed, shifted or the Triton kernel on a GPU (prefill_conv; the
+    windowed product on the CPU), or windowed with the routed experts
     through torch._grouped_mm on the route the tail region counts (prefill_moe "grouped_mm"). Without
     fullgraph=True this raised ConstraintViolationError (session 7, H200 and CPU)."""
     from atlas.config import EngineConfig

@@ -11,7 +11,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the kernels' import
 
 from atlas_kernels import reference as ref
-from atlas_kernels.conv import causal_conv1d_update
+from atlas_kernels.conv import causal_conv1d_update, causal_conv_prefill
 from atlas_kernels.norms import gated_rms_norm, rms_norm
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -56,6 +56,33 @@ def test_conv_update_matches_reference(dtype: torch.dtype, state_len: int, token
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("dilation", "state_len", "tokens"), [(1, 3, 70), (1, 4, 2), (3, 9, 40), (3, 9, 5)])
+def test_prefill_conv_equals_the_windowed_product_on_strided_input(dtype: torch.dtype, dilation: int, state_len: int,
+                                                                    tokens: int) -> None:
+    """causal_conv_prefill on a token-strided slice of a wider projection (as the GDN heads feed it) against the CUDA
+    backend's windowed conv_step (channel-major) then F.silu: a tile boundary (70 tokens, 32-token tiles), fewer
+    tokens than the state (the taps reaching into the state past the first tile), PLE's dilation 3."""
+    from atlas.backends.cuda.layers import conv_step
+
+    gen = torch.Generator().manual_seed(dilation * 100 + tokens)
+    channels, k = 136, 4  # a partial channel tile
+    proj = torch.randn(2, tokens, channels + 40, generator=gen).to(DEVICE, dtype)
+    x = proj[..., 24 : 24 + channels]
+    prev = torch.randn(2, channels, state_len, generator=gen).to(DEVICE, dtype)
+    weight = torch.randn(channels, 1, k, generator=gen).to(DEVICE, dtype)
+
+    got = causal_conv_prefill(x, prev, weight, dilation, True)
+
+    want, _ = conv_step(prev, x.transpose(1, 2), weight, dilation)
+    want = torch.nn.functional.silu(want).transpose(1, 2)
+    assert got.shape == x.shape and got.dtype == dtype and got.is_contiguous()
+    assert rel_err(got, want) < {torch.float32: 1e-6, torch.bfloat16: 1e-2}[dtype]
+    plain = causal_conv_prefill(x, prev, weight, dilation, False)
+    want_plain, _ = conv_step(prev, x.transpose(1, 2), weight, dilation)
+    assert rel_err(plain, want_plain.transpose(1, 2)) < {torch.float32: 1e-6, torch.bfloat16: 1e-2}[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape", [(7, 128), (2, 3, 48), (2, 2048)])
 def test_norms_match_reference(dtype: torch.dtype, shape: tuple[int, ...]) -> None:
     gen = torch.Generator().manual_seed(sum(shape))
@@ -76,3 +103,22 @@ def test_benchmark_shapes_on_gpu() -> None:
     """GDN conv of qwen4exp-2p7b: 2 * 16 * 128 + 32 * 128 = 8192 channels, K = 4, verify of 4 tokens."""
     check_conv(8192, 4, 4, 4, torch.bfloat16, bias=False, seed=1)
     check_conv(8192, 4, 4, 1, torch.float32, bias=False, seed=2)
+
+
+def test_prefill_conv_traces_whole_as_an_opaque_op_with_a_symbolic_token_dimension() -> None:
+    """The compiled prefill regions call causal_conv_prefill as a custom op: Dynamo (fullgraph, the token dimension
+    marked dynamic as regions._token_dim does) and AOT autograd's fake run (register_fake) take it whole, and it
+    gives the eager call's values."""
+    gen = torch.Generator().manual_seed(5)
+    prev = torch.randn(1, 40, 3, generator=gen).to(DEVICE)
+    weight = torch.randn(40, 1, 4, generator=gen).to(DEVICE)
+
+    def region(x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.atlas.causal_conv_prefill(x[..., 8:48], prev, weight, 1, True) * 2.0
+
+    compiled = torch.compile(region, backend="aot_eager", fullgraph=True)
+    torch._dynamo.reset()
+    for tokens in (37, 64):
+        x = torch.randn(1, tokens, 56, generator=gen).to(DEVICE)
+        torch._dynamo.mark_dynamic(x, 1)
+        assert torch.allclose(compiled(x), region(x))

@@ -249,18 +249,33 @@ def gdn_recurrence(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.T
     return out, torch.stack(states)
 
 
+def silu_conv(prev: torch.Tensor, new: torch.Tensor, weight: torch.Tensor, dilation: int = 1, library: bool = False,
+              fused: str = "") -> tuple[torch.Tensor, torch.Tensor]:
+    """(silu(conv) [B, T, C] time-major, conv_step's columns [B, C, S + T]) of the time-major new columns [B, T, C]
+    (a view is fine). fused (Tuning.prefill_conv inside a compiled prefill region): "" conv_step's windowed (or
+    library) product, "shifted" its shifted slices, "triton" atlas_kernels.conv.causal_conv_prefill on a CUDA
+    device (one kernel reading `new` in place, time-major; the windowed product elsewhere)."""
+    if fused == "triton" and new.is_cuda and new.shape[1] > 1:
+        prev = prev.to(new.dtype)
+        out = torch.ops.atlas.causal_conv_prefill(new, prev, weight, dilation, True)
+        return out, torch.cat([prev, new.transpose(1, 2)], dim=-1)
+    conv, cols = conv_step(prev, new.transpose(1, 2), weight, dilation, library, fused == "shifted")
+    return F.silu(conv).transpose(1, 2), cols
+
+
 def gdn_in(spec: ModelSpec, x: torch.Tensor, fused_in: torch.Tensor, conv_w: torch.Tensor, conv_prev: torch.Tensor,
-           library_conv: bool = False, shifted_conv: bool = False) -> tuple[torch.Tensor, ...]:
+           library_conv: bool = False, fused_conv: str = "") -> tuple[torch.Tensor, ...]:
     """A GDN layer's projections and causal conv (pure): x [B, T, H], the slots' conv states [B, C, S] ->
-    (q, k [B, T, nk, dk], v [B, T, nv, dv], z [B, T, nv, dv], beta_raw, a [B, T, nv], conv columns [B, C, S + T])."""
+    (q, k [B, T, nk, dk], v [B, T, nv, dv], z [B, T, nv, dv], beta_raw, a [B, T, nv], conv columns [B, C, S + T]);
+    fused_conv as silu_conv's `fused`."""
     b, t, _ = x.shape
     nk, nv, dk, dv = spec.gdn_k_heads, spec.gdn_v_heads, spec.gdn_k_dim, spec.gdn_v_dim
     qkv, z, beta_raw, a = (x @ fused_in.T).split([spec.gdn_conv_dim, nv * dv, nv, nv], dim=-1)
-    mixed, cols = conv_step(conv_prev, qkv.transpose(1, 2), conv_w, library=library_conv, shifted=shifted_conv)
-    # [B, T, C] channels-last (a no-op at T = 1 and for the shifted conv; the others' is copied, Inductor fusing the
-    # copy with the silu): q / k / v are then token-strided slices the GDN kernels read in place (before, each was
-    # copied a prefill layer)
-    mixed = F.silu(mixed).transpose(1, 2).contiguous()
+    mixed, cols = silu_conv(conv_prev, qkv, conv_w, 1, library_conv, fused_conv)
+    # [B, T, C] channels-last (a no-op at T = 1, for the shifted and the Triton conv; the others' is copied, Inductor
+    # fusing the copy with the silu): q / k / v are then token-strided slices the GDN kernels read in place (before,
+    # each was copied a prefill layer)
+    mixed = mixed.contiguous()
     q, k, v = mixed.split([nk * dk, nk * dk, nv * dv], dim=-1)
     return (q.reshape(b, t, nk, dk), k.reshape(b, t, nk, dk), v.reshape(b, t, nv, dv), z.reshape(b, t, nv, dv),
             beta_raw, a, cols)
@@ -466,7 +481,7 @@ def library_conv(tuning: Tuning, grp: Group, invariant: bool) -> bool:
     mode (see conv_step). prefill_conv "inductor" is "library" for eager convs (the layer stack's, PLE's); a
     compiled prefill region's GDN conv takes the windowed product then (regions.regions_stack), which Inductor
     fuses into one pass instead of materialising the windows."""
-    return tuning.prefill_conv in ("library", "inductor", "shifted") and grp.shape.width > 1 and not invariant
+    return tuning.prefill_conv in ("library", "inductor", "shifted", "triton") and grp.shape.width > 1 and not invariant
 
 
 def attention_layer(spec: ModelSpec, w: dict[str, torch.Tensor], pre: str, layer: int, x: torch.Tensor,
@@ -587,7 +602,7 @@ def ple_weights(w: dict[str, torch.Tensor], pre: str) -> tuple[torch.Tensor, ...
 
 def ple_mix(spec: ModelSpec, streams: torch.Tensor, ids: torch.Tensor, table: torch.Tensor, key_w: torch.Tensor,
             key_norm: torch.Tensor, query_norm: torch.Tensor, value_w: torch.Tensor, conv_norm: torch.Tensor,
-            conv_w: torch.Tensor, prev: torch.Tensor, library_conv: bool = False, shifted_conv: bool = False
+            conv_w: torch.Tensor, prev: torch.Tensor, library_conv: bool = False, fused_conv: str = ""
             ) -> tuple[torch.Tensor, torch.Tensor]:
     """(the PLE addition to the streams [B, T, hc*H], the conv's columns [B, C, S + T] whose last S are its new
     state) from the n-gram ids [B, T, heads] and the conv state before the group `prev` [B, C, S]; pure."""
@@ -603,8 +618,8 @@ def ple_mix(spec: ModelSpec, streams: torch.Tensor, ids: torch.Tensor, table: to
     gate = gate.abs().clamp_min(1e-6).sqrt() * gate.sign()  # signed square root
     gated = (torch.sigmoid(gate) * value.unsqueeze(-2)).flatten(-2)  # [B, T, hc*H]
     normed = rms_norm(gated, conv_norm, eps, group=hidden)
-    conv, cols = conv_step(prev, normed.transpose(1, 2), conv_w, spec.ple.ngram_size, library_conv, shifted_conv)
-    return gated + F.silu(conv).transpose(1, 2), cols
+    conv, cols = silu_conv(prev, normed, conv_w, spec.ple.ngram_size, library_conv, fused_conv)
+    return gated + conv, cols
 
 
 def device_ngram_ids(pools: DevicePools, grp: Group, ple: PleSpec, tables: Sequence[tuple[torch.Tensor, ...]]

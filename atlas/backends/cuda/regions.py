@@ -101,13 +101,13 @@ def settle(streams: torch.Tensor, routed: torch.Tensor | None, shared: torch.Ten
 def gdn_head(spec: ModelSpec, streams: torch.Tensor, routed: torch.Tensor | None, shared: torch.Tensor | None,
              inject_prev: torch.Tensor | None, norm_w: torch.Tensor, down_w: torch.Tensor, up_w: torch.Tensor,
              fused_in: torch.Tensor, conv_w: torch.Tensor, conv_pool: torch.Tensor, slots: torch.Tensor,
-             library_conv: bool = False, gemv: str = "", shifted_conv: bool = False) -> tuple[torch.Tensor, ...]:
+             library_conv: bool = False, gemv: str = "", fused_conv: str = "") -> tuple[torch.Tensor, ...]:
     """(streams, inject, *gdn_in's parts but the conv columns) of a GDN layer, the previous ffn settled first; the
     new conv state written into conv_pool at `slots` here (fused with the conv; its stamp is the stack's, once a
     step for every layer)."""
     streams = settle(streams, routed, shared, inject_prev)
     x, inject = _site(spec, streams, norm_w, down_w, up_w, gemv)
-    *parts, cols = gdn_in(spec, x, fused_in, conv_w, conv_pool[slots], library_conv, shifted_conv)
+    *parts, cols = gdn_in(spec, x, fused_in, conv_w, conv_pool[slots], library_conv, fused_conv)
     store_final(conv_pool, slots, cols[:, :, -conv_pool.shape[-1]:])
     return (streams, inject, *parts, None)
 
@@ -182,7 +182,7 @@ def attn_post(spec: ModelSpec, streams: torch.Tensor, inject: torch.Tensor, att:
 def ple_block(spec: ModelSpec, streams: torch.Tensor, routed: torch.Tensor | None, shared: torch.Tensor | None,
               inject_prev: torch.Tensor | None, ids: torch.Tensor, table: torch.Tensor, key_w: torch.Tensor,
               key_norm: torch.Tensor, query_norm: torch.Tensor, value_w: torch.Tensor, conv_norm: torch.Tensor,
-              conv_w: torch.Tensor, conv_pool: torch.Tensor, slots: torch.Tensor, shifted_conv: bool = False
+              conv_w: torch.Tensor, conv_pool: torch.Tensor, slots: torch.Tensor, fused_conv: str = ""
               ) -> torch.Tensor:
     """A prefill chunk's PLE layer as one region: the previous ffn settled, the PLE addition (layers.ple_mix) added
     to the streams, its conv's new state written into conv_pool at `slots` (the stamp is the caller's). Eagerly
@@ -190,7 +190,7 @@ def ple_block(spec: ModelSpec, streams: torch.Tensor, routed: torch.Tensor | Non
     ATen's depthwise kernel (176 us on the H200, session 12 profile) after a 133 us cat."""
     streams = settle(streams, routed, shared, inject_prev)
     add, cols = ple_mix(spec, streams, ids, table, key_w, key_norm, query_norm, value_w, conv_norm, conv_w,
-                        conv_pool[slots], False, shifted_conv)
+                        conv_pool[slots], False, fused_conv)
     store_final(conv_pool, slots, cols[:, :, -conv_pool.shape[-1]:])
     return streams + add
 
@@ -243,11 +243,14 @@ def regions_stack(spec: ModelSpec, w: dict[str, torch.Tensor], pools: DevicePool
     sdpa, paged = attention_kind(grp, tuning.attention if prefill else tuning.decode_attention)
     moe_mode = tuning.prefill_moe if prefill else tuning.moe
     library = library_conv(tuning, grp, invariant)  # the eager convs' (PLE's)
-    # the GDN heads' conv: under "inductor" a compiled region's is the windowed product, under "shifted" the
-    # time-major shifted sum, fused there
-    fused_conv = tuning.prefill_conv in ("inductor", "shifted") and mode != "none"
+    # the GDN heads' (and the PLE region's) conv: under "inductor" a compiled region's is the windowed product,
+    # under "shifted" the time-major shifted sum, fused there; under "triton" the time-major Triton kernel (a custom
+    # op the region calls; on a CUDA device)
+    fused_conv = tuning.prefill_conv in ("inductor", "shifted", "triton") and mode != "none"
     head_library = library and not fused_conv
-    head_shifted = prefill and fused_conv and tuning.prefill_conv == "shifted"
+    head_fused = tuning.prefill_conv if prefill and fused_conv and tuning.prefill_conv != "inductor" else ""
+    if head_fused == "triton":
+        import atlas_kernels.conv  # noqa: F401  (registers torch.ops.atlas.causal_conv_prefill)
     # the routed kernels take the pairs' order computed in the tail region: ranked (decode) or counted (prefill)
     route = ("counted" if prefill else "ranked") if moe_mode in ("triton", "grouped_mm") else ""
     ple_layers = spec.ple.layers if spec.ple is not None else ()
@@ -261,7 +264,7 @@ def regions_stack(spec: ModelSpec, w: dict[str, torch.Tensor], pools: DevicePool
             conv_pool = pools.state[f"pconv{layer}"]
             streams = ple_c(spec, tok(streams), tok(routed), tok(shared), tok(inject_prev),
                             tok(grp.ngram_ids[ple_layers.index(layer)]), *ple_weights(w, pre + "ple."), conv_pool,
-                            grp.slots, head_shifted)
+                            grp.slots, head_fused)
             pools.stamp[f"pconv{layer}"][grp.slots] = grp.ends
             routed = shared = inject_prev = None
         elif layer in ple_layers:  # PLE keeps its own conv state: settle, add it eagerly, then the head
@@ -307,7 +310,7 @@ def regions_stack(spec: ModelSpec, w: dict[str, torch.Tensor], pools: DevicePool
             streams, inject, *parts = head_g(spec, tok(streams), tok(routed), tok(shared), tok(inject_prev), *site,
                                              w[g + "fused_in.weight"], w[g + "conv1d.weight"],
                                              pools.state[f"conv{layer}"], grp.slots, head_library, gemv,
-                                             head_shifted)
+                                             head_fused)
             out = gdn_update(spec, w, g, layer, tuple(parts), grp, pools, gdn_kernel, conv_written=True)
             streams, rows, inject, top_w, top_i, shared, pairs = tail_g(
                 spec, tok(streams), tok(inject), tok(out), tok(parts[3]), w[g + "norm.weight"],

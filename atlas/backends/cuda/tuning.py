@@ -18,7 +18,7 @@ DECODE_ATTENTION = (*ATTENTION, "paged")
 HYPER = ("torch", "triton")
 COMPILE = ("none", "default", "max-autotune-no-cudagraphs")
 STACK = ("layers", "regions")
-CONV = ("windowed", "library", "inductor", "shifted")
+CONV = ("windowed", "library", "inductor", "shifted", "triton")
 GEMV = ("library", "reduce", "split")
 PREFILL_GRAPHS = ("none", "recurring")
 
@@ -78,7 +78,10 @@ class Tuning:
     # "inductor" but the compiled head's conv time-major, a sum of K shifted slices (no channel-major transpose of
     # the columns; session 11: time-major windows made Inductor materialise [T, C, K] fp32 products, +1.4 ms).
     # Measured slower (H200 session 11 run 3, as regions-compile + this: prefill 2,048 31.8 against 29.3 ms), so
-    # not in regions-compile; kept as a tested knob (the channel-major transposes are still the conv's cost)
+    # not in regions-compile; kept as a tested knob (the channel-major transposes are still the conv's cost);
+    # session 12, the PLE layer's conv compiled too: 28.8 against 27.9 ms. "triton": as "inductor" but the compiled
+    # regions' convs (GDN heads, PLE) one time-major Triton kernel each on a CUDA device
+    # (atlas_kernels.conv.causal_conv_prefill, a custom op: it reads the projection's output in place)
     prefill_conv: str = attrs.field(default="windowed", validator=_one_of(CONV))
     # the small products of compiled decode regions of at most regions.GEMV_ROWS rows (the hyper sites' mix-down and
     # mix-up, the MoE router + shared expert in and down): "library" cuBLAS GEMVs; "reduce" a broadcast multiply
@@ -151,6 +154,9 @@ VARIANTS: dict[str, Tuning] = {
     # regions-compile with the compiled prefill heads' convs (GDN and PLE) as time-major shifted slices
     # (prefill_conv "shifted"; session 11: 31.8 against 29.3 ms, before the PLE layer was a compiled region)
     "regions-conv-shifted": attrs.evolve(_REGIONS, prefill_conv="shifted"),
+    # regions-compile with those convs as one time-major Triton kernel each (prefill_conv "triton":
+    # atlas_kernels.conv.causal_conv_prefill, a custom op the compiled region calls)
+    "regions-conv-triton": attrs.evolve(_REGIONS, prefill_conv="triton"),
     # regions-compile with cuBLAS's GEMVs at batch 1-4 (what decode_gemv replaced)
     "regions-cublas": attrs.evolve(_REGIONS, decode_gemv="library"),
     # the same with Inductor's GEMM autotuning (Triton templates against cuBLAS, epilogues fused into the GEMM)

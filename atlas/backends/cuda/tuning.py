@@ -115,7 +115,7 @@ class Tuning:
 
 # regions-compile's knobs (see its entry below), the arrangement its neighbours in VARIANTS change one knob of
 _REGIONS = Tuning(moe="triton", prefill_moe="triton", attention="sdpa", decode_attention="paged", compile_decode="default",
-                  decode_stack="regions", prefill_conv="inductor", prefill_stack="regions", compile_prefill="default",
+                  decode_stack="regions", prefill_conv="triton", prefill_stack="regions", compile_prefill="default",
                   decode_gemv="split", prefill_graphs="recurring")
 
 # the variants `atlas bench gpu` times side by side (name -> knobs), each predicted in docs/BENCHMARKS.md;
@@ -140,8 +140,9 @@ VARIANTS: dict[str, Tuning] = {
     # GDN kernel and the routed experts (dispatch count on the CPU: see docs/BENCHMARKS.md, session 4)
     # the prefill chunks through the same compiled regions since session 8 (the "regions-prefill" variant of session
     # 7 won: 56.0 against 67.5 ms at 2,048 tokens, see the prefill_stack knob), batch 1-4's small products as
-    # Inductor reductions with a long K's sum split (decode_gemv "split"), the compiled prefill heads' conv fused by
-    # Inductor (prefill_conv "inductor"), and recurring prefill chunks replayed from CUDA graphs (prefill_graphs).
+    # Inductor reductions with a long K's sum split (decode_gemv "split"), the compiled prefill regions' convs as
+    # one time-major Triton kernel each (prefill_conv "triton", since session 12; "inductor" before), and recurring
+    # prefill chunks replayed from CUDA graphs (prefill_graphs).
     # H200 session 10 against session 8's arrangement: decode b1 3.47 -> 3.30 ms, b16 4.89 -> 4.80, b64 6.91 ->
     # 6.78; prefill 2,048 52.8 -> 41.7 ms (graphs; 65.9 -> 43.4 ms on a slower host), 8,192 161.0 -> 157.2 ms
     "regions-compile": _REGIONS,
@@ -154,9 +155,10 @@ VARIANTS: dict[str, Tuning] = {
     # regions-compile with the compiled prefill heads' convs (GDN and PLE) as time-major shifted slices
     # (prefill_conv "shifted"; session 11: 31.8 against 29.3 ms, before the PLE layer was a compiled region)
     "regions-conv-shifted": attrs.evolve(_REGIONS, prefill_conv="shifted"),
-    # regions-compile with those convs as one time-major Triton kernel each (prefill_conv "triton":
-    # atlas_kernels.conv.causal_conv_prefill, a custom op the compiled region calls)
-    "regions-conv-triton": attrs.evolve(_REGIONS, prefill_conv="triton"),
+    # regions-compile with those convs as Inductor fuses the channel-major windowed product (prefill_conv
+    # "inductor", regions-compile's before session 12's run 4: prefill 2,048 29.6 against 27.5 ms with the Triton conv,
+    # the same run, a slower H200 than runs 1-4: 727 TFLOP/s measured against 777)
+    "regions-conv-inductor": attrs.evolve(_REGIONS, prefill_conv="inductor"),
     # regions-compile with cuBLAS's GEMVs at batch 1-4 (what decode_gemv replaced)
     "regions-cublas": attrs.evolve(_REGIONS, decode_gemv="library"),
     # the same with Inductor's GEMM autotuning (Triton templates against cuBLAS, epilogues fused into the GEMM)

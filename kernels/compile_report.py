@@ -137,12 +137,14 @@ def conv_case() -> CompileReport:
     return compile_for_hopper(conv._conv_update_kernel, types, consts, 4, "C tile 256, K=S=4")
 
 
-def conv_prefill_case() -> CompileReport:
+def conv_prefill_cases() -> list[CompileReport]:
     # as causal_conv_prefill launches it on a GDN head's projection slice (bf16, K = 4, S = 3, dilation 1)
     types = dict(x_ptr="*bf16", prev_ptr="*bf16", weight_ptr="*bf16", out_ptr="*bf16", num_tokens="i32",
                  channels="i32", x_seq_stride="i32", x_token_stride="i32")
     consts = dict(K=4, S=3, DIL=1, BT=32, BC=128, SILU=True)
-    return compile_for_hopper(conv._conv_prefill_kernel, types, consts, 8, "T tile 32, C tile 128, K=4 S=3, 8 warps")
+    return [compile_for_hopper(conv._conv_prefill_kernel, types, consts, 8, "T tile 32, C tile 128, K=4 S=3, 8 warps"),
+            compile_for_hopper(conv._conv_prefill_rows_kernel, types, {**consts, "BT": 64, "BC": 512}, 4,
+                               "rows: T run 64, C tile 512, K=4 S=3, 4 warps")]
 
 
 def attention_cases() -> list[CompileReport]:
@@ -251,7 +253,7 @@ def stamp_summary_case() -> CompileReport:
 def all_reports() -> list[CompileReport]:
     """The kernels at the benchmark model's (qwen4exp-2p7b) sizes, in the configurations the wrappers pick."""
     return [gdn_recurrent_case(), gdn_recurrent_case(64, store_states=True, fused_gating=True), gdn_chunk_case(),
-            *gdn_chunk_split_cases(), conv_case(), conv_prefill_case(),
+            *gdn_chunk_split_cases(), conv_case(), *conv_prefill_cases(),
             *attention_cases(), *qsa_cases(), *norm_cases(), *keyed_sample_cases(),
             *moe_cases(), *hyper_cases(), stamp_summary_case()]
 

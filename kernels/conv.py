@@ -127,6 +127,40 @@ def _conv_prefill_kernel(
              mask=mask_t[:, None] & mask_c[None, :])
 
 
+@triton.jit
+def _conv_prefill_rows_kernel(
+    x_ptr, prev_ptr, weight_ptr, out_ptr, num_tokens, channels, x_seq_stride, x_token_stride,
+    K: tl.constexpr, S: tl.constexpr, DIL: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, SILU: tl.constexpr,
+):
+    """_conv_prefill_kernel's values row by row: one program a (run of BT tokens, channel tile, sequence) walks its
+    tokens, each tap a [BC] row (the taps' re-reads hit L1). The tiled form keeps a 64-bit address tile per tap
+    (250 registers at 8 warps, sm_90 compile report); this one 1-D rows (~50). Not yet timed on a GPU."""
+    t0 = tl.program_id(0) * BT
+    offs_c = tl.program_id(1) * BC + tl.arange(0, BC)
+    seq = tl.program_id(2).to(tl.int64)
+    mask_c = offs_c < channels
+    x_base = x_ptr + seq * x_seq_stride + offs_c
+    prev_base = prev_ptr + (seq * channels + offs_c) * S
+    out_base = out_ptr + seq * num_tokens * channels + offs_c
+    for t in range(t0, tl.minimum(t0 + BT, num_tokens)):
+        acc = tl.zeros([BC], tl.float32)
+        for j in tl.static_range(K):
+            src = t + (j - (K - 1)) * DIL  # a column of x, or of the state (its last S) when negative
+            w = tl.load(weight_ptr + offs_c * K + j, mask=mask_c, other=0.0).to(tl.float32)
+            col = tl.load(x_base + src * x_token_stride, mask=mask_c & (src >= 0), other=0.0).to(tl.float32)
+            col += tl.load(prev_base + S + src, mask=mask_c & (src < 0) & (S + src >= 0), other=0.0).to(tl.float32)
+            acc += col * w
+        if SILU:
+            acc = acc.to(out_ptr.dtype.element_ty).to(tl.float32)
+            acc = acc * tl.sigmoid(acc)
+        tl.store(out_base + t * channels, acc.to(out_ptr.dtype.element_ty), mask=mask_c)
+
+
+# causal_conv_prefill's kernel: "tiles" (_conv_prefill_kernel, the measured one: session 12) or "rows"
+# (_conv_prefill_rows_kernel, to be timed: benchmarks/kernels.py --only conv times both)
+PREFILL_FORM = "tiles"
+
+
 @torch.library.custom_op("atlas::causal_conv_prefill", mutates_args=())
 def causal_conv_prefill(x: torch.Tensor, prev: torch.Tensor, weight: torch.Tensor, dilation: int = 1,
                         silu: bool = True) -> torch.Tensor:
@@ -147,11 +181,14 @@ def causal_conv_prefill(x: torch.Tensor, prev: torch.Tensor, weight: torch.Tenso
         x = x.contiguous()
     prev, weight = prev.contiguous(), weight.reshape(channels, kernel_size).contiguous()
     out = torch.empty((num_seqs, num_tokens, channels), dtype=x.dtype, device=x.device)
-    block_t, block_c = 32, 128
+    if PREFILL_FORM == "rows":
+        block_t, block_c, kernel, warps = 64, 512, _conv_prefill_rows_kernel, 4
+    else:
+        block_t, block_c, kernel, warps = 32, 128, _conv_prefill_kernel, 8  # 4 warps spilled
     grid = (triton.cdiv(num_tokens, block_t), triton.cdiv(channels, block_c), num_seqs)
-    _conv_prefill_kernel[grid](
+    kernel[grid](
         x, prev, weight, out, num_tokens, channels, x.stride(0), x.stride(1),
-        K=kernel_size, S=state_len, DIL=dilation, BT=block_t, BC=block_c, SILU=silu, num_warps=8,  # 4 spilled
+        K=kernel_size, S=state_len, DIL=dilation, BT=block_t, BC=block_c, SILU=silu, num_warps=warps,
     )
     return out
 

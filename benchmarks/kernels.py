@@ -272,7 +272,7 @@ def bench_conv(cfg: dict, layers: int) -> None:
         moved = layers * (batch * channels * (2 * kernel_size + 2) * 2 + channels * kernel_size * 2)
         record("conv_update", f"B={batch} T=1 C={channels}", time_ms(step), bytes_moved=moved, layers=layers)
     # a prefill chunk's conv as the GDN head calls it (prefill_conv "triton"): a slice of the in-projection's output,
-    # in either kernel form (atlas_kernels.conv.PREFILL_FORM)
+    # at every named launch schedule (atlas_kernels.conv.PREFILL_SCHEDULES; PREFILL_SCHEDULE is today's)
     from atlas_kernels import conv
     from atlas_kernels.conv import causal_conv_prefill
 
@@ -282,13 +282,13 @@ def bench_conv(cfg: dict, layers: int) -> None:
     x = proj[..., :channels]
     prev = torch.randn(1, channels, kernel_size - 1, device=DEV, dtype=BF16)
     weight = torch.randn(channels, 1, kernel_size, device=DEV, dtype=BF16)
-    today = conv.PREFILL_FORM
-    for form in ("tiles", "rows"):
-        conv.PREFILL_FORM = form
-        record("conv_prefill", f"T={tokens} C={channels} (strided) {form}",
+    today = conv.PREFILL_SCHEDULE
+    for name in conv.PREFILL_SCHEDULES:
+        conv.PREFILL_SCHEDULE = name
+        record("conv_prefill", f"T={tokens} C={channels} (strided) {name}",
                time_ms(lambda: causal_conv_prefill(x, prev, weight, 1, True)), bytes_moved=2 * tokens * channels * 2,
-               note="(today)" if form == today else "")
-    conv.PREFILL_FORM = today
+               note="(today)" if name == today else "")
+    conv.PREFILL_SCHEDULE = today
 
 
 def paged_kv(batch: int, context: int, block_size: int, kv_heads: int, head_dim: int):

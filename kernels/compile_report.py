@@ -54,15 +54,17 @@ def ptxas_path() -> str:
 
 
 def compile_for_hopper(kernel: Any, arg_types: dict[str, str], constexprs: dict[str, Any], num_warps: int = 4,
-                       label: str = "", num_stages: int = 3) -> CompileReport:
-    """arg_types: Triton type strings ('*bf16', 'i32', 'fp32') of every non-constexpr argument."""
+                       label: str = "", num_stages: int = 3, divisible: tuple[str, ...] = ()) -> CompileReport:
+    """arg_types: Triton type strings ('*bf16', 'i32', 'fp32') of every non-constexpr argument; divisible: the
+    arguments a launch would see divisible by 16 (Triton specialises on it: vector loads, fewer address registers)."""
     if not isinstance(kernel, JITFunction):
         # Under TRITON_INTERPRET=1 the decorator gave an interpreter wrapper; compiling its function in the
         # same process breaks the interpreter's later runs (and the reverse), so run this in its own process.
         raise RuntimeError("compile_report needs a process without TRITON_INTERPRET=1")
     names = kernel.arg_names
     signature = {name: "constexpr" if name in constexprs else arg_types[name] for name in names}
-    source = ASTSource(kernel, signature, {(names.index(k),): v for k, v in constexprs.items()})
+    source = ASTSource(kernel, signature, {(names.index(k),): v for k, v in constexprs.items()},
+                       {(names.index(name),): [["tt.divisibility", 16]] for name in divisible})
     compiled = triton.compile(source, target=HOPPER, options={"num_warps": num_warps, "num_stages": num_stages})
     ptx = compiled.asm["ptx"]
     arch = next(line.split()[1] for line in ptx.splitlines() if line.startswith(".target"))
@@ -138,13 +140,20 @@ def conv_case() -> CompileReport:
 
 
 def conv_prefill_cases() -> list[CompileReport]:
-    # as causal_conv_prefill launches it on a GDN head's projection slice (bf16, K = 4, S = 3, dilation 1)
+    # as causal_conv_prefill launches it on a GDN head's projection slice (bf16, K = 4, S = 3, dilation 1; the
+    # pointers, the channel count and the strides divisible by 16 as there)
     types = dict(x_ptr="*bf16", prev_ptr="*bf16", weight_ptr="*bf16", out_ptr="*bf16", num_tokens="i32",
                  channels="i32", x_seq_stride="i32", x_token_stride="i32")
     consts = dict(K=4, S=3, DIL=1, BT=32, BC=128, SILU=True)
-    return [compile_for_hopper(conv._conv_prefill_kernel, types, consts, 8, "T tile 32, C tile 128, K=4 S=3, 8 warps"),
-            compile_for_hopper(conv._conv_prefill_rows_kernel, types, {**consts, "BT": 64, "BC": 512}, 4,
-                               "rows: T run 64, C tile 512, K=4 S=3, 4 warps")]
+    reports = []
+    for name in (conv.PREFILL_SCHEDULE, "rows" if conv.PREFILL_SCHEDULES[conv.PREFILL_SCHEDULE][0] == "tiles" else "tiles"):
+        form, block_t, block_c, warps = conv.PREFILL_SCHEDULES[name]
+        kernel = conv._conv_prefill_rows_kernel if form == "rows" else conv._conv_prefill_kernel
+        label = f"{name}{' (today)' if name == conv.PREFILL_SCHEDULE else ''}: T {block_t}, C {block_c}, K=4 S=3, {warps} warps"
+        reports.append(compile_for_hopper(kernel, types, {**consts, "BT": block_t, "BC": block_c}, warps, label,
+                                          divisible=("x_ptr", "prev_ptr", "weight_ptr", "out_ptr", "channels",
+                                                     "x_seq_stride", "x_token_stride")))
+    return reports
 
 
 def attention_cases() -> list[CompileReport]:

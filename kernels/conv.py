@@ -99,32 +99,57 @@ def _conv_prefill_kernel(
     K: tl.constexpr, S: tl.constexpr, DIL: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, SILU: tl.constexpr,
 ):
     """One program a (token tile, channel tile, sequence), all parallel: every tap read time-major (coalesced along
-    the channels), the state's columns for the first taps of the first tiles; nothing written but out."""
-    offs_t = tl.program_id(0) * BT + tl.arange(0, BT)
+    the channels), nothing written but out. A tile whose taps all fall in x (every tile but the first (K - 1) x DIL
+    tokens') loads one shifted [BT, BC] tile a tap and nothing else; only the first tiles also read the state's
+    columns (session 12's form read both for every tile: 250 registers, 97.9 us for a 2,048-token GDN head)."""
+    t0 = tl.program_id(0) * BT
+    offs_t = t0 + tl.arange(0, BT)
     offs_c = tl.program_id(1) * BC + tl.arange(0, BC)
     seq = tl.program_id(2).to(tl.int64)
     mask_t = offs_t < num_tokens
     mask_c = offs_c < channels
-    acc = tl.zeros([BT, BC], tl.float32)
+    io_mask = mask_t[:, None] & mask_c[None, :]
     x_base = x_ptr + seq * x_seq_stride
-    prev_base = prev_ptr + seq * channels * S
-    for j in tl.static_range(K):
-        # tap j of output t reads column t + (j - (K - 1)) x DIL of x, or of the state (its last S) when negative
-        src = offs_t + (j - (K - 1)) * DIL
-        from_x = src >= 0
-        w = tl.load(weight_ptr + offs_c * K + j, mask=mask_c, other=0.0).to(tl.float32)
-        # int32 offsets from per-sequence base pointers (64-bit address tiles spilled 2 KB at 4 warps)
-        col = tl.load(x_base + src[:, None] * x_token_stride + offs_c[None, :],
-                      mask=(mask_t & from_x)[:, None] & mask_c[None, :], other=0.0).to(tl.float32)
-        col += tl.load(prev_base + offs_c[None, :] * S + (S + src)[:, None],
-                       mask=(mask_t & ~from_x & (S + src >= 0))[:, None] & mask_c[None, :], other=0.0).to(tl.float32)
-        acc += col * w[None, :]
-    if SILU:  # on the conv's output rounded to out's dtype, as F.silu(conv) does
-        acc = acc.to(out_ptr.dtype.element_ty).to(tl.float32)
-        acc = acc * tl.sigmoid(acc)
     out_base = out_ptr + seq * num_tokens * channels
-    tl.store(out_base + offs_t[:, None] * channels + offs_c[None, :], acc.to(out_ptr.dtype.element_ty),
-             mask=mask_t[:, None] & mask_c[None, :])
+    if t0 >= (K - 1) * DIL:  # every tap of every row in x: one shifted [BT, BC] tile a tap
+        # int32 offsets from per-sequence base pointers (64-bit address tiles spilled 2 KB at 4 warps)
+        x_tile = x_base + offs_t[:, None] * x_token_stride + offs_c[None, :]
+        acc = tl.zeros([BT, BC], tl.float32)
+        for j in tl.static_range(K):
+            w = tl.load(weight_ptr + offs_c * K + j, mask=mask_c, other=0.0).to(tl.float32)
+            col = tl.load(x_tile + (j - (K - 1)) * DIL * x_token_stride, mask=io_mask, other=0.0).to(tl.float32)
+            acc += col * w[None, :]
+        if SILU:  # on the conv's output rounded to out's dtype, as F.silu(conv) does
+            acc = acc.to(out_ptr.dtype.element_ty).to(tl.float32)
+            acc = acc * tl.sigmoid(acc)
+        tl.store(out_base + offs_t[:, None] * channels + offs_c[None, :], acc.to(out_ptr.dtype.element_ty),
+                 mask=io_mask)
+    else:  # the first tile: row by row, a tap from x or from the state's columns (a [BT, BC] form of both loads
+        # held 240 registers at 8 warps, sm_90 with the launch's divisibility, and capped the fast tiles' occupancy)
+        _conv_rows(x_base, prev_ptr + seq * channels * S, weight_ptr, out_base, offs_c, mask_c, t0,
+                   tl.minimum(t0 + BT, num_tokens), channels, x_token_stride, K, S, DIL, SILU)
+
+
+@triton.jit
+def _conv_rows(x_base, prev_base, weight_ptr, out_base, offs_c, mask_c, t_begin, t_end, channels, x_token_stride,
+               K: tl.constexpr, S: tl.constexpr, DIL: tl.constexpr, SILU: tl.constexpr):
+    """Outputs t_begin..t_end - 1 of one channel tile, each a [BC] row: tap j of token t reads column
+    t + (j - (K - 1)) x DIL of x, or of the state (its last S columns) when negative."""
+    x_rows = x_base + offs_c
+    prev_rows = prev_base + offs_c * S
+    out_rows = out_base + offs_c
+    for t in range(t_begin, t_end):
+        acc = tl.zeros(offs_c.shape, tl.float32)
+        for j in tl.static_range(K):
+            src = t + (j - (K - 1)) * DIL
+            w = tl.load(weight_ptr + offs_c * K + j, mask=mask_c, other=0.0).to(tl.float32)
+            col = tl.load(x_rows + src * x_token_stride, mask=mask_c & (src >= 0), other=0.0).to(tl.float32)
+            col += tl.load(prev_rows + S + src, mask=mask_c & (src < 0) & (S + src >= 0), other=0.0).to(tl.float32)
+            acc += col * w
+        if SILU:
+            acc = acc.to(out_rows.dtype.element_ty).to(tl.float32)
+            acc = acc * tl.sigmoid(acc)
+        tl.store(out_rows + t * channels, acc.to(out_rows.dtype.element_ty), mask=mask_c)
 
 
 @triton.jit
@@ -133,32 +158,29 @@ def _conv_prefill_rows_kernel(
     K: tl.constexpr, S: tl.constexpr, DIL: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, SILU: tl.constexpr,
 ):
     """_conv_prefill_kernel's values row by row: one program a (run of BT tokens, channel tile, sequence) walks its
-    tokens, each tap a [BC] row (the taps' re-reads hit L1). The tiled form keeps a 64-bit address tile per tap
-    (250 registers at 8 warps, sm_90 compile report); this one 1-D rows (~50). Not yet timed on a GPU."""
+    tokens, each tap a [BC] row (the taps' re-reads hit L1); 48 registers (sm_90 compile report). The tiled form
+    runs its first tile this way."""
     t0 = tl.program_id(0) * BT
     offs_c = tl.program_id(1) * BC + tl.arange(0, BC)
     seq = tl.program_id(2).to(tl.int64)
-    mask_c = offs_c < channels
-    x_base = x_ptr + seq * x_seq_stride + offs_c
-    prev_base = prev_ptr + (seq * channels + offs_c) * S
-    out_base = out_ptr + seq * num_tokens * channels + offs_c
-    for t in range(t0, tl.minimum(t0 + BT, num_tokens)):
-        acc = tl.zeros([BC], tl.float32)
-        for j in tl.static_range(K):
-            src = t + (j - (K - 1)) * DIL  # a column of x, or of the state (its last S) when negative
-            w = tl.load(weight_ptr + offs_c * K + j, mask=mask_c, other=0.0).to(tl.float32)
-            col = tl.load(x_base + src * x_token_stride, mask=mask_c & (src >= 0), other=0.0).to(tl.float32)
-            col += tl.load(prev_base + S + src, mask=mask_c & (src < 0) & (S + src >= 0), other=0.0).to(tl.float32)
-            acc += col * w
-        if SILU:
-            acc = acc.to(out_ptr.dtype.element_ty).to(tl.float32)
-            acc = acc * tl.sigmoid(acc)
-        tl.store(out_base + t * channels, acc.to(out_ptr.dtype.element_ty), mask=mask_c)
+    _conv_rows(x_ptr + seq * x_seq_stride, prev_ptr + seq * channels * S, weight_ptr,
+               out_ptr + seq * num_tokens * channels, offs_c, offs_c < channels, t0, tl.minimum(t0 + BT, num_tokens),
+               channels, x_token_stride, K, S, DIL, SILU)
 
 
-# causal_conv_prefill's kernel: "tiles" (_conv_prefill_kernel, the measured one: session 12) or "rows"
-# (_conv_prefill_rows_kernel, to be timed: benchmarks/kernels.py --only conv times both)
-PREFILL_FORM = "tiles"
+# causal_conv_prefill's launch: a kernel form ("tiles": _conv_prefill_kernel, "rows": _conv_prefill_rows_kernel), its
+# token and channel tiles and warps; benchmarks/kernels.py --only conv times every named schedule
+PREFILL_SCHEDULES = {
+    "tiles": ("tiles", 32, 128, 8),
+    "tiles-32x128-w4": ("tiles", 32, 128, 4),
+    "tiles-16x128-w4": ("tiles", 16, 128, 4),
+    "tiles-64x64-w4": ("tiles", 64, 64, 4),
+    "tiles-64x128-w8": ("tiles", 64, 128, 8),
+    "tiles-32x256-w8": ("tiles", 32, 256, 8),
+    "rows": ("rows", 64, 512, 4),
+    "rows-16x512-w4": ("rows", 16, 512, 4),
+}
+PREFILL_SCHEDULE = "tiles"
 
 
 @torch.library.custom_op("atlas::causal_conv_prefill", mutates_args=())
@@ -181,10 +203,8 @@ def causal_conv_prefill(x: torch.Tensor, prev: torch.Tensor, weight: torch.Tenso
         x = x.contiguous()
     prev, weight = prev.contiguous(), weight.reshape(channels, kernel_size).contiguous()
     out = torch.empty((num_seqs, num_tokens, channels), dtype=x.dtype, device=x.device)
-    if PREFILL_FORM == "rows":
-        block_t, block_c, kernel, warps = 64, 512, _conv_prefill_rows_kernel, 4
-    else:
-        block_t, block_c, kernel, warps = 32, 128, _conv_prefill_kernel, 8  # 4 warps spilled
+    form, block_t, block_c, warps = PREFILL_SCHEDULES[PREFILL_SCHEDULE]
+    kernel = _conv_prefill_rows_kernel if form == "rows" else _conv_prefill_kernel
     grid = (triton.cdiv(num_tokens, block_t), triton.cdiv(channels, block_c), num_seqs)
     kernel[grid](
         x, prev, weight, out, num_tokens, channels, x.stride(0), x.stride(1),

@@ -55,21 +55,21 @@ def test_conv_update_matches_reference(dtype: torch.dtype, state_len: int, token
     check_conv(100, 4, state_len, tokens, dtype, bias=state_len == 3, seed=state_len * 10 + tokens)
 
 
-@pytest.mark.parametrize("form", ["tiles", "rows"])
+@pytest.mark.parametrize("schedule", ["tiles", "tiles-16x128-w4", "rows"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("dilation", "state_len", "tokens"), [(1, 3, 70), (1, 4, 2), (3, 9, 40), (3, 9, 5)])
 def test_prefill_conv_equals_the_windowed_product_on_strided_input(dtype: torch.dtype, dilation: int, state_len: int,
-                                                                    tokens: int, form: str,
+                                                                    tokens: int, schedule: str,
                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     """causal_conv_prefill on a token-strided slice of a wider projection (as the GDN heads feed it) against the CUDA
-    backend's windowed conv_step (channel-major) then F.silu, in either kernel form: a tile boundary (70 tokens,
-    32-token tiles), fewer tokens than the state (the taps reaching into the state past the first tile), PLE's
-    dilation 3."""
+    backend's windowed conv_step (channel-major) then F.silu, in either kernel form: tile boundaries (70 tokens in
+    16-, 32- or 64-token tiles: the first tile reads the state, the others x only), fewer tokens than the state (the
+    taps reaching into the state past the first tile), PLE's dilation 3."""
     from atlas_kernels import conv
 
     from atlas.backends.cuda.layers import conv_step
 
-    monkeypatch.setattr(conv, "PREFILL_FORM", form)
+    monkeypatch.setattr(conv, "PREFILL_SCHEDULE", schedule)
     gen = torch.Generator().manual_seed(dilation * 100 + tokens)
     channels, k = 136, 4  # a partial channel tile
     proj = torch.randn(2, tokens, channels + 40, generator=gen).to(DEVICE, dtype)

@@ -171,7 +171,9 @@ def chunk_flops(tokens: int, hv: int, dk: int, dv: int) -> float:
     return hv * (tokens / c) * per_chunk
 
 
-def bench_gdn_chunk(cfg: dict, with_fp32: bool) -> None:
+def bench_gdn_chunk(cfg: dict, with_fp32: bool, others: bool = True) -> None:
+    """others=False (--no-sweep): only the backend's call, at its defaults and GATED_CHUNK_SCHEDULES (not the fused
+    kernel nor the split one's tiles)."""
     hk, hv = cfg["linear_num_key_heads"], cfg["linear_num_value_heads"]
     dk, dv = cfg["linear_key_head_dim"], cfg["linear_value_head_dim"]
     tokens = PREFILL_TOKENS
@@ -182,13 +184,13 @@ def bench_gdn_chunk(cfg: dict, with_fp32: bool) -> None:
     dtypes = [BF16, torch.float32] if with_fp32 else [BF16]
     for dtype in dtypes:
         inputs = gdn_inputs((tokens,), hk, hv, dk, dv, dtype)
-        variants: list[tuple[str, Callable]] = [
+        variants: list[tuple[str, Callable]] = [] if not others else [
             (f"fused BV={bv} w={w}", lambda pool, bv=bv, w=w, inputs=inputs: gdn_chunk_prefill(
                 *inputs, cu, pool, slots, block_v=bv, num_warps=w)) for bv, w in [(32, 4), (64, 8)]
         ]
         # the scan's grid is dv tiles x heads (128 programs at tile 32 for 32 heads, on 132 SMs): tile 16 doubles it;
         # pw: the prepare kernel's warps (8 spilled 2.4 KB a thread in the sm_90 compile report)
-        variants += [
+        variants += [] if not others else [
             (f"split BV={bv} w={w} pw={pw}", lambda pool, bv=bv, w=w, pw=pw, inputs=inputs: gdn_chunk_prefill_split(
                 *inputs, cu, pool, slots, tokens, block_v=bv, scan_warps=w, prepare_warps=pw))
             for bv, w, pw in [(64, 8, 8), (32, 4, 8), (16, 4, 8), (16, 2, 8), (32, 2, 8), (32, 4, 4), (32, 4, 16)]
@@ -226,14 +228,12 @@ def bench_gdn_chunk(cfg: dict, with_fp32: bool) -> None:
 # the backend's call under other launch schedules (prepare warps, the scan loop's pipelining depth) against its
 # defaults (gdn_chunk_prefill_gated's docstring)
 GATED_CHUNK_SCHEDULES = [
-    {"prepare_warps": 8, "scan_stages": 1},  # the defaults before session 12
+    {"inverse": "squaring"},  # the WY inverse by squaring the whole chunk (before session 13)
+    {"inverse": "squaring", "prepare_warps": 8},
     {"prepare_warps": 8},
-    {"scan_stages": 1},
-    {"scan_stages": 3},
     {"prepare_warps": 2},
-    {"scan_warps": 8},
-    {"block_v": 16},
-    {"block_v": 16, "scan_stages": 3},
+    {"scan_stages": 1},
+    {"block_v": 64, "scan_warps": 8},
 ]
 
 
@@ -500,7 +500,8 @@ def main() -> None:
     parser.add_argument("--only", default="", help="comma-separated subset: gdn,conv,attn,qsa,norms,moe,moe_prefill,chunk")
     parser.add_argument("--fp32-chunk", action="store_true", help="also time the fp32 (parity) chunked prefill")
     parser.add_argument("--no-sweep", action="store_true",
-                        help="moe_prefill: today's tile and torch._grouped_mm only, not the tile sweep")
+                        help="moe_prefill: today's tile and torch._grouped_mm only, not the tile sweep; chunk: the "
+                             "backend's call only (its defaults and GATED_CHUNK_SCHEDULES)")
     parser.add_argument("--dry-run", "--smoke", action="store_true",
                         help="load the config and list what would be timed; no GPU needed")
     args = parser.parse_args()
@@ -531,7 +532,7 @@ def main() -> None:
         "norms": lambda: bench_norms(cfg),
         "moe": lambda: bench_moe(cfg),
         "moe_prefill": lambda: bench_moe_prefill(*moe_weights(cfg), sweep=not args.no_sweep),
-        "chunk": lambda: bench_gdn_chunk(cfg, args.fp32_chunk),
+        "chunk": lambda: bench_gdn_chunk(cfg, args.fp32_chunk, others=not args.no_sweep),
     }
     chosen = [name for name in args.only.split(",") if name] or list(benches)
     args.out.mkdir(parents=True, exist_ok=True)

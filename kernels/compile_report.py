@@ -109,14 +109,20 @@ def gdn_chunk_split_cases() -> list[CompileReport]:
                 p_ptr="*fp32", g_cum_ptr="*fp32", cu_seqlens_ptr="*i32", state_ptr="*fp32", slot_ptr="*i64",
                 out_ptr="*bf16", stamp_ptr="*i32", end_ptr="*i32", num_k_heads="i32", num_v_heads="i32",
                 qk_stride="i32", seq_len="i32")
+    # divisible by 16 as a 2,048-token layer launches them: the q / k / v slices of the conv output and their
+    # strides, the scratch, the head counts and the length (the gate slices a / b of the projection are not)
+    aligned = ("q_ptr", "k_ptr", "v_ptr", *work, "state_ptr", "out_ptr", "num_k_heads", "num_v_heads", "qk_stride",
+               "v_stride", "seq_len")
     c = gdn_chunk.CHUNK
     return [
         compile_for_hopper(gdn_chunk_split._prepare_kernel, prepare,
                            dict(DK=128, DV=128, BK=128, BDV=128, C=c, LOG2_C=6, PRECISION="tf32", FUSED_GATING=True,
-                                UNIFORM=True), 4, "warps=4 stages=1 tf32 gated uniform", num_stages=1),
+                                UNIFORM=True, BLOCK_INVERSE=True), 4, "warps=4 stages=1 tf32 gated uniform blocks",
+                           num_stages=1, divisible=tuple(name for name in aligned if name in prepare)),
         compile_for_hopper(gdn_chunk_split._scan_kernel, scan,
                            dict(DK=128, DV=128, BK=128, BV=32, C=c, PRECISION="tf32", UNIFORM=True, STAMP=True), 4,
-                           "BV=32 warps=4 stages=2 tf32 uniform stamp", num_stages=2),
+                           "BV=32 warps=4 stages=2 tf32 uniform stamp", num_stages=2,
+                           divisible=tuple(name for name in aligned if name in scan)),
     ]
 
 

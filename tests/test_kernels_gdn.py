@@ -32,7 +32,13 @@ def split_prefill(*args: torch.Tensor, max_seqlen: int) -> torch.Tensor:
     return gdn_chunk_prefill_split(*args, max_seqlen)
 
 
-PREFILLS = pytest.mark.parametrize("prefill", [fused_prefill, split_prefill], ids=["fused", "split"])
+def split_squaring_prefill(*args: torch.Tensor, max_seqlen: int) -> torch.Tensor:
+    """The split kernels with the WY inverse by repeated squaring of the whole chunk (the default: 16 x 16 blocks)"""
+    return gdn_chunk_prefill_split(*args, max_seqlen, inverse="squaring")
+
+
+PREFILLS = pytest.mark.parametrize("prefill", [fused_prefill, split_prefill, split_squaring_prefill],
+                                   ids=["fused", "split", "split-squaring"])
 
 
 def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:

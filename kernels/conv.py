@@ -173,18 +173,19 @@ def _conv_prefill_rows_kernel(
 PREFILL_SCHEDULES = {
     # H200 session 13, one 2,048-token GDN head (2,048 x 8,192 channels from a strided slice), us: tiles 67.5,
     # 32x128-w4 45.0, 16x128-w4 33.8, 64x64-w4 62.7, 64x128-w8 73.3, 32x256-w8 46.6, rows 87.0, rows-16x512-w4 84.7
-    # (session 12's form, every tile reading x and the state, 32x128 at 8 warps: 97.9)
+    # (session 12's form, every tile reading x and the state, 32x128 at 8 warps: 97.9); second sweep, same session:
+    # 16x128-w4 33.7, 16x128-w2 36.8, 8x128-w2 29.2, 16x256-w4 36.9, 8x256-w4 29.5, 16x64-w2 33.8
+    "tiles-8x128-w2": ("tiles", 8, 128, 2),
     "tiles-16x128-w4": ("tiles", 16, 128, 4),
     "tiles": ("tiles", 32, 128, 8),
     "tiles-32x128-w4": ("tiles", 32, 128, 4),
     "tiles-16x128-w2": ("tiles", 16, 128, 2),
-    "tiles-8x128-w2": ("tiles", 8, 128, 2),
     "tiles-16x256-w4": ("tiles", 16, 256, 4),
     "tiles-8x256-w4": ("tiles", 8, 256, 4),
     "tiles-16x64-w2": ("tiles", 16, 64, 2),
     "rows": ("rows", 64, 512, 4),
 }
-PREFILL_SCHEDULE = "tiles-16x128-w4"
+PREFILL_SCHEDULE = "tiles-8x128-w2"
 
 
 @torch.library.custom_op("atlas::causal_conv_prefill", mutates_args=())

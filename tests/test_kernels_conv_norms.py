@@ -55,7 +55,7 @@ def test_conv_update_matches_reference(dtype: torch.dtype, state_len: int, token
     check_conv(100, 4, state_len, tokens, dtype, bias=state_len == 3, seed=state_len * 10 + tokens)
 
 
-@pytest.mark.parametrize("schedule", ["tiles", "tiles-16x128-w4", "rows"])
+@pytest.mark.parametrize("schedule", ["tiles", "tiles-8x128-w2", "rows"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("dilation", "state_len", "tokens"), [(1, 3, 70), (1, 4, 2), (3, 9, 40), (3, 9, 5)])
 def test_prefill_conv_equals_the_windowed_product_on_strided_input(dtype: torch.dtype, dilation: int, state_len: int,

@@ -46,6 +46,8 @@ _K_RUNNING = _U(_K_RUNNING_INT)
 _FNV = _U(0x100000001B3)
 _ONE = _U(1)
 _K_TOKEN_STEP = _U((0xC2B2AE3D27D4EB4F + int(_K_COMPUTED_QSA)) & MASK64)  # the terms' move for one decoded token
+# the decode step's constants as 0-d arrays (columns.mix64_column's note: ~0.2 us less a ufunc call than a scalar's)
+_A_FNV, _A_ONE, _A_TOKEN_STEP, _A_ONE_I = np.array(_FNV), np.array(_ONE), np.array(_K_TOKEN_STEP), np.array(1, _I)
 _MIN_ROWS = 16  # steps.VECTOR_MIN: below this many rows numpy's per-call cost loses to the objects' walk
 try:  # the C function under np.count_nonzero: ~1.0 K instructions a call against ndarray.all()'s ~8.5 K (numpy 2.4,
     # 64 rows, callgrind): the bool reductions of a decode step
@@ -91,7 +93,7 @@ class BatchColumns:
     __slots__ = ("ids", "objs", "cursors", "qsas", "row", "bs", "computed", "ends", "ntok", "token_hash", "nblocks",
                  "capacity", "fp", "hid", "limit", "low", "blocks_term", "budget_end", "params", "tables",
                  "first_keys", "keys_at_zero", "plain", "last", "fed", "decode", "work", "aligned", "terms", "plan_head", "next_decode", "ones",
-                 "hi", "short", "ones_fed")
+                 "hi", "short", "ones_fed", "slack")
 
     def __init__(self, ids: tuple[int, ...], objs: list[Sequence], bs: int) -> None:
         self.ids = ids
@@ -128,6 +130,7 @@ class BatchColumns:
         # every row has exactly its last token left to feed (its next step is a decode of one token)
         self.next_decode = bool((self.ntok - self.computed == 1).all())
         self.short: list[int] | None = None  # short_rows' memo (None: not computed since ntok or nblocks moved)
+        self.slack: tuple[int, int, int] | None = None  # _slack's memo (None: not computed since a column moved)
         self.ones_fed: np.ndarray | None = None  # `ones` as an array (a decode plan's fed column)
         self.fed: np.ndarray | None = None  # the in-flight plan's fed counts (StepPlanned)
         self.decode = False  # the in-flight plan feeds every row its one last token (a decode step)
@@ -159,6 +162,7 @@ class BatchColumns:
         self.ones = (1,) * len(ids)
         self.ones_fed = None
         self.short = None
+        self.slack = None
         for name in ("computed", "ntok", "token_hash", "nblocks", "capacity", "fp", "hid", "limit", "low",
                      "blocks_term", "budget_end", "terms", "hi"):
             setattr(self, name, np.delete(getattr(self, name), r))
@@ -197,8 +201,23 @@ class BatchColumns:
         once while the token and block counts stay (batch's decode shortcut and StepPlanned's check both ask)."""
         short = self.short
         if short is None:
-            short = self.short = (self.ntok > self.nblocks * self.bs).nonzero()[0].tolist()
+            slack = self.slack
+            if slack is not None and slack[2] >= 0:  # no row's tokens past its blocks (min(blocks * bs - ntok) >= 0)
+                short = self.short = []
+            else:
+                short = self.short = (self.ntok > self.nblocks * self.bs).nonzero()[0].tolist()
         return short
+
+    def _slack(self) -> tuple[int, int, int]:
+        """(min(hi - ntok), min(ntok - low), min(nblocks * bs - ntok)) over the rows: a decode step's bounds (every
+        row within `hi` and at or past `low`: both >= 0) and whether any row is short (the third < 0). A decode
+        step moves every row's token count by one and nothing else these read, so advance moves the three by
+        (-1, +1, -1) instead of recomputing them (exact: the same minima); anything else that moves a token count,
+        a block count or the rows sets it to None, and it is computed again here when next asked."""
+        n = self.ntok
+        mn = np.minimum.reduce
+        slack = self.slack = (int(mn(self.hi - n)), int(mn(n - self.low)), int(mn(self.nblocks * self.bs - n)))
+        return slack
 
     def fits(self, fed_counts: tuple[int, ...], new_blocks: dict[int, int]) -> bool:
         """steps._check_work's conditions for a plan over exactly these rows (all running): every fed count >= 1,
@@ -250,6 +269,7 @@ class BatchColumns:
                          + term) & MASK64
         self.hi[r] = min(int(self.limit[r]), int(self.budget_end[r]) - 1)
         self.short = None
+        self.slack = None
         self.tables[r] = tuple(seq.blocks)
 
     def allocate(self, pool: BlockPool, alloc: tuple[tuple[int, ...], ...]) -> tuple[int, list[int]] | None:
@@ -294,6 +314,7 @@ class BatchColumns:
         self.terms[idx] = terms
         self.hi[idx] = np.minimum(limit, self.budget_end[idx] - 1)
         self.short = None
+        self.slack = None
         h = _mix(self.token_hash[idx] ^ self.hid[idx], terms)  # advance's fingerprint arithmetic for these rows
         change = int(np.bitwise_xor.reduce(self.fp[idx] ^ h))
         self.fp[idx] = h
@@ -314,21 +335,30 @@ class BatchColumns:
         qsa.ingested == computed and no snapshots or drafter rows hold for every row by construction."""
         fed = self.fed
         assert fed is not None
-        if not tokens or min(tokens) < -(1 << 63) or max(tokens) >= 1 << 63:
+        if not tokens:
+            return None
+        lo = min(tokens)
+        if lo < -(1 << 63) or max(tokens) >= 1 << 63:
             return None
         tok = np.array(tokens, dtype=_I)
         n = self.ntok
         th = self.token_hash
-        if self.decode and min(tokens) >= 0:  # every row fed its last token (end == n) and sampled one
+        slack = None
+        if self.decode and lo >= 0:  # every row fed its last token (end == n) and sampled one
             # the conditions below with end == n and every token sampled: KV and QSA keys within the blocks and the
-            # index, the new token within the budget, no block past the tokens
-            if _nonzero((n <= self.hi) & (n >= self.low)) != len(n):
+            # index, the new token within the budget, no block past the tokens: n <= hi and n >= low on every row,
+            # i.e. both minima of _slack >= 0 (kept across decode steps: no numpy call for them)
+            slack = self.slack or self._slack()
+            if slack[0] < 0 or slack[1] < 0:
                 return None
             end = n
-            n2 = n + 1
+            n2 = n + _A_ONE_I
             some_unsampled = False
-            th = th * _FNV + (tok.view(_U) + _ONE)
-            terms = self.terms + _K_TOKEN_STEP  # one more token and one more computed: the terms move by a constant
+            th = th * _A_FNV
+            th += tok.view(_U)
+            th += _A_ONE
+            terms = self.terms + _A_TOKEN_STEP  # one more token and one more computed: the terms move by a constant
+            slack = (slack[0] - 1, slack[1] + 1, slack[2] - 1)  # every row's token count one more
         else:
             end = self.computed + fed
             unsampled = tok < 0
@@ -341,7 +371,10 @@ class BatchColumns:
             else:
                 th = th * _FNV + (tok.view(_U) + _ONE)
             terms = n2.view(_U) * _K_LEN + end.view(_U) * _K_COMPUTED_QSA + self.blocks_term
-        h = _mix(th ^ self.hid, terms)
+        h = th ^ self.hid  # _mix in place on this fresh array
+        mix64_column(h)
+        h += terms
+        mix64_column(h)
         change = int(np.bitwise_xor.reduce(self.fp ^ h))
         ends, hashes, fps = end.tolist(), th.tolist(), h.tolist()
         if some_unsampled:
@@ -366,6 +399,7 @@ class BatchColumns:
         self.next_decode = not some_unsampled  # each sampled: end == n, so one token (the new one) is left to feed
         self.ends, self.computed, self.ntok, self.token_hash, self.fp, self.terms = ends, end, n2, th, h, terms
         self.short = None
+        self.slack = slack
         self.fed = None
         self.decode = False
         return change

@@ -24,7 +24,8 @@ from atlas.backends.cuda.tuning import Tuning
 # rather than silently shared (session 8: regions-prefill's prefill was reported "= regions-compile" because
 # prefill_stack / compile_prefill were missing from a hand-written prefill list)
 DECODE_ONLY = ("moe", "decode_attention", "compile_decode", "decode_stack", "decode_gemv")
-PREFILL_ONLY = ("prefill_moe", "attention", "prefill_conv", "prefill_stack", "compile_prefill", "prefill_graphs")
+PREFILL_ONLY = ("prefill_moe", "attention", "prefill_conv", "prefill_stack", "compile_prefill", "prefill_graphs",
+                "gdn_work")
 PREFILL_KNOBS = tuple(f.name for f in attrs.fields(Tuning) if f.name not in DECODE_ONLY)
 DECODE_KNOBS = tuple(f.name for f in attrs.fields(Tuning) if f.name not in PREFILL_ONLY)
 

@@ -234,6 +234,11 @@ GATED_CHUNK_SCHEDULES = [
     {"prepare_warps": 2},
     {"scan_stages": 1},
     {"block_v": 64, "scan_warps": 8},
+    # bf16 intermediates and scan products (Tuning.gdn_work, session 14): half of w / u's bytes, twice the rate
+    {"work": "bf16"},
+    {"work": "bf16", "scan_stages": 3},
+    {"work": "bf16", "block_v": 64, "scan_warps": 8},
+    {"work": "bf16", "block_v": 16},
 ]
 
 

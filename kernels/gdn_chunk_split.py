@@ -29,6 +29,11 @@ from atlas_kernels import _interpreter_compat  # noqa: F401  (CPU interpreter fi
 from atlas_kernels.gdn_chunk import CHUNK
 from atlas_kernels.reference import L2_EPS, check_gdn_state_pool
 
+# the intermediates w, u (and p's values) the scan reads, and its products' operands: "fp32" (tf32 products for
+# bf16 inputs, ieee for fp32) or "bf16" (bf16 products at twice the tensor rate, half of w / u's bytes; the
+# state itself stays fp32 in registers and in the pool), as flash-linear-attention runs its chunk kernels
+WORK = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
 
 @triton.jit
 def _tile16(rows, row_stride, num_rows, i: tl.constexpr, j: tl.constexpr):
@@ -234,7 +239,7 @@ def _scan_kernel(
         k_decayed = k_decayed * tl.load(k_norm_ptr + head_rows, mask=valid, other=0.0)[:, None]
         k_decayed = (k_decayed * tl.exp(g_last - g_cum)[:, None]).to(work)
         u = tl.load(u_ptr + value_rows, mask=value_mask, other=0.0).to(tl.float32)
-        p = tl.load(p_ptr + head_rows[:, None] * C + offs_c[None, :], mask=valid[:, None], other=0.0)
+        p = tl.load(p_ptr + head_rows[:, None] * C + offs_c[None, :], mask=valid[:, None], other=0.0).to(work)
 
         state_operand = state.to(work)
         v_new = u - tl.dot(w, state_operand, input_precision=PRECISION)
@@ -266,6 +271,7 @@ def gdn_chunk_prefill_split(
     scan_warps: int = 8,
     scan_stages: int = 1,
     inverse: str = "blocks",
+    work: str = "fp32",
 ) -> torch.Tensor:
     """Same contract as gdn_chunk.gdn_chunk_prefill, plus max_seqlen: a host-known bound on the longest
     sequence in the batch (sizes the prepare grid only).
@@ -278,7 +284,7 @@ def gdn_chunk_prefill_split(
     num_v_heads, dv = v.shape[1], v.shape[2]
     strides = (num_k_heads * dk, num_v_heads * dv, num_v_heads, num_v_heads)
     return _launch(q, k, v, g, beta, None, cu_seqlens, None, state_pool, slots, max_seqlen, strides, None,
-                   out_dtype, block_v, prepare_warps, scan_warps, scan_stages, inverse)
+                   out_dtype, block_v, prepare_warps, scan_warps, scan_stages, inverse, work)
 
 
 def gdn_chunk_prefill_gated(
@@ -299,6 +305,7 @@ def gdn_chunk_prefill_gated(
     scan_warps: int = 4,
     scan_stages: int = 2,
     inverse: str = "blocks",
+    work: str = "fp32",
 ) -> torch.Tensor:
     """N sequences of T tokens each through the chunked gated delta rule, as a GDN layer's prefill feeds them:
     q, k [N, T, Hk, dk], v [N, T, Hv, dv] and the raw gates a, b [N, T, Hv] may be token-strided views (slices
@@ -326,12 +333,12 @@ def gdn_chunk_prefill_gated(
     if stamp is not None and (stamp[0].dtype != torch.int32 or stamp[1].dtype != torch.int32):
         raise ValueError("gdn_chunk_prefill_gated: stamp= needs int32 (stamps, ends)")
     out = _launch(q, k, v, a, b, (a_log, dt_bias), None, seq_len, state_pool, slots, seq_len, strides, stamp,
-                  out_dtype, block_v, prepare_warps, scan_warps, scan_stages, inverse)
+                  out_dtype, block_v, prepare_warps, scan_warps, scan_stages, inverse, work)
     return out.view(num_seqs, seq_len, num_v_heads, dv)
 
 
 def _launch(q, k, v, g, beta, gating, cu_seqlens, seq_len, state_pool, slots, max_seqlen, strides, stamp,
-            out_dtype, block_v, prepare_warps, scan_warps, scan_stages, inverse):
+            out_dtype, block_v, prepare_warps, scan_warps, scan_stages, inverse, work):
     """Both entry points' two launches. q, k, v, g, beta: token-strided by `strides` (elements from one token to
     the next: q/k, v, g, beta), indexed as flat tokens [L, ...] (N sequences of seq_len tokens when seq_len is
     not None: cu_seqlens unused)."""
@@ -349,10 +356,16 @@ def _launch(q, k, v, g, beta, gating, cu_seqlens, seq_len, state_pool, slots, ma
     bounds = slots if uniform else cu_seqlens  # (unread when uniform)
     stamps, ends = stamp if stamp is not None else (slots, slots)
 
-    def scratch(width: int) -> torch.Tensor:
-        return torch.empty((num_tokens, num_v_heads, width), dtype=torch.float32, device=v.device)
+    if work not in WORK:
+        raise ValueError(f"gdn chunk prefill: work={work!r}; choose {' or '.join(map(repr, WORK))}")
+    if work == "bf16" and v.dtype == torch.float32:
+        raise ValueError("gdn chunk prefill: work='bf16' is for bf16 inputs (fp32 inputs are the parity mode)")
 
-    w, u, p = scratch(dk), scratch(dv), scratch(CHUNK)
+    def scratch(width: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return torch.empty((num_tokens, num_v_heads, width), dtype=dtype, device=v.device)
+
+    # p stays fp32 in either mode: the block inverse uses its rows as fp32 scratch (the scan rounds it to `work`)
+    w, u, p = scratch(dk, WORK[work]), scratch(dv, WORK[work]), scratch(CHUNK)
     g_cum, q_norm, k_norm = (torch.empty((num_tokens, num_v_heads), dtype=torch.float32, device=v.device)
                              for _ in range(3))
     block_k = triton.next_power_of_2(dk)

@@ -16,11 +16,12 @@ PREFILL_MOE = ("grouped", "dense", "triton", "grouped_mm")
 ATTENTION = ("torch", "sdpa")
 DECODE_ATTENTION = (*ATTENTION, "paged")
 HYPER = ("torch", "triton")
-COMPILE = ("none", "default", "max-autotune-no-cudagraphs")
+COMPILE = ("none", "default", "max-autotune-no-cudagraphs", "tuned", "combo", "tuned-combo")
 STACK = ("layers", "regions")
 CONV = ("windowed", "library", "inductor", "shifted", "triton")
 GEMV = ("library", "reduce", "split")
 PREFILL_GRAPHS = ("none", "recurring")
+GDN_WORK = ("fp32", "bf16")
 
 
 def _one_of(options: tuple[str, ...]):  # type: ignore[no-untyped-def]
@@ -100,6 +101,11 @@ class Tuning:
     # tokens 52.8 -> 41.7 ms (execute 40.7 ms over an eager device time of 34.2), 8,192 tokens 161.0 -> 157.2 ms
     # (benchmarks/prefill_runs.py; the capture, the second feed, 490 ms); in regions-compile
     prefill_graphs: str = attrs.field(default="none", validator=_one_of(PREFILL_GRAPHS))
+    # the GDN chunk prefill kernel's intermediates (w, u, p) and its scan's product operands for bf16 activations
+    # (atlas_kernels.gdn_chunk_split.WORK): "fp32" (tf32 products), "bf16" (bf16 products at twice the tensor rate,
+    # half the intermediates' bytes; the state stays fp32). CPU interpreter, 150 tokens: output error against the
+    # fp32 reference 3.3e-3 against 1.7e-3 (the output's own bf16 rounding), the state 2.8e-3 against 3e-7
+    gdn_work: str = attrs.field(default="fp32", validator=_one_of(GDN_WORK))
 
     def __attrs_post_init__(self) -> None:
         if self.prefill_graphs != "none" and self.prefill_moe == "grouped":
@@ -159,6 +165,16 @@ VARIANTS: dict[str, Tuning] = {
     # "inductor", regions-compile's before session 12's run 4: prefill 2,048 29.6 against 27.5 ms with the Triton conv,
     # the same run, a slower H200 than runs 1-4: 727 TFLOP/s measured against 777)
     "regions-conv-inductor": attrs.evolve(_REGIONS, prefill_conv="inductor"),
+    # regions-compile with Inductor's options (atlas.backends.cuda.compiled.INDUCTOR_OPTIONS), session 14: each
+    # generated kernel's launch tuned by coordinate descent at compile time ("tuned"; the b1 decode's ~900 Inductor
+    # launches average ~2.2 us), independent kernels of a region fused into one launch ("combo"), and the prefill
+    # regions under max-autotune (Triton GEMM templates timed against cuBLAS, epilogues fused into the GEMMs: the
+    # prefill's ~4.5 ms of Inductor passes over the streams sit around its GEMMs)
+    "regions-tuned": attrs.evolve(_REGIONS, compile_decode="tuned", compile_prefill="tuned"),
+    "regions-combo": attrs.evolve(_REGIONS, compile_decode="combo", compile_prefill="combo"),
+    # regions-compile with the GDN chunk prefill's intermediates and scan products in bf16 (gdn_work)
+    "regions-gdn-bf16": attrs.evolve(_REGIONS, gdn_work="bf16"),
+    "regions-autotune-prefill": attrs.evolve(_REGIONS, compile_prefill="max-autotune-no-cudagraphs"),
     # regions-compile with cuBLAS's GEMVs at batch 1-4 (what decode_gemv replaced)
     "regions-cublas": attrs.evolve(_REGIONS, decode_gemv="library"),
     # the same with Inductor's GEMM autotuning (Triton templates against cuBLAS, epilogues fused into the GEMM)

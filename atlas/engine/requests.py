@@ -10,8 +10,8 @@ the events before it left it; the engine applies each. RequestOutputs are collec
 from __future__ import annotations
 
 from collections.abc import Iterator
-from operator import attrgetter
-from typing import Any, Literal
+from operator import attrgetter, sub
+from typing import Literal
 
 import attrs
 
@@ -30,6 +30,7 @@ from atlas.state.events import Event, RequestFinished, RollbackDeclined, RolledB
 from atlas.state.machines import Sequence
 
 _PROMPT_LOGPROBS = attrgetter("prompt_logprobs")
+_COUNT = attrgetter("count")
 Sampled = tuple[int, float | None, tuple[tuple[int, float], ...]]
 # how the tokens ended the request (or None), the tokens it keeps, their logprobs, their top alternatives
 Taken = tuple[tuple[FinishReason, str] | None, list[int], list[float], list[tuple[tuple[int, float], ...]]]
@@ -44,6 +45,8 @@ class RequestCounts:
 
 
 class RequestBook:
+    lag = True  # settle's lag on (_settle_quiet); off: every quiet row written every step (tests compare the two)
+
     def __init__(self, tokenizer: Tokenizer, config: EngineConfig, *, detokenize: bool = True) -> None:
         self.tokenizer = tokenizer if detokenize else None
         self.eos = tuple(getattr(tokenizer, "eos_token_ids", ()))
@@ -61,7 +64,12 @@ class RequestBook:
         # request shares one memo; at most one entry per vocabulary id
         self.pieces: dict[bool, dict[int, str]] = {True: {}, False: {}}
         # the batch columns settle's quiet rows were built for, and those rows (_settle_quiet)
-        self._quiet: tuple[tuple[int, ...], list[tuple[StopChecker, Any, Any] | None]] | None = None
+        self._quiet: _Quiet | None = None
+        # settle's lag (_settle_quiet): the tokens (BatchColumns.last, one list a step, never mutated) of the decode
+        # steps whose quiet rows are not yet written to their checkers and held tokens (_flush_lag writes them), and
+        # min(max_new - count) over the quiet rows' checkers as they stand (None: to be computed again)
+        self._lag: list[list[int]] = []
+        self._room: int | None = None
 
     def _checker(self, params: SamplingParams, max_new: int) -> StopChecker:
         pieces = self.pieces[params.skip_special_tokens] if self.tokenizer is not None else None
@@ -74,6 +82,8 @@ class RequestBook:
         self.counts.prompt_tokens += prompt_len
 
     def forget(self, seq_id: int) -> None:
+        if self._lag and seq_id in self._quiet.lagged:  # type: ignore[union-attr]
+            self._flush_lag()
         self.stops.pop(seq_id, None)
         self.held.pop(seq_id, None)
         self.prompt_lp.pop(seq_id, None)
@@ -92,6 +102,8 @@ class RequestBook:
     # -------------------------------------------------------------------------------------------- finishes
 
     def finish_error(self, state: ControlState, seq_id: int, detail: str, out: list[RequestOutput]) -> Iterator[Event]:
+        if self._lag and seq_id in self._quiet.lagged:  # type: ignore[union-attr]
+            self._flush_lag()
         seq = state.seqs[seq_id]
         request_id, prompt_len, generated = seq.request_id, seq.cursor.prompt_len, seq.cursor.generated
         yield RequestFinished(seq_id, FinishReason.ERROR.value, detail)
@@ -109,12 +121,17 @@ class RequestBook:
         stops = self.stops
         pairs = zip(plan.work, ordered, strict=True)
         cols = state.batch
+        rest = None
         if (quiet and not refused and cols is not None and cols.aligned is not None
                 and cols.aligned.outcomes is ordered and cols.last is not None):  # a decode of the batch columns
             rest = self._settle_quiet(cols)
-            if rest is not None:
-                work = plan.work
-                pairs = ((work[i], ordered[i]) for i in rest)  # type: ignore[assignment]
+        if rest is not None:  # the rows the quiet path left (none of them lagged)
+            if not rest:
+                return
+            work = plan.work
+            pairs = ((work[i], ordered[i]) for i in rest)  # type: ignore[assignment]
+        elif self._lag:  # every row through the loop below: the quiet rows' checkers and held tokens current first
+            self._flush_lag()
         for w, o in pairs:
             if o.prompt_logprobs:
                 self.prompt_lp.setdefault(w.seq_id, {}).update((pos, (lp, top)) for pos, lp, top in o.prompt_logprobs)
@@ -168,32 +185,76 @@ class RequestBook:
         without the call and the reads of each. Such a row yields no event and no output and moves only its own
         checker and held tokens, so taking it first leaves every other row's events and outputs in their order.
         Returns the rows the loop still has to take, in order (None: all of them). No watchdog (the caller's
-        `quiet`), none refused, no prompt logprobs reported (looked at here)."""
+        `quiet`), none refused, no prompt logprobs reported (looked at here).
+
+        The lag: when every quiet row passes (no quiet row's budget reached: len(lag) + 1 < min(max_new - count) over
+        their checkers; no token of the step in the union of their stop ids), the step's tokens are kept
+        (`_lag`) instead of written to 64 checkers and held lists; `_flush_lag` writes every lagged step at once
+        (the count moved by the steps, the tokens appended in order: what the loop below would have done at each)
+        before anything else in this book reads or moves them: any other path of settle, a finish, a cancel, an
+        error, a rollback, or other rows (the batch changed). The tests are the loop's own per row, for every row
+        at once: the budget by the smallest room, the stop ids by their union (a token in the union but not in its
+        row's own ids only sends the step to the loop)."""
         if any(map(_PROMPT_LOGPROBS, cols.aligned.outcomes)):  # type: ignore[union-attr]
             return None
-        if self._quiet is None or self._quiet[0] is not cols.ids:  # per batch: built again when its rows change
-            self._quiet = (cols.ids, self._quiet_checkers(cols))
+        q = self._quiet
+        if q is None or q.ids is not cols.ids:  # per batch: built again when its rows change
+            if self._lag:
+                self._flush_lag()  # the lagged steps are the old rows'
+            q = self._quiet = _Quiet(cols.ids, self._quiet_checkers(cols))
+        tokens = cols.last
+        assert tokens is not None
+        if not q.at:
+            return q.rest
+        room = self._room
+        if room is None:
+            room = self._room = min(map(sub, q.max_new, map(_COUNT, q.stops)))
+        lag = self._lag
+        if self.lag and len(lag) + 1 < room and (not q.stop_ids or q.stop_ids.isdisjoint(tokens)):
+            lag.append(tokens)  # a new list every step (BatchColumns.advance, without): never mutated after
+            self.counts.generated_tokens += len(q.at)
+            return q.rest
+        if lag:
+            self._flush_lag()
+        self._room = None  # the loop moves the counts
         rest = []
         done = 0
-        for r, (row, token) in enumerate(zip(self._quiet[1], cols.last, strict=True)):  # type: ignore[arg-type]
+        for r, (row, token) in enumerate(zip(q.rows, tokens, strict=True)):
             if row is not None:
                 stop, later, hold = row
                 count = stop.count + 1
                 if count < stop.max_new and token not in stop.stop_ids:  # else it may end here: on_token
                     stop.count = count
-                    later(token)  # on_token: no stop strings, so the text waits (StopChecker.later)
-                    hold(token)
+                    later.append(token)  # on_token: no stop strings, so the text waits (StopChecker.later)
+                    hold.append(token)
                     done += 1
                     continue
             rest.append(r)
         self.counts.generated_tokens += done
         return rest
 
-    def _quiet_checkers(self, cols: BatchColumns) -> list[tuple[StopChecker, Any, Any] | None]:
-        """(stop checker, its `later` append, the held tokens' append) of every row; None for a row whose request
+    def _flush_lag(self) -> None:
+        """The lagged steps' tokens written to the quiet rows they were kept for (`_settle_quiet`), in step order:
+        each row's count moved by the number of steps, its tokens appended to its checker's `later` and its held
+        tokens, as the loop would have done step by step."""
+        lag = self._lag
+        q = self._quiet
+        assert q is not None
+        k = len(lag)
+        by_row = list(zip(*lag, strict=True))  # row r's tokens of every lagged step, in order
+        for r, (stop, later, hold) in zip(q.at, q.stops_rows, strict=True):
+            toks = by_row[r]
+            stop.count += k
+            later.extend(toks)
+            hold.extend(toks)
+        self._lag = []
+        self._room = None
+
+    def _quiet_checkers(self, cols: BatchColumns) -> list[tuple[StopChecker, list[int], list[int]] | None]:
+        """(stop checker, its `later` list, the held tokens' list) of every row; None for a row whose request
         streams, asks for logprobs or stop strings, or whose checker has not seen this tokenizer yet."""
         tokenizer = self.tokenizer
-        out: list[tuple[StopChecker, Any, Any] | None] = []
+        out: list[tuple[StopChecker, list[int], list[int]] | None] = []
         for seq_id, p in zip(cols.ids, cols.params, strict=True):
             h = self.held.get(seq_id)
             stop = self.stops.get(seq_id)
@@ -202,12 +263,14 @@ class RequestBook:
                     or stop.tokenizer is not tokenizer):
                 out.append(None)
             else:
-                out.append((stop, stop.later.append, h.tokens.append))
+                out.append((stop, stop.later, h.tokens))
         return out
 
     def _take(self, seq: Sequence, sampled: list[Sampled]) -> Taken:
         """Each sampled token through the stop checker (and into the held-back output): (how it ended or None,
         the tokens the request keeps, their logprobs, their top alternatives)."""
+        if self._lag:
+            self._flush_lag()
         stop = self.stops[seq.seq_id]
         p = seq.params
         held = self.held.get(seq.seq_id)
@@ -234,6 +297,8 @@ class RequestBook:
                     out: list[RequestOutput]) -> Iterator[Event]:
         """After a sequence's tokens went through its stop checker: the watchdog, the finish, the output."""
         ended, new_tokens, logprobs, top = taken
+        if self._lag and seq.seq_id in self._quiet.lagged:  # type: ignore[union-attr]
+            self._flush_lag()  # (a row the quiet path left, a streaming one, reads only its own checker)
         stop = self.stops[seq.seq_id]
         held = self.held.get(seq.seq_id)
         if ended is None and self.watchdog is not None:
@@ -276,6 +341,8 @@ class RequestBook:
                   ) -> Iterator[Event]:  # returns "rolled_back" or the finish (`stop` with the decline's reason)
         """Rewind `seq` so that it keeps tokens[:keep] and resamples position `keep` with the token there banned,
         or decline. A target outside (prompt_len, seq_len) raises ValueError having changed nothing."""
+        if self._lag:
+            self._flush_lag()
         decision = plan_rollback(seq, keep, max_rollbacks=self.config.max_rollbacks,
                                  block_size=state.caps.block_size)
         if isinstance(decision, RollbackPlan):
@@ -291,6 +358,8 @@ class RequestBook:
 
     def _rewind_outputs(self, seq: Sequence) -> None:
         """After a rollback: the stop checker and the held-back output as if the dropped tokens never came."""
+        if self._lag:
+            self._flush_lag()
         c = seq.cursor
         stop = self._checker(seq.params, seq.max_new)
         for t in c.tokens[c.prompt_len:]:
@@ -302,3 +371,22 @@ class RequestBook:
 
 
 Watched = tuple[FinishReason, str] | Literal["rolled_back"] | None
+
+
+class _Quiet:
+    """settle's quiet rows of one batch (RequestBook._settle_quiet): per row (checker, later, held) or None, the
+    quiet rows' indices, checkers, (checker, later, held) rows and budgets, the others' indices, the union of the
+    quiet rows' stop ids, and the quiet rows' sequence ids."""
+
+    __slots__ = ("ids", "rows", "at", "stops", "stops_rows", "max_new", "rest", "stop_ids", "lagged")
+
+    def __init__(self, ids: tuple[int, ...], rows: list[tuple[StopChecker, list[int], list[int]] | None]) -> None:
+        self.ids = ids
+        self.rows = rows
+        self.at = [r for r, row in enumerate(rows) if row is not None]
+        self.stops_rows = [row for row in rows if row is not None]
+        self.stops = [row[0] for row in self.stops_rows]
+        self.max_new = [stop.max_new for stop in self.stops]
+        self.rest = [r for r, row in enumerate(rows) if row is None]
+        self.lagged = {ids[r] for r in self.at}  # the sequences whose checkers a lag holds back
+        self.stop_ids = frozenset().union(*(stop.stop_ids for stop in self.stops))

@@ -303,7 +303,7 @@ def gdn_chunk_prefill_gated(
     block_v: int = 32,
     prepare_warps: int = 4,
     scan_warps: int = 4,
-    scan_stages: int = 2,
+    scan_stages: int | None = None,
     inverse: str = "blocks",
     work: str = "fp32",
 ) -> torch.Tensor:
@@ -324,9 +324,15 @@ def gdn_chunk_prefill_gated(
     Tried and dropped (same session): the outputs off the sequential scan (the scan storing each chunk's fp32
     state and v_new, a third kernel computing every chunk's output in parallel, as fla's chunk_o): 398 us, 380
     with 2 stages; the 64 MB of states written and read back cost more than the two products it took off the
-    sequential path (a 2,048-token prefill 28.8 -> 29.1 ms)."""
+    sequential path (a 2,048-token prefill 28.8 -> 29.1 ms).
+
+    work="bf16" (session 14, same call): 322.5 -> 255.7 us with 2 scan stages, **221.8 us** with 3 (the default
+    for bf16 work: its operand tiles are half the size, so a third stage fits; fp32 work's 3 stages need 272 KB);
+    dv tile 16 257.6, dv tile 64 / 8 warps 312.8."""
     from atlas_kernels.gdn_recurrent import strided_inputs
 
+    if scan_stages is None:  # bf16 work's operand tiles are half the size: a third stage fits in shared memory
+        scan_stages = 3 if work == "bf16" else 2
     num_seqs, seq_len = k.shape[:2]
     num_v_heads, dv = v.shape[2], v.shape[3]
     q, k, v, a, b, strides = strided_inputs(q, k, v, a, b)

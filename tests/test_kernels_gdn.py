@@ -43,8 +43,8 @@ def split_bf16_prefill(*args: torch.Tensor, max_seqlen: int) -> torch.Tensor:
     return gdn_chunk_prefill_split(*args, max_seqlen, work=work)
 
 
-PREFILLS = pytest.mark.parametrize("prefill", [fused_prefill, split_prefill, split_squaring_prefill],
-                                   ids=["fused", "split", "split-squaring"])
+PREFILLS = pytest.mark.parametrize("prefill", [fused_prefill, split_prefill, split_squaring_prefill, split_bf16_prefill],
+                                   ids=["fused", "split", "split-squaring", "split-bf16"])
 
 
 def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:

@@ -122,7 +122,7 @@ class Tuning:
 # regions-compile's knobs (see its entry below), the arrangement its neighbours in VARIANTS change one knob of
 _REGIONS = Tuning(moe="triton", prefill_moe="triton", attention="sdpa", decode_attention="paged", compile_decode="default",
                   decode_stack="regions", prefill_conv="triton", prefill_stack="regions", compile_prefill="default",
-                  decode_gemv="split", prefill_graphs="recurring")
+                  decode_gemv="split", prefill_graphs="recurring", gdn_work="bf16")
 
 # the variants `atlas bench gpu` times side by side (name -> knobs), each predicted in docs/BENCHMARKS.md;
 # "baseline" is the arrangement measured before (H200 run 2: decode b1 5.83 ms, prefill 2048 92.7 ms dense)
@@ -172,8 +172,10 @@ VARIANTS: dict[str, Tuning] = {
     # prefill's ~4.5 ms of Inductor passes over the streams sit around its GEMMs)
     "regions-tuned": attrs.evolve(_REGIONS, compile_decode="tuned", compile_prefill="tuned"),
     "regions-combo": attrs.evolve(_REGIONS, compile_decode="combo", compile_prefill="combo"),
-    # regions-compile with the GDN chunk prefill's intermediates and scan products in bf16 (gdn_work)
-    "regions-gdn-bf16": attrs.evolve(_REGIONS, gdn_work="bf16"),
+    # regions-compile with the GDN chunk prefill's intermediates and scan products in fp32 / tf32 (what gdn_work
+    # "bf16" replaced in session 14: the backend's chunk call 322.5 -> 221.8 us a 2,048-token layer; H200 run 1,
+    # with 2 scan stages, prefill 2,048 27.6 -> 26.9 ms)
+    "regions-gdn-fp32": attrs.evolve(_REGIONS, gdn_work="fp32"),
     "regions-autotune-prefill": attrs.evolve(_REGIONS, compile_prefill="max-autotune-no-cudagraphs"),
     # regions-compile with cuBLAS's GEMVs at batch 1-4 (what decode_gemv replaced)
     "regions-cublas": attrs.evolve(_REGIONS, decode_gemv="library"),

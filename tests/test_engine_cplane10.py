@@ -1,16 +1,30 @@
 """The fourth session-14 pass's shortcuts (docs/CONTROL-PLANE.md, "Fourth pass (session 14)"): each must leave the engine
 exactly where its slow form leaves it. settle's lag (RequestBook._settle_quiet / _flush_lag) keeps a decode step's
 tokens instead of writing every quiet row's checker and held tokens: runs with it on and off give the same outputs
-every step, the same events and digests, and, once flushed, the same checkers and held tokens."""
+every step, the same events and digests, and, once flushed, the same checkers and held tokens. An allocation of one
+block to every row (BatchColumns._allocate_every_row, plan_hash's column rows, _check_plan's set form, decode_work
+reusing SeqWork without writing unchanged block tables) gives the same events, digests, plans and columns as the
+general forms, and a bad alloc row the same refusal."""
 
 from __future__ import annotations
 
+from functools import reduce
+from operator import xor
+
 import attrs
+import pytest
+from fixtures import null_workload
 
 from atlas.config import EngineConfig
 from atlas.engine.records import RecordingSink
+from atlas.errors import TransitionRefused
+from atlas.hashing import ints_key
 from atlas.registry import build_engine
 from atlas.sampling.params import SamplingParams
+from atlas.state import batch_columns, steps
+from atlas.state.control import ControlState, sequence_fingerprint
+from atlas.state.events import StepPlanned
+from atlas.state.invariants import check_invariants
 
 REQUESTS = 30
 
@@ -78,3 +92,133 @@ def test_lag_flushed_every_step_is_the_loop() -> None:
     out_on, rows_on, books_on, _ = _run(True, compare_every=1)
     out_off, rows_off, books_off, _ = _run(False, compare_every=1)
     assert (out_on, rows_on, books_on) == (out_off, rows_off, books_off)
+
+
+# ------------------------------------------------------------------ every row allocating in one step (one prompt length)
+
+def _uniform_run(fast: bool, columns: bool, monkeypatch, check=None) -> tuple[list, list, list, dict]:  # type: ignore[no-untyped-def]
+    """20 rows of one prompt length, blocks of 8: every 8th step every row takes a block in the same StepPlanned (the
+    control-plane benchmark's pattern). `fast` off: the set form of _check_plan, BatchColumns' every-row allocation
+    and plan_hash's column rows all stand aside (their pair test never passes), the general forms run instead."""
+    if not fast:
+        monkeypatch.setattr(steps, "_PAIR", frozenset())
+        monkeypatch.setattr(batch_columns, "_PAIR", frozenset())
+    taken = {"every_row": 0, "reused_without_tables": 0}
+    every = batch_columns.BatchColumns._allocate_every_row
+
+    def counted(self, pool, new):  # type: ignore[no-untyped-def]
+        taken["every_row"] += 1
+        return every(self, pool, new)
+
+    monkeypatch.setattr(batch_columns.BatchColumns, "_allocate_every_row", counted)
+    config = EngineConfig(max_seq_len=80, max_batch_size=20, prefill_chunk_tokens=400, block_size=8)
+    sink = RecordingSink()
+    engine = build_engine("atlas-tiny", backend="null", config=config, sink=sink)
+    engine.state.batch_cache = columns
+    plans = []  # what each plan's work says, copied (holding the plan would keep decode_work from reusing its SeqWork)
+    execute = engine.backend.execute
+
+    def recorded(plan):  # type: ignore[no-untyped-def]
+        cols = engine.state.batch
+        if cols is not None and plan.work is cols.work and not cols.tables_moved:
+            taken["reused_without_tables"] += 1
+        plans.append([(w.seq_id, w.tokens, w.start, w.block_table, w.sample) for w in plan.work])
+        return execute(plan)
+
+    engine.backend.execute = recorded  # type: ignore[method-assign]
+    for i in range(20):
+        engine.add_request(f"r{i}", [(i * 7 + k) % 150 + 1 for k in range(6)],
+                           SamplingParams(max_tokens=40 + i % 3, temperature=0.7, seed=i, ignore_eos=True))
+    outputs = []
+    while engine.has_unfinished():
+        outputs += engine.step()
+        if check is not None:
+            check(engine.state)
+    engine.close()
+    return [(i, s, e, d) for i, s, e, d in sink.rows], outputs, plans, taken
+
+
+def _columns_hold(state: ControlState) -> None:
+    cols = state.batch
+    if cols is None:
+        return
+    seqs = [state.seqs[s] for s in cols.ids]
+    assert cols.tables == [tuple(s.blocks) for s in seqs]
+    assert cols.nblocks.tolist() == [len(s.blocks) for s in seqs]
+    assert cols.limit.tolist() == [min(s.qsa.capacity, len(s.blocks) * cols.bs) for s in seqs]
+    assert cols.low.tolist() == [(len(s.blocks) - 1) * cols.bs for s in seqs]
+    assert cols.hi.tolist() == [min(min(s.qsa.capacity, len(s.blocks) * cols.bs), s.cursor.prompt_len + s.max_new - 1)
+                                for s in seqs]
+    assert cols.fp.tolist() == [s.fingerprint for s in seqs] == [sequence_fingerprint(s) for s in seqs]
+    assert state.seq_digest == reduce(xor, (s.fingerprint for s in state.seqs.values()), 0)
+
+
+def test_every_row_allocation_equals_the_general_forms(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    with monkeypatch.context() as m:
+        rows_fast, out_fast, plans_fast, taken = _uniform_run(True, True, m, _columns_hold)
+    with monkeypatch.context() as m:
+        rows_slow, out_slow, plans_slow, slow = _uniform_run(False, True, m, _columns_hold)
+    with monkeypatch.context() as m:
+        rows_off, out_off, plans_off, _ = _uniform_run(True, False, m)
+    assert taken["every_row"] >= 3 and slow["every_row"] == 0  # whole-batch allocations through the fast form
+    assert taken["reused_without_tables"] >= 10  # decode_work's SeqWork reused without their block tables written
+    assert rows_fast == rows_slow == rows_off  # same events, payloads and digests (the plan's hash is in the digest)
+    assert out_fast == out_slow == out_off
+    assert plans_fast == plans_slow == plans_off  # every SeqWork's tokens, start and block table
+
+
+def test_plan_hash_is_ints_key_on_allocation_steps(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    seen = []
+    real = batch_columns.BatchColumns.plan_hash
+
+    def checked(self, e):  # type: ignore[no-untyped-def]
+        key = real(self, e)
+        assert key == ints_key(b"atlas.plan", (e.seqs, e.fed, *e.alloc, e.release, e.reset, e.restored, *e.drafts))
+        seen.append(len(e.alloc))
+        return key
+
+    monkeypatch.setattr(batch_columns.BatchColumns, "plan_hash", checked)
+    _uniform_run(True, True, monkeypatch)
+    assert max(seen) == 20 and 0 in seen
+
+
+@pytest.mark.parametrize("damage", ["not_free", "twice", "out_of_range", "negative", "not_live"])
+def test_a_bad_alloc_row_is_refused_as_by_the_loop(damage: str, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """_check_plan's set form of the alloc rows' conditions: a plan of (seq_id, block) rows breaking one of them is
+    refused exactly as the per-row loop refuses it (same machine, message and fields)."""
+    sink = RecordingSink()
+    caps = null_workload.run(20, lambda i: 12 + i % 5, sink=sink)
+    events = [e for _, _, e, _ in sink.rows]
+    at = next(i for i, e in enumerate(events) if isinstance(e, StepPlanned) and len(e.alloc) >= 4
+              and all(len(row) == 2 for row in e.alloc))
+    e = events[at]
+    alloc = [list(row) for row in e.alloc]
+    used = {b for row in e.alloc for b in row[1:]}
+    if damage == "not_free":  # a block some earlier row of the run holds
+        held = next(b for ev in events[:at] if isinstance(ev, StepPlanned) for row in ev.alloc for b in row[1:])
+        alloc[2][1] = held
+    elif damage == "twice":
+        alloc[3][1] = alloc[1][1]
+    elif damage == "out_of_range":
+        alloc[2][1] = caps.num_kv_blocks
+    elif damage == "negative":
+        alloc[1][1] = -1
+    else:  # a finished sequence's id
+        alloc[2][0] = 10_000
+    assert used
+    bad = [*events[:at], attrs.evolve(e, alloc=tuple(map(tuple, alloc)))]
+
+    def refusal(fast: bool) -> tuple:
+        with monkeypatch.context() as m:
+            if not fast:
+                m.setattr(steps, "_PAIR", frozenset())
+            state = ControlState.create(caps)
+            for index, ev in enumerate(bad):
+                try:
+                    check_invariants(state, state.apply(ev), index)
+                except TransitionRefused as exc:
+                    return index, exc.machine, exc.why, exc.fields
+        return ()
+
+    fast, slow = refusal(True), refusal(False)
+    assert fast == slow and fast and fast[0] == at

@@ -79,10 +79,12 @@ def _decode_step(plan: StepPlan, result: StepResult, vocab_size: int | None, col
     elif (None in tokens or not all(map(_SAMPLE, work)) or any(map(_DRAFTS, work))
             or any(map(_REFUSED, outs)) or tuple(map(_SEQ_ID, outs)) != tuple(map(_SEQ_ID, work))):
         return None
-    if min(tokens) < 0 or (vocab_size is not None and max(tokens) >= vocab_size):
+    lo, top = min(tokens), max(tokens)
+    if lo < 0 or (vocab_size is not None and top >= vocab_size):
         return None
     if cols is not None:
         cols.aligned = result  # outcomes in the rows' order, none refused (cursor_violation need not look again)
+        cols.token_range = (tokens, lo, top)  # advance's bounds of these very tokens (StepExecuted keeps the tuple)
     return tokens
 
 

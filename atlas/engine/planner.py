@@ -99,7 +99,7 @@ def steady_decode(state: ControlState, lanes: Lanes) -> StepPlanned | None:
         if len(short) > len(free):  # batch's loop preempts
             return None
         # (seq_id, block): free.take(1) per short row, the free list longer than the rows (not strict)
-        alloc = tuple(zip([ids[r] for r in short], reversed(free), strict=False))
+        alloc = tuple(zip(ids if len(short) == n else map(ids.__getitem__, short), reversed(free), strict=False))
     else:
         alloc = ()
     o = state.orders

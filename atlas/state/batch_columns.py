@@ -26,6 +26,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable
 from itertools import repeat
+from operator import itemgetter
 from sys import getrefcount
 from weakref import getweakrefcount
 
@@ -48,6 +49,9 @@ _ONE = _U(1)
 _K_TOKEN_STEP = _U((0xC2B2AE3D27D4EB4F + int(_K_COMPUTED_QSA)) & MASK64)  # the terms' move for one decoded token
 # the decode step's constants as 0-d arrays (columns.mix64_column's note: ~0.2 us less a ufunc call than a scalar's)
 _A_FNV, _A_ONE, _A_TOKEN_STEP, _A_ONE_I = np.array(_FNV), np.array(_ONE), np.array(_K_TOKEN_STEP), np.array(1, _I)
+_A_K_BLOCKS = np.array(_K_BLOCKS)
+_PAIR = frozenset((2,))  # an alloc row (seq_id, block)
+_FIRST, _SECOND = itemgetter(0), itemgetter(1)
 _MIN_ROWS = 16  # steps.VECTOR_MIN: below this many rows numpy's per-call cost loses to the objects' walk
 try:  # the C function under np.count_nonzero: ~1.0 K instructions a call against ndarray.all()'s ~8.5 K (numpy 2.4,
     # 64 rows, callgrind): the bool reductions of a decode step
@@ -93,7 +97,7 @@ class BatchColumns:
     __slots__ = ("ids", "objs", "cursors", "qsas", "row", "bs", "computed", "ends", "ntok", "token_hash", "nblocks",
                  "capacity", "fp", "hid", "limit", "low", "blocks_term", "budget_end", "params", "tables",
                  "first_keys", "keys_at_zero", "plain", "last", "fed", "decode", "work", "aligned", "terms", "plan_head", "next_decode", "ones",
-                 "hi", "short", "ones_fed", "slack")
+                 "hi", "short", "ones_fed", "slack", "tables_moved", "token_range", "flat_alloc")
 
     def __init__(self, ids: tuple[int, ...], objs: list[Sequence], bs: int) -> None:
         self.ids = ids
@@ -137,6 +141,10 @@ class BatchColumns:
         # (fed counts, plan_hash's key of the head and a tail, the key of a plan with nothing after the head)
         self.plan_head: tuple[tuple[int, ...], Callable[[bytes], int], int] | None = None
         self.work: tuple | None = None  # the SeqWork tuple decode_work built last (outcome knows its rows decode)
+        self.tables_moved = True  # a block table changed since decode_work last wrote them into `work`
+        # (the tokens tuple outcome checked, its min, its max): advance's bounds of those very tokens
+        self.token_range: tuple[tuple[int, ...], int, int] | None = None
+        self.flat_alloc: np.ndarray | None = None  # plan_hash's rows (2, seq_id, block) of an every-row allocation
         self.aligned: object = None  # the StepResult outcome found in the rows' order, none refused
 
     @classmethod
@@ -173,6 +181,8 @@ class BatchColumns:
         self.work = None
         self.aligned = None
         self.plan_head = None
+        self.flat_alloc = None
+        self.tables_moved = True
         return self
 
     def plan_hash(self, e: StepPlanned) -> int:
@@ -188,11 +198,26 @@ class BatchColumns:
             head = self.plan_head = (e.fed, finish, finish(_NOTHING_AFTER))
         if not (e.alloc or e.release or e.reset or e.restored or e.drafts):
             return head[2]
+        alloc = e.alloc
+        ids = self.ids
+        if len(alloc) == len(ids) and _PAIR.issuperset(map(len, alloc)) and tuple(map(_FIRST, alloc)) == ids:
+            # every row, in order, one block each: the rows (2, seq_id, block) as int64 columns (the first two
+            # kept per batch), their bytes token_bytes' little-endian int64s
+            flat_alloc = self.flat_alloc
+            if flat_alloc is None:
+                flat_alloc = self.flat_alloc = np.empty((len(ids), 3), dtype="<i8")
+                flat_alloc[:, 0] = 2
+                flat_alloc[:, 1] = ids
+            flat_alloc[:, 2] = list(map(_SECOND, alloc))
+            alloc_bytes = flat_alloc.tobytes()
+            alloc = ()
+        else:
+            alloc_bytes = b""
         flat: list[int] = []
-        for row in (*e.alloc, e.release, e.reset, e.restored, *e.drafts):
+        for row in (*alloc, e.release, e.reset, e.restored, *e.drafts):
             flat.append(len(row))
             flat.extend(row)
-        return head[1](token_bytes(flat))
+        return head[1](alloc_bytes + token_bytes(flat))
 
     # ------------------------------------------------------------------------------------------ StepPlanned
 
@@ -222,21 +247,26 @@ class BatchColumns:
     def fits(self, fed_counts: tuple[int, ...], new_blocks: dict[int, int]) -> bool:
         """steps._check_work's conditions for a plan over exactly these rows (all running): every fed count >= 1,
         within the known tokens, and its KV within the blocks held plus the plan's new ones. Sets `fed`."""
-        row = self.row
-        for seq_id in new_blocks:
-            if seq_id not in row:
-                return False
+        if not self.row.keys() >= new_blocks.keys():  # a seq_id that is not a row
+            return False
         if self.next_decode and (fed_counts is self.ones or fed_counts == self.ones):
             # a decode: every row feeds its one token left (computed + 1 == ntok), so each count is >= 1 and within
             # the tokens, and its KV is within its blocks except for the short rows, which the new ones must cover;
             # the general test below needs ~12 numpy calls and an array of the counts (~90 K instructions at 64)
             short = self.short_rows()
-            if short:  # the counts as Python ints once (a numpy scalar read a row was ~0.5 us: 64 rows allocate at once)
+            if short:
                 bs, ids, get = self.bs, self.ids, new_blocks.get
-                ntok, nblocks = self.ntok.tolist(), self.nblocks.tolist()
-                for r in short:
-                    if ntok[r] > (nblocks[r] + get(ids[r], 0)) * bs:
-                        return False
+                # enough when every short row gets a block or more and no row's tokens reach past one block more
+                # than it holds (a row that is not short is within its own): two C-level passes and four numpy calls
+                # instead of the loop (64 rows allocate at once when their tokens reach their blocks' end together)
+                every = len(short) == len(ids) == len(new_blocks)  # (then every row has new blocks: its keys are rows)
+                if not ((min(new_blocks.values()) if every else min(map(get, map(ids.__getitem__, short), repeat(0))))
+                        >= 1 and _nonzero(self.ntok <= (self.nblocks + _A_ONE_I) * bs) == len(ids)):
+                    # the counts as Python ints once (a numpy scalar read a row was ~0.5 us)
+                    ntok, nblocks = self.ntok.tolist(), self.nblocks.tolist()
+                    for r in short:
+                        if ntok[r] > (nblocks[r] + get(ids[r], 0)) * bs:
+                            return False
             fed = self.ones_fed
             if fed is None:
                 fed = self.ones_fed = np.ones(len(self.ids), dtype=_I)
@@ -272,6 +302,7 @@ class BatchColumns:
         self.short = None
         self.slack = None
         self.tables[r] = tuple(seq.blocks)
+        self.tables_moved = True
 
     def allocate(self, pool: BlockPool, alloc: tuple[tuple[int, ...], ...]) -> tuple[int, list[int]] | None:
         """StepPlanned's allocation of `alloc`'s rows (seq_id, block, ...), every seq_id a row here and once, as one
@@ -283,6 +314,8 @@ class BatchColumns:
         Returns (the digest's change, the ids failing that condition, in alloc order), or None having moved nothing
         (a seq_id twice or not a row: the per-row path). add_blocks' arithmetic for many rows at once: at batch 64 an
         allocation step of every row was ~60 K instructions a row on that path (docs/CONTROL-PLANE.md, eighth pass)."""
+        if len(alloc) == len(self.ids) and _PAIR.issuperset(map(len, alloc)) and tuple(map(_FIRST, alloc)) == self.ids:
+            return self._allocate_every_row(pool, list(map(_SECOND, alloc)))
         row = self.row
         rows = [row.get(a[0], -1) for a in alloc]
         if min(rows) < 0 or len(set(rows)) != len(rows):
@@ -300,6 +333,7 @@ class BatchColumns:
             taken += len(a) - 1
             tables[r] = tuple(blocks)
         pool.used += taken
+        self.tables_moved = True
         idx = np.array(rows, dtype=np.intp)
         bs = self.bs
         nb = self.nblocks[idx] + np.array([len(a) - 1 for a in alloc], dtype=_I)
@@ -325,6 +359,42 @@ class BatchColumns:
         suspects = [] if _nonzero(ok) == len(rows) else [alloc[i][0] for i in np.flatnonzero(~ok).tolist()]
         return change, suspects
 
+    def _allocate_every_row(self, pool: BlockPool, new: list[int]) -> tuple[int, list[int]]:
+        """allocate's pass when every row, in row order, takes one block (`new`, by row): what the batch's decode
+        allocation is when the rows' tokens reach the end of their blocks together (one prompt length). The same
+        moves on whole columns instead of gathered and scattered rows: one more block a row moves the block count by
+        1, `low` by bs, the blocks term and the fingerprint terms by _K_BLOCKS (mod 2**64), and `limit` and `hi` are
+        computed again."""
+        free, refs = pool.free, pool.refs
+        tables = []
+        add = tables.append
+        for seq, b in zip(self.objs, new, strict=True):
+            del free[b]
+            refs[b] = 1
+            blocks = seq.blocks
+            blocks.append(b)
+            add(tuple(blocks))
+        self.tables = tables
+        self.tables_moved = True
+        pool.used += len(new)
+        bs = self.bs
+        nb = self.nblocks = self.nblocks + _A_ONE_I
+        limit = self.limit = np.minimum(self.capacity, nb * bs)
+        low = self.low = self.low + bs
+        self.blocks_term = self.blocks_term + _A_K_BLOCKS
+        terms = self.terms = self.terms + _A_K_BLOCKS
+        self.hi = np.minimum(limit, self.budget_end - _A_ONE_I)
+        self.short = None
+        self.slack = None
+        h = _mix(self.token_hash ^ self.hid, terms)
+        change = int(np.bitwise_xor.reduce(self.fp ^ h))
+        self.fp = h
+        for seq, fp in zip(self.objs, h.tolist(), strict=True):
+            seq.fingerprint = fp
+        ok = self.ntok > low
+        suspects = [] if _nonzero(ok) == len(new) else [self.ids[i] for i in np.flatnonzero(~ok).tolist()]
+        return change, suspects
+
     # ----------------------------------------------------------------------------------------- StepExecuted
 
     def advance(self, tokens: tuple[int, ...]) -> int | None:
@@ -338,8 +408,12 @@ class BatchColumns:
         assert fed is not None
         if not tokens:
             return None
-        lo = min(tokens)
-        if lo < -(1 << 63) or max(tokens) >= 1 << 63:
+        known = self.token_range
+        if known is not None and known[0] is tokens:  # outcome's min and max of these very tokens
+            lo, top = known[1], known[2]
+        else:
+            lo, top = min(tokens), max(tokens)
+        if lo < -(1 << 63) or top >= 1 << 63:
             return None
         tok = np.array(tokens, dtype=_I)
         n = self.ntok
@@ -403,6 +477,7 @@ class BatchColumns:
         self.slack = slack
         self.fed = None
         self.decode = False
+        self.token_range = None
         return change
 
     # ------------------------------------------------------------------------------------------------ plan
@@ -422,10 +497,16 @@ class BatchColumns:
             # and everyone else let go of it and of each SeqWork in it): moved to this step's tokens, positions and
             # block tables in place. No one can see the change (what no reference reaches cannot be read), and a
             # SeqWork costs ~3.5 K instructions to build against ~0.3 K to move (~190 K of a batch-64 step)
-            for w, t, start, table in zip(prev, zip(last), self.ends, self.tables, strict=True):
-                w.tokens = t
-                w.start = start
-                w.block_table = table
+            if self.tables_moved:
+                for w, t, start, table in zip(prev, zip(last), self.ends, self.tables, strict=True):
+                    w.tokens = t
+                    w.start = start
+                    w.block_table = table
+                self.tables_moved = False
+            else:  # each block table is the one this tuple was last given (no block since): two stores a row
+                for w, t, start in zip(prev, zip(last), self.ends, strict=True):
+                    w.tokens = t
+                    w.start = start
             return prev
         n = len(self.ids)
         if self.keys_at_zero:  # the trailing fields all at SeqWork's defaults: six arguments, not eleven
@@ -434,4 +515,5 @@ class BatchColumns:
             work = tuple(map(seq_work, self.ids, zip(last), self.ends, self.tables, repeat(True, n), self.params,
                              repeat((), n), repeat((), n), self.first_keys, repeat(0, n), repeat(None, n)))
         self.work = work
+        self.tables_moved = False
         return work

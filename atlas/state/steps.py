@@ -4,6 +4,7 @@ speculative lane's latch (registered on ControlState)."""
 from __future__ import annotations
 
 from bisect import insort
+from operator import itemgetter
 
 import numpy as np
 
@@ -111,7 +112,13 @@ def _check_plan(state: ControlState, e: StepPlanned, cols: StepColumns | None = 
     if fed_total > state.caps.max_batch_tokens:  # the size every per-step buffer is derived from
         raise TransitionRefused("Scheduler", "a step feeds at most max_batch_tokens (drafts included)",
                                 fed=fed_total, max_batch_tokens=state.caps.max_batch_tokens)
-    new_blocks = {row[0]: len(row) - 1 for row in e.alloc}
+    alloc = e.alloc
+    # every alloc row (seq_id, block): one block each (the scheduler's decode allocation), read as two columns
+    pairs = bool(alloc) and _PAIR.issuperset(map(len, alloc))
+    if pairs:
+        new_blocks = dict.fromkeys(map(_FIRST, alloc), 1)  # {row[0]: len(row) - 1}, the same dict
+    else:
+        new_blocks = {row[0]: len(row) - 1 for row in alloc}
     batch = state.batch
     if batch is not None:  # the engine's batch columns (the plan is over exactly their rows: planned checked it)
         if not batch.fits(e.fed, new_blocks):
@@ -120,6 +127,13 @@ def _check_plan(state: ControlState, e: StepPlanned, cols: StepColumns | None = 
     elif cols is None or not work_fits_columns(state, e, cols, new_blocks):
         state.flush_columns()
         _check_work(state, e, new_blocks)
+    if pairs:  # the loop below's conditions for every row at once; anything failing goes to the loop, which names it
+        blocks = list(map(_SECOND, alloc))
+        claim = set(blocks)
+        pool = state.pool
+        if (len(claim) == len(blocks) and min(blocks) >= 0 and max(blocks) < pool.total and pool.free.keys() >= claim
+                and all(map(state.seqs.__contains__, new_blocks))):
+            return
     claimed: set[int] = set()
     for row in e.alloc:
         state.seq(row[0])
@@ -127,6 +141,10 @@ def _check_plan(state: ControlState, e: StepPlanned, cols: StepColumns | None = 
             if b in claimed or not 0 <= b < state.pool.total or b not in state.pool.free:
                 raise TransitionRefused("BlockPool", "allocation of a block that is not free", seq_id=row[0], block=b)
             claimed.add(b)
+
+
+_PAIR = frozenset((2,))
+_FIRST, _SECOND = itemgetter(0), itemgetter(1)
 
 
 def _check_work(state: ControlState, e: StepPlanned, new_blocks: dict[int, int]) -> None:

@@ -16,7 +16,8 @@ def test_every_option_mode_is_a_tuning_value_and_the_variants_use_them() -> None
     for mode in module.INDUCTOR_OPTIONS:
         assert Tuning(compile_decode=mode, compile_prefill=mode).compile_decode == mode
     assert VARIANTS["regions-tuned"].compile_decode == "tuned"
-    assert VARIANTS["regions-combo"].compile_prefill == "combo"
+    assert VARIANTS["regions-compile"].compile_prefill == VARIANTS["regions-compile"].compile_decode == "combo"
+    assert VARIANTS["regions-no-combo"].compile_decode == "default"
     with pytest.raises(ValueError, match="compile_decode must be one of"):
         Tuning(compile_decode="coordinate")
 

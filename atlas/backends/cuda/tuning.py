@@ -120,8 +120,8 @@ class Tuning:
 
 
 # regions-compile's knobs (see its entry below), the arrangement its neighbours in VARIANTS change one knob of
-_REGIONS = Tuning(moe="triton", prefill_moe="triton", attention="sdpa", decode_attention="paged", compile_decode="default",
-                  decode_stack="regions", prefill_conv="triton", prefill_stack="regions", compile_prefill="default",
+_REGIONS = Tuning(moe="triton", prefill_moe="triton", attention="sdpa", decode_attention="paged", compile_decode="combo",
+                  decode_stack="regions", prefill_conv="triton", prefill_stack="regions", compile_prefill="combo",
                   decode_gemv="split", prefill_graphs="recurring", gdn_work="bf16")
 
 # the variants `atlas bench gpu` times side by side (name -> knobs), each predicted in docs/BENCHMARKS.md;
@@ -165,13 +165,17 @@ VARIANTS: dict[str, Tuning] = {
     # "inductor", regions-compile's before session 12's run 4: prefill 2,048 29.6 against 27.5 ms with the Triton conv,
     # the same run, a slower H200 than runs 1-4: 727 TFLOP/s measured against 777)
     "regions-conv-inductor": attrs.evolve(_REGIONS, prefill_conv="inductor"),
-    # regions-compile with Inductor's options (atlas.backends.cuda.compiled.INDUCTOR_OPTIONS), session 14: each
+    # regions-compile's compiled regions under Inductor's options (atlas.backends.cuda.compiled.INDUCTOR_OPTIONS), session 14: each
     # generated kernel's launch tuned by coordinate descent at compile time ("tuned"; the b1 decode's ~900 Inductor
     # launches average ~2.2 us), independent kernels of a region fused into one launch ("combo"), and the prefill
     # regions under max-autotune (Triton GEMM templates timed against cuBLAS, epilogues fused into the GEMMs: the
     # prefill's ~4.5 ms of Inductor passes over the streams sit around its GEMMs)
+    # H200 session 14 run 2 (760 TFLOP/s GPU), against "default" in the same run: combo decode b1 3.60 -> 3.23 ms,
+    # b16 5.24 -> 4.94, b64 7.39 -> 7.09, kernels 1,089 -> 885 (b1) and 1,419 -> 1,225 (prefill), prefill 2,048
+    # 26.7 -> 26.4 ms; in regions-compile since. "tuned": its compile did not finish within run 1's ~200 s left
+    # (a compile-time search per generated kernel and shape), so it is unmeasured
     "regions-tuned": attrs.evolve(_REGIONS, compile_decode="tuned", compile_prefill="tuned"),
-    "regions-combo": attrs.evolve(_REGIONS, compile_decode="combo", compile_prefill="combo"),
+    "regions-no-combo": attrs.evolve(_REGIONS, compile_decode="default", compile_prefill="default"),
     # regions-compile with the GDN chunk prefill's intermediates and scan products in fp32 / tf32 (what gdn_work
     # "bf16" replaced in session 14: the backend's chunk call 322.5 -> 221.8 us a 2,048-token layer; H200 run 1,
     # with 2 scan stages, prefill 2,048 27.6 -> 26.9 ms)

@@ -17,7 +17,7 @@ from fixtures import null_workload
 
 from atlas.config import EngineConfig
 from atlas.engine.records import RecordingSink
-from atlas.errors import TransitionRefused
+from atlas.errors import InvariantViolation, TransitionRefused
 from atlas.hashing import ints_key
 from atlas.registry import build_engine
 from atlas.sampling.params import SamplingParams
@@ -222,3 +222,87 @@ def test_a_bad_alloc_row_is_refused_as_by_the_loop(damage: str, monkeypatch) -> 
 
     fast, slow = refusal(True), refusal(False)
     assert fast == slow and fast and fast[0] == at
+
+
+# --------------------------------------------------------------- outcome's one walk over a decode's outcomes and cursors
+
+def _swap(result, row):  # type: ignore[no-untyped-def]
+    outs = list(result.outcomes)
+    outs[row], outs[row + 1] = outs[row + 1], outs[row]
+    return attrs.evolve(result, outcomes=tuple(outs))
+
+
+def _one(result, row, **changes):  # type: ignore[no-untyped-def]
+    outs = list(result.outcomes)
+    outs[row] = attrs.evolve(outs[row], **changes)
+    return attrs.evolve(result, outcomes=tuple(outs))
+
+
+def _cursor(result, row, **changes):  # type: ignore[no-untyped-def]
+    return _one(result, row, cursors=attrs.evolve(result.outcomes[row].cursors, **changes))
+
+
+def _honest_stamps(result, row):  # type: ignore[no-untyped-def]
+    c = result.outcomes[row].cursors
+    return _cursor(result, row, stamps=(("kv", 0, c.kv_tokens), ("gdn", 1, c.ssm_position)))
+
+
+DAMAGE = {
+    "swapped_rows": _swap,  # out of the rows' order: align puts them back, the step goes on
+    "refused": lambda r, row: _one(r, row, refused="backend said no"),
+    "prompt_logprobs": lambda r, row: _one(r, row, prompt_logprobs=((3, -0.5, ()),)),
+    "honest_stamps": _honest_stamps,
+    "stamp_off": lambda r, row: _cursor(r, row, stamps=(("kv", 0, r.outcomes[row].cursors.kv_tokens + 1),)),
+    "no_token": lambda r, row: _one(r, row, token=None),
+    "drafter_rows": lambda r, row: _cursor(r, row, drafter_rows=1),
+    "seq_id": lambda r, row: _one(r, row, seq_id=r.outcomes[row].seq_id + 1000),
+}
+
+
+class _Damaged:
+    def __init__(self, backend, damage, step, row):  # type: ignore[no-untyped-def]
+        self.backend, self.damage, self.step, self.row = backend, damage, step, row
+        self.name, self.capabilities = backend.name, backend.capabilities
+
+    def execute(self, plan):  # type: ignore[no-untyped-def]
+        result = self.backend.execute(plan)
+        return DAMAGE[self.damage](result, self.row) if plan.step == self.step else result
+
+    def __getattr__(self, name):  # type: ignore[no-untyped-def]
+        return getattr(self.backend, name)
+
+
+def _damaged_run(damage: str | None, columns: bool) -> tuple:
+    config = EngineConfig(max_seq_len=64, max_batch_size=20, prefill_chunk_tokens=400, block_size=8)
+    sink = RecordingSink()
+    engine = build_engine("atlas-tiny", backend="null", config=config, sink=sink)
+    engine.state.batch_cache = columns
+    walked = 0
+    if damage is not None:
+        engine.backend = _Damaged(engine.backend, damage, 7, 5)  # type: ignore[assignment]
+    for i in range(18):
+        engine.add_request(f"r{i}", [(i * 3 + k) % 150 + 1 for k in range(7)],
+                           SamplingParams(max_tokens=20 + i % 4, temperature=0.7, seed=i, ignore_eos=True),
+                           stream=i % 5 == 2)
+    outputs = []
+    failure = None
+    try:
+        while engine.has_unfinished():
+            outputs += engine.step()
+            cols = engine.state.batch
+            walked += cols is not None and cols.cursor_target is not None
+    except InvariantViolation as v:
+        failure = (v.machine, v.message, v.fields, v.event_index)
+    return [(i, s, e, d) for i, s, e, d in sink.rows], outputs, failure, walked
+
+
+@pytest.mark.parametrize("damage", [None, *DAMAGE])
+def test_a_damaged_decode_result_goes_as_without_columns(damage: str | None) -> None:
+    on = _damaged_run(damage, True)
+    off = _damaged_run(damage, False)
+    assert on[:3] == off[:3]  # same events, digests, outputs, and the same violation if any
+    assert on[3] >= 5 and off[3] == 0  # decode steps went through the walk
+    if damage in ("stamp_off", "no_token", "drafter_rows", "seq_id"):
+        assert on[2] is not None
+    elif damage in ("refused", "prompt_logprobs", "swapped_rows", "honest_stamps"):
+        assert on[2] is None

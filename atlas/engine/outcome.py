@@ -72,11 +72,20 @@ def _decode_step(plan: StepPlan, result: StepResult, vocab_size: int | None, col
     work, outs = plan.work, result.outcomes
     if result.step != plan.step or len(outs) != len(work) or result.refused or not work:
         return None
-    tokens = tuple(map(_TOKEN, outs))
+    target = None
     if cols is not None and work is cols.work:  # built by BatchColumns.decode_work: every row samples, no drafts
-        if None in tokens or any(map(_REFUSED, outs)) or tuple(map(_SEQ_ID, outs)) != cols.ids:
-            return None
-    elif (None in tokens or not all(map(_SAMPLE, work)) or any(map(_DRAFTS, work))
+        target = cols.ntok.tolist()  # each row's computed count after the decode (one token left to feed: ntok)
+        walked = _walk(outs, cols.ids, target)
+        if walked is None:
+            target = None
+            tokens = tuple(map(_TOKEN, outs))
+            if None in tokens or any(map(_REFUSED, outs)) or tuple(map(_SEQ_ID, outs)) != cols.ids:
+                return None
+        else:
+            tokens = tuple(walked)
+            if None in tokens:
+                return None
+    elif (None in (tokens := tuple(map(_TOKEN, outs))) or not all(map(_SAMPLE, work)) or any(map(_DRAFTS, work))
             or any(map(_REFUSED, outs)) or tuple(map(_SEQ_ID, outs)) != tuple(map(_SEQ_ID, work))):
         return None
     lo, top = min(tokens), max(tokens)
@@ -85,6 +94,25 @@ def _decode_step(plan: StepPlan, result: StepResult, vocab_size: int | None, col
     if cols is not None:
         cols.aligned = result  # outcomes in the rows' order, none refused (cursor_violation need not look again)
         cols.token_range = (tokens, lo, top)  # advance's bounds of these very tokens (StepExecuted keeps the tuple)
+        cols.cursor_target = None if target is None else (result, target)
+    return tokens
+
+
+def _walk(outs: tuple[SeqOutcome, ...], ids: tuple[int, ...], target: list[int]) -> list[int | None] | None:
+    """The tokens of a decode's outcomes when, row by row, each is the row's sequence (`ids`, in order), none refused,
+    none with prompt logprobs, and its cursors have no stamps, no drafter rows and every other field the row's
+    `target`; else None. One walk reading each outcome and its cursors once: what _decode_step's, settle's quiet
+    path's and _batch_cursors_hold's C-level passes test (thirteen over the batch; at 64 rows ~19 against ~7.5 us,
+    timeit). The cursor verdict holds for `target`: _batch_cursors_hold takes it only when the computed column after
+    the step is that very list of numbers."""
+    tokens = []
+    add = tokens.append
+    for o, sid, n in zip(outs, ids, target, strict=True):
+        c = o.cursors
+        if (o.seq_id != sid or o.refused is not None or o.prompt_logprobs or c.stamps or c.kv_tokens != n
+                or c.qsa_ingested != n or c.ssm_position != n or c.ple_position != n or c.drafter_rows):
+            return None
+        add(o.token)
     return tokens
 
 
@@ -226,6 +254,9 @@ def _batch_cursors_hold(cols: BatchColumns, result: StepResult) -> bool:
     every row running, computed == QSA keys, no drafter rows, none failing) when every reported cursor has no stamps
     and equals (computed, computed, computed, computed, 0): C-level passes over the batch instead of a field read of
     three objects a sequence. False: the loop checks them, and names the first that differs."""
+    known = cols.cursor_target
+    if known is not None and known[0] is result and known[1] == cols.ends:  # _walk's verdict, against these numbers
+        return True
     outcomes = result.outcomes
     if cols.aligned is not result and (len(outcomes) != len(cols.ids) or tuple(map(_SEQ_ID, outcomes)) != cols.ids
                                        or any(map(_REFUSED, outcomes))):

@@ -195,8 +195,10 @@ class RequestBook:
         error, a rollback, or other rows (the batch changed). The tests are the loop's own per row, for every row
         at once: the budget by the smallest room, the stop ids by their union (a token in the union but not in its
         row's own ids only sends the step to the loop)."""
-        if any(map(_PROMPT_LOGPROBS, cols.aligned.outcomes)):  # type: ignore[union-attr]
-            return None
+        walked = cols.cursor_target
+        if (walked is None or walked[0] is not cols.aligned) and any(map(_PROMPT_LOGPROBS,
+                                                                         cols.aligned.outcomes)):  # type: ignore[union-attr]
+            return None  # (outcome's walk of these outcomes found none)
         q = self._quiet
         if q is None or q.ids is not cols.ids:  # per batch: built again when its rows change
             if self._lag:

@@ -97,7 +97,8 @@ class BatchColumns:
     __slots__ = ("ids", "objs", "cursors", "qsas", "row", "bs", "computed", "ends", "ntok", "token_hash", "nblocks",
                  "capacity", "fp", "hid", "limit", "low", "blocks_term", "budget_end", "params", "tables",
                  "first_keys", "keys_at_zero", "plain", "last", "fed", "decode", "work", "aligned", "terms", "plan_head", "next_decode", "ones",
-                 "hi", "short", "ones_fed", "slack", "tables_moved", "token_range", "flat_alloc")
+                 "hi", "short", "ones_fed", "slack", "tables_moved", "token_range", "flat_alloc",
+                 "cursor_target")
 
     def __init__(self, ids: tuple[int, ...], objs: list[Sequence], bs: int) -> None:
         self.ids = ids
@@ -145,6 +146,9 @@ class BatchColumns:
         # (the tokens tuple outcome checked, its min, its max): advance's bounds of those very tokens
         self.token_range: tuple[tuple[int, ...], int, int] | None = None
         self.flat_alloc: np.ndarray | None = None  # plan_hash's rows (2, seq_id, block) of an every-row allocation
+        # (the StepResult outcome's one walk found exactly as a decode of these rows leaves them: in the rows' order,
+        # none refused, no prompt logprobs, no stamps, no drafter rows, every other cursor the `ends` given here)
+        self.cursor_target: tuple[object, list[int]] | None = None
         self.aligned: object = None  # the StepResult outcome found in the rows' order, none refused
 
     @classmethod

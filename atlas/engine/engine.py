@@ -216,7 +216,10 @@ class Engine:
         journal.check(cursor_violation(state, plan, result, journal.index - 1 - len(plan.snapshots)))
         if self.lanes.spec is not None:
             self.lanes.spec.observe(plan, result)
-        drive(self.book.settle(state, plan, folded.ordered, folded.refused, self.lanes, out), journal)
+        book = self.book
+        rest = book.quiet_rows(state, folded.ordered, folded.refused)  # [] : every row settled quietly, no event
+        if rest is None or rest:
+            drive(book.settle(state, plan, folded.ordered, folded.refused, self.lanes, out, rest), journal)
         if self.lanes.prefix is not None:
             drive(self.lanes.prefix.after_step(state, prefilled, plan.step), journal)
 

@@ -30,6 +30,7 @@ from atlas.state.events import Event, RequestFinished, RollbackDeclined, RolledB
 from atlas.state.machines import Sequence
 
 _PROMPT_LOGPROBS = attrgetter("prompt_logprobs")
+_ASK = object()  # settle's `rest` not given: settle asks quiet_rows itself
 _COUNT = attrgetter("count")
 Sampled = tuple[int, float | None, tuple[tuple[int, float], ...]]
 # how the tokens ended the request (or None), the tokens it keeps, their logprobs, their top alternatives
@@ -111,8 +112,20 @@ class RequestBook:
         out.append(RequestOutput(request_id, finished=True, finish_reason=FinishReason.ERROR, finish_detail=detail,
                                  prompt_tokens=prompt_len, completion_tokens=generated))
 
+    def quiet_rows(self, state: ControlState, ordered: tuple[SeqOutcome, ...], refused: dict[int, str]
+                   ) -> list[int] | None:
+        """settle's quiet path, taken first: for a decode of the batch columns, the rows settle still has to take
+        (`_settle_quiet`; [] when none: settle then has nothing to do), else None (settle takes every row). The
+        engine asks before making settle's generator (none is needed for a step every row of which was quiet)."""
+        cols = state.batch
+        if (self.watchdog is None and not refused and cols is not None and cols.aligned is not None
+                and cols.aligned.outcomes is ordered and cols.last is not None):  # a decode of the batch columns
+            return self._settle_quiet(cols)
+        return None
+
     def settle(self, state: ControlState, plan: StepPlan, ordered: tuple[SeqOutcome, ...], refused: dict[int, str],
-               lanes: Lanes, out: list[RequestOutput]) -> Iterator[Event]:
+               lanes: Lanes, out: list[RequestOutput], rest: list[int] | None | object = _ASK) -> Iterator[Event]:
+        """`rest`: what quiet_rows returned for this step, when the caller asked it already (else settle asks)."""
         seqs = state.seqs
         quiet = self.watchdog is None  # a held-back request that did not end then has nothing to emit
         held = self.held
@@ -120,16 +133,13 @@ class RequestBook:
         counts = self.counts
         stops = self.stops
         pairs = zip(plan.work, ordered, strict=True)
-        cols = state.batch
-        rest = None
-        if (quiet and not refused and cols is not None and cols.aligned is not None
-                and cols.aligned.outcomes is ordered and cols.last is not None):  # a decode of the batch columns
-            rest = self._settle_quiet(cols)
+        if rest is _ASK:
+            rest = self.quiet_rows(state, ordered, refused)
         if rest is not None:  # the rows the quiet path left (none of them lagged)
             if not rest:
                 return
             work = plan.work
-            pairs = ((work[i], ordered[i]) for i in rest)  # type: ignore[assignment]
+            pairs = ((work[i], ordered[i]) for i in rest)  # type: ignore[assignment, union-attr]
         elif self._lag:  # every row through the loop below: the quiet rows' checkers and held tokens current first
             self._flush_lag()
         for w, o in pairs:

@@ -419,7 +419,7 @@ class BatchColumns:
             lo, top = min(tokens), max(tokens)
         if lo < -(1 << 63) or top >= 1 << 63:
             return None
-        tok = np.array(tokens, dtype=_I)
+        tok = np.fromiter(tokens, _I, len(tokens))  # np.array's values (ints within int64, tested above), ~0.2 us less
         n = self.ntok
         th = self.token_hash
         slack = None

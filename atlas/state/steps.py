@@ -108,7 +108,7 @@ def _check_plan(state: ControlState, e: StepPlanned, cols: StepColumns | None = 
     if e.drafts and len(e.drafts) != len(e.seqs):
         raise TransitionRefused("Engine", "drafts aligned with the planned sequences", drafts=len(e.drafts),
                                 seqs=len(e.seqs))
-    fed_total = sum(e.fed) + sum(len(d) for d in e.drafts)
+    fed_total = sum(e.fed) + (sum(map(len, e.drafts)) if e.drafts else 0)
     if fed_total > state.caps.max_batch_tokens:  # the size every per-step buffer is derived from
         raise TransitionRefused("Scheduler", "a step feeds at most max_batch_tokens (drafts included)",
                                 fed=fed_total, max_batch_tokens=state.caps.max_batch_tokens)

@@ -247,7 +247,29 @@ def _honest_stamps(result, row):  # type: ignore[no-untyped-def]
     return _cursor(result, row, stamps=(("kv", 0, c.kv_tokens), ("gdn", 1, c.ssm_position)))
 
 
+def _uniform_stamps(result, row, off=0, kind="kv"):  # type: ignore[no-untyped-def]
+    """Every row's cursors with stamps, memoised uniform as the CUDA reader marks its shared ones; `off`: row's kv
+    stamp that far from its position (its memo then says no uniform position, or the wrong one)."""
+    outs = []
+    for i, o in enumerate(result.outcomes):
+        c = o.cursors
+        n = c.kv_tokens
+        at = {k: n + (off if i == row and k == kind else 0) for k in ("kv", "gdn", "qsa")}
+        drafter = (("drafter", -1, off),) if i == row and kind == "drafter" else ()
+        cur = attrs.evolve(c, stamps=(("kv", 0, at["kv"]), ("gdn", 1, at["gdn"]), ("qsa", 2, at["qsa"]), *drafter))
+        cur.uniform()
+        outs.append(attrs.evolve(o, cursors=cur))
+    return attrs.evolve(result, outcomes=tuple(outs))
+
+
 DAMAGE = {
+    "uniform_stamps": _uniform_stamps,
+    "uniform_stamps_off": lambda r, row: _uniform_stamps(r, row, 1),
+    "uniform_qsa_off": lambda r, row: _uniform_stamps(r, row, -1, "qsa"),
+    "uniform_drafter_off": lambda r, row: _uniform_stamps(r, row, 1, "drafter"),
+    "uniform_stamps_all_off": lambda r, row: _uniform_stamps(_cursor(r, row, kv_tokens=r.outcomes[row].cursors.kv_tokens
+                                                                     + 1, ssm_position=r.outcomes[row].cursors
+                                                                     .ssm_position + 1), row + 50),
     "swapped_rows": _swap,  # out of the rows' order: align puts them back, the step goes on
     "refused": lambda r, row: _one(r, row, refused="backend said no"),
     "prompt_logprobs": lambda r, row: _one(r, row, prompt_logprobs=((3, -0.5, ()),)),
@@ -266,20 +288,20 @@ class _Damaged:
 
     def execute(self, plan):  # type: ignore[no-untyped-def]
         result = self.backend.execute(plan)
-        return DAMAGE[self.damage](result, self.row) if plan.step == self.step else result
+        return DAMAGE[self.damage](result, self.row) if self.step in (None, plan.step) else result
 
     def __getattr__(self, name):  # type: ignore[no-untyped-def]
         return getattr(self.backend, name)
 
 
-def _damaged_run(damage: str | None, columns: bool) -> tuple:
+def _damaged_run(damage: str | None, columns: bool, step: int | None = 7) -> tuple:
     config = EngineConfig(max_seq_len=64, max_batch_size=20, prefill_chunk_tokens=400, block_size=8)
     sink = RecordingSink()
     engine = build_engine("atlas-tiny", backend="null", config=config, sink=sink)
     engine.state.batch_cache = columns
     walked = 0
     if damage is not None:
-        engine.backend = _Damaged(engine.backend, damage, 7, 5)  # type: ignore[assignment]
+        engine.backend = _Damaged(engine.backend, damage, step, 5)  # type: ignore[assignment]
     for i in range(18):
         engine.add_request(f"r{i}", [(i * 3 + k) % 150 + 1 for k in range(7)],
                            SamplingParams(max_tokens=20 + i % 4, temperature=0.7, seed=i, ignore_eos=True),
@@ -302,7 +324,17 @@ def test_a_damaged_decode_result_goes_as_without_columns(damage: str | None) -> 
     off = _damaged_run(damage, False)
     assert on[:3] == off[:3]  # same events, digests, outputs, and the same violation if any
     assert on[3] >= 5 and off[3] == 0  # decode steps went through the walk
-    if damage in ("stamp_off", "no_token", "drafter_rows", "seq_id"):
+    if damage in ("stamp_off", "no_token", "drafter_rows", "seq_id", "uniform_stamps_off", "uniform_stamps_all_off",
+                  "uniform_qsa_off", "uniform_drafter_off"):
         assert on[2] is not None
-    elif damage in ("refused", "prompt_logprobs", "swapped_rows", "honest_stamps"):
+    elif damage in ("refused", "prompt_logprobs", "swapped_rows", "honest_stamps", "uniform_stamps"):
         assert on[2] is None
+
+
+def test_uniform_stamps_every_step_through_the_walk() -> None:
+    """Every step's cursors with stamps memoised uniform (the CUDA reader's form): the walk takes them, as without
+    columns; one row's kv stamp one off at every step is named at the first decode step as without columns."""
+    on, off = _damaged_run("uniform_stamps", True, None), _damaged_run("uniform_stamps", False, None)
+    assert on[:3] == off[:3] and on[2] is None and on[3] >= 5
+    on, off = _damaged_run("uniform_stamps_off", True, None), _damaged_run("uniform_stamps_off", False, None)
+    assert on[:3] == off[:3] and on[2] is not None

@@ -100,19 +100,33 @@ def _decode_step(plan: StepPlan, result: StepResult, vocab_size: int | None, col
 
 def _walk(outs: tuple[SeqOutcome, ...], ids: tuple[int, ...], target: list[int]) -> list[int | None] | None:
     """The tokens of a decode's outcomes when, row by row, each is the row's sequence (`ids`, in order), none refused,
-    none with prompt logprobs, and its cursors have no stamps, no drafter rows and every other field the row's
-    `target`; else None. One walk reading each outcome and its cursors once: what _decode_step's, settle's quiet
+    none with prompt logprobs, and its cursors have no drafter rows, every other field the row's `target`, and no
+    stamps or stamps whose memoised uniform positions (BackendCursors.uniform, computed by their builder) are those;
+    else None. One walk reading each outcome and its cursors once: what _decode_step's, settle's quiet
     path's and _batch_cursors_hold's C-level passes test (thirteen over the batch; at 64 rows ~19 against ~7.5 us,
     timeit). The cursor verdict holds for `target`: _batch_cursors_hold takes it only when the computed column after
     the step is that very list of numbers."""
     tokens = []
     add = tokens.append
+    passed = None  # the last cursors that passed, and at what count (the CUDA reader shares one per position)
+    passed_n = -1
     for o, sid, n in zip(outs, ids, target, strict=True):
-        c = o.cursors
-        if (o.seq_id != sid or o.refused is not None or o.prompt_logprobs or c.stamps or c.kv_tokens != n
-                or c.qsa_ingested != n or c.ssm_position != n or c.ple_position != n or c.drafter_rows):
+        if o.seq_id != sid or o.refused is not None or o.prompt_logprobs:
             return None
         add(o.token)
+        c = o.cursors
+        if c is passed and n == passed_n:
+            continue
+        stamps = c.stamps
+        if stamps:  # _batch_cursors_hold's test of stamps: each class's one position, memoised for these very stamps
+            memo = c._uniform
+            u = memo[1] if memo is not None and memo[0] is stamps else None
+            if u is None or (u[0] is not None and u[0] != n) or (u[1] is not None and u[1] != n) or (
+                    u[2] is not None and u[2] != 0):
+                return None
+        if c.kv_tokens != n or c.qsa_ingested != n or c.ssm_position != n or c.ple_position != n or c.drafter_rows:
+            return None
+        passed, passed_n = c, n
     return tokens
 
 

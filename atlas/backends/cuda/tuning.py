@@ -150,7 +150,10 @@ VARIANTS: dict[str, Tuning] = {
     # one time-major Triton kernel each (prefill_conv "triton", since session 12; "inductor" before), and recurring
     # prefill chunks replayed from CUDA graphs (prefill_graphs).
     # H200 session 10 against session 8's arrangement: decode b1 3.47 -> 3.30 ms, b16 4.89 -> 4.80, b64 6.91 ->
-    # 6.78; prefill 2,048 52.8 -> 41.7 ms (graphs; 65.9 -> 43.4 ms on a slower host), 8,192 161.0 -> 157.2 ms
+    # 6.78; prefill 2,048 52.8 -> 41.7 ms (graphs; 65.9 -> 43.4 ms on a slower host), 8,192 161.0 -> 157.2 ms.
+    # Since session 14 the regions compile with Inductor's combo kernels and the GDN chunk prefill runs bf16 work
+    # (regions-no-combo, regions-gdn-fp32 keep the previous; H200 session 14 run 3: decode 3.36 / 4.52 / 6.41 ms,
+    # prefill 2,048 24.7 ms, 33.3% of the matmul rate)
     "regions-compile": _REGIONS,
     # regions-compile with its prefill chunks eager (what prefill_graphs replaced; its decode rows are regions-compile's)
     "regions-eager-prefill": attrs.evolve(_REGIONS, prefill_graphs="none"),

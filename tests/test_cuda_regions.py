@@ -23,6 +23,18 @@ from atlas.plan import SeqWork, StepPlan
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # Dynamo's recompile limit (the name moved between torch versions; atlas.backends.cuda.compiled raises it the same way)
 _LIMIT = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
+
+
+
+@pytest.fixture
+def recompile_limit():  # type: ignore[no-untyped-def]
+    """Dynamo's recompile limit at least 32 for one test (as atlas.backends.cuda.compiled sets it), through the
+    config's own patch: monkeypatch.setattr on the config module undid it wrongly, and a later test in the same
+    process (tests/test_kernels_conv_norms.py's compiled conv) then found no recompile_limit at all."""
+    with torch._dynamo.config.patch(**{_LIMIT: max(getattr(torch._dynamo.config, _LIMIT), 32)}):
+        yield
+
+
 # 3 sequences: one past the QSA inert bound (the selected path), one short, one in between
 PROMPTS = [list(b"The quick brown fox jumps over the lazy dog. " * 2)[:70], list(b"hello"), list(b"0123456789abcdefghij")]
 # below atlas-tiny's QSA inert bound (19 keys) through the first decodes: dense groups, where the paged kernel applies
@@ -430,7 +442,7 @@ def test_linear_as_a_reduction_is_the_product() -> None:
 
 
 def test_decode_gemv_takes_the_reduction_only_in_compiled_decode_regions_of_few_rows(
-        tiny, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+        tiny, monkeypatch: pytest.MonkeyPatch, recompile_limit) -> None:  # type: ignore[no-untyped-def]
     """decode_gemv="reduce": the compiled decode regions (Dynamo, eager backend) of <= GEMV_ROWS rows take
     layers.linear's reduction (counted), prefill chunks and uncompiled regions never; the logits stay the
     library product's within fp32 rounding."""
@@ -451,7 +463,6 @@ def test_decode_gemv_takes_the_reduction_only_in_compiled_decode_regions_of_few_
         return fn if mode == "none" else torch.compile(fn, backend="eager", fullgraph=True, dynamic=None)
 
     monkeypatch.setattr(regions, "compiled", eager_compile)
-    monkeypatch.setattr(torch._dynamo.config, _LIMIT, 32, raising=False)  # as atlas.backends.cuda.compiled sets it
     base = dict(decode_stack="regions", prefill_stack="regions", compile_decode="default", compile_prefill="default")
     want, _ = _decode(tiny, Tuning(**base), kernels=False, steps=1)
     assert seen and not any(reduce for _, reduce in seen)
@@ -464,7 +475,7 @@ def test_decode_gemv_takes_the_reduction_only_in_compiled_decode_regions_of_few_
 
 
 def test_the_inductor_conv_is_windowed_in_compiled_prefill_heads_and_library_elsewhere(
-        tiny, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+        tiny, monkeypatch: pytest.MonkeyPatch, recompile_limit) -> None:  # type: ignore[no-untyped-def]
     """prefill_conv="inductor": a compiled prefill region's GDN conv takes the windowed product (Inductor fuses it),
     and so does the compiled PLE region's (regions.ple_block); uncompiled regions keep the library conv for both,
     the PLE layer then eager (layers.ple_layer)."""
@@ -492,7 +503,6 @@ def test_the_inductor_conv_is_windowed_in_compiled_prefill_heads_and_library_els
     monkeypatch.setattr(regions, "ple_layer", ple_layer)
     monkeypatch.setattr(regions, "ple_mix", ple_mix)
     monkeypatch.setattr(regions, "compiled", eager_compile)
-    monkeypatch.setattr(torch._dynamo.config, _LIMIT, 32, raising=False)
     for mode, want in (("default", {"gdn": {False}, "ple_block": {False}}), ("none", {"gdn": {True}, "ple": {True}})):
         seen.clear()
         _decode(tiny, Tuning(prefill_stack="regions", compile_prefill=mode, prefill_conv="inductor"), kernels=False,

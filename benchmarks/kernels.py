@@ -397,6 +397,35 @@ def bench_norms(cfg: dict) -> None:
                bytes_moved=3 * x.numel() * 2, note="eager torch, for comparison")
 
 
+def bench_mix_up(cfg: dict) -> None:
+    """A prefill chunk's hyper-site mix after the mix-down (atlas_kernels.hyper.mix_up, Tuning.prefill_mix_up) at
+    every MIX_UP_SCHEDULES schedule, against the torch form compiled by Inductor (cuBLAS's mix-up product written,
+    then Inductor's sigmoid / mix / mean pass reading it back with the normed streams)."""
+    from atlas_kernels.hyper import MIX_UP_SCHEDULES, mix_up
+
+    hidden, hc, lowrank = cfg["hidden_size"], cfg["hc_count"], cfg["hc_lowrank"]
+
+    def torch_form(normed: torch.Tensor, act: torch.Tensor, up_w: torch.Tensor) -> torch.Tensor:
+        mix = torch.sigmoid(act @ up_w.T).unflatten(-1, (hc, hidden))
+        return (mix * normed.unflatten(-1, (hc, hidden))).mean(dim=-2)
+
+    compiled = torch.compile(torch_form, dynamic=False)
+    up_w = torch.randn(hc * hidden, lowrank, device=DEV, dtype=BF16) / lowrank**0.5
+    for tokens in (PREFILL_TOKENS, 4 * PREFILL_TOKENS):
+        normed = torch.randn(tokens, hc * hidden, device=DEV, dtype=BF16)
+        act = torch.randn(tokens, lowrank + hc, device=DEV, dtype=BF16)[:, :lowrank]  # a slice, as the site's
+        flops = 2 * tokens * lowrank * hc * hidden
+        moved = (normed.numel() + tokens * lowrank + tokens * hidden + up_w.numel()) * 2
+        want = compiled(normed, act, up_w)
+        record("mix_up", f"[{tokens}] torch form (Inductor)", time_ms(lambda n=normed, a=act: compiled(n, a, up_w)),
+               bytes_moved=moved, flops=flops)
+        for name in MIX_UP_SCHEDULES:
+            got = mix_up(normed, act, up_w, hc, name)
+            error = float((got.float() - want.float()).norm() / want.float().norm())
+            record("mix_up", f"[{tokens}] {name}", time_ms(lambda n=normed, a=act, name=name: mix_up(n, a, up_w, hc, name)),
+                   bytes_moved=moved, flops=flops, note=f"rel err {error:.1e}")
+
+
 # (block_m, block_n, block_k, stages) of the routed-MoE kernels swept at decode sizes; block_m stays 16 for every
 # decode batch (a row's result must not depend on the batch). The chosen tile is then fixed in block_sizes: a
 # runtime autotune would pick by timing noise and change the reduction order from run to run.
@@ -503,7 +532,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", type=Path, default=DEFAULT_CONFIG)
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".")))
-    parser.add_argument("--only", default="", help="comma-separated subset: gdn,conv,attn,qsa,norms,moe,moe_prefill,chunk")
+    parser.add_argument("--only", default="",
+                        help="comma-separated subset: gdn,conv,attn,qsa,norms,mix_up,moe,moe_prefill,chunk")
     parser.add_argument("--fp32-chunk", action="store_true", help="also time the fp32 (parity) chunked prefill")
     parser.add_argument("--no-sweep", action="store_true",
                         help="moe_prefill: today's tile and torch._grouped_mm only, not the tile sweep; chunk: the "
@@ -514,7 +544,7 @@ def main() -> None:
     cfg = load_config(args.config)
     gdn_layers = cfg["layer_types"].count("linear_attention")
     attn_layers = len(cfg["layer_types"]) - gdn_layers
-    groups = ("gdn", "conv", "attn", "qsa", "norms", "moe", "moe_prefill", "chunk")
+    groups = ("gdn", "conv", "attn", "qsa", "norms", "mix_up", "moe", "moe_prefill", "chunk")
     unknown = [name for name in args.only.split(",") if name and name not in groups]
     if unknown:
         parser.error(f"--only {','.join(unknown)}: not a kernel group; use some of {','.join(groups)}")
@@ -536,6 +566,7 @@ def main() -> None:
         "attn": lambda: bench_attention(cfg, attn_layers),
         "qsa": lambda: bench_qsa(cfg, attn_layers),
         "norms": lambda: bench_norms(cfg),
+        "mix_up": lambda: bench_mix_up(cfg),
         "moe": lambda: bench_moe(cfg),
         "moe_prefill": lambda: bench_moe_prefill(*moe_weights(cfg), sweep=not args.no_sweep),
         "chunk": lambda: bench_gdn_chunk(cfg, args.fp32_chunk, others=not args.no_sweep),

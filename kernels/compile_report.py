@@ -252,7 +252,20 @@ def hyper_cases() -> list[CompileReport]:
         compile_for_hopper(hyper._hyper_act_kernel, act, dict(HC=4, BM=bm, BN=bn), hyper.ACT_WARPS, f"BM={bm}"),
         compile_for_hopper(hyper._hyper_up_kernel, up, dict(HC=4, BM=bm, BN=bn, BK=64, PRECISION="tf32"),
                            hyper.UP_WARPS, f"BM={bm}"),
+        mix_up_case(),
     ]
+
+
+def mix_up_case() -> CompileReport:
+    # a prefill chunk's mix after the mix-down (hyper.mix_up) at its default schedule, the benchmark model's sizes
+    block_m, block_n, block_k, warps, stages = hyper.MIX_UP_SCHEDULES[hyper.MIX_UP_SCHEDULE]
+    types = dict(normed_ptr="*bf16", w_ptr="*bf16", act_ptr="*bf16", out_ptr="*bf16", rows="i32",
+                 normed_stride="i32", act_stride="i32")
+    return compile_for_hopper(hyper._mix_up_kernel, types,
+                              dict(HIDDEN=2048, LOWRANK=320, HC=4, BM=block_m, BN=block_n, BK=block_k,
+                                   PRECISION="tf32"), warps, hyper.MIX_UP_SCHEDULE, stages,
+                              divisible=("normed_ptr", "w_ptr", "act_ptr", "out_ptr", "normed_stride",
+                                         "act_stride"))
 
 
 def stamp_summary_case() -> CompileReport:

@@ -167,3 +167,92 @@ def hyper_site(streams: torch.Tensor, norm_w: torch.Tensor, down_w: torch.Tensor
         normed, up_w.contiguous(), act, out, rows, hidden, lowrank, HC=hc, BM=BLOCK_M, BN=BLOCK_N, BK=64,
         PRECISION=precision, num_warps=UP_WARPS)
     return out.view(*lead, hidden), (inject.view(*lead, hc) if combine else None)
+
+
+@triton.jit
+def _mix_up_kernel(normed_ptr, w_ptr, act_ptr, out_ptr, rows, normed_stride, act_stride, HIDDEN: tl.constexpr,
+                   LOWRANK: tl.constexpr, HC: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                   PRECISION: tl.constexpr):
+    """mix_up's program: one [BM rows, BN hidden columns] tile of the mixed output, the streams in a loop (not
+    unrolled: unrolled, every tile above 64 x 64 held 255 registers and spilled in the sm_90 compile report), each
+    stream's mix-up product over the lowrank k steps, its sigmoid and its product with the normed stream rounded
+    as the torch form's bf16 tensors are."""
+    r = tl.program_id(0) * BM + tl.arange(0, BM)
+    r_ok = r < rows
+    h = tl.program_id(1) * BN + tl.arange(0, BN)
+    ks = tl.arange(0, BK)
+    a_rows = act_ptr + r.to(tl.int64)[:, None] * act_stride + ks[None, :]
+    total = tl.zeros((BM, BN), dtype=tl.float32)
+    for s in range(HC):
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        w_rows = w_ptr + (s * HIDDEN + h)[:, None] * LOWRANK + ks[None, :]
+        for k0 in range(0, LOWRANK, BK):
+            if LOWRANK % BK == 0:
+                a = tl.load(a_rows + k0, mask=r_ok[:, None], other=0.0)
+                w = tl.load(w_rows + k0)
+            else:
+                k_ok = (k0 + ks) < LOWRANK
+                a = tl.load(a_rows + k0, mask=r_ok[:, None] & k_ok[None, :], other=0.0)
+                w = tl.load(w_rows + k0, mask=k_ok[None, :], other=0.0)
+            acc = tl.dot(a, tl.trans(w), acc, input_precision=PRECISION)
+        mix = tl.sigmoid(acc.to(out_ptr.dtype.element_ty).to(tl.float32)).to(out_ptr.dtype.element_ty)
+        normed = tl.load(normed_ptr + r.to(tl.int64)[:, None] * normed_stride + (s * HIDDEN + h)[None, :],
+                         mask=r_ok[:, None], other=0.0).to(tl.float32)
+        total += (mix.to(tl.float32) * normed).to(out_ptr.dtype.element_ty).to(tl.float32)
+    tl.store(out_ptr + r.to(tl.int64)[:, None] * HIDDEN + h[None, :], (total / HC).to(out_ptr.dtype.element_ty),
+             mask=r_ok[:, None])
+
+
+# mix_up's launch schedules: (rows, columns, k step, warps, pipeline stages) of a program. A prefill chunk's site
+# (2,048 rows at H = 2,048, lowrank 320, hc 4) is ~11 GFLOP of mix-up product over 32 MB of normed streams.
+# Registers / spills from the sm_90 compile report (bf16, divisibility hints): 64x128x64 w8 128 / 0, 64x64x64 w4
+# 162 / 0, 128x128x64 w8 255 / 0 (2 or 3 stages), 128x128x32 w8 s3 255 / 0; 64x128x64 w4 spills 8 B
+MIX_UP_SCHEDULES = {
+    "64x128x64-w8-s2": (64, 128, 64, 8, 2),
+    "64x128x64-w8-s3": (64, 128, 64, 8, 3),
+    "64x64x64-w4-s3": (64, 64, 64, 4, 3),
+    "128x128x64-w8-s2": (128, 128, 64, 8, 2),
+    "128x128x64-w8-s3": (128, 128, 64, 8, 3),
+    "128x128x32-w8-s3": (128, 128, 32, 8, 3),
+}
+MIX_UP_SCHEDULE = "64x128x64-w8-s2"
+
+
+@torch.library.custom_op("atlas::hyper_mix_up", mutates_args=())
+def mix_up(normed: torch.Tensor, act: torch.Tensor, up_w: torch.Tensor, hc: int, schedule: str = "") -> torch.Tensor:
+    """A hyper-connection site's mix after its mix-down, as one kernel: mean_s sigmoid(act @ up_w.T)[s] * normed[s]
+    [.., H] for the normed streams [.., hc*H], act = silu(mix-down) [.., lowrank] and up_w [hc*H, lowrank] (rows may
+    be strided: a slice of the mix-down's output is read in place). The torch form (layers.hyper_block) writes the
+    mix-up product [.., hc*H] and reads it back with the normed streams: at a 2,048-token prefill chunk two passes
+    of 32 MB a site, 49 sites. A torch custom op, so a compiled region calls it as one opaque kernel (the norm and
+    mix-down before it stay Inductor's and cuBLAS's). schedule: a MIX_UP_SCHEDULES name ("" the default)."""
+    lead, width = normed.shape[:-1], normed.shape[-1]
+    lowrank = act.shape[-1]
+    hidden = width // hc
+    if up_w.shape != (width, lowrank) or act.shape[:-1] != lead or width % hc:
+        raise ValueError(f"hyper_mix_up: normed [.., {width}], hc {hc}, act {tuple(act.shape)}, "
+                         f"up_w {tuple(up_w.shape)} (want [{width}, {lowrank}])")
+    if schedule and schedule not in MIX_UP_SCHEDULES:
+        raise ValueError(f"hyper_mix_up: schedule {schedule!r}; choose one of {', '.join(MIX_UP_SCHEDULES)}")
+    block_m, block_n, block_k, warps, stages = MIX_UP_SCHEDULES[schedule or MIX_UP_SCHEDULE]
+    if hidden % 16:
+        raise ValueError(f"hyper_mix_up needs hidden divisible by 16, got {hidden}")
+    while hidden % block_n:  # a small model's hidden size: narrower column tiles (the kernel masks no column)
+        block_n //= 2
+    x, a = normed.reshape(-1, width), act.reshape(-1, lowrank)
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    if a.stride(-1) != 1:
+        a = a.contiguous()
+    rows = x.shape[0]
+    out = torch.empty(rows, hidden, dtype=normed.dtype, device=normed.device)
+    precision = "ieee" if x.dtype == torch.float32 else "tf32"
+    _mix_up_kernel[(triton.cdiv(rows, block_m), hidden // block_n)](
+        x, up_w.contiguous(), a, out, rows, x.stride(0), a.stride(0), HIDDEN=hidden, LOWRANK=lowrank, HC=hc,
+        BM=block_m, BN=block_n, BK=block_k, PRECISION=precision, num_warps=warps, num_stages=stages)
+    return out.view(*lead, hidden)
+
+
+@mix_up.register_fake
+def _(normed: torch.Tensor, act: torch.Tensor, up_w: torch.Tensor, hc: int, schedule: str = "") -> torch.Tensor:
+    return normed.new_empty((*normed.shape[:-1], normed.shape[-1] // hc))

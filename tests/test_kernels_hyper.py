@@ -10,7 +10,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the kernels' import
 
-from atlas_kernels.hyper import hyper_site, split_sizes
+from atlas_kernels.hyper import MIX_UP_SCHEDULES, hyper_site, mix_up, split_sizes
 
 from atlas.backends.cuda.layers import hyper_block
 
@@ -94,3 +94,151 @@ def test_a_rows_result_does_not_depend_on_the_other_rows(hidden: int) -> None:
     for row in (0, 70, 99):
         alone = hyper_site(streams[row:row + 1], norm_w, down_w, up_w, 4, lowrank, 1e-6, True)
         assert torch.equal(alone[0][0], batched[0][row]) and torch.equal(alone[1][0], batched[1][row])  # type: ignore[index]
+
+
+def mix_up_reference(normed: torch.Tensor, act: torch.Tensor, up_w: torch.Tensor, hc: int) -> torch.Tensor:
+    mix = torch.sigmoid(act.double() @ up_w.double().T).unflatten(-1, (hc, -1))
+    return (mix * normed.double().unflatten(-1, (hc, -1))).mean(dim=-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("rows", "hidden", "lowrank", "schedule"),
+                         [(70, 64, 40, ""), (3, 128, 64, "64x64x64-w4-s3"), (130, 32, 96, "128x128x32-w8-s3")])
+def test_mix_up_matches_the_torch_form(dtype: torch.dtype, rows: int, hidden: int, lowrank: int,
+                                       schedule: str) -> None:
+    # 70 / 130 rows: a partial row tile; lowrank 40 / 96: not a multiple of the k step (its masks); hidden 64 / 32
+    # under 128-column schedules: the narrower column tiles; act a slice of the mix-down's output (strided rows)
+    hc = 4
+    gen = torch.Generator().manual_seed(rows)
+    normed = torch.randn(rows, hc * hidden, generator=gen).to(DEVICE, dtype)
+    down = torch.randn(rows, lowrank + hc, generator=gen).to(DEVICE, dtype)
+    act = torch.nn.functional.silu(down)[:, :lowrank]
+    up_w = (torch.randn(hc * hidden, lowrank, generator=gen) / lowrank**0.5).to(DEVICE, dtype)
+    got = mix_up(normed, act, up_w, hc, schedule)
+    assert got.dtype == dtype and got.shape == (rows, hidden)
+    assert rel(got, mix_up_reference(normed, act, up_w, hc)) < TOLERANCE[dtype]
+    # the leading dimensions kept ([1, T, ..] as a prefill chunk's streams)
+    assert mix_up(normed[None], act[None], up_w, hc, schedule).shape == (1, rows, hidden)
+
+
+def test_mix_up_refuses_what_it_cannot_run() -> None:
+    normed, act, up_w = torch.zeros(2, 256), torch.zeros(2, 32), torch.zeros(256, 32)
+    with pytest.raises(ValueError, match="up_w"):
+        mix_up(normed, act, torch.zeros(256, 16), 4)
+    with pytest.raises(ValueError, match="schedule 'nope'"):
+        mix_up(normed, act, up_w, 4, "nope")
+    with pytest.raises(ValueError, match="divisible by 16"):
+        mix_up(torch.zeros(2, 40), act, torch.zeros(40, 32), 4)
+    assert set(MIX_UP_SCHEDULES) >= {"64x128x64-w8-s2"}
+
+
+def test_hyper_block_takes_the_mix_up_kernel_in_bf16_only() -> None:
+    """hyper_block(mix_up="triton") (a compiled prefill region's site under Tuning.prefill_mix_up) against its torch
+    form: bf16 within bf16's error, through the custom op (a spy counts it); fp32 keeps the torch form."""
+    hc, hidden, lowrank, eps = 4, 64, 40, 1e-6
+    calls = []
+    real = torch.ops.atlas.hyper_mix_up
+
+    class Spy:
+        def __call__(self, *args):  # type: ignore[no-untyped-def]
+            calls.append(args[0].dtype)
+            return real(*args)
+
+    import atlas.backends.cuda.layers as layers_module
+    ops_atlas = torch.ops.atlas
+    for dtype in (torch.bfloat16, torch.float32):
+        streams, norm_w, down_w, up_w = case(9, hc, hidden, lowrank, True, dtype, seed=5)
+        want = hyper_block(streams, norm_w, down_w, up_w, hc, hidden, lowrank, eps, True)
+        try:
+            ops_atlas.hyper_mix_up = Spy()
+            got = layers_module.hyper_block(streams, norm_w, down_w, up_w, hc, hidden, lowrank, eps, True,
+                                            mix_up="triton")
+        finally:
+            ops_atlas.hyper_mix_up = real
+        assert got[1] is not None and torch.equal(got[1], want[1])  # the injection: the same kernels
+        assert rel(got[0], want[0].double()) < (1e-2 if dtype == torch.bfloat16 else 1e-6)
+    assert calls == [torch.bfloat16]
+
+
+def test_mix_up_traces_whole_as_an_opaque_op_with_a_symbolic_token_dimension() -> None:
+    """A compiled prefill region calls mix_up as torch.ops.atlas.hyper_mix_up: Dynamo (fullgraph, the token dimension
+    marked dynamic as regions._token_dim marks it) keeps it as one node, and two chunk lengths share the graph."""
+    graphs = []
+
+    def backend(gm, example_inputs):  # type: ignore[no-untyped-def]
+        graphs.append(gm)
+        return gm.forward
+
+    def site(normed: torch.Tensor, down: torch.Tensor, up_w: torch.Tensor) -> torch.Tensor:
+        return torch.ops.atlas.hyper_mix_up(normed, torch.nn.functional.silu(down)[..., :24], up_w, 4, "") * 2.0
+
+    torch._dynamo.reset()
+    fn = torch.compile(site, backend=backend, fullgraph=True, dynamic=None)
+    up_w = torch.randn(128, 24) / 5
+    for tokens in (17, 33):
+        normed, down = torch.randn(1, tokens, 128), torch.randn(1, tokens, 28)
+        torch._dynamo.mark_dynamic(normed, 1)
+        torch._dynamo.mark_dynamic(down, 1)
+        got = fn(normed, down, up_w)
+        assert torch.allclose(got, 2.0 * mix_up(normed, torch.nn.functional.silu(down)[..., :24], up_w, 4),
+                              atol=1e-6)
+    assert len(graphs) == 1
+    assert sum("hyper_mix_up" in str(node.target) for node in graphs[0].graph.nodes) == 1
+
+
+def test_compiled_prefill_regions_take_the_mix_up_kernel_at_every_site(monkeypatch: pytest.MonkeyPatch,
+                                                                       request) -> None:  # type: ignore[no-untyped-def]
+    """Tuning.prefill_mix_up = "triton": a bf16 prefill chunk through the compiled prefill regions (Inductor on a GPU;
+    on the CPU Dynamo's graphs run eagerly and the kernel under the interpreter) calls the kernel at every hyper site
+    (two a layer and the final mixer; a spy counts them) and its last logits stay within bf16's error of the torch
+    form's; decode groups keep the torch form."""
+    from atlas.backends.cuda import CudaBackend
+    from atlas.backends.cuda import compiled as module
+    from atlas.backends.cuda.tuning import Tuning
+    from atlas.model import load_model
+    from atlas.plan import SeqWork
+
+    torch.set_num_threads(1)
+    tiny = load_model("atlas-tiny")
+    if DEVICE != "cuda":
+        real_compile = torch.compile
+        monkeypatch.setattr(module.torch, "compile", lambda fn, **kw: real_compile(fn, **{**kw, "mode": None,
+                                                                                     "backend": "eager"}))
+        request.addfinalizer(module._compile.cache_clear)
+    module._compile.cache_clear()
+    torch._dynamo.reset()
+    import atlas_kernels.hyper as hyper_module
+
+    calls = []
+    real = hyper_module._mix_up_kernel
+
+    class Spy:  # the op's launches (the op runs opaque inside the traced regions: its kernel is what is counted)
+        def __getitem__(self, grid):  # type: ignore[no-untyped-def]
+            def launch(*args, **kwargs):  # type: ignore[no-untyped-def]
+                calls.append(args[4])  # the row count
+                return real[grid](*args, **kwargs)
+            return launch
+
+    monkeypatch.setattr(hyper_module, "_mix_up_kernel", Spy())
+    prompt = list(b"The quick brown fox jumps over the lazy dog.")
+    logits = {}
+    for form in ("inductor", "triton"):
+        calls.clear()
+        tuning = Tuning(prefill_stack="regions", compile_prefill="default", decode_stack="regions",
+                        compile_decode="default", prefill_mix_up=form)
+        backend = CudaBackend(tiny, num_kv_blocks=8, block_size=16, dtype=torch.bfloat16, device=DEVICE,
+                              max_batch_size=2, kernels=False, cuda_graphs=False, tuning=tuning)
+        chunk = [SeqWork(0, tuple(prompt), 0, tuple(range(8)), True)]
+        backend._prepare(chunk)
+        logits[form] = backend._last_logits(chunk)[0].float()
+        backend._advance(chunk[0])
+        prefill_calls = list(calls)
+        decode = [SeqWork(0, (40,), len(prompt), tuple(range(8)), True)]
+        backend._prepare(decode)
+        backend._last_logits(decode)
+        assert calls == prefill_calls  # the decode step took the torch form
+        if form == "triton":
+            assert prefill_calls == [len(prompt)] * (2 * tiny.spec.num_layers + 1)
+        else:
+            assert prefill_calls == []
+    assert rel(logits["triton"], logits["inductor"].double()) < 2e-2

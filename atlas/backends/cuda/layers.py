@@ -9,6 +9,7 @@ path (`eager_moe=False`), so a decode group can be captured in a CUDA graph.
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable, Sequence
 
 import torch
@@ -155,17 +156,24 @@ def linear(x: torch.Tensor, w: torch.Tensor, gemv: str = "") -> torch.Tensor:
 
 
 def hyper_block(streams: torch.Tensor, norm_w: torch.Tensor, down_w: torch.Tensor, up_w: torch.Tensor, hc: int,
-                hidden: int, lowrank: int, eps: float, combine: bool, gemv: str = ""
+                hidden: int, lowrank: int, eps: float, combine: bool, gemv: str = "", mix_up: str = ""
                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One hyper-connection site on tensors: (block input [.., H], injection weights [.., hc] or None). gemv: its
-    two products' form (`linear`)."""
+    two products' form (`linear`). mix_up "triton" (Tuning.prefill_mix_up, compiled prefill regions, bf16 / fp16
+    streams on a CUDA device, or the CPU under TRITON_INTERPRET=1): the mix-up product, its sigmoid and the mix with
+    the normed streams as one kernel (atlas_kernels.hyper.mix_up, a custom op), which never writes the [.., hc*H]
+    product."""
     normed = rms_norm(streams, norm_w, eps, group=hidden)
     if combine:  # 1/hc is folded into the weights (prepare_weights)
         down, inject = split_out(linear(normed, down_w, gemv), [lowrank, hc])
     else:
         down, inject = linear(normed, down_w, gemv), None
-    mix = torch.sigmoid(linear(F.silu(down), up_w, gemv)).unflatten(-1, (hc, hidden))
-    mixed = (mix * normed.unflatten(-1, (hc, hidden))).mean(dim=-2)
+    if mix_up == "triton" and normed.dtype in (torch.bfloat16, torch.float16) and (
+            normed.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
+        mixed = torch.ops.atlas.hyper_mix_up(normed, F.silu(down), up_w, hc, "")
+    else:
+        mix = torch.sigmoid(linear(F.silu(down), up_w, gemv)).unflatten(-1, (hc, hidden))
+        mixed = (mix * normed.unflatten(-1, (hc, hidden))).mean(dim=-2)
     if inject is None:
         return mixed, None
     return mixed, 2 * torch.sigmoid(inject)

@@ -77,9 +77,9 @@ def applies(spec: ModelSpec, grp: Group, tuning: Tuning) -> bool:
 
 
 def _site(spec: ModelSpec, streams: torch.Tensor, norm_w: torch.Tensor, down_w: torch.Tensor, up_w: torch.Tensor,
-          gemv: str) -> tuple[torch.Tensor, torch.Tensor]:
+          gemv: str, mix_up: str = "") -> tuple[torch.Tensor, torch.Tensor]:
     x, inject = hyper_block(streams, norm_w, down_w, up_w, spec.hc_count, spec.hidden_size, spec.hc_lowrank,
-                            spec.rms_norm_eps, True, gemv)
+                            spec.rms_norm_eps, True, gemv, mix_up)
     assert inject is not None
     return x, inject
 
@@ -101,12 +101,13 @@ def settle(streams: torch.Tensor, routed: torch.Tensor | None, shared: torch.Ten
 def gdn_head(spec: ModelSpec, streams: torch.Tensor, routed: torch.Tensor | None, shared: torch.Tensor | None,
              inject_prev: torch.Tensor | None, norm_w: torch.Tensor, down_w: torch.Tensor, up_w: torch.Tensor,
              fused_in: torch.Tensor, conv_w: torch.Tensor, conv_pool: torch.Tensor, slots: torch.Tensor,
-             library_conv: bool = False, gemv: str = "", fused_conv: str = "") -> tuple[torch.Tensor, ...]:
+             library_conv: bool = False, gemv: str = "", fused_conv: str = "", mix_up: str = ""
+             ) -> tuple[torch.Tensor, ...]:
     """(streams, inject, *gdn_in's parts but the conv columns) of a GDN layer, the previous ffn settled first; the
     new conv state written into conv_pool at `slots` here (fused with the conv; its stamp is the stack's, once a
     step for every layer)."""
     streams = settle(streams, routed, shared, inject_prev)
-    x, inject = _site(spec, streams, norm_w, down_w, up_w, gemv)
+    x, inject = _site(spec, streams, norm_w, down_w, up_w, gemv, mix_up)
     *parts, cols = gdn_in(spec, x, fused_in, conv_w, conv_pool[slots], library_conv, fused_conv)
     store_final(conv_pool, slots, cols[:, :, -conv_pool.shape[-1]:])
     return (streams, inject, *parts, None)
@@ -116,12 +117,12 @@ def attn_head(spec: ModelSpec, streams: torch.Tensor, routed: torch.Tensor | Non
               inject_prev: torch.Tensor | None, norm_w: torch.Tensor, down_w: torch.Tensor, up_w: torch.Tensor,
               fused_in: torch.Tensor, q_norm: torch.Tensor, k_norm: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
               write: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, raw_pool: torch.Tensor | None,
-              gemv: str = "") -> tuple[torch.Tensor, ...]:
+              gemv: str = "", mix_up: str = "") -> tuple[torch.Tensor, ...]:
     """(streams, inject, q, gate, qk) of an attention layer, the previous ffn settled first; its new KV rows (and
     QSA raw keys) written into the pools at the flat slots `write` here (their stamps are the stack's, once a
     step for every layer)."""
     streams = settle(streams, routed, shared, inject_prev)
-    x, inject = _site(spec, streams, norm_w, down_w, up_w, gemv)
+    x, inject = _site(spec, streams, norm_w, down_w, up_w, gemv, mix_up)
     q, gate, k, v, qk = attn_in(spec, x, fused_in, q_norm, k_norm, cos, sin)
     attn_store(spec, k, v, qk, write, k_pool, v_pool, raw_pool)
     return streams, inject, q, gate, qk
@@ -129,14 +130,15 @@ def attn_head(spec: ModelSpec, streams: torch.Tensor, routed: torch.Tensor | Non
 
 def ffn_head(spec: ModelSpec, streams: torch.Tensor, mixed: torch.Tensor, inject: torch.Tensor,
               norm_w: torch.Tensor, down_w: torch.Tensor, up_w: torch.Tensor, moe_in: torch.Tensor | None,
-              shared_down: torch.Tensor | None, route: str, gemv: str = "") -> tuple[torch.Tensor, ...]:
+              shared_down: torch.Tensor | None, route: str, gemv: str = "", mix_up: str = ""
+              ) -> tuple[torch.Tensor, ...]:
     """The mixer's output injected, then the ffn's site and (MoE) router: (streams, rows, inject, top_w, top_i,
     shared, the pairs' (order, offsets) for the routed kernels when `route`: "ranked" or "counted", see
     moe.counted_route; "" none); a dense ffn's rows only (its router
     parts None). Few experts: the top-k and the route as comparisons and counts (moe.ranked_topk /
     counted_route), which fuse here, instead of torch.topk and a sort."""
     streams = hyper_inject(streams, mixed, inject)
-    x, inject = _site(spec, streams, norm_w, down_w, up_w, gemv)
+    x, inject = _site(spec, streams, norm_w, down_w, up_w, gemv, mix_up)
     rows = x.reshape(-1, x.shape[-1])
     if moe_in is None or spec.moe is None:
         return streams, rows, inject, None, None, None, None
@@ -152,9 +154,9 @@ def ffn_head(spec: ModelSpec, streams: torch.Tensor, mixed: torch.Tensor, inject
 def gdn_tail(spec: ModelSpec, streams: torch.Tensor, inject: torch.Tensor, out: torch.Tensor, z: torch.Tensor,
              gnorm_w: torch.Tensor, out_w: torch.Tensor, norm_w: torch.Tensor, down_w: torch.Tensor,
              up_w: torch.Tensor, moe_in: torch.Tensor | None, shared_down: torch.Tensor | None, route: str,
-             gemv: str = "") -> tuple[torch.Tensor, ...]:
+             gemv: str = "", mix_up: str = "") -> tuple[torch.Tensor, ...]:
     return ffn_head(spec, streams, gdn_out(spec, out, z, gnorm_w, out_w), inject, norm_w, down_w, up_w, moe_in,
-                     shared_down, route, gemv)
+                     shared_down, route, gemv, mix_up)
 
 
 def attn_tail(spec: ModelSpec, streams: torch.Tensor, inject: torch.Tensor, q: torch.Tensor, gate: torch.Tensor,
@@ -197,11 +199,11 @@ def ple_block(spec: ModelSpec, streams: torch.Tensor, routed: torch.Tensor | Non
 
 def final_mix(spec: ModelSpec, streams: torch.Tensor, routed: torch.Tensor | None, shared: torch.Tensor | None,
               inject: torch.Tensor | None, norm_w: torch.Tensor, down_w: torch.Tensor, up_w: torch.Tensor,
-              gemv: str = "") -> torch.Tensor:
+              gemv: str = "", mix_up: str = "") -> torch.Tensor:
     """The last ffn settled, then the final mixer: the hidden states [B, T, H]."""
     streams = settle(streams, routed, shared, inject)
     final, _ = hyper_block(streams, norm_w, down_w, up_w, spec.hc_count, spec.hidden_size, spec.hc_lowrank,
-                           spec.rms_norm_eps, False, gemv)
+                           spec.rms_norm_eps, False, gemv, mix_up)
     return final
 
 
@@ -239,6 +241,10 @@ def regions_stack(spec: ModelSpec, w: dict[str, torch.Tensor], pools: DevicePool
     # a decode group of few rows: the hyper sites' and router's products as reductions Inductor fuses (linear)
     small = not prefill and mode != "none" and grp.tokens.shape[0] <= GEMV_ROWS
     gemv = tuning.decode_gemv if small and tuning.decode_gemv != "library" else ""
+    # a compiled prefill chunk's hyper sites: the mix after the mix-down as one Triton kernel (a custom op)
+    mix_up = tuning.prefill_mix_up if prefill and mode != "none" and tuning.prefill_mix_up != "inductor" else ""
+    if mix_up == "triton":
+        import atlas_kernels.hyper  # registers torch.ops.atlas.hyper_mix_up
     # paged: the split-K kernel between the head and attn_post (eager, in the graph)
     sdpa, paged = attention_kind(grp, tuning.attention if prefill else tuning.decode_attention)
     moe_mode = tuning.prefill_moe if prefill else tuning.moe
@@ -286,7 +292,7 @@ def regions_stack(spec: ModelSpec, w: dict[str, torch.Tensor], pools: DevicePool
             streams, inject, q, gate, qk = head_a(spec, tok(streams), tok(routed), tok(shared), tok(inject_prev),
                                                   *site, w[a + "fused_in.weight"], w[a + "q_norm.weight"],
                                                   w[a + "k_norm.weight"], cos, sin, tok(write), k_pool, v_pool,
-                                                  raw_pool, gemv)
+                                                  raw_pool, gemv, mix_up)
             if paged:
                 att = attn_paged(q, k_pool, v_pool, grp)
                 streams, rows, inject, top_w, top_i, shared, pairs = post_a(spec, streams, inject, att, gate, o_w,
@@ -299,7 +305,7 @@ def regions_stack(spec: ModelSpec, w: dict[str, torch.Tensor], pools: DevicePool
                 mixed = attn_core(spec, q, gate, qk, k_pool, v_pool, raw_pool, read_slots, grp.positions, o_w,
                                   iq_norm, ik_norm, cos, sin, grp.shape.qsa_select, sdpa)
                 streams, rows, inject, top_w, top_i, shared, pairs = ffn_c(
-                    spec, tok(streams), tok(mixed), tok(inject), *ffn_site, *moe_w, route)
+                    spec, tok(streams), tok(mixed), tok(inject), *ffn_site, *moe_w, route, "", mix_up)
             else:
                 streams, rows, inject, top_w, top_i, shared, pairs = tail_a(
                     spec, streams, inject, q, gate, qk, k_pool, v_pool, raw_pool, read_slots, grp.positions, o_w,
@@ -310,11 +316,11 @@ def regions_stack(spec: ModelSpec, w: dict[str, torch.Tensor], pools: DevicePool
             streams, inject, *parts = head_g(spec, tok(streams), tok(routed), tok(shared), tok(inject_prev), *site,
                                              w[g + "fused_in.weight"], w[g + "conv1d.weight"],
                                              pools.state[f"conv{layer}"], grp.slots, head_library, gemv,
-                                             head_fused)
+                                             head_fused, mix_up)
             out = gdn_update(spec, w, g, layer, tuple(parts), grp, pools, gdn_kernel, conv_written=True)
             streams, rows, inject, top_w, top_i, shared, pairs = tail_g(
                 spec, tok(streams), tok(inject), tok(out), tok(parts[3]), w[g + "norm.weight"],
-                w[g + "out_proj.weight"], *ffn_site, *moe_w, route, gemv)
+                w[g + "out_proj.weight"], *ffn_site, *moe_w, route, gemv, mix_up)
         if moe:
             assert spec.moe is not None and top_w is not None and top_i is not None
             routed = moe_routed(spec.moe, w, pre + "mlp.", rows, top_w, top_i, mode=moe_mode, route=pairs,
@@ -332,5 +338,5 @@ def regions_stack(spec: ModelSpec, w: dict[str, torch.Tensor], pools: DevicePool
     final = final_c(spec, tok(streams), tok(routed), tok(shared), tok(inject_prev),
                     w["hyper_connection_mixer.hc_norm.weight"],
                     w["hyper_connection_mixer.input_mix_weight_down.weight"],
-                    w["hyper_connection_mixer.input_mix_weight_up.weight"], gemv)
+                    w["hyper_connection_mixer.input_mix_weight_up.weight"], gemv, mix_up)
     return final

@@ -22,6 +22,7 @@ CONV = ("windowed", "library", "inductor", "shifted", "triton")
 GEMV = ("library", "reduce", "split")
 PREFILL_GRAPHS = ("none", "recurring")
 GDN_WORK = ("fp32", "bf16")
+MIX_UP = ("inductor", "triton")
 
 
 def _one_of(options: tuple[str, ...]):  # type: ignore[no-untyped-def]
@@ -106,6 +107,11 @@ class Tuning:
     # half the intermediates' bytes; the state stays fp32). CPU interpreter, 150 tokens: output error against the
     # fp32 reference 3.3e-3 against 1.7e-3 (the output's own bf16 rounding), the state 2.8e-3 against 3e-7
     gdn_work: str = attrs.field(default="fp32", validator=_one_of(GDN_WORK))
+    # the hyper sites' mix after the mix-down in compiled prefill regions (bf16 / fp16 streams): "inductor" the torch
+    # form (cuBLAS's mix-up product [T, hc * H] written, then read back with the normed streams by Inductor's mix and
+    # mean), "triton" one kernel (atlas_kernels.hyper.mix_up, a custom op) that keeps the product in registers: two
+    # passes of 32 MB a site fewer at 2,048 tokens, 49 sites
+    prefill_mix_up: str = attrs.field(default="inductor", validator=_one_of(MIX_UP))
 
     def __attrs_post_init__(self) -> None:
         if self.prefill_graphs != "none" and self.prefill_moe == "grouped":
@@ -116,7 +122,7 @@ class Tuning:
     @property
     def uses_triton(self) -> bool:
         return (self.moe == "triton" or self.prefill_moe == "triton" or self.hyper == "triton"
-                or self.decode_attention == "paged")
+                or self.decode_attention == "paged" or self.prefill_mix_up == "triton")
 
 
 # regions-compile's knobs (see its entry below), the arrangement its neighbours in VARIANTS change one knob of
@@ -184,6 +190,8 @@ VARIANTS: dict[str, Tuning] = {
     # with 2 scan stages, prefill 2,048 27.6 -> 26.9 ms)
     "regions-gdn-fp32": attrs.evolve(_REGIONS, gdn_work="fp32"),
     "regions-autotune-prefill": attrs.evolve(_REGIONS, compile_prefill="max-autotune-no-cudagraphs"),
+    # regions-compile with the prefill's hyper-site mix as one Triton kernel (prefill_mix_up "triton", session 15)
+    "regions-mix-up": attrs.evolve(_REGIONS, prefill_mix_up="triton"),
     # regions-compile with cuBLAS's GEMVs at batch 1-4 (what decode_gemv replaced)
     "regions-cublas": attrs.evolve(_REGIONS, decode_gemv="library"),
     # the same with Inductor's GEMM autotuning (Triton templates against cuBLAS, epilogues fused into the GEMM)

@@ -14,10 +14,24 @@ state, so here:
    the decayed q and k rebuilt from the inputs (bf16: half the bytes of the [C, DK] fp32 tiles prepare stored
    before session 11) with the same float operations, so the same values.
 
-The intermediates are stored in fp32 and the products run in tf32 for bf16 inputs (ieee fp32 for fp32
-inputs, the parity mode). Storing them in bf16 instead, as flash-linear-attention does, would halve their
-traffic but quadruples the error: 1.2e-2 against 3.3e-3 relative to the fp32 reference on a 150-token
-prompt with bf16 inputs (the 3.3e-3 is the bf16 rounding of the output itself).
+With work="fp32" the intermediates are stored in fp32 and the products run in tf32 for bf16 inputs (ieee fp32
+for fp32 inputs, the parity mode); work="bf16" (bf16 inputs only) stores w / u in bf16 and runs the scan's
+products on bf16 operands, the state fp32 throughout.
+
+Two prepare kernels (prepare=):
+- "scratch" (_prepare_kernel, the default): whole-chunk [64, *] products; a's block inverse goes through this
+  program's rows of p in global memory as fp32 scratch, between tl.debug_barrier()s (so p is an fp32 buffer),
+  and its products stay tf32 on fp32 operands even with bf16 work. sm_90 compile report (4 warps, gated, uniform):
+  255 registers, 1.7 KB of spills a thread, 112 KB of shared memory.
+- "registers" (_prepare_registers_kernel): everything by 16-row blocks of the chunk held in registers, the blocks
+  of a computed straight from k's row blocks (a_ij = (k_i k_j^T) beta_i e^(gcum_i - gcum_j)), as
+  flash-linear-attention's solve_tril inverts by 16 x 16 blocks: no global scratch, no barrier. Its products take
+  `work` operands (bf16 with bf16 work, the inverse rounded to bf16 for w / u as fla stores it; the inverse itself
+  solved in fp32 / tf32) and p is stored in `work` (the scan rounds it to `work` anyway). Same report at bf16
+  work: 240 registers, no spills, 30 KB of shared memory (2 warps: 245, no spills). Error against the fp32
+  reference with bf16 work (CPU interpreter, 150 tokens): output 4.1e-3 against the scratch prepare's 3.0e-3, the
+  state 2.9e-3 against 2.5e-3 (the bf16 operands of q k^T / k k^T and of w / u's products account for about
+  half each); with fp32 work both prepares agree to 1e-7.
 """
 
 from __future__ import annotations
@@ -33,6 +47,9 @@ from atlas_kernels.reference import L2_EPS, check_gdn_state_pool
 # bf16 inputs, ieee for fp32) or "bf16" (bf16 products at twice the tensor rate, half of w / u's bytes; the
 # state itself stays fp32 in registers and in the pool), as flash-linear-attention runs its chunk kernels
 WORK = {"fp32": torch.float32, "bf16": torch.bfloat16}
+# the prepare kernel: "scratch" (_prepare_kernel: whole-chunk products, the block inverse through p's rows in global
+# memory between barriers) or "registers" (_prepare_registers_kernel: 16-row blocks in registers, p stored in `work`)
+PREPARES = ("scratch", "registers")
 
 
 @triton.jit
@@ -191,6 +208,199 @@ def _prepare_kernel(
 
 
 @triton.jit
+def _keys16(q_ptr, k_ptr, g_ptr, beta_ptr, a_log_ptr, dt_bias_ptr, q_norm_ptr, k_norm_ptr, g_cum_ptr, chunk_start, end,
+            head, k_head, num_v_heads, qk_stride, g_stride, beta_stride, scale, eps, g_carry, i: tl.constexpr,
+            DK: tl.constexpr, BK: tl.constexpr, FUSED_GATING: tl.constexpr, OPERAND: tl.constexpr):
+    """Rows i x 16 ... i x 16 + 15 of the chunk (g_carry: the log decay summed over the rows before them): stores
+    their q / k norms and cumulative log decay; returns the normalised q and k and beta k e^gcum in OPERAND (the
+    products' operand type), beta and g_cum (fp32), and the next block's carry."""
+    tokens = chunk_start + i * 16 + tl.arange(0, 16)
+    valid = tokens < end
+    offs_k = tl.arange(0, BK)
+    wide = tokens.to(tl.int64)
+    qk_rows = (wide * qk_stride + k_head * DK)[:, None] + offs_k[None, :]
+    qk_mask = valid[:, None] & (offs_k < DK)[None, :]
+    q = tl.load(q_ptr + qk_rows, mask=qk_mask, other=0.0).to(tl.float32)
+    k = tl.load(k_ptr + qk_rows, mask=qk_mask, other=0.0).to(tl.float32)
+    q_norm = tl.rsqrt(tl.sum(q * q, 1) + eps) * scale
+    k_norm = tl.rsqrt(tl.sum(k * k, 1) + eps)
+    g = tl.load(g_ptr + wide * g_stride + head, mask=valid, other=0.0).to(tl.float32)
+    beta = tl.load(beta_ptr + wide * beta_stride + head, mask=valid, other=0.0).to(tl.float32)
+    if FUSED_GATING:  # g = -exp(A_log) * softplus(a + dt_bias), beta = sigmoid(b), as the GDN layer computes them
+        x = g + tl.load(dt_bias_ptr + head).to(tl.float32)
+        softplus = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(x)))  # torch's threshold
+        g = tl.where(valid, -tl.exp(tl.load(a_log_ptr + head).to(tl.float32)) * softplus, 0.0)
+        beta = tl.where(valid, tl.sigmoid(beta), 0.0)
+    g_cum = tl.cumsum(g, 0) + g_carry
+    head_rows = tokens * num_v_heads + head
+    tl.store(q_norm_ptr + head_rows, q_norm, mask=valid)
+    tl.store(k_norm_ptr + head_rows, k_norm, mask=valid)
+    tl.store(g_cum_ptr + head_rows, g_cum, mask=valid)
+    k = k * k_norm[:, None]
+    return ((q * q_norm[:, None]).to(OPERAND), k.to(OPERAND), (k * (beta * tl.exp(g_cum))[:, None]).to(OPERAND),
+            beta, g_cum, g_carry + tl.sum(g, 0))
+
+
+@triton.jit
+def _values16(v_ptr, chunk_start, end, head, v_stride, beta, i: tl.constexpr, DV: tl.constexpr, BDV: tl.constexpr,
+              OPERAND: tl.constexpr):
+    """beta v of rows i x 16 ... of the chunk, in OPERAND."""
+    tokens = chunk_start + i * 16 + tl.arange(0, 16)
+    offs_v = tl.arange(0, BDV)
+    mask = (tokens < end)[:, None] & (offs_v < DV)[None, :]
+    v = tl.load(v_ptr + (tokens.to(tl.int64) * v_stride + head * DV)[:, None] + offs_v[None, :], mask=mask, other=0.0)
+    return (v.to(tl.float32) * beta[:, None]).to(OPERAND)
+
+
+@triton.jit
+def _pair16(q_i, k_i, k_j, beta_i, g_cum_i, g_cum_j, DIAGONAL: tl.constexpr, PRECISION: tl.constexpr):
+    """Block (i, j), i >= j, [16, 16] fp32, of P = (q k^T) * decay and of a = strictly_lower(beta k k^T * decay)."""
+    if DIAGONAL:  # the decay's exponent is positive above the diagonal: masked before the exp
+        offs = tl.arange(0, 16)
+        decay = tl.exp(tl.where(offs[:, None] >= offs[None, :], g_cum_i[:, None] - g_cum_j[None, :], float("-inf")))
+        a = tl.dot(k_i, tl.trans(k_j), input_precision=PRECISION) * beta_i[:, None] * decay
+        a = tl.where(offs[:, None] > offs[None, :], a, 0.0)
+    else:
+        decay = tl.exp(g_cum_i[:, None] - g_cum_j[None, :])
+        a = tl.dot(k_i, tl.trans(k_j), input_precision=PRECISION) * beta_i[:, None] * decay
+    return tl.dot(q_i, tl.trans(k_j), input_precision=PRECISION) * decay, a
+
+
+@triton.jit
+def _store16(ptr, chunk_start, end, num_v_heads, head, width: tl.constexpr, i: tl.constexpr, j: tl.constexpr,
+             value, COLUMNS: tl.constexpr):
+    """value [16, COLUMNS] at rows i x 16 ... of the chunk, columns j x COLUMNS ..., of a per-token [L, Hv, width]
+    buffer in its type (rows past end not written)."""
+    tokens = chunk_start + i * 16 + tl.arange(0, 16)
+    columns = j * COLUMNS + tl.arange(0, COLUMNS)
+    rows = (tokens * num_v_heads + head) * width
+    tl.store(ptr + rows[:, None] + columns[None, :], value.to(ptr.dtype.element_ty),
+             mask=(tokens < end)[:, None] & (columns < width)[None, :])
+
+
+@triton.jit
+def _prepare_registers_kernel(
+    q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, cu_seqlens_ptr,  # as _prepare_kernel's
+    a_log_ptr, dt_bias_ptr,
+    w_ptr, u_ptr, q_norm_ptr, k_norm_ptr, p_ptr, g_cum_ptr,  # w, u, p in `work` (the products' operand type)
+    num_k_heads, num_v_heads, qk_stride, v_stride, g_stride, beta_stride, seq_len, scale, eps,
+    DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BDV: tl.constexpr,
+    C: tl.constexpr, PRECISION: tl.constexpr, FUSED_GATING: tl.constexpr, UNIFORM: tl.constexpr,
+):
+    """_prepare_kernel's outputs, every product by 16-row blocks of the chunk (C = 64: 4 blocks) held in registers:
+    no scratch in global memory, no barrier. Block row by block row, a_ij = (k_i k_j^T) beta_i e^(gcum_i - gcum_j)
+    (strictly lower on the diagonal) and P_ij = (q_i k_j^T) e^(gcum_i - gcum_j) (lower), stored with zeros above the
+    diagonal (the scan reads whole rows); then X = (I + a)^-1 by blocks as _block_inverse, then block row by block
+    row w_i = sum_{j<=i} X_ij (beta k e^gcum)_j, u_i = sum_{j<=i} X_ij (beta v)_j. The products' operands are `work`
+    (w_ptr's type): bf16 with bf16 work (X rounded to bf16 for w / u, as flash-linear-attention stores its
+    inverse), fp32 otherwise (tf32 products for bf16 inputs, ieee for fp32 ones); X itself is solved from fp32
+    blocks in PRECISION, and every product accumulates in fp32."""
+    chunk = tl.program_id(0)
+    seq = tl.program_id(1)
+    head = tl.program_id(2)
+    k_head = head // (num_v_heads // num_k_heads)
+    if UNIFORM:
+        seq_start = seq * seq_len
+        end = seq_start + seq_len
+    else:
+        seq_start = tl.load(cu_seqlens_ptr + seq)
+        end = tl.load(cu_seqlens_ptr + seq + 1)
+    chunk_start = seq_start + chunk * C
+    if chunk_start >= end:
+        return
+    tl.static_assert(C == 64, "the registers prepare solves 4 row blocks of 16")
+    work = w_ptr.dtype.element_ty
+    zero = tl.zeros([16, 16], dtype=tl.float32)
+
+    # block row 0 .. 3: its keys, then P's and a's blocks (the decay shared), q_i dead after its row
+    q, k0, kb0, beta0, gc0, carry = _keys16(
+        q_ptr, k_ptr, g_ptr, beta_ptr, a_log_ptr, dt_bias_ptr, q_norm_ptr, k_norm_ptr, g_cum_ptr, chunk_start, end,
+        head, k_head, num_v_heads, qk_stride, g_stride, beta_stride, scale, eps, 0.0, 0, DK, BK, FUSED_GATING, work)
+    p, a00 = _pair16(q, k0, k0, beta0, gc0, gc0, True, PRECISION)
+    _store16(p_ptr, chunk_start, end, num_v_heads, head, C, 0, 0, p, 16)
+    _store16(p_ptr, chunk_start, end, num_v_heads, head, C, 0, 1, zero, 16)
+    _store16(p_ptr, chunk_start, end, num_v_heads, head, C, 0, 2, zero, 16)
+    _store16(p_ptr, chunk_start, end, num_v_heads, head, C, 0, 3, zero, 16)
+
+    q, k1, kb1, beta1, gc1, carry = _keys16(
+        q_ptr, k_ptr, g_ptr, beta_ptr, a_log_ptr, dt_bias_ptr, q_norm_ptr, k_norm_ptr, g_cum_ptr, chunk_start, end,
+        head, k_head, num_v_heads, qk_stride, g_stride, beta_stride, scale, eps, carry, 1, DK, BK, FUSED_GATING, work)
+    p, a10 = _pair16(q, k1, k0, beta1, gc1, gc0, False, PRECISION)
+    _store16(p_ptr, chunk_start, end, num_v_heads, head, C, 1, 0, p, 16)
+    p, a11 = _pair16(q, k1, k1, beta1, gc1, gc1, True, PRECISION)
+    _store16(p_ptr, chunk_start, end, num_v_heads, head, C, 1, 1, p, 16)
+    _store16(p_ptr, chunk_start, end, num_v_heads, head, C, 1, 2, zero, 16)
+    _store16(p_ptr, chunk_start, end, num_v_heads, head, C, 1, 3, zero, 16)
+
+    q, k2, kb2, beta2, gc2, carry = _keys16(
+        q_ptr, k_ptr, g_ptr, beta_ptr, a_log_ptr, dt_bias_ptr, q_norm_ptr, k_norm_ptr, g_cum_ptr, chunk_start, end,
+        head, k_head, num_v_heads, qk_stride, g_stride, beta_stride, scale, eps, carry, 2, DK, BK, FUSED_GATING, work)
+    p, a20 = _pair16(q, k2, k0, beta2, gc2, gc0, False, PRECISION)
+    _store16(p_ptr, chunk_start, end, num_v_heads, head, C, 2, 0, p, 16)
+    p, a21 = _pair16(q, k2, k1, beta2, gc2, gc1, False, PRECISION)
+    _store16(p_ptr, chunk_start, end, num_v_heads, head, C, 2, 1, p, 16)
+    p, a22 = _pair16(q, k2, k2, beta2, gc2, gc2, True, PRECISION)
+    _store16(p_ptr, chunk_start, end, num_v_heads, head, C, 2, 2, p, 16)
+    _store16(p_ptr, chunk_start, end, num_v_heads, head, C, 2, 3, zero, 16)
+
+    q, k3, kb3, beta3, gc3, carry = _keys16(
+        q_ptr, k_ptr, g_ptr, beta_ptr, a_log_ptr, dt_bias_ptr, q_norm_ptr, k_norm_ptr, g_cum_ptr, chunk_start, end,
+        head, k_head, num_v_heads, qk_stride, g_stride, beta_stride, scale, eps, carry, 3, DK, BK, FUSED_GATING, work)
+    p, a30 = _pair16(q, k3, k0, beta3, gc3, gc0, False, PRECISION)
+    _store16(p_ptr, chunk_start, end, num_v_heads, head, C, 3, 0, p, 16)
+    p, a31 = _pair16(q, k3, k1, beta3, gc3, gc1, False, PRECISION)
+    _store16(p_ptr, chunk_start, end, num_v_heads, head, C, 3, 1, p, 16)
+    p, a32 = _pair16(q, k3, k2, beta3, gc3, gc2, False, PRECISION)
+    _store16(p_ptr, chunk_start, end, num_v_heads, head, C, 3, 2, p, 16)
+    p, a33 = _pair16(q, k3, k3, beta3, gc3, gc3, True, PRECISION)
+    _store16(p_ptr, chunk_start, end, num_v_heads, head, C, 3, 3, p, 16)
+
+    # X = (I + a)^-1 by blocks (as _block_inverse), from the fp32 blocks in PRECISION
+    x00 = _diag_inverse(a00, PRECISION)
+    x11 = _diag_inverse(a11, PRECISION)
+    x22 = _diag_inverse(a22, PRECISION)
+    x33 = _diag_inverse(a33, PRECISION)
+    x10 = -tl.dot(x11, tl.dot(a10, x00, input_precision=PRECISION), input_precision=PRECISION)
+    x21 = -tl.dot(x22, tl.dot(a21, x11, input_precision=PRECISION), input_precision=PRECISION)
+    x32 = -tl.dot(x33, tl.dot(a32, x22, input_precision=PRECISION), input_precision=PRECISION)
+    x20 = tl.dot(a20, x00, input_precision=PRECISION)
+    x20 = -tl.dot(x22, tl.dot(a21, x10, x20, input_precision=PRECISION), input_precision=PRECISION)
+    x31 = tl.dot(a31, x11, input_precision=PRECISION)
+    x31 = -tl.dot(x33, tl.dot(a32, x21, x31, input_precision=PRECISION), input_precision=PRECISION)
+    x30 = tl.dot(a30, x00, input_precision=PRECISION)
+    x30 = tl.dot(a31, x10, x30, input_precision=PRECISION)
+    x30 = -tl.dot(x33, tl.dot(a32, x20, x30, input_precision=PRECISION), input_precision=PRECISION)
+    x00, x10, x11, x20, x21, x22 = x00.to(work), x10.to(work), x11.to(work), x20.to(work), x21.to(work), x22.to(work)
+    x30, x31, x32, x33 = x30.to(work), x31.to(work), x32.to(work), x33.to(work)
+
+    # block row by block row: w_i = sum_{j<=i} X_ij (beta k e^gcum)_j, u_i = sum_{j<=i} X_ij (beta v)_j (v read here)
+    vb0 = _values16(v_ptr, chunk_start, end, head, v_stride, beta0, 0, DV, BDV, work)
+    w = tl.dot(x00, kb0, input_precision=PRECISION)
+    _store16(w_ptr, chunk_start, end, num_v_heads, head, DK, 0, 0, w, BK)
+    u = tl.dot(x00, vb0, input_precision=PRECISION)
+    _store16(u_ptr, chunk_start, end, num_v_heads, head, DV, 0, 0, u, BDV)
+    vb1 = _values16(v_ptr, chunk_start, end, head, v_stride, beta1, 1, DV, BDV, work)
+    w = tl.dot(x11, kb1, tl.dot(x10, kb0, input_precision=PRECISION), input_precision=PRECISION)
+    _store16(w_ptr, chunk_start, end, num_v_heads, head, DK, 1, 0, w, BK)
+    u = tl.dot(x11, vb1, tl.dot(x10, vb0, input_precision=PRECISION), input_precision=PRECISION)
+    _store16(u_ptr, chunk_start, end, num_v_heads, head, DV, 1, 0, u, BDV)
+    vb2 = _values16(v_ptr, chunk_start, end, head, v_stride, beta2, 2, DV, BDV, work)
+    w = tl.dot(x21, kb1, tl.dot(x20, kb0, input_precision=PRECISION), input_precision=PRECISION)
+    w = tl.dot(x22, kb2, w, input_precision=PRECISION)
+    _store16(w_ptr, chunk_start, end, num_v_heads, head, DK, 2, 0, w, BK)
+    u = tl.dot(x21, vb1, tl.dot(x20, vb0, input_precision=PRECISION), input_precision=PRECISION)
+    u = tl.dot(x22, vb2, u, input_precision=PRECISION)
+    _store16(u_ptr, chunk_start, end, num_v_heads, head, DV, 2, 0, u, BDV)
+    vb3 = _values16(v_ptr, chunk_start, end, head, v_stride, beta3, 3, DV, BDV, work)
+    w = tl.dot(x31, kb1, tl.dot(x30, kb0, input_precision=PRECISION), input_precision=PRECISION)
+    w = tl.dot(x33, kb3, tl.dot(x32, kb2, w, input_precision=PRECISION), input_precision=PRECISION)
+    _store16(w_ptr, chunk_start, end, num_v_heads, head, DK, 3, 0, w, BK)
+    u = tl.dot(x31, vb1, tl.dot(x30, vb0, input_precision=PRECISION), input_precision=PRECISION)
+    u = tl.dot(x33, vb3, tl.dot(x32, vb2, u, input_precision=PRECISION), input_precision=PRECISION)
+    _store16(u_ptr, chunk_start, end, num_v_heads, head, DV, 3, 0, u, BDV)
+
+
+@triton.jit
 def _scan_kernel(
     w_ptr, u_ptr, q_ptr, k_ptr, q_norm_ptr, k_norm_ptr, p_ptr, g_cum_ptr, cu_seqlens_ptr,
     state_ptr, slot_ptr, out_ptr, stamp_ptr, end_ptr, num_k_heads, num_v_heads, qk_stride, seq_len,
@@ -272,19 +482,22 @@ def gdn_chunk_prefill_split(
     scan_stages: int = 1,
     inverse: str = "blocks",
     work: str = "fp32",
+    prepare: str = "scratch",
 ) -> torch.Tensor:
     """Same contract as gdn_chunk.gdn_chunk_prefill, plus max_seqlen: a host-known bound on the longest
     sequence in the batch (sizes the prepare grid only).
 
     Launch shapes from the sm_90 compile report (no GPU timing yet): the scan at dv tile 64 with 8 warps
     and no software pipelining spills 128 bytes and needs 147 KB of shared memory; with the default 3
-    pipeline stages its three [64, 128] fp32 operand tiles would need 426 KB, over the 227 KB limit."""
+    pipeline stages its three [64, 128] fp32 operand tiles would need 426 KB, over the 227 KB limit.
+
+    prepare: "scratch" or "registers" (the module's docstring; "registers" needs inverse="blocks")."""
     q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
     num_k_heads, dk = k.shape[1], k.shape[2]
     num_v_heads, dv = v.shape[1], v.shape[2]
     strides = (num_k_heads * dk, num_v_heads * dv, num_v_heads, num_v_heads)
     return _launch(q, k, v, g, beta, None, cu_seqlens, None, state_pool, slots, max_seqlen, strides, None,
-                   out_dtype, block_v, prepare_warps, scan_warps, scan_stages, inverse, work)
+                   out_dtype, block_v, prepare_warps, scan_warps, scan_stages, inverse, work, prepare)
 
 
 def gdn_chunk_prefill_gated(
@@ -306,6 +519,7 @@ def gdn_chunk_prefill_gated(
     scan_stages: int | None = None,
     inverse: str = "blocks",
     work: str = "fp32",
+    prepare: str = "scratch",
 ) -> torch.Tensor:
     """N sequences of T tokens each through the chunked gated delta rule, as a GDN layer's prefill feeds them:
     q, k [N, T, Hk, dk], v [N, T, Hv, dv] and the raw gates a, b [N, T, Hv] may be token-strided views (slices
@@ -328,7 +542,11 @@ def gdn_chunk_prefill_gated(
 
     work="bf16" (session 14, same call): 322.5 -> 255.7 us with 2 scan stages, **221.8 us** with 3 (the default
     for bf16 work: its operand tiles are half the size, so a third stage fits; fp32 work's 3 stages need 272 KB);
-    dv tile 16 257.6, dv tile 64 / 8 warps 312.8."""
+    dv tile 16 257.6, dv tile 64 / 8 warps 312.8.
+
+    prepare="registers" (session 15, no GPU timing yet; the module's docstring): the prepare kernel by 16-row
+    blocks in registers, without the scratch prepare's global-memory block inverse and its barriers (137 us of
+    the 221.8 above were that prepare, for a floor of ~20 us), its products on `work` operands, p in `work`."""
     from atlas_kernels.gdn_recurrent import strided_inputs
 
     if scan_stages is None:  # bf16 work's operand tiles are half the size: a third stage fits in shared memory
@@ -339,12 +557,12 @@ def gdn_chunk_prefill_gated(
     if stamp is not None and (stamp[0].dtype != torch.int32 or stamp[1].dtype != torch.int32):
         raise ValueError("gdn_chunk_prefill_gated: stamp= needs int32 (stamps, ends)")
     out = _launch(q, k, v, a, b, (a_log, dt_bias), None, seq_len, state_pool, slots, seq_len, strides, stamp,
-                  out_dtype, block_v, prepare_warps, scan_warps, scan_stages, inverse, work)
+                  out_dtype, block_v, prepare_warps, scan_warps, scan_stages, inverse, work, prepare)
     return out.view(num_seqs, seq_len, num_v_heads, dv)
 
 
 def _launch(q, k, v, g, beta, gating, cu_seqlens, seq_len, state_pool, slots, max_seqlen, strides, stamp,
-            out_dtype, block_v, prepare_warps, scan_warps, scan_stages, inverse, work):
+            out_dtype, block_v, prepare_warps, scan_warps, scan_stages, inverse, work, prepare):
     """Both entry points' two launches. q, k, v, g, beta: token-strided by `strides` (elements from one token to
     the next: q/k, v, g, beta), indexed as flat tokens [L, ...] (N sequences of seq_len tokens when seq_len is
     not None: cu_seqlens unused)."""
@@ -366,23 +584,34 @@ def _launch(q, k, v, g, beta, gating, cu_seqlens, seq_len, state_pool, slots, ma
         raise ValueError(f"gdn chunk prefill: work={work!r}; choose {' or '.join(map(repr, WORK))}")
     if work == "bf16" and v.dtype == torch.float32:
         raise ValueError("gdn chunk prefill: work='bf16' is for bf16 inputs (fp32 inputs are the parity mode)")
+    if prepare not in PREPARES:
+        raise ValueError(f"gdn chunk prefill: prepare={prepare!r}; choose {' or '.join(map(repr, PREPARES))}")
+    registers = prepare == "registers"
+    if registers and (inverse != "blocks" or CHUNK != 64):
+        raise ValueError(f"gdn chunk prefill: prepare='registers' solves by 16 x 16 blocks of a 64-token chunk "
+                         f"(inverse={inverse!r}, chunk {CHUNK})")
 
     def scratch(width: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return torch.empty((num_tokens, num_v_heads, width), dtype=dtype, device=v.device)
 
-    # p stays fp32 in either mode: the block inverse uses its rows as fp32 scratch (the scan rounds it to `work`)
-    w, u, p = scratch(dk, WORK[work]), scratch(dv, WORK[work]), scratch(CHUNK)
+    # the scratch prepare's block inverse uses p's rows as fp32 scratch, so p is fp32 there (the scan rounds it to
+    # `work`); the registers prepare stores it in `work`
+    w, u = scratch(dk, WORK[work]), scratch(dv, WORK[work])
+    p = scratch(CHUNK, WORK[work] if registers else torch.float32)
     g_cum, q_norm, k_norm = (torch.empty((num_tokens, num_v_heads), dtype=torch.float32, device=v.device)
                              for _ in range(3))
     block_k = triton.next_power_of_2(dk)
-    _prepare_kernel[(triton.cdiv(max_seqlen, CHUNK), num_seqs, num_v_heads)](
-        q, k, v, g, beta, bounds, a_log, dt_bias, w, u, q_norm, k_norm, p, g_cum,
-        num_k_heads, num_v_heads, *strides, seq_len or 0, dk**-0.5, L2_EPS,
-        DK=dk, DV=dv, BK=block_k, BDV=triton.next_power_of_2(dv), C=CHUNK, LOG2_C=CHUNK.bit_length() - 1,
-        PRECISION=precision, FUSED_GATING=gating is not None, UNIFORM=uniform,
-        BLOCK_INVERSE=inverse == "blocks" and CHUNK == 64, num_warps=prepare_warps,
-        num_stages=1,
-    )
+    prepare_grid = (triton.cdiv(max_seqlen, CHUNK), num_seqs, num_v_heads)
+    prepare_args = (q, k, v, g, beta, bounds, a_log, dt_bias, w, u, q_norm, k_norm, p, g_cum,
+                    num_k_heads, num_v_heads, *strides, seq_len or 0, dk**-0.5, L2_EPS)
+    shapes = dict(DK=dk, DV=dv, BK=block_k, BDV=triton.next_power_of_2(dv), C=CHUNK, PRECISION=precision,
+                  FUSED_GATING=gating is not None, UNIFORM=uniform)
+    if registers:
+        _prepare_registers_kernel[prepare_grid](*prepare_args, **shapes, num_warps=prepare_warps, num_stages=1)
+    else:
+        _prepare_kernel[prepare_grid](*prepare_args, **shapes, LOG2_C=CHUNK.bit_length() - 1,
+                                      BLOCK_INVERSE=inverse == "blocks" and CHUNK == 64, num_warps=prepare_warps,
+                                      num_stages=1)
     out = torch.empty((num_tokens, num_v_heads, dv), dtype=out_dtype or v.dtype, device=v.device)
     block_v = min(block_v, triton.next_power_of_2(dv))
     _scan_kernel[(triton.cdiv(dv, block_v), num_seqs, num_v_heads)](

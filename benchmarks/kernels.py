@@ -240,6 +240,18 @@ GATED_CHUNK_SCHEDULES = [
     {"work": "bf16", "prepare_warps": 8},
     {"work": "bf16", "block_v": 16},
     {"work": "bf16", "block_v": 64, "scan_warps": 8, "scan_stages": 2},  # (3 stages at tile 64: over shared memory)
+    # the registers prepare (16-row blocks in registers, no global scratch / barriers; gdn_chunk_split's docstring),
+    # against the scratch prepare above; sm_90 report at bf16 work: 4 warps 240 registers, 8 warps 230, 2 warps 245,
+    # no spills (the scratch prepare: 255 and 1.7 KB of spills at 4 warps)
+    {"work": "bf16", "prepare": "registers"},
+    {"work": "bf16", "prepare": "registers", "prepare_warps": 8},
+    {"work": "bf16", "prepare": "registers", "prepare_warps": 2},
+    {"prepare": "registers"},  # fp32 work: the blocks alone, products still tf32 on fp32 operands
+    # its registers capped for more programs an SM (ptxas: 168 -> 3 programs of 4 warps for 120 B of spills a thread,
+    # 128 -> 4 for 664 B; 8 warps at 128: 424 B)
+    {"work": "bf16", "prepare": "registers", "prepare_maxnreg": 168},
+    {"work": "bf16", "prepare": "registers", "prepare_maxnreg": 128},
+    {"work": "bf16", "prepare": "registers", "prepare_warps": 8, "prepare_maxnreg": 128},
 ]
 
 
@@ -413,7 +425,9 @@ def bench_mix_up(cfg: dict) -> None:
     up_w = torch.randn(hc * hidden, lowrank, device=DEV, dtype=BF16) / lowrank**0.5
     for tokens in (PREFILL_TOKENS, 4 * PREFILL_TOKENS):
         normed = torch.randn(tokens, hc * hidden, device=DEV, dtype=BF16)
-        act = torch.randn(tokens, lowrank + hc, device=DEV, dtype=BF16)[:, :lowrank]  # a slice, as the site's
+        # a slice of the mix-down's output, as the site's: its rows padded to 8 (layers' aligned fused weights), so
+        # cuBLAS takes its aligned path (session 15 run 1 sliced 324 columns: the torch form's product unaligned)
+        act = torch.randn(tokens, lowrank + 8, device=DEV, dtype=BF16)[:, :lowrank]
         flops = 2 * tokens * lowrank * hc * hidden
         moved = (normed.numel() + tokens * lowrank + tokens * hidden + up_w.numel()) * 2
         want = compiled(normed, act, up_w)

@@ -103,12 +103,15 @@ def mix_up_reference(normed: torch.Tensor, act: torch.Tensor, up_w: torch.Tensor
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("rows", "hidden", "lowrank", "schedule"),
-                         [(70, 64, 40, ""), (3, 128, 64, "64x64x64-w4-s3"), (130, 32, 96, "128x128x32-w8-s3")])
+                         [(70, 64, 40, ""), (3, 128, 64, "64x64x64-w4-s3"), (130, 32, 96, "128x128x64-w8-s3"),
+                          (70, 64, 128, "streams-64x64x64-w4-s2"), (130, 32, 64, "streams-128x64x64-w8-s2"),
+                          (5, 64, 40, "streams-64x64x64-w8-s3")])
 def test_mix_up_matches_the_torch_form(dtype: torch.dtype, rows: int, hidden: int, lowrank: int,
                                        schedule: str) -> None:
-    # 70 / 130 rows: a partial row tile; lowrank 40 / 96: not a multiple of the k step (its masks); hidden 64 / 32
-    # under 128-column schedules: the narrower column tiles; act a slice of the mix-down's output (strided rows)
-    hc = 4
+    # 70 / 130 rows: a partial row tile; lowrank 40 / 96: not a multiple of the k step (its masks; the streams form
+    # then runs the loop form); hidden 64 / 32 under 128-column schedules: the narrower column tiles; act a slice of
+    # the mix-down's output (strided rows); the streams form with 2 streams too
+    hc = 2 if schedule == "streams-128x64x64-w8-s2" else 4
     gen = torch.Generator().manual_seed(rows)
     normed = torch.randn(rows, hc * hidden, generator=gen).to(DEVICE, dtype)
     down = torch.randn(rows, lowrank + hc, generator=gen).to(DEVICE, dtype)
@@ -174,9 +177,9 @@ def test_mix_up_traces_whole_as_an_opaque_op_with_a_symbolic_token_dimension() -
 
     torch._dynamo.reset()
     fn = torch.compile(site, backend=backend, fullgraph=True, dynamic=None)
-    up_w = torch.randn(128, 24) / 5
+    up_w = torch.randn(128, 24, device=DEVICE) / 5
     for tokens in (17, 33):
-        normed, down = torch.randn(1, tokens, 128), torch.randn(1, tokens, 28)
+        normed, down = torch.randn(1, tokens, 128, device=DEVICE), torch.randn(1, tokens, 28, device=DEVICE)
         torch._dynamo.mark_dynamic(normed, 1)
         torch._dynamo.mark_dynamic(down, 1)
         got = fn(normed, down, up_w)

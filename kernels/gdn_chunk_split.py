@@ -483,6 +483,7 @@ def gdn_chunk_prefill_split(
     inverse: str = "blocks",
     work: str = "fp32",
     prepare: str = "scratch",
+    prepare_maxnreg: int | None = None,
 ) -> torch.Tensor:
     """Same contract as gdn_chunk.gdn_chunk_prefill, plus max_seqlen: a host-known bound on the longest
     sequence in the batch (sizes the prepare grid only).
@@ -491,13 +492,14 @@ def gdn_chunk_prefill_split(
     and no software pipelining spills 128 bytes and needs 147 KB of shared memory; with the default 3
     pipeline stages its three [64, 128] fp32 operand tiles would need 426 KB, over the 227 KB limit.
 
-    prepare: "scratch" or "registers" (the module's docstring; "registers" needs inverse="blocks")."""
+    prepare: "scratch" or "registers" (the module's docstring; "registers" needs inverse="blocks");
+    prepare_maxnreg: a cap on the prepare kernel's registers a thread (Triton's maxnreg), None for ptxas's own."""
     q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
     num_k_heads, dk = k.shape[1], k.shape[2]
     num_v_heads, dv = v.shape[1], v.shape[2]
     strides = (num_k_heads * dk, num_v_heads * dv, num_v_heads, num_v_heads)
     return _launch(q, k, v, g, beta, None, cu_seqlens, None, state_pool, slots, max_seqlen, strides, None,
-                   out_dtype, block_v, prepare_warps, scan_warps, scan_stages, inverse, work, prepare)
+                   out_dtype, block_v, prepare_warps, scan_warps, scan_stages, inverse, work, prepare, prepare_maxnreg)
 
 
 def gdn_chunk_prefill_gated(
@@ -520,6 +522,7 @@ def gdn_chunk_prefill_gated(
     inverse: str = "blocks",
     work: str = "fp32",
     prepare: str = "scratch",
+    prepare_maxnreg: int | None = None,
 ) -> torch.Tensor:
     """N sequences of T tokens each through the chunked gated delta rule, as a GDN layer's prefill feeds them:
     q, k [N, T, Hk, dk], v [N, T, Hv, dv] and the raw gates a, b [N, T, Hv] may be token-strided views (slices
@@ -546,7 +549,9 @@ def gdn_chunk_prefill_gated(
 
     prepare="registers" (session 15, no GPU timing yet; the module's docstring): the prepare kernel by 16-row
     blocks in registers, without the scratch prepare's global-memory block inverse and its barriers (137 us of
-    the 221.8 above were that prepare, for a floor of ~20 us), its products on `work` operands, p in `work`."""
+    the ~222 above were that prepare, for a floor of ~20 us), its products on `work` operands, p in `work`. Left
+    alone ptxas gives it 240 registers at 4 warps (2 programs an SM, as the scratch prepare's 255); prepare_maxnreg
+    168 fits 3 for 120 bytes of spills a thread, 128 fits 4 for 664 (sm_90 compile report, bf16 work)."""
     from atlas_kernels.gdn_recurrent import strided_inputs
 
     if scan_stages is None:  # bf16 work's operand tiles are half the size: a third stage fits in shared memory
@@ -557,12 +562,12 @@ def gdn_chunk_prefill_gated(
     if stamp is not None and (stamp[0].dtype != torch.int32 or stamp[1].dtype != torch.int32):
         raise ValueError("gdn_chunk_prefill_gated: stamp= needs int32 (stamps, ends)")
     out = _launch(q, k, v, a, b, (a_log, dt_bias), None, seq_len, state_pool, slots, seq_len, strides, stamp,
-                  out_dtype, block_v, prepare_warps, scan_warps, scan_stages, inverse, work, prepare)
+                  out_dtype, block_v, prepare_warps, scan_warps, scan_stages, inverse, work, prepare, prepare_maxnreg)
     return out.view(num_seqs, seq_len, num_v_heads, dv)
 
 
 def _launch(q, k, v, g, beta, gating, cu_seqlens, seq_len, state_pool, slots, max_seqlen, strides, stamp,
-            out_dtype, block_v, prepare_warps, scan_warps, scan_stages, inverse, work, prepare):
+            out_dtype, block_v, prepare_warps, scan_warps, scan_stages, inverse, work, prepare, prepare_maxnreg):
     """Both entry points' two launches. q, k, v, g, beta: token-strided by `strides` (elements from one token to
     the next: q/k, v, g, beta), indexed as flat tokens [L, ...] (N sequences of seq_len tokens when seq_len is
     not None: cu_seqlens unused)."""
@@ -606,12 +611,15 @@ def _launch(q, k, v, g, beta, gating, cu_seqlens, seq_len, state_pool, slots, ma
                     num_k_heads, num_v_heads, *strides, seq_len or 0, dk**-0.5, L2_EPS)
     shapes = dict(DK=dk, DV=dv, BK=block_k, BDV=triton.next_power_of_2(dv), C=CHUNK, PRECISION=precision,
                   FUSED_GATING=gating is not None, UNIFORM=uniform)
+    # prepare_maxnreg: a cap on the prepare's registers a thread (Triton's maxnreg; None: ptxas's choice), for more
+    # programs an SM at the cost of spills
+    launch = dict(num_warps=prepare_warps, num_stages=1, **({} if prepare_maxnreg is None else
+                                                            {"maxnreg": prepare_maxnreg}))
     if registers:
-        _prepare_registers_kernel[prepare_grid](*prepare_args, **shapes, num_warps=prepare_warps, num_stages=1)
+        _prepare_registers_kernel[prepare_grid](*prepare_args, **shapes, **launch)
     else:
         _prepare_kernel[prepare_grid](*prepare_args, **shapes, LOG2_C=CHUNK.bit_length() - 1,
-                                      BLOCK_INVERSE=inverse == "blocks" and CHUNK == 64, num_warps=prepare_warps,
-                                      num_stages=1)
+                                      BLOCK_INVERSE=inverse == "blocks" and CHUNK == 64, **launch)
     out = torch.empty((num_tokens, num_v_heads, dv), dtype=out_dtype or v.dtype, device=v.device)
     block_v = min(block_v, triton.next_power_of_2(dv))
     _scan_kernel[(triton.cdiv(dv, block_v), num_seqs, num_v_heads)](

@@ -222,7 +222,7 @@ def test_bf16_work_keeps_the_reference_within_bf16_error_and_refuses_fp32_inputs
         gdn_chunk_prefill_split(q, k, v, g, beta, cu_seqlens, pool, slots, 150, work="fp16")
 
 
-def test_prepare_choices_are_checked() -> None:
+def test_prepare_choices_are_checked_and_a_register_cap_computes_the_same() -> None:
     gen = torch.Generator().manual_seed(32)
     q, k, v, g, beta = random_gdn(gen, (9,), 1, 2, 16, 16, torch.bfloat16)
     cu_seqlens = torch.tensor([0, 9], dtype=torch.int32, device=DEVICE)
@@ -232,6 +232,12 @@ def test_prepare_choices_are_checked() -> None:
         gdn_chunk_prefill_split(q, k, v, g, beta, cu_seqlens, pool, slots, 9, prepare="shared")
     with pytest.raises(ValueError, match="prepare='registers' solves by 16 x 16 blocks"):
         gdn_chunk_prefill_split(q, k, v, g, beta, cu_seqlens, pool, slots, 9, prepare="registers", inverse="squaring")
+    # a cap on the prepare's registers (more programs an SM, some spills) computes the same
+    capped_pool = pool.clone()
+    out = gdn_chunk_prefill_split(q, k, v, g, beta, cu_seqlens, pool, slots, 9, work="bf16", prepare="registers")
+    capped = gdn_chunk_prefill_split(q, k, v, g, beta, cu_seqlens, capped_pool, slots, 9, work="bf16",
+                                     prepare="registers", prepare_maxnreg=128)
+    assert rel_err(capped, out) < 1e-6 and rel_err(capped_pool, pool) < 1e-6
 
 
 @pytest.mark.parametrize(("prepare", "work"), [("scratch", "fp32"), ("registers", "fp32"), ("registers", "bf16")])

@@ -25,13 +25,16 @@ Two prepare kernels (prepare=):
   255 registers, 1.7 KB of spills a thread, 112 KB of shared memory.
 - "registers" (_prepare_registers_kernel): everything by 16-row blocks of the chunk held in registers, the blocks
   of a computed straight from k's row blocks (a_ij = (k_i k_j^T) beta_i e^(gcum_i - gcum_j)), as
-  flash-linear-attention's solve_tril inverts by 16 x 16 blocks: no global scratch, no barrier. Its products take
+  flash-linear-attention's solve_tril inverts by 16 x 16 blocks: no global scratch, no debug barrier (the
+  compiler's layout conversions through shared memory still synchronise the warps: 127 bar.sync in its PTX
+  against the scratch prepare's 62, all its products mma.sync on 16-row tiles, no wgmma). Its products take
   `work` operands (bf16 with bf16 work, the inverse rounded to bf16 for w / u as fla stores it; the inverse itself
   solved in fp32 / tf32) and p is stored in `work` (the scan rounds it to `work` anyway). Same report at bf16
   work: 240 registers, no spills, 30 KB of shared memory (2 warps: 245, no spills). Error against the fp32
   reference with bf16 work (CPU interpreter, 150 tokens): output 4.1e-3 against the scratch prepare's 3.0e-3, the
   state 2.9e-3 against 2.5e-3 (the bf16 operands of q k^T / k k^T and of w / u's products account for about
-  half each); with fp32 work both prepares agree to 1e-7.
+  half each); with fp32 work both prepares' errors are the same (output 1.7e-3, the output's own rounding; state
+  2-4e-7). fp32 inputs (ieee) at dk = 128 spill 118 KB a thread in it: the parity mode stays on "scratch".
 """
 
 from __future__ import annotations

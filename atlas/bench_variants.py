@@ -25,7 +25,7 @@ from atlas.backends.cuda.tuning import Tuning
 # prefill_stack / compile_prefill were missing from a hand-written prefill list)
 DECODE_ONLY = ("moe", "decode_attention", "compile_decode", "decode_stack", "decode_gemv")
 PREFILL_ONLY = ("prefill_moe", "attention", "prefill_conv", "prefill_stack", "compile_prefill", "prefill_graphs",
-                "gdn_work")
+                "gdn_work", "prefill_mix_up", "gdn_prepare")
 PREFILL_KNOBS = tuple(f.name for f in attrs.fields(Tuning) if f.name not in DECODE_ONLY)
 DECODE_KNOBS = tuple(f.name for f in attrs.fields(Tuning) if f.name not in PREFILL_ONLY)
 

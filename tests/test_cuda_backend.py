@@ -249,6 +249,29 @@ def test_triton_gdn_kernels_in_the_batched_forward_match_the_torch_path(tiny) ->
     assert int(plain.pools.stamps.max()) > 0 and torch.equal(fused.pools.stamps, plain.pools.stamps)
 
 
+def test_triton_gdn_passes_the_prefill_knobs_for_bf16_and_keeps_the_parity_mode(monkeypatch: pytest.MonkeyPatch
+                                                                                  ) -> None:
+    """Tuning.gdn_work / gdn_prepare reach the chunk prefill kernel for bf16 activations; fp32 ones (the parity
+    mode) always take fp32 work and the scratch prepare."""
+    import atlas_kernels.gdn_chunk_split as split
+
+    from atlas.backends.cuda.runner import triton_gdn
+
+    seen = []
+
+    def fake(q, *args, **kwargs):  # type: ignore[no-untyped-def]
+        seen.append((q.dtype, kwargs["work"], kwargs["prepare"]))
+        return torch.zeros(1)
+
+    monkeypatch.setattr(split, "gdn_chunk_prefill_gated", fake)
+    kernel = triton_gdn("bf16", "registers")
+    assert kernel is not None
+    for dtype in (torch.bfloat16, torch.float32):
+        q = torch.zeros(1, 3, 2, 4, dtype=dtype)
+        kernel(q, q, q, q, q, q, q, q, q)
+    assert seen == [(torch.bfloat16, "bf16", "registers"), (torch.float32, "fp32", "scratch")]
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_batch_invariant_decode_is_bitwise_the_same_alone_and_in_a_batch(tiny, dtype: torch.dtype) -> None:
     """batch_invariant pads every decode group to one shape: a sequence's logits are bit-identical decoded

@@ -85,10 +85,10 @@ def parse_backend(name: str) -> tuple[torch.dtype, bool]:
     return (torch.float32 if "-fp32" in name else torch.bfloat16), name.endswith("-invariant")
 
 
-def triton_gdn(work: str = "fp32") -> GdnKernel | None:
+def triton_gdn(work: str = "fp32", prepare: str = "scratch") -> GdnKernel | None:
     """The Triton GDN kernels (decode: recurrent update; prefill: chunked, its intermediates in `work`:
-    Tuning.gdn_work), or None when atlas_kernels is not importable. On a CPU they run only under
-    TRITON_INTERPRET=1 (tests)."""
+    Tuning.gdn_work, its chunk-local kernel `prepare`: Tuning.gdn_prepare, for bf16 inputs), or None when
+    atlas_kernels is not importable. On a CPU they run only under TRITON_INTERPRET=1 (tests)."""
     try:
         from atlas_kernels.gdn_chunk_split import gdn_chunk_prefill_gated
         from atlas_kernels.gdn_recurrent import gdn_recurrent_gated
@@ -111,8 +111,9 @@ def triton_gdn(work: str = "fp32") -> GdnKernel | None:
         # gates, the sequences' bounds and the stamp in its kernels, q / k / v / a / b read in place (session 11:
         # ~12 eager launches a layer before); its launch defaults (prepare warps, the scan's pipelining) are in its
         # docstring
+        low = v.dtype == torch.bfloat16  # fp32 inputs (the parity mode) keep fp32 work and the scratch prepare
         out = gdn_chunk_prefill_gated(q, k, v, a, b_raw, a_log, dt_bias, pool, slots, stamp=stamp,
-                                      work=work if v.dtype == torch.bfloat16 else "fp32")
+                                      work=work if low else "fp32", prepare=prepare if low else "scratch")
         return out, None
 
     return gdn
@@ -195,7 +196,7 @@ class CudaBackend:
                                     table_blocks=self.max_blocks_per_seq, graphs=use_graphs,
                                     audit=state_audit_default() if state_audit is None else state_audit)
         use_kernels = self.dtype != torch.float32 if kernels is None else kernels
-        self.gdn_kernel = triton_gdn(self.tuning.gdn_work) if use_kernels and self.device.type == "cuda" else None
+        self.gdn_kernel = triton_gdn(self.tuning.gdn_work, self.tuning.gdn_prepare) if use_kernels and self.device.type == "cuda" else None
         if kernels and self.gdn_kernel is None:
             raise ValueError("kernels=True needs a CUDA device and atlas_kernels (the kernels/ package) importable")
         if tuning is None and self.gdn_kernel is not None:

@@ -23,6 +23,7 @@ GEMV = ("library", "reduce", "split")
 PREFILL_GRAPHS = ("none", "recurring")
 GDN_WORK = ("fp32", "bf16")
 MIX_UP = ("inductor", "triton")
+GDN_PREPARE = ("scratch", "registers")
 
 
 def _one_of(options: tuple[str, ...]):  # type: ignore[no-untyped-def]
@@ -112,6 +113,10 @@ class Tuning:
     # mean), "triton" one kernel (atlas_kernels.hyper.mix_up, a custom op) that keeps the product in registers: two
     # passes of 32 MB a site fewer at 2,048 tokens, 49 sites
     prefill_mix_up: str = attrs.field(default="inductor", validator=_one_of(MIX_UP))
+    # the GDN chunk prefill's chunk-local kernel for bf16 activations (atlas_kernels.gdn_chunk_split, prepare=):
+    # "scratch" the WY inverse by 16 x 16 blocks through global scratch rows with barriers; "registers" the blocks
+    # computed from k's 16-row blocks and inverted in registers, its products in the work dtype and p stored in it
+    gdn_prepare: str = attrs.field(default="scratch", validator=_one_of(GDN_PREPARE))
 
     def __attrs_post_init__(self) -> None:
         if self.prefill_graphs != "none" and self.prefill_moe == "grouped":
@@ -189,6 +194,8 @@ VARIANTS: dict[str, Tuning] = {
     # "bf16" replaced in session 14: the backend's chunk call 322.5 -> 221.8 us a 2,048-token layer; H200 run 1,
     # with 2 scan stages, prefill 2,048 27.6 -> 26.9 ms)
     "regions-gdn-fp32": attrs.evolve(_REGIONS, gdn_work="fp32"),
+    # regions-compile with the GDN chunk prefill's registers prepare (gdn_prepare "registers", session 15)
+    "regions-prepare-registers": attrs.evolve(_REGIONS, gdn_prepare="registers"),
     "regions-autotune-prefill": attrs.evolve(_REGIONS, compile_prefill="max-autotune-no-cudagraphs"),
     # regions-compile with the prefill's hyper-site mix as one Triton kernel (prefill_mix_up "triton", session 15)
     "regions-mix-up": attrs.evolve(_REGIONS, prefill_mix_up="triton"),

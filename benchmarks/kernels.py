@@ -171,9 +171,9 @@ def chunk_flops(tokens: int, hv: int, dk: int, dv: int) -> float:
     return hv * (tokens / c) * per_chunk
 
 
-def bench_gdn_chunk(cfg: dict, with_fp32: bool, others: bool = True) -> None:
+def bench_gdn_chunk(cfg: dict, with_fp32: bool, others: bool = True, schedules: str = "") -> None:
     """others=False (--no-sweep): only the backend's call, at its defaults and GATED_CHUNK_SCHEDULES (not the fused
-    kernel nor the split one's tiles)."""
+    kernel nor the split one's tiles); schedules (--chunk-schedules): only the schedules whose name holds it."""
     hk, hv = cfg["linear_num_key_heads"], cfg["linear_num_value_heads"]
     dk, dv = cfg["linear_key_head_dim"], cfg["linear_value_head_dim"]
     tokens = PREFILL_TOKENS
@@ -203,6 +203,7 @@ def bench_gdn_chunk(cfg: dict, with_fp32: bool, others: bool = True) -> None:
              gated_chunk_call(tokens, hk, hv, dk, dv, dtype, **schedule))
             for schedule in GATED_CHUNK_SCHEDULES
         ]
+        variants = [(name, run) for name, run in variants if schedules in name or not name.startswith("gated ")]
         for name, run in variants:
             pool = 0.1 * torch.randn(1, hv, dk, dv, device=DEV)
             try:
@@ -252,6 +253,10 @@ GATED_CHUNK_SCHEDULES = [
     {"work": "bf16", "prepare": "registers", "prepare_maxnreg": 168},
     {"work": "bf16", "prepare": "registers", "prepare_maxnreg": 128},
     {"work": "bf16", "prepare": "registers", "prepare_warps": 8, "prepare_maxnreg": 128},
+    # session 15 run 2: 2 warps won (146.5 us, the registers prepare's default since); fewer warps, capped
+    {"work": "bf16", "prepare": "registers", "prepare_warps": 1},
+    {"work": "bf16", "prepare": "registers", "prepare_warps": 2, "prepare_maxnreg": 168},
+    {"work": "bf16", "prepare": "registers", "prepare_warps": 2, "scan_stages": 2},
 ]
 
 
@@ -549,6 +554,8 @@ def main() -> None:
     parser.add_argument("--only", default="",
                         help="comma-separated subset: gdn,conv,attn,qsa,norms,mix_up,moe,moe_prefill,chunk")
     parser.add_argument("--fp32-chunk", action="store_true", help="also time the fp32 (parity) chunked prefill")
+    parser.add_argument("--chunk-schedules", default="", metavar="TEXT",
+                        help="chunk: only the GATED_CHUNK_SCHEDULES whose name holds TEXT (e.g. prepare=registers)")
     parser.add_argument("--no-sweep", action="store_true",
                         help="moe_prefill: today's tile and torch._grouped_mm only, not the tile sweep; chunk: the "
                              "backend's call only (its defaults and GATED_CHUNK_SCHEDULES)")
@@ -583,7 +590,8 @@ def main() -> None:
         "mix_up": lambda: bench_mix_up(cfg),
         "moe": lambda: bench_moe(cfg),
         "moe_prefill": lambda: bench_moe_prefill(*moe_weights(cfg), sweep=not args.no_sweep),
-        "chunk": lambda: bench_gdn_chunk(cfg, args.fp32_chunk, others=not args.no_sweep),
+        "chunk": lambda: bench_gdn_chunk(cfg, args.fp32_chunk, others=not args.no_sweep,
+                                         schedules=args.chunk_schedules),
     }
     chosen = [name for name in args.only.split(",") if name] or list(benches)
     args.out.mkdir(parents=True, exist_ok=True)

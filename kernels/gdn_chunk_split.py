@@ -519,7 +519,7 @@ def gdn_chunk_prefill_gated(
     stamp: tuple[torch.Tensor, torch.Tensor] | None = None,
     out_dtype: torch.dtype | None = None,
     block_v: int = 32,
-    prepare_warps: int = 4,
+    prepare_warps: int | None = None,
     scan_warps: int = 4,
     scan_stages: int | None = None,
     inverse: str = "blocks",
@@ -550,11 +550,17 @@ def gdn_chunk_prefill_gated(
     for bf16 work: its operand tiles are half the size, so a third stage fits; fp32 work's 3 stages need 272 KB);
     dv tile 16 257.6, dv tile 64 / 8 warps 312.8.
 
-    prepare="registers" (session 15, no GPU timing yet; the module's docstring): the prepare kernel by 16-row
-    blocks in registers, without the scratch prepare's global-memory block inverse and its barriers (137 us of
-    the ~222 above were that prepare, for a floor of ~20 us), its products on `work` operands, p in `work`. Left
-    alone ptxas gives it 240 registers at 4 warps (2 programs an SM, as the scratch prepare's 255); prepare_maxnreg
-    168 fits 3 for 120 bytes of spills a thread, 128 fits 4 for 664 (sm_90 compile report, bf16 work)."""
+    prepare="registers" (session 15; the module's docstring): the prepare kernel by 16-row blocks in registers,
+    without the scratch prepare's global-memory block inverse and its barriers (137 us of the ~222 above were that
+    prepare, for a floor of ~20 us), its products on `work` operands, p in `work`. Left alone ptxas gives it 240
+    registers at 4 warps (2 programs an SM, as the scratch prepare's 255); prepare_maxnreg 168 fits 3 for 120 bytes
+    of spills a thread, 128 fits 4 for 664 (sm_90 compile report, bf16 work). H200, session 15 run 2, this call
+    with bf16 work: **146.5 us at 2 prepare warps** (its default: prepare_warps None is 2 for the registers prepare,
+    4 for the scratch one), 164.3 at 4, 228.9 at 8; at 4 warps maxnreg 168 156.2, 128 152.5 (8 warps + 128:
+    190.9); the scratch prepare 221.9 us in the same run. In the model its kernel took 78.8 us a layer against the
+    scratch prepare's 137.6. With fp32 work it gains nothing (318.2 against 326.0 us)."""
+    if prepare_warps is None:
+        prepare_warps = 2 if prepare == "registers" else 4
     from atlas_kernels.gdn_recurrent import strided_inputs
 
     if scan_stages is None:  # bf16 work's operand tiles are half the size: a third stage fits in shared memory

@@ -116,6 +116,7 @@ class Tuning:
     # the GDN chunk prefill's chunk-local kernel for bf16 activations (atlas_kernels.gdn_chunk_split, prepare=):
     # "scratch" the WY inverse by 16 x 16 blocks through global scratch rows with barriers; "registers" the blocks
     # computed from k's 16-row blocks and inverted in registers, its products in the work dtype and p stored in it
+    # (H200 session 15: the chunk call 221.9 -> 146.5 us a 2,048-token layer with bf16 work; in regions-compile)
     gdn_prepare: str = attrs.field(default="scratch", validator=_one_of(GDN_PREPARE))
 
     def __attrs_post_init__(self) -> None:
@@ -133,7 +134,7 @@ class Tuning:
 # regions-compile's knobs (see its entry below), the arrangement its neighbours in VARIANTS change one knob of
 _REGIONS = Tuning(moe="triton", prefill_moe="triton", attention="sdpa", decode_attention="paged", compile_decode="combo",
                   decode_stack="regions", prefill_conv="triton", prefill_stack="regions", compile_prefill="combo",
-                  decode_gemv="split", prefill_graphs="recurring", gdn_work="bf16")
+                  decode_gemv="split", prefill_graphs="recurring", gdn_work="bf16", gdn_prepare="registers")
 
 # the variants `atlas bench gpu` times side by side (name -> knobs), each predicted in docs/BENCHMARKS.md;
 # "baseline" is the arrangement measured before (H200 run 2: decode b1 5.83 ms, prefill 2048 92.7 ms dense)
@@ -164,7 +165,8 @@ VARIANTS: dict[str, Tuning] = {
     # 6.78; prefill 2,048 52.8 -> 41.7 ms (graphs; 65.9 -> 43.4 ms on a slower host), 8,192 161.0 -> 157.2 ms.
     # Since session 14 the regions compile with Inductor's combo kernels and the GDN chunk prefill runs bf16 work
     # (regions-no-combo, regions-gdn-fp32 keep the previous; H200 session 14 run 3: decode 3.36 / 4.52 / 6.41 ms,
-    # prefill 2,048 24.7 ms, 33.3% of the matmul rate)
+    # prefill 2,048 24.7 ms, 33.3% of the matmul rate); since session 15 the chunk prefill's registers prepare
+    # (regions-prepare-scratch keeps the previous)
     "regions-compile": _REGIONS,
     # regions-compile with its prefill chunks eager (what prefill_graphs replaced; its decode rows are regions-compile's)
     "regions-eager-prefill": attrs.evolve(_REGIONS, prefill_graphs="none"),
@@ -194,8 +196,10 @@ VARIANTS: dict[str, Tuning] = {
     # "bf16" replaced in session 14: the backend's chunk call 322.5 -> 221.8 us a 2,048-token layer; H200 run 1,
     # with 2 scan stages, prefill 2,048 27.6 -> 26.9 ms)
     "regions-gdn-fp32": attrs.evolve(_REGIONS, gdn_work="fp32"),
-    # regions-compile with the GDN chunk prefill's registers prepare (gdn_prepare "registers", session 15)
-    "regions-prepare-registers": attrs.evolve(_REGIONS, gdn_prepare="registers"),
+    # regions-compile with the GDN chunk prefill's scratch prepare (what gdn_prepare "registers" replaced in session 15:
+    # the backend's chunk call 221.9 -> 146.5 us a 2,048-token layer, the prepare kernel 137.6 -> 78.8 us in the
+    # model; H200 run 2, 4 prepare warps, measured first: prefill 2,048 execute 23.3 against 23.9 ms)
+    "regions-prepare-scratch": attrs.evolve(_REGIONS, gdn_prepare="scratch"),
     "regions-autotune-prefill": attrs.evolve(_REGIONS, compile_prefill="max-autotune-no-cudagraphs"),
     # regions-compile with the prefill's hyper-site mix as one Triton kernel (prefill_mix_up "triton", session 15)
     "regions-mix-up": attrs.evolve(_REGIONS, prefill_mix_up="triton"),

@@ -456,6 +456,10 @@ MOE_TILES = [(16, bn, bk, st) for bn in (16, 32, 64) for bk in (64, 128, 256) fo
 PREFILL_MOE_TILES = [(bm, bn, bk, w, st) for bm, bn in ((64, 64), (64, 128), (128, 64), (128, 128))
                      for bk in (32, 64) for w in (4, 8) for st in (2, 3, 4)]
 PREFILL_MOE_ROWS = (2048, 8192)
+# the down kernel's own (block_n, block_k, warps, stages) at prefill rows, beside today's shared tile (session 15: the
+# down kernel ran at ~36% of the matmul rate, 61.7 us a layer, its 128 x 64 output tiles re-reading each pair's
+# activations from L2 for each of 32 column tiles)
+PREFILL_MOE_DOWN_TILES = [(128, 64, 8, None), (256, 64, 8, 3), (128, 64, 8, 4), (128, 128, 8, 3)]
 
 
 def bench_moe(cfg: dict) -> None:
@@ -542,6 +546,18 @@ def bench_moe_prefill(gate_up: torch.Tensor, down: torch.Tensor, top_k: int, swe
             record("moe_grouped prefill", f"rows {rows}, tile {bm}x{bn}x{bk} warps {w} stages {st}", ms,
                    flops=rows * top_k * flops_per_pair, note=f"rel err vs today {err:.1e}{mark}")
             timed.append((ms, tile))
+        for down_tile in PREFILL_MOE_DOWN_TILES:
+            def down_step(down_tile=down_tile, x=x, top_i=top_i, top_w=top_w) -> None:
+                moe_grouped(x, top_i, top_w, gate_up, down, down_tile=down_tile)
+            try:
+                got = moe_grouped(x, top_i, top_w, gate_up, down, down_tile=down_tile)
+                err = float((got.float() - want.float()).norm() / want.float().norm())
+                ms = time_ms(down_step)
+            except Exception as error:
+                print(f"# moe prefill down tile {down_tile} failed: {type(error).__name__}: {str(error)[:120]}")
+                continue
+            record("moe_grouped prefill", f"rows {rows}, today, down {'x'.join(map(str, down_tile[:2]))} w{down_tile[2]} "
+                   f"s{down_tile[3]}", ms, flops=rows * top_k * flops_per_pair, note=f"rel err vs today {err:.1e}")
         timed.sort()
         print(f"# moe prefill rows {rows}: today {today} -> best {[(round(m * 1e3, 1), t) for m, t in timed[:4]]}",
               flush=True)

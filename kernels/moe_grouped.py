@@ -143,11 +143,14 @@ def num_warps(block_m: int) -> int:
 def moe_grouped(x: torch.Tensor, top_i: torch.Tensor, top_w: torch.Tensor, gate_up: torch.Tensor,
                 down: torch.Tensor, *, blocks: tuple[int, int, int] | None = None,
                 route: tuple[torch.Tensor, torch.Tensor] | None = None, stages: int | None = None,
-                summed: bool = True, warps: int | None = None) -> torch.Tensor:
+                summed: bool = True, warps: int | None = None,
+                down_tile: tuple[int, int, int, int] | None = None) -> torch.Tensor:
     """The routed experts' weighted sum [R, H] in x's dtype (the shared expert is the caller's). `route`: the
     (order, offsets) moe_route would compute, if the caller has them; `stages`: the loops' pipeline depth
-    (Triton's default when None); warps: the programs' warps (num_warps(block_m) when None); summed=False: each pair's weighted output [R, K, H] instead, for a caller that
-    sums over the slots inside a fused kernel of its own (the sum is one more launch a layer here)."""
+    (Triton's default when None); warps: the programs' warps (num_warps(block_m) when None); summed=False: each
+    pair's weighted output [R, K, H] instead, for a caller that sums over the slots inside a fused kernel of its own
+    (the sum is one more launch a layer here). down_tile: the down kernel's own (block_n, block_k, warps, stages) (its
+    block_m is the gate-up's: the pairs' tiles are the same), else the gate-up's."""
     rows, hidden = x.shape
     experts, two_inter, w_hidden = gate_up.shape
     inter = two_inter // 2
@@ -169,8 +172,14 @@ def moe_grouped(x: torch.Tensor, top_i: torch.Tensor, top_w: torch.Tensor, gate_
         TOP_K=top_k, BM=bm, BN=bn, BK=bk, EVEN_K=hidden % bk == 0, PRECISION=precision, num_warps=warps,
         **extra)
     outs = torch.empty(rows * top_k, hidden, dtype=x.dtype, device=x.device)
-    _moe_down_kernel[(experts * m_tiles, triton.cdiv(hidden, bn))](
+    down_bn, down_warps, down_extra = bn, warps, extra
+    if down_tile is not None:
+        down_bn, down_bk, down_warps, down_stages = down_tile
+        down_bk = min(down_bk, triton.next_power_of_2(inter))
+        down_extra = {} if down_stages is None else {"num_stages": down_stages}
+    _moe_down_kernel[(experts * m_tiles, triton.cdiv(hidden, down_bn))](
         act, order, offsets, top_w, down, outs, hidden, inter, m_tiles,
-        BM=bm, BN=bn, BK=down_bk, EVEN_K=inter % down_bk == 0, PRECISION=precision, num_warps=warps, **extra)
+        BM=bm, BN=down_bn, BK=down_bk, EVEN_K=inter % down_bk == 0, PRECISION=precision, num_warps=down_warps,
+        **down_extra)
     outs = outs.view(rows, top_k, hidden)
     return outs.sum(dim=1) if summed else outs

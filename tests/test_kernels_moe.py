@@ -74,3 +74,16 @@ def test_a_counted_route_and_the_pipeline_depth_change_nothing(stages: int | Non
     want = moe_grouped(x, top_i, top_w, gate_up, down)
     got = moe_grouped(x, top_i, top_w, gate_up, down, route=counted_route(top_i, 8), stages=stages)
     assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("down_tile", [(32, 16, 4, None), (64, 32, 8, 3)])
+def test_the_down_kernels_own_tile_keeps_the_result(down_tile: tuple[int, int, int, int | None]) -> None:
+    """moe_grouped(down_tile=...) (benchmarks/kernels.py's PREFILL_MOE_DOWN_TILES): the down kernel on its own column
+    tile, k step, warps and stages gives the shared tile's result within fp32 rounding (the dot's shape may change
+    the order of its sums, here numpy's, on a GPU the MMA's), and a wrong tile wiring (columns skipped or doubled)
+    would be far off."""
+    x, top_i, top_w, gate_up, down = random_case(70, 64, 48, 8, 3, torch.float32, seed=12)
+    want = moe_grouped(x, top_i, top_w, gate_up, down, blocks=(64, 16, 16))
+    got = moe_grouped(x, top_i, top_w, gate_up, down, blocks=(64, 16, 16), down_tile=down_tile)
+    assert got.shape == want.shape
+    assert torch.allclose(got, want, atol=1e-5, rtol=1e-5)

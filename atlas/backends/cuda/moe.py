@@ -33,15 +33,18 @@ SMALL_EXPERTS = 64
 
 def ranked_topk(probs: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """torch.topk(probs [R, E], k) (descending; equal values in index order, as a stable sort) written as
-    comparisons, one sum and a scatter, which Inductor fuses into the router's kernels: torch.topk is two
-    generic kernels, 8.5 us a layer at batch 1 on the H200 (0.2 ms of a 4.5 ms decode step). For E <= 64."""
-    rows, e = probs.shape
+    comparisons and sums, which Inductor fuses into the router's kernels: torch.topk is two generic kernels, 8.5 us a
+    layer at batch 1 on the H200 (0.2 ms of a 4.5 ms decode step). For E <= 64. The j-th expert is the one whose rank
+    is j, summed out of a [R, E, k] comparison (session 15; before, a scatter of the experts by rank, which Inductor
+    left to ATen's scatter kernel: one launch a MoE layer of its own, 24 a decode step)."""
+    e = probs.shape[1]
     idx = torch.arange(e, device=probs.device)
     mine, other = probs[:, :, None], probs[:, None, :]
     # rank of expert i: how many experts come before it (greater, or equal at a lower index)
     ahead = (other > mine) | ((other == mine) & (idx[None, None, :] < idx[None, :, None]))
-    rank = ahead.sum(dim=-1)
-    top_i = torch.zeros(rows, e, dtype=torch.long, device=probs.device).scatter_(1, rank, idx.expand(rows, e))[:, :k]
+    rank = ahead.sum(dim=-1)  # [R, E], a permutation of 0..E-1 in each row
+    slots = torch.arange(k, device=probs.device)
+    top_i = ((rank[:, :, None] == slots[None, None, :]) * idx[None, :, None]).sum(dim=1)  # [R, k]
     return probs.gather(1, top_i), top_i
 
 
@@ -55,8 +58,9 @@ def counted_route(top_i: torch.Tensor, num_experts: int, ranked: bool = False) -
     ~12 us a layer at batch 1 on the H200).
 
     ranked (decode groups, at most RANKED_PAIRS pairs): each pair's place is its rank among the pairs by
-    (expert, pair index), one [P, P] comparison summed, and an expert's offset the count of pairs routed to a
-    lower expert: comparisons and sums only. Otherwise a one-hot and its running sums over the pairs: Inductor's
+    (expert, pair index), one [P, P] comparison summed, the order the pair whose place is q (the same comparison's
+    transpose, summed: session 15, before a scatter left to ATen's kernel, a launch a MoE layer), and an expert's
+    offset the count of pairs routed to a lower expert: comparisons and sums only. Otherwise a one-hot and its running sums over the pairs: Inductor's
     scan along the pairs was one 26.5 us kernel a layer at batch 64 (256 pairs) on the H200 (session 8), 0.64 ms
     of a 6.5 ms step. Both give the same order and offsets (tests/test_cuda_regions.py)."""
     flat = top_i.flatten()
@@ -68,7 +72,8 @@ def counted_route(top_i: torch.Tensor, num_experts: int, ranked: bool = False) -
         place = ((other < mine) | ((other == mine) & (idx[None, :] < idx[:, None]))).sum(dim=1)
         lower = flat[None, :] < torch.arange(num_experts + 1, device=flat.device)[:, None]
         offsets = lower.sum(dim=1).to(torch.int32)
-        return torch.empty_like(flat).scatter_(0, place, idx), offsets
+        order = ((place[None, :] == idx[:, None]) * idx[None, :]).sum(dim=1)  # order[q]: the pair placed at q
+        return order, offsets
     onehot = (flat[:, None] == torch.arange(num_experts, device=flat.device)).to(torch.int32)
     before = (torch.cumsum(onehot, dim=0) - onehot).gather(1, flat[:, None])[:, 0]  # same expert, earlier pairs
     offsets = torch.cat([onehot.new_zeros(1), torch.cumsum(onehot.sum(dim=0), dim=0)]).to(torch.int32)

@@ -466,7 +466,9 @@ PREFILL_MOE_ROWS = (2048, 8192)
 # the down kernel's own (block_n, block_k, warps, stages) at prefill rows, beside today's shared tile (session 15: the
 # down kernel ran at ~36% of the matmul rate, 61.7 us a layer, its 128 x 64 output tiles re-reading each pair's
 # activations from L2 for each of 32 column tiles)
-PREFILL_MOE_DOWN_TILES = [(128, 64, 8, None), (256, 64, 8, 3), (128, 64, 8, 4), (128, 128, 8, 3)]
+# H200 run 5: rows 2,048 / 8,192: 243.1 / 632.7, 244.2 / 618.4 (256 x 64 s3: moe_grouped.PREFILL_DOWN_TILE since), 256.6 / -,
+# 259.1 / - us, against the shared tile's 250.9 / 671.2; (64, 64, 8, None) is that shared tile
+PREFILL_MOE_DOWN_TILES = [(64, 64, 8, None), (128, 64, 8, None), (256, 64, 8, 3), (128, 64, 8, 4), (128, 128, 8, 3)]
 
 
 def bench_moe(cfg: dict) -> None:

@@ -229,6 +229,11 @@ def moe_cases() -> list[CompileReport]:
         reports.append(compile_for_hopper(moe_grouped._moe_down_kernel, down,
                                           dict(BM=bm, BN=bn, BK=bk, EVEN_K=True, PRECISION="tf32"), warps,
                                           f"BM={bm} BN={bn} BK={bk} warps={warps}"))
+    # the prefill down kernel's own tile (moe_grouped.PREFILL_DOWN_TILE)
+    bn, bk, warps, stages = moe_grouped.PREFILL_DOWN_TILE
+    reports.append(compile_for_hopper(moe_grouped._moe_down_kernel, down,
+                                      dict(BM=128, BN=bn, BK=bk, EVEN_K=True, PRECISION="tf32"), warps,
+                                      f"BM=128 BN={bn} BK={bk} warps={warps} stages={stages}", stages))
     return reports
 
 

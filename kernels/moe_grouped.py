@@ -136,6 +136,14 @@ def block_sizes(rows: int) -> tuple[int, int, int]:
     return 128, 64, 64
 
 
+# the down kernel's own (block_n, block_k, warps, stages) at prefill rows (> 64), from `benchmarks/kernels.py --only
+# moe_prefill --no-sweep` (H200, session 15 run 5, the whole call graph-timed): at 2,048 rows 244.2 us against 250.9
+# with the gate-up's 128 x 64 x 64 tile (243.1 at 128 x 64 with Triton's default stages), at 8,192 rows 618.4 against
+# 671.2 (632.7). Wider output tiles read each pair's activations from L2 for fewer column tiles. It spills (sm_90
+# compile report: 8.9 KB without divisibility hints) and is faster all the same; tests/test_kernels_compile.py allows it
+PREFILL_DOWN_TILE = (256, 64, 8, 3)
+
+
 def num_warps(block_m: int) -> int:
     return 4 if block_m <= 16 else 8  # 64-row tiles spill at 4 warps (1380 B in gate_up)
 
@@ -150,7 +158,8 @@ def moe_grouped(x: torch.Tensor, top_i: torch.Tensor, top_w: torch.Tensor, gate_
     (Triton's default when None); warps: the programs' warps (num_warps(block_m) when None); summed=False: each
     pair's weighted output [R, K, H] instead, for a caller that sums over the slots inside a fused kernel of its own
     (the sum is one more launch a layer here). down_tile: the down kernel's own (block_n, block_k, warps, stages) (its
-    block_m is the gate-up's: the pairs' tiles are the same), else the gate-up's."""
+    block_m is the gate-up's: the pairs' tiles are the same); None: PREFILL_DOWN_TILE at prefill rows (> 64) unless
+    `blocks` names a tile, else the gate-up's; () the gate-up's."""
     rows, hidden = x.shape
     experts, two_inter, w_hidden = gate_up.shape
     inter = two_inter // 2
@@ -173,7 +182,9 @@ def moe_grouped(x: torch.Tensor, top_i: torch.Tensor, top_w: torch.Tensor, gate_
         **extra)
     outs = torch.empty(rows * top_k, hidden, dtype=x.dtype, device=x.device)
     down_bn, down_warps, down_extra = bn, warps, extra
-    if down_tile is not None:
+    if down_tile is None and blocks is None and rows > 64:
+        down_tile = PREFILL_DOWN_TILE
+    if down_tile:
         down_bn, down_bk, down_warps, down_stages = down_tile
         down_bk = min(down_bk, triton.next_power_of_2(inter))
         down_extra = {} if down_stages is None else {"num_stages": down_stages}

@@ -16,6 +16,13 @@ import torch
 torch.set_num_threads(1)
 # the state-digest audit mode in every backend the tests build (atlas.backends.base.state_audit_default)
 os.environ.setdefault("ATLAS_STATE_AUDIT", "1")
+# without a GPU the kernel tests run Triton through its CPU interpreter. Set here, before any test module imports
+# triton: each kernel test module also sets it before its own imports, but a module collected earlier that imports
+# triton first (tests/test_kernels_compile.py's importorskip) left the kernel modules after it uninterpreted in the
+# same process ("Cannot call @triton.jit'd outside of the scope of a kernel": test_kernels_moe.py run after it, 9
+# failed). test_kernels_compile.py strips it from its compiling subprocess.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def _randomise(model: torch.nn.Module, seed: int) -> None:

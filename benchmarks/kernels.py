@@ -542,10 +542,13 @@ def bench_moe_prefill(gate_up: torch.Tensor, down: torch.Tensor, top_k: int, swe
             print("# torch._grouped_mm: not usable here for bf16", flush=True)
         for tile in [today, *(PREFILL_MOE_TILES if sweep else [])]:
             bm, bn, bk, w, st = tile
-            def step(bm=bm, bn=bn, bk=bk, w=w, st=st, x=x, top_i=top_i, top_w=top_w) -> None:
-                moe_grouped(x, top_i, top_w, gate_up, down, blocks=(bm, bn, bk), stages=st, warps=w)
+            # today's row is the default call (its down kernel on PREFILL_DOWN_TILE); a named tile is both kernels'
+            knobs = {} if tile == today else dict(blocks=(bm, bn, bk), stages=st, warps=w)
+
+            def step(knobs=knobs, x=x, top_i=top_i, top_w=top_w) -> None:
+                moe_grouped(x, top_i, top_w, gate_up, down, **knobs)
             try:
-                got = moe_grouped(x, top_i, top_w, gate_up, down, blocks=(bm, bn, bk), stages=st, warps=w)
+                got = moe_grouped(x, top_i, top_w, gate_up, down, **knobs)
                 err = float((got.float() - want.float()).norm() / want.float().norm())
                 ms = time_ms(step)
             except Exception as error:  # a tile that does not compile (registers, shared memory)
@@ -565,8 +568,9 @@ def bench_moe_prefill(gate_up: torch.Tensor, down: torch.Tensor, top_k: int, swe
             except Exception as error:
                 print(f"# moe prefill down tile {down_tile} failed: {type(error).__name__}: {str(error)[:120]}")
                 continue
-            record("moe_grouped prefill", f"rows {rows}, today, down {'x'.join(map(str, down_tile[:2]))} w{down_tile[2]} "
-                   f"s{down_tile[3]}", ms, flops=rows * top_k * flops_per_pair, note=f"rel err vs today {err:.1e}")
+            record("moe_grouped prefill", f"rows {rows}, today's gate-up, down {'x'.join(map(str, down_tile[:2]))} "
+                   f"w{down_tile[2]} s{down_tile[3]}", ms, flops=rows * top_k * flops_per_pair,
+                   note=f"rel err vs today {err:.1e}")
         timed.sort()
         print(f"# moe prefill rows {rows}: today {today} -> best {[(round(m * 1e3, 1), t) for m, t in timed[:4]]}",
               flush=True)

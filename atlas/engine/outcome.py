@@ -21,7 +21,7 @@ from atlas.plan import BackendCursors, SeqOutcome, StepPlan, StepResult
 from atlas.sampling.acceptance import accepted_prefix, verdict_bits
 from atlas.state.batch_columns import BatchColumns
 from atlas.state.control import ControlState
-from atlas.state.events import BoundarySnapshotted, Event, StepExecuted
+from atlas.state.events import BoundarySnapshotted, Event, StepExecuted, exact_tokens
 
 
 @attrs.frozen
@@ -74,7 +74,7 @@ def _decode_step(plan: StepPlan, result: StepResult, vocab_size: int | None, col
         return None
     target = None
     if cols is not None and work is cols.work:  # built by BatchColumns.decode_work: every row samples, no drafts
-        target = cols.ntok.tolist()  # each row's computed count after the decode (one token left to feed: ntok)
+        target = cols.ntok_values()  # each row's computed count after the decode (one token left to feed: ntok)
         walked = _walk(outs, cols.ids, target)
         if walked is None:
             target = None
@@ -83,7 +83,7 @@ def _decode_step(plan: StepPlan, result: StepResult, vocab_size: int | None, col
                 return None
         else:
             tokens = tuple(walked)
-            if None in tokens:
+            if not exact_tokens(tokens) and None in tokens:  # exact ints: no None (and StepExecuted takes them as is)
                 return None
     elif (None in (tokens := tuple(map(_TOKEN, outs))) or not all(map(_SAMPLE, work)) or any(map(_DRAFTS, work))
             or any(map(_REFUSED, outs)) or tuple(map(_SEQ_ID, outs)) != tuple(map(_SEQ_ID, work))):
@@ -110,7 +110,8 @@ def _walk(outs: tuple[SeqOutcome, ...], ids: tuple[int, ...], target: list[int])
     add = tokens.append
     passed = None  # the last cursors that passed, and at what count (the CUDA reader shares one per position)
     passed_n = -1
-    for o, sid, n in zip(outs, ids, target, strict=True):
+    # strict=False: ~0.4 us less at 64; the lengths are equal (_decode_step's len(outs) == len(work), work the rows')
+    for o, sid, n in zip(outs, ids, target, strict=False):
         if o.seq_id != sid or o.refused is not None or o.prompt_logprobs:
             return None
         add(o.token)

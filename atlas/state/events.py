@@ -118,6 +118,26 @@ def _remembering_ints() -> Callable[[Any], tuple[int, ...]]:
     return convert
 
 
+_TOKENS_SEEN: list[tuple[int, ...]] = [()]  # the last tuple `exact_tokens` found to be exact ints
+
+
+def exact_tokens(value: Any) -> bool:
+    """True when `value` is a tuple of exact ints (no None, no bool, no numpy int), remembered so that StepExecuted's
+    tokens converter takes that very tuple at once: the engine's decode outcome tests its tokens here instead of
+    `None in tokens` there and the converter's own type pass again (one C pass over the batch instead of two)."""
+    if type(value) is tuple and _EXACT_INT.issuperset(map(type, value)):
+        _TOKENS_SEEN[0] = value  # held: its identity cannot be reused while remembered; a tuple of ints never changes
+        return True
+    return False
+
+
+def _token_ints(value: Any) -> tuple[int, ...]:
+    """StepExecuted.tokens' converter: _ints, but the tuple exact_tokens last passed is its own conversion."""
+    if value is _TOKENS_SEEN[0]:
+        return value  # type: ignore[no-any-return]
+    return _ints(value)
+
+
 def _int_rows(value: Any) -> tuple[tuple[int, ...], ...]:
     if type(value) is tuple and not value:  # () (a step without allocations or drafts): no generator
         return value
@@ -206,7 +226,7 @@ class StepExecuted(Event):
     came before) feed the unconditional acceptance rates; both fields are () when nothing drafted."""
 
     step: int
-    tokens: tuple[int, ...] = attrs.field(converter=_ints)  # aligned with StepPlanned.seqs; -1 = no sample
+    tokens: tuple[int, ...] = attrs.field(converter=_token_ints)  # aligned with StepPlanned.seqs; -1 = no sample
     accepted: tuple[int, ...] = attrs.field(default=(), converter=_ints)
     verdicts: tuple[int, ...] = attrs.field(default=(), converter=_ints)
 

@@ -40,3 +40,68 @@ def test_an_option_mode_compiles_to_the_eager_values_without_touching_the_global
         module._compile.cache_clear()
         torch._dynamo.reset()
     assert (inductor.coordinate_descent_tuning, inductor.combo_kernels) == before
+
+
+def test_combo_persistent_makes_inner_reductions_of_up_to_2048_persistent_and_defers_the_rest() -> None:
+    """compile mode "combo-persistent" (compiled.PERSISTENT_INNER): its Inductor choices call an inner reduction of
+    up to 2,048 elements persistent (Inductor's own limit is 1,024: a hyper site's per-stream norm of H = 2,048 looped,
+    then a second kernel re-read the streams), and give Inductor's answer for everything else."""
+    import sympy
+    from torch._inductor.choices import InductorChoices
+    from torch._inductor.runtime.hints import ReductionHint
+    from torch._inductor.virtualized import V
+
+    class Sizes:
+        @staticmethod
+        def statically_known_leq(a, b):  # type: ignore[no-untyped-def]
+            return bool(sympy.sympify(a) <= sympy.sympify(b))
+
+    class Graph:
+        sizevars = Sizes()
+
+    class Features:
+        def __init__(self, hint: ReductionHint, numel: int) -> None:
+            self.hint, self.reduction_numel, self.numel = hint, sympy.Integer(numel), sympy.Integer(64)
+
+        def get_reduction_hint(self) -> ReductionHint:
+            return self.hint
+
+    choices = module._persistent_choices(module.PERSISTENT_INNER)
+    with V.set_graph_handler(Graph()):  # type: ignore[arg-type]
+        decide = choices.should_use_persistent_reduction
+        assert decide(Features(ReductionHint.INNER, 2048), False)
+        assert decide(Features(ReductionHint.INNER, 512), False)
+        for hint, numel in ((ReductionHint.INNER, 4096), (ReductionHint.OUTER, 2048), (ReductionHint.OUTER, 32)):
+            feats = Features(hint, numel)
+            assert decide(feats, False) == InductorChoices.should_use_persistent_reduction(feats, False)
+        assert not decide(Features(ReductionHint.INNER, 4096), False)
+        assert not InductorChoices.should_use_persistent_reduction(Features(ReductionHint.INNER, 2048), False)
+
+
+def test_combo_persistent_sets_its_choices_only_inside_the_call_and_computes_the_eager_values() -> None:
+    from torch._inductor.virtualized import V
+
+    seen = []
+    choices = module._persistent_choices(module.PERSISTENT_INNER)
+
+    def probe(x: torch.Tensor) -> torch.Tensor:
+        seen.append(V.choices)
+        return x + 1
+
+    wrapped = module._with_choices(probe, choices)
+    assert torch.equal(wrapped(torch.zeros(2)), torch.ones(2))
+    assert seen == [choices] and V.choices is not choices
+
+    def block(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:  # a row norm over 2,048 elements, then its use
+        return x * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-6) * w
+
+    x, w = torch.randn(3, 2048), torch.randn(2048)
+    module._compile.cache_clear()
+    torch._dynamo.reset()
+    try:
+        fn = module.compiled(block, "combo-persistent")
+        assert torch.allclose(fn(x, w), block(x, w), atol=1e-5)
+    finally:
+        module._compile.cache_clear()
+        torch._dynamo.reset()
+    assert V.choices is not choices

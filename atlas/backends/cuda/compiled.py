@@ -29,7 +29,17 @@ INDUCTOR_OPTIONS: dict[str, tuple[tuple[str, bool], ...]] = {
     "tuned": (("coordinate_descent_tuning", True),),
     "combo": (("combo_kernels", True),),
     "tuned-combo": (("coordinate_descent_tuning", True), ("combo_kernels", True)),
+    # combo, and inner reductions of up to PERSISTENT_INNER elements persistent (_persistent_choices); its graphs
+    # are kept out of Inductor's FX graph cache, whose key does not see a choices handler
+    "combo-persistent": (("combo_kernels", True), ("fx_graph_cache", False)),
 }
+# "combo-persistent": Inductor makes an inner reduction (one row's) persistent, the whole row in one program, only up
+# to 1,024 elements (torch._inductor.choices.InductorChoices.should_use_persistent_reduction); above that it loops
+# over the row, and a consumer of the row's result over the same elements becomes a second kernel. A hyper site's
+# per-stream RMSNorm reduces H = 2,048 elements: in a 2,048-token prefill (H200 session 15 profile) a looped
+# reduction (the injection and the sums of squares, ~19 us) then a pointwise pass re-reading the streams to write the
+# normed ones (~16 us), 48 of each. Persistent up to 2,048, the two are one kernel
+PERSISTENT_INNER = 2048
 
 
 @functools.cache
@@ -46,9 +56,47 @@ def _compile(fn: Callable, mode: str) -> Callable:
     for knob in ("recompile_limit", "cache_size_limit"):  # the name moved between torch versions
         if hasattr(dynamo, knob):
             setattr(dynamo, knob, max(getattr(dynamo, knob), 32))
+    if mode == "combo-persistent":
+        return _with_choices(torch.compile(fn, options=dict(INDUCTOR_OPTIONS[mode]), dynamic=None, fullgraph=True),
+                             _persistent_choices(PERSISTENT_INNER))
     if mode in INDUCTOR_OPTIONS:  # torch.compile takes a mode or options, not both: these are "default" + options
         return torch.compile(fn, options=dict(INDUCTOR_OPTIONS[mode]), dynamic=None, fullgraph=True)
     return torch.compile(fn, mode=mode, dynamic=None, fullgraph=True)
+
+
+def _persistent_choices(limit: int):  # type: ignore[no-untyped-def]
+    """Inductor's heuristics with inner reductions of up to `limit` elements (statically known) persistent."""
+    from torch._inductor import config
+    from torch._inductor.choices import InductorChoices
+    from torch._inductor.runtime.hints import ReductionHint
+    from torch._inductor.virtualized import V
+
+    class WiderPersistence(InductorChoices):
+        @staticmethod
+        def should_use_persistent_reduction(features, cooperative_reduction):  # type: ignore[no-untyped-def]
+            if (config.triton.persistent_reductions and not cooperative_reduction
+                    and features.get_reduction_hint() == ReductionHint.INNER
+                    and V.graph.sizevars.statically_known_leq(features.reduction_numel, limit)):
+                return True
+            return InductorChoices.should_use_persistent_reduction(features, cooperative_reduction)
+
+    return WiderPersistence()
+
+
+def _with_choices(fn: Callable, choices: object) -> Callable:
+    """fn run with Inductor's choices handler set to `choices`: Inductor compiles at a compiled function's first call
+    (and at a recompile), inside that call, so the handler is the one its codegen consults. Outside the call the
+    process's own handler is back (other compiled functions keep Inductor's heuristics). Under the CUDA graphs a call
+    happens at the capture only, not at a replay."""
+    from torch._inductor.virtualized import V
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):  # type: ignore[no-untyped-def]
+        V.choices  # noqa: B018 - the lazily built default first, so the handler set below restores to it
+        with V.set_choices_handler(choices):
+            return fn(*args, **kwargs)
+
+    return call
 
 
 def compiled(fn: F, mode: str) -> F:

@@ -16,7 +16,7 @@ PREFILL_MOE = ("grouped", "dense", "triton", "grouped_mm")
 ATTENTION = ("torch", "sdpa")
 DECODE_ATTENTION = (*ATTENTION, "paged")
 HYPER = ("torch", "triton")
-COMPILE = ("none", "default", "max-autotune-no-cudagraphs", "tuned", "combo", "tuned-combo")
+COMPILE = ("none", "default", "max-autotune-no-cudagraphs", "tuned", "combo", "tuned-combo", "combo-persistent")
 STACK = ("layers", "regions")
 CONV = ("windowed", "library", "inductor", "shifted", "triton")
 GEMV = ("library", "reduce", "split")
@@ -192,6 +192,9 @@ VARIANTS: dict[str, Tuning] = {
     # (a compile-time search per generated kernel and shape), so it is unmeasured
     "regions-tuned": attrs.evolve(_REGIONS, compile_decode="tuned", compile_prefill="tuned"),
     "regions-no-combo": attrs.evolve(_REGIONS, compile_decode="default", compile_prefill="default"),
+    # regions-compile with inner reductions of up to 2,048 elements persistent (compiled.PERSISTENT_INNER, session 15,
+    # unmeasured): a hyper site's per-stream norm one kernel instead of a looped reduction and a pointwise pass
+    "regions-persistent": attrs.evolve(_REGIONS, compile_decode="combo-persistent", compile_prefill="combo-persistent"),
     # regions-compile with the GDN chunk prefill's intermediates and scan products in fp32 / tf32 (what gdn_work
     # "bf16" replaced in session 14: the backend's chunk call 322.5 -> 221.8 us a 2,048-token layer; H200 run 1,
     # with 2 scan stages, prefill 2,048 27.6 -> 26.9 ms)

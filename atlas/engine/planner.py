@@ -104,7 +104,7 @@ def steady_decode(state: ControlState, lanes: Lanes) -> StepPlanned | None:
         alloc = ()
     o = state.orders
     return StepPlanned(state.step, (), ids, cols.ones, alloc, tuple(state.pending_release), (), (),
-                       tuple(r.seq_id for r in o.rollbacks))
+                       tuple(r.seq_id for r in o.rollbacks) if o.rollbacks else ())
 
 
 def plan_step(state: ControlState, lanes: Lanes) -> StepPlan:

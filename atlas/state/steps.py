@@ -99,16 +99,19 @@ def _check_plan(state: ControlState, e: StepPlanned, cols: StepColumns | None = 
     for seq_id in e.admitted:
         if state.seq(seq_id).cursor.phase is not Phase.WAITING:
             raise TransitionRefused("Request", "admission of a sequence that is not waiting", seq_id=seq_id)
-    if list(e.release) != state.pending_release:
+    if (e.release or state.pending_release) and list(e.release) != state.pending_release:  # (both empty: equal)
         raise TransitionRefused("Engine", "the plan releases exactly the finished sequences",
                                 release=list(e.release), pending=list(state.pending_release))
-    if list(e.restored) != [r.seq_id for r in state.orders.rollbacks]:
+    if (e.restored or state.orders.rollbacks) and list(e.restored) != [r.seq_id for r in state.orders.rollbacks]:
         raise TransitionRefused("SsmRing", "the plan restores exactly the rolled-back sequences",
                                 restored=list(e.restored), queued=[r.seq_id for r in state.orders.rollbacks])
     if e.drafts and len(e.drafts) != len(e.seqs):
         raise TransitionRefused("Engine", "drafts aligned with the planned sequences", drafts=len(e.drafts),
                                 seqs=len(e.seqs))
-    fed_total = sum(e.fed) + (sum(map(len, e.drafts)) if e.drafts else 0)
+    batch = state.batch
+    # the batch columns' decode counts (`ones`, every one 1: steady_decode's plan) sum to their length
+    fed_total = (len(e.fed) if batch is not None and e.fed is batch.ones else sum(e.fed)) + (
+        sum(map(len, e.drafts)) if e.drafts else 0)
     if fed_total > state.caps.max_batch_tokens:  # the size every per-step buffer is derived from
         raise TransitionRefused("Scheduler", "a step feeds at most max_batch_tokens (drafts included)",
                                 fed=fed_total, max_batch_tokens=state.caps.max_batch_tokens)
@@ -119,7 +122,6 @@ def _check_plan(state: ControlState, e: StepPlanned, cols: StepColumns | None = 
         new_blocks = dict.fromkeys(map(_FIRST, alloc), 1)  # {row[0]: len(row) - 1}, the same dict
     else:
         new_blocks = {row[0]: len(row) - 1 for row in alloc}
-    batch = state.batch
     if batch is not None:  # the engine's batch columns (the plan is over exactly their rows: planned checked it)
         if not batch.fits(e.fed, new_blocks):
             state.batch = None
@@ -175,7 +177,7 @@ def planned(state: ControlState, e: StepPlanned) -> tuple[int, ...]:
         cols = None
     batch = state.batch
     if batch is not None and (e.admitted or e.drafts or e.restored or e.reset or batch.fed is not None
-                              or e.seqs != batch.ids):
+                              or (e.seqs is not batch.ids and e.seqs != batch.ids)):
         state.batch = None  # not the cached batch's plain step: the objects alone (gathered again after a step)
     _check_plan(state, e, cols)
     batch = state.batch  # None again if its check stood aside
@@ -217,7 +219,7 @@ def planned(state: ControlState, e: StepPlanned) -> tuple[int, ...]:
                                                            *e.drafts))
             state.plan_memo = (key, state.inflight_hash)
     state.step = e.step + 1
-    touched = tuple(e.admitted) + tuple(row[0] for row in e.alloc)
+    touched = tuple(e.admitted) + tuple(map(_FIRST, e.alloc))  # (each row's seq_id; map: no generator)
     if allocated is not None:  # e.admitted is empty (the batch stood aside otherwise): touched is the alloc'd rows
         state.seq_digest ^= allocated[0]
         return Checked(touched, allocated[1])  # check_invariants gives the suspects to check_sequence

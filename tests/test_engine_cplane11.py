@@ -13,23 +13,26 @@ two checks the fourth pass named as weak mutation spots (a mutation of them was 
 
 from __future__ import annotations
 
+import copy
+
 import attrs
 import numpy as np
 import pytest
 from fixtures import null_workload
 from test_engine_cplane10 import _columns_hold, _params, _uniform_run
 
-from atlas.config import EngineConfig
+from atlas.config import EngineConfig, derive_capacities
 from atlas.engine.records import RecordingSink
 from atlas.errors import TransitionRefused
 from atlas.hashing import mix64
+from atlas.plan import RingRestore
 from atlas.registry import build_engine
 from atlas.sampling.params import SamplingParams
 from atlas.state import batch_columns
 from atlas.state.columns import mix64_column
 from atlas.state.control import ControlState
 from atlas.state.events import RequestArrived as RequestArrivedEvent
-from atlas.state.events import StepExecuted, StepPlanned, exact_tokens
+from atlas.state.events import RequestFinished, StepExecuted, StepPlanned, exact_tokens
 from atlas.state.invariants import audit, check_invariants
 
 
@@ -259,3 +262,31 @@ def test_chunks_over_the_batch_columns_are_the_objects_path() -> None:
     assert on == off
     assert state_on.seqs == state_off.seqs  # every sequence's fields (cursors, token hashes, fingerprints, blocks)
     assert state_on.seq_digest == state_off.seq_digest and state_on.pool == state_off.pool
+
+
+@pytest.mark.parametrize("owed", ["release", "restore"])
+def test_a_plan_that_leaves_out_what_is_owed_is_refused(owed: str) -> None:
+    """_check_plan's release and restore tests, now skipped when both sides are empty: a plan naming nothing while a
+    finished sequence's release (or a rollback's restore) is owed is still refused, and moves nothing."""
+    caps = derive_capacities(EngineConfig(max_seq_len=64, max_batch_size=4, prefill_chunk_tokens=16, block_size=8,
+                                          num_kv_blocks=10))
+    state = ControlState.create(caps)
+    params = SamplingParams(max_tokens=8).to_json()
+    state.apply(RequestArrivedEvent("a", 0, (1, 2, 3), params, 8))
+    state.apply(RequestArrivedEvent("b", 1, (4, 5), params, 8))
+    state.apply(StepPlanned(0, (0, 1), (0, 1), (3, 2), ((0, 0), (1, 1)), (), ()))
+    state.apply(StepExecuted(0, (7, 8)))
+    if owed == "release":
+        state.apply(RequestFinished(1, "stop", "stop token"))
+        assert state.pending_release == [1]
+        plan, why = StepPlanned(1, (), (0,), (1,), (), (), ()), "releases exactly"
+    else:
+        state.apply(RequestFinished(1, "stop", "stop token"))
+        state.apply(StepPlanned(1, (), (0,), (1,), (), (1,), ()))
+        state.apply(StepExecuted(1, (9,)))
+        state.orders.rollbacks.append(RingRestore(0, 0, 2))  # a rollback queued for the next plan
+        plan, why = StepPlanned(2, (), (0,), (1,), (), (), ()), "restores exactly"
+    before = copy.deepcopy(state)
+    with pytest.raises(TransitionRefused, match=why):
+        state.apply(plan)
+    assert state == before and state.digest() == before.digest()

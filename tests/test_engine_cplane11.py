@@ -47,6 +47,14 @@ def test_mix64_column_is_mix64_on_every_element(n: int) -> None:
     assert h.tolist() == [mix64(v) for v in x.tolist()]
 
 
+def test_mix64_column_of_no_column_is_mix64() -> None:
+    """A 0-d array (in place) and a numpy scalar (a new one) take the operators' form."""
+    for v in (0, 12345, 2**64 - 1):
+        h = np.array(v, dtype=np.uint64)
+        assert int(mix64_column(h)) == mix64(v) == int(h)
+        assert int(mix64_column(np.uint64(v))) == mix64(v)
+
+
 def _ntok_holds(state: ControlState) -> None:
     _columns_hold(state)
     cols = state.batch

@@ -114,6 +114,7 @@ def gdn_chunk_split_cases() -> list[CompileReport]:
     aligned = ("q_ptr", "k_ptr", "v_ptr", *work, "state_ptr", "out_ptr", "num_k_heads", "num_v_heads", "qk_stride",
                "v_stride", "seq_len")
     c = gdn_chunk.CHUNK
+    bf16_work = dict(w_ptr="*bf16", u_ptr="*bf16", p_ptr="*bf16")
     return [
         compile_for_hopper(gdn_chunk_split._prepare_kernel, prepare,
                            dict(DK=128, DV=128, BK=128, BDV=128, C=c, LOG2_C=6, PRECISION="tf32", FUSED_GATING=True,
@@ -123,6 +124,11 @@ def gdn_chunk_split_cases() -> list[CompileReport]:
                            dict(DK=128, DV=128, BK=128, BV=32, C=c, PRECISION="tf32", UNIFORM=True, STAMP=True), 4,
                            "BV=32 warps=4 stages=2 tf32 uniform stamp", num_stages=2,
                            divisible=tuple(name for name in aligned if name in scan)),
+        # regions-compile's: bf16 work (w, u, p in bf16) with the registers prepare at its 2 warps (session 15)
+        compile_for_hopper(gdn_chunk_split._prepare_registers_kernel, {**prepare, **bf16_work},
+                           dict(DK=128, DV=128, BK=128, BDV=128, C=c, PRECISION="tf32", FUSED_GATING=True,
+                                UNIFORM=True), 2, "registers warps=2 stages=1 bf16 work gated uniform",
+                           num_stages=1, divisible=tuple(name for name in aligned if name in prepare)),
     ]
 
 

@@ -141,6 +141,34 @@ def _block_inverse(rows, row_stride, num_rows, PRECISION: tl.constexpr):
 
 
 @triton.jit
+def _sequence_bounds(cu_seqlens_ptr, seq, seq_len, UNIFORM: tl.constexpr):
+    """(first token, end) of sequence `seq`: every sequence seq_len tokens when UNIFORM (no cu_seqlens tensor to build
+    a layer), else cu_seqlens[seq], cu_seqlens[seq + 1]."""
+    if UNIFORM:
+        start = seq * seq_len
+        end = start + seq_len
+    else:
+        start = tl.load(cu_seqlens_ptr + seq)
+        end = tl.load(cu_seqlens_ptr + seq + 1)
+    return start, end
+
+
+@triton.jit
+def _gates(g_ptr, beta_ptr, a_log_ptr, dt_bias_ptr, rows, valid, g_stride, beta_stride, head,
+           FUSED_GATING: tl.constexpr):
+    """(g, beta) fp32 of the tokens at `rows` (int64) for v head `head`, 0 past `valid`. FUSED_GATING: g_ptr / beta_ptr
+    hold the raw a, b and g = -exp(A_log) * softplus(a + dt_bias), beta = sigmoid(b), as the GDN layer computes them."""
+    g = tl.load(g_ptr + rows * g_stride + head, mask=valid, other=0.0).to(tl.float32)
+    beta = tl.load(beta_ptr + rows * beta_stride + head, mask=valid, other=0.0).to(tl.float32)
+    if FUSED_GATING:
+        x = g + tl.load(dt_bias_ptr + head).to(tl.float32)
+        softplus = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(x)))  # torch's threshold
+        g = tl.where(valid, -tl.exp(tl.load(a_log_ptr + head).to(tl.float32)) * softplus, 0.0)
+        beta = tl.where(valid, tl.sigmoid(beta), 0.0)
+    return g, beta
+
+
+@triton.jit
 def _prepare_kernel(
     q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, cu_seqlens_ptr,  # tokens [L, H, D], heads and dims packed, tokens strided
     a_log_ptr, dt_bias_ptr,  # [Hv], read only with FUSED_GATING (g_ptr, beta_ptr are then the raw a, b)
@@ -154,12 +182,7 @@ def _prepare_kernel(
     seq = tl.program_id(1)
     head = tl.program_id(2)
     k_head = head // (num_v_heads // num_k_heads)
-    if UNIFORM:  # every sequence seq_len tokens: no cu_seqlens tensor to build a layer
-        seq_start = seq * seq_len
-        end = seq_start + seq_len
-    else:
-        seq_start = tl.load(cu_seqlens_ptr + seq)
-        end = tl.load(cu_seqlens_ptr + seq + 1)
+    seq_start, end = _sequence_bounds(cu_seqlens_ptr, seq, seq_len, UNIFORM)
     chunk_start = seq_start + chunk * C
     if chunk_start >= end:
         return
@@ -186,13 +209,7 @@ def _prepare_kernel(
     v_mask = valid[:, None] & (offs_v < DV)[None, :]
     v = tl.load(v_ptr + (wide * v_stride + head * DV)[:, None] + offs_v[None, :], mask=v_mask,
                 other=0.0).to(tl.float32)
-    g = tl.load(g_ptr + wide * g_stride + head, mask=valid, other=0.0).to(tl.float32)
-    beta = tl.load(beta_ptr + wide * beta_stride + head, mask=valid, other=0.0).to(tl.float32)
-    if FUSED_GATING:  # g = -exp(A_log) * softplus(a + dt_bias), beta = sigmoid(b), as the GDN layer computes them
-        x = g + tl.load(dt_bias_ptr + head).to(tl.float32)
-        softplus = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(x)))  # torch's threshold
-        g = tl.where(valid, -tl.exp(tl.load(a_log_ptr + head).to(tl.float32)) * softplus, 0.0)
-        beta = tl.where(valid, tl.sigmoid(beta), 0.0)
+    g, beta = _gates(g_ptr, beta_ptr, a_log_ptr, dt_bias_ptr, wide, valid, g_stride, beta_stride, head, FUSED_GATING)
 
     g_cum = tl.cumsum(g, 0)
     decay = tl.exp(tl.where(lower, g_cum[:, None] - g_cum[None, :], float("-inf")))
@@ -245,13 +262,7 @@ def _keys16(q_ptr, k_ptr, g_ptr, beta_ptr, a_log_ptr, dt_bias_ptr, q_norm_ptr, k
     k = tl.load(k_ptr + qk_rows, mask=qk_mask, other=0.0).to(tl.float32)
     q_norm = tl.rsqrt(tl.sum(q * q, 1) + eps) * scale
     k_norm = tl.rsqrt(tl.sum(k * k, 1) + eps)
-    g = tl.load(g_ptr + wide * g_stride + head, mask=valid, other=0.0).to(tl.float32)
-    beta = tl.load(beta_ptr + wide * beta_stride + head, mask=valid, other=0.0).to(tl.float32)
-    if FUSED_GATING:  # g = -exp(A_log) * softplus(a + dt_bias), beta = sigmoid(b), as the GDN layer computes them
-        x = g + tl.load(dt_bias_ptr + head).to(tl.float32)
-        softplus = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(x)))  # torch's threshold
-        g = tl.where(valid, -tl.exp(tl.load(a_log_ptr + head).to(tl.float32)) * softplus, 0.0)
-        beta = tl.where(valid, tl.sigmoid(beta), 0.0)
+    g, beta = _gates(g_ptr, beta_ptr, a_log_ptr, dt_bias_ptr, wide, valid, g_stride, beta_stride, head, FUSED_GATING)
     g_cum = tl.cumsum(g, 0) + g_carry
     head_rows = tokens * num_v_heads + head
     tl.store(q_norm_ptr + head_rows, q_norm, mask=valid)
@@ -320,12 +331,7 @@ def _prepare_registers_kernel(
     seq = tl.program_id(1)
     head = tl.program_id(2)
     k_head = head // (num_v_heads // num_k_heads)
-    if UNIFORM:
-        seq_start = seq * seq_len
-        end = seq_start + seq_len
-    else:
-        seq_start = tl.load(cu_seqlens_ptr + seq)
-        end = tl.load(cu_seqlens_ptr + seq + 1)
+    seq_start, end = _sequence_bounds(cu_seqlens_ptr, seq, seq_len, UNIFORM)
     chunk_start = seq_start + chunk * C
     if chunk_start >= end:
         return
@@ -446,12 +452,7 @@ def _prepare_wide_kernel(
     seq = tl.program_id(1)
     head = tl.program_id(2)
     k_head = head // (num_v_heads // num_k_heads)
-    if UNIFORM:
-        seq_start = seq * seq_len
-        end = seq_start + seq_len
-    else:
-        seq_start = tl.load(cu_seqlens_ptr + seq)
-        end = tl.load(cu_seqlens_ptr + seq + 1)
+    seq_start, end = _sequence_bounds(cu_seqlens_ptr, seq, seq_len, UNIFORM)
     chunk_start = seq_start + chunk * C
     if chunk_start >= end:
         return
@@ -471,13 +472,7 @@ def _prepare_wide_kernel(
     qk_mask = valid[:, None] & (offs_k < DK)[None, :]
     k = tl.load(k_ptr + qk_rows, mask=qk_mask, other=0.0).to(tl.float32)
     k_norm = tl.rsqrt(tl.sum(k * k, 1) + eps)
-    g = tl.load(g_ptr + wide * g_stride + head, mask=valid, other=0.0).to(tl.float32)
-    beta = tl.load(beta_ptr + wide * beta_stride + head, mask=valid, other=0.0).to(tl.float32)
-    if FUSED_GATING:  # g = -exp(A_log) * softplus(a + dt_bias), beta = sigmoid(b), as the GDN layer computes them
-        x = g + tl.load(dt_bias_ptr + head).to(tl.float32)
-        softplus = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(x)))  # torch's threshold
-        g = tl.where(valid, -tl.exp(tl.load(a_log_ptr + head).to(tl.float32)) * softplus, 0.0)
-        beta = tl.where(valid, tl.sigmoid(beta), 0.0)
+    g, beta = _gates(g_ptr, beta_ptr, a_log_ptr, dt_bias_ptr, wide, valid, g_stride, beta_stride, head, FUSED_GATING)
     g_cum = tl.cumsum(g, 0)
     head_rows = tokens * num_v_heads + head
     tl.store(k_norm_ptr + head_rows, k_norm, mask=valid)
@@ -534,12 +529,7 @@ def _scan_kernel(
     seq = tl.program_id(1)
     head = tl.program_id(2)
     k_head = head // (num_v_heads // num_k_heads)
-    if UNIFORM:
-        start = seq * seq_len
-        end = start + seq_len
-    else:
-        start = tl.load(cu_seqlens_ptr + seq)
-        end = tl.load(cu_seqlens_ptr + seq + 1)
+    start, end = _sequence_bounds(cu_seqlens_ptr, seq, seq_len, UNIFORM)
     offs_c = tl.arange(0, C)
     offs_k = tl.arange(0, BK)
     offs_v = v_tile * BV + tl.arange(0, BV)

@@ -269,11 +269,10 @@ def hyper_cases() -> list[CompileReport]:
 
 def mix_up_case() -> CompileReport:
     # a prefill chunk's mix after the mix-down (hyper.mix_up) at its default schedule, the benchmark model's sizes
-    form, block_m, block_n, block_k, warps, stages = hyper.MIX_UP_SCHEDULES[hyper.MIX_UP_SCHEDULE]
+    block_m, block_n, block_k, warps, stages = hyper.MIX_UP_SCHEDULES[hyper.MIX_UP_SCHEDULE]
     types = dict(normed_ptr="*bf16", w_ptr="*bf16", act_ptr="*bf16", out_ptr="*bf16", rows="i32",
                  normed_stride="i32", act_stride="i32")
-    kernel = hyper._mix_up_streams_kernel if form == "streams" else hyper._mix_up_kernel
-    return compile_for_hopper(kernel, types,
+    return compile_for_hopper(hyper._mix_up_kernel, types,
                               dict(HIDDEN=2048, LOWRANK=320, HC=4, BM=block_m, BN=block_n, BK=block_k,
                                    PRECISION="tf32"), warps, hyper.MIX_UP_SCHEDULE, stages,
                               divisible=("normed_ptr", "w_ptr", "act_ptr", "out_ptr", "normed_stride",

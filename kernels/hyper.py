@@ -170,40 +170,6 @@ def hyper_site(streams: torch.Tensor, norm_w: torch.Tensor, down_w: torch.Tensor
 
 
 @triton.jit
-def _mix_up_kernel(normed_ptr, w_ptr, act_ptr, out_ptr, rows, normed_stride, act_stride, HIDDEN: tl.constexpr,
-                   LOWRANK: tl.constexpr, HC: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                   PRECISION: tl.constexpr):
-    """mix_up's program: one [BM rows, BN hidden columns] tile of the mixed output, the streams in a loop (not
-    unrolled: unrolled, every tile above 64 x 64 held 255 registers and spilled in the sm_90 compile report), each
-    stream's mix-up product over the lowrank k steps, its sigmoid and its product with the normed stream rounded
-    as the torch form's bf16 tensors are."""
-    r = tl.program_id(0) * BM + tl.arange(0, BM)
-    r_ok = r < rows
-    h = tl.program_id(1) * BN + tl.arange(0, BN)
-    ks = tl.arange(0, BK)
-    a_rows = act_ptr + r.to(tl.int64)[:, None] * act_stride + ks[None, :]
-    total = tl.zeros((BM, BN), dtype=tl.float32)
-    for s in range(HC):
-        acc = tl.zeros((BM, BN), dtype=tl.float32)
-        w_rows = w_ptr + (s * HIDDEN + h)[:, None] * LOWRANK + ks[None, :]
-        for k0 in range(0, LOWRANK, BK):
-            if LOWRANK % BK == 0:
-                a = tl.load(a_rows + k0, mask=r_ok[:, None], other=0.0)
-                w = tl.load(w_rows + k0)
-            else:
-                k_ok = (k0 + ks) < LOWRANK
-                a = tl.load(a_rows + k0, mask=r_ok[:, None] & k_ok[None, :], other=0.0)
-                w = tl.load(w_rows + k0, mask=k_ok[None, :], other=0.0)
-            acc = tl.dot(a, tl.trans(w), acc, input_precision=PRECISION)
-        mix = tl.sigmoid(acc.to(out_ptr.dtype.element_ty).to(tl.float32)).to(out_ptr.dtype.element_ty)
-        normed = tl.load(normed_ptr + r.to(tl.int64)[:, None] * normed_stride + (s * HIDDEN + h)[None, :],
-                         mask=r_ok[:, None], other=0.0).to(tl.float32)
-        total += (mix.to(tl.float32) * normed).to(out_ptr.dtype.element_ty).to(tl.float32)
-    tl.store(out_ptr + r.to(tl.int64)[:, None] * HIDDEN + h[None, :], (total / HC).to(out_ptr.dtype.element_ty),
-             mask=r_ok[:, None])
-
-
-@triton.jit
 def _stream_term(acc, normed_rows, r_ok, ty: tl.constexpr):
     """One stream's share of the mix: sigmoid(its mix-up product) x its normed tile, rounded as the torch form's."""
     mix = tl.sigmoid(acc.to(ty).to(tl.float32)).to(ty).to(tl.float32)
@@ -211,11 +177,21 @@ def _stream_term(acc, normed_rows, r_ok, ty: tl.constexpr):
 
 
 @triton.jit
-def _mix_up_streams_kernel(normed_ptr, w_ptr, act_ptr, out_ptr, rows, normed_stride, act_stride,
-                           HIDDEN: tl.constexpr, LOWRANK: tl.constexpr, HC: tl.constexpr, BM: tl.constexpr,
-                           BN: tl.constexpr, BK: tl.constexpr, PRECISION: tl.constexpr):
-    """mix_up's program with every stream's product in one k loop (HC <= 4, LOWRANK a multiple of BK): one load of
-    an act tile serves the HC products (the loop form reloads it a stream), HC accumulators live at once."""
+def _k_tile(ptrs, k_ok, EVEN: tl.constexpr):
+    """One stream's [BN, BK] up_w tile: unmasked when the lowrank is a multiple of the k step."""
+    if EVEN:
+        return tl.load(ptrs)
+    return tl.load(ptrs, mask=k_ok[None, :], other=0.0)
+
+
+@triton.jit
+def _mix_up_kernel(normed_ptr, w_ptr, act_ptr, out_ptr, rows, normed_stride, act_stride,
+                   HIDDEN: tl.constexpr, LOWRANK: tl.constexpr, HC: tl.constexpr, BM: tl.constexpr,
+                   BN: tl.constexpr, BK: tl.constexpr, PRECISION: tl.constexpr):
+    """mix_up's program: one [BM rows, BN hidden columns] tile of the mixed output, every stream's product in one k
+    loop (HC <= 4): one load of an act tile serves the HC products, HC accumulators live at once. A loop over the
+    streams (an act tile reloaded a stream) measured slower at every tile (H200 session 15 run 2: 85.0 us at best
+    against 65.0, 2,048 rows) and was removed."""
     r = tl.program_id(0) * BM + tl.arange(0, BM)
     r_ok = r < rows
     h = tl.program_id(1) * BN + tl.arange(0, BN)
@@ -227,14 +203,22 @@ def _mix_up_streams_kernel(normed_ptr, w_ptr, act_ptr, out_ptr, rows, normed_str
     acc2 = tl.zeros((BM, BN), dtype=tl.float32)
     acc3 = tl.zeros((BM, BN), dtype=tl.float32)
     for k0 in range(0, LOWRANK, BK):
-        a = tl.load(a_rows + k0, mask=r_ok[:, None], other=0.0)
-        acc0 = tl.dot(a, tl.trans(tl.load(w_rows + k0)), acc0, input_precision=PRECISION)
+        if LOWRANK % BK == 0:  # unmasked (masks the compiler cannot fold cost 190 -> 255 registers and a spill)
+            a = tl.load(a_rows + k0, mask=r_ok[:, None], other=0.0)
+            k_ok = tl.full((BK,), 1, tl.int1)
+        else:
+            k_ok = (k0 + ks) < LOWRANK
+            a = tl.load(a_rows + k0, mask=r_ok[:, None] & k_ok[None, :], other=0.0)
+        acc0 = tl.dot(a, tl.trans(_k_tile(w_rows + k0, k_ok, LOWRANK % BK == 0)), acc0, input_precision=PRECISION)
         if HC > 1:
-            acc1 = tl.dot(a, tl.trans(tl.load(w_rows + HIDDEN * LOWRANK + k0)), acc1, input_precision=PRECISION)
+            acc1 = tl.dot(a, tl.trans(_k_tile(w_rows + HIDDEN * LOWRANK + k0, k_ok, LOWRANK % BK == 0)), acc1,
+                          input_precision=PRECISION)
         if HC > 2:
-            acc2 = tl.dot(a, tl.trans(tl.load(w_rows + 2 * HIDDEN * LOWRANK + k0)), acc2, input_precision=PRECISION)
+            acc2 = tl.dot(a, tl.trans(_k_tile(w_rows + 2 * HIDDEN * LOWRANK + k0, k_ok, LOWRANK % BK == 0)), acc2,
+                          input_precision=PRECISION)
         if HC > 3:
-            acc3 = tl.dot(a, tl.trans(tl.load(w_rows + 3 * HIDDEN * LOWRANK + k0)), acc3, input_precision=PRECISION)
+            acc3 = tl.dot(a, tl.trans(_k_tile(w_rows + 3 * HIDDEN * LOWRANK + k0, k_ok, LOWRANK % BK == 0)), acc3,
+                          input_precision=PRECISION)
     n_rows = normed_ptr + r.to(tl.int64)[:, None] * normed_stride + h[None, :]
     ty: tl.constexpr = out_ptr.dtype.element_ty
     total = _stream_term(acc0, n_rows, r_ok, ty)
@@ -249,25 +233,17 @@ def _mix_up_streams_kernel(normed_ptr, w_ptr, act_ptr, out_ptr, rows, normed_str
 
 # mix_up's launch schedules: (rows, columns, k step, warps, pipeline stages) of a program. A prefill chunk's site
 # (2,048 rows at H = 2,048, lowrank 320, hc 4) is ~11 GFLOP of mix-up product over 32 MB of normed streams.
-# Registers / spills from the sm_90 compile report (bf16, divisibility hints): 64x128x64 w8 128 / 0, 64x64x64 w4
-# 162 / 0, 128x128x64 w8 255 / 0 (2 or 3 stages), 128x128x32 w8 s3 255 / 0; 64x128x64 w4 spills 8 B.
-# H200, session 15 run 1 (`benchmarks/kernels.py --only mix_up`, 2,048 / 8,192 rows): 128x128x64 w8 s2 80.5 / 313.1 us,
-# 64x64x64 w4 s3 99.2 / 372.7, 64x128x64 w8 s2 108.0 / 356.8, 3 stages slower (98.4 / 366.9); the torch form
-# compiled 79.3 / 317.7 us (its act a 324-column slice: cuBLAS's unaligned path, slower than in the model). In the
-# model (regions-mix-up against regions-compile, the same run) the prefill's device time went 21.8 -> 23.2 ms: the
-# loop form loses to cuBLAS + Inductor's pass, so prefill_mix_up stays "inductor"
+# sm_90 compile report (bf16): 186 / 134 / 190 / 182 registers, no spill. H200, session 15 run 2 (`benchmarks/kernels.py
+# --only mix_up`, 2,048 / 8,192 rows): 75.3 / 282.4, 72.5 / 264.5, **65.0 / 235.9**, 77.1 / 294.5 us, against the torch
+# form compiled (cuBLAS's product + Inductor's pass) 45.6 / 158.2 us; in the model (run 1, the loop form removed since)
+# the prefill's device time went 21.8 -> 23.2 ms, so prefill_mix_up stays "inductor"
 MIX_UP_SCHEDULES = {
-    "64x128x64-w8-s2": ("loop", 64, 128, 64, 8, 2),
-    "64x64x64-w4-s3": ("loop", 64, 64, 64, 4, 3),
-    "128x128x64-w8-s2": ("loop", 128, 128, 64, 8, 2),
-    "128x128x64-w8-s3": ("loop", 128, 128, 64, 8, 3),
-    # every stream in one k loop (_mix_up_streams_kernel): 186 / 134 / 190 / 182 registers, no spill
-    "streams-128x64x64-w8-s2": ("streams", 128, 64, 64, 8, 2),
-    "streams-64x64x64-w8-s3": ("streams", 64, 64, 64, 8, 3),
-    "streams-64x128x64-w8-s2": ("streams", 64, 128, 64, 8, 2),
-    "streams-64x64x64-w4-s2": ("streams", 64, 64, 64, 4, 2),
+    "streams-128x64x64-w8-s2": (128, 64, 64, 8, 2),
+    "streams-64x64x64-w8-s3": (64, 64, 64, 8, 3),
+    "streams-64x128x64-w8-s2": (64, 128, 64, 8, 2),
+    "streams-64x64x64-w4-s2": (64, 64, 64, 4, 2),
 }
-MIX_UP_SCHEDULE = "128x128x64-w8-s2"
+MIX_UP_SCHEDULE = "streams-64x128x64-w8-s2"
 
 
 @torch.library.custom_op("atlas::hyper_mix_up", mutates_args=())
@@ -286,9 +262,9 @@ def mix_up(normed: torch.Tensor, act: torch.Tensor, up_w: torch.Tensor, hc: int,
                          f"up_w {tuple(up_w.shape)} (want [{width}, {lowrank}])")
     if schedule and schedule not in MIX_UP_SCHEDULES:
         raise ValueError(f"hyper_mix_up: schedule {schedule!r}; choose one of {', '.join(MIX_UP_SCHEDULES)}")
-    form, block_m, block_n, block_k, warps, stages = MIX_UP_SCHEDULES[schedule or MIX_UP_SCHEDULE]
-    if form == "streams" and (hc > 4 or lowrank % block_k):  # the loop form serves any stream count and lowrank
-        form = "loop"
+    block_m, block_n, block_k, warps, stages = MIX_UP_SCHEDULES[schedule or MIX_UP_SCHEDULE]
+    if hc > 4:
+        raise ValueError(f"hyper_mix_up holds at most 4 streams' accumulators, got hc {hc}")
     if hidden % 16:
         raise ValueError(f"hyper_mix_up needs hidden divisible by 16, got {hidden}")
     while hidden % block_n:  # a small model's hidden size: narrower column tiles (the kernel masks no column)
@@ -301,8 +277,7 @@ def mix_up(normed: torch.Tensor, act: torch.Tensor, up_w: torch.Tensor, hc: int,
     rows = x.shape[0]
     out = torch.empty(rows, hidden, dtype=normed.dtype, device=normed.device)
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
-    kernel = _mix_up_streams_kernel if form == "streams" else _mix_up_kernel
-    kernel[(triton.cdiv(rows, block_m), hidden // block_n)](
+    _mix_up_kernel[(triton.cdiv(rows, block_m), hidden // block_n)](
         x, up_w.contiguous(), a, out, rows, x.stride(0), a.stride(0), HIDDEN=hidden, LOWRANK=lowrank, HC=hc,
         BM=block_m, BN=block_n, BK=block_k, PRECISION=precision, num_warps=warps, num_stages=stages)
     return out.view(*lead, hidden)

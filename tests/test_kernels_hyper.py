@@ -103,14 +103,14 @@ def mix_up_reference(normed: torch.Tensor, act: torch.Tensor, up_w: torch.Tensor
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("rows", "hidden", "lowrank", "schedule"),
-                         [(70, 64, 40, ""), (3, 128, 64, "64x64x64-w4-s3"), (130, 32, 96, "128x128x64-w8-s3"),
+                         [(70, 64, 40, ""), (3, 128, 64, "streams-64x64x64-w4-s2"), (130, 32, 96, ""),
                           (70, 64, 128, "streams-64x64x64-w4-s2"), (130, 32, 64, "streams-128x64x64-w8-s2"),
                           (5, 64, 40, "streams-64x64x64-w8-s3")])
 def test_mix_up_matches_the_torch_form(dtype: torch.dtype, rows: int, hidden: int, lowrank: int,
                                        schedule: str) -> None:
-    # 70 / 130 rows: a partial row tile; lowrank 40 / 96: not a multiple of the k step (its masks; the streams form
-    # then runs the loop form); hidden 64 / 32 under 128-column schedules: the narrower column tiles; act a slice of
-    # the mix-down's output (strided rows); the streams form with 2 streams too
+    # 70 / 130 rows: a partial row tile; lowrank 40 / 96: not a multiple of the k step (its masks); hidden 64 / 32
+    # under 128-column schedules: the narrower column tiles; act a slice of the mix-down's output (strided rows);
+    # 2 streams too (the accumulators of streams 2 and 3 unused)
     hc = 2 if schedule == "streams-128x64x64-w8-s2" else 4
     gen = torch.Generator().manual_seed(rows)
     normed = torch.randn(rows, hc * hidden, generator=gen).to(DEVICE, dtype)
@@ -132,7 +132,9 @@ def test_mix_up_refuses_what_it_cannot_run() -> None:
         mix_up(normed, act, up_w, 4, "nope")
     with pytest.raises(ValueError, match="divisible by 16"):
         mix_up(torch.zeros(2, 40), act, torch.zeros(40, 32), 4)
-    assert set(MIX_UP_SCHEDULES) >= {"64x128x64-w8-s2"}
+    with pytest.raises(ValueError, match="at most 4 streams"):
+        mix_up(torch.zeros(2, 8 * 32), act, torch.zeros(8 * 32, 32), 8)
+    assert "streams-64x128x64-w8-s2" in MIX_UP_SCHEDULES
 
 
 def test_hyper_block_takes_the_mix_up_kernel_in_bf16_only() -> None:

@@ -160,7 +160,7 @@ def hyper_block(streams: torch.Tensor, norm_w: torch.Tensor, down_w: torch.Tenso
                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One hyper-connection site on tensors: (block input [.., H], injection weights [.., hc] or None). gemv: its
     two products' form (`linear`). mix_up "triton" (Tuning.prefill_mix_up, compiled prefill regions, bf16 / fp16
-    streams on a CUDA device, or the CPU under TRITON_INTERPRET=1): the mix-up product, its sigmoid and the mix with
+    streams, at most 4 of them, on a CUDA device, or the CPU under TRITON_INTERPRET=1): the mix-up product, its sigmoid and the mix with
     the normed streams as one kernel (atlas_kernels.hyper.mix_up, a custom op), which never writes the [.., hc*H]
     product."""
     normed = rms_norm(streams, norm_w, eps, group=hidden)
@@ -168,7 +168,7 @@ def hyper_block(streams: torch.Tensor, norm_w: torch.Tensor, down_w: torch.Tenso
         down, inject = split_out(linear(normed, down_w, gemv), [lowrank, hc])
     else:
         down, inject = linear(normed, down_w, gemv), None
-    if mix_up == "triton" and normed.dtype in (torch.bfloat16, torch.float16) and (
+    if mix_up == "triton" and normed.dtype in (torch.bfloat16, torch.float16) and hc <= 4 and (
             normed.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
         mixed = torch.ops.atlas.hyper_mix_up(normed, F.silu(down), up_w, hc, "")
     else:

@@ -4,6 +4,8 @@ that function (Inductor's global config is left as it was)."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -105,3 +107,46 @@ def test_combo_persistent_sets_its_choices_only_inside_the_call_and_computes_the
         module._compile.cache_clear()
         torch._dynamo.reset()
     assert V.choices is not choices
+
+
+def test_combo_pdl_takes_inductors_pdl_option_computes_the_eager_values_and_leaves_the_config() -> None:
+    """compile mode "combo-pdl" (variant regions-pdl): combo kernels and Inductor's programmatic-dependent-launch
+    codegen, scoped to the compiled function. On the CPU Inductor writes C++ (PDL is a Triton / sm_90 matter): what is
+    tested here is that torch.compile takes the option and gives the eager values; the PDL kernels themselves are
+    tested on the GPU by test_compiled_regions_give_the_reference_tokens_on_the_gpu[regions-pdl]."""
+    import torch._inductor.config as inductor
+
+    assert dict(module.INDUCTOR_OPTIONS["combo-pdl"]) == {"combo_kernels": True, module.PDL_OPTION: True}
+    assert VARIANTS["regions-pdl"].compile_decode == VARIANTS["regions-pdl"].compile_prefill == "combo-pdl"
+    before = (inductor.triton.enable_pdl, inductor.combo_kernels)
+
+    def block(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:  # a chain of dependent kernels on a GPU
+        h = torch.sigmoid((x * w).sum(-1, keepdim=True)) * x
+        return h * torch.rsqrt(h.float().pow(2).mean(-1, keepdim=True) + 1e-6)
+
+    x, w = torch.randn(3, 64), torch.randn(64)
+    module._compile.cache_clear()
+    torch._dynamo.reset()
+    try:
+        fn = module.compiled(block, "combo-pdl")
+        assert fn is not block
+        assert torch.allclose(fn(x, w), block(x, w), atol=1e-5)
+    finally:
+        module._compile.cache_clear()
+        torch._dynamo.reset()
+    assert (inductor.triton.enable_pdl, inductor.combo_kernels) == before
+
+
+def test_combo_pdl_without_inductors_option_is_one_line_naming_the_mode_and_torch(monkeypatch: pytest.MonkeyPatch
+                                                                                   ) -> None:
+    assert module._inductor_knows(module.PDL_OPTION) and module._inductor_knows("combo_kernels")
+    assert not module._inductor_knows("triton.no_such_option")
+    monkeypatch.setattr(module, "_inductor_knows", lambda option: False)  # an Inductor without the option
+    module._compile.cache_clear()
+    try:
+        want = f"compile mode 'combo-pdl' needs Inductor's triton.enable_pdl option, which torch {torch.__version__}"
+        with pytest.raises(ValueError, match=re.escape(want)) as info:
+            module.compiled(lambda x: x + 1, "combo-pdl")
+        assert "\n" not in str(info.value)
+    finally:
+        module._compile.cache_clear()

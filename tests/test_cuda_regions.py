@@ -263,10 +263,11 @@ def test_the_shifted_conv_equals_the_windowed_product(dilation: int) -> None:
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="Inductor on the GPU: the compiled regions")
-@pytest.mark.parametrize("variant", ["decode", "regions-compile"])
+@pytest.mark.parametrize("variant", ["decode", "regions-compile", "regions-persistent", "regions-pdl"])
 def test_compiled_regions_give_the_reference_tokens_on_the_gpu(tiny, variant: str) -> None:  # type: ignore[no-untyped-def]
     """fp32, CUDA graphs on: the decode regions through torch.compile and the paged decode attention (and, as
-    VARIANTS["regions-compile"]: the prefill regions, the routed kernels, the batch-3 products as reductions),
+    VARIANTS["regions-compile"]: the prefill regions, the routed kernels, the batch-3 products as reductions; its
+    neighbours regions-persistent and regions-pdl under their Inductor choices / programmatic dependent launches),
     greedy and seeded rows side by side, against the CPU reference."""
     from atlas.backends.cuda.tuning import VARIANTS
     from atlas.config import EngineConfig
@@ -280,7 +281,7 @@ def test_compiled_regions_give_the_reference_tokens_on_the_gpu(tiny, variant: st
               SamplingParams(max_tokens=12, ignore_eos=True, temperature=0.8, top_p=0.95, seed=7),
               SamplingParams(max_tokens=12, ignore_eos=True, temperature=1.0, top_k=20, seed=3)]
     tuning = (Tuning(decode_stack="regions", compile_decode="default", decode_attention="paged")
-              if variant == "decode" else VARIANTS["regions-compile"])
+              if variant == "decode" else VARIANTS[variant])
     for prompts in (PROMPTS, SHORT):  # QSA-selected decode groups (sdpa), then dense ones (the paged kernel)
         tokens = {}
         for backend, options in (("cpu", {}), ("cuda-fp32", {"device": DEVICE, "cuda_graphs": True,

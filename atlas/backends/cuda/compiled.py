@@ -32,7 +32,18 @@ INDUCTOR_OPTIONS: dict[str, tuple[tuple[str, bool], ...]] = {
     # combo, and inner reductions of up to PERSISTENT_INNER elements persistent (_persistent_choices); its graphs
     # are kept out of Inductor's FX graph cache, whose key does not see a choices handler
     "combo-persistent": (("combo_kernels", True), ("fx_graph_cache", False)),
+    # combo, and every generated Triton kernel launched with programmatic dependent launch (sm_90+; PDL_OPTION)
+    "combo-pdl": (("combo_kernels", True), ("triton.enable_pdl", True)),
 }
+# "combo-pdl": a batch-1 decode step is ~840 kernels for ~2.6 ms of device time (H200 session 15), ~700 of them
+# Inductor's, mostly persistent reductions of ~2.7 us, near a kernel's latency floor: the step is the launches' and
+# tails' gaps more than its bytes. With PDL (Hopper's griddepcontrol) a kernel is launched while the one before it
+# is still running (the one before signals once its loads are issued); it waits (griddepcontrol.wait) only where it
+# first reads what that one wrote, so its launch and prologue overlap the predecessor's tail. Inductor decides the
+# wait and the signal per kernel (torch._inductor.codegen.triton, its "triton.enable_pdl" option, off by default);
+# captured into our decode CUDA graphs the launches become programmatic edges. Only Inductor's own kernels take it:
+# cuBLAS's and atlas_kernels' launches keep full stream order (a kernel after them starts when they end)
+PDL_OPTION = "triton.enable_pdl"
 # "combo-persistent": Inductor makes an inner reduction (one row's) persistent, the whole row in one program, only up
 # to 1,024 elements (torch._inductor.choices.InductorChoices.should_use_persistent_reduction); above that it loops
 # over the row, and a consumer of the row's result over the same elements becomes a second kernel. A hyper site's
@@ -59,9 +70,27 @@ def _compile(fn: Callable, mode: str) -> Callable:
     if mode == "combo-persistent":
         return _with_choices(torch.compile(fn, options=dict(INDUCTOR_OPTIONS[mode]), dynamic=None, fullgraph=True),
                              _persistent_choices(PERSISTENT_INNER))
+    if PDL_OPTION in dict(INDUCTOR_OPTIONS.get(mode, ())):
+        _require_pdl(mode)
     if mode in INDUCTOR_OPTIONS:  # torch.compile takes a mode or options, not both: these are "default" + options
         return torch.compile(fn, options=dict(INDUCTOR_OPTIONS[mode]), dynamic=None, fullgraph=True)
     return torch.compile(fn, mode=mode, dynamic=None, fullgraph=True)
+
+
+def _inductor_knows(option: str) -> bool:
+    """Whether this torch's Inductor config has the (dotted) option."""
+    from torch._inductor import config
+
+    head, _, name = option.rpartition(".")
+    return hasattr(getattr(config, head) if head else config, name)
+
+
+def _require_pdl(mode: str) -> None:
+    """A one-line error naming the mode and the torch version where Inductor has no PDL option (added in torch 2.10's
+    cycle); torch.compile would otherwise fail at the first call with Inductor's own message."""
+    if not _inductor_knows(PDL_OPTION):
+        raise ValueError(f"compile mode {mode!r} needs Inductor's {PDL_OPTION} option, which torch "
+                         f"{torch.__version__} does not have: use compile mode 'combo'")
 
 
 def _persistent_choices(limit: int):  # type: ignore[no-untyped-def]

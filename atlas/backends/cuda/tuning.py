@@ -16,7 +16,8 @@ PREFILL_MOE = ("grouped", "dense", "triton", "grouped_mm")
 ATTENTION = ("torch", "sdpa")
 DECODE_ATTENTION = (*ATTENTION, "paged")
 HYPER = ("torch", "triton")
-COMPILE = ("none", "default", "max-autotune-no-cudagraphs", "tuned", "combo", "tuned-combo", "combo-persistent")
+COMPILE = ("none", "default", "max-autotune-no-cudagraphs", "tuned", "combo", "tuned-combo", "combo-persistent",
+           "combo-pdl")
 STACK = ("layers", "regions")
 CONV = ("windowed", "library", "inductor", "shifted", "triton")
 GEMV = ("library", "reduce", "split")
@@ -195,6 +196,10 @@ VARIANTS: dict[str, Tuning] = {
     # regions-compile with inner reductions of up to 2,048 elements persistent (compiled.PERSISTENT_INNER, session 15,
     # unmeasured): a hyper site's per-stream norm one kernel instead of a looped reduction and a pointwise pass
     "regions-persistent": attrs.evolve(_REGIONS, compile_decode="combo-persistent", compile_prefill="combo-persistent"),
+    # regions-compile with Inductor's kernels launched with programmatic dependent launch (compile mode "combo-pdl",
+    # session 16, unmeasured): each generated kernel's launch and prologue overlap the tail of the one before it, for
+    # the b1 decode's ~700 Inductor kernels of ~2.7 us (atlas.backends.cuda.compiled)
+    "regions-pdl": attrs.evolve(_REGIONS, compile_decode="combo-pdl", compile_prefill="combo-pdl"),
     # regions-compile with the GDN chunk prefill's intermediates and scan products in fp32 / tf32 (what gdn_work
     # "bf16" replaced in session 14: the backend's chunk call 322.5 -> 221.8 us a 2,048-token layer; H200 run 1,
     # with 2 scan stages, prefill 2,048 27.6 -> 26.9 ms)

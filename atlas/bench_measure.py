@@ -157,46 +157,68 @@ def bench_prefill(model: Any, tokens: int = 2048, repeat: int = 3, moe: str | No
             "runs": [s[0] for s in steps], "execute_runs": [s[1] for s in steps], "warm": warm}
 
 
+def decode_figures(batch: int, rounds: list[list[tuple[float, float]]]) -> dict[str, Any]:
+    """A decode row's figures from its rounds' timed steps, each step (wall ms, execute ms) of one engine step.
+
+    ms_per_step is the median of the rounds' medians (rounds_ms lists them: their spread is the row's noise; engines
+    built one after another in one process differed by up to 10% on the H200, session 6, and one decode code read b64
+    6.23 and 7.01 ms in two runs of session 15). The control plane (engine time outside `execute`) is taken step by
+    step, wall minus execute of the same step, and its median over every step divided by ms_per_step; until session 16
+    it was the difference of the two medians, which mixes two distributions: a step's execute moves by more than the
+    whole control plane, so that difference read 2.5% and 5.9% for the same code (control_plane_share_unpaired keeps it
+    for comparison)."""
+    steps = [s for r in rounds for s in r]
+    if not steps:
+        raise ValueError(f"decode b{batch}: no decode step was timed (every round's steps were graph captures)")
+    per_round = [statistics.median(w for w, _ in r) for r in rounds if r]
+    wall = statistics.median(per_round)
+    execute = statistics.median(e for _, e in steps)
+    outside = statistics.median(w - e for w, e in steps)
+    walls = [w for w, _ in steps]
+    return {"batch": batch, "ms_per_step": wall, "tokens_per_s": batch / wall * 1e3, "execute_ms": execute,
+            "control_plane_ms": outside, "control_plane_share": outside / wall,
+            "control_plane_share_unpaired": (statistics.median(walls) - execute) / statistics.median(walls),
+            "rounds_ms": per_round, "steps_timed": len(steps)}
+
+
+def _decode_steps(walls: list[float], calls: list[tuple[int, int, float]], batch: int) -> list[tuple[float, float]]:
+    """(wall, execute) of the decode steps (every sequence fed one token) past the first 4 (the graph captures)."""
+    return [(w, c[2]) for w, c in zip(walls, calls, strict=False) if c[0] == batch and c[1] == batch][4:]
+
+
 def bench_decode(model: Any, batch: int, prompt_len: int = 140, steps: int = 40, tuning: Any = None,
-                 backend: str = "cuda", seeded: bool = False) -> dict[str, float]:
-    engine, timed = _engine(model, batch=batch, max_seq_len=prompt_len + steps + 16, chunk=4096, tuning=tuning,
-                            backend=backend)
+                 backend: str = "cuda", seeded: bool = False, rounds: int = 1) -> dict[str, Any]:
+    """`batch` prompts decoded `steps` tokens, `rounds` times, each round through an engine of its own (its graphs,
+    pools and memory): decode_figures of the rounds."""
     g = torch.Generator().manual_seed(batch)
     prompts = [torch.randint(0, model.spec.vocab_size, (prompt_len,), generator=g).tolist() for _ in range(batch)]
-    walls = _run_steps(engine, prompts, max_tokens=steps, seeded=seeded)
-    engine.close()
-    # decode steps: every sequence fed one token; the first few capture the CUDA graphs
-    decode = [(w, c[2]) for w, c in zip(walls, timed.calls, strict=False) if c[0] == batch and c[1] == batch][4:]
-    wall = statistics.median(d[0] for d in decode)
-    execute = statistics.median(d[1] for d in decode)
-    return {"batch": batch, "ms_per_step": wall, "tokens_per_s": batch / wall * 1e3, "execute_ms": execute,
-            "control_plane_share": (wall - execute) / wall, "steps_timed": len(decode)}
+    timed_rounds = []
+    for _ in range(rounds):
+        engine, timed = _engine(model, batch=batch, max_seq_len=prompt_len + steps + 16, chunk=4096, tuning=tuning,
+                                backend=backend)
+        walls = _run_steps(engine, prompts, max_tokens=steps, seeded=seeded)
+        engine.close()
+        timed_rounds.append(_decode_steps(walls, timed.calls, batch))
+    return decode_figures(batch, timed_rounds)
 
 
 def bench_decode_pair(model: Any, batch: int, prompt_len: int = 140, steps: int = 40, tuning: Any = None,
                       rounds: int = 3) -> dict[str, Any]:
     """Greedy and seeded decode alternated `rounds` times through one engine (the same graphs, pools and memory):
-    {"greedy": bench_decode's figures, "seeded": the same, "vs_greedy": seeded / greedy ms_per_step}, each the
-    median over its rounds' decode steps. Two engines built one after another differed by up to 10% on the H200
-    (session 6 runs 1-3), as much as the 5% goal, so the ratio is taken inside one."""
+    {"greedy": decode_figures, "seeded": the same, "vs_greedy": seeded / greedy ms_per_step}. Two engines built one
+    after another differed by up to 10% on the H200 (session 6 runs 1-3), as much as the 5% goal, so the ratio is
+    taken inside one."""
     engine, timed = _engine(model, batch=batch, max_seq_len=prompt_len + steps + 16, chunk=4096, tuning=tuning)
     g = torch.Generator().manual_seed(batch)
     prompts = [torch.randint(0, model.spec.vocab_size, (prompt_len,), generator=g).tolist() for _ in range(batch)]
-    steps_of: dict[str, list[tuple[float, float]]] = {"greedy": [], "seeded": []}
+    steps_of: dict[str, list[list[tuple[float, float]]]] = {"greedy": [], "seeded": []}
     for _ in range(rounds):
         for mode in steps_of:
             timed.calls.clear()
             walls = _run_steps(engine, prompts, max_tokens=steps, seeded=mode == "seeded")
-            decode = [(w, c[2]) for w, c in zip(walls, timed.calls, strict=False)
-                      if c[0] == batch and c[1] == batch][4:]
-            steps_of[mode] += decode
+            steps_of[mode].append(_decode_steps(walls, timed.calls, batch))
     engine.close()
-    out: dict[str, Any] = {}
-    for mode, decode in steps_of.items():
-        wall = statistics.median(d[0] for d in decode)
-        execute = statistics.median(d[1] for d in decode)
-        out[mode] = {"batch": batch, "ms_per_step": wall, "tokens_per_s": batch / wall * 1e3, "execute_ms": execute,
-                     "control_plane_share": (wall - execute) / wall, "steps_timed": len(decode)}
+    out: dict[str, Any] = {mode: decode_figures(batch, rounds_of) for mode, rounds_of in steps_of.items()}
     out["vs_greedy"] = out["seeded"]["ms_per_step"] / out["greedy"]["ms_per_step"]
     return out
 

@@ -53,8 +53,9 @@ def _knobs(tuning: Any, names: tuple[str, ...]) -> tuple[str, ...]:
 
 def measure_variants(model: Any, variants: dict[str, Any], *, batches: tuple[int, ...], prefill_tokens: int,
                      bw: float, rate: float, out: Path | None, on_variant: Callable[[str, dict], None],
-                     profile: bool = True) -> dict[str, dict[str, Any]]:
+                     profile: bool = True, decode_rounds: int = 1) -> dict[str, dict[str, Any]]:
     """{variant: {"tuning", "prefill", "decode_b{n}", "profile"}} with floors; figures reused where knobs agree.
+    Each decode row is `decode_rounds` engines' rounds (bench_measure.decode_figures: the median and the spread).
     profile=False leaves the profiles to profile_variants (run them after every other timing: a torch.profiler
     session left the rows timed after it 10-25% slower on the H200, session 6 run 1)."""
     from atlas.bench_measure import (
@@ -90,7 +91,8 @@ def measure_variants(model: Any, variants: dict[str, Any], *, batches: tuple[int
             row["profile"] = same.get("profile", {})
         else:
             for batch in batches:
-                d = guarded(lambda batch=batch, tuning=tuning: bench_decode(model, batch, tuning=tuning))
+                d = guarded(lambda batch=batch, tuning=tuning: bench_decode(model, batch, tuning=tuning,
+                                                                            rounds=decode_rounds))
                 if "error" not in d:
                     d["weight_bytes"] = weight_bytes(model, batch)
                     d["floor_ms"] = d["weight_bytes"] / bw * 1e3

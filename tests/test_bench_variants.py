@@ -190,3 +190,67 @@ def test_the_prefill_median_leaves_out_the_compile_and_the_capture(monkeypatch: 
     assert result["warm"] == warm and result["runs"] == [900.0, 490.0, 157.0, 150.0][: 2 + warm]
     # eager: the second run is a plain one; under the knob the capture is left out with the compile
     assert result["ms"] == (323.5 if warm == 1 else 153.5)
+
+
+def test_the_control_plane_is_taken_step_by_step_and_the_row_is_the_median_of_its_rounds() -> None:
+    """decode_figures: every step's wall minus its own execute. Here the control plane is 0.1 ms in five of seven
+    steps while execute swings by 2 ms from step to step; the difference of the two medians (session 15's figure,
+    kept as control_plane_share_unpaired) reads it 4x too large, the paired one as it is."""
+    first = [(5.0, 4.9), (5.1, 5.0), (5.3, 4.3), (5.4, 4.4)]  # two steps of 1 ms outside execute
+    second = [(7.0, 6.9), (7.1, 7.0), (7.2, 7.1)]
+    fig = measure.decode_figures(4, [first, second, [(6.0, 5.9)]])
+    assert fig["rounds_ms"] == pytest.approx([5.2, 7.1, 6.0]) and fig["ms_per_step"] == 6.0  # the median round
+    assert fig["steps_timed"] == 8 and fig["tokens_per_s"] == pytest.approx(4 / 6.0e-3)
+    assert fig["control_plane_ms"] == pytest.approx(0.1)
+    assert fig["control_plane_share"] == pytest.approx(0.1 / 6.0)
+    # medians of all 8 steps: wall (5.4 + 6.0) / 2, execute (5.0 + 5.9) / 2 (of 4.3 4.4 4.9 5.0 5.9 6.9 7.0 7.1)
+    unpaired = (5.7 - 5.45) / 5.7
+    assert fig["control_plane_share_unpaired"] == pytest.approx(unpaired)
+    assert unpaired > 2.5 * fig["control_plane_share"]
+    with pytest.raises(ValueError, match="decode b4: no decode step was timed"):
+        measure.decode_figures(4, [[], []])
+
+
+def test_each_decode_round_builds_its_own_engine_and_skips_its_captures(monkeypatch: pytest.MonkeyPatch) -> None:
+    from types import SimpleNamespace
+
+    engines: list[object] = []
+    per_round = iter([4.0, 6.0, 5.0])
+
+    def engine(*_a: Any, **_k: Any):  # a fresh engine (and timer) a round
+        e = SimpleNamespace(close=lambda: None, timed=SimpleNamespace(calls=[]))
+        engines.append(e)
+        return e, e.timed
+
+    def run_steps(engine: Any, prompts: list, max_tokens: int, seeded: bool = False) -> list[float]:
+        ms = next(per_round)
+        engine.timed.calls.extend([(3, 30, 9.0)] + [(3, 3, ms - 0.2)] * 4 + [(3, 3, ms - 0.1)] * 6)
+        return [10.0] + [50.0] * 4 + [ms] * 6  # a prefill, four captures, six timed steps
+    monkeypatch.setattr(measure, "_engine", engine)
+    monkeypatch.setattr(measure, "_run_steps", run_steps)
+    fig = measure.bench_decode(SimpleNamespace(spec=SimpleNamespace(vocab_size=50)), 3, steps=10, rounds=3)
+    assert len(engines) == 3 and fig["rounds_ms"] == [4.0, 6.0, 5.0] and fig["ms_per_step"] == 5.0
+    assert fig["steps_timed"] == 18 and fig["control_plane_ms"] == pytest.approx(0.1)
+
+
+def test_the_decode_rounds_reach_every_variants_rows_and_the_summary(fakes: list, monkeypatch: pytest.MonkeyPatch
+                                                                    ) -> None:
+    rounds: list[int] = []
+
+    def decode(model: Any, batch: int, tuning: Tuning, rounds: int = 1, **_: Any) -> dict:
+        rounds_seen.append(rounds)
+        return {"batch": batch, "ms_per_step": 6.1, "tokens_per_s": 1.0, "control_plane_share": 0.02,
+                "control_plane_ms": 0.122, "rounds_ms": [6.0, 6.1, 6.9][:rounds]}
+
+    rounds_seen = rounds
+    monkeypatch.setattr(measure, "bench_decode", decode)
+    results = measure_variants(None, {"baseline": Tuning(), "triton": Tuning(moe="triton")}, batches=(1, 64),
+                               prefill_tokens=2048, bw=4e12, rate=7e14, out=None, on_variant=lambda n, r: None,
+                               decode_rounds=3)
+    assert rounds == [3, 3, 3, 3]
+    report: dict = {"device": "fake", "ceilings": {"copy_gb_s": 4000.0, "bf16_tflop_s": 700.0}, "batches": [64],
+                    "variants": results, "decode_b64": {**results["triton"]["decode_b64"], "variant": "triton"}}
+    assert ("decode best: b64 triton 6.10 ms (1 tok/s, rounds 6.00 / 6.10 / 6.90, control plane 2.0% = 122 us a step)"
+            in bench.table(report))
+    with pytest.raises(SystemExit):
+        bench.main(["--decode-rounds", "0"])

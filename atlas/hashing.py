@@ -22,6 +22,8 @@ import sys
 from array import array
 from collections.abc import Callable, Iterable, Sequence
 
+import numpy as np
+
 MASK64 = (1 << 64) - 1
 ROOT = 0x5BD1E995  # the chain key of the empty prefix
 _LITTLE = sys.byteorder == "little"
@@ -78,9 +80,38 @@ def mix64(h: int) -> int:
     return h ^ (h >> 31)
 
 
+FNV = 0x100000001B3  # roll_tokens' multiplier (FNV-1's 64-bit prime)
+# from this many tokens roll_tokens takes numpy's one dot product (64 tokens: 5.8 against 3.8 us; a 2,048-token prompt
+# 195 against 30 us, timeit on the 2-core box): a prompt's arrival hashes every token of it
+_LONG = 64
+_powers = np.ones(1, dtype=np.uint64)  # FNV^0 .. FNV^(n-1) mod 2^64, grown on demand (fnv_powers)
+
+
+def fnv_powers(n: int) -> np.ndarray:
+    """FNV^0 .. FNV^(n-1) mod 2^64 (uint64; numpy's integer products wrap mod 2^64). A read-only view of a table
+    kept for the process."""
+    global _powers
+    if len(_powers) < n:
+        p = np.full(max(n, 2 * len(_powers)), np.uint64(FNV), dtype=np.uint64)
+        p[0] = 1
+        _powers = np.cumprod(p, dtype=np.uint64)
+        _powers.flags.writeable = False
+    return _powers[:n]
+
+
 def roll_tokens(h: int, tokens: Iterable[int]) -> int:
     """The sequence's rolling token hash (a multiply-add over 64 bits, FNV's prime), kept incrementally for
-    the digest: h' = h * 0x100000001B3 + t + 1 (mod 2^64) per token."""
+    the digest: h' = h * 0x100000001B3 + t + 1 (mod 2^64) per token.
+
+    A list or tuple of _LONG or more tokens is summed at once, the recurrence unrolled: h * FNV^n + sum (t_i + 1) *
+    FNV^(n-1-i) (mod 2^64), the same integer (tested against the loop). Anything numpy does not hold as 64-bit
+    integers (a float, a string, an int past 64 bits) takes the loop, which computes or refuses it as before."""
+    if type(tokens) in (list, tuple) and len(tokens) >= _LONG:  # type: ignore[arg-type]
+        values = np.array(tokens)
+        if values.dtype.kind in "iu" and values.ndim == 1:
+            terms = values.astype(np.uint64) + np.uint64(1)  # an int64's two's complement: t mod 2^64
+            n = len(terms)
+            return (h * pow(FNV, n, 1 << 64) + int(np.dot(terms, fnv_powers(n)[::-1]))) & MASK64
     for t in tokens:
-        h = (h * 0x100000001B3 + t + 1) & MASK64
+        h = (h * FNV + t + 1) & MASK64
     return h

@@ -79,6 +79,8 @@ def test_admission_names_the_numbers_and_the_knob() -> None:
         engine.add_request("a", [1] * 64, SamplingParams())
     with pytest.raises(AdmissionError, match="outside the vocabulary"):
         engine.add_request("a", [1, 999], SamplingParams())
+    with pytest.raises(AdmissionError, match="prompt token id -1 is outside the vocabulary"):  # the lower bound
+        engine.add_request("a", [3, -1, 2], SamplingParams())
     engine.add_request("a", [1, 2], SamplingParams(max_tokens=2))
     with pytest.raises(AdmissionError, match="already in use"):
         engine.add_request("a", [1, 2], SamplingParams(max_tokens=2))

@@ -116,11 +116,11 @@ class Engine:
                 raise AdmissionError(f"prompt_logprobs: backend {self.backend.name!r} does not compute them",
                                      param="prompt_logprobs")
             params = attrs.evolve(params, prompt_logprobs=prompt_logprobs)
-        prompt = [int(t) for t in prompt_token_ids]
+        prompt = list(map(int, prompt_token_ids))
         cap = self.capacities.max_seq_len
         if not prompt:
             raise AdmissionError("prompt is empty", param="prompt")
-        if self.vocab_size is not None and not all(0 <= t < self.vocab_size for t in prompt):
+        if self.vocab_size is not None and not (min(prompt) >= 0 and max(prompt) < self.vocab_size):
             bad = next(t for t in prompt if not 0 <= t < self.vocab_size)
             raise AdmissionError(f"prompt token id {bad} is outside the vocabulary of {self.vocab_size}",
                                  param="prompt")

@@ -56,6 +56,6 @@ def generate(
         if progress is not None:
             progress(len(ended), len(ids))
     return [
-        Generation(rid, tuple(int(t) for t in prompts[i]), tuple(tokens[rid]), "".join(text[rid]), *ended[rid])
+        Generation(rid, tuple(map(int, prompts[i])), tuple(tokens[rid]), "".join(text[rid]), *ended[rid])
         for i, rid in enumerate(ids)
     ]

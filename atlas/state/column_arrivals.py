@@ -21,24 +21,16 @@ from itertools import chain
 
 import numpy as np
 
-from atlas.hashing import MASK64
+from atlas.hashing import MASK64, fnv_powers
 from atlas.sampling.params import SamplingParams
 from atlas.state.columns import _K_ID, _K_LEN, mix64_column
 from atlas.state.control import ControlState
 from atlas.state.machines import DrafterCarry, QsaCursor, Sequence, SequenceCursor, SsmRing
 
 _U = np.uint64
-_FNV = _U(0x100000001B3)
 _S20, _S32, _S40 = _U(20), _U(32), _U(40)
 _KEYS = frozenset(("request_id", "seq_id", "prompt", "params", "max_new", "stream"))
 _KEYS_NO_STREAM = _KEYS - {"stream"}  # stream defaults to False
-
-
-def _powers(n: int) -> np.ndarray:
-    """FNV^0 .. FNV^(n-1) mod 2**64."""
-    p = np.full(max(n, 1), _FNV, dtype=np.uint64)
-    p[0] = 1
-    return np.cumprod(p, dtype=np.uint64)
 
 
 def token_hashes(flat: np.ndarray, lengths: np.ndarray) -> np.ndarray:
@@ -49,7 +41,7 @@ def token_hashes(flat: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     # token i of a prompt ending at e is multiplied by FNV^(e - 1 - i)
     exponent = np.repeat(ends - 1, lengths) - np.arange(len(flat))
     terms = flat.view(np.uint64) + _U(1)
-    terms *= _powers(int(lengths.max()))[exponent]
+    terms *= fnv_powers(int(lengths.max()))[exponent]
     return np.add.reduceat(terms, starts)
 
 

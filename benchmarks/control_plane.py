@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/control_plane.py [--steps N] [--batches 1,64,256] [--no-trace | --memory-sink]
         [--clock process] [--stamps 51] [--no-batch-columns] [--smoke]
+    .venv/bin/python benchmarks/control_plane.py --prefill 2048 [--repeat 20] [--clock process] [--stamps 51]
 
 A fixed-token backend (honest cursors, no compute) stands in for the model, so the figure is the cost
 the engine adds to every decode step. It prints sequence-steps per second (one sequence advanced by
@@ -9,6 +10,9 @@ one step) at each batch size, with the trace on, the trace's bytes per sequence-
 plane's time per decode step: the engine's wall time outside Backend.execute (issue 15's measure).
 --memory-sink: the events kept in memory (RecordingSink), as atlas.bench_measure's H200 decode rows keep them (their
 control-plane share has no SQLite trace in it).
+--prefill N: instead, the engine's time outside execute for one N-token request's step (its arrival, plan, apply and
+finish), as atlas.bench_measure.bench_prefill times it on the H200 (offline.generate with max_tokens 1, a RecordingSink,
+the wall from the call to its first progress stamp); the median of --repeat requests (default 20) after 3 warm-ups.
 """
 
 from __future__ import annotations
@@ -116,6 +120,29 @@ def measure(batch: int, steps: int, trace_dir: Path | None, stamps: int = 0, col
     return seq_steps / elapsed, bytes_per, (elapsed - backend.seconds) / steps * 1e6
 
 
+def measure_prefill(tokens: int, repeat: int, stamps: int = 0) -> float:
+    """The median over `repeat` fresh `tokens`-long prompts of the engine's ms outside execute for the request's step."""
+    import random
+    import statistics
+
+    from atlas.engine.offline import generate
+
+    config = EngineConfig(max_seq_len=tokens + 16, max_batch_size=1, prefill_chunk_tokens=tokens)
+    backend = FixedTokenBackend(stamps)
+    engine = Engine(backend, tokenizer=ByteTokenizer(), config=config, sink=RecordingSink())
+    rng = random.Random(0)
+    outside = []
+    for _ in range(repeat + 3):
+        prompt = [rng.randrange(1, 250) for _ in range(tokens)]
+        backend.seconds = 0.0
+        marks = [CLOCK()]
+        generate(engine, [prompt], SamplingParams(max_tokens=1, ignore_eos=True),
+                 progress=lambda done, total, marks=marks: marks.append(CLOCK()))
+        outside.append((marks[1] - marks[0] - backend.seconds) * 1e3)
+    engine.close()
+    return statistics.median(outside[3:])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=400)
@@ -131,7 +158,11 @@ def main() -> None:
     ap.add_argument("--no-batch-columns", action="store_true",
                     help="the engine without its batch columns (atlas.state.batch_columns): the objects alone")
     ap.add_argument("--smoke", action="store_true", help="20 steps at batch 1 and 8: seconds, for CI")
+    ap.add_argument("--prefill", type=int, default=0, metavar="N",
+                    help="instead: the engine's ms outside execute for one N-token request (the bench's prefill row)")
     args = ap.parse_args()
+    if args.prefill < 0 or args.repeat < 1:
+        ap.error(f"--prefill {args.prefill} / --repeat {args.repeat}: a prompt length >= 1 and at least one run")
     global CLOCK
     CLOCK = time.process_time if args.clock == "process" else time.perf_counter
     if args.smoke:
@@ -139,6 +170,12 @@ def main() -> None:
     import structlog
 
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(30))  # quiet the capacity table
+    if args.prefill:
+        repeat = args.repeat if args.repeat > 1 else 20
+        ms = measure_prefill(args.prefill, repeat, args.stamps)
+        print(f"prefill {args.prefill} tokens: engine {ms * 1e3:,.0f} us outside execute a request "
+              f"(median of {repeat}, {'process' if CLOCK is time.process_time else 'wall'} clock)")
+        return
     with tempfile.TemporaryDirectory() as tmp:
         trace_dir = None if args.no_trace else Path(tmp)
         # control plane: the engine's wall time per decode step outside Backend.execute (the fastest run's)
@@ -151,6 +188,8 @@ def main() -> None:
             plane_us = min(r[2] for r in runs)
             shown = "-" if bytes_per is None else f"{bytes_per:.1f}"
             print(f"{batch:>6} {rate:>12,.0f} {1e6 / rate:>12.2f} {shown:>17} {plane_us:>22,.0f}")
+    if args.smoke:  # the --prefill path too, at a small size
+        print(f"prefill 256 tokens: engine {measure_prefill(256, 2) * 1e3:,.0f} us outside execute a request")
 
 
 if __name__ == "__main__":

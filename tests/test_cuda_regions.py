@@ -136,10 +136,21 @@ def test_every_region_traces_whole(tiny, monkeypatch: pytest.MonkeyPatch) -> Non
 
     monkeypatch.setattr(regions, "compiled", fullgraph)
     both = dict(decode_stack="regions", prefill_stack="regions")
-    want, _ = _decode(tiny, Tuning(**both), kernels=False, steps=1)
-    got, _ = _decode(tiny, Tuning(**both, compile_decode="default", compile_prefill="default"), kernels=False, steps=1)
-    assert torch.equal(want[0], got[0])
-    assert {"gdn_head", "attn_head", "gdn_tail", "attn_tail", "final_mix"} <= set(traced)
+    want, want_state = _decode(tiny, Tuning(**both), kernels=False, steps=2)
+    got, got_state = _decode(tiny, Tuning(**both, compile_decode="default", compile_prefill="default"), kernels=False,
+                             steps=2)
+    for w, g in zip(want, got, strict=True):
+        assert torch.equal(w, g)
+    # every state and stamp as the eager regions leave them: the compiled PLE regions (prefill and decode) write
+    # their conv states in the region and stamp them with the GDN convs' at the end, the eager ones as they go
+    assert want_state.keys() == got_state.keys()
+    for name, w in want_state.items():
+        assert torch.equal(w, got_state[name]), name
+    assert {"gdn_head", "attn_head", "gdn_tail", "attn_tail", "final_mix", "ple_block", "prologue"} <= set(traced)
+    assert compiles["prologue"] == 1, compiles  # a compiled decode's (prefill chunks keep theirs eager)
+    # atlas-tiny's PLE layers are its first two: the first settles no ffn, the second does (two graphs), each for
+    # the prefill chunks (token dimension symbolic) and for the decode
+    assert compiles["ple_block"] == 4, compiles
     # the three prefill chunks (70, 5 and 20 tokens) share one graph a GDN region and variant (their token
     # dimension marked dynamic before the first call: no static graph for 70, no recompile; a region that
     # specialised the marked dimension would raise), and the decode has its own: gdn_head's two variants (the

@@ -93,6 +93,11 @@ class DevicePools:
         # the GDN conv states' rows of `stamps`: stamp_states writes all of them at once (regions: one launch a step)
         self.conv_rows = torch.tensor([self.index[f"conv{layer}"] for layer in spec.gdn_layers], dtype=torch.long,
                                       device=device)
+        # the same with the PLE layers' conv states (compiled regions write theirs in a region, stamped at the end)
+        ple_layers = spec.ple.layers if spec.ple is not None else ()
+        self.conv_rows_ple = torch.tensor([*(self.index[f"conv{layer}"] for layer in spec.gdn_layers),
+                                           *(self.index[f"pconv{layer}"] for layer in ple_layers)],
+                                          dtype=torch.long, device=device)
         self.gdn_conv = {layer: self.state[f"conv{layer}"] for layer in spec.gdn_layers}
         self.gdn_state = {layer: self.state[f"gdn{layer}"] for layer in spec.gdn_layers}
         self.ple_conv = {layer: self.state[f"pconv{layer}"] for layer in (spec.ple.layers if spec.ple else ())}

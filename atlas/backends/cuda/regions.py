@@ -186,10 +186,11 @@ def ple_block(spec: ModelSpec, streams: torch.Tensor, routed: torch.Tensor | Non
               key_norm: torch.Tensor, query_norm: torch.Tensor, value_w: torch.Tensor, conv_norm: torch.Tensor,
               conv_w: torch.Tensor, conv_pool: torch.Tensor, slots: torch.Tensor, fused_conv: str = ""
               ) -> torch.Tensor:
-    """A prefill chunk's PLE layer as one region: the previous ffn settled, the PLE addition (layers.ple_mix) added
-    to the streams, its conv's new state written into conv_pool at `slots` (the stamp is the caller's). Eagerly
-    (layers.ple_layer) a 2,048-token PLE layer was ~20 launches over the [2,048, 4 x 2,048] streams, its conv
-    ATen's depthwise kernel (176 us on the H200, session 12 profile) after a 133 us cat."""
+    """A compiled PLE layer as one region (a prefill chunk's since session 12, a decode group's since session 16): the
+    previous ffn settled, the PLE addition (layers.ple_mix) added to the streams, its conv's new state written into
+    conv_pool at `slots` (the stamp is the caller's). Eagerly (layers.ple_layer) a PLE layer is ~20 launches: at
+    2,048 tokens over the [2,048, 4 x 2,048] streams, its conv ATen's depthwise kernel (176 us on the H200, session 12
+    profile) after a 133 us cat; in a decode step ~20 of its ~840 kernels each (two PLE layers)."""
     streams = settle(streams, routed, shared, inject_prev)
     add, cols = ple_mix(spec, streams, ids, table, key_w, key_norm, query_norm, value_w, conv_norm, conv_w,
                         conv_pool[slots], False, fused_conv)
@@ -205,6 +206,15 @@ def final_mix(spec: ModelSpec, streams: torch.Tensor, routed: torch.Tensor | Non
     final, _ = hyper_block(streams, norm_w, down_w, up_w, spec.hc_count, spec.hidden_size, spec.hc_lowrank,
                            spec.rms_norm_eps, False, gemv, mix_up)
     return final
+
+
+def prologue(spec: ModelSpec, tokens: torch.Tensor, positions: torch.Tensor, embed: torch.Tensor
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A decode group's first region: (the streams [B, T, hc*H], the embedded tokens repeated per stream; cos, sin of
+    the rotary table at the positions). Eagerly ~10 launches a step (arange, the frequencies' pow / reciprocal /
+    product, cat, cos, sin, casts, the gather and the streams' cat)."""
+    cos, sin = rope_table(positions.reshape(-1), spec.rotary_dim, spec.rope_theta, embed.dtype)
+    return torch.cat([embed[tokens]] * spec.hc_count, dim=-1), cos, sin
 
 
 def _same(x: torch.Tensor | None) -> torch.Tensor | None:
@@ -235,7 +245,11 @@ def regions_stack(spec: ModelSpec, w: dict[str, torch.Tensor], pools: DevicePool
     settle_c, final_c, ple_c = compiled(settle, mode), compiled(final_mix, mode), compiled(ple_block, mode)
     tok = _token_dim if prefill and mode != "none" else _same
     dtype = w["embed_tokens.weight"].dtype
-    cos, sin = rope_table(grp.positions.reshape(-1), spec.rotary_dim, spec.rope_theta, dtype)
+    if prefill or mode == "none":
+        cos, sin = rope_table(grp.positions.reshape(-1), spec.rotary_dim, spec.rope_theta, dtype)
+        streams = torch.cat([w["embed_tokens.weight"][grp.tokens]] * spec.hc_count, dim=-1)
+    else:  # a compiled decode: the step's ~10 eager launches before the first layer as one region
+        streams, cos, sin = compiled(prologue, mode)(spec, grp.tokens, grp.positions, w["embed_tokens.weight"])
     cos, sin = tok(cos), tok(sin)
     write = grp.write_slots.reshape(-1)
     # a decode group of few rows: the hyper sites' and router's products as reductions Inductor fuses (linear)
@@ -260,18 +274,16 @@ def regions_stack(spec: ModelSpec, w: dict[str, torch.Tensor], pools: DevicePool
     # the routed kernels take the pairs' order computed in the tail region: ranked (decode) or counted (prefill)
     route = ("counted" if prefill else "ranked") if moe_mode in ("triton", "grouped_mm") else ""
     ple_layers = spec.ple.layers if spec.ple is not None else ()
-    streams = torch.cat([w["embed_tokens.weight"][grp.tokens]] * spec.hc_count, dim=-1)
     pending: Pending = (None, None, None)
     for layer in range(spec.num_layers):
         pre = f"layers.{layer}."
         routed, shared, inject_prev = pending
-        if layer in ple_layers and prefill and mode != "none":  # PLE as one compiled region, its stamp after it
+        if layer in ple_layers and mode != "none":  # PLE as one compiled region, its stamp with the convs' at the end
             assert grp.ngram_ids is not None
             conv_pool = pools.state[f"pconv{layer}"]
             streams = ple_c(spec, tok(streams), tok(routed), tok(shared), tok(inject_prev),
                             tok(grp.ngram_ids[ple_layers.index(layer)]), *ple_weights(w, pre + "ple."), conv_pool,
                             grp.slots, head_fused)
-            pools.stamp[f"pconv{layer}"][grp.slots] = grp.ends
             routed = shared = inject_prev = None
         elif layer in ple_layers:  # PLE keeps its own conv state: settle, add it eagerly, then the head
             assert grp.ngram_ids is not None
@@ -329,9 +341,10 @@ def regions_stack(spec: ModelSpec, w: dict[str, torch.Tensor], pools: DevicePool
             routed, shared = dense_mlp(w, pre + "mlp.", rows), None
         pending = (routed, shared, inject)
     # the stamps of the state the heads wrote, after all of it (a stamp never runs ahead of its data): every
-    # layer's conv state at the slots, every attention layer's KV and QSA positions at the new rows (each of
-    # these was one launch a layer, 30 a step, with the data's copies)
-    pools.stamp_states(pools.conv_rows, grp.slots, grp.ends)
+    # layer's conv state at the slots (the compiled PLE regions' too; eager PLE layers stamped theirs as they
+    # wrote), every attention layer's KV and QSA positions at the new rows (each of these was one launch a layer,
+    # 30 a step, with the data's copies)
+    pools.stamp_states(pools.conv_rows_ple if mode != "none" else pools.conv_rows, grp.slots, grp.ends)
     if spec.attention_layers:
         pools.stamp_rows(grp.stamp_at, grp.stamp_values)
     routed, shared, inject_prev = pending

@@ -80,25 +80,25 @@ def _gen() -> torch.Generator:
 
 def _conv(on: bool) -> tuple[torch.Tensor, ...]:
     gen = _gen()
-    x, pool = torch.randn(2, 3, 40, generator=gen), torch.randn(4, 40, 4, generator=gen)
-    weight, bias = torch.randn(40, 4, generator=gen), torch.randn(40, generator=gen)
-    out = causal_conv1d_update(x, pool, torch.tensor([2, 0]), weight, bias, block_c=16, pdl=on)
+    x, pool = torch.randn(2, 3, 40, generator=gen).to(DEVICE), torch.randn(4, 40, 4, generator=gen).to(DEVICE)
+    weight, bias = torch.randn(40, 4, generator=gen).to(DEVICE), torch.randn(40, generator=gen).to(DEVICE)
+    out = causal_conv1d_update(x, pool, torch.tensor([2, 0], device=DEVICE), weight, bias, block_c=16, pdl=on)
     return out, pool
 
 
 def _gdn(on: bool) -> tuple[torch.Tensor, ...]:
     gen = _gen()
     n, t, hk, hv, d = 2, 1, 2, 4, 16
-    q, k = torch.randn(n, t, hk, d, generator=gen), torch.randn(n, t, hk, d, generator=gen)
-    v = torch.randn(n, t, hv, d, generator=gen)
-    g, beta = -torch.rand(n, t, hv, generator=gen), torch.rand(n, t, hv, generator=gen)
-    pool, slots = torch.randn(3, hv, d, d, generator=gen), torch.tensor([2, 0])
+    q, k = torch.randn(n, t, hk, d, generator=gen).to(DEVICE), torch.randn(n, t, hk, d, generator=gen).to(DEVICE)
+    v = torch.randn(n, t, hv, d, generator=gen).to(DEVICE)
+    g, beta = -torch.rand(n, t, hv, generator=gen).to(DEVICE), torch.rand(n, t, hv, generator=gen).to(DEVICE)
+    pool, slots = torch.randn(3, hv, d, d, generator=gen).to(DEVICE), torch.tensor([2, 0], device=DEVICE)
     out, _ = gdn_recurrent.gdn_recurrent(q, k, v, g, beta, pool, slots, pdl=on)
-    gated_pool, stamps = pool.clone(), torch.zeros(3, dtype=torch.int32)
-    a, b = torch.randn(n, t, hv, generator=gen), torch.randn(n, t, hv, generator=gen)
-    gated, _ = gdn_recurrent.gdn_recurrent_gated(q, k, v, a, b, torch.randn(hv, generator=gen),
-                                                 torch.randn(hv, generator=gen), gated_pool, slots,
-                                                 stamp=(stamps, torch.tensor([7, 9], dtype=torch.int32)), pdl=on)
+    gated_pool, stamps = pool.clone(), torch.zeros(3, dtype=torch.int32, device=DEVICE)
+    a, b = torch.randn(n, t, hv, generator=gen).to(DEVICE), torch.randn(n, t, hv, generator=gen).to(DEVICE)
+    gated, _ = gdn_recurrent.gdn_recurrent_gated(q, k, v, a, b, torch.randn(hv, generator=gen).to(DEVICE),
+                                                 torch.randn(hv, generator=gen).to(DEVICE), gated_pool, slots,
+                                                 stamp=(stamps, torch.tensor([7, 9], dtype=torch.int32, device=DEVICE)), pdl=on)
     verify, states = gdn_recurrent.gdn_recurrent(q.expand(n, 3, hk, d), k.expand(n, 3, hk, d), v.expand(n, 3, hv, d),
                                                  g.expand(n, 3, hv), beta.expand(n, 3, hv), pool.clone(), slots,
                                                  store_states=True, commit=False, pdl=on)
@@ -108,37 +108,37 @@ def _gdn(on: bool) -> tuple[torch.Tensor, ...]:
 
 def _attention(on: bool) -> tuple[torch.Tensor, ...]:
     gen = _gen()
-    k_pool, v_pool = torch.randn(8, 16, 2, 16, generator=gen), torch.randn(8, 16, 2, 16, generator=gen)
-    tables = torch.tensor([[0, 1, 2, 3], [4, 5, 6, 7]], dtype=torch.int32)
-    lens = torch.tensor([30, 50], dtype=torch.int32)
-    dense = paged_attention.paged_attention(torch.randn(2, 1, 4, 16, generator=gen), k_pool, v_pool, tables, lens,
+    k_pool, v_pool = torch.randn(8, 16, 2, 16, generator=gen).to(DEVICE), torch.randn(8, 16, 2, 16, generator=gen).to(DEVICE)
+    tables = torch.tensor([[0, 1, 2, 3], [4, 5, 6, 7]], dtype=torch.int32, device=DEVICE)
+    lens = torch.tensor([30, 50], dtype=torch.int32, device=DEVICE)
+    dense = paged_attention.paged_attention(torch.randn(2, 1, 4, 16, generator=gen).to(DEVICE), k_pool, v_pool, tables, lens,
                                             0.25, 64, partition=32, block_n=16, pdl=on)
-    selected = torch.tensor([[[0, 3, 9, 17, 29, -1]], [[1, 2, 40, 48, 49, -1]]], dtype=torch.int32)
-    sparse = paged_attention.paged_attention(torch.randn(2, 1, 4, 16, generator=gen), k_pool, v_pool, tables, lens,
-                                             0.25, 6, selected, torch.tensor([[5], [5]], dtype=torch.int32),
+    selected = torch.tensor([[[0, 3, 9, 17, 29, -1]], [[1, 2, 40, 48, 49, -1]]], dtype=torch.int32, device=DEVICE)
+    sparse = paged_attention.paged_attention(torch.randn(2, 1, 4, 16, generator=gen).to(DEVICE), k_pool, v_pool, tables, lens,
+                                             0.25, 6, selected, torch.tensor([[5], [5]], dtype=torch.int32, device=DEVICE),
                                              partition=32, block_n=16, pdl=on)
     return dense, sparse
 
 
 def _qsa(on: bool) -> tuple[torch.Tensor, ...]:
     gen = _gen()
-    raw, pooled = torch.randn(8, 16, 16, generator=gen), torch.zeros(8, 4, 16)
-    tables = torch.tensor([[0, 1, 2, 3], [4, 5, 6, 7]], dtype=torch.int32)
-    qsa_pool_keys(raw, pooled, tables, torch.tensor([0, 1], dtype=torch.int32), torch.tensor([3, 6], dtype=torch.int32),
-                  torch.randn(16, generator=gen), torch.rand(4, generator=gen), 4, 1e-6, 5, pdl=on)
-    scores = qsa_block_scores(torch.randn(2, 1, 3, 16, generator=gen), pooled, tables,
-                              torch.tensor([13, 27], dtype=torch.int32), 4, 8, block_b=16, pdl=on)
+    raw, pooled = torch.randn(8, 16, 16, generator=gen).to(DEVICE), torch.zeros(8, 4, 16, device=DEVICE)
+    tables = torch.tensor([[0, 1, 2, 3], [4, 5, 6, 7]], dtype=torch.int32, device=DEVICE)
+    qsa_pool_keys(raw, pooled, tables, torch.tensor([0, 1], dtype=torch.int32, device=DEVICE), torch.tensor([3, 6], dtype=torch.int32, device=DEVICE),
+                  torch.randn(16, generator=gen).to(DEVICE), torch.rand(4, generator=gen).to(DEVICE), 4, 1e-6, 5, pdl=on)
+    scores = qsa_block_scores(torch.randn(2, 1, 3, 16, generator=gen).to(DEVICE), pooled, tables,
+                              torch.tensor([13, 27], dtype=torch.int32, device=DEVICE), 4, 8, block_b=16, pdl=on)
     return pooled, scores
 
 
 def _moe(on: bool) -> tuple[torch.Tensor, ...]:
     gen = _gen()
     rows, hidden, experts, k, inter = 3, 32, 4, 2, 16
-    x = torch.randn(rows, hidden, generator=gen)
-    top_i = torch.tensor([[0, 2], [2, 3], [0, 1]])
-    top_w = torch.rand(rows, k, generator=gen)
-    gate_up = torch.randn(experts, 2 * inter, hidden, generator=gen)
-    down = torch.randn(experts, hidden, inter, generator=gen)
+    x = torch.randn(rows, hidden, generator=gen).to(DEVICE)
+    top_i = torch.tensor([[0, 2], [2, 3], [0, 1]], device=DEVICE)
+    top_w = torch.rand(rows, k, generator=gen).to(DEVICE)
+    gate_up = torch.randn(experts, 2 * inter, hidden, generator=gen).to(DEVICE)
+    down = torch.randn(experts, hidden, inter, generator=gen).to(DEVICE)
     return (moe_grouped.moe_grouped(x, top_i, top_w, gate_up, down, pdl=on),
             moe_grouped.moe_grouped(x, top_i, top_w, gate_up, down, summed=False, pdl=on))
 
@@ -165,8 +165,8 @@ def test_requesting_pdl_where_it_cannot_run_changes_nothing(case: str, monkeypat
 @pytest.mark.parametrize("case", list(CASES))
 def test_each_entry_point_with_pdl_forced_on_is_bit_identical_to_pdl_off(case: str,
                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
-    """The PDL=True kernels (pdl_start's wait and launch_dependents first; no-ops interpreted, real on a GPU of
-    capability < 9 only if forced, so the GPU run forces nothing below sm_90) against PDL=False."""
+    """The PDL=True kernels (pdl_start's wait and launch_dependents first: no-ops interpreted, the real instructions
+    and launch_pdl on an sm_90 GPU) against PDL=False."""
     if DEVICE == "cuda" and torch.cuda.get_device_capability() < (9, 0):
         pytest.skip("griddepcontrol needs sm_90")
     fn, count = CASES[case]
@@ -176,7 +176,8 @@ def test_each_entry_point_with_pdl_forced_on_is_bit_identical_to_pdl_off(case: s
     decisions.clear()
     launches.clear()
     got = fn(True)
-    assert (decisions, launches) == ([True] * count[0], [True] * count[1])  # every kernel of the entry point launched with launch_pdl
+    # every kernel of the entry point launched with launch_pdl
+    assert (decisions, launches) == ([True] * count[0], [True] * count[1])
     for w, g in zip(want, got, strict=True):
         assert torch.equal(w, g)
 

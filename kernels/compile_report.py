@@ -1,10 +1,13 @@
 """Compile every kernel for Hopper (sm_90) without a GPU and report registers, spills and shared memory.
 
-    python -m atlas_kernels.compile_report [--json]
+    python -m atlas_kernels.compile_report [--json] [--ptx DIR]
 
 Triton compiles ahead of time for any target, and its wheel ships ptxas, so compile errors and register
 spills (the usual reason a kernel is far off its bandwidth or FLOP ceiling) show up on a CPU-only machine,
-at no device time. The tests use it to catch kernels that interpret fine but do not compile.
+at no device time. The tests use it to catch kernels that interpret fine but do not compile. The decode step's
+kernels are compiled a second time with programmatic dependent launch (PDL=True, atlas_kernels.pdl: config
+"... pdl"); --ptx DIR writes every kernel's PTX there (the JSON's "ptx" names the file), which
+tests/test_kernels_compile.py reads for the griddepcontrol instructions and their place.
 """
 
 from __future__ import annotations
@@ -47,21 +50,32 @@ class CompileReport:
     spill_bytes: int  # spill stores + spill loads per thread
     stack_bytes: int
     shared_bytes: int
+    pdl: bool = False  # compiled with PDL=True (the griddepcontrol prologue)
+    ptx: str = ""  # the PTX's file under --ptx DIR ("" without)
 
 
 def ptxas_path() -> str:
     return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
 
 
+PTX_DIR = ""  # where compile_for_hopper writes each kernel's PTX (main's --ptx); "" nowhere
+
+
 def compile_for_hopper(kernel: Any, arg_types: dict[str, str], constexprs: dict[str, Any], num_warps: int = 4,
                        label: str = "", num_stages: int = 3, divisible: tuple[str, ...] = ()) -> CompileReport:
     """arg_types: Triton type strings ('*bf16', 'i32', 'fp32') of every non-constexpr argument; divisible: the
-    arguments a launch would see divisible by 16 (Triton specialises on it: vector loads, fewer address registers)."""
+    arguments a launch would see divisible by 16 (Triton specialises on it: vector loads, fewer address registers).
+    A kernel with a PDL constexpr (atlas_kernels.pdl) is compiled with the PDL the constexprs name, False if none."""
     if not isinstance(kernel, JITFunction):
         # Under TRITON_INTERPRET=1 the decorator gave an interpreter wrapper; compiling its function in the
         # same process breaks the interpreter's later runs (and the reverse), so run this in its own process.
         raise RuntimeError("compile_report needs a process without TRITON_INTERPRET=1")
     names = kernel.arg_names
+    if "PDL" in names:
+        constexprs = {"PDL": False, **constexprs}
+    pdl = bool(constexprs.get("PDL", False))
+    if pdl:
+        label = f"{label} pdl"
     signature = {name: "constexpr" if name in constexprs else arg_types[name] for name in names}
     source = ASTSource(kernel, signature, {(names.index(k),): v for k, v in constexprs.items()},
                        {(names.index(name),): [["tt.divisibility", 16]] for name in divisible})
@@ -74,6 +88,13 @@ def compile_for_hopper(kernel: Any, arg_types: dict[str, str], constexprs: dict[
         info = subprocess.run([ptxas_path(), "-v", f"--gpu-name={arch}", file.name, "-o", os.devnull],
                               capture_output=True, text=True, check=True).stderr
 
+    ptx_file = ""
+    if PTX_DIR:
+        ptx_file = os.path.join(PTX_DIR, re.sub(r"[^A-Za-z0-9=.-]+", "_", f"{kernel.fn.__name__.strip('_')} {label}")
+                                + ".ptx")
+        with open(ptx_file, "w") as out:
+            out.write(ptx)
+
     def number(pattern: str) -> int:
         found = re.search(pattern, info)
         return int(found.group(1)) if found else 0
@@ -82,7 +103,7 @@ def compile_for_hopper(kernel: Any, arg_types: dict[str, str], constexprs: dict[
         kernel=kernel.fn.__name__.strip("_"), config=label,
         registers=number(r"Used (\d+) registers"),
         spill_bytes=number(r"(\d+) bytes spill stores") + number(r"(\d+) bytes spill loads"),
-        stack_bytes=number(r"(\d+) bytes stack frame"), shared_bytes=compiled.metadata.shared,
+        stack_bytes=number(r"(\d+) bytes stack frame"), shared_bytes=compiled.metadata.shared, pdl=pdl, ptx=ptx_file,
     )
 
 
@@ -132,22 +153,23 @@ def gdn_chunk_split_cases() -> list[CompileReport]:
     ]
 
 
-def gdn_recurrent_case(block_v: int = 32, store_states: bool = False, fused_gating: bool = False) -> CompileReport:
+def gdn_recurrent_case(block_v: int = 32, store_states: bool = False, fused_gating: bool = False, pdl: bool = False
+                       ) -> CompileReport:
     types = dict(q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", g_ptr="*fp32", beta_ptr="*bf16", a_log_ptr="*fp32",
                  dt_bias_ptr="*fp32", state_ptr="*fp32", slot_ptr="*i64", out_ptr="*bf16", states_out_ptr="*fp32",
                  stamp_ptr="*i32", end_ptr="*i32", num_tokens="i32", num_k_heads="i32", num_v_heads="i32", qk_token_stride="i32",
                  v_token_stride="i32", g_token_stride="i32", beta_token_stride="i32", scale="fp32", eps="fp32")
     # the decode case (commit) writes its state's stamp in the kernel, as the backend launches it
     consts = dict(DK=128, DV=128, BK=128, BV=block_v, STORE_STATES=store_states, COMMIT=not store_states,
-                  FUSED_GATING=fused_gating, STAMP=not store_states)
+                  FUSED_GATING=fused_gating, STAMP=not store_states, PDL=pdl)
     return compile_for_hopper(gdn_recurrent._gdn_recurrent_kernel, types, consts, 4,
                               f"BV={block_v} states={store_states} gating={fused_gating}")
 
 
-def conv_case() -> CompileReport:
+def conv_case(pdl: bool = False) -> CompileReport:
     types = dict(x_ptr="*bf16", state_ptr="*bf16", slot_ptr="*i64", weight_ptr="*bf16", bias_ptr="*bf16",
                  out_ptr="*bf16", num_tokens="i32", channels="i32")
-    consts = dict(K=4, S=4, BS=4, BC=256, HAS_BIAS=False, SILU=True)
+    consts = dict(K=4, S=4, BS=4, BC=256, HAS_BIAS=False, SILU=True, PDL=pdl)
     return compile_for_hopper(conv._conv_update_kernel, types, consts, 4, "C tile 256, K=S=4")
 
 
@@ -168,24 +190,26 @@ def conv_prefill_cases() -> list[CompileReport]:
     return reports
 
 
-def attention_cases() -> list[CompileReport]:
+def attention_cases(pdl: bool = False) -> list[CompileReport]:
+    """The partition kernel dense and QSA-selected and the merge; with pdl the decode's (dense) partition and the
+    merge, PDL=True."""
     types = dict(q_ptr="*bf16", k_pool_ptr="*bf16", v_pool_ptr="*bf16", block_tables_ptr="*i32",
                  seq_lens_ptr="*i32", selected_ptr="*i32", selected_count_ptr="*i32", m_ptr="*fp32",
                  l_ptr="*fp32", acc_ptr="*fp32", num_rows="i32", num_q_heads="i32", num_kv_heads="i32",
                  block_size="i32", max_blocks="i32", max_selected="i32", num_partitions="i32", scale="fp32")
     reports = []
-    for selected in (False, True):
+    for selected in (False,) if pdl else (False, True):
         consts = dict(D=128, BD=128, GROUP=8, BG=16, BN=64, PART=paged_attention.PARTITION, SELECTED=selected,
-                      PRECISION="tf32")
+                      PRECISION="tf32", PDL=pdl)
         reports.append(compile_for_hopper(paged_attention._attention_partition_kernel, types, consts, 8,
                                           f"D=128 group 8 {'qsa' if selected else 'dense'}"))
     merge_types = dict(m_ptr="*fp32", l_ptr="*fp32", acc_ptr="*fp32", out_ptr="*bf16", num_partitions="i32")
     reports.append(compile_for_hopper(paged_attention._attention_merge_kernel, merge_types,
-                                      dict(D=128, BD=128, BP=32), 4, "32 partitions"))
+                                      dict(D=128, BD=128, BP=32, PDL=pdl), 4, "32 partitions"))
     return reports
 
 
-def qsa_cases() -> list[CompileReport]:
+def qsa_cases(pdl: bool = False) -> list[CompileReport]:
     pool_types = dict(raw_pool_ptr="*bf16", pooled_pool_ptr="*bf16", block_tables_ptr="*i32",
                       first_block_ptr="*i32", end_block_ptr="*i32", norm_weight_ptr="*fp32", inv_freq_ptr="*fp32",
                       block_size="i32", max_pages="i32", eps="fp32")
@@ -194,9 +218,10 @@ def qsa_cases() -> list[CompileReport]:
                        max_blocks="i32", scale="fp32")
     return [
         compile_for_hopper(qsa._pool_keys_kernel, pool_types,
-                           dict(D=128, BD=128, ROTARY=32, RATIO=4, BJ=16), 4, "d=128 rotary 32"),
+                           dict(D=128, BD=128, ROTARY=32, RATIO=4, BJ=16, PDL=pdl), 4, "d=128 rotary 32"),
         compile_for_hopper(qsa._block_scores_kernel, score_types,
-                           dict(RATIO=4, D=128, BD=128, BH=16, BB=64, PRECISION="tf32"), 4, "8 heads, 64 blocks"),
+                           dict(RATIO=4, D=128, BD=128, BH=16, BB=64, PRECISION="tf32", PDL=pdl), 4,
+                           "8 heads, 64 blocks"),
     ]
 
 
@@ -220,21 +245,25 @@ def keyed_sample_cases() -> list[CompileReport]:
     return reports
 
 
-def moe_cases() -> list[CompileReport]:
+def moe_cases(pdl: bool = False) -> list[CompileReport]:
+    """The gate-up and down kernels at the decode and prefill tiles and the prefill down tile; with pdl the decode
+    tiles only, PDL=True (the backend launches them with PDL in decode groups only)."""
     reports = []
-    for rows in (1, 2048):  # decode tiles, prefill tiles
+    for rows in (1,) if pdl else (1, 2048):  # decode tiles, prefill tiles
         bm, bn, bk = moe_grouped.block_sizes(rows)
         warps = moe_grouped.num_warps(bm)
         up = dict(x_ptr="*bf16", order_ptr="*i64", offsets_ptr="*i32", w_ptr="*bf16", act_ptr="*bf16",
                   hidden="i32", inter="i32", m_tiles="i32")
         reports.append(compile_for_hopper(moe_grouped._moe_gate_up_kernel, up,
-                                          dict(TOP_K=4, BM=bm, BN=bn, BK=bk, EVEN_K=True, PRECISION="tf32"),
+                                          dict(TOP_K=4, BM=bm, BN=bn, BK=bk, EVEN_K=True, PRECISION="tf32", PDL=pdl),
                                           warps, f"BM={bm} BN={bn} BK={bk} warps={warps}"))
         down = dict(act_ptr="*bf16", order_ptr="*i64", offsets_ptr="*i32", top_w_ptr="*bf16", w_ptr="*bf16",
                     out_ptr="*bf16", hidden="i32", inter="i32", m_tiles="i32")
         reports.append(compile_for_hopper(moe_grouped._moe_down_kernel, down,
-                                          dict(BM=bm, BN=bn, BK=bk, EVEN_K=True, PRECISION="tf32"), warps,
+                                          dict(BM=bm, BN=bn, BK=bk, EVEN_K=True, PRECISION="tf32", PDL=pdl), warps,
                                           f"BM={bm} BN={bn} BK={bk} warps={warps}"))
+    if pdl:
+        return reports
     # the prefill down kernel's own tile (moe_grouped.PREFILL_DOWN_TILE)
     bn, bk, warps, stages = moe_grouped.PREFILL_DOWN_TILE
     reports.append(compile_for_hopper(moe_grouped._moe_down_kernel, down,
@@ -289,15 +318,28 @@ def stamp_summary_case() -> CompileReport:
                               "12 paged kinds, 38 stamps, drafter")
 
 
+def pdl_reports() -> list[CompileReport]:
+    """The decode step's kernels with programmatic dependent launch (PDL=True), each in its decode configuration: the
+    GDN update as the backend's decode launches it (gates and stamp in the kernel, dv tile 32), the conv update, the
+    paged attention's dense partition and merge, the QSA pool keys and block scores, the MoE decode tiles."""
+    return [gdn_recurrent_case(fused_gating=True, pdl=True), conv_case(pdl=True), *attention_cases(pdl=True),
+            *qsa_cases(pdl=True), *moe_cases(pdl=True)]
+
+
 def all_reports() -> list[CompileReport]:
-    """The kernels at the benchmark model's (qwen4exp-2p7b) sizes, in the configurations the wrappers pick."""
+    """The kernels at the benchmark model's (qwen4exp-2p7b) sizes, in the configurations the wrappers pick, then the
+    decode step's kernels again with PDL (pdl_reports)."""
     return [gdn_recurrent_case(), gdn_recurrent_case(64, store_states=True, fused_gating=True), gdn_chunk_case(),
             *gdn_chunk_split_cases(), conv_case(), *conv_prefill_cases(),
             *attention_cases(), *qsa_cases(), *norm_cases(), *keyed_sample_cases(),
-            *moe_cases(), *hyper_cases(), stamp_summary_case()]
+            *moe_cases(), *hyper_cases(), stamp_summary_case(), *pdl_reports()]
 
 
 def main() -> None:
+    global PTX_DIR
+    if "--ptx" in sys.argv:
+        PTX_DIR = sys.argv[sys.argv.index("--ptx") + 1]
+        os.makedirs(PTX_DIR, exist_ok=True)
     if "--json" in sys.argv:
         print(json.dumps([attrs.asdict(report) for report in all_reports()]))
         return

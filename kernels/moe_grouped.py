@@ -22,14 +22,16 @@ import torch
 import triton
 import triton.language as tl
 from atlas_kernels import _interpreter_compat  # noqa: F401  (CPU interpreter fix)
+from atlas_kernels import pdl as _pdl
 
 
 @triton.jit
 def _moe_gate_up_kernel(
     x_ptr, order_ptr, offsets_ptr, w_ptr, act_ptr, hidden, inter, m_tiles,
     TOP_K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, PDL: tl.constexpr,
 ):
+    _pdl.pdl_start(PDL)  # programmatic dependent launch: before any load or store (atlas_kernels.pdl)
     expert = tl.program_id(0) // m_tiles
     first = tl.load(offsets_ptr + expert) + (tl.program_id(0) % m_tiles) * BM
     end = tl.load(offsets_ptr + expert + 1)
@@ -71,7 +73,9 @@ def _moe_gate_up_kernel(
 def _moe_down_kernel(
     act_ptr, order_ptr, offsets_ptr, top_w_ptr, w_ptr, out_ptr, hidden, inter, m_tiles,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    _pdl.pdl_start(PDL)
     expert = tl.program_id(0) // m_tiles
     first = tl.load(offsets_ptr + expert) + (tl.program_id(0) % m_tiles) * BM
     end = tl.load(offsets_ptr + expert + 1)
@@ -152,14 +156,15 @@ def moe_grouped(x: torch.Tensor, top_i: torch.Tensor, top_w: torch.Tensor, gate_
                 down: torch.Tensor, *, blocks: tuple[int, int, int] | None = None,
                 route: tuple[torch.Tensor, torch.Tensor] | None = None, stages: int | None = None,
                 summed: bool = True, warps: int | None = None,
-                down_tile: tuple[int, int, int, int] | None = None) -> torch.Tensor:
+                down_tile: tuple[int, int, int, int] | None = None, pdl: bool = False) -> torch.Tensor:
     """The routed experts' weighted sum [R, H] in x's dtype (the shared expert is the caller's). `route`: the
     (order, offsets) moe_route would compute, if the caller has them; `stages`: the loops' pipeline depth
     (Triton's default when None); warps: the programs' warps (num_warps(block_m) when None); summed=False: each
     pair's weighted output [R, K, H] instead, for a caller that sums over the slots inside a fused kernel of its own
     (the sum is one more launch a layer here). down_tile: the down kernel's own (block_n, block_k, warps, stages) (its
     block_m is the gate-up's: the pairs' tiles are the same); None: PREFILL_DOWN_TILE at prefill rows (> 64) unless
-    `blocks` names a tile, else the gate-up's; () the gate-up's."""
+    `blocks` names a tile, else the gate-up's; () the gate-up's. pdl: launch both kernels with programmatic
+    dependent launch where atlas_kernels.pdl.enabled allows it (the decode step's; moe_route's sort is torch's)."""
     rows, hidden = x.shape
     experts, two_inter, w_hidden = gate_up.shape
     inter = two_inter // 2
@@ -176,10 +181,11 @@ def moe_grouped(x: torch.Tensor, top_i: torch.Tensor, top_w: torch.Tensor, gate_
     extra = {} if stages is None else {"num_stages": stages}
     m_tiles = triton.cdiv(rows, bm)  # an expert holds at most one pair per row
     act = torch.empty(rows * top_k, inter, dtype=x.dtype, device=x.device)
+    pdl = _pdl.enabled(pdl, x.device)
     _moe_gate_up_kernel[(experts * m_tiles, triton.cdiv(inter, bn))](
         x, order, offsets, gate_up, act, hidden, inter, m_tiles,
-        TOP_K=top_k, BM=bm, BN=bn, BK=bk, EVEN_K=hidden % bk == 0, PRECISION=precision, num_warps=warps,
-        **extra)
+        TOP_K=top_k, BM=bm, BN=bn, BK=bk, EVEN_K=hidden % bk == 0, PRECISION=precision, PDL=pdl, num_warps=warps,
+        **extra, **_pdl.launch(pdl))
     outs = torch.empty(rows * top_k, hidden, dtype=x.dtype, device=x.device)
     down_bn, down_warps, down_extra = bn, warps, extra
     if down_tile is None and blocks is None and rows > 64:
@@ -190,7 +196,7 @@ def moe_grouped(x: torch.Tensor, top_i: torch.Tensor, top_w: torch.Tensor, gate_
         down_extra = {} if down_stages is None else {"num_stages": down_stages}
     _moe_down_kernel[(experts * m_tiles, triton.cdiv(hidden, down_bn))](
         act, order, offsets, top_w, down, outs, hidden, inter, m_tiles,
-        BM=bm, BN=down_bn, BK=down_bk, EVEN_K=inter % down_bk == 0, PRECISION=precision, num_warps=down_warps,
-        **down_extra)
+        BM=bm, BN=down_bn, BK=down_bk, EVEN_K=inter % down_bk == 0, PRECISION=precision, PDL=pdl,
+        num_warps=down_warps, **down_extra, **_pdl.launch(pdl))
     outs = outs.view(rows, top_k, hidden)
     return outs.sum(dim=1) if summed else outs

@@ -274,12 +274,14 @@ def test_the_shifted_conv_equals_the_windowed_product(dilation: int) -> None:
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="Inductor on the GPU: the compiled regions")
-@pytest.mark.parametrize("variant", ["decode", "regions-compile", "regions-persistent", "regions-pdl"])
+@pytest.mark.parametrize("variant", ["decode", "regions-compile", "regions-persistent", "regions-pdl",
+                                     "regions-pdl-kernels"])
 def test_compiled_regions_give_the_reference_tokens_on_the_gpu(tiny, variant: str) -> None:  # type: ignore[no-untyped-def]
     """fp32, CUDA graphs on: the decode regions through torch.compile and the paged decode attention (and, as
     VARIANTS["regions-compile"]: the prefill regions, the routed kernels, the batch-3 products as reductions; its
-    neighbours regions-persistent and regions-pdl under their Inductor choices / programmatic dependent launches),
-    greedy and seeded rows side by side, against the CPU reference."""
+    neighbours regions-persistent and regions-pdl under their Inductor choices / programmatic dependent launches,
+    regions-pdl-kernels with our decode kernels' too), greedy and seeded rows side by side, against the CPU
+    reference."""
     from atlas.backends.cuda.tuning import VARIANTS
     from atlas.config import EngineConfig
     from atlas.engine.offline import generate
@@ -425,9 +427,9 @@ def test_paged_attention_is_for_dense_decode_groups_only(tiny, monkeypatch: pyte
     calls = []
     real = layers.attn_paged
 
-    def spy(q, k_pool, v_pool, grp):  # type: ignore[no-untyped-def]
+    def spy(q, k_pool, v_pool, grp, **kwargs):  # type: ignore[no-untyped-def]
         calls.append((grp.shape.width, grp.shape.qsa_select))
-        return real(q, k_pool, v_pool, grp)
+        return real(q, k_pool, v_pool, grp, **kwargs)
 
     monkeypatch.setattr(layers, "attn_paged", spy)
     monkeypatch.setattr(regions, "attn_paged", spy)

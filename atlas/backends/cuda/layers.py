@@ -297,11 +297,20 @@ def gdn_out(spec: ModelSpec, out: torch.Tensor, z: torch.Tensor, norm_w: torch.T
     return o.reshape(b, t, -1) @ out_w.T
 
 
+def decode_pdl(tuning: Tuning, grp: Group) -> bool:
+    """Whether a group's own Triton kernels (the GDN update, the paged attention, the routed experts) launch with
+    programmatic dependent launch (Tuning.decode_pdl, atlas_kernels.pdl): decode groups (one token a row) only, prefill
+    chunks and verifies never."""
+    return tuning.decode_pdl == "on" and grp.shape.width == 1
+
+
 def gdn_update(spec: ModelSpec, w: dict[str, torch.Tensor], pre: str, layer: int, parts: tuple[torch.Tensor, ...],
-               grp: Group, pools: DevicePools, kernel: GdnKernel | None, conv_written: bool = False) -> torch.Tensor:
+               grp: Group, pools: DevicePools, kernel: GdnKernel | None, conv_written: bool = False,
+               pdl: bool = False) -> torch.Tensor:
     """gdn_in's parts -> the recurrence's output [B, T, nv, dv], writing the conv and recurrent state and their
     stamps at the group's slots (a wide verify keeps the state after each row instead). conv_written: the conv
-    state's data is in its pool already (a compiled region's head wrote it; its stamp is the caller's)."""
+    state's data is in its pool already (a compiled region's head wrote it; its stamp is the caller's). pdl: the
+    kernel's decode launch with programmatic dependent launch (decode_pdl)."""
     q, k, v, _z, beta_raw, a, cols = parts
     if not conv_written:
         put_conv(pools, grp, f"conv{layer}", cols)
@@ -309,7 +318,7 @@ def gdn_update(spec: ModelSpec, w: dict[str, torch.Tensor], pre: str, layer: int
     if kernel is not None:  # the kernel computes the gates from the raw projections (decode: in-kernel)
         # the kernel writes the live state and its stamp itself (unless keep: then the kept rows, here)
         out, states = kernel(q, k, v, a, beta_raw, w[pre + "A_log"], w[pre + "dt_bias"], state_pool, grp.slots,
-                             keep=grp.shape.keep, stamp=(pools.stamp[f"gdn{layer}"], grp.ends))
+                             keep=grp.shape.keep, stamp=(pools.stamp[f"gdn{layer}"], grp.ends), pdl=pdl)
         if grp.shape.keep:
             pools.put(f"gdn{layer}", grp.slots, grp.positions, None, states.transpose(0, 1), True, grp.ends)
         return out
@@ -326,12 +335,13 @@ def gdn_update(spec: ModelSpec, w: dict[str, torch.Tensor], pre: str, layer: int
 
 
 def gdn_layer(spec: ModelSpec, w: dict[str, torch.Tensor], pre: str, layer: int, x: torch.Tensor, grp: Group,
-              pools: DevicePools, kernel: GdnKernel | None, library_conv: bool = False) -> torch.Tensor:
+              pools: DevicePools, kernel: GdnKernel | None, library_conv: bool = False, pdl: bool = False
+              ) -> torch.Tensor:
     """x [B, T, H] -> [B, T, H] through one Gated DeltaNet layer (conv and recurrent state, with their stamps,
     at the group's slots; a wide verify keeps the state after each row instead)."""
     parts = gdn_in(spec, x, w[pre + "fused_in.weight"], w[pre + "conv1d.weight"], pools.state[f"conv{layer}"][grp.slots],
                    library_conv)
-    out = gdn_update(spec, w, pre, layer, parts, grp, pools, kernel)
+    out = gdn_update(spec, w, pre, layer, parts, grp, pools, kernel, pdl=pdl)
     return gdn_out(spec, out, parts[3], w[pre + "norm.weight"], w[pre + "out_proj.weight"])
 
 
@@ -464,16 +474,18 @@ def attn_gate_out(out: torch.Tensor, gate: torch.Tensor, o_w: torch.Tensor, b: i
     return (out @ o_w.T).view(b, t, -1)
 
 
-def attn_paged(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, grp: Group) -> torch.Tensor:
+def attn_paged(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, grp: Group, pdl: bool = False
+               ) -> torch.Tensor:
     """A decode group's attention (T = 1, dense: no QSA selection) over the paged KV through the split-K kernel
     (Tuning.decode_attention = "paged"): q [R, nh, hd] normed and roped -> [R, nh, hd]. Keys are read in place
-    through the block table; each row sees positions [0, grp.ends) (its own key written before the call)."""
+    through the block table; each row sees positions [0, grp.ends) (its own key written before the call). pdl: its
+    two kernels launched with programmatic dependent launch (decode_pdl)."""
     from atlas_kernels.paged_attention import paged_attention
 
     b, t = grp.positions.shape
     block_size = k_pool.shape[1]
     out = paged_attention(q.view(b, t, *q.shape[1:]), k_pool, v_pool, grp.block_table, grp.ends, q.shape[-1] ** -0.5,
-                          grp.shape.key_blocks * block_size)
+                          grp.shape.key_blocks * block_size, pdl=pdl)
     return out.view(b * t, *q.shape[1:])
 
 
@@ -494,16 +506,16 @@ def library_conv(tuning: Tuning, grp: Group, invariant: bool) -> bool:
 
 def attention_layer(spec: ModelSpec, w: dict[str, torch.Tensor], pre: str, layer: int, x: torch.Tensor,
                     grp: Group, pools: DevicePools, cos: torch.Tensor, sin: torch.Tensor, *,
-                    sdpa: bool = False, paged: bool = False) -> torch.Tensor:
+                    sdpa: bool = False, paged: bool = False, pdl: bool = False) -> torch.Tensor:
     """x [B, T, H] -> [B, T, H]: gated attention over the paged KV (QSA-selected past the inert bound).
     sdpa: the scores through F.scaled_dot_product_attention (Tuning.attention / decode_attention); paged: the
-    split-K kernel (attn_paged; a dense decode group only)."""
+    split-K kernel (attn_paged; a dense decode group only), pdl its launches' (decode_pdl)."""
     q, gate, k, v, qk = attn_in(spec, x, w[pre + "fused_in.weight"], w[pre + "q_norm.weight"],
                                 w[pre + "k_norm.weight"], cos, sin)
     attn_write(spec, layer, k, v, qk, grp, pools)
     if paged:
         b, t = grp.positions.shape
-        return attn_gate_out(attn_paged(q, pools.keys[layer], pools.values[layer], grp), gate,
+        return attn_gate_out(attn_paged(q, pools.keys[layer], pools.values[layer], grp, pdl=pdl), gate,
                              w[pre + "o_proj.weight"], b, t)
     return attn_core(spec, q, gate, qk, *attn_sources(spec, w, pre, layer, grp, pools), cos, sin,
                      grp.shape.qsa_select, sdpa)
@@ -535,17 +547,18 @@ def moe_router(moe: MoeSpec, x: torch.Tensor, fused_in: torch.Tensor, shared_dow
 
 
 def moe_layer(moe: MoeSpec, w: dict[str, torch.Tensor], pre: str, x: torch.Tensor, *, eager: bool = False,
-              mode: str | None = None, compile_mode: str = "none") -> torch.Tensor:
+              mode: str | None = None, compile_mode: str = "none", pdl: bool = False) -> torch.Tensor:
     """x [R, H] -> [R, H]: top-k routed experts (moe_routed) + sigmoid-gated shared expert. compile_mode: the
-    router + shared expert through torch.compile (the routed experts not)."""
+    router + shared expert through torch.compile (the routed experts not); pdl: moe_routed's."""
     router = compiled(moe_router, compile_mode)
     top_w, top_i, shared = router(moe, x, w[pre + "fused_in.weight"], w[pre + "shared_expert.down_proj.weight"])
-    return moe_routed(moe, w, pre, x, top_w, top_i, eager=eager, mode=mode) + shared
+    return moe_routed(moe, w, pre, x, top_w, top_i, eager=eager, mode=mode, pdl=pdl) + shared
 
 
 def moe_routed(moe: MoeSpec, w: dict[str, torch.Tensor], pre: str, x: torch.Tensor, top_w: torch.Tensor,
                top_i: torch.Tensor, *, eager: bool = False, mode: str | None = None,
-               route: tuple[torch.Tensor, torch.Tensor] | None = None, summed: bool = True) -> torch.Tensor:
+               route: tuple[torch.Tensor, torch.Tensor] | None = None, summed: bool = True, pdl: bool = False
+               ) -> torch.Tensor:
     """sum_k top_w * expert_{top_i}(x) [R, H] (summed=False with mode "triton" / "grouped_mm": the pairs' weighted outputs
     [R, K, H], each the row's own slot k, the sum over k the caller's; every other mode sums here).
 
@@ -556,14 +569,15 @@ def moe_routed(moe: MoeSpec, w: dict[str, torch.Tensor], pre: str, x: torch.Tens
     mode (Tuning.moe / prefill_moe) overrides eager: "grouped" is eager; "torch" / "dense" the fixed shapes;
     "triton" / "grouped_mm" route on the device and read the chosen experts in place (atlas.backends.cuda.moe:
     no host sync, graph-capturable). "grouped_mm" falls back to "triton" where torch._grouped_mm fails its
-    feature test. route: the pairs' (order, offsets) for "triton" if the caller counted them (moe.counted_route)."""
+    feature test. route: the pairs' (order, offsets) for "triton" if the caller counted them (moe.counted_route).
+    pdl: "triton"'s two kernels launched with programmatic dependent launch (decode_pdl; the other modes ignore it)."""
     eager = mode == "grouped" if mode is not None else eager
     rows = x.shape[0]
     gate_up, down = w[pre + "experts.gate_up_proj"], w[pre + "experts.down_proj"]
     if mode == "grouped_mm" and not grouped_mm_works(x.device.type, x.dtype):
         mode = "triton"
     if mode == "triton":
-        return routed_triton(x, top_i, top_w, gate_up, down, route, summed)
+        return routed_triton(x, top_i, top_w, gate_up, down, route, summed, pdl)
     if mode == "grouped_mm":
         return routed_grouped_mm(x, top_i, top_w, gate_up, down, route, summed)
     if eager:
@@ -688,6 +702,7 @@ class _GroupOps:
         # torch.compile for decode groups only (fixed shapes, captured under the graphs); prefill stays eager
         self.compile_mode = "none" if eager_moe else tuning.compile_decode
         self.library_conv = library_conv(tuning, grp, invariant)
+        self.pdl = decode_pdl(tuning, grp)  # the group's own kernels' programmatic dependent launch
         dtype = w["embed_tokens.weight"].dtype
         self.cos, self.sin = rope_table(grp.positions.reshape(-1), spec.rotary_dim, spec.rope_theta, dtype)
 
@@ -697,9 +712,9 @@ class _GroupOps:
             sdpa, paged = attention_kind(self.grp, self.tuning.attention if self.grp.shape.width > 1
                                          else self.tuning.decode_attention)
             return attention_layer(spec, w, pre + "self_attn.", layer, x, self.grp, self.pools, self.cos, self.sin,
-                                   sdpa=sdpa, paged=paged)
+                                   sdpa=sdpa, paged=paged, pdl=self.pdl)
         return gdn_layer(spec, w, pre + "linear_attn.", layer, x, self.grp, self.pools, self.gdn_kernel,
-                         self.library_conv)
+                         self.library_conv, self.pdl)
 
     def ffn(self, layer: int, x: torch.Tensor) -> torch.Tensor:
         b, t = self.grp.tokens.shape
@@ -707,7 +722,7 @@ class _GroupOps:
         rows = x.reshape(b * t, -1)
         if self.spec.moe_layers[layer] and self.spec.moe is not None:
             return moe_layer(self.spec.moe, self.w, pre, rows, mode=self.moe_mode,
-                             compile_mode=self.compile_mode).view(b, t, -1)
+                             compile_mode=self.compile_mode, pdl=self.pdl).view(b, t, -1)
         return dense_mlp(self.w, pre, rows).view(b, t, -1)
 
     def norm(self, x: torch.Tensor, name: str) -> torch.Tensor:

@@ -18,13 +18,14 @@ import torch.nn.functional as F
 
 def routed_triton(x: torch.Tensor, top_i: torch.Tensor, top_w: torch.Tensor, gate_up: torch.Tensor,
                   down: torch.Tensor, route: tuple[torch.Tensor, torch.Tensor] | None = None,
-                  summed: bool = True) -> torch.Tensor:
+                  summed: bool = True, pdl: bool = False) -> torch.Tensor:
     """sum_k top_w * expert(x) [R, H] through atlas_kernels.moe_grouped (two kernels + routing + the sum);
     `route`: the (order, offsets) of the pairs if the caller computed them (counted_route); summed=False: the
-    pairs' weighted outputs [R, K, H], the sum left to the caller (regions.settle)."""
+    pairs' weighted outputs [R, K, H], the sum left to the caller (regions.settle); pdl: the two kernels launched
+    with programmatic dependent launch (Tuning.decode_pdl, decode groups)."""
     from atlas_kernels.moe_grouped import moe_grouped
 
-    return moe_grouped(x, top_i, top_w, gate_up, down, route=route, summed=summed)
+    return moe_grouped(x, top_i, top_w, gate_up, down, route=route, summed=summed, pdl=pdl)
 
 
 # ranked_topk / counted_route: for at most this many experts (their [R, E, E] / [R * K, E] temporaries)

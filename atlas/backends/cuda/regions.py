@@ -38,6 +38,7 @@ from atlas.backends.cuda.layers import (
     attn_paged,
     attn_sources,
     attn_store,
+    decode_pdl,
     gdn_in,
     gdn_out,
     gdn_update,
@@ -273,6 +274,9 @@ def regions_stack(spec: ModelSpec, w: dict[str, torch.Tensor], pools: DevicePool
         import atlas_kernels.conv  # noqa: F401  (registers torch.ops.atlas.causal_conv_prefill)
     # the routed kernels take the pairs' order computed in the tail region: ranked (decode) or counted (prefill)
     route = ("counted" if prefill else "ranked") if moe_mode in ("triton", "grouped_mm") else ""
+    # the group's own kernels (GDN update, paged attention, routed experts) with programmatic dependent launch:
+    # decode groups only (Tuning.decode_pdl)
+    pdl = decode_pdl(tuning, grp)
     ple_layers = spec.ple.layers if spec.ple is not None else ()
     pending: Pending = (None, None, None)
     for layer in range(spec.num_layers):
@@ -306,7 +310,7 @@ def regions_stack(spec: ModelSpec, w: dict[str, torch.Tensor], pools: DevicePool
                                                   w[a + "k_norm.weight"], cos, sin, tok(write), k_pool, v_pool,
                                                   raw_pool, gemv, mix_up)
             if paged:
-                att = attn_paged(q, k_pool, v_pool, grp)
+                att = attn_paged(q, k_pool, v_pool, grp, pdl=pdl)
                 streams, rows, inject, top_w, top_i, shared, pairs = post_a(spec, streams, inject, att, gate, o_w,
                                                                             *ffn_site, *moe_w, route, gemv)
             elif prefill:
@@ -329,14 +333,14 @@ def regions_stack(spec: ModelSpec, w: dict[str, torch.Tensor], pools: DevicePool
                                              w[g + "fused_in.weight"], w[g + "conv1d.weight"],
                                              pools.state[f"conv{layer}"], grp.slots, head_library, gemv,
                                              head_fused, mix_up)
-            out = gdn_update(spec, w, g, layer, tuple(parts), grp, pools, gdn_kernel, conv_written=True)
+            out = gdn_update(spec, w, g, layer, tuple(parts), grp, pools, gdn_kernel, conv_written=True, pdl=pdl)
             streams, rows, inject, top_w, top_i, shared, pairs = tail_g(
                 spec, tok(streams), tok(inject), tok(out), tok(parts[3]), w[g + "norm.weight"],
                 w[g + "out_proj.weight"], *ffn_site, *moe_w, route, gemv, mix_up)
         if moe:
             assert spec.moe is not None and top_w is not None and top_i is not None
             routed = moe_routed(spec.moe, w, pre + "mlp.", rows, top_w, top_i, mode=moe_mode, route=pairs,
-                                summed=False)
+                                summed=False, pdl=pdl)
         else:
             routed, shared = dense_mlp(w, pre + "mlp.", rows), None
         pending = (routed, shared, inject)

@@ -97,14 +97,17 @@ def triton_gdn(work: str = "fp32", prepare: str = "scratch") -> GdnKernel | None
 
     def gdn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor, b_raw: torch.Tensor,
             a_log: torch.Tensor, dt_bias: torch.Tensor, pool: torch.Tensor, slots: torch.Tensor, *, keep: bool = False,
-            stamp: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+            stamp: tuple[torch.Tensor, torch.Tensor] | None = None, pdl: bool = False
+            ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(out, per-token states [B, T, ...] when `keep`: a wide verify, whose live state is left as it was).
-        stamp: (the state's stamps [slots], each row's new stamp [B]), written with the state unless `keep`."""
+        stamp: (the state's stamps [slots], each row's new stamp [B]), written with the state unless `keep`. pdl: the
+        decode update launched with programmatic dependent launch (Tuning.decode_pdl; the verify and the chunk
+        prefill never)."""
         if keep:  # a verify: every row's state kept for the commit, the slot not written
             return gdn_recurrent_gated(q, k, v, a, b_raw, a_log, dt_bias, pool, slots, store_states=True,
                                        commit=False)
         if q.shape[1] == 1:  # g, beta and the stamp in the kernel: no separate launches for them per layer
-            return gdn_recurrent_gated(q, k, v, a, b_raw, a_log, dt_bias, pool, slots, stamp=stamp)[0], None
+            return gdn_recurrent_gated(q, k, v, a, b_raw, a_log, dt_bias, pool, slots, stamp=stamp, pdl=pdl)[0], None
         # the split chunk kernel (chunk-local products in a parallel kernel, then the state scan), dv tile 32 with
         # 4 scan warps: 435 us a 2,048-token layer on an H200 against the fused kernel's 683 (session 6 run 1,
         # benchmarks/kernels.py --only chunk; fla-core 0.6.0's chunk_gated_delta_rule: 626 us, session 10); the

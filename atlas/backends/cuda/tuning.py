@@ -25,6 +25,7 @@ PREFILL_GRAPHS = ("none", "recurring")
 GDN_WORK = ("fp32", "bf16")
 MIX_UP = ("inductor", "triton")
 GDN_PREPARE = ("scratch", "registers")
+PDL = ("off", "on")
 
 
 def _one_of(options: tuple[str, ...]):  # type: ignore[no-untyped-def]
@@ -119,6 +120,13 @@ class Tuning:
     # computed from k's 16-row blocks and inverted in registers, its products in the work dtype and p stored in it
     # (H200 session 15: the chunk call 221.9 -> 146.5 us a 2,048-token layer with bf16 work; in regions-compile)
     gdn_prepare: str = attrs.field(default="scratch", validator=_one_of(GDN_PREPARE))
+    # programmatic dependent launch for our own Triton kernels in decode groups (atlas_kernels.pdl; prefill chunks and
+    # verifies keep it off): "on" launches the GDN update, the paged attention's partition and merge and the routed
+    # experts' gate-up and down with the programmatic-stream-serialization attribute on sm_90+, each waiting
+    # (griddepcontrol.wait) before its first global load or store and then letting the next kernel launch, so a
+    # kernel's launch and prologue overlap the tail of the one before it (a b1 decode step is ~840 kernels of ~2-3 us
+    # on the H200). compile_decode "combo-pdl" does the same for Inductor's kernels. Session 16, unmeasured
+    decode_pdl: str = attrs.field(default="off", validator=_one_of(PDL))
 
     def __attrs_post_init__(self) -> None:
         if self.prefill_graphs != "none" and self.prefill_moe == "grouped":
@@ -200,6 +208,11 @@ VARIANTS: dict[str, Tuning] = {
     # session 16, unmeasured): each generated kernel's launch and prologue overlap the tail of the one before it, for
     # the b1 decode's ~700 Inductor kernels of ~2.7 us (atlas.backends.cuda.compiled)
     "regions-pdl": attrs.evolve(_REGIONS, compile_decode="combo-pdl", compile_prefill="combo-pdl"),
+    # regions-pdl with our own decode kernels launched with programmatic dependent launch too (decode_pdl "on",
+    # session 16, unmeasured): the GDN update, paged attention and routed experts between the Inductor kernels, so
+    # the chain of early launches is not broken at each of them
+    "regions-pdl-kernels": attrs.evolve(_REGIONS, compile_decode="combo-pdl", compile_prefill="combo-pdl",
+                                        decode_pdl="on"),
     # regions-compile with the GDN chunk prefill's intermediates and scan products in fp32 / tf32 (what gdn_work
     # "bf16" replaced in session 14: the backend's chunk call 322.5 -> 221.8 us a 2,048-token layer; H200 run 1,
     # with 2 scan stages, prefill 2,048 27.6 -> 26.9 ms)

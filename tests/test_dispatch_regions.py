@@ -1,0 +1,33 @@
+"""benchmarks/dispatch_count.py --regions-as-calls: a compiled-regions step counted on the CPU without compiling,
+each region call one and the launches outside the regions one each (what the regions work of session 16 measured)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import dispatch_count
+
+pytestmark = pytest.mark.slow
+
+
+def test_a_compiled_decode_counts_each_region_call_once_and_nothing_inside() -> None:
+    from atlas.backends.cuda import regions
+
+    real = regions.compiled
+    row = dispatch_count.count_step("regions-compile", batch=1, context=20, layers=4, regions_as_calls=True)
+    assert regions.compiled is real  # put back
+    calls = {k[len("region:"):]: v for k, v in row["by_op"].items() if k.startswith("region:")}
+    # the benchmark model's first 4 layers: three GDN (one with PLE) and one attention; the prologue and final mix
+    assert calls == {"prologue": 1, "ple_block": 1, "gdn_head": 3, "gdn_tail": 3, "attn_head": 1, "attn_post": 1,
+                     "final_mix": 1}, calls
+    assert row["region_calls"] == 11
+    # inside the regions nothing is counted: no hyper-site norm, no router top-k, no sigmoid of a gate
+    assert not {"rms_norm", "topk", "sigmoid", "softmax"} & set(row["by_op"])
+    # what the regions leave outside: the GDN update, the paged attention and the routed experts (Triton), the step's
+    # stamps, the n-gram ids, the lm head
+    assert row["by_op"]["triton:_gdn_recurrent_kernel"] == 3 and row["by_op"]["triton:_moe_down_kernel"] == 4
+    assert row["gemms"] == 1

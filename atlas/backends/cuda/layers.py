@@ -653,14 +653,19 @@ def device_ngram_ids(pools: DevicePools, grp: Group, ple: PleSpec, tables: Seque
     as device int64 tensors. Replaces the host's per-row Python ids: for decode (H200, session 5: 2,048
     `_ngram_one` calls a batch-64 step, ~0.4 ms of host time before the graph could launch) and for prefill
     chunks (session 11: a 2,048-token chunk's ids, their `tolist` and packing were ~2-4 ms of host time)."""
-    ctx = pools.state["pctx"][grp.slots]  # [B, L]
-    length, width = ctx.shape[1], grp.shape.width
+    return ngram_ids_from(pools.state["pctx"][grp.slots], grp.tokens, ple, tables)
+
+
+def ngram_ids_from(ctx: torch.Tensor, tokens: torch.Tensor, ple: PleSpec, tables: Sequence[tuple[torch.Tensor, ...]]
+                   ) -> torch.Tensor:
+    """device_ngram_ids' arithmetic (pure): the slots' n-gram context ctx [B, L] continued by tokens [B, T]."""
+    length, width = ctx.shape[1], tokens.shape[1]
     if length < ple.ngram_size - 1:
         raise ValueError(f"the PLE context holds {length} ids; n-grams of {ple.ngram_size} need {ple.ngram_size - 1}")
-    history = torch.cat([ctx, grp.tokens], dim=1)  # [B, L + T]; the new tokens at L .. L + T - 1
+    history = torch.cat([ctx, tokens], dim=1)  # [B, L + T]; the new tokens at L .. L + T - 1
     eos = ple.eos_token_id
     shifted = [history[:, length:]]
-    eos_between = torch.zeros_like(grp.tokens, dtype=torch.bool)
+    eos_between = torch.zeros_like(tokens, dtype=torch.bool)
     for back in range(1, ple.ngram_size):  # the token `back` positions before, or EOS past an EOS
         before = history[:, length - back : length - back + width]
         eos_between = eos_between | (before == eos)  # an EOS among the `back` tokens before

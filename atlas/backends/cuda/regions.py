@@ -7,6 +7,8 @@ each op is several small kernels (a hyper-connection site ~13, the norms, gates,
 GEMMs). Here the stack is cut at the state writes instead of at the ops, and each piece between two writes is one
 function of tensors that Inductor fuses into a few kernels around its GEMMs:
 
+    prologue (a compiled decode): the embedded streams, the rotary table, the PLE n-gram ids
+    [ple: the previous ffn settled + the PLE addition + its conv state write (compiled groups)]
     head:  [the previous layer's ffn tail: routed + shared experts, injection] + PLE-free hyper site (attn)
            + the mixer's in-projection (+ GDN's causal conv over the slot's conv state, + attention's q/k
            norms and rotary)
@@ -25,9 +27,12 @@ hyper-connection models run here; everything else takes the layer stack.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
+import attrs
 import torch
 
-from atlas.backends.cuda.batch import Group
+from atlas.backends.cuda.batch import Group, GroupShape
 from atlas.backends.cuda.compiled import compiled
 from atlas.backends.cuda.layers import (
     GdnKernel,
@@ -46,6 +51,7 @@ from atlas.backends.cuda.layers import (
     library_conv,
     moe_routed,
     moe_router,
+    ngram_ids_from,
     ple_layer,
     ple_mix,
     ple_weights,
@@ -209,13 +215,24 @@ def final_mix(spec: ModelSpec, streams: torch.Tensor, routed: torch.Tensor | Non
     return final
 
 
-def prologue(spec: ModelSpec, tokens: torch.Tensor, positions: torch.Tensor, embed: torch.Tensor
-             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A decode group's first region: (the streams [B, T, hc*H], the embedded tokens repeated per stream; cos, sin of
-    the rotary table at the positions). Eagerly ~10 launches a step (arange, the frequencies' pow / reciprocal /
-    product, cat, cos, sin, casts, the gather and the streams' cat)."""
+def prologue(spec: ModelSpec, tokens: torch.Tensor, positions: torch.Tensor, embed: torch.Tensor,
+             ctx: torch.Tensor | None, tables: Sequence[tuple[torch.Tensor, ...]]
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """A compiled decode group's first region: (the streams [B, T, hc*H], the embedded tokens repeated per stream;
+    cos, sin of the rotary table at the positions; the PLE n-gram ids from the slots' n-gram context `ctx` [B, L],
+    layers.device_ngram_ids' [P, B, T, heads], or None without PLE). Eagerly ~40 launches a step (the table's
+    arange, pow, reciprocal, product, cat, cos, sin and casts; the gather and the streams' cat; the n-gram ids' ~30
+    integer ops)."""
     cos, sin = rope_table(positions.reshape(-1), spec.rotary_dim, spec.rope_theta, embed.dtype)
-    return torch.cat([embed[tokens]] * spec.hc_count, dim=-1), cos, sin
+    ids = ngram_ids_from(ctx, tokens, spec.ple, tables) if ctx is not None and spec.ple is not None else None
+    return torch.cat([embed[tokens]] * spec.hc_count, dim=-1), cos, sin, ids
+
+
+def computes_ngram_ids(spec: ModelSpec, shape: GroupShape, tuning: Tuning) -> bool:
+    """Whether regions_stack computes a group's n-gram ids itself (in the compiled prologue): a compiled decode group
+    of a PLE model. The runner then leaves Group.ngram_ids None (layers.device_ngram_ids eagerly otherwise)."""
+    return (spec.ple is not None and shape.ngram_on_device and shape.width == 1 and not shape.keep
+            and spec.has_hyper_connections and tuning.decode_stack == "regions" and tuning.compile_decode != "none")
 
 
 def _same(x: torch.Tensor | None) -> torch.Tensor | None:
@@ -233,7 +250,8 @@ def _token_dim(x: torch.Tensor | None) -> torch.Tensor | None:
 
 
 def regions_stack(spec: ModelSpec, w: dict[str, torch.Tensor], pools: DevicePools, grp: Group, *,
-                  gdn_kernel: GdnKernel | None, tuning: Tuning, invariant: bool = False) -> torch.Tensor:
+                  gdn_kernel: GdnKernel | None, tuning: Tuning, invariant: bool = False,
+                  ngram_tables: Sequence[tuple[torch.Tensor, ...]] = ()) -> torch.Tensor:
     """The group's final hidden states [B, T, H]: decoder_stack's result, cut into regions. A decode group takes
     the decode knobs (compile_decode, moe, decode_attention), a prefill chunk the prefill ones (compile_prefill
     with the token dimension symbolic: one compile a region kind serves every chunk length; prefill_moe,
@@ -249,8 +267,12 @@ def regions_stack(spec: ModelSpec, w: dict[str, torch.Tensor], pools: DevicePool
     if prefill or mode == "none":
         cos, sin = rope_table(grp.positions.reshape(-1), spec.rotary_dim, spec.rope_theta, dtype)
         streams = torch.cat([w["embed_tokens.weight"][grp.tokens]] * spec.hc_count, dim=-1)
-    else:  # a compiled decode: the step's ~10 eager launches before the first layer as one region
-        streams, cos, sin = compiled(prologue, mode)(spec, grp.tokens, grp.positions, w["embed_tokens.weight"])
+    else:  # a compiled decode: the step's ~40 eager launches before the first layer as one region
+        ctx = pools.state["pctx"][grp.slots] if grp.ngram_ids is None and spec.ple is not None else None
+        streams, cos, sin, ids = compiled(prologue, mode)(spec, grp.tokens, grp.positions, w["embed_tokens.weight"],
+                                                          ctx, ngram_tables)
+        if ids is not None:
+            grp = attrs.evolve(grp, ngram_ids=ids)
     cos, sin = tok(cos), tok(sin)
     write = grp.write_slots.reshape(-1)
     # a decode group of few rows: the hyper sites' and router's products as reductions Inductor fuses (linear)

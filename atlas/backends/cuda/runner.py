@@ -325,7 +325,9 @@ class CudaBackend:
         grp = Group.view(packed, shape, self.block_size)
         if shape.ngram_on_device:
             assert self.spec.ple is not None
-            grp = attrs.evolve(grp, ngram_ids=device_ngram_ids(self.pools, grp, self.spec.ple, self._ple_tables_dev))
+            if not regions.computes_ngram_ids(self.spec, shape, self.tuning):  # else the compiled prologue does
+                grp = attrs.evolve(grp, ngram_ids=device_ngram_ids(self.pools, grp, self.spec.ple,
+                                                                   self._ple_tables_dev))
         return grp
 
     def _run_group(self, packed: torch.Tensor, shape: GroupShape) -> torch.Tensor:
@@ -333,7 +335,8 @@ class CudaBackend:
         # decode groups take graph-capturable paths; prefill groups run eagerly (tuning.prefill_moe may sync)
         eager = shape.width > 1 and not shape.pending
         if regions.applies(self.spec, grp, self.tuning):
-            hidden = regions.regions_stack(self.spec, self.weights, self.pools, grp, gdn_kernel=self.gdn_kernel,
+            hidden = regions.regions_stack(self.spec, self.weights, self.pools, grp, ngram_tables=self._ple_tables_dev,
+                                           gdn_kernel=self.gdn_kernel,
                                            tuning=self.tuning, invariant=self.batch_invariant)
         else:
             hidden = forward_group(self.spec, self.weights, self.pools, grp, eager_moe=eager,

@@ -216,15 +216,17 @@ def final_mix(spec: ModelSpec, streams: torch.Tensor, routed: torch.Tensor | Non
 
 
 def prologue(spec: ModelSpec, tokens: torch.Tensor, positions: torch.Tensor, embed: torch.Tensor,
-             ctx: torch.Tensor | None, tables: Sequence[tuple[torch.Tensor, ...]]
+             ctx_pool: torch.Tensor | None, slots: torch.Tensor, tables: Sequence[tuple[torch.Tensor, ...]]
              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """A compiled decode group's first region: (the streams [B, T, hc*H], the embedded tokens repeated per stream;
-    cos, sin of the rotary table at the positions; the PLE n-gram ids from the slots' n-gram context `ctx` [B, L],
-    layers.device_ngram_ids' [P, B, T, heads], or None without PLE). Eagerly ~40 launches a step (the table's
-    arange, pow, reciprocal, product, cat, cos, sin and casts; the gather and the streams' cat; the n-gram ids' ~30
-    integer ops)."""
+    cos, sin of the rotary table at the positions; the PLE n-gram ids from the slots' n-gram contexts (the pool
+    `ctx_pool` [slots, L] at `slots`), layers.device_ngram_ids' [P, B, T, heads], or None when ctx_pool is None).
+    Eagerly ~40 launches a step (the table's arange, pow, reciprocal, product, cat, cos, sin and casts; the gather and
+    the streams' cat; the context's gather and the n-gram ids' ~30 integer ops)."""
     cos, sin = rope_table(positions.reshape(-1), spec.rotary_dim, spec.rope_theta, embed.dtype)
-    ids = ngram_ids_from(ctx, tokens, spec.ple, tables) if ctx is not None and spec.ple is not None else None
+    ids = None
+    if ctx_pool is not None and spec.ple is not None:
+        ids = ngram_ids_from(ctx_pool[slots], tokens, spec.ple, tables)
     return torch.cat([embed[tokens]] * spec.hc_count, dim=-1), cos, sin, ids
 
 
@@ -268,9 +270,9 @@ def regions_stack(spec: ModelSpec, w: dict[str, torch.Tensor], pools: DevicePool
         cos, sin = rope_table(grp.positions.reshape(-1), spec.rotary_dim, spec.rope_theta, dtype)
         streams = torch.cat([w["embed_tokens.weight"][grp.tokens]] * spec.hc_count, dim=-1)
     else:  # a compiled decode: the step's ~40 eager launches before the first layer as one region
-        ctx = pools.state["pctx"][grp.slots] if grp.ngram_ids is None and spec.ple is not None else None
+        ctx_pool = pools.state["pctx"] if grp.ngram_ids is None and spec.ple is not None else None
         streams, cos, sin, ids = compiled(prologue, mode)(spec, grp.tokens, grp.positions, w["embed_tokens.weight"],
-                                                          ctx, ngram_tables)
+                                                          ctx_pool, grp.slots, ngram_tables)
         if ids is not None:
             grp = attrs.evolve(grp, ngram_ids=ids)
     cos, sin = tok(cos), tok(sin)

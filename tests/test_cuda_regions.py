@@ -146,8 +146,10 @@ def test_every_region_traces_whole(tiny, monkeypatch: pytest.MonkeyPatch) -> Non
     assert want_state.keys() == got_state.keys()
     for name, w in want_state.items():
         assert torch.equal(w, got_state[name]), name
-    assert {"gdn_head", "attn_head", "gdn_tail", "attn_tail", "final_mix", "ple_block", "prologue"} <= set(traced)
-    assert compiles["prologue"] == 1, compiles  # a compiled decode's (prefill chunks keep theirs eager)
+    assert {"gdn_head", "attn_head", "gdn_tail", "attn_tail", "final_mix", "ple_block", "prologue",
+            "group_columns"} <= set(traced)
+    # a compiled decode's (prefill chunks keep theirs eager); the group's columns for the decode steps only
+    assert compiles["prologue"] == 1 and compiles["group_columns"] == 1, compiles
     # atlas-tiny's PLE layers are its first two: the first settles no ffn, the second does (two graphs), each for
     # the prefill chunks (token dimension symbolic) and for the decode
     assert compiles["ple_block"] == 4, compiles

@@ -22,12 +22,14 @@ def test_a_compiled_decode_counts_each_region_call_once_and_nothing_inside() -> 
     assert regions.compiled is real  # put back
     calls = {k[len("region:"):]: v for k, v in row["by_op"].items() if k.startswith("region:")}
     # the benchmark model's first 4 layers: three GDN (one with PLE) and one attention; the prologue and final mix
-    assert calls == {"prologue": 1, "ple_block": 1, "gdn_head": 3, "gdn_tail": 3, "attn_head": 1, "attn_post": 1,
-                     "final_mix": 1}, calls
-    assert row["region_calls"] == 11
+    assert calls == {"group_columns": 1, "prologue": 1, "ple_block": 1, "gdn_head": 3, "gdn_tail": 3, "attn_head": 1,
+                     "attn_post": 1, "final_mix": 1}, calls
+    assert row["region_calls"] == 12
     # inside the regions nothing is counted: no hyper-site norm, no router top-k, no sigmoid of a gate; and the
     # prologue's rotary table and n-gram ids (regions.computes_ngram_ids: the runner leaves them to it)
-    assert not {"rms_norm", "topk", "sigmoid", "softmax", "cos", "sin", "bitwise_xor"} & set(row["by_op"])
+    # and the group's columns (positions, flat KV slots, stamps: regions.columns_of)
+    assert not {"rms_norm", "topk", "sigmoid", "softmax", "cos", "sin", "bitwise_xor", "gather", "floor_divide",
+                "arange"} & set(row["by_op"])
     # what the regions leave outside: the GDN update, the paged attention and the routed experts (Triton), the step's
     # stamps, the n-gram ids, the lm head
     assert row["by_op"]["triton:_gdn_recurrent_kernel"] == 3 and row["by_op"]["triton:_moe_down_kernel"] == 4

@@ -7,7 +7,7 @@ a fixed-shape function of that one buffer and can be captured in a CUDA graph.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import attrs
 import numpy as np
@@ -65,28 +65,41 @@ class Group:
     stamp_values: torch.Tensor
 
     @classmethod
-    def view(cls, packed: torch.Tensor, shape: GroupShape, block_size: int) -> Group:
+    def view(cls, packed: torch.Tensor, shape: GroupShape, block_size: int,
+             columns: Callable[..., tuple[torch.Tensor, ...]] | None = None) -> Group:
+        """The group of a packed buffer. `columns`: group_columns itself (default) or a compiled version of it (a
+        compiled decode's: its ~17 launches one region)."""
         b, t, kb = shape.batch, shape.width, shape.key_blocks
-        tokens = packed[:, :t]
-        start = packed[:, t]
-        # kernels index slots as a dense [B] array; a copy even at B = 1, where .contiguous() would keep the view's
-        # stride (the packed width): a compiled prefill region guards on it and would recompile per chunk width
-        slots = packed[:, t + 1].clone(memory_format=torch.contiguous_format)
-        sentinel = packed[:, t + 2]
-        table = packed[:, t + 3 : t + 3 + kb].contiguous()  # the paged kernel reads it as a dense [B, kb] array
+        tokens, positions, slots, sentinel, table, write, read, stamps, ends, stamp_at, stamp_values = (
+            columns or group_columns)(packed, t, kb, block_size, shape.pending)
         ngram = None
         if shape.ple_layers and not shape.ngram_on_device:  # (on the device: filled in by the runner's group)
             ngram = packed[:, t + 3 + kb :].reshape(b, shape.ple_layers, t, shape.ngram_heads).transpose(0, 1)
-        positions = start[:, None] + torch.arange(t, device=packed.device)[None, :]
-        write = table.gather(1, positions // block_size) * block_size + positions % block_size
-        offsets = torch.arange(block_size, device=packed.device)
-        read = (table[:, :, None] * block_size + offsets).reshape(b, kb * block_size)
-        stamps = (-(positions + 2) if shape.pending else positions).to(torch.int32)
-        ends = (start + t).to(torch.int32)
-        stamp_at = torch.cat([write.reshape(-1), sentinel])
-        stamp_values = torch.cat([stamps.reshape(-1), torch.full_like(sentinel, -1, dtype=torch.int32)])
         return cls(shape, tokens, positions, slots, table, ngram, write, read, stamps, sentinel, ends, stamp_at,
                    stamp_values)
+
+
+def group_columns(packed: torch.Tensor, t: int, kb: int, block_size: int, pending: bool) -> tuple[torch.Tensor, ...]:
+    """A packed buffer's columns and what every layer derives from them (pure): tokens, positions, slots, sentinel,
+    the block table, the new rows' flat KV slots, the key positions' flat slots, the rows' stamps, the states' end
+    stamp and the paged stamps' (flat slots, values)."""
+    b = packed.shape[0]
+    tokens = packed[:, :t]
+    start = packed[:, t]
+    # kernels index slots as a dense [B] array; a copy even at B = 1, where .contiguous() would keep the view's
+    # stride (the packed width): a compiled prefill region guards on it and would recompile per chunk width
+    slots = packed[:, t + 1].clone(memory_format=torch.contiguous_format)
+    sentinel = packed[:, t + 2]
+    table = packed[:, t + 3 : t + 3 + kb].contiguous()  # the paged kernel reads it as a dense [B, kb] array
+    positions = start[:, None] + torch.arange(t, device=packed.device)[None, :]
+    write = table.gather(1, positions // block_size) * block_size + positions % block_size
+    offsets = torch.arange(block_size, device=packed.device)
+    read = (table[:, :, None] * block_size + offsets).reshape(b, kb * block_size)
+    stamps = (-(positions + 2) if pending else positions).to(torch.int32)
+    ends = (start + t).to(torch.int32)
+    stamp_at = torch.cat([write.reshape(-1), sentinel])
+    stamp_values = torch.cat([stamps.reshape(-1), torch.full_like(sentinel, -1, dtype=torch.int32)])
+    return tokens, positions, slots, sentinel, table, write, read, stamps, ends, stamp_at, stamp_values
 
 
 Row = tuple[Sequence[int], int, int, Sequence[int], list[list[int]]]  # tokens, start, slot, block table, n-gram ids

@@ -27,12 +27,12 @@ hyper-connection models run here; everything else takes the layer stack.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import attrs
 import torch
 
-from atlas.backends.cuda.batch import Group, GroupShape
+from atlas.backends.cuda.batch import Group, GroupShape, group_columns
 from atlas.backends.cuda.compiled import compiled
 from atlas.backends.cuda.layers import (
     GdnKernel,
@@ -230,11 +230,24 @@ def prologue(spec: ModelSpec, tokens: torch.Tensor, positions: torch.Tensor, emb
     return torch.cat([embed[tokens]] * spec.hc_count, dim=-1), cos, sin, ids
 
 
+def compiled_decode(spec: ModelSpec, shape: GroupShape, tuning: Tuning) -> bool:
+    """Whether a group runs as compiled decode regions (applies, one token a row, compile_decode not "none"): the
+    runner then derives its columns with a compiled batch.group_columns, and leaves its n-gram ids to the prologue
+    (computes_ngram_ids)."""
+    return (shape.width == 1 and not shape.keep and spec.has_hyper_connections and tuning.decode_stack == "regions"
+            and tuning.compile_decode != "none")
+
+
+def columns_of(spec: ModelSpec, shape: GroupShape, tuning: Tuning) -> Callable[..., tuple[torch.Tensor, ...]] | None:
+    """The compiled batch.group_columns a compiled decode group's columns are derived with (~17 launches one
+    region), or None (Group.view's eager group_columns)."""
+    return compiled(group_columns, tuning.compile_decode) if compiled_decode(spec, shape, tuning) else None
+
+
 def computes_ngram_ids(spec: ModelSpec, shape: GroupShape, tuning: Tuning) -> bool:
     """Whether regions_stack computes a group's n-gram ids itself (in the compiled prologue): a compiled decode group
     of a PLE model. The runner then leaves Group.ngram_ids None (layers.device_ngram_ids eagerly otherwise)."""
-    return (spec.ple is not None and shape.ngram_on_device and shape.width == 1 and not shape.keep
-            and spec.has_hyper_connections and tuning.decode_stack == "regions" and tuning.compile_decode != "none")
+    return spec.ple is not None and shape.ngram_on_device and compiled_decode(spec, shape, tuning)
 
 
 def _same(x: torch.Tensor | None) -> torch.Tensor | None:

@@ -321,8 +321,9 @@ class CudaBackend:
             state.ple_context = (state.ple_context + list(chunk.tokens))[-self.spec.ple.context_len :]
 
     def _group(self, packed: torch.Tensor, shape: GroupShape) -> Group:
-        """The device views of a packed group; a decode group's n-gram ids computed from the slots' context."""
-        grp = Group.view(packed, shape, self.block_size)
+        """The device views of a packed group; a decode group's n-gram ids computed from the slots' context (by the
+        compiled prologue for compiled decode regions); a compiled decode's columns derived in one compiled region."""
+        grp = Group.view(packed, shape, self.block_size, regions.columns_of(self.spec, shape, self.tuning))
         if shape.ngram_on_device:
             assert self.spec.ple is not None
             if not regions.computes_ngram_ids(self.spec, shape, self.tuning):  # else the compiled prologue does

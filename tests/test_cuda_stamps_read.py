@@ -33,17 +33,23 @@ from atlas.plan import SeqWork, StepPlan
 
 
 def checked(store) -> dict[str, int]:
-    """Every read_cursors call of `store` also runs the reference and asserts the two agree."""
-    fast, seen = store.read_cursors, {"reads": 0, "seqs": 0}
+    """Every read of `store` also runs the reference and asserts the two agree: read_cursors, and read_held (which
+    read_cursors and the steady decode step, atlas.backends.cuda.steady, call with the states in hand)."""
+    fast, fast_held, seen = store.read_cursors, store.read_held, {"reads": 0, "seqs": 0}
 
     def both(seq_ids):
         got, want = fast(seq_ids), store.read_cursors_reference(seq_ids)
         assert got == want
+        return got
+
+    def both_held(key, live, states):
+        got = fast_held(key, live, states)
+        assert dict(zip(live, got, strict=True)) == store.read_cursors_reference(list(live))
         seen["reads"] += 1
         seen["seqs"] += len(got)
         return got
 
-    store.read_cursors = both
+    store.read_cursors, store.read_held = both, both_held
     return seen
 
 

@@ -133,11 +133,9 @@ class SteadyDecode:
                 ctx = s.ple_context
                 ctx.append(t)
                 del ctx[:-keep]
-        read = list(ids)
-        store.prefetch(read)
+        store.prefetch_held(ids, states)
         picked = sample_decode(b, shape, params, ends, logits)
-        cursors = store.read_cursors(read)
-        outcomes = tuple(map(SeqOutcome, ids, map(cursors.__getitem__, ids), picked))
+        outcomes = tuple(map(SeqOutcome, ids, store.read_held(ids, ids, states), picked))
         return StepResult(plan.step, outcomes)
 
     def _batch(self, ids: tuple[int, ...], states: list[Any], tables: tuple[tuple[int, ...], ...]) -> bool:

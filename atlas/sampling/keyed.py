@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import importlib
 import math
+import operator
 import os
 from collections.abc import Sequence
 
@@ -134,7 +135,7 @@ class RowPacker:
     def of(self, params: Sequence[SamplingParams], positions: Sequence[int]) -> RowBatch:
         n = len(params)
         known = self._params
-        if self._base is None or len(known) != n or any(a is not b for a, b in zip(params, known, strict=True)):
+        if self._base is None or len(known) != n or not all(map(operator.is_, params, known)):
             fresh = RowBatch.of(params, [0] * n)
             self._params, self._base, self._flags = tuple(params), fresh.packed.numpy(), (fresh.sampled,
                                                                                          fresh.filtered)

@@ -114,9 +114,10 @@ def sample_decode(backend: Any, shape: Any, params: Sequence[SamplingParams], en
     greedy at position 0), or the keyed sampler on the rows' logits."""
     n = len(params)
     if backend._replayed is not None and backend.graphs is not None:
-        positions = np.zeros(shape.batch, dtype=np.int64)
-        positions[:n] = ends
-        rows = backend.row_packer.of((*params, *(GREEDY,) * (shape.batch - n)), positions)
-        return backend.graphs.sample(shape, rows).tolist()[:n]
+        pad = shape.batch - n
+        if pad:  # the graph's padding rows: greedy at position 0
+            params, ends = (*params, *(GREEDY,) * pad), np.concatenate([ends, np.zeros(pad, dtype=np.int64)])
+        tokens = backend.graphs.sample(shape, backend.row_packer.of(params, ends)).tolist()
+        return tokens[:n] if pad else tokens
     batch = RowBatch.of(params, ends.tolist(), pin=backend.device.type == "cuda")
     return sample(logits[:n], batch.to(backend.device)).tolist()

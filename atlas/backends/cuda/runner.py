@@ -219,7 +219,7 @@ class CudaBackend:
         # the steady decode step run on columns (atlas.backends.cuda.steady; None: every step the general way, as a
         # subclass that samples otherwise, the tensor-parallel backend, does)
         self.steady = SteadyDecode(self) if type(self)._sample is CudaBackend._sample else None
-        self._decode_shapes: dict[tuple, GroupShape] = {}
+        self._decode_shapes: dict = {}  # _decode_shape's memo: (batch, blocks, ...) -> shape, and shape -> itself
         # the decode graph's sampler rows, kept between steps (atlas.sampling.keyed.RowPacker)
         self.row_packer = RowPacker(pin=self.device.type == "cuda")
         self._seqs = self.store.seqs
@@ -466,7 +466,9 @@ class CudaBackend:
                 shape = attrs.evolve(shape, batch=bucket(batch), key_blocks=bucket(shape.key_blocks, 4))
             if len(self._decode_shapes) >= 1024:
                 self._decode_shapes.clear()
-            self._decode_shapes[key] = shape
+            # one object per distinct shape (several keys bucket to one): the steady step keeps its packed buffer
+            # while the shape is the same object, and the graphs' dicts find it by identity
+            shape = self._decode_shapes[key] = self._decode_shapes.setdefault(shape, shape)
         return shape
 
     def _decode_group(self, shape: GroupShape, packed: torch.Tensor, idx: list[int], *, pinned: bool = False

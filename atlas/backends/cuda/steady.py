@@ -43,15 +43,16 @@ _LOGPROBS = operator.attrgetter("logprobs")
 
 class FirstRows(Mapping):
     """Chunk i -> row i of a group's last hidden [B, H] as [1, H], for the first n: `CudaBackend.fed_hidden` of a
-    group holding every chunk in order (what GroupRows holds then, without its per-row entries)."""
+    group holding every chunk in order (what GroupRows holds then, without its per-row entries). `hidden`: the
+    backend's last hiddens by shape (looked up when asked: the next step replaces the whole mapping)."""
 
-    def __init__(self, hidden: torch.Tensor, n: int) -> None:
-        self.hidden, self.n = hidden, n
+    def __init__(self, hidden: dict[GroupShape, torch.Tensor], shape: GroupShape, n: int) -> None:
+        self.hidden, self.shape, self.n = hidden, shape, n
 
     def __getitem__(self, i: int) -> torch.Tensor:
         if not 0 <= i < self.n:
             raise KeyError(i)
-        return self.hidden[i][None]
+        return self.hidden[self.shape][i][None]
 
     def __iter__(self) -> Iterator[int]:
         return iter(range(self.n))
@@ -100,8 +101,7 @@ class SteadyDecode:
                 return None
         # each row at the position held (0 would be a fresh sequence: the general path resets it), its table covering
         # the fed position with every block inside the pool
-        if min(starts) <= 0 or list(starts) != list(map(_POSITION, states)) \
-                or not all(map(operator.lt, starts, self.limits)):
+        if min(starts) <= 0 or starts != tuple(map(_POSITION, states)) or not all(map(operator.lt, starts, self.limits)):
             return None
         if params != self.params:  # a row asking logprobs goes the general way (identity first: C speed)
             if any(map(_LOGPROBS, params)):
@@ -111,20 +111,20 @@ class SteadyDecode:
         # -- checked: from here on the step runs (as execute's general path would, in its order) ---------------
         store = b.store
         self.steps += 1
-        ends = np.array(starts, dtype=np.int64) + 1
-        end = int(ends.max())
-        shape = b._decode_shape(n, end)
+        first = np.fromiter(starts, np.int64, n)
+        ends = first + 1
+        shape = b._decode_shape(n, max(starts) + 1)
         if shape is not self.shape:  # a new shape (more key blocks, a new batch): packed afresh by the reference packer
             self._pack(shape, tokens, starts, tables, states)
         else:  # the kept buffer: tokens, starts and sentinels rewritten, slots, tables and padding as they were
             buf = self.buf
             buf[:n, 0] = toks
-            buf[:n, 1] = starts
-            bs = b.block_size
-            buf[:n, 3] = self.blocks[self.rows, ends // bs] + ends % bs
+            buf[:n, 1] = first
+            block, offset = np.divmod(ends, b.block_size)
+            buf[:n, 3] = self.blocks[self.rows, block] + offset
         b._replayed = None  # set by a replay (the sampler then samples the graph's logits)
         logits = b._decode_group(shape, self.packed, self.idx, pinned=b.device.type == "cuda")
-        b.full_logits, b.fed_hidden = {}, FirstRows(b._hidden_out[shape], n)
+        b.full_logits, b.fed_hidden = {}, FirstRows(b._hidden_out, shape, n)
         keep = b.spec.ple.context_len if b.spec.ple is not None else 0
         for s, t, table in zip(states, toks, tables, strict=True):  # _advance, the n-gram context in place (a SeqState's own list)
             s.position += 1

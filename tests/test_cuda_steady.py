@@ -169,9 +169,15 @@ def both(fast: CudaBackend, general: CudaBackend, plan: StepPlan) -> StepResult:
 GREEDY, SEEDED = SamplingParams(), SamplingParams(temperature=0.9, top_p=0.9, seed=7)
 
 
+@pytest.mark.parametrize("columns", [False, True], ids=["cells", "columns"])
 @pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
-def test_a_run_of_steady_steps_equals_the_general_path_step_by_step(graphs: bool) -> None:
+def test_a_run_of_steady_steps_equals_the_general_path_step_by_step(graphs: bool, columns: bool) -> None:
+    """(columns: the packed buffer and the stamp read's common case by numpy columns at every batch size, as a
+    batch of many rows takes them; else cell by cell and by the read's row loop, as a few rows do)"""
     fast, general = make(graphs, True, max_batch_size=6), make(graphs, False, max_batch_size=6)
+    general.store.reader.columns_from = 1 << 30  # the reference: the read's row loop
+    fast.store.reader.columns_from = 1 if columns else 1 << 30
+    fast.steady.columns_from = 1 if columns else 1 << 30  # type: ignore[union-attr]
     d = Driver()
     for seq, prompt in enumerate([list(b"hello there"), list(b"abc"), list(b"0123456789")]):
         d.add(seq, prompt, SEEDED if seq == 1 else GREEDY)

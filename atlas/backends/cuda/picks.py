@@ -106,7 +106,7 @@ def sample_rows(backend: Any, work: Sequence[SeqWork], logits: dict[int, torch.T
     return {i: (chosen[i], *lps.get(i, (None, ()))) for i in sampled}
 
 
-def sample_decode(backend: Any, shape: Any, params: Sequence[SamplingParams], ends: np.ndarray,
+def sample_decode(backend: Any, shape: Any, params: Sequence[SamplingParams], ends: Sequence[int] | np.ndarray,
                   logits: torch.Tensor) -> list[int]:
     """sample_rows for a decode group (`shape`, its logits [B, vocab]) every row of which samples, none banned and
     none asking logprobs (the steady step, atlas.backends.cuda.steady): each row's token, in row order. `ends`: each
@@ -119,5 +119,5 @@ def sample_decode(backend: Any, shape: Any, params: Sequence[SamplingParams], en
             params, ends = (*params, *(GREEDY,) * pad), np.concatenate([ends, np.zeros(pad, dtype=np.int64)])
         tokens = backend.graphs.sample(shape, backend.row_packer.of(params, ends)).tolist()
         return tokens[:n] if pad else tokens
-    batch = RowBatch.of(params, ends.tolist(), pin=backend.device.type == "cuda")
+    batch = RowBatch.of(params, list(map(int, ends)), pin=backend.device.type == "cuda")
     return sample(logits[:n], batch.to(backend.device)).tolist()

@@ -41,6 +41,9 @@ from atlas.plan import BackendCursors
 
 ENTRIES = 64  # table-cell updates a graph replay applies itself; a read with more applies them eagerly first
 _SLOT, _TABLE = attrgetter("slot"), attrgetter("table")
+# asked rows from which a read's common case goes by numpy columns (below, the row loop costs less than numpy's
+# per-call overhead: measured crossover ~16 rows on this box's CPU)
+COLUMNS_FROM = 16
 UNIFORM_CACHE = 4096  # (position, drafter rows) -> the shared BackendCursors of a healthy sequence there (~4 KB each)
 
 
@@ -88,6 +91,7 @@ class StampReader:
         self._offs = torch.arange(self.bs, device=dev)
         self._want_long = self._want.to(torch.long)
         self._uniform: dict[int, BackendCursors] = {}  # position << 32 | drafter rows -> a healthy row's cursors
+        self.columns_from = COLUMNS_FROM
         self.device_seconds = 0.0  # in the summary's launch, its copy and the synchronize (StampReads.device_seconds)
         self._pinned: dict[torch.Size, torch.Tensor] = {}  # a CUDA device: the host buffer of each summary shape
 
@@ -257,39 +261,52 @@ class StampReader:
         # a healthy sequence's stamps are all one position (the drafter's its own): its cursors are built once per
         # (position, drafter rows) and shared (BackendCursors is immutable), under an int key (position << 32 |
         # drafter rows: a tuple key hashes at twice the cost); a row whose least and greatest stamp differ is built
-        # stamp by stamp. The common read (every row uniform, its cursors already built: a steady decode's) is a few
-        # numpy calls on the asked rows' tail columns and one map over their int keys; any other read takes the row
-        # loop below (one tolist of the tail columns), which builds, caches and clears as it always did
+        # stamp by stamp. The common read of many rows (every row uniform, its cursors already built: a steady
+        # decode's) is a few numpy calls on the asked rows' tail columns and one map over their int keys; any other
+        # read takes the row loop below (one tolist of the tail columns), which builds, caches and clears as it did
         dr = self.drafter is not None
         uniform = self._uniform
-        rows = host[index]
-        least = rows[:, -2].astype(np.int64)
-        if (least == rows[:, -1]).all():
+        if len(slots) >= self.columns_from:
+            rows = host[index]
+            least = rows[:, -2].astype(np.int64)
+            uni = least == rows[:, -1]
             keys = least << 32
             if dr:
-                keys |= np.where(np.array(drafter_held, dtype=bool), rows[:, -3], 0).astype(np.int64) & 0xFFFFFFFF
+                held_rows = np.where(np.array(drafter_held, dtype=bool), rows[:, -3], 0).astype(np.int64)
+                keys |= held_rows & 0xFFFFFFFF
             made = list(map(uniform.get, keys.tolist()))
-            if all(made):  # (a BackendCursors is always true: only a missing one is not)
+            if uni.all() and all(made):  # (a BackendCursors is always true: only a missing one is not)
                 return made
+            # the rows not served (new positions: the batch's leaders; rows that are not uniform), in order, as the
+            # loop below builds and caches them
+            ds = held_rows.tolist() if dr else [0] * len(slots)
+            for i, (cur, ok, key, d) in enumerate(zip(made, uni.tolist(), keys.tolist(), ds, strict=True)):
+                if cur is None or not ok:
+                    made[i] = self._cursor(host, slots[i], dr, d, key if ok else None)
+            return made
         tails = host[:, -3:].tolist() if dr else host[:, -2:].tolist()  # per slot: [drafter,] least, greatest
         made = []
         for slot, held in zip(slots, drafter_held, strict=True):
             tail = tails[slot]
             a = tail[-2]
             d = tail[0] if dr and held else 0  # not held: no rows (the reference's -1 slot)
-            if a == tail[-1]:
-                key = (a << 32) | (d & 0xFFFFFFFF)
-                cur = uniform.get(key)
-                if cur is None:
-                    cur = self._build(host, slot, dr, d)
-                    cur.uniform()  # computed from its stamps once, so the engine's check of every sharer is cheap
-                    if len(uniform) >= UNIFORM_CACHE:
-                        uniform.clear()
-                    uniform[key] = cur
-            else:
-                cur = self._build(host, slot, dr, d)
-            made.append(cur)
+            made.append(self._cursor(host, slot, dr, d, (a << 32) | (d & 0xFFFFFFFF) if a == tail[-1] else None))
         return made
+
+    def _cursor(self, host: np.ndarray, slot: int, dr: bool, d: int, key: int | None) -> BackendCursors:
+        """One row's BackendCursors: a uniform row's (`key`: its position << 32 | drafter rows) from the cache or built
+        and cached, any other row's built stamp by stamp (key None)."""
+        if key is None:
+            return self._build(host, slot, dr, d)
+        uniform = self._uniform
+        cur = uniform.get(key)
+        if cur is None:
+            cur = self._build(host, slot, dr, d)
+            cur.uniform()  # computed from its stamps once, so the engine's check of every sharer is cheap
+            if len(uniform) >= UNIFORM_CACHE:
+                uniform.clear()
+            uniform[key] = cur
+        return cur
 
     def _build(self, host: np.ndarray, slot: int, dr: bool, d: int) -> BackendCursors:
         row = host[slot, :-2].tolist()

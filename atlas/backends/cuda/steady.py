@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from atlas.backends.cuda.batch import GroupShape, pack_rows
+from atlas.backends.cuda.batch import GroupShape, pack_rows, sentinel_slot
 from atlas.backends.cuda.picks import sample_decode
 from atlas.plan import SeqOutcome, StepPlan, StepResult
 
@@ -76,6 +76,9 @@ class SteadyDecode:
         self.buf = np.zeros((0, 0), dtype=np.int64)  # packed's numpy view
         self.idx: list[int] = []
         self.steps = 0  # steps run here (the tests check the fast path ran)
+        # rows from which the kept buffer is rewritten by numpy columns (below, cell by cell: numpy's per-call cost
+        # is more than a few rows' loop; measured crossover ~8 rows)
+        self.columns_from = 8
 
     def step(self, plan: StepPlan) -> StepResult | None:
         """Run `plan` if it is a steady decode step and return its result; None, having moved nothing, if not."""
@@ -111,13 +114,19 @@ class SteadyDecode:
         # -- checked: from here on the step runs (as execute's general path would, in its order) ---------------
         store = b.store
         self.steps += 1
-        first = np.fromiter(starts, np.int64, n)
-        ends = first + 1
         shape = b._decode_shape(n, max(starts) + 1)
         if shape is not self.shape:  # a new shape (more key blocks, a new batch): packed afresh by the reference packer
             self._pack(shape, tokens, starts, tables, states)
-        else:  # the kept buffer: tokens, starts and sentinels rewritten, slots, tables and padding as they were
+            ends: Any = [s + 1 for s in starts]
+        elif n < self.columns_from:  # a few rows: the kept buffer's cells written one by one (numpy calls cost more)
+            buf, bs, scratch = self.buf, b.block_size, b.pools.scratch_block
+            for i, (t, s, table) in enumerate(zip(toks, starts, tables, strict=True)):
+                buf[i, 0], buf[i, 1], buf[i, 3] = t, s, sentinel_slot(table, s + 1, bs, scratch)
+            ends = [s + 1 for s in starts]
+        else:  # the kept buffer: tokens, starts and sentinels rewritten as columns; slots, tables, padding as they were
             buf = self.buf
+            first = np.fromiter(starts, np.int64, n)
+            ends = first + 1
             buf[:n, 0] = toks
             buf[:n, 1] = first
             block, offset = np.divmod(ends, b.block_size)

@@ -1,13 +1,15 @@
 """The steady decode step on columns: `CudaBackend.execute`'s host work for its commonest plan, without a pass of
 Python calls per row.
 
-A steady step is a plan with no orders (no release, reset, restore, prefix store or load, snapshot) whose
-work is one sampled token per sequence, each a plain decode (no drafts, ban or prompt logprobs), each at the
-position the backend holds for it, on a backend without a drafter. `SteadyDecode.step` recognises one from columns
-of the work (one attribute fetch a row, C-level comparisons against what it kept from the last step it ran: the
-same sequences, the same SeqState objects, the same block tables) and runs it: the packed group buffer of the
-last step with only its tokens, starts and sentinels rewritten (numpy), the forward as the general path runs it,
-the sampler on the rows as columns, the outcomes built in one map. Anything else, and any check that fails, is
+A steady step is a plan with no orders (no release, reset, restore, prefix store or load, snapshot; a carry order
+moves nothing without a drafter) whose work is one sampled token per sequence, each a plain decode (no drafts, ban
+or prompt logprobs), each at the position the backend holds for it (not 0: a fresh sequence), on a backend without
+a drafter. `SteadyDecode.step` recognises one from columns of the work (one attribute fetch a row, C-level
+comparisons against what it kept from the last step it ran: the same sequences, the same SeqState objects, the
+same block tables) and runs it: the packed group buffer of the last step with only its tokens, starts and
+sentinels rewritten (numpy columns, or cell by cell for a few rows), the forward as the general path runs it, the
+n-gram context mirror advanced in place, the sampler on the rows as columns (picks.sample_decode), the stamp read
+of the states in hand (CudaStateStore.prefetch_held / read_held), the outcomes built in one map. Anything else, and any check that fails, is
 handed back (None) before anything moves, and the general path (`execute`) runs the plan: a bad input is refused
 there, by the general path's own checks, with their error. So this module refuses nothing itself; what it must
 get right is that it never accepts what the general path would refuse, and that a step it runs leaves exactly
@@ -15,8 +17,9 @@ what the general path leaves (tests/test_cuda_steady.py runs both side by side, 
 
 What is kept between steps (the "batch"): its sequence ids, their SeqState objects (compared by identity: a
 released and re-created sequence is another batch), their block tables, each table's limit (the positions it
-covers when every block of it is inside the pool, else 0: such a row always goes the general way), the slots,
-each table's blocks as a matrix (for the sentinels), and the packed buffer of the last group shape. Nothing in it
+covers when every block of it is inside the pool, else 0: such a row always goes the general way), each table's
+blocks as a matrix (for the sentinels), and the packed buffer of the last group shape (with the slots, tables and
+padding rows reference-packed by batch.pack_rows whenever the batch or the shape changes). Nothing in it
 is a position or a token: those are read from the plan and the SeqStates every step.
 """
 

@@ -130,7 +130,7 @@ class RowPacker:
         self._params: tuple[SamplingParams, ...] = ()
         self._base: np.ndarray | None = None
         self._flags = (False, False)
-        self._buffers: dict[int, torch.Tensor] = {}
+        self._buffers: dict[int, tuple[torch.Tensor, np.ndarray]] = {}  # per batch size: the buffer, its numpy view
 
     def of(self, params: Sequence[SamplingParams], positions: Sequence[int]) -> RowBatch:
         n = len(params)
@@ -139,10 +139,11 @@ class RowPacker:
             fresh = RowBatch.of(params, [0] * n)
             self._params, self._base, self._flags = tuple(params), fresh.packed.numpy(), (fresh.sampled,
                                                                                          fresh.filtered)
-        buffer = self._buffers.get(n)
-        if buffer is None:
-            buffer = self._buffers[n] = torch.empty((n, COLUMNS), dtype=torch.int64, pin_memory=self.pin)
-        rows = buffer.numpy()
+        held = self._buffers.get(n)
+        if held is None:
+            buffer = torch.empty((n, COLUMNS), dtype=torch.int64, pin_memory=self.pin)
+            held = self._buffers[n] = (buffer, buffer.numpy())
+        buffer, rows = held
         rows[:] = self._base
         rows[:, COLUMNS - 1] = positions
         return RowBatch(buffer, *self._flags)

@@ -471,13 +471,13 @@ class CudaBackend:
             shape = self._decode_shapes[key] = self._decode_shapes.setdefault(shape, shape)
         return shape
 
-    def _decode_group(self, shape: GroupShape, packed: torch.Tensor, idx: list[int], *, pinned: bool = False
+    def _decode_group(self, shape: GroupShape, packed: torch.Tensor, idx: list[int], *, ready: bool = False
                       ) -> torch.Tensor:
-        """A decode group's forward on its packed host buffer (`pinned`: already in pinned memory): its logits
-        [B, vocab] (its last hidden in self._hidden_out[shape]), replayed from its graph when there are graphs (the
-        sampler then samples the graph's own logits: self._replayed)."""
+        """A decode group's forward on its packed host buffer (`ready`: already in pinned memory on a CUDA device):
+        its logits [B, vocab] (its last hidden in self._hidden_out[shape]), replayed from its graph when there are
+        graphs (the sampler then samples the graph's own logits: self._replayed)."""
         if self.graphs is not None:
-            host = packed.pin_memory() if self.device.type == "cuda" and not pinned else packed
+            host = packed if ready or self.device.type != "cuda" else packed.pin_memory()
             logits, _ = self.graphs.replay(shape, host, self._padding)
             self._replayed = (shape, idx)
         else:

@@ -61,7 +61,8 @@ class StampReader:
         one Triton kernel (atlas_kernels.stamp_summary) instead of ~20 torch ops; default: on a CUDA device
         where atlas_kernels imports (on a CPU only under TRITON_INTERPRET=1, tests)."""
         self.pools, self.drafter = pools, drafter
-        self.use_graphs = graphs and pools.device.type == "cuda"
+        self.on_cuda = pools.device.type == "cuda"  # (torch.device.type builds a string each time: ~3 k instructions)
+        self.use_graphs = graphs and self.on_cuda
         self.kernel = _summary_kernel() if (pools.device.type == "cuda" if kernel is None else kernel) else None
         dev, slots = pools.device, pools.state_slots
         self.bs = pools.block_size
@@ -93,7 +94,9 @@ class StampReader:
         self._uniform: dict[int, BackendCursors] = {}  # position << 32 | drafter rows -> a healthy row's cursors
         self.columns_from = COLUMNS_FROM
         self.device_seconds = 0.0  # in the summary's launch, its copy and the synchronize (StampReads.device_seconds)
-        self._pinned: dict[torch.Size, torch.Tensor] = {}  # a CUDA device: the host buffer of each summary shape
+        # a CUDA device: the host buffer of each summary shape and its numpy view; else the last summary and its view
+        self._pinned: dict[torch.Size, tuple[torch.Tensor, np.ndarray]] = {}
+        self._out_host: tuple[torch.Tensor | None, np.ndarray | None] = (None, None)
 
     def _alloc(self, cols: int) -> None:
         self.cols = cols
@@ -255,7 +258,7 @@ class StampReader:
         final by then)."""
         slots, host, index = launched if launched is not None else self.launch(states)
         t0 = time.perf_counter()
-        if self.pools.device.type == "cuda":
+        if self.on_cuda:
             torch.cuda.current_stream(self.pools.device).synchronize()  # the copy has landed
         self.device_seconds += time.perf_counter() - t0
         # a healthy sequence's stamps are all one position (the drafter's its own): its cursors are built once per
@@ -318,15 +321,18 @@ class StampReader:
         """`out` on the host. A CUDA device: into a pinned buffer of its shape (a pageable copy stages through a
         driver buffer), queued on the stream: `read` synchronizes before it looks. The caller copies the rows it
         keeps before the next read."""
-        if out.device.type != "cuda":
-            return out.numpy()
-        buf = self._pinned.get(out.shape)
-        if buf is None:
+        if not self.on_cuda:  # the summary's own tensor (a graph's static output is the same one every read)
+            if self._out_host[0] is not out:
+                self._out_host = (out, out.numpy())
+            return self._out_host[1]
+        held = self._pinned.get(out.shape)
+        if held is None:
             if len(self._pinned) >= 64:
                 self._pinned.clear()
-            buf = self._pinned[out.shape] = torch.empty(out.shape, dtype=out.dtype, pin_memory=True)
-        buf.copy_(out, non_blocking=True)
-        return buf.numpy()
+            buf = torch.empty(out.shape, dtype=out.dtype, pin_memory=True)
+            held = self._pinned[out.shape] = (buf, buf.numpy())
+        held[0].copy_(out, non_blocking=True)
+        return held[1]
 
     def cursors(self, row: list[int]) -> BackendCursors:
         """One sequence's BackendCursors from its row (atlas.backends.cuda.store._summary's rules: QSA, SSM and

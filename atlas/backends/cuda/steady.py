@@ -135,7 +135,7 @@ class SteadyDecode:
             block, offset = np.divmod(ends, b.block_size)
             buf[:n, 3] = self.blocks[self.rows, block] + offset
         b._replayed = None  # set by a replay (the sampler then samples the graph's logits)
-        logits = b._decode_group(shape, self.packed, self.idx, pinned=b.device.type == "cuda")
+        logits = b._decode_group(shape, self.packed, self.idx, ready=True)  # (pinned on a CUDA device: _pack)
         b.full_logits, b.fed_hidden = {}, FirstRows(b._hidden_out, shape, n)
         keep = b.spec.ple.context_len if b.spec.ple is not None else 0
         for s, t, table in zip(states, toks, tables, strict=True):  # _advance, the n-gram context in place (a SeqState's own list)

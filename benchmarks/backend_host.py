@@ -1,7 +1,7 @@
 """The CUDA backend's host work in a decode step, measured without a GPU (issue 15: on the H200 ~1 ms of a
 batch-64 step's `execute` is host work before the graph launch and after its token copy, none of it overlapped).
 
-    OMP_NUM_THREADS=1 python benchmarks/backend_host.py [--batches 1,16,64] [--steps 180] [--seeded] [--profile]
+    OMP_NUM_THREADS=1 python benchmarks/backend_host.py [--batches 1,16,64] [--steps 180] [--seeded] [--profile] [--general]
     OMP_NUM_THREADS=1 valgrind --tool=callgrind --collect-atstart=no --toggle-collect=functools_reduce \
         --callgrind-out-file=/tmp/cg.out python benchmarks/backend_host.py --batches 64 --steps 20 --callgrind
 
@@ -10,7 +10,9 @@ for by a stub whose replay and sampler return static tensors at once: every host
 the GPU (plan checks, the packed group, the sampler rows, the stamp read's launch and read, the outcomes), the
 device work does not. Plans are built by hand (no engine: nothing checks the stamps the stub does not move).
 Printed per batch: microseconds of process time per `execute` (best of 5 rounds) and, with --profile, the
-functions by own time.
+functions by own time. Its decode steps are steady (atlas/backends/cuda/steady.py); --general runs them the general
+way (`backend.steady = None`), the reference path's cost. The figures include the harness's own plan building
+(~15 us of a b64 step here: 64 SeqWork objects).
 """
 
 from __future__ import annotations
@@ -52,7 +54,8 @@ class StubGraphs:
         return self.out[shape][1]
 
 
-def measure(batch: int, steps: int, seeded: bool, profile: bool, callgrind: bool = False, sort: str = "tottime") -> float:
+def measure(batch: int, steps: int, seeded: bool, profile: bool, callgrind: bool = False, sort: str = "tottime",
+            general: bool = False) -> float:
     from atlas.backends.cuda import CudaBackend
     from atlas.model import load_model
     from atlas.plan import SeqWork, StepPlan
@@ -63,6 +66,8 @@ def measure(batch: int, steps: int, seeded: bool, profile: bool, callgrind: bool
     backend = CudaBackend(tiny, num_kv_blocks=blocks * batch + 1, block_size=16, dtype=torch.float32, device="cpu",
                           max_batch_size=batch, cuda_graphs=False, max_blocks_per_seq=blocks)
     backend.graphs = StubGraphs(backend)
+    if general:
+        backend.steady = None
     # the stamp read's summary is a graph replay on the GPU (device work): computed once per shape here, as a
     # graph's static output (the rows keep their first values, so the read's cursor cache always hits)
     reader, summaries = backend.store.reader, {}
@@ -117,6 +122,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=180)
     parser.add_argument("--seeded", action="store_true", help="temperature 0.8, top_p 0.95, a seed per row")
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--general", action="store_true", help="every step by execute's general path (no steady step)")
     parser.add_argument("--smoke", action="store_true", help="batches 1,4 and 12 steps (CI: it runs to the end)")
     parser.add_argument("--callgrind", action="store_true", help="run --steps steps inside functools.reduce (the "
                         "toggle for valgrind --tool=callgrind --collect-atstart=no --toggle-collect=functools_reduce)")
@@ -127,7 +133,8 @@ def main() -> None:
     print(f"| batch | execute host us / step ({'seeded' if args.seeded else 'greedy'}, process time, best of 5) |")
     print("|---|---|")
     for batch in (int(b) for b in args.batches.split(",")):
-        print(f"| {batch} | {measure(batch, args.steps, args.seeded, args.profile, args.callgrind):.0f} |", flush=True)
+        us = measure(batch, args.steps, args.seeded, args.profile, args.callgrind, general=args.general)
+        print(f"| {batch} | {us:.0f} |", flush=True)
 
 
 if __name__ == "__main__":

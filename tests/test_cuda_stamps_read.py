@@ -33,17 +33,23 @@ from atlas.plan import SeqWork, StepPlan
 
 
 def checked(store) -> dict[str, int]:
-    """Every read_cursors call of `store` also runs the reference and asserts the two agree."""
-    fast, seen = store.read_cursors, {"reads": 0, "seqs": 0}
+    """Every read of `store` also runs the reference and asserts the two agree: read_cursors, and read_held (which
+    read_cursors and the steady decode step, atlas.backends.cuda.steady, call with the states in hand)."""
+    fast, fast_held, seen = store.read_cursors, store.read_held, {"reads": 0, "seqs": 0}
 
     def both(seq_ids):
         got, want = fast(seq_ids), store.read_cursors_reference(seq_ids)
         assert got == want
+        return got
+
+    def both_held(key, live, states):
+        got = fast_held(key, live, states)
+        assert dict(zip(live, got, strict=True)) == store.read_cursors_reference(list(live))
         seen["reads"] += 1
         seen["seqs"] += len(got)
         return got
 
-    store.read_cursors = both
+    store.read_cursors, store.read_held = both, both_held
     return seen
 
 
@@ -65,9 +71,12 @@ def graph_path(store) -> None:
     reader._capture = lambda key: reader._graphs.setdefault(key, EagerGraph(reader, key))
 
 
-def test_every_read_of_a_speculative_run_equals_the_reference() -> None:
+@pytest.mark.parametrize("columns", [False, True], ids=["rows", "columns"])
+def test_every_read_of_a_speculative_run_equals_the_reference(columns: bool) -> None:
+    """(columns: every read's common case by numpy columns, as a read of many rows takes it)"""
     engine = cuda_engine(EngineConfig(max_seq_len=160, max_batch_size=3, prefill_chunk_tokens=32, num_drafts=3,
                                       drafter="mtp"))
+    engine.backend.store.reader.columns_from = 1 if columns else 1 << 30  # type: ignore[attr-defined]
     seen = checked(engine.backend.store)  # type: ignore[attr-defined]
     greedy(engine, PROMPTS, 20)
     assert seen["reads"] >= 10 and seen["seqs"] >= 30
@@ -125,11 +134,14 @@ def _scramble(backend: CudaBackend, rng: random.Random) -> None:
             s.table = tuple(rng.randrange(41) for _ in range(rng.randrange(1, 13)))  # moved, maybe the scratch block
 
 
+@pytest.mark.parametrize("columns", [False, True], ids=["rows", "columns"])
 @pytest.mark.parametrize("drafter", [False, True])
 @pytest.mark.parametrize("graphs", [False, True])
-def test_the_fast_read_equals_the_reference_on_random_states(drafter: bool, graphs: bool) -> None:
+def test_the_fast_read_equals_the_reference_on_random_states(drafter: bool, graphs: bool, columns: bool) -> None:
+    """(columns: every read's common case by numpy columns, as a read of many rows takes it; else by the row loop)"""
     backend = _backend(drafter)
     store = backend.store
+    store.reader.columns_from = 1 if columns else 1 << 30
     if graphs:
         graph_path(store)
     rng = random.Random(13 + drafter + 2 * graphs)

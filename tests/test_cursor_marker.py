@@ -186,8 +186,19 @@ def test_the_cuda_reader_shares_marked_cursors_and_a_damaged_stamp_is_named(stat
         damage()
         return read(seq_ids)
 
+    early_held, read_held = store.prefetch_held, store.read_held
+
+    def damaging_early_held(key, states):  # the same, as the steady decode step starts it (the states in hand)
+        damage()
+        return early_held(key, states)
+
+    def damaging_held(key, live, states):
+        damage()
+        return read_held(key, live, states)
+
     store.prefetch = damaging_early
     store.read_cursors = damaging
+    store.prefetch_held, store.read_held = damaging_early_held, damaging_held
     with pytest.raises(InvariantViolation):
         engine.step()
     v = engine.cause_of_death

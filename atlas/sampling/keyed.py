@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import importlib
 import math
+import operator
 import os
 from collections.abc import Sequence
 
@@ -129,19 +130,20 @@ class RowPacker:
         self._params: tuple[SamplingParams, ...] = ()
         self._base: np.ndarray | None = None
         self._flags = (False, False)
-        self._buffers: dict[int, torch.Tensor] = {}
+        self._buffers: dict[int, tuple[torch.Tensor, np.ndarray]] = {}  # per batch size: the buffer, its numpy view
 
     def of(self, params: Sequence[SamplingParams], positions: Sequence[int]) -> RowBatch:
         n = len(params)
         known = self._params
-        if self._base is None or len(known) != n or any(a is not b for a, b in zip(params, known, strict=True)):
+        if self._base is None or len(known) != n or not all(map(operator.is_, params, known)):
             fresh = RowBatch.of(params, [0] * n)
             self._params, self._base, self._flags = tuple(params), fresh.packed.numpy(), (fresh.sampled,
                                                                                          fresh.filtered)
-        buffer = self._buffers.get(n)
-        if buffer is None:
-            buffer = self._buffers[n] = torch.empty((n, COLUMNS), dtype=torch.int64, pin_memory=self.pin)
-        rows = buffer.numpy()
+        held = self._buffers.get(n)
+        if held is None:
+            buffer = torch.empty((n, COLUMNS), dtype=torch.int64, pin_memory=self.pin)
+            held = self._buffers[n] = (buffer, buffer.numpy())
+        buffer, rows = held
         rows[:] = self._base
         rows[:, COLUMNS - 1] = positions
         return RowBatch(buffer, *self._flags)

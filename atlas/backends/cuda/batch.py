@@ -14,9 +14,10 @@ import numpy as np
 import torch
 
 
-@attrs.frozen
+@attrs.frozen(cache_hash=True)
 class GroupShape:
-    """What is static about a group: a CUDA graph is captured per shape."""
+    """What is static about a group: a CUDA graph is captured per shape. Its hash is computed once (a decode step
+    looks its shape up in several dicts: the graphs, the hidden outputs)."""
 
     batch: int  # B rows of sequences (a graph bucket pads with scratch rows)
     width: int  # T tokens per sequence

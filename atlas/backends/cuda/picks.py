@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 from atlas.plan import PromptLogprob, SeqWork
@@ -103,3 +104,20 @@ def sample_rows(backend: Any, work: Sequence[SeqWork], logits: dict[int, torch.T
     if not lps:
         return {i: (chosen[i], None, ()) for i in sampled}
     return {i: (chosen[i], *lps.get(i, (None, ()))) for i in sampled}
+
+
+def sample_decode(backend: Any, shape: Any, params: Sequence[SamplingParams], ends: Sequence[int] | np.ndarray,
+                  logits: torch.Tensor) -> list[int]:
+    """sample_rows for a decode group (`shape`, its logits [B, vocab]) every row of which samples, none banned and
+    none asking logprobs (the steady step, atlas.backends.cuda.steady): each row's token, in row order. `ends`: each
+    row's sampled position. The same calls as sample_rows: the sampler graph on the graph's rows (padding rows
+    greedy at position 0), or the keyed sampler on the rows' logits."""
+    n = len(params)
+    if backend._replayed is not None and backend.graphs is not None:
+        pad = shape.batch - n
+        if pad:  # the graph's padding rows: greedy at position 0
+            params, ends = (*params, *(GREEDY,) * pad), np.concatenate([ends, np.zeros(pad, dtype=np.int64)])
+        tokens = backend.graphs.sample(shape, backend.row_packer.of(params, ends)).tolist()
+        return tokens[:n] if pad else tokens
+    batch = RowBatch.of(params, list(map(int, ends)), pin=backend.device.type == "cuda")
+    return sample(logits[:n], batch.to(backend.device)).tolist()

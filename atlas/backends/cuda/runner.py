@@ -37,6 +37,7 @@ from atlas.backends.cuda.layers import (
     prepare_weights,
 )
 from atlas.backends.cuda.pools import DevicePools
+from atlas.backends.cuda.steady import SteadyDecode
 from atlas.backends.cuda.store import CudaStateStore, SeqState
 from atlas.backends.cuda.tuning import Tuning
 from atlas.backends.cuda.verify import VerifyRun, run_verifies
@@ -218,6 +219,10 @@ class CudaBackend:
         self._recurring = Recurring()
         # a plain step's outcomes built without the general path's per-row dicts (execute; off only in a test)
         self.plain_fast = True
+        # the steady decode step run on columns (atlas.backends.cuda.steady; None: every step the general way, as a
+        # subclass that samples otherwise, the tensor-parallel backend, does)
+        self.steady = SteadyDecode(self) if type(self)._sample is CudaBackend._sample else None
+        self._decode_shapes: dict = {}  # _decode_shape's memo: (batch, blocks, ...) -> shape, and shape -> itself
         # the decode graph's sampler rows, kept between steps (atlas.sampling.keyed.RowPacker)
         self.row_packer = RowPacker(pin=self.device.type == "cuda")
         self._seqs = self.store.seqs
@@ -424,22 +429,17 @@ class CudaBackend:
         for idx in self._groups(chunks):
             members = [chunks[i] for i in idx]
             width = len(members[0].tokens)
-            shape = self._shape(len(members), width, max(c.start + len(c.tokens) for c in members))
-            if width == 1 and self.batch_invariant:
-                shape = attrs.evolve(shape, batch=bucket(self.max_batch_size), key_blocks=self.max_blocks_per_seq)
-            elif width == 1 and self.graphs is not None:
-                shape = attrs.evolve(shape, batch=bucket(len(members)), key_blocks=bucket(shape.key_blocks, 4))
-            elif self.tuning.prefill_graphs != "none":  # eager or replayed, a chunk computes one shape
-                shape = attrs.evolve(shape, key_blocks=bucket(shape.key_blocks, 4))
+            end = max(c.start + len(c.tokens) for c in members)
+            if width == 1:
+                shape = self._decode_shape(len(members), end)
+            else:
+                shape = self._shape(len(members), width, end)
+                if self.tuning.prefill_graphs != "none":  # eager or replayed, a chunk computes one shape
+                    shape = attrs.evolve(shape, key_blocks=bucket(shape.key_blocks, 4))
             rows = [self._row(c) for c in members]
             packed = pack_rows(shape, rows, self.pools.scratch_slots, self.pools.scratch_block, self.block_size)
-            if width == 1 and self.graphs is not None:
-                host = packed.pin_memory() if self.device.type == "cuda" else packed
-                logits, _ = self.graphs.replay(shape, host, self._padding)
-                self._replayed = (shape, idx)
-                hidden = self._hidden_out[shape][:, None]
-            elif width == 1:
-                logits = self._decode_logits(packed.to(self.device), shape)
+            if width == 1:
+                logits = self._decode_group(shape, packed, idx)
                 hidden = self._hidden_out[shape][:, None]
             elif self.prefill_graphs is not None and self._recurring.take(shape):
                 host = packed.pin_memory() if self.device.type == "cuda" else packed
@@ -457,6 +457,39 @@ class CudaBackend:
                 if i in full:
                     self.full_logits[i] = logits[j][None] if width == 1 else hidden[j] @ head.T
         return out
+
+    def _decode_shape(self, batch: int, end: int) -> GroupShape:
+        """The shape of a decode group of `batch` rows whose furthest fed position is end - 1: padded to the graph
+        buckets (or, batch invariant, to the one shape of every step). Memoised: a steady decode asks every step."""
+        qsa = self.spec.qsa
+        key = (batch, -(-end // self.block_size), qsa is not None and end > qsa.inert_bound, self.graphs is not None,
+               self.batch_invariant)
+        shape = self._decode_shapes.get(key)
+        if shape is None:
+            shape = self._shape(batch, 1, end)
+            if self.batch_invariant:
+                shape = attrs.evolve(shape, batch=bucket(self.max_batch_size), key_blocks=self.max_blocks_per_seq)
+            elif self.graphs is not None:
+                shape = attrs.evolve(shape, batch=bucket(batch), key_blocks=bucket(shape.key_blocks, 4))
+            if len(self._decode_shapes) >= 1024:
+                self._decode_shapes.clear()
+            # one object per distinct shape (several keys bucket to one): the steady step keeps its packed buffer
+            # while the shape is the same object, and the graphs' dicts find it by identity
+            shape = self._decode_shapes[key] = self._decode_shapes.setdefault(shape, shape)
+        return shape
+
+    def _decode_group(self, shape: GroupShape, packed: torch.Tensor, idx: list[int], *, ready: bool = False
+                      ) -> torch.Tensor:
+        """A decode group's forward on its packed host buffer (`ready`: already in pinned memory on a CUDA device):
+        its logits [B, vocab] (its last hidden in self._hidden_out[shape]), replayed from its graph when there are
+        graphs (the sampler then samples the graph's own logits: self._replayed)."""
+        if self.graphs is not None:
+            host = packed if ready or self.device.type != "cuda" else packed.pin_memory()
+            logits, _ = self.graphs.replay(shape, host, self._padding)
+            self._replayed = (shape, idx)
+        else:
+            logits = self._decode_logits(packed.to(self.device), shape)
+        return logits
 
     def forward_hidden(self, chunks: Sequence[ChunkLike]) -> list[torch.Tensor]:
         """Run each chunk (eager, one group each); return its final hidden states [n, H] (the lm_head input)."""
@@ -480,6 +513,10 @@ class CudaBackend:
 
     def execute(self, plan: StepPlan) -> StepResult:
         with self._faults():
+            if self.steady is not None:  # the steady decode step, on columns; None (nothing moved): any other plan
+                result = self.steady.step(plan)
+                if result is not None:
+                    return result
             store = self.store
             done = run_orders(store, plan)
             ends = {w.seq_id: w.end for w in plan.work}

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from operator import attrgetter
 from typing import Any
 
 import attrs
@@ -39,6 +40,10 @@ from atlas.backends.cuda.pools import DevicePools
 from atlas.plan import BackendCursors
 
 ENTRIES = 64  # table-cell updates a graph replay applies itself; a read with more applies them eagerly first
+_SLOT, _TABLE = attrgetter("slot"), attrgetter("table")
+# asked rows from which a read's common case goes by numpy columns (below, the row loop costs less than numpy's
+# per-call overhead: measured crossover ~16 rows on this box's CPU)
+COLUMNS_FROM = 16
 UNIFORM_CACHE = 4096  # (position, drafter rows) -> the shared BackendCursors of a healthy sequence there (~4 KB each)
 
 
@@ -56,12 +61,15 @@ class StampReader:
         one Triton kernel (atlas_kernels.stamp_summary) instead of ~20 torch ops; default: on a CUDA device
         where atlas_kernels imports (on a CPU only under TRITON_INTERPRET=1, tests)."""
         self.pools, self.drafter = pools, drafter
-        self.use_graphs = graphs and pools.device.type == "cuda"
+        self.on_cuda = pools.device.type == "cuda"  # (torch.device.type builds a string each time: ~3 k instructions)
+        self.use_graphs = graphs and self.on_cuda
         self.kernel = _summary_kernel() if (pools.device.type == "cuda" if kernel is None else kernel) else None
         dev, slots = pools.device, pools.state_slots
         self.bs = pools.block_size
         self._alloc(max(1, table_blocks))
         self.synced: list[tuple[int, ...]] = [()] * slots  # the table each slot's device row holds
+        # the last launch's (slots, widest table, slot bound, slots as an index array), while its tables stay synced
+        self._last: tuple[list[int], int, int, np.ndarray] | None = None
         # the update entries (flat cell of `tables`, value): static, so a graph reads them; the dummy writes 0 into
         # the length cell of the last scratch slot (never a sequence's)
         self.dummy = (slots - 1) * (self.cols + 1)
@@ -84,8 +92,11 @@ class StampReader:
         self._offs = torch.arange(self.bs, device=dev)
         self._want_long = self._want.to(torch.long)
         self._uniform: dict[int, BackendCursors] = {}  # position << 32 | drafter rows -> a healthy row's cursors
+        self.columns_from = COLUMNS_FROM
         self.device_seconds = 0.0  # in the summary's launch, its copy and the synchronize (StampReads.device_seconds)
-        self._pinned: dict[torch.Size, torch.Tensor] = {}  # a CUDA device: the host buffer of each summary shape
+        # a CUDA device: the host buffer of each summary shape and its numpy view; else the last summary and its view
+        self._pinned: dict[torch.Size, tuple[torch.Tensor, np.ndarray]] = {}
+        self._out_host: tuple[torch.Tensor | None, np.ndarray | None] = (None, None)
 
     def _alloc(self, cols: int) -> None:
         self.cols = cols
@@ -128,6 +139,7 @@ class StampReader:
         self.delta.copy_(torch.tensor([[self.dummy, 0]] * ENTRIES, dtype=torch.long))
         self.delta_dummy = True
         self._graphs.clear()
+        self._last = None
         self._want = torch.arange(max(self.cols * self.bs, self._want.numel()), dtype=torch.int32,
                                   device=self.pools.device)
         self._want_long = self._want.to(torch.long)
@@ -206,23 +218,26 @@ class StampReader:
         self._graphs[key] = g = _Graph(graph, out)
         return g
 
-    def launch(self, states: Sequence[Any]) -> tuple[list[int], np.ndarray]:
+    def launch(self, states: Sequence[Any]) -> tuple[list[int], np.ndarray, np.ndarray]:
         """The summary of `states` started: the changed table cells applied, the graph replayed (or the summary
         computed), its device->host copy queued. Returns (slots, host buffer); the buffer holds the rows once the
-        stream reaches the copy (`read` synchronizes first)."""
-        # one pass: the slots, the widest table, the states whose table changed since the last read
-        synced, slots, changed, width = self.synced, [], [], 1
-        for s in states:
-            slots.append(s.slot)
-            table = s.table
-            if len(table) > width:
-                width = len(table)
-            old = synced[s.slot]
-            if old is not table and old != table:
-                changed.append(s)
-        if changed:
+        stream reaches the copy (`read` synchronizes first), and the slots as an index array."""
+        # C-level passes: the slots, the tables, the widest; the states whose table changed since the last read
+        # (compared as lists: each pair by identity, then by value, as `_entries` does)
+        slots, tables = list(map(_SLOT, states)), list(map(_TABLE, states))
+        olds = list(map(self.synced.__getitem__, slots))
+        last = self._last
+        if olds != tables:
+            changed = [s for s, old, table in zip(states, olds, tables, strict=True) if old is not table and old != table]
             self._apply(self._entries(changed, states))
-        hi = max(slots) + 1
+            last = None
+        # the same slots as the last launch, none of whose tables changed since (only a launch moves `synced`): the
+        # same widest table and bound (a steady decode's every launch)
+        if last is not None and last[0] == slots:
+            width, hi, index = last[1:]
+        else:
+            width, hi, index = max(1, max(map(len, tables))), max(slots) + 1, np.array(slots, dtype=np.intp)
+            self._last = (slots, width, hi, index)
         t0 = time.perf_counter()
         if self.use_graphs:  # bucketed: a graph per (slots, width) bucket
             key = (min(bucket(hi), self.pools.state_slots), min(bucket(width, 4), self.cols))
@@ -233,45 +248,68 @@ class StampReader:
             out = self._summary(hi, width, delta=False)
         host = self._host(out)
         self.device_seconds += time.perf_counter() - t0
-        return slots, host
+        return slots, host, index
 
     def read(self, states: Sequence[Any], drafter_held: Sequence[bool],
-             launched: tuple[list[int], np.ndarray] | None = None) -> list[BackendCursors]:
+             launched: tuple[list[int], np.ndarray, np.ndarray] | None = None) -> list[BackendCursors]:
         """Each state's BackendCursors, from one device computation and one device->host copy. `states`: the
         store's SeqState of each live sequence asked about; `drafter_held`: whether the drafter holds it;
         `launched`: what `launch(states)` returned, when the summary was started earlier in the step (its state
         final by then)."""
-        slots, host = launched if launched is not None else self.launch(states)
+        slots, host, index = launched if launched is not None else self.launch(states)
         t0 = time.perf_counter()
-        if self.pools.device.type == "cuda":
+        if self.on_cuda:
             torch.cuda.current_stream(self.pools.device).synchronize()  # the copy has landed
         self.device_seconds += time.perf_counter() - t0
         # a healthy sequence's stamps are all one position (the drafter's its own): its cursors are built once per
         # (position, drafter rows) and shared (BackendCursors is immutable), under an int key (position << 32 |
         # drafter rows: a tuple key hashes at twice the cost); a row whose least and greatest stamp differ is built
-        # stamp by stamp. One tolist of the tail columns and a plain loop: measured in an engine run (the caches cold
-        # after the step's forward), every further numpy call on the [seqs, stamps] matrix cost more than it saved
+        # stamp by stamp. The common read of many rows (every row uniform, its cursors already built: a steady
+        # decode's) is a few numpy calls on the asked rows' tail columns and one map over their int keys; any other
+        # read takes the row loop below (one tolist of the tail columns), which builds, caches and clears as it did
         dr = self.drafter is not None
-        tails = host[:, -3:].tolist() if dr else host[:, -2:].tolist()  # per slot: [drafter,] least, greatest
         uniform = self._uniform
-        made: list[BackendCursors] = []
+        if len(slots) >= self.columns_from:
+            rows = host[index]
+            least = rows[:, -2].astype(np.int64)
+            uni = least == rows[:, -1]
+            keys = least << 32
+            if dr:
+                held_rows = np.where(np.array(drafter_held, dtype=bool), rows[:, -3], 0).astype(np.int64)
+                keys |= held_rows & 0xFFFFFFFF
+            made = list(map(uniform.get, keys.tolist()))
+            if uni.all() and all(made):  # (a BackendCursors is always true: only a missing one is not)
+                return made
+            # the rows not served (new positions: the batch's leaders; rows that are not uniform), in order, as the
+            # loop below builds and caches them
+            ds = held_rows.tolist() if dr else [0] * len(slots)
+            for i, (cur, ok, key, d) in enumerate(zip(made, uni.tolist(), keys.tolist(), ds, strict=True)):
+                if cur is None or not ok:
+                    made[i] = self._cursor(host, slots[i], dr, d, key if ok else None)
+            return made
+        tails = host[:, -3:].tolist() if dr else host[:, -2:].tolist()  # per slot: [drafter,] least, greatest
+        made = []
         for slot, held in zip(slots, drafter_held, strict=True):
             tail = tails[slot]
             a = tail[-2]
             d = tail[0] if dr and held else 0  # not held: no rows (the reference's -1 slot)
-            if a == tail[-1]:
-                key = (a << 32) | (d & 0xFFFFFFFF)
-                cur = uniform.get(key)
-                if cur is None:
-                    cur = self._build(host, slot, dr, d)
-                    cur.uniform()  # computed from its stamps once, so the engine's check of every sharer is cheap
-                    if len(uniform) >= UNIFORM_CACHE:
-                        uniform.clear()
-                    uniform[key] = cur
-            else:
-                cur = self._build(host, slot, dr, d)
-            made.append(cur)
+            made.append(self._cursor(host, slot, dr, d, (a << 32) | (d & 0xFFFFFFFF) if a == tail[-1] else None))
         return made
+
+    def _cursor(self, host: np.ndarray, slot: int, dr: bool, d: int, key: int | None) -> BackendCursors:
+        """One row's BackendCursors: a uniform row's (`key`: its position << 32 | drafter rows) from the cache or built
+        and cached, any other row's built stamp by stamp (key None)."""
+        if key is None:
+            return self._build(host, slot, dr, d)
+        uniform = self._uniform
+        cur = uniform.get(key)
+        if cur is None:
+            cur = self._build(host, slot, dr, d)
+            cur.uniform()  # computed from its stamps once, so the engine's check of every sharer is cheap
+            if len(uniform) >= UNIFORM_CACHE:
+                uniform.clear()
+            uniform[key] = cur
+        return cur
 
     def _build(self, host: np.ndarray, slot: int, dr: bool, d: int) -> BackendCursors:
         row = host[slot, :-2].tolist()
@@ -283,15 +321,18 @@ class StampReader:
         """`out` on the host. A CUDA device: into a pinned buffer of its shape (a pageable copy stages through a
         driver buffer), queued on the stream: `read` synchronizes before it looks. The caller copies the rows it
         keeps before the next read."""
-        if out.device.type != "cuda":
-            return out.numpy()
-        buf = self._pinned.get(out.shape)
-        if buf is None:
+        if not self.on_cuda:  # the summary's own tensor (a graph's static output is the same one every read)
+            if self._out_host[0] is not out:
+                self._out_host = (out, out.numpy())
+            return self._out_host[1]
+        held = self._pinned.get(out.shape)
+        if held is None:
             if len(self._pinned) >= 64:
                 self._pinned.clear()
-            buf = self._pinned[out.shape] = torch.empty(out.shape, dtype=out.dtype, pin_memory=True)
-        buf.copy_(out, non_blocking=True)
-        return buf.numpy()
+            buf = torch.empty(out.shape, dtype=out.dtype, pin_memory=True)
+            held = self._pinned[out.shape] = (buf, buf.numpy())
+        held[0].copy_(out, non_blocking=True)
+        return held[1]
 
     def cursors(self, row: list[int]) -> BackendCursors:
         """One sequence's BackendCursors from its row (atlas.backends.cuda.store._summary's rules: QSA, SSM and

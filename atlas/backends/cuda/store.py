@@ -140,7 +140,10 @@ class CudaStateStore:
 
     def _split(self, seq_ids: Sequence[int]) -> tuple[list[int], dict[int, BackendCursors]]:
         """The live sequences among `seq_ids` (once each, in order), and zero cursors for the ones not held."""
-        live = [s for s in dict.fromkeys(seq_ids) if s in self.seqs]
+        live = list(dict.fromkeys(seq_ids))
+        if all(map(self.seqs.__contains__, live)):  # every one held (a decode step's): C-level passes
+            return live, {}
+        live = [s for s in live if s in self.seqs]
         return live, {s: BackendCursors(kv_tokens=0, qsa_ingested=0, ssm_position=0, ple_position=0)
                       for s in seq_ids if s not in self.seqs}
 
@@ -149,28 +152,43 @@ class CudaStateStore:
         read_cursors(seq_ids) (a plain decode step once its forward is queued: no verify, snapshot or drafter
         after the sampler), so the summary's launch and copy overlap the device's forward and the read only waits
         for the copy. Any state write through the store in between drops the started read (read anew)."""
-        t0 = time.perf_counter()
         live, _ = self._split(seq_ids)
-        self._launched = (tuple(seq_ids), self.reader.launch([self.seqs[s] for s in live])) if live else None
+        if live:
+            self.prefetch_held(tuple(seq_ids), list(map(self.seqs.__getitem__, live)))
+        else:
+            self._launched = None
+
+    def prefetch_held(self, key: tuple[int, ...], states: list[SeqState]) -> None:
+        """`prefetch` of held sequences, each once, their SeqStates given (the steady decode step has them);
+        `key`: the seq ids the read will ask for."""
+        t0 = time.perf_counter()
+        self._launched = (key, self.reader.launch(states))
         self.reads.prefetch_seconds += time.perf_counter() - t0
 
     def read_cursors(self, seq_ids: Sequence[int]) -> dict[int, BackendCursors]:
         """Every stamp of every sequence in `seq_ids` (atlas.backends.cuda.stamp_read: the device block tables,
         one summary, a graph replay on the GPU, one copy to the host); what read_cursors_reference reads."""
-        launched, self._launched = self._launched, None
         live, out = self._split(seq_ids)
         if not live:
+            self._launched = None
             return out
+        states = list(map(self.seqs.__getitem__, live))
+        out.update(zip(live, self.read_held(tuple(seq_ids), live, states), strict=True))
+        return out
+
+    def read_held(self, key: tuple[int, ...], live: Sequence[int], states: list[SeqState]) -> list[BackendCursors]:
+        """read_cursors of held sequences `live`, each once, their SeqStates given: their cursors in order. `key`:
+        the seq ids asked for (a read prefetched under that key is taken)."""
+        launched, self._launched = self._launched, None
         t0 = time.perf_counter()
-        states = [self.seqs[s] for s in live]
-        held = self.drafter.seqs if self.drafter is not None else {}
-        started = launched[1] if launched is not None and launched[0] == tuple(seq_ids) else None
-        out.update(zip(live, self.reader.read(states, [s in held for s in live], started), strict=True))
+        held = list(map(self.drafter.seqs.__contains__, live)) if self.drafter is not None else [False] * len(live)
+        started = launched[1] if launched is not None and launched[0] == key else None
+        made = self.reader.read(states, held, started)
         self.reads.device_seconds = self.reader.device_seconds
         self.reads.calls += 1
         self.reads.seqs += len(live)
         self.reads.seconds += time.perf_counter() - t0
-        return out
+        return made
 
     def read_cursors_reference(self, seq_ids: Sequence[int]) -> dict[int, BackendCursors]:
         """The first stamp read, kept as the oracle of read_cursors (tests/test_cuda_stamps_read.py) and the

@@ -385,15 +385,16 @@ class CudaBackend:
         needed = -(-end // self.block_size)
         whole = chunk.block_table
         if state is not None and state.checked[0] is whole and needed <= state.checked[1]:
-            return  # this table object's first `needed` blocks were checked at an earlier step
-        table = whole[:needed]
-        if len(table) < needed:
+            return  # this table object was checked whole at an earlier step, and covers these positions
+        if len(whole) < needed:
             raise ValueError(f"block table has {len(whole)} blocks; positions up to {end} need {needed} "
                              f"of block_size {self.block_size}")
-        if table and (min(table) < 0 or max(table) >= self.pools.num_kv_blocks):
-            raise ValueError(f"block table {list(table)} names a block outside [0, {self.pools.num_kv_blocks})")
+        # every block of it, not only the first `needed`: the group reads its key blocks' slots past them, the
+        # sentinel the block at `end`, the stamp read the whole table (a block outside the pool there failed mid-step)
+        if whole and (min(whole) < 0 or max(whole) >= self.pools.num_kv_blocks):
+            raise ValueError(f"block table {list(whole)} names a block outside [0, {self.pools.num_kv_blocks})")
         if state is not None and isinstance(whole, tuple):  # a tuple cannot change under us
-            state.checked = (whole, needed)
+            state.checked = (whole, len(whole))
 
     def _prepare(self, chunks: Sequence[ChunkLike]) -> None:
         seq_ids = [c.seq_id for c in chunks]

@@ -524,3 +524,42 @@ def test_the_inductor_conv_is_windowed_in_compiled_prefill_heads_and_library_els
         _decode(tiny, Tuning(prefill_stack="regions", compile_prefill=mode, prefill_conv="inductor"), kernels=False,
                 steps=0)
         assert dict(seen) == want, mode
+
+
+def test_the_new_decode_regions_lower_through_inductor(tiny, recompile_limit) -> None:  # type: ignore[no-untyped-def]
+    """Inductor itself (its C++ code on the CPU; Triton on a GPU, where the token test runs them) compiles the decode
+    regions of session 16, the group's columns and the prologue with the n-gram ids' int64 arithmetic, to the eager
+    values: what Dynamo's eager-backend trace (test_every_region_traces_whole) does not exercise, Inductor's lowering."""
+    from atlas.backends.cuda import compiled as module
+    from atlas.backends.cuda.batch import group_columns
+
+    backend = CudaBackend(tiny, num_kv_blocks=32, block_size=16, dtype=torch.float32, device=DEVICE,
+                          max_batch_size=4, kernels=False, cuda_graphs=False,
+                          tuning=Tuning(decode_stack="regions", compile_decode="default"))
+    backend.execute(StepPlan(0, tuple(SeqWork(i, tuple(p), 0, TABLES[i], True) for i, p in enumerate(PROMPTS))))
+    shape = backend._shape(3, 1, 80)
+    rows = [backend._row(SeqWork(i, (40 + i,), len(p), TABLES[i], True)) for i, p in enumerate(PROMPTS)]
+    from atlas.backends.cuda.batch import pack_rows
+
+    packed = pack_rows(shape, rows, backend.pools.scratch_slots, backend.pools.scratch_block, 16).to(DEVICE)
+    args = (packed, 1, shape.key_blocks, 16, False)
+    torch._dynamo.reset()
+    try:
+        got = torch.compile(group_columns, fullgraph=True)(*args)
+        for g, want in zip(got, group_columns(*args), strict=True):
+            assert torch.equal(g, want)
+        grp = regions.Group.view(packed, shape, 16)
+        spec, embed = tiny.spec, backend.weights["embed_tokens.weight"]
+        pargs = (spec, grp.tokens, grp.positions, embed, backend.pools.state["pctx"], grp.slots,
+                 backend._ple_tables_dev)
+        got = torch.compile(regions.prologue, fullgraph=True)(*pargs)
+        want = regions.prologue(*pargs)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[3], want[3])  # the streams, the n-gram ids
+        assert torch.allclose(got[1], want[1], atol=1e-6) and torch.allclose(got[2], want[2], atol=1e-6)  # cos, sin
+        # the ids are the runner's own (layers.device_ngram_ids)
+        from atlas.backends.cuda.layers import device_ngram_ids
+
+        assert torch.equal(want[3], device_ngram_ids(backend.pools, grp, spec.ple, backend._ple_tables_dev))
+    finally:
+        module._compile.cache_clear()
+        torch._dynamo.reset()

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call (the GPU machine has torch/triton but not the project): install the carried wheels
 # (.whl, git-ignored), run the CUDA tests, then `atlas bench gpu`. Logs and JSON under $OUT.
-#   run: bash benchmarks/gpu_run.sh            (carry: .whl)
+#   run: bash benchmarks/gpu_run.sh            (carry: .whl; build it here first: bash benchmarks/gpu_wheels.sh)
 # TESTS=0 skips the tests; BENCH=0 skips the benchmark; BENCH_ARGS are passed to atlas.bench (e.g.
 # "--no-transformers --variants baseline,fused --long-prefill 8192"); EXTRA: more commands;
 # FEATURES=0 skips benchmarks/cuda_features.py (issue 14: speculation K=1/2/4 x oracle acceptance, prefix TTFT,

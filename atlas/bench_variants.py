@@ -23,7 +23,8 @@ from atlas.backends.cuda.tuning import Tuning
 # the knobs only one kind of step reads; every other Tuning field counts for both, so a new knob is re-measured
 # rather than silently shared (session 8: regions-prefill's prefill was reported "= regions-compile" because
 # prefill_stack / compile_prefill were missing from a hand-written prefill list)
-DECODE_ONLY = ("moe", "decode_attention", "compile_decode", "decode_stack", "decode_gemv", "decode_pdl")
+DECODE_ONLY = ("moe", "decode_attention", "compile_decode", "decode_stack", "decode_gemv", "decode_pdl",
+               "decode_regions")
 PREFILL_ONLY = ("prefill_moe", "attention", "prefill_conv", "prefill_stack", "compile_prefill", "prefill_graphs",
                 "gdn_work", "prefill_mix_up", "gdn_prepare")
 PREFILL_KNOBS = tuple(f.name for f in attrs.fields(Tuning) if f.name not in DECODE_ONLY)

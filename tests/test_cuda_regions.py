@@ -150,6 +150,13 @@ def test_every_region_traces_whole(tiny, monkeypatch: pytest.MonkeyPatch) -> Non
             "group_columns"} <= set(traced)
     # a compiled decode's (prefill chunks keep theirs eager); the group's columns for the decode steps only
     assert compiles["prologue"] == 1 and compiles["group_columns"] == 1, compiles
+    # the narrow decode cut (session 15's, Tuning.decode_regions "narrow") leaves the same state, stamps and logits
+    narrow, narrow_state = _decode(tiny, Tuning(**both, compile_decode="default", compile_prefill="default",
+                                                decode_regions="narrow"), kernels=False, steps=2)
+    for w, g in zip(want, narrow, strict=True):
+        assert torch.equal(w, g)
+    for name, w in want_state.items():
+        assert torch.equal(w, narrow_state[name]), name
     # atlas-tiny's PLE layers are its first two: the first settles no ffn, the second does (two graphs), each for
     # the prefill chunks (token dimension symbolic) and for the decode
     assert compiles["ple_block"] == 4, compiles

@@ -235,7 +235,7 @@ def compiled_decode(spec: ModelSpec, shape: GroupShape, tuning: Tuning) -> bool:
     runner then derives its columns with a compiled batch.group_columns, and leaves its n-gram ids to the prologue
     (computes_ngram_ids)."""
     return (shape.width == 1 and not shape.keep and spec.has_hyper_connections and tuning.decode_stack == "regions"
-            and tuning.compile_decode != "none")
+            and tuning.compile_decode != "none" and tuning.decode_regions == "wide")
 
 
 def columns_of(spec: ModelSpec, shape: GroupShape, tuning: Tuning) -> Callable[..., tuple[torch.Tensor, ...]] | None:
@@ -279,7 +279,10 @@ def regions_stack(spec: ModelSpec, w: dict[str, torch.Tensor], pools: DevicePool
     settle_c, final_c, ple_c = compiled(settle, mode), compiled(final_mix, mode), compiled(ple_block, mode)
     tok = _token_dim if prefill and mode != "none" else _same
     dtype = w["embed_tokens.weight"].dtype
-    if prefill or mode == "none":
+    # the wide decode cut (Tuning.decode_regions, session 16): the prologue, the PLE layers and the group's columns as
+    # regions too; the narrow one runs them eagerly (session 15's cut)
+    wide = mode != "none" and (prefill or tuning.decode_regions == "wide")
+    if prefill or not wide:
         cos, sin = rope_table(grp.positions.reshape(-1), spec.rotary_dim, spec.rope_theta, dtype)
         streams = torch.cat([w["embed_tokens.weight"][grp.tokens]] * spec.hc_count, dim=-1)
     else:  # a compiled decode: the step's ~40 eager launches before the first layer as one region
@@ -319,7 +322,7 @@ def regions_stack(spec: ModelSpec, w: dict[str, torch.Tensor], pools: DevicePool
     for layer in range(spec.num_layers):
         pre = f"layers.{layer}."
         routed, shared, inject_prev = pending
-        if layer in ple_layers and mode != "none":  # PLE as one compiled region, its stamp with the convs' at the end
+        if layer in ple_layers and wide:  # PLE as one compiled region, its stamp with the convs' at the end
             assert grp.ngram_ids is not None
             conv_pool = pools.state[f"pconv{layer}"]
             streams = ple_c(spec, tok(streams), tok(routed), tok(shared), tok(inject_prev),
@@ -385,7 +388,7 @@ def regions_stack(spec: ModelSpec, w: dict[str, torch.Tensor], pools: DevicePool
     # layer's conv state at the slots (the compiled PLE regions' too; eager PLE layers stamped theirs as they
     # wrote), every attention layer's KV and QSA positions at the new rows (each of these was one launch a layer,
     # 30 a step, with the data's copies)
-    pools.stamp_states(pools.conv_rows_ple if mode != "none" else pools.conv_rows, grp.slots, grp.ends)
+    pools.stamp_states(pools.conv_rows_ple if wide else pools.conv_rows, grp.slots, grp.ends)
     if spec.attention_layers:
         pools.stamp_rows(grp.stamp_at, grp.stamp_values)
     routed, shared, inject_prev = pending

@@ -25,6 +25,7 @@ PREFILL_GRAPHS = ("none", "recurring")
 GDN_WORK = ("fp32", "bf16")
 MIX_UP = ("inductor", "triton")
 GDN_PREPARE = ("scratch", "registers")
+DECODE_REGIONS = ("wide", "narrow")
 PDL = ("off", "on")
 
 
@@ -128,6 +129,13 @@ class Tuning:
     # on the H200). compile_decode "combo-pdl" does the same for Inductor's kernels. Session 16, unmeasured
     decode_pdl: str = attrs.field(default="off", validator=_one_of(PDL))
 
+    # where compiled decode regions are cut (decode_stack "regions" with compile_decode other than "none"): "wide" (session
+    # 16) also runs the PLE layers, the step's prologue (embedded streams, rotary table, the PLE n-gram ids) and the
+    # group's columns (batch.group_columns) as compiled regions: a b1 step's launches outside the regions 232 -> 104
+    # (benchmarks/dispatch_count.py --regions-as-calls); "narrow" runs those eagerly (session 15's cut, for the A/B).
+    # Eager regions (compile "none") compute the same either way
+    decode_regions: str = attrs.field(default="wide", validator=_one_of(DECODE_REGIONS))
+
     def __attrs_post_init__(self) -> None:
         if self.prefill_graphs != "none" and self.prefill_moe == "grouped":
             raise ValueError(f"Tuning.prefill_graphs {self.prefill_graphs!r} captures prefill chunks in CUDA graphs, "
@@ -213,6 +221,9 @@ VARIANTS: dict[str, Tuning] = {
     # the chain of early launches is not broken at each of them
     "regions-pdl-kernels": attrs.evolve(_REGIONS, compile_decode="combo-pdl", compile_prefill="combo-pdl",
                                         decode_pdl="on"),
+    # regions-compile with session 15's narrower decode cut (decode_regions "narrow": the PLE layers, the prologue and the
+    # group's columns eager; unmeasured A/B of the wide cut, which regions-compile takes since session 16)
+    "regions-narrow": attrs.evolve(_REGIONS, decode_regions="narrow"),
     # regions-compile with the GDN chunk prefill's intermediates and scan products in fp32 / tf32 (what gdn_work
     # "bf16" replaced in session 14: the backend's chunk call 322.5 -> 221.8 us a 2,048-token layer; H200 run 1,
     # with 2 scan stages, prefill 2,048 27.6 -> 26.9 ms)

@@ -25,6 +25,10 @@ import atlas_kernels.pdl as pdl
 from atlas_kernels.conv import causal_conv1d_update
 from atlas_kernels.qsa import qsa_block_scores, qsa_pool_keys
 
+# SHORT: below atlas-tiny's QSA inert bound through the decodes (dense groups: the paged kernel applies); no length 3,
+# the decode group's row count, so a routed call's rows tell a decode group from a prefill chunk
+from test_cuda_regions import SHORT, TABLES
+
 from atlas.backends.cuda import CudaBackend
 from atlas.backends.cuda.runner import triton_gdn
 from atlas.backends.cuda.tuning import VARIANTS, Tuning
@@ -182,14 +186,8 @@ def test_each_entry_point_with_pdl_forced_on_is_bit_identical_to_pdl_off(case: s
         assert torch.equal(w, g)
 
 
-# below atlas-tiny's QSA inert bound through the decodes (dense groups: the paged kernel applies); no length 3, the
-# decode group's row count, so a routed call's rows tell a decode group from a prefill chunk
-SHORT = [list(b"hello"), list(b"0123456789"), list(b"ab")]
-TABLES = [tuple(range(8 * i, 8 * i + 8)) for i in range(3)]
-
-
 @pytest.fixture(scope="module")
-def tiny():
+def tiny():  # type: ignore[no-untyped-def]
     torch.set_num_threads(1)
     return load_model("atlas-tiny")
 

@@ -213,16 +213,18 @@ VARIANTS: dict[str, Tuning] = {
     # unmeasured): a hyper site's per-stream norm one kernel instead of a looped reduction and a pointwise pass
     "regions-persistent": attrs.evolve(_REGIONS, compile_decode="combo-persistent", compile_prefill="combo-persistent"),
     # regions-compile with Inductor's kernels launched with programmatic dependent launch (compile mode "combo-pdl",
-    # session 16, unmeasured): each generated kernel's launch and prologue overlap the tail of the one before it, for
-    # the b1 decode's ~700 Inductor kernels of ~2.7 us (atlas.backends.cuda.compiled)
+    # session 16): each generated kernel's launch and prologue overlap the tail of the one before it, for the b1
+    # decode's ~700 Inductor kernels of ~2.7 us (atlas.backends.cuda.compiled). H200 session 16 run 2: no gain (b1 /
+    # b64 3.12 / 5.95 ms measured first; with regions-pdl-kernels 2.79 / 5.89, regions-compile 2.79 / 5.87 in run 1)
     "regions-pdl": attrs.evolve(_REGIONS, compile_decode="combo-pdl", compile_prefill="combo-pdl"),
     # regions-pdl with our own decode kernels launched with programmatic dependent launch too (decode_pdl "on",
-    # session 16, unmeasured): the GDN update, paged attention and routed experts between the Inductor kernels, so
+    # session 16; H200 run 2: b1 / b64 2.79 / 5.89 ms, within regions-compile's spread: no gain): the GDN update, paged attention and routed experts between the Inductor kernels, so
     # the chain of early launches is not broken at each of them
     "regions-pdl-kernels": attrs.evolve(_REGIONS, compile_decode="combo-pdl", compile_prefill="combo-pdl",
                                         decode_pdl="on"),
     # regions-compile with session 15's narrower decode cut (decode_regions "narrow": the PLE layers, the prologue and the
-    # group's columns eager; unmeasured A/B of the wide cut, which regions-compile takes since session 16)
+    # group's columns eager; H200 session 16 run 1: b1 2.94 against the wide cut's 2.79 ms, b64 6.10 against 5.87,
+    # kernels b1 842 against 733)
     "regions-narrow": attrs.evolve(_REGIONS, decode_regions="narrow"),
     # regions-compile with the GDN chunk prefill's intermediates and scan products in fp32 / tf32 (what gdn_work
     # "bf16" replaced in session 14: the backend's chunk call 322.5 -> 221.8 us a 2,048-token layer; H200 run 1,

@@ -235,7 +235,7 @@ def _profiled(run: Callable[[], Any], out: Path | None, name: str) -> dict[str, 
     by_kernel = [(e.key, e.device_time_total / 1e3) for e in prof.key_averages() if e.device_time_total > 0]
     by_kernel.sort(key=lambda r: -r[1])
     if out is not None:
-        (out / f"profile_{name}.txt").write_text(prof.key_averages().table(sort_by="cuda_time_total", row_limit=70))
+        (out / f"profile_{name}.txt").write_text(prof.key_averages().table(sort_by="cuda_time_total", row_limit=400))
     return {"wall_ms": wall, "kernels": len(kernels), "device_ms": sum(e.device_time_total for e in kernels) / 1e3,
             "top": by_kernel[:12]}
 

@@ -506,6 +506,101 @@ def bench_moe(cfg: dict) -> None:
             print(f"# moe rows {rows}: best tile {best[1]} {best[0] * 1e3:.1f} us", flush=True)
 
 
+# the decode MoE's two kernels swept apart (block_m 16 and the gate-up's block_k fixed per batch bucket; block_n, warps
+# and stages only tile columns and schedule loads): session 16's b1 profile has the gate-up at 12.0 us a layer for
+# ~4 us of bytes (4 of 16 experts: 64-column tiles leave 32 programs with work on 132 SMs) and the down at 6.1 us
+MOE_DECODE_GATE_TILES = [(bn, bk, w, st) for bn in (16, 32, 64) for bk in (128, 256) for w in (2, 4)
+                         for st in (None, 4)]
+MOE_DECODE_DOWN_TILES = [(bn, bk, w, None) for bn in (16, 32, 64, 128) for bk in (64, 128) for w in (2, 4)]
+MOE_DECODE_ROWS = (1, 16, 64)
+HYPER_DECODE_ROWS = (1, 4, 16, 64)
+
+
+def bench_moe_decode(cfg: dict) -> None:
+    """The routed experts at decode rows with the gate-up's tile (block_n, block_k, warps, stages) and the down's swept
+    apart (the other kernel on today's tile): the whole call graph-timed, so a row's difference from today's is that
+    kernel's."""
+    from atlas_kernels.moe_grouped import block_sizes, moe_grouped, num_warps
+
+    gate_up, down, top_k = moe_weights(cfg)
+    experts, two_inter, hidden = gate_up.shape
+    inter = two_inter // 2
+    for rows in MOE_DECODE_ROWS:
+        x = torch.randn(rows, hidden, device=DEV, dtype=BF16)
+        top_w, top_i = torch.topk(torch.randn(rows, experts, device=DEV).softmax(-1), top_k, dim=-1)
+        top_w = top_w.to(BF16)
+        chosen = len(set(top_i.flatten().tolist()))
+        moved = chosen * 3 * inter * hidden * 2
+        want = moe_grouped(x, top_i, top_w, gate_up, down)
+        bm, bn0, bk0 = block_sizes(rows)
+        cases = [("today", {})]
+        cases += [(f"gate-up {bn}x{bk} w{w} s{st}", dict(blocks=(bm, bn, bk), warps=w, stages=st, down_tile=()))
+                  for bn, bk, w, st in MOE_DECODE_GATE_TILES]
+        cases += [(f"down {bn}x{bk} w{w} s{st}", dict(down_tile=(bn, bk, w, st))) for bn, bk, w, st in
+                  MOE_DECODE_DOWN_TILES]
+        best: dict[str, tuple[float, str]] = {}
+        for name, knobs in cases:
+            if name.startswith("gate-up"):  # the down kernel on today's tile
+                knobs = dict(knobs, down_tile=(bn0, bk0, num_warps(bm), None))
+
+            def step(knobs=knobs, x=x, top_i=top_i, top_w=top_w) -> None:
+                moe_grouped(x, top_i, top_w, gate_up, down, **knobs)
+            try:
+                got = moe_grouped(x, top_i, top_w, gate_up, down, **knobs)
+                err = float((got.float() - want.float()).norm() / want.float().norm())
+                ms = time_ms(step)
+            except Exception as error:
+                print(f"# moe decode {name} failed: {type(error).__name__}: {str(error)[:120]}")
+                continue
+            record("moe_decode", f"rows {rows}, {name}", ms, bytes_moved=moved, note=f"rel err vs today {err:.1e}")
+            kind = name.split(" ")[0]
+            if kind not in best or ms < best[kind][0]:
+                best[kind] = (ms, name)
+        print(f"# moe decode rows {rows}: " + "; ".join(f"{k} best {n} {m * 1e3:.1f} us" for k, (m, n) in best.items()),
+              flush=True)
+
+
+def bench_hyper_decode(cfg: dict) -> None:
+    """A hyper site (norm, mix-down, silu, mix-up, sigmoid, mix, mean, injection) at decode rows: compiled as the decode
+    regions compile it (combo kernels; products through cuBLAS, or as Inductor reductions with split K, the b1-4
+    form), atlas_kernels.hyper.hyper_site's four Triton kernels, and cuBLAS's two products alone. Session 16's b64
+    profile: ~16 us a site (cuBLAS's split-K mix-down 5.7 us + its reduce 2.2, the mix-up 4.9) for 10.5 MB of weights."""
+    from atlas_kernels.hyper import hyper_site
+
+    from atlas.backends.cuda.layers import hyper_block
+
+    hidden, hc, lowrank, eps = cfg["hidden_size"], cfg["hc_count"], cfg["hc_lowrank"], cfg["rms_norm_eps"]
+    width = hc * hidden
+    norm_w = 1 + 0.1 * torch.randn(width, device=DEV, dtype=BF16)
+    down_w = torch.randn(lowrank + hc, width, device=DEV, dtype=BF16) / width**0.5
+    up_w = torch.randn(width, lowrank, device=DEV, dtype=BF16) / lowrank**0.5
+    moved = (down_w.numel() + up_w.numel()) * 2
+    for rows in HYPER_DECODE_ROWS:
+        streams = torch.randn(rows, width, device=DEV, dtype=BF16)
+        forms = {}
+        for gemv in ("", "split"):
+            def site(s: torch.Tensor, gemv=gemv) -> tuple[torch.Tensor, torch.Tensor | None]:
+                return hyper_block(s, norm_w, down_w, up_w, hc, hidden, lowrank, eps, True, gemv)
+            forms[f"compiled {gemv or 'cublas'}"] = torch.compile(site, options={"combo_kernels": True},
+                                                                  dynamic=False, fullgraph=True)
+        forms["triton hyper_site"] = lambda s: hyper_site(s, norm_w, down_w, up_w, hc, lowrank, eps, True)
+        want = forms["compiled cublas"](streams)[0]
+        for name, fn in forms.items():
+            try:
+                got = fn(streams)[0]
+                err = float((got.float() - want.float()).norm() / want.float().norm())
+                record("hyper_decode", f"rows {rows}, {name}", time_ms(lambda fn=fn, s=streams: fn(s)),
+                       bytes_moved=moved, note=f"rel err vs compiled cublas {err:.1e}")
+            except Exception as error:
+                print(f"# hyper decode {name} failed: {type(error).__name__}: {str(error)[:160]}")
+        normed = torch.randn(rows, width, device=DEV, dtype=BF16)
+        act = torch.randn(rows, lowrank + 8, device=DEV, dtype=BF16)[:, :lowrank]
+        record("hyper_decode", f"rows {rows}, cuBLAS mix-down alone", time_ms(lambda n=normed: n @ down_w.T),
+               bytes_moved=down_w.numel() * 2)
+        record("hyper_decode", f"rows {rows}, cuBLAS mix-up alone", time_ms(lambda a=act: a @ up_w.T),
+               bytes_moved=up_w.numel() * 2)
+
+
 def moe_weights(cfg: dict) -> tuple[torch.Tensor, torch.Tensor, int]:
     hidden, inter = cfg["hidden_size"], cfg["moe_intermediate_size"]
     experts = cfg["num_experts"]
@@ -595,7 +690,8 @@ def main() -> None:
     cfg = load_config(args.config)
     gdn_layers = cfg["layer_types"].count("linear_attention")
     attn_layers = len(cfg["layer_types"]) - gdn_layers
-    groups = ("gdn", "conv", "attn", "qsa", "norms", "mix_up", "moe", "moe_prefill", "chunk")
+    groups = ("gdn", "conv", "attn", "qsa", "norms", "mix_up", "moe", "moe_decode", "hyper_decode", "moe_prefill",
+              "chunk")
     unknown = [name for name in args.only.split(",") if name and name not in groups]
     if unknown:
         parser.error(f"--only {','.join(unknown)}: not a kernel group; use some of {','.join(groups)}")
@@ -619,6 +715,8 @@ def main() -> None:
         "norms": lambda: bench_norms(cfg),
         "mix_up": lambda: bench_mix_up(cfg),
         "moe": lambda: bench_moe(cfg),
+        "moe_decode": lambda: bench_moe_decode(cfg),
+        "hyper_decode": lambda: bench_hyper_decode(cfg),
         "moe_prefill": lambda: bench_moe_prefill(*moe_weights(cfg), sweep=not args.no_sweep),
         "chunk": lambda: bench_gdn_chunk(cfg, args.fp32_chunk, others=not args.no_sweep,
                                          schedules=args.chunk_schedules),

@@ -162,7 +162,13 @@ def hyper_block(streams: torch.Tensor, norm_w: torch.Tensor, down_w: torch.Tenso
     two products' form (`linear`). mix_up "triton" (Tuning.prefill_mix_up, compiled prefill regions, bf16 / fp16
     streams, at most 4 of them, on a CUDA device, or the CPU under TRITON_INTERPRET=1): the mix-up product, its sigmoid and the mix with
     the normed streams as one kernel (atlas_kernels.hyper.mix_up, a custom op), which never writes the [.., hc*H]
-    product."""
+    product. mix_up "site" (Tuning.decode_hyper, decode groups; on a CUDA device, or the CPU under TRITON_INTERPRET=1):
+    the whole site as atlas_kernels.hyper.hyper_site's four kernels (the custom op atlas::hyper_site)."""
+    if mix_up == "site" and (streams.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
+        # the caller imported atlas_kernels.hyper (which registers the op) outside any compiled function
+        n_out = lowrank + (hc if combine else 0)  # the fused weight without its alignment rows
+        mixed, inject = torch.ops.atlas.hyper_site(streams, norm_w, down_w[:n_out], up_w, hc, lowrank, eps, combine)
+        return mixed, (inject if combine else None)
     normed = rms_norm(streams, norm_w, eps, group=hidden)
     if combine:  # 1/hc is folded into the weights (prepare_weights)
         down, inject = split_out(linear(normed, down_w, gemv), [lowrank, hc])

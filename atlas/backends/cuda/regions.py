@@ -171,21 +171,22 @@ def attn_tail(spec: ModelSpec, streams: torch.Tensor, inject: torch.Tensor, q: t
               read_slots: torch.Tensor, positions: torch.Tensor, o_w: torch.Tensor, iq_norm: torch.Tensor | None,
               ik_norm: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor, qsa_select: bool, sdpa: bool,
               norm_w: torch.Tensor, down_w: torch.Tensor, up_w: torch.Tensor, moe_in: torch.Tensor | None,
-              shared_down: torch.Tensor | None, route: str, gemv: str = "") -> tuple[torch.Tensor, ...]:
+              shared_down: torch.Tensor | None, route: str, gemv: str = "", mix_up: str = ""
+              ) -> tuple[torch.Tensor, ...]:
     mixed = attn_core(spec, q, gate, qk, k_pool, v_pool, raw_pool, read_slots, positions, o_w, iq_norm, ik_norm,
                       cos, sin, qsa_select, sdpa)
-    return ffn_head(spec, streams, mixed, inject, norm_w, down_w, up_w, moe_in, shared_down, route, gemv)
+    return ffn_head(spec, streams, mixed, inject, norm_w, down_w, up_w, moe_in, shared_down, route, gemv, mix_up)
 
 
 def attn_post(spec: ModelSpec, streams: torch.Tensor, inject: torch.Tensor, att: torch.Tensor, gate: torch.Tensor,
               o_w: torch.Tensor, norm_w: torch.Tensor, down_w: torch.Tensor, up_w: torch.Tensor,
-              moe_in: torch.Tensor | None, shared_down: torch.Tensor | None, route: str, gemv: str = ""
-              ) -> tuple[torch.Tensor, ...]:
+              moe_in: torch.Tensor | None, shared_down: torch.Tensor | None, route: str, gemv: str = "",
+              mix_up: str = "") -> tuple[torch.Tensor, ...]:
     """attn_tail after the paged kernel's attention output att [R, nh, hd]: its gate and projection, then the ffn
     head."""
     b, t = streams.shape[:2]
     return ffn_head(spec, streams, attn_gate_out(att, gate, o_w, b, t), inject, norm_w, down_w, up_w, moe_in,
-                     shared_down, route, gemv)
+                     shared_down, route, gemv, mix_up)
 
 
 def ple_block(spec: ModelSpec, streams: torch.Tensor, routed: torch.Tensor | None, shared: torch.Tensor | None,
@@ -298,8 +299,11 @@ def regions_stack(spec: ModelSpec, w: dict[str, torch.Tensor], pools: DevicePool
     gemv = tuning.decode_gemv if small and tuning.decode_gemv != "library" else ""
     # a compiled prefill chunk's hyper sites: the mix after the mix-down as one Triton kernel (a custom op)
     mix_up = tuning.prefill_mix_up if prefill and mode != "none" and tuning.prefill_mix_up != "inductor" else ""
-    if mix_up == "triton":
-        import atlas_kernels.hyper  # registers torch.ops.atlas.hyper_mix_up
+    # a decode group's hyper sites: the whole site as atlas_kernels.hyper's four kernels (a custom op), Tuning.decode_hyper
+    if not prefill and tuning.decode_hyper == "triton":
+        mix_up = "site"
+    if mix_up:
+        import atlas_kernels.hyper  # registers torch.ops.atlas.hyper_mix_up and hyper_site
     # paged: the split-K kernel between the head and attn_post (eager, in the graph)
     sdpa, paged = attention_kind(grp, tuning.attention if prefill else tuning.decode_attention)
     moe_mode = tuning.prefill_moe if prefill else tuning.moe
@@ -352,7 +356,7 @@ def regions_stack(spec: ModelSpec, w: dict[str, torch.Tensor], pools: DevicePool
             if paged:
                 att = attn_paged(q, k_pool, v_pool, grp, pdl=pdl)
                 streams, rows, inject, top_w, top_i, shared, pairs = post_a(spec, streams, inject, att, gate, o_w,
-                                                                            *ffn_site, *moe_w, route, gemv)
+                                                                            *ffn_site, *moe_w, route, gemv, mix_up)
             elif prefill:
                 # a prefill chunk's attention eager (as the layer stack's), its ffn head compiled. Written when the
                 # ConstraintViolationError (H200, session 7) was taken for Inductor's sdpa lowering specialising the
@@ -366,7 +370,7 @@ def regions_stack(spec: ModelSpec, w: dict[str, torch.Tensor], pools: DevicePool
                 streams, rows, inject, top_w, top_i, shared, pairs = tail_a(
                     spec, streams, inject, q, gate, qk, k_pool, v_pool, raw_pool, read_slots, grp.positions, o_w,
                     iq_norm, ik_norm, cos, sin, grp.shape.qsa_select, sdpa, *ffn_site, *moe_w, route,
-                    gemv)  # decode only
+                    gemv, mix_up)  # decode only
         else:
             g = pre + "linear_attn."
             streams, inject, *parts = head_g(spec, tok(streams), tok(routed), tok(shared), tok(inject_prev), *site,

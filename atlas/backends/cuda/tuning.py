@@ -27,6 +27,7 @@ MIX_UP = ("inductor", "triton")
 GDN_PREPARE = ("scratch", "registers")
 DECODE_REGIONS = ("wide", "narrow")
 PDL = ("off", "on")
+DECODE_HYPER = ("inductor", "triton")
 
 
 def _one_of(options: tuple[str, ...]):  # type: ignore[no-untyped-def]
@@ -135,6 +136,13 @@ class Tuning:
     # (benchmarks/dispatch_count.py --regions-as-calls); "narrow" runs those eagerly (session 15's cut, for the A/B).
     # Eager regions (compile "none") compute the same either way
     decode_regions: str = attrs.field(default="wide", validator=_one_of(DECODE_REGIONS))
+    # the hyper-connection sites of decode groups through the regions (decode_stack "regions"): "inductor" the torch form
+    # (hyper_block) as the region's compile lowers it (cuBLAS's products, or Inductor's reductions at <= GEMV_ROWS
+    # rows); "triton" each site as atlas_kernels.hyper.hyper_site's four kernels (a custom op: per-stream norm,
+    # split-K mix-down over 176 programs, the split sum + silu / injection sigmoid, the mix-up + sigmoid + mix +
+    # mean), the final mixer's too. H200 session 16 profiles: a site ~16 us at b64 (cuBLAS's split-K mix-down 5.7 us
+    # + its reduce 2.2, the mix-up 4.9, Inductor's norm and mix) and ~12 us at b1, for 10.5 MB of weights (2.5 us)
+    decode_hyper: str = attrs.field(default="inductor", validator=_one_of(DECODE_HYPER))
 
     def __attrs_post_init__(self) -> None:
         if self.prefill_graphs != "none" and self.prefill_moe == "grouped":
@@ -145,7 +153,7 @@ class Tuning:
     @property
     def uses_triton(self) -> bool:
         return (self.moe == "triton" or self.prefill_moe == "triton" or self.hyper == "triton"
-                or self.decode_attention == "paged" or self.prefill_mix_up == "triton")
+                or self.decode_attention == "paged" or self.prefill_mix_up == "triton" or self.decode_hyper == "triton")
 
 
 # regions-compile's knobs (see its entry below), the arrangement its neighbours in VARIANTS change one knob of
@@ -226,6 +234,10 @@ VARIANTS: dict[str, Tuning] = {
     # group's columns eager; H200 session 16 run 1: b1 2.94 against the wide cut's 2.79 ms, b64 6.10 against 5.87,
     # kernels b1 842 against 733)
     "regions-narrow": attrs.evolve(_REGIONS, decode_regions="narrow"),
+    # regions-compile with each decode hyper site as atlas_kernels.hyper's four kernels (decode_hyper "triton", session
+    # 17): a site's two 5 MB products over 176 / 64 programs at every batch, instead of cuBLAS's skinny GEMMs (b16 / b64)
+    # or Inductor's reductions (b1-4)
+    "regions-hyper-site": attrs.evolve(_REGIONS, decode_hyper="triton"),
     # regions-compile with the GDN chunk prefill's intermediates and scan products in fp32 / tf32 (what gdn_work
     # "bf16" replaced in session 14: the backend's chunk call 322.5 -> 221.8 us a 2,048-token layer; H200 run 1,
     # with 2 scan stages, prefill 2,048 27.6 -> 26.9 ms)

@@ -512,15 +512,18 @@ def bench_moe(cfg: dict) -> None:
 MOE_DECODE_GATE_TILES = [(bn, bk, w, st) for bn in (16, 32, 64) for bk in (128, 256) for w in (2, 4)
                          for st in (None, 4)]
 MOE_DECODE_DOWN_TILES = [(bn, bk, w, None) for bn in (16, 32, 64, 128) for bk in (64, 128) for w in (2, 4)]
-MOE_DECODE_ROWS = (1, 16, 64)
+MOE_DECODE_ROWS = (1, 4, 16, 64)
 HYPER_DECODE_ROWS = (1, 4, 16, 64)
 
 
-def bench_moe_decode(cfg: dict) -> None:
-    """The routed experts at decode rows with the gate-up's tile (block_n, block_k, warps, stages) and the down's swept
-    apart (the other kernel on today's tile): the whole call graph-timed, so a row's difference from today's is that
-    kernel's."""
+def bench_moe_decode(cfg: dict, sweep: bool = True) -> None:
+    """The routed experts at decode rows: today's moe_grouped call, atlas_kernels.moe_small's (at most its ROWS rows),
+    and (sweep) the grouped call with the gate-up's tile (block_n, block_k, warps, stages) and the down's swept apart
+    (the other kernel on today's tile). Each whole call graph-timed (routing, both kernels, the slot sum), so a row's
+    difference from today's is its kernels'. Session 17 run 1: the sweep moved rows 1 / 16 / 64 by at most 1.3 /
+    1.1 / 1.4 us of 30.0 / 48.8 / 75.7."""
     from atlas_kernels.moe_grouped import block_sizes, moe_grouped, num_warps
+    from atlas_kernels.moe_small import fits, moe_small
 
     gate_up, down, top_k = moe_weights(cfg)
     experts, two_inter, hidden = gate_up.shape
@@ -533,20 +536,21 @@ def bench_moe_decode(cfg: dict) -> None:
         moved = chosen * 3 * inter * hidden * 2
         want = moe_grouped(x, top_i, top_w, gate_up, down)
         bm, bn0, bk0 = block_sizes(rows)
-        cases = [("today", {})]
+        cases = [("today", {})] + ([("small", {})] if fits(rows) else [])
         cases += [(f"gate-up {bn}x{bk} w{w} s{st}", dict(blocks=(bm, bn, bk), warps=w, stages=st, down_tile=()))
-                  for bn, bk, w, st in MOE_DECODE_GATE_TILES]
+                  for bn, bk, w, st in (MOE_DECODE_GATE_TILES if sweep else [])]
         cases += [(f"down {bn}x{bk} w{w} s{st}", dict(down_tile=(bn, bk, w, st))) for bn, bk, w, st in
-                  MOE_DECODE_DOWN_TILES]
+                  (MOE_DECODE_DOWN_TILES if sweep else [])]
         best: dict[str, tuple[float, str]] = {}
         for name, knobs in cases:
             if name.startswith("gate-up"):  # the down kernel on today's tile
                 knobs = dict(knobs, down_tile=(bn0, bk0, num_warps(bm), None))
+            call = moe_small if name == "small" else moe_grouped
 
-            def step(knobs=knobs, x=x, top_i=top_i, top_w=top_w) -> None:
-                moe_grouped(x, top_i, top_w, gate_up, down, **knobs)
+            def step(knobs=knobs, x=x, top_i=top_i, top_w=top_w, call=call) -> None:
+                call(x, top_i, top_w, gate_up, down, **knobs)
             try:
-                got = moe_grouped(x, top_i, top_w, gate_up, down, **knobs)
+                got = call(x, top_i, top_w, gate_up, down, **knobs)
                 err = float((got.float() - want.float()).norm() / want.float().norm())
                 ms = time_ms(step)
             except Exception as error:
@@ -566,6 +570,8 @@ def bench_hyper_decode(cfg: dict) -> None:
     form), atlas_kernels.hyper.hyper_site's four Triton kernels, and cuBLAS's two products alone. Session 16's b64
     profile: ~16 us a site (cuBLAS's split-K mix-down 5.7 us + its reduce 2.2, the mix-up 4.9) for 10.5 MB of weights."""
     from atlas_kernels.hyper import hyper_site
+    from atlas_kernels.hyper_small import fits as small_fits
+    from atlas_kernels.hyper_small import hyper_small
 
     from atlas.backends.cuda.layers import hyper_block
 
@@ -584,6 +590,8 @@ def bench_hyper_decode(cfg: dict) -> None:
             forms[f"compiled {gemv or 'cublas'}"] = torch.compile(site, options={"combo_kernels": True},
                                                                   dynamic=False, fullgraph=True)
         forms["triton hyper_site"] = lambda s: hyper_site(s, norm_w, down_w, up_w, hc, lowrank, eps, True)
+        if small_fits(rows, hc, hidden):
+            forms["triton hyper_small"] = lambda s: hyper_small(s, norm_w, down_w, up_w, hc, lowrank, eps, True)
         want = forms["compiled cublas"](streams)[0]
         for name, fn in forms.items():
             try:
@@ -715,7 +723,7 @@ def main() -> None:
         "norms": lambda: bench_norms(cfg),
         "mix_up": lambda: bench_mix_up(cfg),
         "moe": lambda: bench_moe(cfg),
-        "moe_decode": lambda: bench_moe_decode(cfg),
+        "moe_decode": lambda: bench_moe_decode(cfg, sweep=not args.no_sweep),
         "hyper_decode": lambda: bench_hyper_decode(cfg),
         "moe_prefill": lambda: bench_moe_prefill(*moe_weights(cfg), sweep=not args.no_sweep),
         "chunk": lambda: bench_gdn_chunk(cfg, args.fp32_chunk, others=not args.no_sweep,

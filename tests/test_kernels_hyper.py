@@ -249,11 +249,13 @@ def test_compiled_prefill_regions_take_the_mix_up_kernel_at_every_site(monkeypat
     assert rel(logits["triton"], logits["inductor"].double()) < 2e-2
 
 
-def test_decode_regions_take_the_site_kernels_at_every_site(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Tuning.decode_hyper = "triton": a bf16 decode group through the decode regions calls atlas_kernels.hyper's site
-    (the custom op atlas::hyper_site) at every hyper site, two a layer and the final mixer (a spy counts its mix-down
-    launches), and its logits stay within bf16's error of the torch form's; the prefill chunk before it keeps the
-    torch form. On a GPU the same runs compiled (the GPU token test covers regions-hyper-site)."""
+@pytest.mark.parametrize("kind", ["triton", "small"])
+def test_decode_regions_take_the_site_kernels_at_every_site(monkeypatch: pytest.MonkeyPatch, kind: str) -> None:
+    """Tuning.decode_hyper = "triton" / "small": a bf16 decode group through the decode regions calls atlas_kernels.hyper's
+    site (the custom op atlas::hyper_site) or atlas_kernels.hyper_small's (atlas::hyper_small) at every hyper site,
+    two a layer and the final mixer (a spy counts its mix-down launches), and its logits stay within bf16's error of
+    the torch form's; the prefill chunk before it keeps the torch form. On a GPU the same runs compiled (the GPU
+    token test covers regions-hyper-site and regions-hyper-small)."""
     from atlas.backends.cuda import CudaBackend
     from atlas.backends.cuda.tuning import Tuning
     from atlas.model import load_model
@@ -262,21 +264,23 @@ def test_decode_regions_take_the_site_kernels_at_every_site(monkeypatch: pytest.
     torch.set_num_threads(1)
     tiny = load_model("atlas-tiny")
     import atlas_kernels.hyper as hyper_module
+    import atlas_kernels.hyper_small as small_module
 
     calls = []
-    real = hyper_module._hyper_down_kernel
+    module, name, at = (hyper_module, "_hyper_down_kernel", 3) if kind == "triton" else (small_module, "_down_kernel", 5)
+    real = getattr(module, name)
 
     class Spy:
         def __getitem__(self, grid):  # type: ignore[no-untyped-def]
             def launch(*args, **kwargs):  # type: ignore[no-untyped-def]
-                calls.append(args[3])  # the row count
+                calls.append(args[at])  # the row count
                 return real[grid](*args, **kwargs)
             return launch
 
-    monkeypatch.setattr(hyper_module, "_hyper_down_kernel", Spy())
+    monkeypatch.setattr(module, name, Spy())
     prompt = list(b"The quick brown fox jumps over the lazy dog.")
     logits = {}
-    for form in ("inductor", "triton"):
+    for form in ("inductor", kind):
         calls.clear()
         tuning = Tuning(decode_stack="regions", prefill_stack="regions", decode_hyper=form)
         backend = CudaBackend(tiny, num_kv_blocks=8, block_size=16, dtype=torch.bfloat16, device=DEVICE,
@@ -289,5 +293,5 @@ def test_decode_regions_take_the_site_kernels_at_every_site(monkeypatch: pytest.
         decode = [SeqWork(0, (40,), len(prompt), tuple(range(8)), True)]
         backend._prepare(decode)
         logits[form] = backend._last_logits(decode)[0].float()
-        assert calls == ([1] * (2 * tiny.spec.num_layers + 1) if form == "triton" else [])
-    assert rel(logits["triton"], logits["inductor"].double()) < 2e-2
+        assert calls == ([1] * (2 * tiny.spec.num_layers + 1) if form == kind else [])
+    assert rel(logits[kind], logits["inductor"].double()) < 2e-2

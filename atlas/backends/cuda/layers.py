@@ -163,11 +163,14 @@ def hyper_block(streams: torch.Tensor, norm_w: torch.Tensor, down_w: torch.Tenso
     streams, at most 4 of them, on a CUDA device, or the CPU under TRITON_INTERPRET=1): the mix-up product, its sigmoid and the mix with
     the normed streams as one kernel (atlas_kernels.hyper.mix_up, a custom op), which never writes the [.., hc*H]
     product. mix_up "site" (Tuning.decode_hyper, decode groups; on a CUDA device, or the CPU under TRITON_INTERPRET=1):
-    the whole site as atlas_kernels.hyper.hyper_site's four kernels (the custom op atlas::hyper_site)."""
-    if mix_up == "site" and (streams.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
-        # the caller imported atlas_kernels.hyper (which registers the op) outside any compiled function
+    the whole site as atlas_kernels.hyper.hyper_site's four kernels (the custom op atlas::hyper_site); "small" (the
+    same knob, at most hyper_small.ROWS rows) as atlas_kernels.hyper_small's two GEMV-shaped kernels
+    (atlas::hyper_small)."""
+    if mix_up in ("site", "small") and (streams.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
+        # the caller imported the kernels' module (which registers the op) outside any compiled function
         n_out = lowrank + (hc if combine else 0)  # the fused weight without its alignment rows
-        mixed, inject = torch.ops.atlas.hyper_site(streams, norm_w, down_w[:n_out], up_w, hc, lowrank, eps, combine)
+        op = torch.ops.atlas.hyper_site if mix_up == "site" else torch.ops.atlas.hyper_small
+        mixed, inject = op(streams, norm_w, down_w[:n_out], up_w, hc, lowrank, eps, combine)
         return mixed, (inject if combine else None)
     normed = rms_norm(streams, norm_w, eps, group=hidden)
     if combine:  # 1/hc is folded into the weights (prepare_weights)
@@ -573,7 +576,7 @@ def moe_routed(moe: MoeSpec, w: dict[str, torch.Tensor], pre: str, x: torch.Tens
     chosen experts' weights are gathered per slot; else every expert runs on every row, weighted by a
     routing matrix that is zero off the top-k (decode at batch >= E / top_k touches most experts anyway).
     mode (Tuning.moe / prefill_moe) overrides eager: "grouped" is eager; "torch" / "dense" the fixed shapes;
-    "triton" / "grouped_mm" route on the device and read the chosen experts in place (atlas.backends.cuda.moe:
+    "triton" / "grouped_mm" / "small" (at most atlas_kernels.moe_small.ROWS rows; "triton" above) route on the device and read the chosen experts in place (atlas.backends.cuda.moe:
     no host sync, graph-capturable). "grouped_mm" falls back to "triton" where torch._grouped_mm fails its
     feature test. route: the pairs' (order, offsets) for "triton" if the caller counted them (moe.counted_route).
     pdl: "triton"'s two kernels launched with programmatic dependent launch (decode_pdl; the other modes ignore it)."""
@@ -581,6 +584,12 @@ def moe_routed(moe: MoeSpec, w: dict[str, torch.Tensor], pre: str, x: torch.Tens
     rows = x.shape[0]
     gate_up, down = w[pre + "experts.gate_up_proj"], w[pre + "experts.down_proj"]
     if mode == "grouped_mm" and not grouped_mm_works(x.device.type, x.dtype):
+        mode = "triton"
+    if mode == "small":  # Tuning.moe "small": groups of at most moe_small.ROWS rows GEMV-shaped, others grouped
+        from atlas_kernels.moe_small import fits, moe_small
+
+        if fits(rows):
+            return moe_small(x, top_i, top_w, gate_up, down, route=route, summed=summed)
         mode = "triton"
     if mode == "triton":
         return routed_triton(x, top_i, top_w, gate_up, down, route, summed, pdl)

@@ -251,6 +251,14 @@ def computes_ngram_ids(spec: ModelSpec, shape: GroupShape, tuning: Tuning) -> bo
     return spec.ple is not None and shape.ngram_on_device and compiled_decode(spec, shape, tuning)
 
 
+def _small_sites(spec: ModelSpec, grp: Group) -> bool:
+    """Whether a decode group's hyper sites fit atlas_kernels.hyper_small (Tuning.decode_hyper "small"): few rows and
+    the model's sizes its tiles divide. Others keep the torch form."""
+    from atlas_kernels.hyper_small import fits
+
+    return fits(grp.tokens.shape[0], spec.hc_count, spec.hidden_size)
+
+
 def _same(x: torch.Tensor | None) -> torch.Tensor | None:
     return x
 
@@ -302,7 +310,11 @@ def regions_stack(spec: ModelSpec, w: dict[str, torch.Tensor], pools: DevicePool
     # a decode group's hyper sites: the whole site as atlas_kernels.hyper's four kernels (a custom op), Tuning.decode_hyper
     if not prefill and tuning.decode_hyper == "triton":
         mix_up = "site"
-    if mix_up:
+    elif not prefill and tuning.decode_hyper == "small" and spec.hc_count and _small_sites(spec, grp):
+        import atlas_kernels.hyper_small  # registers torch.ops.atlas.hyper_small
+
+        mix_up = "small"
+    if mix_up in ("site", "triton"):
         import atlas_kernels.hyper  # registers torch.ops.atlas.hyper_mix_up and hyper_site
     # paged: the split-K kernel between the head and attn_post (eager, in the graph)
     sdpa, paged = attention_kind(grp, tuning.attention if prefill else tuning.decode_attention)
@@ -317,7 +329,7 @@ def regions_stack(spec: ModelSpec, w: dict[str, torch.Tensor], pools: DevicePool
     if head_fused == "triton":
         import atlas_kernels.conv  # noqa: F401  (registers torch.ops.atlas.causal_conv_prefill)
     # the routed kernels take the pairs' order computed in the tail region: ranked (decode) or counted (prefill)
-    route = ("counted" if prefill else "ranked") if moe_mode in ("triton", "grouped_mm") else ""
+    route = ("counted" if prefill else "ranked") if moe_mode in ("triton", "grouped_mm", "small") else ""
     # the group's own kernels (GDN update, paged attention, routed experts) with programmatic dependent launch:
     # decode groups only (Tuning.decode_pdl)
     pdl = decode_pdl(tuning, grp)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import attrs
 
-MOE = ("torch", "triton")
+MOE = ("torch", "triton", "small")
 PREFILL_MOE = ("grouped", "dense", "triton", "grouped_mm")
 ATTENTION = ("torch", "sdpa")
 DECODE_ATTENTION = (*ATTENTION, "paged")
@@ -27,7 +27,7 @@ MIX_UP = ("inductor", "triton")
 GDN_PREPARE = ("scratch", "registers")
 DECODE_REGIONS = ("wide", "narrow")
 PDL = ("off", "on")
-DECODE_HYPER = ("inductor", "triton")
+DECODE_HYPER = ("inductor", "triton", "small")
 
 
 def _one_of(options: tuple[str, ...]):  # type: ignore[no-untyped-def]
@@ -41,7 +41,9 @@ def _one_of(options: tuple[str, ...]):  # type: ignore[no-untyped-def]
 class Tuning:
     # MoE of decode groups (fixed shapes, CUDA-graph safe): "torch" gathers the chosen experts' weights (rows
     # x top_k < experts) or runs every expert on every row; "triton" routes on the device and runs grouped
-    # GEMMs that read each chosen expert's weights once, in place (atlas_kernels.moe_grouped)
+    # GEMMs that read each chosen expert's weights once, in place (atlas_kernels.moe_grouped); "small": the same, but
+    # groups of at most 4 rows through atlas_kernels.moe_small's GEMV-shaped kernels (H200 session 16 profile, b1: the
+    # grouped kernels' 16-row tensor-core tiles 12.0 + 6.0 us a layer for ~6 us of bytes; a tile sweep moved them < 1 us)
     moe: str = attrs.field(default="torch", validator=_one_of(MOE))
     # MoE of prefill chunks (eager): "grouped" by expert with one host sync a layer, "dense" every expert on
     # every token (no sync, top_k / experts of its FLOPs useful), "triton" the device-routed grouped kernels
@@ -141,7 +143,11 @@ class Tuning:
     # rows); "triton" each site as atlas_kernels.hyper.hyper_site's four kernels (a custom op: per-stream norm,
     # split-K mix-down over 176 programs, the split sum + silu / injection sigmoid, the mix-up + sigmoid + mix +
     # mean), the final mixer's too. H200 session 16 profiles: a site ~16 us at b64 (cuBLAS's split-K mix-down 5.7 us
-    # + its reduce 2.2, the mix-up 4.9, Inductor's norm and mix) and ~12 us at b1, for 10.5 MB of weights (2.5 us)
+    # + its reduce 2.2, the mix-up 4.9, Inductor's norm and mix) and ~12 us at b1, for 10.5 MB of weights (2.5 us).
+    # H200 session 17 run 1: slower (b1 / b16 / b64 3.59 / 5.26 / 7.12 against 2.96 / 4.57 / 6.51 ms; a site alone at 1 /
+    # 64 rows 19.5 / 26.9 us against the compiled torch form's 14.1 / 20.6). "small": groups of at most 4 rows take
+    # atlas_kernels.hyper_small's two GEMV-shaped kernels (no 64-row tensor-core tiles; the norm folded into both),
+    # larger ones the torch form
     decode_hyper: str = attrs.field(default="inductor", validator=_one_of(DECODE_HYPER))
 
     def __attrs_post_init__(self) -> None:
@@ -152,8 +158,8 @@ class Tuning:
 
     @property
     def uses_triton(self) -> bool:
-        return (self.moe == "triton" or self.prefill_moe == "triton" or self.hyper == "triton"
-                or self.decode_attention == "paged" or self.prefill_mix_up == "triton" or self.decode_hyper == "triton")
+        return (self.moe in ("triton", "small") or self.prefill_moe == "triton" or self.hyper == "triton"
+                or self.decode_attention == "paged" or self.prefill_mix_up == "triton" or self.decode_hyper != "inductor")
 
 
 # regions-compile's knobs (see its entry below), the arrangement its neighbours in VARIANTS change one knob of
@@ -238,6 +244,12 @@ VARIANTS: dict[str, Tuning] = {
     # 17): a site's two 5 MB products over 176 / 64 programs at every batch, instead of cuBLAS's skinny GEMMs (b16 / b64)
     # or Inductor's reductions (b1-4)
     "regions-hyper-site": attrs.evolve(_REGIONS, decode_hyper="triton"),
+    # regions-compile with the sites of decode groups of at most 4 rows as atlas_kernels.hyper_small's two kernels
+    "regions-hyper-small": attrs.evolve(_REGIONS, decode_hyper="small"),
+    # regions-compile with the routed experts of decode groups of at most 4 rows as atlas_kernels.moe_small's kernels
+    "regions-moe-small": attrs.evolve(_REGIONS, moe="small"),
+    # both small-row forms
+    "regions-small": attrs.evolve(_REGIONS, moe="small", decode_hyper="small"),
     # regions-compile with the GDN chunk prefill's intermediates and scan products in fp32 / tf32 (what gdn_work
     # "bf16" replaced in session 14: the backend's chunk call 322.5 -> 221.8 us a 2,048-token layer; H200 run 1,
     # with 2 scan stages, prefill 2,048 27.6 -> 26.9 ms)

@@ -1,0 +1,181 @@
+"""One hyper-connection site at decode's few rows (at most ROWS of them) in two GEMV-shaped kernels.
+
+    mixed, inject = hyper_small(streams [R, hc*H], norm_w [hc*H], down_w [lowrank (+ hc), hc*H],
+                                up_w [hc*H, lowrank], hc, lowrank, eps, combine)
+
+the same function as atlas.backends.cuda.layers.hyper_block (and atlas_kernels.hyper.hyper_site), rounded where
+the torch form rounds: normed = bf16(bf16(x * rstd) * norm_w); d = bf16(normed @ down_w.T); act = bf16(silu(d));
+mix = bf16(sigmoid(bf16(act @ up_w.T))); mixed = bf16(mean_s bf16(mix_s * normed_s)); inject = 2 bf16(sigmoid(d')).
+
+A b1 decode step has 49 sites, each two products of ~5 MB of weights. Inductor made each site ~5 kernels, ~12 us
+(H200, session 17: 46 x 11.9 us of a 2.39 ms device step), against ~2.5 us of bytes; hyper_site's four kernels,
+shaped for 64-row tiles (tl.dot), took 19.5 us at one row. Here the products are broadcast multiplies and sums
+(no tensor-core tile to fill at one row), spread over enough programs to keep every SM loading:
+
+1. `_down_kernel`: each program one (tile of BN outputs, split of SPLIT inputs inside one stream). It first
+   reduces its stream's sum of squares (H elements a row, read from L2 by every program of that stream), then
+   its split of the normed rows against its BN weight rows: fp32 partials [splits, R, n_out]; the split's first
+   column tile also writes the stream's rstd [R, hc].
+2. `_up_kernel`: each program BH hidden columns of every stream. It sums the partials in split order (fixed,
+   whatever R), rounds, takes silu (and the injection's sigmoid: program 0), then the mix-up rows of its columns
+   (hc x BH of them), the sigmoid, the normed streams at its columns (from the rstd), the mix and the mean.
+
+Every reduction runs over fixed tiles in a fixed order per row (the sum of squares by BK chunks, a split's K by
+BK chunks, the splits, the streams), so a row's result does not depend on the other rows.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from atlas_kernels import _interpreter_compat  # noqa: F401  (CPU interpreter fix)
+
+ROWS = 4  # the most rows one launch takes (every row in one program's registers: [ROWS, BN, BK] products)
+BN = 16  # mix-down outputs a program owns
+MAX_SPLIT = 512  # mix-down inputs a program reduces (inside one stream: split_of(H) divides H)
+MAX_BK = 128  # the k step of the mix-down and of the sum of squares (at most the split)
+BH = 16  # hidden columns (of every stream) a mix-up program owns
+LOWRANK_BLOCK = 32  # the mix-up's k step over the lowrank activations
+WARPS = 4
+
+
+@triton.jit
+def _down_kernel(x_ptr, norm_ptr, w_ptr, part_ptr, rstd_ptr, rows, hidden, n_out, eps, HC: tl.constexpr,
+                 RB: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLIT: tl.constexpr):
+    cols = tl.program_id(0) * BN + tl.arange(0, BN)
+    c_ok = cols < n_out
+    split = tl.program_id(1)
+    width = HC * hidden
+    start = split * SPLIT  # inside stream `stream`
+    stream = start // hidden
+    r = tl.arange(0, RB)
+    r_ok = r < rows
+    ks = tl.arange(0, BK)
+    row_base = x_ptr + r.to(tl.int64)[:, None] * width
+    sq = tl.zeros((RB,), dtype=tl.float32)
+    for k0 in range(0, hidden, BK):  # the stream's sum of squares (its rows from L2 after the first program)
+        x = tl.load(row_base + (stream * hidden + k0 + ks)[None, :], mask=r_ok[:, None], other=0.0).to(tl.float32)
+        sq += tl.sum(x * x, 1)
+    rstd = tl.rsqrt(sq / hidden + eps)
+    if tl.program_id(0) == 0 and start % hidden == 0:
+        tl.store(rstd_ptr + r * HC + stream, rstd, mask=r_ok)
+    acc = tl.zeros((RB, BN), dtype=tl.float32)
+    for k0 in range(0, SPLIT, BK):
+        k = start + k0 + ks
+        x = tl.load(row_base + k[None, :], mask=r_ok[:, None], other=0.0).to(tl.float32)
+        scale = tl.load(norm_ptr + k).to(tl.float32)
+        normed = (x * rstd[:, None]).to(x_ptr.dtype.element_ty).to(tl.float32) * scale[None, :]
+        normed = normed.to(x_ptr.dtype.element_ty).to(tl.float32)  # [RB, BK], rounded as the torch form's
+        w = tl.load(w_ptr + cols.to(tl.int64)[:, None] * width + k[None, :], mask=c_ok[:, None],
+                    other=0.0).to(tl.float32)  # [BN, BK]
+        acc += tl.sum(normed[:, None, :] * w[None, :, :], 2)
+    at = (split * rows + r).to(tl.int64)[:, None] * n_out + cols[None, :]
+    tl.store(part_ptr + at, acc, mask=r_ok[:, None] & c_ok[None, :])
+
+
+@triton.jit
+def _up_kernel(x_ptr, norm_ptr, w_ptr, part_ptr, rstd_ptr, out_ptr, inject_ptr, rows, hidden, lowrank, n_out,
+               splits, HC: tl.constexpr, RB: tl.constexpr, BH: tl.constexpr, LB: tl.constexpr, COMBINE: tl.constexpr):
+    r = tl.arange(0, RB)
+    r_ok = r < rows
+    dtype = out_ptr.dtype.element_ty
+    part_rows = part_ptr + r.to(tl.int64)[:, None] * n_out
+    if COMBINE:
+        if tl.program_id(0) == 0:  # the injection: 2 sigmoid of the mix-down's last hc outputs
+            s_idx = tl.arange(0, HC)
+            e = tl.zeros((RB, HC), dtype=tl.float32)
+            for split in range(0, splits):
+                e += tl.load(part_rows + split * rows * n_out + lowrank + s_idx[None, :], mask=r_ok[:, None],
+                             other=0.0)
+            e = tl.sigmoid(e.to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+            tl.store(inject_ptr + r[:, None] * HC + s_idx[None, :], (2.0 * e).to(dtype), mask=r_ok[:, None])
+    # this program's mix-up rows: BH hidden columns of every stream, flattened m = s * BH + c
+    m = tl.arange(0, HC * BH)
+    stream = m // BH
+    h = tl.program_id(0) * BH + m % BH
+    w_rows = w_ptr + (stream * hidden + h).to(tl.int64)[:, None] * lowrank
+    u = tl.zeros((RB, HC * BH), dtype=tl.float32)
+    for l0 in range(0, lowrank, LB):
+        j = l0 + tl.arange(0, LB)
+        j_ok = j < lowrank
+        d = tl.zeros((RB, LB), dtype=tl.float32)
+        for split in range(0, splits):  # the mix-down's partials in split order, whatever the row count
+            d += tl.load(part_rows + split * rows * n_out + j[None, :], mask=r_ok[:, None] & j_ok[None, :], other=0.0)
+        d = d.to(dtype).to(tl.float32)  # rounded as the GEMM's output
+        act = (d * tl.sigmoid(d)).to(dtype).to(tl.float32)  # [RB, LB]
+        w = tl.load(w_rows + j[None, :], mask=j_ok[None, :], other=0.0).to(tl.float32)  # [HC * BH, LB]
+        u += tl.sum(act[:, None, :] * w[None, :, :], 2)
+    mix = tl.sigmoid(u.to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+    rstd = tl.load(rstd_ptr + r[:, None] * HC + stream[None, :], mask=r_ok[:, None], other=0.0)
+    x = tl.load(x_ptr + r.to(tl.int64)[:, None] * (HC * hidden) + (stream * hidden + h)[None, :], mask=r_ok[:, None],
+                other=0.0).to(tl.float32)
+    scale = tl.load(norm_ptr + stream * hidden + h).to(tl.float32)
+    normed = ((x * rstd).to(dtype).to(tl.float32) * scale[None, :]).to(dtype).to(tl.float32)
+    term = (mix * normed).to(dtype).to(tl.float32)  # [RB, HC * BH]
+    total = tl.sum(tl.reshape(term, (RB, HC, BH)), 1)
+    out_h = tl.program_id(0) * BH + tl.arange(0, BH)
+    tl.store(out_ptr + r[:, None] * hidden + out_h[None, :], (total / HC).to(dtype), mask=r_ok[:, None])
+
+
+def split_of(hidden: int) -> int:
+    """The mix-down's split: the largest power of two up to MAX_SPLIT dividing hidden (a function of the model's size
+    alone, never of the row count)."""
+    split = MAX_SPLIT
+    while split > 1 and hidden % split:
+        split //= 2
+    return split
+
+
+def fits(rows: int, hc: int, hidden: int) -> bool:
+    """Whether hyper_small takes a site of this shape: at most ROWS rows, hidden a multiple of BH (16; so the split is
+    too), and hc a power of two (the injection's [R, hc] tile)."""
+    return 0 < rows <= ROWS and hidden % BH == 0 and hc > 0 and hc & (hc - 1) == 0
+
+
+def hyper_small(streams: torch.Tensor, norm_w: torch.Tensor, down_w: torch.Tensor, up_w: torch.Tensor, hc: int,
+                lowrank: int, eps: float, combine: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(mixed [..., H], inject [..., hc] or None) for streams [..., hc*H] of at most ROWS rows (module docstring)."""
+    lead, width = streams.shape[:-1], streams.shape[-1]
+    hidden = width // hc
+    n_out = lowrank + (hc if combine else 0)
+    x = streams.reshape(-1, width)
+    rows = x.shape[0]
+    if not fits(rows, hc, hidden) or width != hc * hidden:
+        raise ValueError(f"hyper_small: {rows} rows (at most {ROWS}), hc {hc} (a power of two), hidden {hidden} (a "
+                         f"multiple of {BH})")
+    if down_w.shape != (n_out, width) or up_w.shape != (width, lowrank) or norm_w.shape != (width,):
+        raise ValueError(f"hyper_small: streams [.., {width}], hc {hc}, lowrank {lowrank}, combine {combine}: "
+                         f"down_w {tuple(down_w.shape)}, up_w {tuple(up_w.shape)}, norm_w {tuple(norm_w.shape)}")
+    x = x.contiguous()
+    rb = triton.next_power_of_2(rows)
+    split = split_of(hidden)
+    splits = width // split
+    part = torch.empty(splits, rows, n_out, dtype=torch.float32, device=x.device)
+    rstd = torch.empty(rows, hc, dtype=torch.float32, device=x.device)
+    _down_kernel[(triton.cdiv(n_out, BN), splits)](
+        x, norm_w, down_w.contiguous(), part, rstd, rows, hidden, n_out, eps, HC=hc, RB=rb, BN=BN,
+        BK=min(MAX_BK, split), SPLIT=split, num_warps=WARPS)
+    out = torch.empty(rows, hidden, dtype=x.dtype, device=x.device)
+    inject = torch.empty(rows, hc, dtype=x.dtype, device=x.device)
+    _up_kernel[(hidden // BH,)](
+        x, norm_w, up_w.contiguous(), part, rstd, out, inject, rows, hidden, lowrank, n_out, splits, HC=hc, RB=rb,
+        BH=BH, LB=LOWRANK_BLOCK, COMBINE=combine, num_warps=WARPS)
+    return out.view(*lead, hidden), (inject.view(*lead, hc) if combine else None)
+
+
+@torch.library.custom_op("atlas::hyper_small", mutates_args=())
+def small_op(streams: torch.Tensor, norm_w: torch.Tensor, down_w: torch.Tensor, up_w: torch.Tensor, hc: int,
+             lowrank: int, eps: float, combine: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """hyper_small as a torch custom op, so a compiled decode region (Tuning.decode_hyper = "small") calls its two
+    kernels as opaque launches: (mixed [.., H], inject [.., hc], or [.., 0] when not combine). down_w has exactly
+    lowrank (+ hc) rows (the caller drops the fused weight's alignment rows)."""
+    mixed, inject = hyper_small(streams, norm_w, down_w, up_w, hc, lowrank, eps, combine)
+    return mixed, (inject if inject is not None else streams.new_empty((*streams.shape[:-1], 0)))
+
+
+@small_op.register_fake
+def _(streams: torch.Tensor, norm_w: torch.Tensor, down_w: torch.Tensor, up_w: torch.Tensor, hc: int, lowrank: int,
+      eps: float, combine: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    lead = streams.shape[:-1]
+    return streams.new_empty((*lead, streams.shape[-1] // hc)), streams.new_empty((*lead, hc if combine else 0))

@@ -1,0 +1,124 @@
+"""The routed experts at decode's few rows (at most ROWS) in two GEMV-shaped kernels, each chosen expert's weights read
+once, in place.
+
+    routed = moe_small(x [R, H], top_i [R, K], top_w [R, K], gate_up [E, 2I, H], down [E, H, I])
+
+the same function and rounding as atlas_kernels.moe_grouped (act = silu(g) * u in fp32, rounded; each pair's output
+rounded, then times its weight, rounded), over the same route (order, offsets: the pairs sorted by expert). An expert
+is chosen at most once a row, so it holds at most R <= ROWS pairs: a program keeps all of them in registers and
+multiplies each weight tile it loads with every one (broadcast products and sums: no tensor-core tile to fill with
+one to four rows).
+
+moe_grouped's 16-row tl.dot tiles at one row (H200, session 16 profile): the gate-up 12.0 us and the down 6.0 us a
+layer for ~4 + 2 us of bytes (4 experts of 16 a row; a tile sweep moved the call by at most 1 us, session 17), 24
+layers a step. Here each program owns BN gate (and up) columns of one expert (128 programs with work at one row) or
+BN_DOWN output columns (256).
+
+Batch invariance: each pair's sums run over fixed BK chunks in a fixed order whatever the other pairs are.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from atlas_kernels import _interpreter_compat  # noqa: F401  (CPU interpreter fix)
+
+ROWS = 4  # the most rows a launch takes (an expert's pairs, at most one a row, all in one program's registers)
+BN = 16  # gate (and up) columns a gate-up program owns
+BK = 128  # the gate-up's k step over the hidden size
+BN_DOWN = 32  # output columns a down program owns
+BK_DOWN = 128  # the down's k step over the intermediate size
+WARPS = 4
+
+
+@triton.jit
+def _small_gate_up_kernel(x_ptr, order_ptr, offsets_ptr, w_ptr, act_ptr, hidden, inter, TOP_K: tl.constexpr,
+                          PB: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    expert = tl.program_id(0)
+    first = tl.load(offsets_ptr + expert)
+    end = tl.load(offsets_ptr + expert + 1)
+    if first < end:  # experts nobody chose: no weight read
+        pos = first + tl.arange(0, PB)
+        live = pos < end
+        token = tl.load(order_ptr + pos, mask=live, other=0) // TOP_K
+        cols = tl.program_id(1) * BN + tl.arange(0, BN)
+        col_ok = cols < inter
+        ks = tl.arange(0, BK)
+        x_rows = x_ptr + token.to(tl.int64)[:, None] * hidden
+        g_rows = w_ptr + expert.to(tl.int64) * 2 * inter * hidden + cols.to(tl.int64)[:, None] * hidden
+        u_rows = g_rows + inter * hidden
+        acc_g = tl.zeros((PB, BN), dtype=tl.float32)
+        acc_u = tl.zeros((PB, BN), dtype=tl.float32)
+        for k0 in range(0, hidden, BK):
+            k = k0 + ks
+            k_ok = k < hidden
+            xt = tl.load(x_rows + k[None, :], mask=live[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+            wg = tl.load(g_rows + k[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+            wu = tl.load(u_rows + k[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+            acc_g += tl.sum(xt[:, None, :] * wg[None, :, :], 2)
+            acc_u += tl.sum(xt[:, None, :] * wu[None, :, :], 2)
+        act = acc_g * tl.sigmoid(acc_g) * acc_u
+        tl.store(act_ptr + pos.to(tl.int64)[:, None] * inter + cols[None, :], act.to(act_ptr.dtype.element_ty),
+                 mask=live[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def _small_down_kernel(act_ptr, order_ptr, offsets_ptr, top_w_ptr, w_ptr, out_ptr, hidden, inter, PB: tl.constexpr,
+                       BN: tl.constexpr, BK: tl.constexpr):
+    expert = tl.program_id(0)
+    first = tl.load(offsets_ptr + expert)
+    end = tl.load(offsets_ptr + expert + 1)
+    if first < end:
+        pos = first + tl.arange(0, PB)
+        live = pos < end
+        pair = tl.load(order_ptr + pos, mask=live, other=0)
+        cols = tl.program_id(1) * BN + tl.arange(0, BN)
+        col_ok = cols < hidden
+        ks = tl.arange(0, BK)
+        a_rows = act_ptr + pos.to(tl.int64)[:, None] * inter
+        d_rows = w_ptr + expert.to(tl.int64) * hidden * inter + cols.to(tl.int64)[:, None] * inter
+        acc = tl.zeros((PB, BN), dtype=tl.float32)
+        for k0 in range(0, inter, BK):
+            k = k0 + ks
+            k_ok = k < inter
+            a = tl.load(a_rows + k[None, :], mask=live[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+            wd = tl.load(d_rows + k[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+            acc += tl.sum(a[:, None, :] * wd[None, :, :], 2)
+        weight = tl.load(top_w_ptr + pair, mask=live, other=0.0).to(tl.float32)
+        out = acc.to(out_ptr.dtype.element_ty).to(tl.float32) * weight[:, None]  # round as torch does: out, then x w
+        tl.store(out_ptr + pair.to(tl.int64)[:, None] * hidden + cols[None, :], out.to(out_ptr.dtype.element_ty),
+                 mask=live[:, None] & col_ok[None, :])
+
+
+def fits(rows: int) -> bool:
+    """Whether moe_small takes a group of this many rows."""
+    return 0 < rows <= ROWS
+
+
+def moe_small(x: torch.Tensor, top_i: torch.Tensor, top_w: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
+              *, route: tuple[torch.Tensor, torch.Tensor] | None = None, summed: bool = True) -> torch.Tensor:
+    """The routed experts' weighted sum [R, H] in x's dtype for at most ROWS rows (summed=False: each pair's weighted
+    output [R, K, H]); route: the pairs' (order, offsets) as moe_grouped.moe_route gives them (computed here if None)."""
+    from atlas_kernels.moe_grouped import moe_route
+
+    rows, hidden = x.shape
+    experts, two_inter, w_hidden = gate_up.shape
+    inter = two_inter // 2
+    top_k = top_i.shape[1]
+    if not fits(rows):
+        raise ValueError(f"moe_small: {rows} rows; it takes 1 to {ROWS} (moe_grouped takes more)")
+    if w_hidden != hidden or down.shape != (experts, hidden, inter) or top_w.shape != top_i.shape:
+        raise ValueError(f"moe_small: x {tuple(x.shape)}, gate_up {tuple(gate_up.shape)}, down "
+                         f"{tuple(down.shape)}, top_i {tuple(top_i.shape)}, top_w {tuple(top_w.shape)} disagree")
+    x, gate_up, down, top_w = x.contiguous(), gate_up.contiguous(), down.contiguous(), top_w.contiguous()
+    order, offsets = moe_route(top_i, experts) if route is None else route
+    pb = triton.next_power_of_2(rows)
+    act = torch.empty(rows * top_k, inter, dtype=x.dtype, device=x.device)
+    _small_gate_up_kernel[(experts, triton.cdiv(inter, BN))](
+        x, order, offsets, gate_up, act, hidden, inter, TOP_K=top_k, PB=pb, BN=BN, BK=BK, num_warps=WARPS)
+    outs = torch.empty(rows * top_k, hidden, dtype=x.dtype, device=x.device)
+    _small_down_kernel[(experts, triton.cdiv(hidden, BN_DOWN))](
+        act, order, offsets, top_w, down, outs, hidden, inter, PB=pb, BN=BN_DOWN, BK=BK_DOWN, num_warps=WARPS)
+    outs = outs.view(rows, top_k, hidden)
+    return outs.sum(dim=1) if summed else outs

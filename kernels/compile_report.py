@@ -28,8 +28,10 @@ from atlas_kernels import (
     gdn_chunk_split,
     gdn_recurrent,
     hyper,
+    hyper_small,
     keyed_sample,
     moe_grouped,
+    moe_small,
     norms,
     paged_attention,
     qsa,
@@ -296,6 +298,35 @@ def hyper_cases() -> list[CompileReport]:
     ]
 
 
+def small_cases() -> list[CompileReport]:
+    """The decode forms at 1-4 rows (hyper_small's two kernels, moe_small's two) at the benchmark model's sizes, at 4
+    rows (their largest register tiles)."""
+    split = hyper_small.split_of(2048)
+    down = dict(x_ptr="*bf16", norm_ptr="*bf16", w_ptr="*bf16", part_ptr="*fp32", rstd_ptr="*fp32", rows="i32",
+                hidden="i32", n_out="i32", eps="fp32")
+    up = dict(x_ptr="*bf16", norm_ptr="*bf16", w_ptr="*bf16", part_ptr="*fp32", rstd_ptr="*fp32", out_ptr="*bf16",
+              inject_ptr="*bf16", rows="i32", hidden="i32", lowrank="i32", n_out="i32", splits="i32")
+    gate = dict(x_ptr="*bf16", order_ptr="*i64", offsets_ptr="*i32", w_ptr="*bf16", act_ptr="*bf16", hidden="i32",
+                inter="i32")
+    down_moe = dict(act_ptr="*bf16", order_ptr="*i64", offsets_ptr="*i32", top_w_ptr="*bf16", w_ptr="*bf16",
+                    out_ptr="*bf16", hidden="i32", inter="i32")
+    rb = hyper_small.ROWS
+    return [
+        compile_for_hopper(hyper_small._down_kernel, down,
+                           dict(HC=4, RB=rb, BN=hyper_small.BN, BK=min(hyper_small.MAX_BK, split), SPLIT=split),
+                           hyper_small.WARPS, f"{rb} rows, split {split}"),
+        compile_for_hopper(hyper_small._up_kernel, up,
+                           dict(HC=4, RB=rb, BH=hyper_small.BH, LB=hyper_small.LOWRANK_BLOCK, COMBINE=True),
+                           hyper_small.WARPS, f"{rb} rows"),
+        compile_for_hopper(moe_small._small_gate_up_kernel, gate,
+                           dict(TOP_K=4, PB=moe_small.ROWS, BN=moe_small.BN, BK=moe_small.BK), moe_small.WARPS,
+                           f"{moe_small.ROWS} pairs"),
+        compile_for_hopper(moe_small._small_down_kernel, down_moe,
+                           dict(PB=moe_small.ROWS, BN=moe_small.BN_DOWN, BK=moe_small.BK_DOWN), moe_small.WARPS,
+                           f"{moe_small.ROWS} pairs"),
+    ]
+
+
 def mix_up_case() -> CompileReport:
     # a prefill chunk's mix after the mix-down (hyper.mix_up) at its default schedule, the benchmark model's sizes
     block_m, block_n, block_k, warps, stages = hyper.MIX_UP_SCHEDULES[hyper.MIX_UP_SCHEDULE]
@@ -332,7 +363,7 @@ def all_reports() -> list[CompileReport]:
     return [gdn_recurrent_case(), gdn_recurrent_case(64, store_states=True, fused_gating=True), gdn_chunk_case(),
             *gdn_chunk_split_cases(), conv_case(), *conv_prefill_cases(),
             *attention_cases(), *qsa_cases(), *norm_cases(), *keyed_sample_cases(),
-            *moe_cases(), *hyper_cases(), stamp_summary_case(), *pdl_reports()]
+            *moe_cases(), *hyper_cases(), *small_cases(), stamp_summary_case(), *pdl_reports()]
 
 
 def main() -> None:

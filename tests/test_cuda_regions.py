@@ -284,14 +284,13 @@ def test_the_shifted_conv_equals_the_windowed_product(dilation: int) -> None:
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="Inductor on the GPU: the compiled regions")
 @pytest.mark.parametrize("variant", ["decode", "regions-compile", "regions-persistent", "regions-pdl",
-                                     "regions-pdl-kernels", "regions-hyper-site",
-                                     "regions-hyper-small"])
+                                     "regions-pdl-kernels", "regions-hyper-site", "regions-small"])
 def test_compiled_regions_give_the_reference_tokens_on_the_gpu(tiny, variant: str) -> None:  # type: ignore[no-untyped-def]
     """fp32, CUDA graphs on: the decode regions through torch.compile and the paged decode attention (and, as
     VARIANTS["regions-compile"]: the prefill regions, the routed kernels, the batch-3 products as reductions; its
     neighbours regions-persistent and regions-pdl under their Inductor choices / programmatic dependent launches,
-    regions-pdl-kernels with our decode kernels' too, regions-hyper-site / -small with the decode sites as atlas_kernels.hyper's
-    / hyper_small's kernels), greedy and seeded rows side by side, against the CPU
+    regions-pdl-kernels with our decode kernels' too, regions-hyper-site with the decode sites as atlas_kernels.hyper's
+    kernels, regions-small with the 1-4-row sites and routed experts as hyper_small's and moe_small's), greedy and seeded rows side by side, against the CPU
     reference."""
     from atlas.backends.cuda.tuning import VARIANTS
     from atlas.config import EngineConfig

@@ -514,6 +514,12 @@ MOE_DECODE_GATE_TILES = [(bn, bk, w, st) for bn in (16, 32, 64) for bk in (128, 
 MOE_DECODE_DOWN_TILES = [(bn, bk, w, None) for bn in (16, 32, 64, 128) for bk in (64, 128) for w in (2, 4)]
 MOE_DECODE_ROWS = (1, 4, 16, 64)
 HYPER_DECODE_ROWS = (1, 4, 16, 64)
+# atlas_kernels.hyper_small's (mix-down outputs a program, its k step, the mix-up's k step, warps) and moe_small's
+# (gate-up columns, k step, down columns, k step, warps) at 1-4 rows; the first of each is the module's default
+HYPER_SMALL_TILES = [(16, 128, 64, 4), (8, 128, 64, 4), (16, 256, 64, 4), (16, 128, 32, 4), (16, 128, 64, 8),
+                     (32, 128, 64, 4), (8, 256, 32, 2), (8, 64, 32, 4)]
+MOE_SMALL_TILES = [(16, 128, 32, 128, 4), (8, 128, 16, 128, 4), (16, 256, 32, 256, 4), (8, 256, 16, 128, 2),
+                   (16, 128, 64, 128, 4), (32, 128, 32, 128, 4), (16, 64, 32, 64, 4), (16, 128, 32, 128, 8)]
 
 
 def bench_moe_decode(cfg: dict, sweep: bool = True) -> None:
@@ -536,7 +542,8 @@ def bench_moe_decode(cfg: dict, sweep: bool = True) -> None:
         moved = chosen * 3 * inter * hidden * 2
         want = moe_grouped(x, top_i, top_w, gate_up, down)
         bm, bn0, bk0 = block_sizes(rows)
-        cases = [("today", {})] + ([("small", {})] if fits(rows) else [])
+        cases = [("today", {})] + ([(f"small {tiles}", dict(tiles=tiles)) for tiles in MOE_SMALL_TILES]
+                                   if fits(rows) else [])
         cases += [(f"gate-up {bn}x{bk} w{w} s{st}", dict(blocks=(bm, bn, bk), warps=w, stages=st, down_tile=()))
                   for bn, bk, w, st in (MOE_DECODE_GATE_TILES if sweep else [])]
         cases += [(f"down {bn}x{bk} w{w} s{st}", dict(down_tile=(bn, bk, w, st))) for bn, bk, w, st in
@@ -545,7 +552,7 @@ def bench_moe_decode(cfg: dict, sweep: bool = True) -> None:
         for name, knobs in cases:
             if name.startswith("gate-up"):  # the down kernel on today's tile
                 knobs = dict(knobs, down_tile=(bn0, bk0, num_warps(bm), None))
-            call = moe_small if name == "small" else moe_grouped
+            call = moe_small if name.startswith("small") else moe_grouped
 
             def step(knobs=knobs, x=x, top_i=top_i, top_w=top_w, call=call) -> None:
                 call(x, top_i, top_w, gate_up, down, **knobs)
@@ -564,7 +571,7 @@ def bench_moe_decode(cfg: dict, sweep: bool = True) -> None:
               flush=True)
 
 
-def bench_hyper_decode(cfg: dict) -> None:
+def bench_hyper_decode(cfg: dict, sweep: bool = True) -> None:
     """A hyper site (norm, mix-down, silu, mix-up, sigmoid, mix, mean, injection) at decode rows: compiled as the decode
     regions compile it (combo kernels; products through cuBLAS, or as Inductor reductions with split K, the b1-4
     form), atlas_kernels.hyper.hyper_site's four Triton kernels, and cuBLAS's two products alone. Session 16's b64
@@ -584,21 +591,25 @@ def bench_hyper_decode(cfg: dict) -> None:
     for rows in HYPER_DECODE_ROWS:
         streams = torch.randn(rows, width, device=DEV, dtype=BF16)
         forms = {}
-        for gemv in ("", "split"):
+        for gemv in ("", "split") if sweep else ():  # without sweep: hyper_small's tiles and cuBLAS's products only
             def site(s: torch.Tensor, gemv=gemv) -> tuple[torch.Tensor, torch.Tensor | None]:
                 return hyper_block(s, norm_w, down_w, up_w, hc, hidden, lowrank, eps, True, gemv)
             forms[f"compiled {gemv or 'cublas'}"] = torch.compile(site, options={"combo_kernels": True},
                                                                   dynamic=False, fullgraph=True)
-        forms["triton hyper_site"] = lambda s: hyper_site(s, norm_w, down_w, up_w, hc, lowrank, eps, True)
+        if sweep:
+            forms["triton hyper_site"] = lambda s: hyper_site(s, norm_w, down_w, up_w, hc, lowrank, eps, True)
         if small_fits(rows, hc, hidden):
-            forms["triton hyper_small"] = lambda s: hyper_small(s, norm_w, down_w, up_w, hc, lowrank, eps, True)
-        want = forms["compiled cublas"](streams)[0]
+            for tiles in HYPER_SMALL_TILES:
+                forms[f"triton hyper_small {tiles}"] = (
+                    lambda s, tiles=tiles: hyper_small(s, norm_w, down_w, up_w, hc, lowrank, eps, True, tiles))
+        want = hyper_block(streams.double(), norm_w.double(), down_w.double(), up_w.double(), hc, hidden, lowrank, eps,
+                           True)[0]
         for name, fn in forms.items():
             try:
                 got = fn(streams)[0]
-                err = float((got.float() - want.float()).norm() / want.float().norm())
+                err = float((got.double() - want).norm() / want.norm())
                 record("hyper_decode", f"rows {rows}, {name}", time_ms(lambda fn=fn, s=streams: fn(s)),
-                       bytes_moved=moved, note=f"rel err vs compiled cublas {err:.1e}")
+                       bytes_moved=moved, note=f"rel err vs float64 {err:.1e}")
             except Exception as error:
                 print(f"# hyper decode {name} failed: {type(error).__name__}: {str(error)[:160]}")
         normed = torch.randn(rows, width, device=DEV, dtype=BF16)
@@ -689,6 +700,8 @@ def main() -> None:
     parser.add_argument("--fp32-chunk", action="store_true", help="also time the fp32 (parity) chunked prefill")
     parser.add_argument("--chunk-schedules", default="", metavar="TEXT",
                         help="chunk: only the GATED_CHUNK_SCHEDULES whose name holds TEXT (e.g. prepare=registers)")
+    parser.add_argument("--decode-rows", default="", metavar="N,N",
+                        help="the decode row counts of moe_decode and hyper_decode (default 1,4,16,64)")
     parser.add_argument("--no-sweep", action="store_true",
                         help="moe_prefill: today's tile and torch._grouped_mm only, not the tile sweep; chunk: the "
                              "backend's call only (its defaults and GATED_CHUNK_SCHEDULES)")
@@ -696,6 +709,9 @@ def main() -> None:
                         help="load the config and list what would be timed; no GPU needed")
     args = parser.parse_args()
     cfg = load_config(args.config)
+    if args.decode_rows:
+        global MOE_DECODE_ROWS, HYPER_DECODE_ROWS
+        MOE_DECODE_ROWS = HYPER_DECODE_ROWS = tuple(int(n) for n in args.decode_rows.split(","))
     gdn_layers = cfg["layer_types"].count("linear_attention")
     attn_layers = len(cfg["layer_types"]) - gdn_layers
     groups = ("gdn", "conv", "attn", "qsa", "norms", "mix_up", "moe", "moe_decode", "hyper_decode", "moe_prefill",
@@ -724,7 +740,7 @@ def main() -> None:
         "mix_up": lambda: bench_mix_up(cfg),
         "moe": lambda: bench_moe(cfg),
         "moe_decode": lambda: bench_moe_decode(cfg, sweep=not args.no_sweep),
-        "hyper_decode": lambda: bench_hyper_decode(cfg),
+        "hyper_decode": lambda: bench_hyper_decode(cfg, sweep=not args.no_sweep),
         "moe_prefill": lambda: bench_moe_prefill(*moe_weights(cfg), sweep=not args.no_sweep),
         "chunk": lambda: bench_gdn_chunk(cfg, args.fp32_chunk, others=not args.no_sweep,
                                          schedules=args.chunk_schedules),

@@ -34,34 +34,39 @@ from atlas_kernels import _interpreter_compat  # noqa: F401  (CPU interpreter fi
 ROWS = 4  # the most rows one launch takes (every row in one program's registers: [ROWS, BN, BK] products)
 BN = 16  # mix-down outputs a program owns
 MAX_SPLIT = 512  # mix-down inputs a program reduces (inside one stream: split_of(H) divides H)
-MAX_BK = 128  # the k step of the mix-down and of the sum of squares (at most the split)
+MAX_BK = 128  # the k step of the mix-down (at most the split)
 BH = 16  # hidden columns (of every stream) a mix-up program owns
-LOWRANK_BLOCK = 32  # the mix-up's k step over the lowrank activations
+LOWRANK_BLOCK = 64  # the mix-up's k step over the lowrank activations
 WARPS = 4
+# Every loop below has constexpr bounds and is unrolled (tl.static_range), and every product accumulates elementwise
+# into a [.., BK] tile summed once after its loop. H200, session 17 run 2: the first form (runtime-bounded loops, a
+# cross-lane sum every k step, the partials summed split by split) took 13.2 / 22.2 us a site at one row, its loads
+# a serial chain of L2 / DRAM round trips (1 row x 128 elements a step: nothing else in flight)
 
 
 @triton.jit
-def _down_kernel(x_ptr, norm_ptr, w_ptr, part_ptr, rstd_ptr, rows, hidden, n_out, eps, HC: tl.constexpr,
-                 RB: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLIT: tl.constexpr):
+def _down_kernel(x_ptr, norm_ptr, w_ptr, part_ptr, rstd_ptr, rows, n_out, eps, HIDDEN: tl.constexpr,
+                 HP: tl.constexpr, HC: tl.constexpr, RB: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                 SPLIT: tl.constexpr):
     cols = tl.program_id(0) * BN + tl.arange(0, BN)
     c_ok = cols < n_out
     split = tl.program_id(1)
-    width = HC * hidden
+    width = HC * HIDDEN
     start = split * SPLIT  # inside stream `stream`
-    stream = start // hidden
+    stream = start // HIDDEN
     r = tl.arange(0, RB)
     r_ok = r < rows
-    ks = tl.arange(0, BK)
     row_base = x_ptr + r.to(tl.int64)[:, None] * width
-    sq = tl.zeros((RB,), dtype=tl.float32)
-    for k0 in range(0, hidden, BK):  # the stream's sum of squares (its rows from L2 after the first program)
-        x = tl.load(row_base + (stream * hidden + k0 + ks)[None, :], mask=r_ok[:, None], other=0.0).to(tl.float32)
-        sq += tl.sum(x * x, 1)
-    rstd = tl.rsqrt(sq / hidden + eps)
-    if tl.program_id(0) == 0 and start % hidden == 0:
+    # the stream's sum of squares in one load ([RB, HP]; its rows from L2 after the first program)
+    hs = tl.arange(0, HP)
+    whole = tl.load(row_base + (stream * HIDDEN + hs)[None, :], mask=r_ok[:, None] & (hs < HIDDEN)[None, :],
+                    other=0.0).to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(whole * whole, 1) / HIDDEN + eps)
+    if tl.program_id(0) == 0 and start % HIDDEN == 0:
         tl.store(rstd_ptr + r * HC + stream, rstd, mask=r_ok)
-    acc = tl.zeros((RB, BN), dtype=tl.float32)
-    for k0 in range(0, SPLIT, BK):
+    ks = tl.arange(0, BK)
+    acc = tl.zeros((RB, BN, BK), dtype=tl.float32)
+    for k0 in tl.static_range(0, SPLIT, BK):
         k = start + k0 + ks
         x = tl.load(row_base + k[None, :], mask=r_ok[:, None], other=0.0).to(tl.float32)
         scale = tl.load(norm_ptr + k).to(tl.float32)
@@ -69,53 +74,53 @@ def _down_kernel(x_ptr, norm_ptr, w_ptr, part_ptr, rstd_ptr, rows, hidden, n_out
         normed = normed.to(x_ptr.dtype.element_ty).to(tl.float32)  # [RB, BK], rounded as the torch form's
         w = tl.load(w_ptr + cols.to(tl.int64)[:, None] * width + k[None, :], mask=c_ok[:, None],
                     other=0.0).to(tl.float32)  # [BN, BK]
-        acc += tl.sum(normed[:, None, :] * w[None, :, :], 2)
+        acc += normed[:, None, :] * w[None, :, :]
     at = (split * rows + r).to(tl.int64)[:, None] * n_out + cols[None, :]
-    tl.store(part_ptr + at, acc, mask=r_ok[:, None] & c_ok[None, :])
+    tl.store(part_ptr + at, tl.sum(acc, 2), mask=r_ok[:, None] & c_ok[None, :])
 
 
 @triton.jit
-def _up_kernel(x_ptr, norm_ptr, w_ptr, part_ptr, rstd_ptr, out_ptr, inject_ptr, rows, hidden, lowrank, n_out,
-               splits, HC: tl.constexpr, RB: tl.constexpr, BH: tl.constexpr, LB: tl.constexpr, COMBINE: tl.constexpr):
+def _up_kernel(x_ptr, norm_ptr, w_ptr, part_ptr, rstd_ptr, out_ptr, inject_ptr, rows, n_out, HIDDEN: tl.constexpr,
+               LOWRANK: tl.constexpr, SPLITS: tl.constexpr, SP: tl.constexpr, HC: tl.constexpr, RB: tl.constexpr,
+               BH: tl.constexpr, LB: tl.constexpr, COMBINE: tl.constexpr):
     r = tl.arange(0, RB)
     r_ok = r < rows
     dtype = out_ptr.dtype.element_ty
-    part_rows = part_ptr + r.to(tl.int64)[:, None] * n_out
+    sp = tl.arange(0, SP)  # SPLITS padded to a power of two
+    # [SP, RB, 1] offsets of the partials: every split of a column loaded at once, summed over the splits after
+    part_rows = part_ptr + (sp[:, None] * rows + r[None, :]).to(tl.int64)[:, :, None] * n_out
+    p_ok = (sp < SPLITS)[:, None, None] & r_ok[None, :, None]
     if COMBINE:
         if tl.program_id(0) == 0:  # the injection: 2 sigmoid of the mix-down's last hc outputs
             s_idx = tl.arange(0, HC)
-            e = tl.zeros((RB, HC), dtype=tl.float32)
-            for split in range(0, splits):
-                e += tl.load(part_rows + split * rows * n_out + lowrank + s_idx[None, :], mask=r_ok[:, None],
-                             other=0.0)
+            e = tl.sum(tl.load(part_rows + LOWRANK + s_idx[None, None, :], mask=p_ok, other=0.0), 0)  # [RB, HC]
             e = tl.sigmoid(e.to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
             tl.store(inject_ptr + r[:, None] * HC + s_idx[None, :], (2.0 * e).to(dtype), mask=r_ok[:, None])
     # this program's mix-up rows: BH hidden columns of every stream, flattened m = s * BH + c
     m = tl.arange(0, HC * BH)
     stream = m // BH
     h = tl.program_id(0) * BH + m % BH
-    w_rows = w_ptr + (stream * hidden + h).to(tl.int64)[:, None] * lowrank
-    u = tl.zeros((RB, HC * BH), dtype=tl.float32)
-    for l0 in range(0, lowrank, LB):
+    w_rows = w_ptr + (stream * HIDDEN + h).to(tl.int64)[:, None] * LOWRANK
+    acc = tl.zeros((RB, HC * BH, LB), dtype=tl.float32)
+    for l0 in tl.static_range(0, LOWRANK, LB):
         j = l0 + tl.arange(0, LB)
-        j_ok = j < lowrank
-        d = tl.zeros((RB, LB), dtype=tl.float32)
-        for split in range(0, splits):  # the mix-down's partials in split order, whatever the row count
-            d += tl.load(part_rows + split * rows * n_out + j[None, :], mask=r_ok[:, None] & j_ok[None, :], other=0.0)
+        j_ok = j < LOWRANK
+        d = tl.sum(tl.load(part_rows + j[None, None, :], mask=p_ok & j_ok[None, None, :], other=0.0), 0)  # [RB, LB]
         d = d.to(dtype).to(tl.float32)  # rounded as the GEMM's output
-        act = (d * tl.sigmoid(d)).to(dtype).to(tl.float32)  # [RB, LB]
+        act = (d * tl.sigmoid(d)).to(dtype).to(tl.float32)
         w = tl.load(w_rows + j[None, :], mask=j_ok[None, :], other=0.0).to(tl.float32)  # [HC * BH, LB]
-        u += tl.sum(act[:, None, :] * w[None, :, :], 2)
+        acc += act[:, None, :] * w[None, :, :]
+    u = tl.sum(acc, 2)
     mix = tl.sigmoid(u.to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
     rstd = tl.load(rstd_ptr + r[:, None] * HC + stream[None, :], mask=r_ok[:, None], other=0.0)
-    x = tl.load(x_ptr + r.to(tl.int64)[:, None] * (HC * hidden) + (stream * hidden + h)[None, :], mask=r_ok[:, None],
+    x = tl.load(x_ptr + r.to(tl.int64)[:, None] * (HC * HIDDEN) + (stream * HIDDEN + h)[None, :], mask=r_ok[:, None],
                 other=0.0).to(tl.float32)
-    scale = tl.load(norm_ptr + stream * hidden + h).to(tl.float32)
+    scale = tl.load(norm_ptr + stream * HIDDEN + h).to(tl.float32)
     normed = ((x * rstd).to(dtype).to(tl.float32) * scale[None, :]).to(dtype).to(tl.float32)
     term = (mix * normed).to(dtype).to(tl.float32)  # [RB, HC * BH]
     total = tl.sum(tl.reshape(term, (RB, HC, BH)), 1)
     out_h = tl.program_id(0) * BH + tl.arange(0, BH)
-    tl.store(out_ptr + r[:, None] * hidden + out_h[None, :], (total / HC).to(dtype), mask=r_ok[:, None])
+    tl.store(out_ptr + r[:, None] * HIDDEN + out_h[None, :], (total / HC).to(dtype), mask=r_ok[:, None])
 
 
 def split_of(hidden: int) -> int:
@@ -134,8 +139,11 @@ def fits(rows: int, hc: int, hidden: int) -> bool:
 
 
 def hyper_small(streams: torch.Tensor, norm_w: torch.Tensor, down_w: torch.Tensor, up_w: torch.Tensor, hc: int,
-                lowrank: int, eps: float, combine: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(mixed [..., H], inject [..., hc] or None) for streams [..., hc*H] of at most ROWS rows (module docstring)."""
+                lowrank: int, eps: float, combine: bool, tiles: tuple[int, int, int, int] | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(mixed [..., H], inject [..., hc] or None) for streams [..., hc*H] of at most ROWS rows (module docstring).
+    tiles: (mix-down outputs a program, its k step, the mix-up's k step, warps), the module's defaults when None
+    (benchmarks/kernels.py sweeps them)."""
     lead, width = streams.shape[:-1], streams.shape[-1]
     hidden = width // hc
     n_out = lowrank + (hc if combine else 0)
@@ -153,14 +161,16 @@ def hyper_small(streams: torch.Tensor, norm_w: torch.Tensor, down_w: torch.Tenso
     splits = width // split
     part = torch.empty(splits, rows, n_out, dtype=torch.float32, device=x.device)
     rstd = torch.empty(rows, hc, dtype=torch.float32, device=x.device)
-    _down_kernel[(triton.cdiv(n_out, BN), splits)](
-        x, norm_w, down_w.contiguous(), part, rstd, rows, hidden, n_out, eps, HC=hc, RB=rb, BN=BN,
-        BK=min(MAX_BK, split), SPLIT=split, num_warps=WARPS)
+    bn, bk, lb, warps = tiles or (BN, MAX_BK, LOWRANK_BLOCK, WARPS)
+    _down_kernel[(triton.cdiv(n_out, bn), splits)](
+        x, norm_w, down_w.contiguous(), part, rstd, rows, n_out, eps, HIDDEN=hidden,
+        HP=triton.next_power_of_2(hidden), HC=hc, RB=rb, BN=bn, BK=min(bk, split), SPLIT=split, num_warps=warps)
     out = torch.empty(rows, hidden, dtype=x.dtype, device=x.device)
     inject = torch.empty(rows, hc, dtype=x.dtype, device=x.device)
     _up_kernel[(hidden // BH,)](
-        x, norm_w, up_w.contiguous(), part, rstd, out, inject, rows, hidden, lowrank, n_out, splits, HC=hc, RB=rb,
-        BH=BH, LB=LOWRANK_BLOCK, COMBINE=combine, num_warps=WARPS)
+        x, norm_w, up_w.contiguous(), part, rstd, out, inject, rows, n_out, HIDDEN=hidden, LOWRANK=lowrank,
+        SPLITS=splits, SP=triton.next_power_of_2(splits), HC=hc, RB=rb, BH=BH, LB=min(lb, triton.next_power_of_2(lowrank)), COMBINE=combine,
+        num_warps=warps)
     return out.view(*lead, hidden), (inject.view(*lead, hc) if combine else None)
 
 

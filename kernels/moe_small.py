@@ -30,11 +30,14 @@ BK = 128  # the gate-up's k step over the hidden size
 BN_DOWN = 32  # output columns a down program owns
 BK_DOWN = 128  # the down's k step over the intermediate size
 WARPS = 4
+# Both loops have constexpr bounds and are unrolled (tl.static_range), and the products accumulate elementwise into
+# [PB, BN, BK] tiles summed once after the loop. H200, session 17 run 2: the first form (a runtime-bounded loop and a
+# cross-lane sum every k step) took 46.7 / 18.2 us a layer at one row (its loads a serial chain of round trips)
 
 
 @triton.jit
-def _small_gate_up_kernel(x_ptr, order_ptr, offsets_ptr, w_ptr, act_ptr, hidden, inter, TOP_K: tl.constexpr,
-                          PB: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+def _small_gate_up_kernel(x_ptr, order_ptr, offsets_ptr, w_ptr, act_ptr, HIDDEN: tl.constexpr, INTER: tl.constexpr,
+                          TOP_K: tl.constexpr, PB: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     expert = tl.program_id(0)
     first = tl.load(offsets_ptr + expert)
     end = tl.load(offsets_ptr + expert + 1)
@@ -43,29 +46,30 @@ def _small_gate_up_kernel(x_ptr, order_ptr, offsets_ptr, w_ptr, act_ptr, hidden,
         live = pos < end
         token = tl.load(order_ptr + pos, mask=live, other=0) // TOP_K
         cols = tl.program_id(1) * BN + tl.arange(0, BN)
-        col_ok = cols < inter
+        col_ok = cols < INTER
         ks = tl.arange(0, BK)
-        x_rows = x_ptr + token.to(tl.int64)[:, None] * hidden
-        g_rows = w_ptr + expert.to(tl.int64) * 2 * inter * hidden + cols.to(tl.int64)[:, None] * hidden
-        u_rows = g_rows + inter * hidden
-        acc_g = tl.zeros((PB, BN), dtype=tl.float32)
-        acc_u = tl.zeros((PB, BN), dtype=tl.float32)
-        for k0 in range(0, hidden, BK):
+        x_rows = x_ptr + token.to(tl.int64)[:, None] * HIDDEN
+        g_rows = w_ptr + expert.to(tl.int64) * 2 * INTER * HIDDEN + cols.to(tl.int64)[:, None] * HIDDEN
+        u_rows = g_rows + INTER * HIDDEN
+        acc_g = tl.zeros((PB, BN, BK), dtype=tl.float32)
+        acc_u = tl.zeros((PB, BN, BK), dtype=tl.float32)
+        for k0 in tl.static_range(0, HIDDEN, BK):
             k = k0 + ks
-            k_ok = k < hidden
+            k_ok = k < HIDDEN
             xt = tl.load(x_rows + k[None, :], mask=live[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
             wg = tl.load(g_rows + k[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
             wu = tl.load(u_rows + k[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
-            acc_g += tl.sum(xt[:, None, :] * wg[None, :, :], 2)
-            acc_u += tl.sum(xt[:, None, :] * wu[None, :, :], 2)
-        act = acc_g * tl.sigmoid(acc_g) * acc_u
-        tl.store(act_ptr + pos.to(tl.int64)[:, None] * inter + cols[None, :], act.to(act_ptr.dtype.element_ty),
+            acc_g += xt[:, None, :] * wg[None, :, :]
+            acc_u += xt[:, None, :] * wu[None, :, :]
+        g = tl.sum(acc_g, 2)
+        act = g * tl.sigmoid(g) * tl.sum(acc_u, 2)
+        tl.store(act_ptr + pos.to(tl.int64)[:, None] * INTER + cols[None, :], act.to(act_ptr.dtype.element_ty),
                  mask=live[:, None] & col_ok[None, :])
 
 
 @triton.jit
-def _small_down_kernel(act_ptr, order_ptr, offsets_ptr, top_w_ptr, w_ptr, out_ptr, hidden, inter, PB: tl.constexpr,
-                       BN: tl.constexpr, BK: tl.constexpr):
+def _small_down_kernel(act_ptr, order_ptr, offsets_ptr, top_w_ptr, w_ptr, out_ptr, HIDDEN: tl.constexpr,
+                       INTER: tl.constexpr, PB: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     expert = tl.program_id(0)
     first = tl.load(offsets_ptr + expert)
     end = tl.load(offsets_ptr + expert + 1)
@@ -74,20 +78,20 @@ def _small_down_kernel(act_ptr, order_ptr, offsets_ptr, top_w_ptr, w_ptr, out_pt
         live = pos < end
         pair = tl.load(order_ptr + pos, mask=live, other=0)
         cols = tl.program_id(1) * BN + tl.arange(0, BN)
-        col_ok = cols < hidden
+        col_ok = cols < HIDDEN
         ks = tl.arange(0, BK)
-        a_rows = act_ptr + pos.to(tl.int64)[:, None] * inter
-        d_rows = w_ptr + expert.to(tl.int64) * hidden * inter + cols.to(tl.int64)[:, None] * inter
-        acc = tl.zeros((PB, BN), dtype=tl.float32)
-        for k0 in range(0, inter, BK):
+        a_rows = act_ptr + pos.to(tl.int64)[:, None] * INTER
+        d_rows = w_ptr + expert.to(tl.int64) * HIDDEN * INTER + cols.to(tl.int64)[:, None] * INTER
+        acc = tl.zeros((PB, BN, BK), dtype=tl.float32)
+        for k0 in tl.static_range(0, INTER, BK):
             k = k0 + ks
-            k_ok = k < inter
+            k_ok = k < INTER
             a = tl.load(a_rows + k[None, :], mask=live[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
             wd = tl.load(d_rows + k[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
-            acc += tl.sum(a[:, None, :] * wd[None, :, :], 2)
+            acc += a[:, None, :] * wd[None, :, :]
         weight = tl.load(top_w_ptr + pair, mask=live, other=0.0).to(tl.float32)
-        out = acc.to(out_ptr.dtype.element_ty).to(tl.float32) * weight[:, None]  # round as torch does: out, then x w
-        tl.store(out_ptr + pair.to(tl.int64)[:, None] * hidden + cols[None, :], out.to(out_ptr.dtype.element_ty),
+        out = tl.sum(acc, 2).to(out_ptr.dtype.element_ty).to(tl.float32) * weight[:, None]  # out, then x w
+        tl.store(out_ptr + pair.to(tl.int64)[:, None] * HIDDEN + cols[None, :], out.to(out_ptr.dtype.element_ty),
                  mask=live[:, None] & col_ok[None, :])
 
 
@@ -97,9 +101,12 @@ def fits(rows: int) -> bool:
 
 
 def moe_small(x: torch.Tensor, top_i: torch.Tensor, top_w: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
-              *, route: tuple[torch.Tensor, torch.Tensor] | None = None, summed: bool = True) -> torch.Tensor:
+              *, route: tuple[torch.Tensor, torch.Tensor] | None = None, summed: bool = True,
+              tiles: tuple[int, int, int, int, int] | None = None) -> torch.Tensor:
     """The routed experts' weighted sum [R, H] in x's dtype for at most ROWS rows (summed=False: each pair's weighted
-    output [R, K, H]); route: the pairs' (order, offsets) as moe_grouped.moe_route gives them (computed here if None)."""
+    output [R, K, H]); route: the pairs' (order, offsets) as moe_grouped.moe_route gives them (computed here if None);
+    tiles: (gate-up columns, its k step, down columns, its k step, warps), the module's defaults when None
+    (benchmarks/kernels.py sweeps them)."""
     from atlas_kernels.moe_grouped import moe_route
 
     rows, hidden = x.shape
@@ -114,11 +121,14 @@ def moe_small(x: torch.Tensor, top_i: torch.Tensor, top_w: torch.Tensor, gate_up
     x, gate_up, down, top_w = x.contiguous(), gate_up.contiguous(), down.contiguous(), top_w.contiguous()
     order, offsets = moe_route(top_i, experts) if route is None else route
     pb = triton.next_power_of_2(rows)
+    bn, bk, bn_down, bk_down, warps = tiles or (BN, BK, BN_DOWN, BK_DOWN, WARPS)
     act = torch.empty(rows * top_k, inter, dtype=x.dtype, device=x.device)
-    _small_gate_up_kernel[(experts, triton.cdiv(inter, BN))](
-        x, order, offsets, gate_up, act, hidden, inter, TOP_K=top_k, PB=pb, BN=BN, BK=BK, num_warps=WARPS)
+    _small_gate_up_kernel[(experts, triton.cdiv(inter, bn))](
+        x, order, offsets, gate_up, act, HIDDEN=hidden, INTER=inter, TOP_K=top_k, PB=pb, BN=bn, BK=bk,
+        num_warps=warps)
     outs = torch.empty(rows * top_k, hidden, dtype=x.dtype, device=x.device)
-    _small_down_kernel[(experts, triton.cdiv(hidden, BN_DOWN))](
-        act, order, offsets, top_w, down, outs, hidden, inter, PB=pb, BN=BN_DOWN, BK=BK_DOWN, num_warps=WARPS)
+    _small_down_kernel[(experts, triton.cdiv(hidden, bn_down))](
+        act, order, offsets, top_w, down, outs, HIDDEN=hidden, INTER=inter, PB=pb, BN=bn_down, BK=bk_down,
+        num_warps=warps)
     outs = outs.view(rows, top_k, hidden)
     return outs.sum(dim=1) if summed else outs

@@ -516,10 +516,10 @@ MOE_DECODE_ROWS = (1, 4, 16, 64)
 HYPER_DECODE_ROWS = (1, 4, 16, 64)
 # atlas_kernels.hyper_small's (mix-down outputs a program, its k step, the mix-up's k step, warps) and moe_small's
 # (gate-up columns, k step, down columns, k step, warps) at 1-4 rows; the first of each is the module's default
-HYPER_SMALL_TILES = [(16, 128, 64, 4), (8, 128, 64, 4), (16, 256, 64, 4), (16, 128, 32, 4), (16, 128, 64, 8),
-                     (32, 128, 64, 4), (8, 256, 32, 2), (8, 64, 32, 4)]
-MOE_SMALL_TILES = [(16, 128, 32, 128, 4), (8, 128, 16, 128, 4), (16, 256, 32, 256, 4), (8, 256, 16, 128, 2),
-                   (16, 128, 64, 128, 4), (32, 128, 32, 128, 4), (16, 64, 32, 64, 4), (16, 128, 32, 128, 8)]
+HYPER_SMALL_TILES = [(16, 128, 32, 4), (8, 128, 32, 4), (16, 256, 32, 4), (16, 64, 32, 4), (16, 128, 32, 8),
+                     (32, 128, 32, 4), (8, 256, 32, 2), (16, 128, 64, 4)]
+MOE_SMALL_TILES = [(16, 64, 32, 128, 4), (8, 64, 16, 128, 4), (16, 128, 32, 128, 4), (8, 128, 16, 64, 2),
+                   (16, 64, 64, 128, 4), (32, 64, 32, 128, 4), (16, 64, 32, 64, 8), (8, 64, 32, 128, 8)]
 
 
 def bench_moe_decode(cfg: dict, sweep: bool = True) -> None:

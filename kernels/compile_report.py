@@ -299,31 +299,36 @@ def hyper_cases() -> list[CompileReport]:
 
 
 def small_cases() -> list[CompileReport]:
-    """The decode forms at 1-4 rows (hyper_small's two kernels, moe_small's two) at the benchmark model's sizes, at 4
-    rows (their largest register tiles)."""
+    """The decode forms at 1-4 rows (hyper_small's two kernels, moe_small's two) at the benchmark model's sizes and
+    their default tiles, at 4 rows (their largest register tiles), the arguments a launch sees divisible by 16 marked
+    so (the unrolled loops' vector loads)."""
     split = hyper_small.split_of(2048)
     down = dict(x_ptr="*bf16", norm_ptr="*bf16", w_ptr="*bf16", part_ptr="*fp32", rstd_ptr="*fp32", rows="i32",
-                hidden="i32", n_out="i32", eps="fp32")
+                n_out="i32", eps="fp32")
     up = dict(x_ptr="*bf16", norm_ptr="*bf16", w_ptr="*bf16", part_ptr="*fp32", rstd_ptr="*fp32", out_ptr="*bf16",
-              inject_ptr="*bf16", rows="i32", hidden="i32", lowrank="i32", n_out="i32", splits="i32")
-    gate = dict(x_ptr="*bf16", order_ptr="*i64", offsets_ptr="*i32", w_ptr="*bf16", act_ptr="*bf16", hidden="i32",
-                inter="i32")
+              inject_ptr="*bf16", rows="i32", n_out="i32")
+    gate = dict(x_ptr="*bf16", order_ptr="*i64", offsets_ptr="*i32", w_ptr="*bf16", act_ptr="*bf16")
     down_moe = dict(act_ptr="*bf16", order_ptr="*i64", offsets_ptr="*i32", top_w_ptr="*bf16", w_ptr="*bf16",
-                    out_ptr="*bf16", hidden="i32", inter="i32")
+                    out_ptr="*bf16")
     rb = hyper_small.ROWS
+    aligned = ("x_ptr", "norm_ptr", "w_ptr", "part_ptr", "act_ptr", "out_ptr")
     return [
         compile_for_hopper(hyper_small._down_kernel, down,
-                           dict(HC=4, RB=rb, BN=hyper_small.BN, BK=min(hyper_small.MAX_BK, split), SPLIT=split),
-                           hyper_small.WARPS, f"{rb} rows, split {split}"),
+                           dict(HIDDEN=2048, HP=2048, HC=4, RB=rb, BN=hyper_small.BN,
+                                BK=min(hyper_small.MAX_BK, split), SPLIT=split),
+                           hyper_small.WARPS, f"{rb} rows, split {split}",
+                           divisible=tuple(n for n in aligned if n in down)),
         compile_for_hopper(hyper_small._up_kernel, up,
-                           dict(HC=4, RB=rb, BH=hyper_small.BH, LB=hyper_small.LOWRANK_BLOCK, COMBINE=True),
-                           hyper_small.WARPS, f"{rb} rows"),
+                           dict(HIDDEN=2048, LOWRANK=320, SPLITS=4 * 2048 // split, SP=4 * 2048 // split, HC=4, RB=rb,
+                                BH=hyper_small.BH, LB=hyper_small.LOWRANK_BLOCK, COMBINE=True),
+                           hyper_small.WARPS, f"{rb} rows", divisible=tuple(n for n in aligned if n in up)),
         compile_for_hopper(moe_small._small_gate_up_kernel, gate,
-                           dict(TOP_K=4, PB=moe_small.ROWS, BN=moe_small.BN, BK=moe_small.BK), moe_small.WARPS,
-                           f"{moe_small.ROWS} pairs"),
+                           dict(HIDDEN=2048, INTER=512, TOP_K=4, PB=moe_small.ROWS, BN=moe_small.BN, BK=moe_small.BK),
+                           moe_small.WARPS, f"{moe_small.ROWS} pairs", divisible=tuple(n for n in aligned if n in gate)),
         compile_for_hopper(moe_small._small_down_kernel, down_moe,
-                           dict(PB=moe_small.ROWS, BN=moe_small.BN_DOWN, BK=moe_small.BK_DOWN), moe_small.WARPS,
-                           f"{moe_small.ROWS} pairs"),
+                           dict(HIDDEN=2048, INTER=512, PB=moe_small.ROWS, BN=moe_small.BN_DOWN, BK=moe_small.BK_DOWN),
+                           moe_small.WARPS, f"{moe_small.ROWS} pairs",
+                           divisible=tuple(n for n in aligned if n in down_moe)),
     ]
 
 

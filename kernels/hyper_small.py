@@ -36,7 +36,7 @@ BN = 16  # mix-down outputs a program owns
 MAX_SPLIT = 512  # mix-down inputs a program reduces (inside one stream: split_of(H) divides H)
 MAX_BK = 128  # the k step of the mix-down (at most the split)
 BH = 16  # hidden columns (of every stream) a mix-up program owns
-LOWRANK_BLOCK = 64  # the mix-up's k step over the lowrank activations
+LOWRANK_BLOCK = 32  # the mix-up's k step over the lowrank activations (64 spills at 4 rows)
 WARPS = 4
 # Every loop below has constexpr bounds and is unrolled (tl.static_range), and every product accumulates elementwise
 # into a [.., BK] tile summed once after its loop. H200, session 17 run 2: the first form (runtime-bounded loops, a

@@ -26,7 +26,7 @@ from atlas_kernels import _interpreter_compat  # noqa: F401  (CPU interpreter fi
 
 ROWS = 4  # the most rows a launch takes (an expert's pairs, at most one a row, all in one program's registers)
 BN = 16  # gate (and up) columns a gate-up program owns
-BK = 128  # the gate-up's k step over the hidden size
+BK = 64  # the gate-up's k step over the hidden size (128 spills at 4 rows: sm_90 compile report)
 BN_DOWN = 32  # output columns a down program owns
 BK_DOWN = 128  # the down's k step over the intermediate size
 WARPS = 4

@@ -516,8 +516,10 @@ MOE_DECODE_ROWS = (1, 4, 16, 64)
 HYPER_DECODE_ROWS = (1, 4, 16, 64)
 # atlas_kernels.hyper_small's (mix-down outputs a program, its k step, the mix-up's k step, warps) and moe_small's
 # (gate-up columns, k step, down columns, k step, warps) at 1-4 rows; the first of each is the module's default
-HYPER_SMALL_TILES = [(16, 128, 32, 4), (8, 128, 32, 4), (16, 256, 32, 4), (16, 64, 32, 4), (16, 128, 32, 8),
-                     (32, 128, 32, 4), (8, 256, 32, 2), (16, 128, 64, 4)]
+# H200 session 17 run 3 (us at 1 / 4 rows): 11.2 / 18.9, 11.0 / 18.6, 11.5 / 18.5, 12.9 / 18.3, 12.3 / 27.6,
+# 11.6 / 20.4, 11.1 / 21.7, 9.3 / 18.0 (the default since); moe_small 36.3-49.5 / 84-121 against moe_grouped's 29.8 / 40.9
+HYPER_SMALL_TILES = [(16, 128, 64, 4), (16, 128, 32, 4), (8, 128, 32, 4), (16, 256, 32, 4), (16, 64, 32, 4),
+                     (16, 128, 32, 8), (32, 128, 32, 4), (8, 256, 32, 2)]
 MOE_SMALL_TILES = [(16, 64, 32, 128, 4), (8, 64, 16, 128, 4), (16, 128, 32, 128, 4), (8, 128, 16, 64, 2),
                    (16, 64, 64, 128, 4), (32, 64, 32, 128, 4), (16, 64, 32, 64, 8), (8, 64, 32, 128, 8)]
 

@@ -36,12 +36,15 @@ BN = 16  # mix-down outputs a program owns
 MAX_SPLIT = 512  # mix-down inputs a program reduces (inside one stream: split_of(H) divides H)
 MAX_BK = 128  # the k step of the mix-down (at most the split)
 BH = 16  # hidden columns (of every stream) a mix-up program owns
-LOWRANK_BLOCK = 32  # the mix-up's k step over the lowrank activations (64 spills at 4 rows)
+LOWRANK_BLOCK = 64  # the mix-up's k step over the lowrank activations (it spills 224 B at 4 rows, and was fastest there)
 WARPS = 4
 # Every loop below has constexpr bounds and is unrolled (tl.static_range), and every product accumulates elementwise
 # into a [.., BK] tile summed once after its loop. H200, session 17 run 2: the first form (runtime-bounded loops, a
 # cross-lane sum every k step, the partials summed split by split) took 13.2 / 22.2 us a site at one row, its loads
-# a serial chain of L2 / DRAM round trips (1 row x 128 elements a step: nothing else in flight)
+# a serial chain of L2 / DRAM round trips (1 row x 128 elements a step: nothing else in flight). Run 3, this form
+# alone (benchmarks/kernels.py --only hyper_decode --decode-rows 1,4): 9.3 / 18.0 us a site at 1 / 4 rows with these
+# tiles (11.0-12.9 / 18.3-27.6 at the seven others swept), against the compiled torch form's 14.1 / 17.6 (cuBLAS) and
+# 13.0 / 32.2 (Inductor's split reductions) alone; in the model the torch form's site was ~11.9 us (b1 profile)
 
 
 @triton.jit

@@ -32,7 +32,10 @@ BK_DOWN = 128  # the down's k step over the intermediate size
 WARPS = 4
 # Both loops have constexpr bounds and are unrolled (tl.static_range), and the products accumulate elementwise into
 # [PB, BN, BK] tiles summed once after the loop. H200, session 17 run 2: the first form (a runtime-bounded loop and a
-# cross-lane sum every k step) took 46.7 / 18.2 us a layer at one row (its loads a serial chain of round trips)
+# cross-lane sum every k step) took 46.7 / 18.2 us a layer at one row (its loads a serial chain of round trips). Run
+# 3, this form alone (benchmarks/kernels.py --only moe_decode --decode-rows 1,4, the whole call): 36.3-49.5 us at one
+# row and 84-121 us at four over eight tiles, against moe_grouped's 29.8 / 40.9: slower. Without tl.dot Triton does not
+# pipeline these loads (no cp.async stages), and the unrolled loop keeps too few of them in flight per SM
 
 
 @triton.jit

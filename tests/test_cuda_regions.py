@@ -284,14 +284,15 @@ def test_the_shifted_conv_equals_the_windowed_product(dilation: int) -> None:
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="Inductor on the GPU: the compiled regions")
 @pytest.mark.parametrize("variant", ["decode", "regions-compile", "regions-persistent", "regions-pdl",
-                                     "regions-pdl-kernels", "regions-hyper-site", "regions-small"])
+                                     "regions-pdl-kernels", "regions-hyper-site", "regions-hyper-small",
+                                     "regions-moe-small"])
 def test_compiled_regions_give_the_reference_tokens_on_the_gpu(tiny, variant: str) -> None:  # type: ignore[no-untyped-def]
     """fp32, CUDA graphs on: the decode regions through torch.compile and the paged decode attention (and, as
-    VARIANTS["regions-compile"]: the prefill regions, the routed kernels, the batch-3 products as reductions; its
-    neighbours regions-persistent and regions-pdl under their Inductor choices / programmatic dependent launches,
-    regions-pdl-kernels with our decode kernels' too, regions-hyper-site with the decode sites as atlas_kernels.hyper's
-    kernels, regions-small with the 1-4-row sites and routed experts as hyper_small's and moe_small's), greedy and seeded rows side by side, against the CPU
-    reference."""
+    VARIANTS["regions-compile"]: the prefill regions, the routed kernels, the batch-3 products through cuBLAS
+    (GEMV_ROWS 1); its neighbours regions-persistent and regions-pdl under their Inductor choices / programmatic
+    dependent launches, regions-pdl-kernels with our decode kernels' too, regions-hyper-site with the decode sites as
+    atlas_kernels.hyper's kernels, regions-hyper-small / regions-moe-small with the 1-4-row sites / routed experts as
+    hyper_small's / moe_small's), greedy and seeded rows side by side, against the CPU reference."""
     from atlas.backends.cuda.tuning import VARIANTS
     from atlas.config import EngineConfig
     from atlas.engine.offline import generate
@@ -469,7 +470,7 @@ def test_decode_gemv_takes_the_reduction_only_in_compiled_decode_regions_of_few_
         tiny, monkeypatch: pytest.MonkeyPatch, recompile_limit) -> None:  # type: ignore[no-untyped-def]
     """decode_gemv="reduce": the compiled decode regions (Dynamo, eager backend) of <= GEMV_ROWS rows take
     layers.linear's reduction (counted), prefill chunks and uncompiled regions never; the logits stay the
-    library product's within fp32 rounding."""
+    library product's within fp32 rounding. A 3-row group reduces only with GEMV_ROWS raised to 3 (it is 1)."""
     from atlas.backends.cuda import layers
 
     torch._dynamo.reset()
@@ -491,6 +492,11 @@ def test_decode_gemv_takes_the_reduction_only_in_compiled_decode_regions_of_few_
     want, _ = _decode(tiny, Tuning(**base), kernels=False, steps=1)
     assert seen and not any(reduce for _, reduce in seen)
     seen.clear()
+    assert regions.GEMV_ROWS < 3
+    _decode(tiny, Tuning(**base, decode_gemv="reduce"), kernels=False, steps=1)
+    assert seen and not any(reduce for _, reduce in seen)  # 3 rows > GEMV_ROWS: the product
+    seen.clear()
+    monkeypatch.setattr(regions, "GEMV_ROWS", 3)
     got, _ = _decode(tiny, Tuning(**base, decode_gemv="reduce"), kernels=False, steps=1)
     assert torch.allclose(want[0], got[0], atol=1e-4, rtol=1e-4)
     # the decode group (3 rows <= GEMV_ROWS) reduces, every prefill chunk (70, 5, 20 tokens) takes the product

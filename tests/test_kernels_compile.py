@@ -45,8 +45,11 @@ def test_all_kernels_compile_for_hopper_and_decode_kernels_do_not_spill(reports:
         # against 280.7 for the spill-free 64x64x64 at 2,048 rows, session 11): the measurement decides, so only
         # those may spill
         # and the prefill down kernel's own 128 x 256 tile (8.9 KB: 618.4 against 671.2 us at 8,192 rows, session 15)
-        measured = (report["kernel"] in ("moe_gate_up_kernel", "moe_down_kernel")
-                    and report["config"].startswith(("BM=16 BN=64 BK=128", "BM=128 BN=64 BK=64", "BM=128 BN=256")))
+        # and hyper_small's mix-up at 4 rows with its 64-wide k step (224 B; 18.0 against 18.9 us with 32, which does
+        # not spill, and 9.3 against 11.2 at one row: session 17 run 3)
+        measured = ((report["kernel"] in ("moe_gate_up_kernel", "moe_down_kernel")
+                     and report["config"].startswith(("BM=16 BN=64 BK=128", "BM=128 BN=64 BK=64", "BM=128 BN=256")))
+                    or (report["kernel"] == "up_kernel" and report["config"] == "4 rows"))
         if report["kernel"] not in ("gdn_chunk_kernel", "prepare_kernel", "scan_kernel") and not measured:
             assert report["spill_bytes"] == 0, report
 

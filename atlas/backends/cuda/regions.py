@@ -63,8 +63,10 @@ from atlas.backends.ops import dense_mlp, hyper_inject, rope_table
 from atlas.model.spec import FULL_ATTENTION, ModelSpec
 
 # Tuning.decode_gemv ("reduce", "split") applies to decode groups of at most this many rows: the reduction re-reads a weight
-# from L2 once a row (cuBLAS's GEMM reads it once), so it can only win where the GEMV's fixed cost dominates
-GEMV_ROWS = 4
+# from L2 once a row (cuBLAS's GEMM reads it once), so it can only win where the GEMV's fixed cost dominates. H200,
+# session 17 (benchmarks/kernels.py --only hyper_decode, a compiled hyper site alone): "split" 13.0 / 32.2 us at 1 / 4
+# rows against cuBLAS's 14.1 / 17.6, so one row only (it was 4)
+GEMV_ROWS = 1
 
 # (routed [R, H] or its pairs [R, K, H], shared, inject) of the ffn not yet injected into the streams; all None before
 # the first layer

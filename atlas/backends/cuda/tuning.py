@@ -245,11 +245,12 @@ VARIANTS: dict[str, Tuning] = {
     # or Inductor's reductions (b1-4)
     "regions-hyper-site": attrs.evolve(_REGIONS, decode_hyper="triton"),
     # regions-compile with the sites of decode groups of at most 4 rows as atlas_kernels.hyper_small's two kernels
+    # (session 17: the first kernels with both small forms, variant regions-small, decoded b1 in 5.51 against 3.07 ms;
+    # the unrolled site alone 9.3 us at one row against the compiled torch form's 13.0-14.1, unmeasured in the model)
     "regions-hyper-small": attrs.evolve(_REGIONS, decode_hyper="small"),
     # regions-compile with the routed experts of decode groups of at most 4 rows as atlas_kernels.moe_small's kernels
+    # (session 17 run 3, alone: slower than moe_grouped at 1 and 4 rows, 36.3 / 84.3 against 29.8 / 40.9 us a call)
     "regions-moe-small": attrs.evolve(_REGIONS, moe="small"),
-    # both small-row forms
-    "regions-small": attrs.evolve(_REGIONS, moe="small", decode_hyper="small"),
     # regions-compile with the GDN chunk prefill's intermediates and scan products in fp32 / tf32 (what gdn_work
     # "bf16" replaced in session 14: the backend's chunk call 322.5 -> 221.8 us a 2,048-token layer; H200 run 1,
     # with 2 scan stages, prefill 2,048 27.6 -> 26.9 ms)

@@ -75,6 +75,8 @@ def compile_for_hopper(kernel: Any, arg_types: dict[str, str], constexprs: dict[
     names = kernel.arg_names
     if "PDL" in names:
         constexprs = {"PDL": False, **constexprs}
+    if "SPLIT_K" in names:  # moe_grouped's gate-up split: off unless named
+        constexprs = {"SPLIT_K": 1, **constexprs}
     pdl = bool(constexprs.get("PDL", False))
     if pdl:
         label = f"{label} pdl"
@@ -266,6 +268,16 @@ def moe_cases(pdl: bool = False) -> list[CompileReport]:
                                           f"BM={bm} BN={bn} BK={bk} warps={warps}"))
     if pdl:
         return reports
+    # the decode tiles with the gate-up split (moe_grouped(split_k=SPLIT_K_DECODE), Tuning.moe "split")
+    bm, bn, bk = moe_grouped.block_sizes(1)
+    warps = moe_grouped.num_warps(bm)
+    split = moe_grouped.SPLIT_K_DECODE
+    reports.append(compile_for_hopper(moe_grouped._moe_gate_up_kernel, dict(up, act_ptr="*fp32"),
+                                      dict(TOP_K=4, BM=bm, BN=bn, BK=bk, EVEN_K=True, PRECISION="tf32",
+                                           SPLIT_K=split), warps, f"BM={bm} BN={bn} BK={bk} warps={warps} split {split}"))
+    reports.append(compile_for_hopper(moe_grouped._moe_down_kernel, dict(down, act_ptr="*fp32"),
+                                      dict(BM=bm, BN=bn, BK=bk, EVEN_K=True, PRECISION="tf32", SPLIT_K=split), warps,
+                                      f"BM={bm} BN={bn} BK={bk} warps={warps} split {split}"))
     # the prefill down kernel's own tile (moe_grouped.PREFILL_DOWN_TILE)
     bn, bk, warps, stages = moe_grouped.PREFILL_DOWN_TILE
     reports.append(compile_for_hopper(moe_grouped._moe_down_kernel, down,

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from atlas.backends.cuda.batch import Group
 from atlas.backends.cuda.compiled import compiled
-from atlas.backends.cuda.moe import grouped_mm_works, ranked_topk, routed_grouped_mm, routed_triton
+from atlas.backends.cuda.moe import grouped_mm_works, ranked_topk, routed_grouped_mm, routed_triton, split_of
 from atlas.backends.cuda.pools import DevicePools
 from atlas.backends.cuda.tuning import Tuning
 from atlas.backends.decoder import decoder_stack
@@ -576,7 +576,8 @@ def moe_routed(moe: MoeSpec, w: dict[str, torch.Tensor], pre: str, x: torch.Tens
     chosen experts' weights are gathered per slot; else every expert runs on every row, weighted by a
     routing matrix that is zero off the top-k (decode at batch >= E / top_k touches most experts anyway).
     mode (Tuning.moe / prefill_moe) overrides eager: "grouped" is eager; "torch" / "dense" the fixed shapes;
-    "triton" / "grouped_mm" / "small" (at most atlas_kernels.moe_small.ROWS rows; "triton" above) route on the device and read the chosen experts in place (atlas.backends.cuda.moe:
+    "triton" / "grouped_mm" / "small" (at most atlas_kernels.moe_small.ROWS rows; "triton" above) / "split" (moe_grouped
+    with the gate-up split at few rows, moe.split_of) route on the device and read the chosen experts in place (atlas.backends.cuda.moe:
     no host sync, graph-capturable). "grouped_mm" falls back to "triton" where torch._grouped_mm fails its
     feature test. route: the pairs' (order, offsets) for "triton" if the caller counted them (moe.counted_route).
     pdl: "triton"'s two kernels launched with programmatic dependent launch (decode_pdl; the other modes ignore it)."""
@@ -591,6 +592,8 @@ def moe_routed(moe: MoeSpec, w: dict[str, torch.Tensor], pre: str, x: torch.Tens
         if fits(rows):
             return moe_small(x, top_i, top_w, gate_up, down, route=route, summed=summed)
         mode = "triton"
+    if mode == "split":  # Tuning.moe "split": groups of few rows with the gate-up's hidden size split, others grouped
+        return routed_triton(x, top_i, top_w, gate_up, down, route, summed, pdl, split_k=split_of(rows, x.shape[-1]))
     if mode == "triton":
         return routed_triton(x, top_i, top_w, gate_up, down, route, summed, pdl)
     if mode == "grouped_mm":

@@ -331,7 +331,7 @@ def regions_stack(spec: ModelSpec, w: dict[str, torch.Tensor], pools: DevicePool
     if head_fused == "triton":
         import atlas_kernels.conv  # noqa: F401  (registers torch.ops.atlas.causal_conv_prefill)
     # the routed kernels take the pairs' order computed in the tail region: ranked (decode) or counted (prefill)
-    route = ("counted" if prefill else "ranked") if moe_mode in ("triton", "grouped_mm", "small") else ""
+    route = ("counted" if prefill else "ranked") if moe_mode in ("triton", "grouped_mm", "small", "split") else ""
     # the group's own kernels (GDN update, paged attention, routed experts) with programmatic dependent launch:
     # decode groups only (Tuning.decode_pdl)
     pdl = decode_pdl(tuning, grp)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import attrs
 
-MOE = ("torch", "triton", "small")
+MOE = ("torch", "triton", "small", "split")
 PREFILL_MOE = ("grouped", "dense", "triton", "grouped_mm")
 ATTENTION = ("torch", "sdpa")
 DECODE_ATTENTION = (*ATTENTION, "paged")
@@ -43,7 +43,10 @@ class Tuning:
     # x top_k < experts) or runs every expert on every row; "triton" routes on the device and runs grouped
     # GEMMs that read each chosen expert's weights once, in place (atlas_kernels.moe_grouped); "small": the same, but
     # groups of at most 4 rows through atlas_kernels.moe_small's GEMV-shaped kernels (H200 session 16 profile, b1: the
-    # grouped kernels' 16-row tensor-core tiles 12.0 + 6.0 us a layer for ~6 us of bytes; a tile sweep moved them < 1 us)
+    # grouped kernels' 16-row tensor-core tiles 12.0 + 6.0 us a layer for ~6 us of bytes; a tile sweep moved them < 1 us;
+    # session 17: slower, 36.3 against 29.8 us a call at one row); "split": the grouped kernels, the gate-up's hidden size
+    # split in 4 at <= 4 rows (atlas_kernels.moe_grouped split_k: 4 x the programs, 128 with work at one row instead of
+    # 32 on 132 SMs; the down kernel sums the fp32 partials in split order), unmeasured
     moe: str = attrs.field(default="torch", validator=_one_of(MOE))
     # MoE of prefill chunks (eager): "grouped" by expert with one host sync a layer, "dense" every expert on
     # every token (no sync, top_k / experts of its FLOPs useful), "triton" the device-routed grouped kernels
@@ -158,7 +161,7 @@ class Tuning:
 
     @property
     def uses_triton(self) -> bool:
-        return (self.moe in ("triton", "small") or self.prefill_moe == "triton" or self.hyper == "triton"
+        return (self.moe in ("triton", "small", "split") or self.prefill_moe == "triton" or self.hyper == "triton"
                 or self.decode_attention == "paged" or self.prefill_mix_up == "triton" or self.decode_hyper != "inductor")
 
 
@@ -251,6 +254,8 @@ VARIANTS: dict[str, Tuning] = {
     # regions-compile with the routed experts of decode groups of at most 4 rows as atlas_kernels.moe_small's kernels
     # (session 17 run 3, alone: slower than moe_grouped at 1 and 4 rows, 36.3 / 84.3 against 29.8 / 40.9 us a call)
     "regions-moe-small": attrs.evolve(_REGIONS, moe="small"),
+    # regions-compile with the routed experts' gate-up split four ways at <= 4 rows (moe "split", session 17, unmeasured)
+    "regions-moe-split": attrs.evolve(_REGIONS, moe="split"),
     # regions-compile with the GDN chunk prefill's intermediates and scan products in fp32 / tf32 (what gdn_work
     # "bf16" replaced in session 14: the backend's chunk call 322.5 -> 221.8 us a 2,048-token layer; H200 run 1,
     # with 2 scan stages, prefill 2,048 27.6 -> 26.9 ms)

@@ -544,9 +544,9 @@ def bench_moe_decode(cfg: dict, sweep: bool = True) -> None:
         moved = chosen * 3 * inter * hidden * 2
         want = moe_grouped(x, top_i, top_w, gate_up, down)
         bm, bn0, bk0 = block_sizes(rows)
-        cases = [("today", {})] + ([(f"small {tiles}", dict(tiles=tiles)) for tiles in MOE_SMALL_TILES]
-                                   if fits(rows) else [])
+        cases = [("today", {})]
         cases += [(f"split {k}", dict(split_k=k)) for k in (2, 4, 8) if rows <= 4 and hidden % (k * bk0) == 0]
+        cases += [(f"small {tiles}", dict(tiles=tiles)) for tiles in MOE_SMALL_TILES] if fits(rows) else []
         cases += [(f"gate-up {bn}x{bk} w{w} s{st}", dict(blocks=(bm, bn, bk), warps=w, stages=st, down_tile=()))
                   for bn, bk, w, st in (MOE_DECODE_GATE_TILES if sweep else [])]
         cases += [(f"down {bn}x{bk} w{w} s{st}", dict(down_tile=(bn, bk, w, st))) for bn, bk, w, st in

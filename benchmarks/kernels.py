@@ -472,18 +472,21 @@ PREFILL_MOE_ROWS = (2048, 8192)
 PREFILL_MOE_DOWN_TILES = [(64, 64, 8, None), (128, 64, 8, None), (256, 64, 8, 3), (128, 64, 8, 4), (128, 128, 8, 3)]
 
 
+def moe_rows(rows: int, gate_up: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, float]:
+    """(x [rows, H], top_i, top_w, the bytes of the chosen experts' weights, read once) for a routed-MoE timing."""
+    experts, two_inter, hidden = gate_up.shape
+    x = torch.randn(rows, hidden, device=DEV, dtype=BF16)
+    top_w, top_i = torch.topk(torch.randn(rows, experts, device=DEV).softmax(-1), top_k, dim=-1)
+    chosen = len(set(top_i.flatten().tolist()))
+    return x, top_i, top_w.to(BF16), chosen * 3 * (two_inter // 2) * hidden * 2
+
+
 def bench_moe(cfg: dict) -> None:
     from atlas_kernels.moe_grouped import block_sizes, moe_grouped
 
     gate_up, down, top_k = moe_weights(cfg)
-    experts, two_inter, hidden = gate_up.shape
-    inter = two_inter // 2
     for rows in BATCHES:
-        x = torch.randn(rows, hidden, device=DEV, dtype=BF16)
-        top_w, top_i = torch.topk(torch.randn(rows, experts, device=DEV).softmax(-1), top_k, dim=-1)
-        top_w = top_w.to(BF16)
-        chosen = len(set(top_i.flatten().tolist()))
-        moved = chosen * 3 * inter * hidden * 2  # the chosen experts' weights, read once
+        x, top_i, top_w, moved = moe_rows(rows, gate_up, top_k)
         want = moe_grouped(x, top_i, top_w, gate_up, down)
         default = block_sizes(rows)
         best = None
@@ -534,14 +537,9 @@ def bench_moe_decode(cfg: dict, sweep: bool = True) -> None:
     from atlas_kernels.moe_small import fits, moe_small
 
     gate_up, down, top_k = moe_weights(cfg)
-    experts, two_inter, hidden = gate_up.shape
-    inter = two_inter // 2
+    hidden = gate_up.shape[2]
     for rows in MOE_DECODE_ROWS:
-        x = torch.randn(rows, hidden, device=DEV, dtype=BF16)
-        top_w, top_i = torch.topk(torch.randn(rows, experts, device=DEV).softmax(-1), top_k, dim=-1)
-        top_w = top_w.to(BF16)
-        chosen = len(set(top_i.flatten().tolist()))
-        moved = chosen * 3 * inter * hidden * 2
+        x, top_i, top_w, moved = moe_rows(rows, gate_up, top_k)
         want = moe_grouped(x, top_i, top_w, gate_up, down)
         bm, bn0, bk0 = block_sizes(rows)
         cases = [("today", {})]

@@ -169,21 +169,28 @@ def hyper_site(streams: torch.Tensor, norm_w: torch.Tensor, down_w: torch.Tensor
     return out.view(*lead, hidden), (inject.view(*lead, hc) if combine else None)
 
 
-@torch.library.custom_op("atlas::hyper_site", mutates_args=())
-def site_op(streams: torch.Tensor, norm_w: torch.Tensor, down_w: torch.Tensor, up_w: torch.Tensor, hc: int,
+def site_op(name: str, site):  # type: ignore[no-untyped-def]
+    """A whole-site function (hyper_site, hyper_small.hyper_small) as the torch custom op atlas::{name}, so a compiled
+    decode region (Tuning.decode_hyper) calls its kernels as opaque launches: (mixed [.., H], inject [.., hc], or
+    [.., 0] when not combine). down_w has exactly lowrank (+ hc) rows (the caller drops the fused weight's alignment
+    rows)."""
+
+    def run(streams: torch.Tensor, norm_w: torch.Tensor, down_w: torch.Tensor, up_w: torch.Tensor, hc: int,
             lowrank: int, eps: float, combine: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """hyper_site as a torch custom op, so a compiled decode region (Tuning.decode_hyper = "triton") calls its four
-    kernels as opaque launches: (mixed [.., H], inject [.., hc], or [.., 0] when not combine). down_w has exactly
-    lowrank (+ hc) rows (the caller drops the fused weight's alignment rows)."""
-    mixed, inject = hyper_site(streams, norm_w, down_w, up_w, hc, lowrank, eps, combine)
-    return mixed, (inject if inject is not None else streams.new_empty((*streams.shape[:-1], 0)))
+        mixed, inject = site(streams, norm_w, down_w, up_w, hc, lowrank, eps, combine)
+        return mixed, (inject if inject is not None else streams.new_empty((*streams.shape[:-1], 0)))
+
+    def fake(streams: torch.Tensor, norm_w: torch.Tensor, down_w: torch.Tensor, up_w: torch.Tensor, hc: int,
+             lowrank: int, eps: float, combine: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        lead = streams.shape[:-1]
+        return streams.new_empty((*lead, streams.shape[-1] // hc)), streams.new_empty((*lead, hc if combine else 0))
+
+    op = torch.library.custom_op(f"atlas::{name}", run, mutates_args=())
+    op.register_fake(fake)
+    return op
 
 
-@site_op.register_fake
-def _(streams: torch.Tensor, norm_w: torch.Tensor, down_w: torch.Tensor, up_w: torch.Tensor, hc: int, lowrank: int,
-      eps: float, combine: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    lead = streams.shape[:-1]
-    return streams.new_empty((*lead, streams.shape[-1] // hc)), streams.new_empty((*lead, hc if combine else 0))
+site_op("hyper_site", hyper_site)
 
 
 @triton.jit

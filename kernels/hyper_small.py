@@ -30,6 +30,7 @@ import torch
 import triton
 import triton.language as tl
 from atlas_kernels import _interpreter_compat  # noqa: F401  (CPU interpreter fix)
+from atlas_kernels.hyper import site_op
 
 ROWS = 4  # the most rows one launch takes (every row in one program's registers: [ROWS, BN, BK] products)
 BN = 16  # mix-down outputs a program owns
@@ -177,18 +178,4 @@ def hyper_small(streams: torch.Tensor, norm_w: torch.Tensor, down_w: torch.Tenso
     return out.view(*lead, hidden), (inject.view(*lead, hc) if combine else None)
 
 
-@torch.library.custom_op("atlas::hyper_small", mutates_args=())
-def small_op(streams: torch.Tensor, norm_w: torch.Tensor, down_w: torch.Tensor, up_w: torch.Tensor, hc: int,
-             lowrank: int, eps: float, combine: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """hyper_small as a torch custom op, so a compiled decode region (Tuning.decode_hyper = "small") calls its two
-    kernels as opaque launches: (mixed [.., H], inject [.., hc], or [.., 0] when not combine). down_w has exactly
-    lowrank (+ hc) rows (the caller drops the fused weight's alignment rows)."""
-    mixed, inject = hyper_small(streams, norm_w, down_w, up_w, hc, lowrank, eps, combine)
-    return mixed, (inject if inject is not None else streams.new_empty((*streams.shape[:-1], 0)))
-
-
-@small_op.register_fake
-def _(streams: torch.Tensor, norm_w: torch.Tensor, down_w: torch.Tensor, up_w: torch.Tensor, hc: int, lowrank: int,
-      eps: float, combine: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    lead = streams.shape[:-1]
-    return streams.new_empty((*lead, streams.shape[-1] // hc)), streams.new_empty((*lead, hc if combine else 0))
+site_op("hyper_small", hyper_small)  # torch.ops.atlas.hyper_small (atlas_kernels.hyper.site_op)

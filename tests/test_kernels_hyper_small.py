@@ -11,21 +11,11 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the kernels' import
 
 from atlas_kernels.hyper_small import ROWS, fits, hyper_small, split_of
+from test_kernels_hyper import case
 
 from atlas.backends.cuda.layers import hyper_block
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOLERANCE = {torch.float32: 1e-6, torch.bfloat16: 1.5e-2}
-
-
-def case(rows: int, hc: int, hidden: int, lowrank: int, combine: bool, dtype: torch.dtype, seed: int):  # type: ignore[no-untyped-def]
-    gen = torch.Generator().manual_seed(seed)
-    width = hc * hidden
-    streams = (torch.randn(rows, width, generator=gen) * 3).to(DEVICE, dtype)
-    norm_w = (1 + 0.1 * torch.randn(width, generator=gen)).to(DEVICE, dtype)
-    down_w = (torch.randn(lowrank + (hc if combine else 0), width, generator=gen) / width**0.5).to(DEVICE, dtype)
-    up_w = (torch.randn(width, lowrank, generator=gen) / lowrank**0.5).to(DEVICE, dtype)
-    return streams, norm_w, down_w, up_w
 
 
 def rel(got: torch.Tensor, want: torch.Tensor) -> float:

@@ -257,12 +257,12 @@ def moe_cases(pdl: bool = False) -> list[CompileReport]:
         bm, bn, bk = moe_grouped.block_sizes(rows)
         warps = moe_grouped.num_warps(bm)
         up = dict(x_ptr="*bf16", order_ptr="*i64", offsets_ptr="*i32", w_ptr="*bf16", act_ptr="*bf16",
-                  hidden="i32", inter="i32", m_tiles="i32")
+                  hidden="i32", inter="i32", m_tiles="i32", pairs="i32")
         reports.append(compile_for_hopper(moe_grouped._moe_gate_up_kernel, up,
                                           dict(TOP_K=4, BM=bm, BN=bn, BK=bk, EVEN_K=True, PRECISION="tf32", PDL=pdl),
                                           warps, f"BM={bm} BN={bn} BK={bk} warps={warps}"))
         down = dict(act_ptr="*bf16", order_ptr="*i64", offsets_ptr="*i32", top_w_ptr="*bf16", w_ptr="*bf16",
-                    out_ptr="*bf16", hidden="i32", inter="i32", m_tiles="i32")
+                    out_ptr="*bf16", hidden="i32", inter="i32", m_tiles="i32", pairs="i32")
         reports.append(compile_for_hopper(moe_grouped._moe_down_kernel, down,
                                           dict(BM=bm, BN=bn, BK=bk, EVEN_K=True, PRECISION="tf32", PDL=pdl), warps,
                                           f"BM={bm} BN={bn} BK={bk} warps={warps}"))

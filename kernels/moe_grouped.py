@@ -27,12 +27,13 @@ from atlas_kernels import pdl as _pdl
 
 @triton.jit
 def _moe_gate_up_kernel(
-    x_ptr, order_ptr, offsets_ptr, w_ptr, act_ptr, hidden, inter, m_tiles,
+    x_ptr, order_ptr, offsets_ptr, w_ptr, act_ptr, hidden, inter, m_tiles, pairs,
     TOP_K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr,
     PRECISION: tl.constexpr, PDL: tl.constexpr, SPLIT_K: tl.constexpr = 1,
 ):
     # SPLIT_K > 1: program_id(2) reduces one of SPLIT_K equal spans of the hidden size and writes its fp32 partials of
-    # g and u to act_ptr [SPLIT_K, pairs, 2 * inter] (the down kernel sums them, then silu; EVEN_K required)
+    # g and u to act_ptr [SPLIT_K, pairs, 2 * inter] (pairs = rows x top_k; the down kernel sums them, then silu;
+    # EVEN_K required)
     _pdl.pdl_start(PDL)  # programmatic dependent launch: before any load or store (atlas_kernels.pdl)
     expert = tl.program_id(0) // m_tiles
     first = tl.load(offsets_ptr + expert) + (tl.program_id(0) % m_tiles) * BM
@@ -76,7 +77,6 @@ def _moe_gate_up_kernel(
             tl.store(act_ptr + pos.to(tl.int64)[:, None] * inter + cols[None, :],
                      act.to(act_ptr.dtype.element_ty), mask=live[:, None] & col_ok[None, :])
         else:
-            pairs = tl.load(offsets_ptr + tl.num_programs(0) // m_tiles)  # offsets[E]: every pair
             at = (tl.program_id(2) * pairs + pos).to(tl.int64)[:, None] * (2 * inter) + cols[None, :]
             tl.store(act_ptr + at, acc_g, mask=live[:, None] & col_ok[None, :])
             tl.store(act_ptr + at + inter, acc_u, mask=live[:, None] & col_ok[None, :])
@@ -84,7 +84,7 @@ def _moe_gate_up_kernel(
 
 @triton.jit
 def _moe_down_kernel(
-    act_ptr, order_ptr, offsets_ptr, top_w_ptr, w_ptr, out_ptr, hidden, inter, m_tiles,
+    act_ptr, order_ptr, offsets_ptr, top_w_ptr, w_ptr, out_ptr, hidden, inter, m_tiles, pairs,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
     PDL: tl.constexpr, SPLIT_K: tl.constexpr = 1,
 ):
@@ -106,7 +106,6 @@ def _moe_down_kernel(
         if SPLIT_K == 1:
             a_ptrs = act_ptr + pos.to(tl.int64)[:, None] * inter + ks[None, :]
         else:
-            pairs = tl.load(offsets_ptr + tl.num_programs(0) // m_tiles)
             a_ptrs = act_ptr + pos.to(tl.int64)[:, None] * (2 * inter) + ks[None, :]
         d_ptrs = w_base + cols[:, None].to(tl.int64) * inter + ks[None, :]
         acc = tl.zeros((BM, BN), dtype=tl.float32)
@@ -230,7 +229,7 @@ def moe_grouped(x: torch.Tensor, top_i: torch.Tensor, top_w: torch.Tensor, gate_
         act = torch.empty(split_k, rows * top_k, 2 * inter, dtype=torch.float32, device=x.device)
     pdl = _pdl.enabled(pdl, x.device)
     _moe_gate_up_kernel[(experts * m_tiles, triton.cdiv(inter, bn), split_k)](
-        x, order, offsets, gate_up, act, hidden, inter, m_tiles,
+        x, order, offsets, gate_up, act, hidden, inter, m_tiles, rows * top_k,
         TOP_K=top_k, BM=bm, BN=bn, BK=bk, EVEN_K=hidden % bk == 0, PRECISION=precision, PDL=pdl, SPLIT_K=split_k,
         num_warps=warps, **extra, **_pdl.launch(pdl))
     outs = torch.empty(rows * top_k, hidden, dtype=x.dtype, device=x.device)
@@ -242,7 +241,7 @@ def moe_grouped(x: torch.Tensor, top_i: torch.Tensor, top_w: torch.Tensor, gate_
         down_bk = min(down_bk, triton.next_power_of_2(inter))
         down_extra = {} if down_stages is None else {"num_stages": down_stages}
     _moe_down_kernel[(experts * m_tiles, triton.cdiv(hidden, down_bn))](
-        act, order, offsets, top_w, down, outs, hidden, inter, m_tiles,
+        act, order, offsets, top_w, down, outs, hidden, inter, m_tiles, rows * top_k,
         BM=bm, BN=down_bn, BK=down_bk, EVEN_K=inter % down_bk == 0, PRECISION=precision, PDL=pdl, SPLIT_K=split_k,
         num_warps=down_warps, **down_extra, **_pdl.launch(pdl))
     outs = outs.view(rows, top_k, hidden)

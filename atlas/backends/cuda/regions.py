@@ -312,7 +312,7 @@ def regions_stack(spec: ModelSpec, w: dict[str, torch.Tensor], pools: DevicePool
     # a decode group's hyper sites: the whole site as atlas_kernels.hyper's four kernels (a custom op), Tuning.decode_hyper
     if not prefill and tuning.decode_hyper == "triton":
         mix_up = "site"
-    elif not prefill and tuning.decode_hyper == "small" and spec.hc_count and _small_sites(spec, grp):
+    elif not prefill and tuning.decode_hyper == "small" and _small_sites(spec, grp):
         import atlas_kernels.hyper_small  # registers torch.ops.atlas.hyper_small
 
         mix_up = "small"

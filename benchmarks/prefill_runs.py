@@ -28,6 +28,8 @@ def main() -> None:
     parser.add_argument("--tokens", default="2048,8192")
     parser.add_argument("--repeat", type=int, default=4)
     parser.add_argument("--smoke", action="store_true")
+    parser.add_argument("--graph", action="store_true", help="also split a replayed chunk's execute: its graph alone "
+                        "(CUDA events), the sum of its kernels (profiler) and the host part around them")
     args = parser.parse_args()
     import torch
 
@@ -53,11 +55,57 @@ def main() -> None:
                 print(f"{name} {tokens}: ERROR {type(error).__name__}: {error}", flush=True)
                 torch.cuda.empty_cache()
                 continue
+            if args.graph:
+                graph_split(model, name, tokens)
             peak = torch.cuda.max_memory_allocated() / 2**30
             print(f"{name} {tokens} tokens: median {r['ms']:.1f} ms of the last {args.repeat}; runs ms "
                   + " ".join(f"{w:.1f}" for w in r["runs"]) + "; execute ms "
                   + " ".join(f"{e:.1f}" for e in r["execute_runs"]) + f"; peak {peak:.1f} GiB", flush=True)
             torch.cuda.empty_cache()
+
+
+def graph_split(model: object, name: str, tokens: int) -> None:
+    """Where a replayed prefill chunk's execute goes: the graph's replay alone (CUDA events, 5 replays), the sum of
+    its kernels' device time (torch.profiler over one replay): replay - kernels is the gaps between the graph's
+    kernels, execute - replay the host's part (packing, copies, the logits' read)."""
+    import statistics
+
+    import torch
+
+    from atlas.backends.cuda.tuning import VARIANTS
+    from atlas.bench_measure import _engine, _run_steps
+
+    engine, timed = _engine(model, batch=1, max_seq_len=tokens + 16, chunk=tokens, tuning=VARIANTS[name])
+    g = torch.Generator().manual_seed(2)
+    for _ in range(3):  # compile, capture, one replay
+        timed.calls.clear()
+        _run_steps(engine, [torch.randint(0, model.spec.vocab_size, (tokens,), generator=g).tolist()], max_tokens=1)
+    execute = timed.calls[0][2]
+    graphs = getattr(timed.inner, "prefill_graphs", None)
+    if graphs is None or not graphs._graphs:
+        print(f"{name} {tokens}: no prefill graph was captured (prefill_graphs none)", flush=True)
+        engine.close()
+        return
+    graph = next(iter(graphs._graphs.values())).graph
+    times = []
+    for _ in range(5):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    replay = statistics.median(times)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        graph.replay()
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    busy = sum(e.device_time for e in kernels) / 1e3
+    print(f"{name} {tokens} graph split: execute {execute:.2f} ms, graph replay alone {replay:.2f} ms, its "
+          f"{len(kernels)} kernels {busy:.2f} ms (gaps {replay - busy:.2f} ms, "
+          f"{(replay - busy) / max(len(kernels), 1) * 1e3:.2f} us a kernel), host part {execute - replay:.2f} ms",
+          flush=True)
+    engine.close()
 
 
 if __name__ == "__main__":

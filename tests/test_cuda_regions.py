@@ -286,7 +286,7 @@ def test_the_shifted_conv_equals_the_windowed_product(dilation: int) -> None:
 @pytest.mark.skipif(DEVICE != "cuda", reason="Inductor on the GPU: the compiled regions")
 @pytest.mark.parametrize("variant", ["decode", "regions-compile", "regions-persistent", "regions-pdl",
                                      "regions-pdl-kernels", "regions-hyper-site", "regions-hyper-small",
-                                     "regions-moe-small", "regions-moe-split"])
+                                     "regions-moe-small", "regions-moe-split", "regions-split-small"])
 def test_compiled_regions_give_the_reference_tokens_on_the_gpu(tiny, variant: str) -> None:  # type: ignore[no-untyped-def]
     """fp32, CUDA graphs on: the decode regions through torch.compile and the paged decode attention (and, as
     VARIANTS["regions-compile"]: the prefill regions, the routed kernels, the batch-3 products through cuBLAS

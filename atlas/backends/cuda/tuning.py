@@ -256,6 +256,9 @@ VARIANTS: dict[str, Tuning] = {
     "regions-moe-small": attrs.evolve(_REGIONS, moe="small"),
     # regions-compile with the routed experts' gate-up split four ways at <= 4 rows (moe "split", session 17, unmeasured)
     "regions-moe-split": attrs.evolve(_REGIONS, moe="split"),
+    # both session-17 small-row forms together (the gate-up split and hyper_small's sites), so that one run measures
+    # the pair as well as each alone (session 18, unmeasured)
+    "regions-split-small": attrs.evolve(_REGIONS, moe="split", decode_hyper="small"),
     # regions-compile with the GDN chunk prefill's intermediates and scan products in fp32 / tf32 (what gdn_work
     # "bf16" replaced in session 14: the backend's chunk call 322.5 -> 221.8 us a 2,048-token layer; H200 run 1,
     # with 2 scan stages, prefill 2,048 27.6 -> 26.9 ms)

@@ -105,6 +105,27 @@ def graph_split(model: object, name: str, tokens: int) -> None:
           f"{len(kernels)} kernels {busy:.2f} ms (gaps {replay - busy:.2f} ms, "
           f"{(replay - busy) / max(len(kernels), 1) * 1e3:.2f} us a kernel), host part {execute - replay:.2f} ms",
           flush=True)
+    # the host part, function by function: one more replayed prompt's engine call (arrival, step, finish) under
+    # cProfile, then under torch.profiler (host ops and every kernel outside the graph)
+    import cProfile
+    import io
+    import pstats
+
+    prompt = torch.randint(0, model.spec.vocab_size, (tokens,), generator=g).tolist()
+    profile = cProfile.Profile()
+    profile.enable()
+    _run_steps(engine, [prompt], max_tokens=1)
+    profile.disable()
+    text = io.StringIO()
+    stats = pstats.Stats(profile, stream=text)
+    stats.sort_stats("tottime").print_stats(30)
+    stats.sort_stats("cumulative").print_stats(40)
+    print(text.getvalue(), flush=True)
+    prompt = torch.randint(0, model.spec.vocab_size, (tokens,), generator=g).tolist()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                            torch.profiler.ProfilerActivity.CUDA]) as prof:
+        _run_steps(engine, [prompt], max_tokens=1)
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30), flush=True)
     engine.close()
 
 

@@ -46,7 +46,8 @@ class Tuning:
     # grouped kernels' 16-row tensor-core tiles 12.0 + 6.0 us a layer for ~6 us of bytes; a tile sweep moved them < 1 us;
     # session 17: slower, 36.3 against 29.8 us a call at one row); "split": the grouped kernels, the gate-up's hidden size
     # split in 4 at <= 4 rows (atlas_kernels.moe_grouped split_k: 4 x the programs, 128 with work at one row instead of
-    # 32 on 132 SMs; the down kernel sums the fp32 partials in split order), unmeasured
+    # 32 on 132 SMs; the down kernel sums the fp32 partials in split order); session 18: slower (b1 3.18 against
+    # 2.74 ms; in the b1 profile the split gate-up 13.6 against 12.2 us a layer, the summing down kernel 23.5 against 6.0)
     moe: str = attrs.field(default="torch", validator=_one_of(MOE))
     # MoE of prefill chunks (eager): "grouped" by expert with one host sync a layer, "dense" every expert on
     # every token (no sync, top_k / experts of its FLOPs useful), "triton" the device-routed grouped kernels
@@ -249,15 +250,17 @@ VARIANTS: dict[str, Tuning] = {
     "regions-hyper-site": attrs.evolve(_REGIONS, decode_hyper="triton"),
     # regions-compile with the sites of decode groups of at most 4 rows as atlas_kernels.hyper_small's two kernels
     # (session 17: the first kernels with both small forms, variant regions-small, decoded b1 in 5.51 against 3.07 ms;
-    # the unrolled site alone 9.3 us at one row against the compiled torch form's 13.0-14.1, unmeasured in the model)
+    # the unrolled site alone 9.3 us at one row against the compiled torch form's 13.0-14.1; session 18, in the model:
+    # 13.2 us a site, b1 / b4 2.91 / 4.42 against regions-compile's 2.74 / 3.84 ms: slower)
     "regions-hyper-small": attrs.evolve(_REGIONS, decode_hyper="small"),
     # regions-compile with the routed experts of decode groups of at most 4 rows as atlas_kernels.moe_small's kernels
     # (session 17 run 3, alone: slower than moe_grouped at 1 and 4 rows, 36.3 / 84.3 against 29.8 / 40.9 us a call)
     "regions-moe-small": attrs.evolve(_REGIONS, moe="small"),
-    # regions-compile with the routed experts' gate-up split four ways at <= 4 rows (moe "split", session 17, unmeasured)
+    # regions-compile with the routed experts' gate-up split four ways at <= 4 rows (moe "split", session 17; session 18:
+    # b1 / b4 3.18 / 5.18 against 2.74 / 3.84 ms, slower)
     "regions-moe-split": attrs.evolve(_REGIONS, moe="split"),
     # both session-17 small-row forms together (the gate-up split and hyper_small's sites), so that one run measures
-    # the pair as well as each alone (session 18, unmeasured)
+    # the pair as well as each alone (session 18: b1 / b4 3.12 / 5.45 against regions-compile's 2.74 / 3.84 ms)
     "regions-split-small": attrs.evolve(_REGIONS, moe="split", decode_hyper="small"),
     # regions-compile with the GDN chunk prefill's intermediates and scan products in fp32 / tf32 (what gdn_work
     # "bf16" replaced in session 14: the backend's chunk call 322.5 -> 221.8 us a 2,048-token layer; H200 run 1,

@@ -76,6 +76,7 @@ class StampReader:
         self.delta = torch.tensor([[self.dummy, 0]] * ENTRIES, dtype=torch.long, device=dev)
         self.delta_dummy = True  # the device delta holds only no-op entries
         self._delta_host: torch.Tensor | None = None  # _apply's staging buffer
+        self._dummy_host: torch.Tensor | None = None  # the no-op delta, host side (pinned on a CUDA device)
         self._graphs: dict[tuple[int, int], _Graph] = {}
         self._pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
         # the columns of a slot's row: paged kinds, per-slot states, the drafter; and which the summary takes
@@ -138,6 +139,7 @@ class StampReader:
         self.dummy = (self.pools.state_slots - 1) * (self.cols + 1)
         self.delta.copy_(torch.tensor([[self.dummy, 0]] * ENTRIES, dtype=torch.long))
         self.delta_dummy = True
+        self._dummy_host = None  # the no-op entry moved
         self._graphs.clear()
         self._last = None
         self._want = torch.arange(max(self.cols * self.bs, self._want.numel()), dtype=torch.int32,
@@ -162,10 +164,19 @@ class StampReader:
             self.delta.copy_(self._delta_host, non_blocking=pinned)
             self.delta_dummy = False
             return
-        e = torch.tensor(entries, dtype=torch.long).to(self.pools.device)
+        # through pinned memory, queued: a pageable copy (copy_ without non_blocking) waits for the whole stream, and
+        # a fresh prompt's read comes right after its prefill is queued (H200 session 18: a 2,048-token prefill's
+        # 128 new blocks took this path, and the host sat here for the whole 20 ms graph before it could queue the
+        # sampler and the summary behind it). Pinned blocks freed after a queued copy are not reused before it ends.
+        e = torch.tensor(entries, dtype=torch.long)
+        pinned = self.pools.device.type == "cuda"
+        e = (e.pin_memory() if pinned else e).to(self.pools.device, non_blocking=pinned)
         self.tables.view(-1).index_copy_(0, e[:, 0], e[:, 1])
         if self.use_graphs and not self.delta_dummy:  # a stale entry must not overwrite what was just written
-            self.delta.copy_(torch.tensor([[self.dummy, 0]] * ENTRIES, dtype=torch.long))
+            if self._dummy_host is None:
+                self._dummy_host = torch.tensor([[self.dummy, 0]] * ENTRIES, dtype=torch.long)
+                self._dummy_host = self._dummy_host.pin_memory() if pinned else self._dummy_host
+            self.delta.copy_(self._dummy_host, non_blocking=pinned)
             self.delta_dummy = True
 
     # -- the summary ----------------------------------------------------------------------------------

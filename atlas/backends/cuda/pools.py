@@ -153,24 +153,25 @@ class DevicePools:
 
     # -- moving one slot's state, with its stamps -----------------------------------------------------
 
+    def _slot_views(self, slot: int) -> list[torch.Tensor]:
+        """The slot's row of every state pool, in self.state's order, then its stamps (what moves with a slot)."""
+        return [t[slot] for t in self.state.values()] + [self.stamps[:, slot]]
+
+    def _ring_views(self, slot: int, ring_slot: int) -> list[torch.Tensor]:
+        return [self.ring[n][slot, ring_slot] for n in self.state] + [self.ring_stamps[slot, ring_slot]]
+
     def copy_slot(self, slot: int) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
         """Device copies of a slot's state and stamps (a prefix snapshot)."""
         return {n: t[slot].clone() for n, t in self.state.items()}, self.stamps[:, slot].clone()
 
     def load_slot(self, slot: int, state: dict[str, torch.Tensor], stamps: torch.Tensor) -> None:
-        names = list(self.state)
-        torch._foreach_copy_([self.state[n][slot] for n in names] + [self.stamps[:, slot]],
-                             [state[n] for n in names] + [stamps])
+        torch._foreach_copy_(self._slot_views(slot), [*(state[n] for n in self.state), stamps])
 
     def ring_store(self, slot: int, ring_slot: int) -> None:
-        names = list(self.state)
-        torch._foreach_copy_([self.ring[n][slot, ring_slot] for n in names] + [self.ring_stamps[slot, ring_slot]],
-                             [self.state[n][slot] for n in names] + [self.stamps[:, slot]])
+        torch._foreach_copy_(self._ring_views(slot, ring_slot), self._slot_views(slot))
 
     def ring_load(self, slot: int, ring_slot: int) -> None:
-        names = list(self.state)
-        torch._foreach_copy_([self.state[n][slot] for n in names] + [self.stamps[:, slot]],
-                             [self.ring[n][slot, ring_slot] for n in names] + [self.ring_stamps[slot, ring_slot]])
+        torch._foreach_copy_(self._slot_views(slot), self._ring_views(slot, ring_slot))
 
     def inter_save(self, slots: torch.Tensor, row: int) -> None:
         """inter[row][slots] = the slots' current state (row 0 before a verify; rows 1.. after each of its rows)."""

@@ -76,7 +76,6 @@ class StampReader:
         self.delta = torch.tensor([[self.dummy, 0]] * ENTRIES, dtype=torch.long, device=dev)
         self.delta_dummy = True  # the device delta holds only no-op entries
         self._delta_host: torch.Tensor | None = None  # _apply's staging buffer
-        self._dummy_host: torch.Tensor | None = None  # the no-op delta, host side (pinned on a CUDA device)
         self._graphs: dict[tuple[int, int], _Graph] = {}
         self._pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
         # the columns of a slot's row: paged kinds, per-slot states, the drafter; and which the summary takes
@@ -137,9 +136,7 @@ class StampReader:
         self._alloc(bucket(cols))
         self.synced = [()] * self.pools.state_slots
         self.dummy = (self.pools.state_slots - 1) * (self.cols + 1)
-        self.delta.copy_(torch.tensor([[self.dummy, 0]] * ENTRIES, dtype=torch.long))
-        self.delta_dummy = True
-        self._dummy_host = None  # the no-op entry moved
+        self._set_delta([])
         self._graphs.clear()
         self._last = None
         self._want = torch.arange(max(self.cols * self.bs, self._want.numel()), dtype=torch.int32,
@@ -153,16 +150,7 @@ class StampReader:
         if not entries:
             return
         if self.use_graphs and len(entries) <= ENTRIES:
-            # one host staging buffer (pinned on a CUDA device), refilled in place: the copy out of it is complete
-            # before the next read refills it (every read synchronizes on its summary's copy back)
-            pinned = self.pools.device.type == "cuda"
-            if self._delta_host is None:
-                self._delta_host = torch.empty((ENTRIES, 2), dtype=torch.long, pin_memory=pinned)
-            buf = self._delta_host.numpy()
-            buf[: len(entries)] = entries
-            buf[len(entries) :] = (self.dummy, 0)
-            self.delta.copy_(self._delta_host, non_blocking=pinned)
-            self.delta_dummy = False
+            self._set_delta(entries)
             return
         # through pinned memory, queued: a pageable copy (copy_ without non_blocking) waits for the whole stream, and
         # a fresh prompt's read comes right after its prefill is queued (H200 session 18: a 2,048-token prefill's
@@ -173,11 +161,22 @@ class StampReader:
         e = (e.pin_memory() if pinned else e).to(self.pools.device, non_blocking=pinned)
         self.tables.view(-1).index_copy_(0, e[:, 0], e[:, 1])
         if self.use_graphs and not self.delta_dummy:  # a stale entry must not overwrite what was just written
-            if self._dummy_host is None:
-                self._dummy_host = torch.tensor([[self.dummy, 0]] * ENTRIES, dtype=torch.long)
-                self._dummy_host = self._dummy_host.pin_memory() if pinned else self._dummy_host
-            self.delta.copy_(self._dummy_host, non_blocking=pinned)
-            self.delta_dummy = True
+            self._set_delta([])
+
+    def _set_delta(self, entries: list[tuple[int, int]]) -> None:
+        """The graph's static delta: `entries` (at most ENTRIES), the rest no-op entries, queued from one host staging
+        buffer (pinned on a CUDA device) refilled in place: the copy out of it is complete before the next read
+        refills it (every read synchronizes on its summary's copy back). Within one read a second fill (a grow's
+        no-op delta, then the read's own) may overtake the first copy: both then carry the last fill, the one wanted."""
+        pinned = self.pools.device.type == "cuda"
+        if self._delta_host is None:
+            self._delta_host = torch.empty((ENTRIES, 2), dtype=torch.long, pin_memory=pinned)
+        buf = self._delta_host.numpy()
+        if entries:
+            buf[: len(entries)] = entries
+        buf[len(entries) :] = (self.dummy, 0)
+        self.delta.copy_(self._delta_host, non_blocking=pinned)
+        self.delta_dummy = not entries
 
     # -- the summary ----------------------------------------------------------------------------------
 

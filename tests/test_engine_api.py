@@ -87,6 +87,34 @@ def test_admission_names_the_numbers_and_the_knob() -> None:
     assert not engine.sink.rows[1:]  # refusals record nothing
 
 
+def test_a_long_prompt_converts_through_one_array_as_map_int_would() -> None:
+    """prompt_ints' numpy path (LONG_PROMPT tokens or more) gives tuple(map(int, ids)) and its bounds for every input
+    numpy holds as integers, and leaves everything else to the per-element way (same values, same refusals)."""
+    import numpy as np
+
+    from atlas.engine.engine import LONG_PROMPT, prompt_ints
+
+    n = LONG_PROMPT
+    cases = [list(range(n)), tuple(range(5, 5 + n)), [np.int32(3)] * n, [True] + [7] * (n - 1),
+             [2**63 + 1] * n, [-(2**63)] + [1] * (n - 1), [1.0] * n, ["4"] * n, [1, 2**70] * (n // 2), list(range(n - 1))]
+    for ids in cases:
+        want = tuple(map(int, ids))
+        got, bounds = prompt_ints(ids)
+        assert got == want and bounds == (min(want), max(want))
+        assert all(type(t) is int for t in got)  # exact ints: RequestArrived's converter takes the tuple as it is
+    assert prompt_ints([]) == ((), None)
+    with pytest.raises(ValueError):  # refused as map(int) refuses it
+        prompt_ints(["x"] * n)
+    # the engine's refusals of a long prompt name the same token as a short one's
+    engine = engine_with(config=attrs.evolve(CONFIG, max_seq_len=2 * n))
+    with pytest.raises(AdmissionError, match="prompt token id 999 is outside the vocabulary"):
+        engine.add_request("a", [1] * (n - 1) + [999], SamplingParams(max_tokens=1))
+    with pytest.raises(AdmissionError, match="prompt token id -3 is outside the vocabulary"):
+        engine.add_request("a", np.array([2] * (n - 1) + [-3]).tolist(), SamplingParams(max_tokens=1))
+    engine.add_request("a", [np.int64(2)] * n, SamplingParams(max_tokens=1))
+    assert engine.sink.rows[-1] is not None and engine.state.seqs[0].cursor.prompt_len == n
+
+
 def test_a_full_waiting_queue_raises_queue_full() -> None:
     engine = engine_with()
     for i in range(3):

@@ -15,6 +15,7 @@ from collections.abc import Generator, Sequence
 from typing import Any, Literal, TypeVar
 
 import attrs
+import numpy as np
 import structlog
 
 from atlas.backends.base import Backend, Capabilities
@@ -63,6 +64,24 @@ def drive(events: Generator[Event, None, R], journal: Journal) -> R:
         except StopIteration as done:
             return done.value
         journal.apply(e)
+
+
+# prompts from this many tokens are converted through one numpy array (below: the per-element way, cheaper there)
+LONG_PROMPT = 256
+
+
+def prompt_ints(token_ids: Sequence[int]) -> tuple[tuple[int, ...], tuple[int, int] | None]:
+    """(tuple(map(int, token_ids)), its (least, greatest) or None when empty). A long list or tuple that numpy holds
+    as one integer array (ints, numpy ints, bools among ints) takes one array conversion, its min and max and one
+    tolist: a 2,048-token prompt's conversion and bounds ~100 -> ~45 us on this box (map(int) 65 us, min and max
+    35). Anything else (floats, strings, ints past 64 bits, a short prompt) goes the per-element way, which
+    converts or refuses it exactly as before; the array's values are those ints either way."""
+    if type(token_ids) in (list, tuple) and len(token_ids) >= LONG_PROMPT:
+        values = np.array(token_ids)
+        if values.dtype.kind in "iu" and values.ndim == 1:
+            return tuple(values.tolist()), (int(values.min()), int(values.max()))
+    prompt = tuple(map(int, token_ids))
+    return prompt, ((min(prompt), max(prompt)) if prompt else None)
 
 
 class Engine:
@@ -118,11 +137,11 @@ class Engine:
             params = attrs.evolve(params, prompt_logprobs=prompt_logprobs)
         # a tuple of exact ints: RequestArrived's converter takes it as it is (a list was converted a second time; a
         # 2,048-token prompt's arrival is ~0.4 ms of host time before its prefill, control_plane.py --prefill)
-        prompt = tuple(map(int, prompt_token_ids))
+        prompt, bounds = prompt_ints(prompt_token_ids)
         cap = self.capacities.max_seq_len
-        if not prompt:
+        if bounds is None:
             raise AdmissionError("prompt is empty", param="prompt")
-        if self.vocab_size is not None and not (min(prompt) >= 0 and max(prompt) < self.vocab_size):
+        if self.vocab_size is not None and not (bounds[0] >= 0 and bounds[1] < self.vocab_size):
             bad = next(t for t in prompt if not 0 <= t < self.vocab_size)
             raise AdmissionError(f"prompt token id {bad} is outside the vocabulary of {self.vocab_size}",
                                  param="prompt")

@@ -24,6 +24,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.testing
 from atlas_kernels import reference as ref
@@ -621,6 +622,45 @@ def bench_hyper_decode(cfg: dict, sweep: bool = True) -> None:
                bytes_moved=up_w.numel() * 2)
 
 
+def bench_site_gemms(cfg: dict) -> None:
+    """A prefill hyper site's two skinny products alone, at the shapes the model runs and at padded or re-laid-out
+    ones, so the next change to the site's weights (their alignment rows, their layout) is chosen by measurement.
+    Session 15's profile (2,048 tokens): the mix-down 24-27 us and the mix-up 24-27 us a site, ~400 TFLOP/s, 49 sites;
+    both products are 11 GFLOP (14 us at 788 TFLOP/s). The mix-down's 328 output columns (320 + 4 inject + 4 alignment
+    rows) make 48 output tiles of 128 x 128 at 2,048 rows on 132 SMs; the mix-up writes a [T, 8,192] product of K 320.
+    Forms: the mix-down as F.linear against the [N, K] weight (today's), against a [K, N] copy, and per stream over
+    the raw streams (a batched product over a strided [hc, T, H] view, the raw-stream site's form); the mix-up with
+    its activations a 320-column slice of the mix-down's output (today's), contiguous, or K padded with zero
+    weight columns to 328 (every column of the mix-down's output) or 384."""
+    hidden, hc, lowrank = cfg["hidden_size"], cfg["hc_count"], cfg["hc_lowrank"]
+    width = hc * hidden
+    for tokens in (PREFILL_TOKENS, 4 * PREFILL_TOKENS):
+        x = torch.randn(tokens, width, device=DEV, dtype=BF16)
+        for n_out in (328, 336, 384):
+            w = torch.randn(n_out, width, device=DEV, dtype=BF16) / width**0.5
+            flops = 2 * tokens * width * n_out
+            moved = (x.numel() + w.numel() + tokens * n_out) * 2
+            record("site_gemm", f"[{tokens}] mix-down N {n_out} linear", time_ms(lambda x=x, w=w: F.linear(x, w)),
+                   bytes_moved=moved, flops=flops)
+            wt = w.T.contiguous()
+            record("site_gemm", f"[{tokens}] mix-down N {n_out} x @ [K, N]", time_ms(lambda x=x, wt=wt: x @ wt),
+                   bytes_moved=moved, flops=flops)
+            ws = w.view(n_out, hc, hidden).permute(1, 2, 0).contiguous()  # [hc, H, N]
+            xs = x.view(tokens, hc, hidden).transpose(0, 1)  # [hc, T, H], a strided view (no copy)
+            record("site_gemm", f"[{tokens}] mix-down N {n_out} per stream (bmm)",
+                   time_ms(lambda xs=xs, ws=ws: torch.bmm(xs, ws)), bytes_moved=moved, flops=flops)
+        wide = torch.randn(tokens, 384, device=DEV, dtype=BF16)
+        for k, name, act in ((lowrank, "a 320-column slice of 328 (today)", wide[:, :328][:, :lowrank]),
+                             (lowrank, "contiguous", wide[:, :lowrank].contiguous()),
+                             (328, "K 328 (zero weight columns)", wide[:, :328].contiguous()),
+                             (384, "K 384 (zero weight columns)", wide)):
+            up = torch.randn(width, k, device=DEV, dtype=BF16) / k**0.5
+            flops = 2 * tokens * lowrank * width
+            moved = (act.numel() + up.numel() + tokens * width) * 2
+            record("site_gemm", f"[{tokens}] mix-up {name}", time_ms(lambda a=act, up=up: F.linear(a, up)),
+                   bytes_moved=moved, flops=flops)
+
+
 def moe_weights(cfg: dict) -> tuple[torch.Tensor, torch.Tensor, int]:
     hidden, inter = cfg["hidden_size"], cfg["moe_intermediate_size"]
     experts = cfg["num_experts"]
@@ -697,7 +737,8 @@ def main() -> None:
     parser.add_argument("--config", type=Path, default=DEFAULT_CONFIG)
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".")))
     parser.add_argument("--only", default="",
-                        help="comma-separated subset: gdn,conv,attn,qsa,norms,mix_up,moe,moe_prefill,chunk")
+                        help="comma-separated subset: gdn,conv,attn,qsa,norms,mix_up,site_gemm,moe,moe_decode,hyper_decode,"
+                             "moe_prefill,chunk")
     parser.add_argument("--fp32-chunk", action="store_true", help="also time the fp32 (parity) chunked prefill")
     parser.add_argument("--chunk-schedules", default="", metavar="TEXT",
                         help="chunk: only the GATED_CHUNK_SCHEDULES whose name holds TEXT (e.g. prepare=registers)")
@@ -715,8 +756,8 @@ def main() -> None:
         MOE_DECODE_ROWS = HYPER_DECODE_ROWS = tuple(int(n) for n in args.decode_rows.split(","))
     gdn_layers = cfg["layer_types"].count("linear_attention")
     attn_layers = len(cfg["layer_types"]) - gdn_layers
-    groups = ("gdn", "conv", "attn", "qsa", "norms", "mix_up", "moe", "moe_decode", "hyper_decode", "moe_prefill",
-              "chunk")
+    groups = ("gdn", "conv", "attn", "qsa", "norms", "mix_up", "site_gemm", "moe", "moe_decode", "hyper_decode",
+              "moe_prefill", "chunk")
     unknown = [name for name in args.only.split(",") if name and name not in groups]
     if unknown:
         parser.error(f"--only {','.join(unknown)}: not a kernel group; use some of {','.join(groups)}")
@@ -739,6 +780,7 @@ def main() -> None:
         "qsa": lambda: bench_qsa(cfg, attn_layers),
         "norms": lambda: bench_norms(cfg),
         "mix_up": lambda: bench_mix_up(cfg),
+        "site_gemm": lambda: bench_site_gemms(cfg),
         "moe": lambda: bench_moe(cfg),
         "moe_decode": lambda: bench_moe_decode(cfg, sweep=not args.no_sweep),
         "hyper_decode": lambda: bench_hyper_decode(cfg, sweep=not args.no_sweep),

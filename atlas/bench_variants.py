@@ -26,7 +26,7 @@ from atlas.backends.cuda.tuning import Tuning
 DECODE_ONLY = ("moe", "decode_attention", "compile_decode", "decode_stack", "decode_gemv", "decode_pdl",
                "decode_regions")
 PREFILL_ONLY = ("prefill_moe", "attention", "prefill_conv", "prefill_stack", "compile_prefill", "prefill_graphs",
-                "gdn_work", "prefill_mix_up", "gdn_prepare")
+                "gdn_work", "prefill_mix_up", "gdn_prepare", "prefill_site")
 PREFILL_KNOBS = tuple(f.name for f in attrs.fields(Tuning) if f.name not in DECODE_ONLY)
 DECODE_KNOBS = tuple(f.name for f in attrs.fields(Tuning) if f.name not in PREFILL_ONLY)
 

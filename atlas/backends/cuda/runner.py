@@ -35,6 +35,7 @@ from atlas.backends.cuda.layers import (
     forward_group,
     ple_context_update,
     prepare_weights,
+    raw_site_weights,
 )
 from atlas.backends.cuda.pools import DevicePools
 from atlas.backends.cuda.steady import SteadyDecode
@@ -173,6 +174,11 @@ class CudaBackend:
         self.max_blocks_per_seq = max_blocks_per_seq or num_kv_blocks
         # which implementation each part of a step uses (atlas.backends.cuda.tuning); the benchmark times them
         self.tuning = tuning or Tuning()
+        if (self.tuning.prefill_site == "raw" and self.tuning.prefill_stack == "regions"
+                and spec.has_hyper_connections):
+            # the prefill regions' mix-down weights folded with their norm weights, made once (Tuning.prefill_site; the
+            # decode groups keep the fused ones, so these are more memory, held only where the knob takes effect)
+            self.weights.update(raw_site_weights(spec, self.weights))
         # a verify of K rows: "rows" feeds them as K one-token groups (a decode's shapes, so a verify that accepts
         # n is bitwise n + 1 decodes: the fp32 parity mode's contract); "wide" as one [B, K] group keeping each
         # row's state (one forward: bf16, where a 1-row and a K-row GEMM round differently anyway)

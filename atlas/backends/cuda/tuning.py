@@ -24,6 +24,7 @@ GEMV = ("library", "reduce", "split")
 PREFILL_GRAPHS = ("none", "recurring")
 GDN_WORK = ("fp32", "bf16")
 MIX_UP = ("inductor", "triton")
+SITE = ("normed", "raw")
 GDN_PREPARE = ("scratch", "registers")
 DECODE_REGIONS = ("wide", "narrow")
 PDL = ("off", "on")
@@ -123,6 +124,17 @@ class Tuning:
     # mean), "triton" one kernel (atlas_kernels.hyper.mix_up, a custom op) that keeps the product in registers: two
     # passes of 32 MB a site fewer at 2,048 tokens, 49 sites
     prefill_mix_up: str = attrs.field(default="inductor", validator=_one_of(MIX_UP))
+    # the hyper sites' mix-down in prefill chunks through the regions (prefill_stack "regions"; decode groups and the
+    # layer stack keep "normed"): "normed" the normed streams [T, hc * H] written by the per-stream norm for cuBLAS's
+    # mix-down GEMM, then read again by the mix (H200, 2,048 tokens: 33.5 MB written a site, the rms_norm_mul_view
+    # kernel ~26 us, 49 sites); "raw" the mix-down on the raw streams as one batched product over a [hc, T, H] view
+    # against the mix-down weight folded with the norm weight at load (layers.raw_mix_down; hc x 328 x 2,048 more
+    # weight a site, 5.4 MB in bf16, 263 MB for 49 sites), the hc products weighted by the fp32 rstd per row and
+    # summed, and the normed streams recomputed elementwise inside the mix, so never written. Predicted ~8 us a site,
+    # ~0.4 ms a 2,048-token prefill; bf16 rounds differently (each stream's product rounded before rstd scales it).
+    # With prefill_mix_up "triton" the mix kernel reads the normed streams, so they are written for it: no saving.
+    # Unmeasured on the GPU: written in session 19 without device time
+    prefill_site: str = attrs.field(default="normed", validator=_one_of(SITE))
     # the GDN chunk prefill's chunk-local kernel for bf16 activations (atlas_kernels.gdn_chunk_split, prepare=):
     # "scratch" the WY inverse by 16 x 16 blocks through global scratch rows with barriers; "registers" the blocks
     # computed from k's 16-row blocks and inverted in registers, its products in the work dtype and p stored in it
@@ -273,6 +285,9 @@ VARIANTS: dict[str, Tuning] = {
     "regions-autotune-prefill": attrs.evolve(_REGIONS, compile_prefill="max-autotune-no-cudagraphs"),
     # regions-compile with the prefill's hyper-site mix as one Triton kernel (prefill_mix_up "triton", session 15)
     "regions-mix-up": attrs.evolve(_REGIONS, prefill_mix_up="triton"),
+    # regions-compile with the prefill's hyper-site mix-down on the raw streams (prefill_site "raw", session 19,
+    # unmeasured): the normed streams' write (33.5 MB a site at 2,048 tokens) saved, ~0.4 ms predicted a 2,048 prefill
+    "regions-raw-site": attrs.evolve(_REGIONS, prefill_site="raw"),
     # regions-compile with cuBLAS's GEMVs at batch 1-4 (what decode_gemv replaced)
     "regions-cublas": attrs.evolve(_REGIONS, decode_gemv="library"),
     # the same with Inductor's GEMM autotuning (Triton templates against cuBLAS, epilogues fused into the GEMM)

@@ -530,12 +530,14 @@ MOE_SMALL_TILES = [(16, 64, 32, 128, 4), (8, 64, 16, 128, 4), (16, 128, 32, 128,
 
 def bench_moe_decode(cfg: dict, sweep: bool = True) -> None:
     """The routed experts at decode rows: today's moe_grouped call, atlas_kernels.moe_small's (at most its ROWS rows),
-    and (sweep) the grouped call with the gate-up's tile (block_n, block_k, warps, stages) and the down's swept apart
+    torch._grouped_mm's (atlas.backends.cuda.moe.routed_grouped_mm, the prefill's "grouped_mm" path), and (sweep) the grouped call with the gate-up's tile (block_n, block_k, warps, stages) and the down's swept apart
     (the other kernel on today's tile). Each whole call graph-timed (routing, both kernels, the slot sum), so a row's
     difference from today's is its kernels'. Session 17 run 1: the sweep moved rows 1 / 16 / 64 by at most 1.3 /
     1.1 / 1.4 us of 30.0 / 48.8 / 75.7."""
     from atlas_kernels.moe_grouped import block_sizes, moe_grouped, num_warps
     from atlas_kernels.moe_small import fits, moe_small
+
+    from atlas.backends.cuda.moe import routed_grouped_mm
 
     gate_up, down, top_k = moe_weights(cfg)
     hidden = gate_up.shape[2]
@@ -546,6 +548,7 @@ def bench_moe_decode(cfg: dict, sweep: bool = True) -> None:
         cases = [("today", {})]
         cases += [(f"split {k}", dict(split_k=k)) for k in (2, 4, 8) if rows <= 4 and hidden % (k * bk0) == 0]
         cases += [(f"small {tiles}", dict(tiles=tiles)) for tiles in MOE_SMALL_TILES] if fits(rows) else []
+        cases += [("grouped_mm", {})]  # torch._grouped_mm (CUTLASS) over the expert-sorted rows, never timed at decode
         cases += [(f"gate-up {bn}x{bk} w{w} s{st}", dict(blocks=(bm, bn, bk), warps=w, stages=st, down_tile=()))
                   for bn, bk, w, st in (MOE_DECODE_GATE_TILES if sweep else [])]
         cases += [(f"down {bn}x{bk} w{w} s{st}", dict(down_tile=(bn, bk, w, st))) for bn, bk, w, st in
@@ -554,7 +557,7 @@ def bench_moe_decode(cfg: dict, sweep: bool = True) -> None:
         for name, knobs in cases:
             if name.startswith("gate-up"):  # the down kernel on today's tile
                 knobs = dict(knobs, down_tile=(bn0, bk0, num_warps(bm), None))
-            call = moe_small if name.startswith("small") else moe_grouped
+            call = moe_small if name.startswith("small") else routed_grouped_mm if name == "grouped_mm" else moe_grouped
 
             def step(knobs=knobs, x=x, top_i=top_i, top_w=top_w, call=call) -> None:
                 call(x, top_i, top_w, gate_up, down, **knobs)

@@ -70,12 +70,13 @@ def _decode(tiny, tuning: Tuning, *, kernels: bool, steps: int = 2, prompts: lis
 
 @pytest.mark.parametrize("kernels", [False, pytest.param(True, marks=pytest.mark.skipif(
     DEVICE != "cuda", reason="the Triton GDN kernel runs on a GPU only"))], ids=["torch-gdn", "triton-gdn"])
-@pytest.mark.parametrize("moe", ["torch", "triton", "small", "split"])
+@pytest.mark.parametrize("moe", ["torch", "triton", "small", "split", "grouped_mm"])
 def test_regions_equal_the_layer_stack_bit_for_bit(tiny, kernels: bool, moe: str) -> None:  # type: ignore[no-untyped-def]
     """moe="triton": the routed kernels with the route ranked in the tail region and their pairs summed in the
     next region (moe_routed(summed=False), regions.settle) against the layer stack's counted-by-the-kernel route
     and its own sum; moe="small" the same through atlas_kernels.moe_small (a decode group of at most 4 rows), "split"
-    through moe_grouped with the gate-up split (where the model's hidden size takes the split)."""
+    through moe_grouped with the gate-up split (where the model's hidden size takes the split), "grouped_mm" through
+    torch._grouped_mm on the ranked route."""
     want_logits, want_state = _decode(tiny, Tuning(moe=moe), kernels=kernels)
     got_logits, got_state = _decode(tiny, Tuning(moe=moe, decode_stack="regions"), kernels=kernels)
     for want, got in zip(want_logits, got_logits, strict=True):
@@ -286,7 +287,8 @@ def test_the_shifted_conv_equals_the_windowed_product(dilation: int) -> None:
 @pytest.mark.skipif(DEVICE != "cuda", reason="Inductor on the GPU: the compiled regions")
 @pytest.mark.parametrize("variant", ["decode", "regions-compile", "regions-persistent", "regions-pdl",
                                      "regions-pdl-kernels", "regions-hyper-site", "regions-hyper-small",
-                                     "regions-moe-small", "regions-moe-split", "regions-split-small"])
+                                     "regions-moe-small", "regions-moe-split", "regions-split-small",
+                                     "regions-moe-grouped-mm"])
 def test_compiled_regions_give_the_reference_tokens_on_the_gpu(tiny, variant: str) -> None:  # type: ignore[no-untyped-def]
     """fp32, CUDA graphs on: the decode regions through torch.compile and the paged decode attention (and, as
     VARIANTS["regions-compile"]: the prefill regions, the routed kernels, the batch-3 products through cuBLAS

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import attrs
 
-MOE = ("torch", "triton", "small", "split")
+MOE = ("torch", "triton", "small", "split", "grouped_mm")
 PREFILL_MOE = ("grouped", "dense", "triton", "grouped_mm")
 ATTENTION = ("torch", "sdpa")
 DECODE_ATTENTION = (*ATTENTION, "paged")
@@ -48,7 +48,10 @@ class Tuning:
     # session 17: slower, 36.3 against 29.8 us a call at one row); "split": the grouped kernels, the gate-up's hidden size
     # split in 4 at <= 4 rows (atlas_kernels.moe_grouped split_k: 4 x the programs, 128 with work at one row instead of
     # 32 on 132 SMs; the down kernel sums the fp32 partials in split order); session 18: slower (b1 3.18 against
-    # 2.74 ms; in the b1 profile the split gate-up 13.6 against 12.2 us a layer, the summing down kernel 23.5 against 6.0)
+    # 2.74 ms; in the b1 profile the split gate-up 13.6 against 12.2 us a layer, the summing down kernel 23.5 against 6.0);
+    # "grouped_mm": torch._grouped_mm (CUTLASS grouped GEMMs) over the pairs in the order the tail region ranks them
+    # (moe.routed_grouped_mm, the prefill's "grouped_mm" path), never measured at decode rows: session 19 (no device
+    # time) added it for the b1 experts' 12 + 6 us a layer against ~6 us of bytes, which no Triton form closed
     moe: str = attrs.field(default="torch", validator=_one_of(MOE))
     # MoE of prefill chunks (eager): "grouped" by expert with one host sync a layer, "dense" every expert on
     # every token (no sync, top_k / experts of its FLOPs useful), "triton" the device-routed grouped kernels
@@ -174,7 +177,7 @@ class Tuning:
 
     @property
     def uses_triton(self) -> bool:
-        return (self.moe in ("triton", "small", "split") or self.prefill_moe == "triton" or self.hyper == "triton"
+        return (self.moe in ("triton", "small", "split", "grouped_mm") or self.prefill_moe == "triton" or self.hyper == "triton"
                 or self.decode_attention == "paged" or self.prefill_mix_up == "triton" or self.decode_hyper != "inductor")
 
 
@@ -274,6 +277,9 @@ VARIANTS: dict[str, Tuning] = {
     # both session-17 small-row forms together (the gate-up split and hyper_small's sites), so that one run measures
     # the pair as well as each alone (session 18: b1 / b4 3.12 / 5.45 against regions-compile's 2.74 / 3.84 ms)
     "regions-split-small": attrs.evolve(_REGIONS, moe="split", decode_hyper="small"),
+    # regions-compile with the decode groups' routed experts through torch._grouped_mm (moe "grouped_mm", session 19,
+    # unmeasured; regions-grouped-mm is the prefill's)
+    "regions-moe-grouped-mm": attrs.evolve(_REGIONS, moe="grouped_mm"),
     # regions-compile with the GDN chunk prefill's intermediates and scan products in fp32 / tf32 (what gdn_work
     # "bf16" replaced in session 14: the backend's chunk call 322.5 -> 221.8 us a 2,048-token layer; H200 run 1,
     # with 2 scan stages, prefill 2,048 27.6 -> 26.9 ms)

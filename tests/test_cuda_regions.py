@@ -9,6 +9,7 @@ import collections
 import functools
 import os
 
+import attrs
 import pytest
 import torch
 
@@ -48,9 +49,10 @@ def tiny():
     return load_model("atlas-tiny")
 
 
-def _decode(tiny, tuning: Tuning, *, kernels: bool, steps: int = 2, prompts: list[list[int]] = PROMPTS):  # type: ignore[no-untyped-def]
-    """(logits of each decode step [3, vocab], the pools' state and stamps after them) on cuda-fp32."""
-    backend = CudaBackend(tiny, num_kv_blocks=32, block_size=16, dtype=torch.float32, device=DEVICE,
+def _decode(tiny, tuning: Tuning, *, kernels: bool, steps: int = 2, prompts: list[list[int]] = PROMPTS,  # type: ignore[no-untyped-def]
+            dtype: torch.dtype = torch.float32):
+    """(logits of each decode step [3, vocab], the pools' state and stamps after them) on cuda-fp32 (or `dtype`)."""
+    backend = CudaBackend(tiny, num_kv_blocks=32, block_size=16, dtype=dtype, device=DEVICE,
                           max_batch_size=4, kernels=kernels, cuda_graphs=False, tuning=tuning)
     backend.execute(StepPlan(0, tuple(SeqWork(i, tuple(p), 0, TABLES[i], True) for i, p in enumerate(prompts))))
     out = []
@@ -117,9 +119,9 @@ def test_prefill_regions_equal_the_layer_stack_bit_for_bit(tiny) -> None:  # typ
         assert torch.equal(want, got_state[name]), name
 
 
-def test_every_region_traces_whole(tiny, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
-    """Dynamo with fullgraph=True raises on any graph break; backend "eager" runs the traced graph as is, so the
-    result must also equal the uncompiled regions'."""
+def _trace_regions(monkeypatch: pytest.MonkeyPatch) -> tuple[list[str], collections.Counter[str]]:
+    """regions.compiled as Dynamo with fullgraph=True (it raises on any graph break) and backend "eager" (the traced
+    graph run as is, so a result must equal the uncompiled regions'): (the functions traced, their compiles)."""
     torch._dynamo.reset()
     traced: list[str] = []
     compiles: collections.Counter[str] = collections.Counter()
@@ -137,6 +139,13 @@ def test_every_region_traces_whole(tiny, monkeypatch: pytest.MonkeyPatch) -> Non
         return torch.compile(fn, backend=backend, fullgraph=True, dynamic=None)
 
     monkeypatch.setattr(regions, "compiled", fullgraph)
+    return traced, compiles
+
+
+def test_every_region_traces_whole(tiny, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+    """Dynamo with fullgraph=True raises on any graph break; backend "eager" runs the traced graph as is, so the
+    result must also equal the uncompiled regions'."""
+    traced, compiles = _trace_regions(monkeypatch)
     both = dict(decode_stack="regions", prefill_stack="regions")
     want, want_state = _decode(tiny, Tuning(**both), kernels=False, steps=2)
     got, got_state = _decode(tiny, Tuning(**both, compile_decode="default", compile_prefill="default"), kernels=False,
@@ -168,6 +177,29 @@ def test_every_region_traces_whole(tiny, monkeypatch: pytest.MonkeyPatch) -> Non
     # first layer's and a PLE layer's, with no ffn to settle; and the rest) x (prefill, decode), gdn_tail's one x
     # (prefill, decode). Without the mark: a static graph for 70 tokens, then a symbolic one (6 and 3)
     assert compiles["gdn_head"] == 4 and compiles["gdn_tail"] == 2, compiles
+
+
+def test_the_decode_grouped_mm_experts_are_a_region_of_their_own_in_bf16(tiny, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+    """Tuning.moe "grouped_mm" in a compiled bf16 decode: the routed experts and their glue traced whole as one
+    region (regions.routed_pairs_mm, once for the two steps' one shape), the step's logits and state those of the
+    uncompiled regions' moe_routed call; in fp32 (which Dynamo cannot trace through torch._grouped_mm's meta) the
+    eager call stays."""
+    from atlas.backends.cuda.moe import grouped_mm_works
+
+    if not grouped_mm_works(DEVICE, torch.bfloat16):
+        pytest.skip("torch._grouped_mm does not run here")
+    traced, compiles = _trace_regions(monkeypatch)
+    eager = Tuning(moe="grouped_mm", decode_stack="regions")
+    want, want_state = _decode(tiny, eager, kernels=False, dtype=torch.bfloat16)
+    got, got_state = _decode(tiny, attrs.evolve(eager, compile_decode="default"), kernels=False, dtype=torch.bfloat16)
+    for w, g in zip(want, got, strict=True):
+        assert torch.equal(w, g)
+    for name, w in want_state.items():
+        assert torch.equal(w, got_state[name]), name
+    assert "routed_pairs_mm" in traced and compiles["routed_pairs_mm"] == 1, compiles
+    before = compiles.copy()
+    _decode(tiny, attrs.evolve(eager, compile_decode="default"), kernels=False, steps=1)  # fp32: the regions again
+    assert compiles["gdn_tail"] > before["gdn_tail"] and compiles["routed_pairs_mm"] == 1, compiles
 
 
 def test_regions_give_the_reference_tokens_through_the_engine(tiny) -> None:  # type: ignore[no-untyped-def]

@@ -56,7 +56,13 @@ from atlas.backends.cuda.layers import (
     ple_mix,
     ple_weights,
 )
-from atlas.backends.cuda.moe import RANKED_PAIRS, SMALL_EXPERTS, counted_route
+from atlas.backends.cuda.moe import (
+    RANKED_PAIRS,
+    SMALL_EXPERTS,
+    counted_route,
+    grouped_mm_works,
+    routed_grouped_mm,
+)
 from atlas.backends.cuda.pools import DevicePools, store_final
 from atlas.backends.cuda.tuning import Tuning
 from atlas.backends.ops import dense_mlp, hyper_inject, rope_table
@@ -83,6 +89,17 @@ def applies(spec: ModelSpec, grp: Group, tuning: Tuning) -> bool:
     if shape.width == 1:
         return tuning.decode_stack == "regions"
     return tuning.prefill_stack == "regions" and not shape.pending
+
+
+def routed_pairs_mm(x: torch.Tensor, top_i: torch.Tensor, top_w: torch.Tensor, gate_up: torch.Tensor,
+                    down: torch.Tensor, order: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """A compiled decode's routed experts through torch._grouped_mm (Tuning.moe "grouped_mm") as a region of their
+    own: moe.routed_grouped_mm on the tail region's ranked route (order, offsets), the pairs' outputs [R, K, H] left
+    for the next region's sum. Eagerly the glue around the two grouped products (the pairs' gather, SwiGLU, the
+    weighting, the scatter back to pair order) is ~6 launches a layer more than moe_grouped's two kernels
+    (benchmarks/dispatch_count.py: b1 156 -> 335 launches outside the regions); compiled it fuses around them. bf16
+    only: torch's meta function for _grouped_mm takes bf16, so Dynamo cannot trace an fp32 one."""
+    return routed_grouped_mm(x, top_i, top_w, gate_up, down, (order, offsets), summed=False)
 
 
 def _site(spec: ModelSpec, streams: torch.Tensor, norm_w: torch.Tensor, down_w: torch.Tensor, up_w: torch.Tensor,
@@ -351,6 +368,10 @@ def regions_stack(spec: ModelSpec, w: dict[str, torch.Tensor], pools: DevicePool
     # the group's own kernels (GDN update, paged attention, routed experts) with programmatic dependent launch:
     # decode groups only (Tuning.decode_pdl)
     pdl = decode_pdl(tuning, grp)
+    # a compiled bf16 decode's routed experts through torch._grouped_mm (Tuning.moe "grouped_mm"): the two grouped
+    # products and their glue as one region (routed_pairs_mm); elsewhere moe_routed's eager call
+    pairs_mm = (not prefill and mode != "none" and moe_mode == "grouped_mm" and dtype == torch.bfloat16
+                and grouped_mm_works(grp.tokens.device.type, dtype))
     ple_layers = spec.ple.layers if spec.ple is not None else ()
     pending: Pending = (None, None, None)
     for layer in range(spec.num_layers):
@@ -414,7 +435,11 @@ def regions_stack(spec: ModelSpec, w: dict[str, torch.Tensor], pools: DevicePool
             streams, rows, inject, top_w, top_i, shared, pairs = tail_g(
                 spec, tok(streams), tok(inject), tok(out), tok(parts[3]), w[g + "norm.weight"],
                 w[g + "out_proj.weight"], *ffn_site, *moe_w, route, gemv, mix_up, ffn_raw)
-        if moe:
+        if moe and pairs_mm:
+            assert top_w is not None and top_i is not None and pairs is not None
+            routed = compiled(routed_pairs_mm, mode)(rows, top_i, top_w, w[pre + "mlp.experts.gate_up_proj"],
+                                                     w[pre + "mlp.experts.down_proj"], *pairs)
+        elif moe:
             assert spec.moe is not None and top_w is not None and top_i is not None
             routed = moe_routed(spec.moe, w, pre + "mlp.", rows, top_w, top_i, mode=moe_mode, route=pairs,
                                 summed=False, pdl=pdl)

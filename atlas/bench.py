@@ -35,6 +35,7 @@ from atlas.bench_measure import (  # noqa: F401  (re-exported: the measurements 
     state_bytes,
     weight_bytes,
 )
+from atlas.calibrate import host_speed
 
 # the long prefills (the model's max_position_embeddings is 32,768: the prompt leaves room for the engine's margin)
 LONG_PREFILL = (8192, 32752)
@@ -105,6 +106,7 @@ def run(config_path: Path = DEFAULT_CONFIG, *, out: Path | None = None, batches:
             (out / "bench.json").write_text(json.dumps(report, indent=2, default=str))
 
     report["ceilings"] = ceilings()
+    report["host_speed_us"] = host_speed()  # this host's Python speed: a control-plane figure's yardstick
     save()
     model = random_model(config, device="cuda", dtype=torch.bfloat16, seed=0)
     report["parameters"] = sum(t.numel() for t in model.weights.values())
@@ -220,7 +222,9 @@ def table(report: dict) -> str:
         + (f"rounds {' / '.join(f'{r:.2f}' for r in d['rounds_ms'])}, " if len(d.get("rounds_ms", ())) > 1 else "")
         + f"control plane {100 * d['control_plane_share']:.1f}%"
         + (f" = {1e3 * d['control_plane_ms']:.0f} us a step" if "control_plane_ms" in d else "") + ")"
-        for d in floors) + "; goal: control plane <= 3% at b64")
+        for d in floors) + "; goal: control plane <= 3% at b64"
+        + (f"; host speed {report['host_speed_us']:.1f} us a calibration round (the 2-core dev box: ~9)"
+           if "host_speed_us" in report else ""))
     lines += variants_table(report.get("variants", {}), batches)
     for mode, goal in (("seeded", 1.05), ("invariant", 1.10)):
         rows = {b: report[f"{mode}_b{b}"] for b in batches if f"{mode}_b{b}" in report}

@@ -7,7 +7,8 @@
 A fixed-token backend (honest cursors, no compute) stands in for the model, so the figure is the cost
 the engine adds to every decode step. It prints sequence-steps per second (one sequence advanced by
 one step) at each batch size, with the trace on, the trace's bytes per sequence-step, and the control
-plane's time per decode step: the engine's wall time outside Backend.execute (issue 15's measure).
+plane's time per decode step: the engine's wall time outside Backend.execute (issue 15's measure), after one
+"host speed" line: a fixed Python workload's time, so figures from two machines can be compared.
 --memory-sink: the events kept in memory (RecordingSink), as atlas.bench_measure's H200 decode rows keep them (their
 control-plane share has no SQLite trace in it).
 --prefill N: instead, the engine's time outside execute for one N-token request's step (its arrival, plan, apply and
@@ -25,6 +26,7 @@ from pathlib import Path
 
 from atlas.backends.base import Capabilities
 from atlas.backends.null import ByteTokenizer
+from atlas.calibrate import host_speed
 from atlas.config import EngineConfig
 from atlas.engine.engine import Engine
 from atlas.engine.records import RecordingSink
@@ -179,6 +181,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         trace_dir = None if args.no_trace else Path(tmp)
         # control plane: the engine's wall time per decode step outside Backend.execute (the fastest run's)
+        print(f"host speed: {host_speed(CLOCK):.1f} us a calibration round (a fixed Python workload; the 2-core dev box: "
+              "~9; atlas.calibrate.host_speed)")
         print(f"{'batch':>6} {'seq-steps/s':>12} {'us/seq-step':>12} {'trace B/seq-step':>17} "
               f"{'control plane us/step':>22}")
         for batch in (int(b) for b in args.batches.split(",")):

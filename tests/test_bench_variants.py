@@ -107,6 +107,19 @@ def test_the_summary_table_names_the_winners_and_the_errors(fakes: list) -> None
     assert "decode best: b1 triton 2.00 ms" in text
     assert "prefill 32752: ERROR OutOfMemoryError" in text
     assert "prefill 2048 best: baseline 90.0 ms" in text
+    assert "host speed" not in text  # a report from before the yardstick
+    report["host_speed_us"] = 27.25
+    assert "goal: control plane <= 3% at b64; host speed 27.2 us a calibration round" in bench.table(report)
+
+
+def test_the_host_speed_yardstick_times_its_workload_by_the_clock_given() -> None:
+    """atlas.calibrate.host_speed: the best round of its fixed workload, in microseconds of the clock it is given (a
+    clock that moves 1 s a call: every round reads 1 s over its 200 iterations, 5,000 us)."""
+    from atlas.calibrate import host_speed
+
+    ticks = iter(range(10**6))
+    assert host_speed(lambda: float(next(ticks)), rounds=3) == pytest.approx(1e6 / 200)
+    assert 0 < host_speed(rounds=1) < 1e5  # real time: microseconds a round
 
 
 def test_the_seeded_and_invariant_rows_print_against_greedy() -> None:

@@ -7,8 +7,6 @@ logits and the CPU reference's tokens."""
 
 from __future__ import annotations
 
-import collections
-import functools
 import os
 
 import attrs
@@ -18,9 +16,9 @@ import torch
 if not torch.cuda.is_available():  # the Triton kernels run interpreted on a CPU (before atlas_kernels loads)
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from test_cuda_regions import PROMPTS, TABLES
+from test_cuda_regions import PROMPTS, TABLES, _trace_regions
 
-from atlas.backends.cuda import CudaBackend, layers, regions
+from atlas.backends.cuda import CudaBackend, layers
 from atlas.backends.cuda.layers import hyper_block, raw_down_weight, raw_mix_down, raw_site_weights
 from atlas.backends.cuda.tuning import VARIANTS, Tuning
 from atlas.model import load_model
@@ -261,21 +259,7 @@ def test_the_raw_site_traces_whole_in_the_compiled_prefill_regions(tiny, monkeyp
     """Dynamo with fullgraph=True (a graph break raises) over the prefill regions with the raw sites, the token
     dimension marked dynamic: the three chunk lengths share one graph a region kind and variant, and the traced graphs
     run as they are (backend "eager") give the eager regions' logits bit for bit."""
-    torch._dynamo.reset()
-    compiles: collections.Counter[str] = collections.Counter()
-
-    @functools.cache  # as the real `compiled`: one wrapper a function
-    def fullgraph(fn, mode):  # type: ignore[no-untyped-def]
-        if mode == "none":
-            return fn
-
-        def backend(gm, inputs, name=fn.__name__):  # type: ignore[no-untyped-def]
-            compiles[name] += 1
-            return gm.forward
-
-        return torch.compile(fn, backend=backend, fullgraph=True, dynamic=None)
-
-    monkeypatch.setattr(regions, "compiled", fullgraph)
+    _, compiles = _trace_regions(monkeypatch)
     want, _ = _run(tiny, Tuning(**RAW, prefill_site="raw"), steps=0)
     got, _ = _run(tiny, Tuning(**RAW, prefill_site="raw", compile_prefill="default"), steps=0)
     assert torch.equal(got[0], want[0])

@@ -107,7 +107,7 @@ def register(trace_app: typer.Typer, replay_app: typer.Typer) -> None:
         from atlas.replay.jsonl import export_jsonl
 
         check_trace_in(file)
-        check_trace_out(out, knob="--out")
+        check_trace_out(out, knob="--out", store=False)
         n = export_jsonl(file, out, run_id)
         typer.echo(f"exported {n} events to {out}")
 

@@ -191,8 +191,11 @@ def bench_serve(
         raise UsageError(str(exc)) from None
     typer.echo(format_report(result, cfg))
     if result_json:
-        with open(result_json, "w") as f:
-            json.dump(result, f, indent=2)
+        try:
+            with open(result_json, "w") as f:
+                json.dump(result, f, indent=2)
+        except OSError as exc:  # a full disk: the report above stands, the file is named
+            raise UsageError(f"--result-json {result_json!r} cannot be written ({exc.strerror or exc})") from None
     if result["failed"]:
         raise typer.Exit(1)
 

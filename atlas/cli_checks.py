@@ -58,8 +58,8 @@ def check_trace_in(file: str) -> None:
 
 def check_trace_out(trace: str | None, *, knob: str = "--trace", store: bool = True) -> None:
     """A trace to write: its directory must exist and be writable, and the path must not be a directory; `store`
-    (a trace store, appended to): an existing file must be an Atlas trace (its header and tables, read without
-    writing; the writer checks the whole file as it opens it). `store` False: a plain output file."""
+    (a trace store, appended to): an existing file must be a whole Atlas trace (header, tables, read without
+    writing, PRAGMA quick_check included). `store` False: a plain output file."""
     if trace is None or is_url(trace):
         return
     path = Path(trace).expanduser()
@@ -73,7 +73,7 @@ def check_trace_out(trace: str | None, *, knob: str = "--trace", store: bool = T
     if store:
         from atlas.replay.sqlite_file import check_for_append
 
-        check_for_append(path, thorough=False)  # a TraceFileError names the file: exit 2
+        check_for_append(path)  # a TraceFileError names the file (exit 2) before any model is loaded
 
 
 def check_base_url(url: str) -> None:

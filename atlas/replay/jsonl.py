@@ -14,7 +14,8 @@ from typing import Any
 from atlas.errors import TraceFileError
 from atlas.replay.reader import TraceReader, run_record
 from atlas.replay.rows import BadRow, check_payload
-from atlas.replay.store import TraceWriter
+from atlas.replay.sqlite_file import space_note, where
+from atlas.replay.store import TraceWriteError, TraceWriter
 
 FORMAT = "atlas-trace"
 FORMAT_VERSION = 1
@@ -53,6 +54,9 @@ def export_jsonl(trace: str | Path, out: str | Path, run_id: int | None = None) 
                 f.write(_compact(row) + "\n")
                 n += 1
         done = True
+    except OSError as exc:  # a full disk, a file-size limit: the output is named, not the trace
+        raise TraceFileError(f"--out {str(out)!r} cannot be written ({exc.strerror or exc}){space_note(out)}"
+                             ) from None
     finally:
         reader.close()
         if not done:
@@ -139,10 +143,13 @@ def import_jsonl(src: str | Path, trace: str | Path) -> int:
     writer = TraceWriter(trace, run=header["run"], mark_end=end is not None)
     ok = False
     try:
-        for _, row in _rows(src):
-            writer.append_row(row["index"], row["step"], row["kind"], row["version"], _compact(row["payload"]),
-                              row["digest"])
-        ok = True
-    finally:
-        writer.close(ended=ok and bool(end and end.get("ended")))
+        try:
+            for _, row in _rows(src):
+                writer.append_row(row["index"], row["step"], row["kind"], row["version"], _compact(row["payload"]),
+                                  row["digest"])
+            ok = True
+        finally:
+            writer.close(ended=ok and bool(end and end.get("ended")))
+    except TraceWriteError as exc:  # a full disk part way: the run stays marked truncated, the store is named
+        raise TraceFileError(f"{where(trace)}: {exc}{space_note(trace)}") from None
     return writer.run_id

@@ -94,6 +94,15 @@ def run_record(row: Any, name: str) -> RunRecord:
                      model_fingerprint=row[4], backend=row[5], seed=row[6], config=parsed[0], capacities=parsed[1])
 
 
+def check_runs(conn: sqlite3.Connection, name: str) -> list[RunRecord]:
+    """Every run row of a SQLite trace, checked (run_record)."""
+    try:
+        found = conn.execute(f"SELECT {_RUN_COLUMNS} FROM runs ORDER BY run_id").fetchall()
+    except sqlite3.Error as exc:
+        raise TraceFileError(f"{name} {problem_of(exc)}") from None
+    return [run_record(r, name) for r in found]
+
+
 def capacities_of(run: RunRecord, name: str) -> Capacities:
     """The run's recorded capacities (replay check's), or a TraceFileError naming the run."""
     try:
@@ -305,9 +314,8 @@ def read_stored(path_or_url: str | Path, run_id: int | None = None) -> tuple[Run
     name = where(path)
     try:
         check_tables(conn, path)
+        run = pick_run(check_runs(conn, name), run_id, name)
         try:
-            found = conn.execute(f"SELECT {_RUN_COLUMNS} FROM runs ORDER BY run_id").fetchall()
-            run = pick_run([run_record(r, name) for r in found], run_id, name)
             return run, conn.execute(SELECT_EVENTS, (run.run_id,)).fetchall()
         except sqlite3.Error as exc:
             raise TraceFileError(f"{name} {problem_of(exc)}") from None

@@ -43,6 +43,7 @@ _CHECKS: dict[str, tuple[str, Callable[[Any], bool]]] = {
                                     lambda v: type(v) in (list, tuple) and all(_is_ints(r) for r in v)),
     "dict[str, Any]": ("an object", lambda v: type(v) is dict),
 }
+_JSON_NAMES = {list: "array", str: "string", int: "number", float: "number", bool: "boolean", type(None): "null"}
 _FIELDS: dict[type, tuple[tuple[str, ...], tuple[str, ...], list[tuple[str, str, Callable[[Any], bool]]]]] = {}
 
 
@@ -61,7 +62,7 @@ def _fields(cls: type) -> tuple[tuple[str, ...], tuple[str, ...], list[tuple[str
 def check_payload(kind: str, version: int, payload: Any) -> dict[str, Any]:
     """`payload` (decoded, of `version`) upcast to the current version of `kind` and checked; raises BadRow."""
     if type(payload) is not dict:
-        raise BadRow(f"its payload is {type(payload).__name__}, not an object")
+        raise BadRow(f"its payload is a JSON {_JSON_NAMES.get(type(payload), type(payload).__name__)}, not an object")
     cls = EVENT_TYPES.get(kind)
     if cls is None:
         raise BadRow(f"unknown event kind {kind!r}")

@@ -206,7 +206,7 @@ def check_state_only(path_or_url: str | Path, run_id: int | None = None) -> Stat
     collecting = gc.isenabled()
     gc.disable()
     try:
-        return check_rows(capacities_of(run, where(path_or_url)), rows, run.digests_comparable)[0]
+        report = check_rows(capacities_of(run, where(path_or_url)), rows, run.digests_comparable)[0]
     except Exception:
         # the rows are read unchecked (the fast path): an error out of the check may be a row that is not its
         # event; the first such row is named, as a reader names it (atlas.replay.reader), else the error stands
@@ -217,6 +217,11 @@ def check_state_only(path_or_url: str | Path, run_id: int | None = None) -> Stat
     finally:
         if collecting:
             gc.enable()
+    if report.problem is not None:  # a refusal or a digest that differs may be a row that is not its event
+        bad = first_bad_row(rows if report.index is None else rows[:report.index + 1])
+        if bad is not None:
+            raise bad_row(where(path_or_url), run.run_id, *bad)
+    return report
 
 
 def _digest_report(total: int, wrong: tuple[int, str, str]) -> StateCheckReport:

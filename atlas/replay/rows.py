@@ -108,6 +108,9 @@ def check_row(kind: Any, version: Any, raw: Any) -> dict[str, Any]:
         raise BadRow(str(exc)) from None
     except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
         raise BadRow(f"its payload is not JSON ({exc})") from None
+    cls = EVENT_TYPES.get(kind)
+    if type(raw) is bytes and kind != "request_arrived" and cls is not None and cls.version == version:
+        return payload  # codec 1 decoded it whole: its layout's fields, every value an int32 (a third of show's read)
     return check_payload(kind, version, payload)
 
 

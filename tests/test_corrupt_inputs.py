@@ -168,7 +168,8 @@ def corpus(good: Path) -> dict[str, Path]:
 
 def _readers(trace: Path) -> list[tuple[str, ...]]:
     return [("trace", "show", str(trace)), ("trace", "export", str(trace), "-o", str(trace.with_suffix(".jsonl"))),
-            ("replay", "check", str(trace)), ("replay", "verify", str(trace)), ("replay", "against", str(trace))]
+            ("replay", "check", str(trace)), ("replay", "verify", str(trace)), ("replay", "against", str(trace)),
+            ("trace", "minimize", str(trace), "-o", str(trace.with_name("small.db")))]
 
 
 def test_every_reader_names_every_damaged_trace_in_one_line(capsys, corpus: dict[str, Path]) -> None:

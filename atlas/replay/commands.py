@@ -12,6 +12,7 @@ import sys
 import typer
 
 from atlas.cli_checks import check_trace_in, check_trace_out
+from atlas.errors import TraceFileError
 
 RUN_ID_HELP = "default: the last run in the store"
 THREADS_HELP = "torch CPU threads (default: OMP_NUM_THREADS, else 1)"
@@ -132,13 +133,17 @@ def register(trace_app: typer.Typer, replay_app: typer.Typer) -> None:
         """Shrink a failing trace (drop requests, shorten prompts and budgets, drop cancellations and faults,
         fewer steps) while replaying it under today's code still fails the same way."""
         from atlas.replay.minimize import minimize
+        from atlas.replay.summary import run_end
         from atlas.threads import apply_threads
 
         check_trace_in(file)
         check_trace_out(out, knob="--out")
         apply_threads(threads)
+        run_end(file, run_id)  # the run-end marker read (a damaged one is named) before the replays
         try:
             m = minimize(file, out, run_id, max_runs=max_runs)
+        except TraceFileError:
+            raise  # a trace it cannot read: one line, exit 2 (atlas.cli)
         except ValueError as exc:
             typer.echo(f"cannot minimise: {exc}")
             raise typer.Exit(1) from exc

@@ -10,6 +10,10 @@ Write-ahead: the server commits each step's events (`commit`, or `commit_async` 
 thread, in order) before it hands that step's outputs to any client, so every byte a client received is
 backed by events on disk. WAL + synchronous=NORMAL: a commit survives a process crash (kill -9); an OS
 crash or power loss may lose the last commits.
+
+A writer appends to an existing file only when it is a whole Atlas trace (atlas.replay.sqlite_file.check_for_append);
+a store it cannot open or write (a full disk, a foreign file) is a TraceFileError naming it. Reading is
+atlas.replay.reader's (read-only, every row checked); TraceReader and read_run are found here too.
 """
 
 from __future__ import annotations

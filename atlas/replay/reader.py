@@ -21,7 +21,7 @@ import sqlalchemy as sa
 from atlas.config import Capacities, EngineConfig
 from atlas.errors import TraceFileError
 from atlas.replay import codec
-from atlas.replay.rows import BadRow, check_event, check_payload, check_row
+from atlas.replay.rows import BadRow, check_event, check_row
 from atlas.replay.sqlite_file import check_tables, connect_readonly, problem_of, sqlite_path, where
 from atlas.replay.store import (
     SELECT_EVENTS,
@@ -171,7 +171,10 @@ class TraceReader:
                 raise
             self.db = sa.create_engine("sqlite://", creator=lambda: conn, poolclass=sa.pool.StaticPool)
             return
-        self.db = sa.create_engine(str(path_or_url))
+        try:
+            self.db = sa.create_engine(str(path_or_url))
+        except (ImportError, sa.exc.ArgumentError) as exc:  # no driver for that database here, a bad URL
+            raise TraceFileError(f"{self.name} cannot be opened ({type(exc).__name__}: {exc})") from None
         try:
             inspect = sa.inspect(self.db)
             if not (inspect.has_table("runs") and inspect.has_table("events")):
@@ -233,9 +236,7 @@ class TraceReader:
             why = _row_problem(row, expected)
             if why is not None:
                 raise bad_row(self.name, run_id, row, why)
-            payload = codec.decode(kind, version, raw)
-            check_payload(kind, version, payload)
-            yield idx, step, kind, version, payload, digest
+            yield idx, step, kind, version, codec.decode(kind, version, raw), digest
 
     def event_rows(self, run_id: int) -> Iterator[tuple[int, int, str, Event, str]]:
         """(index, step, kind, event upcast to the current version, digest) per event, in order: a codec-1

@@ -40,8 +40,14 @@ STATUS_COLUMNS = ("run_id", "ended", "events")
 
 
 def where(path: Path | str) -> str:
-    """How a message names the file."""
-    return f"trace {str(path)!r}"
+    """How a message names the file (a URL without its password)."""
+    text = str(path)
+    if "://" in text:
+        try:
+            text = sa.engine.make_url(text).render_as_string(hide_password=True)
+        except sa.exc.ArgumentError:
+            pass
+    return f"trace {text!r}"
 
 
 def sqlite_path(path_or_url: str | Path) -> Path | None:

@@ -202,14 +202,15 @@ class TraceWriter:
                 self.run_id = int(self._conn.execute(sa.insert(runs).values(**row)).inserted_primary_key[0])
                 if self._mark:
                     self._conn.execute(sa.insert(run_status).values(run_id=self.run_id, ended=0))
-        except (sa.exc.DBAPIError, sqlite3.Error, OSError) as exc:
+        except (sa.exc.DBAPIError, sa.exc.ArgumentError, sqlite3.Error, OSError, ImportError) as exc:
             if self.db is not None:
                 self.db.dispose()
             if created:  # what the failed open made, so that the path reads as before (absent), not as empty
                 for leftover in (path, Path(f"{path}-wal"), Path(f"{path}-shm"), Path(f"{path}-journal")):
                     leftover.unlink(missing_ok=True)
             problem = " ".join(str(getattr(exc, "orig", None) or exc).split())
-            raise TraceFileError(f"{name} cannot be written ({problem}){space_note(path or '.')}") from None
+            room = space_note(path) if path is not None else ""
+            raise TraceFileError(f"{name} cannot be written ({problem}){room}") from None
 
     def append(self, index: int, step: int, e: Event, digest: str) -> None:
         # SQLite: step events in codec 1 (atlas.replay.codec: a BLOB of int64s), everything else JSON text

@@ -17,8 +17,10 @@ from atlas.cli_checks import (
     TINY_MODEL,
     UsageError,
     check_backend,
+    check_base_url,
     check_model,
     check_port,
+    check_temp_dir,
     check_trace_out,
     check_tuning,
 )
@@ -155,7 +157,7 @@ def bench_serve(
 
     from atlas.cli_support import progress_bar
     from atlas.server.auth import AuthConfigError, resolve_api_key
-    from atlas.server.bench import AuthRefused, BenchConfig, format_report
+    from atlas.server.bench import AuthRefused, BenchConfig, ServerUnreachable, format_report
     from atlas.server.bench import bench_serve as run_bench
 
     try:
@@ -163,6 +165,8 @@ def bench_serve(
     except AuthConfigError as exc:
         raise UsageError(str(exc)) from None
 
+    if base_url is not None:
+        check_base_url(base_url)
     if base_url is None:
         from atlas.cli_checks import default_max_seq_len
 
@@ -170,7 +174,7 @@ def bench_serve(
         check_model(model or TINY_MODEL)
         max_seq_len = default_max_seq_len(model, max_seq_len) if model else max_seq_len
     if result_json:
-        check_trace_out(result_json, knob="--result-json")
+        check_trace_out(result_json, knob="--result-json", store=False)
     cfg = BenchConfig(base_url=base_url or "", num_prompts=num_prompts, input_len=random_input_len,
                       output_len=random_output_len, request_rate=request_rate, max_concurrency=max_concurrency,
                       seed=seed, api_key=key)
@@ -183,10 +187,15 @@ def bench_serve(
     except AuthRefused as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(1) from None
+    except ServerUnreachable as exc:
+        raise UsageError(str(exc)) from None
     typer.echo(format_report(result, cfg))
     if result_json:
-        with open(result_json, "w") as f:
-            json.dump(result, f, indent=2)
+        try:
+            with open(result_json, "w") as f:
+                json.dump(result, f, indent=2)
+        except OSError as exc:  # a full disk: the report above stands, the file is named
+            raise UsageError(f"--result-json {result_json!r} cannot be written ({exc.strerror or exc})") from None
     if result["failed"]:
         raise typer.Exit(1)
 
@@ -327,6 +336,7 @@ def run(argv: list[str] | None = None) -> int:
     command = typer.main.get_command(app)
     plain_metavars(command)
     try:
+        check_temp_dir()
         rc = command.main(args=args, prog_name="atlas", standalone_mode=False)
     except typer.Abort:
         print("atlas: interrupted", file=sys.stderr)
@@ -351,11 +361,15 @@ def run(argv: list[str] | None = None) -> int:
 
 def _report(exc: Exception) -> int:
     from atlas.config import CapacityError
+    from atlas.errors import TraceFileError
     from atlas.model.spec import ModelLoadError
     from atlas.threads import ThreadsError
 
-    if isinstance(exc, UsageError | CapacityError | ModelLoadError | ThreadsError):
+    if isinstance(exc, UsageError | CapacityError | ModelLoadError | ThreadsError | TraceFileError):
         print(f"atlas: {_one_line(exc)}", file=sys.stderr)
+        return EXIT_USAGE
+    if isinstance(exc, OSError) and exc.filename is not None:  # a file the command reads or writes: a full disk,
+        print(f"atlas: {exc.filename}: {exc.strerror or _one_line(exc)}", file=sys.stderr)  # no permission
         return EXIT_USAGE
     if isinstance(exc, EngineFatal):
         print(f"atlas: fatal engine fault: {_one_line(exc)} (the trace, if any, holds every event up to it)",

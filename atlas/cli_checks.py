@@ -28,6 +28,23 @@ def is_url(target: str) -> bool:
     return "://" in target
 
 
+def check_temp_dir() -> None:
+    """Python's temporary directory: importing torch asks for one (tempfile.gettempdir, through dill), and on a full
+    disk none is usable (each candidate refuses a 4-byte probe file): one line naming the directory, not a
+    traceback from an import."""
+    import tempfile
+
+    try:
+        tempfile.gettempdir()
+    except OSError as exc:
+        from atlas.replay.sqlite_file import space_note
+
+        target = os.environ.get("TMPDIR") or "/tmp"
+        raise UsageError(f"{exc.strerror or exc}: each refused a 4-byte probe file (is the disk full? "
+                         f"{target!r}{space_note(Path(target) / 'probe')}); free space or set TMPDIR to a writable "
+                         "directory") from None
+
+
 def check_trace_in(file: str) -> None:
     """A trace to read must exist (a missing SQLite path would otherwise be created empty)."""
     if is_url(file):
@@ -39,8 +56,10 @@ def check_trace_in(file: str) -> None:
         raise UsageError(f"trace {file!r} is a directory; pass the trace file (a SQLite path)")
 
 
-def check_trace_out(trace: str | None, *, knob: str = "--trace") -> None:
-    """A trace to write: its directory must exist and be writable, and the path must not be a directory."""
+def check_trace_out(trace: str | None, *, knob: str = "--trace", store: bool = True) -> None:
+    """A trace to write: its directory must exist and be writable, and the path must not be a directory; `store`
+    (a trace store, appended to): an existing file must be a whole Atlas trace (header, tables, read without
+    writing, PRAGMA quick_check included). `store` False: a plain output file."""
     if trace is None or is_url(trace):
         return
     path = Path(trace).expanduser()
@@ -51,10 +70,28 @@ def check_trace_out(trace: str | None, *, knob: str = "--trace") -> None:
         raise UsageError(f"{knob} {trace!r}: directory {str(parent)!r} does not exist; create it or pick another path")
     if path.exists() and not os.access(path, os.W_OK) or not os.access(parent, os.W_OK):
         raise UsageError(f"{knob} {trace!r} is not writable; pick a path in a directory you can write to")
+    if store:
+        from atlas.replay.sqlite_file import check_for_append
+
+        check_for_append(path)  # a TraceFileError names the file (exit 2) before any model is loaded
+
+
+def check_base_url(url: str) -> None:
+    """`--base-url`: an http(s) URL with a host (the server is asked only when the command runs)."""
+    from urllib.parse import urlsplit
+
+    try:
+        parts = urlsplit(url)
+        parts.port  # noqa: B018 (raises ValueError for a port that is not a number)
+    except ValueError as exc:
+        raise UsageError(f"--base-url {url!r} is not a URL ({exc}); pass one such as http://127.0.0.1:8000") from None
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise UsageError(f"--base-url {url!r} is not an http(s) URL with a host; pass one such as "
+                         "http://127.0.0.1:8000")
 
 
 def check_out_file(out: str, *, knob: str = "--out") -> None:
-    check_trace_out(out, knob=knob)
+    check_trace_out(out, knob=knob, store=False)
 
 
 def check_backend(backend: str, choices: tuple[str, ...]) -> None:

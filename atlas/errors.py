@@ -94,3 +94,13 @@ class StateDigestMismatch(RuntimeError):
         super().__init__(f"sequence {seq_id}: {what}: the state differs from what was recorded in "
                          f"{', '.join(differs) or 'nothing named'}")
         self.seq_id, self.what, self.differs = seq_id, what, differs
+
+
+class TraceFileError(ValueError):
+    """A trace (or its JSON lines) that Atlas cannot read or write: missing, corrupt, truncated, foreign, of another
+    schema, a row whose payload is not its event, or a full disk. The message names the file and what is wrong; the
+    CLI prints it as one line and exits 2."""
+
+
+class TraceMissing(TraceFileError, FileNotFoundError):
+    """A trace path with no file: a TraceFileError, and the FileNotFoundError a caller may expect."""

@@ -410,11 +410,12 @@ def test_trace_show_per_position_acceptance_counts_the_committed_chain(capsys, t
     writer = TraceWriter(trace, run={"engine_version": "t", "git_revision": None, "model": "atlas-tiny",
                                      "model_fingerprint": "f" * 64, "backend": "cpu", "seed": None,
                                      "config": config, "capacities": {}})
-    rows = [(0, "request_arrived", {"request_id": "r", "seq_id": 0, "prompt": [1, 2]})]
+    rows = [(0, "request_arrived", {"request_id": "r", "seq_id": 0, "prompt": [1, 2], "params": {}, "max_new": 9})]
     for step in range(3):
-        rows += [(step, "step_planned", {"step": step, "seqs": [0], "drafts": [[5, 6, 7]]}),
+        rows += [(step, "step_planned", {"step": step, "admitted": [], "seqs": [0], "fed": [1], "alloc": [],
+                                         "release": [], "reset": [], "drafts": [[5, 6, 7]]}),
                  (step, "step_executed", {"step": step, "tokens": [9], "accepted": [0], "verdicts": [0b100]})]
-    for index, (step, kind, payload) in enumerate(rows):  # only what summarize reads, as the engine writes it
+    for index, (step, kind, payload) in enumerate(rows):  # whole events (a reader checks each), as the engine writes
         writer._rows.append({"run_id": writer.run_id, "idx": index, "step": step, "kind": kind, "version": 2,
                              "payload": json.dumps(payload), "digest": "0" * 16})
     writer.close()

@@ -24,7 +24,9 @@ from atlas.engine.drafters.base import DraftRequest
 from atlas.engine.engine import Engine
 from atlas.engine.records import RecordingSink
 from atlas.registry import engine_for_run
-from atlas.replay.store import EventRecord, RunRecord, read_run
+from atlas.replay.reader import check_config, read_run
+from atlas.replay.sqlite_file import where
+from atlas.replay.store import EventRecord, RunRecord
 from atlas.replay.verify import Divergence, compare, redrive
 from atlas.state.control import ControlState
 
@@ -182,6 +184,7 @@ def against(path_or_url: str | Path, run_id: int | None = None, *, build: Callab
             progress: Callable[[int, int], None] | None = None, **engine_kwargs: Any) -> AgainstReport:
     """`progress(events_replayed, events_in_trace)` is called after every replayed step."""
     run, recorded = read_run(path_or_url, run_id)
+    check_config(run, where(path_or_url))
     rows, note = replay_rows(run, recorded, build=build, progress=progress, **engine_kwargs)
     return AgainstReport(run, len(recorded), len(rows), compare(recorded, rows, digests=run.digests_comparable),
                          recorded_failure(recorded),

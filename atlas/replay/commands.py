@@ -12,6 +12,7 @@ import sys
 import typer
 
 from atlas.cli_checks import check_trace_in, check_trace_out
+from atlas.errors import TraceFileError
 
 RUN_ID_HELP = "default: the last run in the store"
 THREADS_HELP = "torch CPU threads (default: OMP_NUM_THREADS, else 1)"
@@ -45,12 +46,12 @@ def register(trace_app: typer.Typer, replay_app: typer.Typer) -> None:
 
         check_trace_in(file)
         apply_threads(threads)
+        end = run_end(file, run_id)  # first: a trace whose marker cannot be read fails before a model loads
         with progress_bar("replaying events", None) as update:
             report = verify(file, run_id, progress=update, engine_kwargs={"full_audit": audit})
         if not report.fingerprint_matches:
             typer.echo(f"warning: model fingerprint {report.fingerprint[:16]} differs from the trace's "
                        f"{report.run.model_fingerprint[:16]}", err=True)
-        end = run_end(file, run_id)
         if report.identical and end.truncated:
             typer.echo(f"{end.describe()}; the {report.events_replayed} events on disk replay identically")
             raise typer.Exit(1)
@@ -70,8 +71,8 @@ def register(trace_app: typer.Typer, replay_app: typer.Typer) -> None:
         from atlas.replay.verify import check_state_only
 
         check_trace_in(file)
-        report = check_state_only(file, run_id)
         end = run_end(file, run_id)
+        report = check_state_only(file, run_id)
         if end.truncated:  # the events on disk may be consistent, but the run did not end there
             typer.echo(f"{end.describe()}; the events on disk are "
                        f"{'consistent' if report.problem is None else 'inconsistent: ' + str(report.problem)}")
@@ -90,10 +91,12 @@ def register(trace_app: typer.Typer, replay_app: typer.Typer) -> None:
         fails."""
         from atlas.cli_support import progress_bar
         from atlas.replay.against import NEW_FAILURE, STILL_THERE, against
+        from atlas.replay.summary import run_end
         from atlas.threads import apply_threads
 
         check_trace_in(file)
         apply_threads(threads)
+        run_end(file, run_id)  # the run-end marker read (a damaged one is named) before a model loads
         with progress_bar("replaying events", None) as update:
             report = against(file, run_id, progress=update)
         typer.echo(report.describe())
@@ -107,7 +110,7 @@ def register(trace_app: typer.Typer, replay_app: typer.Typer) -> None:
         from atlas.replay.jsonl import export_jsonl
 
         check_trace_in(file)
-        check_trace_out(out, knob="--out")
+        check_trace_out(out, knob="--out", store=False)
         n = export_jsonl(file, out, run_id)
         typer.echo(f"exported {n} events to {out}")
 
@@ -130,13 +133,17 @@ def register(trace_app: typer.Typer, replay_app: typer.Typer) -> None:
         """Shrink a failing trace (drop requests, shorten prompts and budgets, drop cancellations and faults,
         fewer steps) while replaying it under today's code still fails the same way."""
         from atlas.replay.minimize import minimize
+        from atlas.replay.summary import run_end
         from atlas.threads import apply_threads
 
         check_trace_in(file)
         check_trace_out(out, knob="--out")
         apply_threads(threads)
+        run_end(file, run_id)  # the run-end marker read (a damaged one is named) before the replays
         try:
             m = minimize(file, out, run_id, max_runs=max_runs)
+        except TraceFileError:
+            raise  # a trace it cannot read: one line, exit 2 (atlas.cli)
         except ValueError as exc:
             typer.echo(f"cannot minimise: {exc}")
             raise typer.Exit(1) from exc

@@ -11,15 +11,17 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import sqlalchemy as sa
-
-from atlas.replay.codec import decode
-from atlas.replay.store import TraceReader, TraceWriter, events
+from atlas.errors import TraceFileError
+from atlas.replay.reader import TraceReader, run_record
+from atlas.replay.rows import BadRow, check_payload
+from atlas.replay.sqlite_file import space_note, where
+from atlas.replay.store import TraceWriteError, TraceWriter
 
 FORMAT = "atlas-trace"
 FORMAT_VERSION = 1
 _RUN_FIELDS = ("engine_version", "git_revision", "model", "model_fingerprint", "backend", "seed", "config",
                "capacities")
+_ROW_FIELDS = frozenset(("index", "step", "kind", "version", "payload", "digest"))
 
 
 def _compact(value: Any) -> str:
@@ -27,17 +29,17 @@ def _compact(value: Any) -> str:
 
 
 def raw_events(reader: TraceReader, run_id: int) -> Iterator[dict[str, Any]]:
-    """A run's events as stored: payload parsed (JSON text, or a codec-1 step payload), never upcast."""
-    query = sa.select(events).where(events.c.run_id == run_id).order_by(events.c.idx)
-    with reader.db.connect() as conn:
-        for r in conn.execute(query).mappings():
-            yield {"index": r["idx"], "step": r["step"], "kind": r["kind"], "version": r["version"],
-                   "payload": decode(r["kind"], r["version"], r["payload"]), "digest": r["digest"]}
+    """A run's events as stored: payload parsed (JSON text, or a codec-1 step payload), never upcast, each row
+    checked (a row that is not its event is a TraceFileError naming it)."""
+    for idx, step, kind, version, payload, digest in reader.recorded_rows(run_id):
+        yield {"index": idx, "step": step, "kind": kind, "version": version, "payload": payload, "digest": digest}
 
 
 def export_jsonl(trace: str | Path, out: str | Path, run_id: int | None = None) -> int:
-    """Write one run of `trace` to `out` as JSON lines; returns the number of events."""
+    """Write one run of `trace` to `out` as JSON lines; returns the number of events. Nothing is left at `out`
+    when the trace cannot be read whole."""
     reader = TraceReader(trace)
+    done = False
     try:
         run = reader.run(run_id)
         n = 0
@@ -51,34 +53,103 @@ def export_jsonl(trace: str | Path, out: str | Path, run_id: int | None = None) 
             for row in raw_events(reader, run.run_id):
                 f.write(_compact(row) + "\n")
                 n += 1
+        done = True
+    except OSError as exc:  # a full disk, a file-size limit: the output is named, not the trace
+        raise TraceFileError(f"--out {str(out)!r} cannot be written ({exc.strerror or exc}){space_note(out)}"
+                             ) from None
     finally:
         reader.close()
+        if not done:
+            Path(out).unlink(missing_ok=True)
     return n
 
 
-def import_jsonl(src: str | Path, trace: str | Path) -> int:
-    """Append the run in `src` (JSON lines) to the trace store `trace` as a new run; returns its run id."""
+def _fail(src: str | Path, line: int, why: str) -> TraceFileError:
+    return TraceFileError(f"JSON lines {str(src)!r}, line {line}: {why}")
+
+
+def _parse(src: str | Path, line_no: int, line: str) -> Any:
+    try:
+        return json.loads(line)
+    except ValueError as exc:
+        cut = "" if line.endswith("\n") else " (the last line is cut short: the file is truncated)"
+        raise _fail(src, line_no, f"not JSON ({exc}){cut}") from None
+
+
+def _check_header(src: str | Path, header: Any) -> dict[str, Any]:
+    if type(header) is not dict or header.get("format") != FORMAT:
+        found = header.get("format") if type(header) is dict else type(header).__name__
+        raise _fail(src, 1, f"not an Atlas trace in JSON lines (header format {found!r}, want {FORMAT!r})")
+    version = header.get("format_version", 0)
+    if type(version) is not int or version > FORMAT_VERSION:
+        raise _fail(src, 1, f"format version {version!r} is not one this Atlas reads (1-{FORMAT_VERSION})")
+    run = header.get("run")
+    if type(run) is not dict or any(name not in run for name in _RUN_FIELDS):
+        missing = [n for n in _RUN_FIELDS if type(run) is not dict or n not in run]
+        raise _fail(src, 1, f"the header's run lacks {', '.join(missing)}")
+    try:
+        run_record((0, *(run[n] for n in _RUN_FIELDS[:6]), json.dumps(run["config"]), json.dumps(run["capacities"])),
+                   f"JSON lines {str(src)!r}, line 1")
+    except TraceFileError as exc:
+        raise TraceFileError(str(exc).replace("run 0's", "the header run's")) from None
+    end = header.get("end")
+    if end is not None and (type(end) is not dict or type(end.get("ended")) is not bool):
+        raise _fail(src, 1, f"the header's end is {end!r}, not {{\"ended\": true|false}}")
+    return header
+
+
+def _rows(src: str | Path) -> Iterator[tuple[int, dict[str, Any]]]:
+    """(line number, event row) per event line, each checked: fields, gapless index, payload (atlas.replay.rows)."""
     with open(src) as f:
-        header = json.loads(f.readline())
-        if header.get("format") != FORMAT:
-            raise ValueError(f"{src}: not an Atlas trace in JSON lines (header format {header.get('format')!r})")
-        if header.get("format_version", 0) > FORMAT_VERSION:
-            raise ValueError(f"{src}: format version {header['format_version']} is newer than {FORMAT_VERSION}")
-        end = header.get("end")
-        writer = TraceWriter(trace, run=header["run"], mark_end=end is not None)
-        ok = False
+        f.readline()  # the header (_check_header)
+        expected = 0
+        for line_no, line in enumerate(f, start=2):
+            if not line.strip():
+                continue
+            row = _parse(src, line_no, line)
+            if type(row) is not dict or set(row) != _ROW_FIELDS:
+                got = sorted(row) if type(row) is dict else type(row).__name__
+                raise _fail(src, line_no, f"an event line has fields {', '.join(sorted(_ROW_FIELDS))}; this has {got}")
+            if row["index"] != expected or type(row["index"]) is not int:
+                raise _fail(src, line_no, f"event index {row['index']!r} where {expected} was due (gapless)")
+            if type(row["step"]) is not int or type(row["digest"]) is not str:
+                raise _fail(src, line_no, f"step {row['step']!r} and digest {row['digest']!r} are not an integer "
+                            "and a string")
+            try:
+                check_payload(row["kind"], row["version"], row["payload"])
+            except BadRow as exc:
+                raise _fail(src, line_no, f"event {expected} ({row['kind']} v{row['version']}): {exc}") from None
+            expected += 1
+            yield line_no, row
+
+
+def import_jsonl(src: str | Path, trace: str | Path) -> int:
+    """Append the run in `src` (JSON lines) to the trace store `trace` as a new run; returns its run id. The whole
+    file is checked before anything is written: a bad line leaves the store as it was."""
+    try:
+        with open(src) as f:
+            first = f.readline()
+    except UnicodeDecodeError:
+        raise _fail(src, 1, "not text (not UTF-8): not JSON lines") from None
+    if not first.strip():
+        raise _fail(src, 1, "empty: no header line")
+    header = _check_header(src, _parse(src, 1, first))
+    try:
+        for _ in _rows(src):
+            pass
+    except UnicodeDecodeError:
+        raise TraceFileError(f"JSON lines {str(src)!r}: not text (not UTF-8)") from None
+    end = header.get("end")
+    writer = TraceWriter(trace, run=header["run"], mark_end=end is not None)
+    ok = False
+    try:
         try:
-            expected = 0
-            for line in f:
-                if not line.strip():
-                    continue
-                row = json.loads(line)
-                if row["index"] != expected:
-                    raise ValueError(f"{src}: event index {row['index']} where {expected} was due (gapless)")
-                expected += 1
+            for _, row in _rows(src):
                 writer.append_row(row["index"], row["step"], row["kind"], row["version"], _compact(row["payload"]),
                                   row["digest"])
             ok = True
         finally:
             writer.close(ended=ok and bool(end and end.get("ended")))
+    except TraceWriteError as exc:  # a full disk part way: the run stays marked truncated, the store is named
+        raise TraceFileError(f"{where(trace)}: {exc}{space_note(trace)}") from None
     return writer.run_id

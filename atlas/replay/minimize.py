@@ -21,7 +21,9 @@ from atlas.engine.records import RecordingSink
 from atlas.errors import AdmissionError, EngineDead, QueueFull
 from atlas.registry import engine_for_run
 from atlas.replay.against import Failure, actual_failure, recorded_failure
-from atlas.replay.store import EventRecord, RunRecord, TraceWriter, read_run
+from atlas.replay.reader import check_config, read_run
+from atlas.replay.sqlite_file import where
+from atlas.replay.store import EventRecord, RunRecord, TraceWriter
 from atlas.sampling.params import SamplingParams
 from atlas.state.events import Event
 
@@ -191,6 +193,7 @@ def minimize(path_or_url: str | Path, out: str | Path, run_id: int | None = None
              **engine_kwargs: Any) -> Minimized:
     """Minimise the failing run of a trace under today's code and write the result to `out`."""
     run, recorded = read_run(path_or_url, run_id)
+    check_config(run, where(path_or_url))
     target = recorded_failure(recorded)
     if target is None:
         raise ValueError("the trace records no failure: nothing to minimise")

@@ -10,6 +10,10 @@ Write-ahead: the server commits each step's events (`commit`, or `commit_async` 
 thread, in order) before it hands that step's outputs to any client, so every byte a client received is
 backed by events on disk. WAL + synchronous=NORMAL: a commit survives a process crash (kill -9); an OS
 crash or power loss may lose the last commits.
+
+A writer appends to an existing file only when it is a whole Atlas trace (atlas.replay.sqlite_file.check_for_append);
+a store it cannot open or write (a full disk, a foreign file) is a TraceFileError naming it. Reading is
+atlas.replay.reader's (read-only, every row checked); TraceReader and read_run are found here too.
 """
 
 from __future__ import annotations
@@ -20,15 +24,17 @@ import sqlite3
 import subprocess
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import attrs
 import sqlalchemy as sa
 
+from atlas.errors import TraceFileError
 from atlas.replay import codec
-from atlas.state.events import EVENT_TYPES, Event, upcast
+from atlas.replay.sqlite_file import check_for_append, space_note, sqlite_path, where
+from atlas.state.events import EVENT_TYPES, Event
 
 # The trace schema: 2 since prefix keys, the in-flight plan's digest share and every persisted hash are specified
 # functions of bytes (atlas.hashing) and rollbacks restore as an order of the next plan. The run row's config
@@ -73,7 +79,7 @@ run_status = sa.Table(
     sa.Column("events", sa.Integer),  # events on disk when it ended
 )
 
-_SELECT_EVENTS = "SELECT idx, step, kind, version, payload, digest FROM events WHERE run_id = ? ORDER BY idx"
+SELECT_EVENTS = "SELECT idx, step, kind, version, payload, digest FROM events WHERE run_id = ? ORDER BY idx"
 _INSERT_EVENT = ("INSERT INTO events (run_id, idx, step, kind, version, payload, digest) "
                  "VALUES (?, ?, ?, ?, ?, ?, ?)")
 
@@ -83,9 +89,8 @@ def trace_url(path_or_url: str | Path) -> str:
     return text if "://" in text else f"sqlite:///{Path(text).expanduser()}"
 
 
-def open_database(path_or_url: str | Path, *, create: bool = True) -> sa.Engine:
-    """The store's engine; `create` makes the tables a writer needs (a reader never writes: an old trace stays
-    byte for byte as it was, with no run_status table)."""
+def open_database(path_or_url: str | Path) -> sa.Engine:
+    """The writer's engine, with the tables it needs (readers open a trace read-only: atlas.replay.reader)."""
     url = trace_url(path_or_url)
     is_sqlite = url.startswith("sqlite")
     # the writer commits from its own thread: one connection, used by one thread at a time (under a lock)
@@ -99,8 +104,7 @@ def open_database(path_or_url: str | Path, *, create: bool = True) -> sa.Engine:
             cur.execute("PRAGMA synchronous=NORMAL")  # WAL + NORMAL: durable across a process crash
             cur.close()
 
-    if create:
-        metadata.create_all(db)
+    metadata.create_all(db)
     return db
 
 
@@ -148,26 +152,6 @@ class EventRecord:
         return EVENT_TYPES[self.kind](**self.payload)  # the payload is upcast already
 
 
-@attrs.frozen
-class RunEnd:
-    """How a run's recording ended: `ended` (the run-end marker is there), `truncated` (the writer never
-    closed: the run stops at its last event on disk), or `unmarked` (recorded before run-end markers)."""
-
-    status: str
-    events: int  # events on disk
-    last_index: int | None = None
-    last_step: int | None = None
-
-    @property
-    def truncated(self) -> bool:
-        return self.status == "truncated"
-
-    def describe(self) -> str:
-        where = "no event" if self.last_index is None else f"event {self.last_index} (step {self.last_step})"
-        return (f"TRUNCATED: the run did not end cleanly (no run-end marker); the trace stops at {where}, "
-                f"{self.events} events on disk")
-
-
 Done = Callable[[BaseException | None], None]
 
 
@@ -184,7 +168,6 @@ class TraceWriter:
 
     def __init__(self, path_or_url: str | Path, *, run: dict[str, Any], batch_rows: int = 1024,
                  mark_end: bool = True, binary: bool = True) -> None:
-        self.db = open_database(path_or_url)
         self.batch_rows = batch_rows
         self._rows: list[dict[str, Any]] = []
         self.events_written = 0  # events committed to the store: what atlas:trace_events_written counts
@@ -195,16 +178,39 @@ class TraceWriter:
         self._lock = threading.Lock()  # one transaction at a time on the one connection
         self._queue: queue.Queue[Any] = queue.Queue()
         self._thread: threading.Thread | None = None
-        self._conn = self.db.connect()
-        self._raw: Any = self._conn.connection.driver_connection if self.db.dialect.name == "sqlite" else None
+        self._mark = mark_end  # False: no run-end marker (an imported run recorded before markers existed)
+        self._open(path_or_url, run)
         # codec-1 step payloads: SQLite only (a BLOB in the payload column; another store's Text column keeps JSON)
         self.binary = binary and self._raw is not None
-        self._mark = mark_end  # False: no run-end marker (an imported run recorded before markers existed)
+
+    def _open(self, path_or_url: str | Path, run: dict[str, Any]) -> None:
+        """The store, its tables and this run's row (and open run-end marker). An existing file must be a whole
+        Atlas trace (sqlite_file.check_for_append); a store that cannot be written (a full disk, a directory that
+        is not there, a file that is not a database) is a TraceFileError naming it."""
+        path = sqlite_path(path_or_url)
+        name = where(path if path is not None else path_or_url)
+        if path is not None:
+            check_for_append(path)
+        created = path is not None and not path.exists()
         row = {**run, "config": json.dumps(run["config"]), "capacities": json.dumps(run["capacities"])}
-        with self._conn.begin():
-            self.run_id = int(self._conn.execute(sa.insert(runs).values(**row)).inserted_primary_key[0])
-            if mark_end:
-                self._conn.execute(sa.insert(run_status).values(run_id=self.run_id, ended=0))
+        self.db = None
+        try:
+            self.db = open_database(path_or_url)
+            self._conn = self.db.connect()
+            self._raw = self._conn.connection.driver_connection if self.db.dialect.name == "sqlite" else None
+            with self._conn.begin():
+                self.run_id = int(self._conn.execute(sa.insert(runs).values(**row)).inserted_primary_key[0])
+                if self._mark:
+                    self._conn.execute(sa.insert(run_status).values(run_id=self.run_id, ended=0))
+        except (sa.exc.DBAPIError, sa.exc.ArgumentError, sqlite3.Error, OSError, ImportError) as exc:
+            if self.db is not None:
+                self.db.dispose()
+            if created:  # what the failed open made, so that the path reads as before (absent), not as empty
+                for leftover in (path, Path(f"{path}-wal"), Path(f"{path}-shm"), Path(f"{path}-journal")):
+                    leftover.unlink(missing_ok=True)
+            problem = " ".join(str(getattr(exc, "orig", None) or exc).split())
+            room = space_note(path) if path is not None else ""
+            raise TraceFileError(f"{name} cannot be written ({problem}){room}") from None
 
     def append(self, index: int, step: int, e: Event, digest: str) -> None:
         # SQLite: step events in codec 1 (atlas.replay.codec: a BLOB of int64s), everything else JSON text
@@ -320,154 +326,10 @@ class TraceWriter:
             self.db.dispose()
 
 
-class TraceReader:
-    def __init__(self, path_or_url: str | Path) -> None:
-        if "://" not in str(path_or_url) and not Path(path_or_url).exists():
-            raise FileNotFoundError(f"no trace at {path_or_url}")
-        self.db = open_database(path_or_url, create=False)
-        self._has_status = sa.inspect(self.db).has_table("run_status")
+def __getattr__(name: str) -> Any:
+    """The readers (atlas.replay.reader), where callers have always found them."""
+    if name in ("TraceReader", "RunEnd", "read_run", "read_stored"):
+        from atlas.replay import reader
 
-    def runs(self) -> list[RunRecord]:
-        with self.db.connect() as conn:
-            rows = conn.execute(sa.select(runs).order_by(runs.c.run_id)).mappings().all()
-        return [
-            RunRecord(
-                run_id=r["run_id"], engine_version=r["engine_version"], git_revision=r["git_revision"],
-                model=r["model"], model_fingerprint=r["model_fingerprint"], backend=r["backend"], seed=r["seed"],
-                config=json.loads(r["config"]), capacities=json.loads(r["capacities"]),
-            )
-            for r in rows
-        ]
-
-    def run(self, run_id: int | None = None) -> RunRecord:
-        all_runs = self.runs()
-        if not all_runs:
-            raise LookupError("the trace holds no run")
-        if run_id is None:
-            return all_runs[-1]
-        for r in all_runs:
-            if r.run_id == run_id:
-                return r
-        raise LookupError(f"no run {run_id} in the trace (runs: {[r.run_id for r in all_runs]})")
-
-    def events(self, run_id: int) -> Iterator[EventRecord]:
-        for row in self.rows(run_id):
-            yield EventRecord(*row)
-
-    def rows(self, run_id: int) -> Iterator[tuple[int, int, str, int, dict[str, Any], str]]:
-        """(index, step, kind, version, payload upcast to the current version, digest) per event, in order.
-        SQLite is read through its own driver: SQLAlchemy's row mappings cost more than decoding the JSON
-        (19 of the 40 us an event took to read, benchmarks/replay_check.py's trace)."""
-        loads = json.loads
-        with self.db.connect() as conn:
-            if self.db.dialect.name == "sqlite":
-                cursor = conn.connection.driver_connection.execute(_SELECT_EVENTS, (run_id,))
-            else:
-                cursor = conn.execute(sa.select(events.c.idx, events.c.step, events.c.kind, events.c.version,
-                                                events.c.payload, events.c.digest)
-                                      .where(events.c.run_id == run_id).order_by(events.c.idx))
-            types = EVENT_TYPES
-            decode = codec.decode
-            for idx, step, kind, version, payload, digest in cursor:
-                payload = loads(payload) if type(payload) is str else decode(kind, version, payload)
-                cls = types.get(kind)
-                if cls is None or cls.version != version:  # an old version, or an unknown kind: upcast says
-                    payload = upcast(kind, version, payload)
-                yield idx, step, kind, version, payload, digest
-
-    def event_rows(self, run_id: int) -> Iterator[tuple[int, int, str, Event, str]]:
-        """(index, step, kind, event upcast to the current version, digest) per event, in order: a codec-1
-        payload becomes its event directly (no dict, no converters: replay check's read)."""
-        loads = json.loads
-        load_event = codec.load_event
-        types = EVENT_TYPES
-        with self.db.connect() as conn:
-            if self.db.dialect.name != "sqlite":
-                for idx, step, kind, _version, payload, digest in self.rows(run_id):
-                    yield idx, step, kind, types[kind](**payload), digest
-                return
-            cursor = conn.connection.driver_connection.execute(_SELECT_EVENTS, (run_id,))
-            for idx, step, kind, version, payload, digest in cursor:
-                cls = types.get(kind)
-                if type(payload) is str and cls is not None and cls.version == version:
-                    yield idx, step, kind, cls(**loads(payload)), digest
-                else:
-                    yield idx, step, kind, load_event(kind, version, payload), digest
-
-    def stored_rows(self, run_id: int) -> list[tuple[int, int, str, int, str | bytes, str]]:
-        """(index, step, kind, version, payload as stored: JSON text or codec-1 bytes, digest) per event, in order,
-        nothing decoded: replay check decodes what it applies one at a time and reads runs of step blobs as arrays
-        (atlas.state.column_runs)."""
-        with self.db.connect() as conn:
-            if self.db.dialect.name == "sqlite":
-                return conn.connection.driver_connection.execute(_SELECT_EVENTS, (run_id,)).fetchall()
-            return [tuple(r) for r in conn.execute(
-                sa.select(events.c.idx, events.c.step, events.c.kind, events.c.version, events.c.payload,
-                          events.c.digest).where(events.c.run_id == run_id).order_by(events.c.idx))]
-
-    def end(self, run_id: int) -> RunEnd:
-        """Whether the run ended cleanly (its run-end marker), and where its events stop."""
-        with self.db.connect() as conn:
-            marker = None
-            if self._has_status:  # a trace written before run-end markers has no such table
-                marker = conn.execute(sa.select(run_status).where(run_status.c.run_id == run_id)).mappings().first()
-            last = conn.execute(sa.select(events.c.idx, events.c.step).where(events.c.run_id == run_id)
-                                .order_by(events.c.idx.desc()).limit(1)).first()
-            n = int(conn.execute(sa.select(sa.func.count()).where(events.c.run_id == run_id)).scalar_one())
-        status = "unmarked" if marker is None else "ended" if marker["ended"] else "truncated"
-        return RunEnd(status, n, None if last is None else int(last[0]), None if last is None else int(last[1]))
-
-    def count_events(self, run_id: int) -> int:
-        with self.db.connect() as conn:
-            return int(conn.execute(sa.select(sa.func.count()).where(events.c.run_id == run_id)).scalar_one())
-
-    def close(self) -> None:
-        self.db.dispose()
-
-
-def read_stored(path_or_url: str | Path, run_id: int | None = None
-                ) -> tuple[RunRecord, list[tuple[int, int, str, int, str | bytes, str]]]:
-    """One run (the last one unless `run_id` says) and its rows as stored (TraceReader.stored_rows), for replay
-    check. A SQLite file path is read with the sqlite3 module alone: SQLAlchemy's engine, its dialect set-up,
-    the table inspection and the runs query around the fetch were 26 M of a 304 M-instruction check
-    (benchmarks/replay_check.py's trace; docs/CONTROL-PLANE.md, fifth pass). A URL goes through TraceReader."""
-    text = str(path_or_url)
-    if "://" in text:
-        reader = TraceReader(path_or_url)
-        try:
-            run = reader.run(run_id)
-            return run, reader.stored_rows(run.run_id)
-        finally:
-            reader.close()
-    path = Path(text).expanduser()
-    if not path.exists():
-        raise FileNotFoundError(f"no trace at {path_or_url}")
-    conn = sqlite3.connect(path)
-    try:
-        cols = ("run_id, engine_version, git_revision, model, model_fingerprint, backend, seed, config, "
-                "capacities")
-        found = conn.execute(f"SELECT {cols} FROM runs ORDER BY run_id").fetchall()
-        if not found:
-            raise LookupError("the trace holds no run")
-        if run_id is None:
-            r = found[-1]
-        else:
-            match = [r for r in found if r[0] == run_id]
-            if not match:
-                raise LookupError(f"no run {run_id} in the trace (runs: {[r[0] for r in found]})")
-            r = match[0]
-        run = RunRecord(run_id=r[0], engine_version=r[1], git_revision=r[2], model=r[3], model_fingerprint=r[4],
-                        backend=r[5], seed=r[6], config=json.loads(r[7]), capacities=json.loads(r[8]))
-        return run, conn.execute(_SELECT_EVENTS, (run.run_id,)).fetchall()
-    finally:
-        conn.close()
-
-
-def read_run(path_or_url: str | Path, run_id: int | None = None) -> tuple[RunRecord, list[EventRecord]]:
-    """One run of a trace (the last one unless `run_id` says) and all of its events, upcast, in order."""
-    reader = TraceReader(path_or_url)
-    try:
-        run = reader.run(run_id)
-        return run, list(reader.events(run.run_id))
-    finally:
-        reader.close()
+        return getattr(reader, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

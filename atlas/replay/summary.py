@@ -7,7 +7,9 @@ from pathlib import Path
 
 import attrs
 
-from atlas.replay.store import RunEnd, RunRecord, TraceReader
+from atlas.errors import TraceFileError
+from atlas.replay.reader import RunEnd, TraceReader
+from atlas.replay.store import RunRecord
 from atlas.sampling.acceptance import AcceptanceStats
 
 
@@ -63,50 +65,58 @@ def summarize(path_or_url: str | Path, run_id: int | None = None) -> TraceSummar
         prefix: Counter[str] = Counter()
         steps = 0
         n = 0
-        for rec in reader.events(run.run_id):
-            n += 1
-            counts[rec.kind] += 1
-            p = rec.payload
-            if rec.kind == "request_arrived":
-                by_seq[p["seq_id"]] = RequestSummary(p["request_id"], p["seq_id"], len(p["prompt"]), rec.step)
-            elif rec.kind == "step_planned":
-                planned = tuple(p["seqs"])
-                drafts = p.get("drafts") or [[]] * len(planned)
-                steps = max(steps, p["step"] + 1)
-            elif rec.kind == "step_executed":
-                accepted = p.get("accepted") or [0] * len(planned)
-                bits = p.get("verdicts") or [0] * len(planned)
-                for seq_id, token, d, a, b in zip(planned, p["tokens"], drafts, accepted, bits, strict=True):
-                    if token >= 0:
-                        by_seq[seq_id].completion_tokens += 1 + a
-                    if d and a >= 0:
-                        accept.record(len(d), b)
-            elif rec.kind == "speculation_latched_off":
-                latched += 1
-            elif rec.kind == "rolled_back":
-                r = by_seq[p["seq_id"]]
-                r.rollbacks += 1
-                r.completion_tokens = p["keep"] - r.prompt_tokens
-            elif rec.kind == "sequence_preempted":
-                by_seq[p["seq_id"]].preemptions += 1
-            elif rec.kind == "prefix_cache_hit":
-                by_seq[p["seq_id"]].prefix_cached = p["position"]
-                prefix.update(hits=1, tokens_saved=p["position"], tokens_replayed=p["replay"])
-            elif rec.kind == "carry_adopted":
-                by_seq[p["seq_id"]].carry_rows = p["rows_kept"]
-                prefix.update(carry_adopted=1, carry_rows_kept=p["rows_kept"], carry_rows_appended=p["rows_to_append"])
-            elif rec.kind in ("prefix_snapshotted", "carry_stored", "carry_released"):
-                prefix[rec.kind.replace("prefix_", "")] += 1
-            elif rec.kind in ("request_finished", "request_cancelled"):
-                r = by_seq[p["seq_id"]]
-                r.finish_reason = p.get("reason", "cancelled")
-                r.finish_detail = p.get("detail", "")
-                r.finish_step = rec.step
-            elif rec.kind == "engine_faulted":
-                kind = "fatal" if p["fatal"] else "step error"
-                faults.append(f"step {p['step']}: {kind}{' (injected)' if p['injected'] else ''}: {p['error']}")
-            elif rec.kind == "invariant_violated":
-                faults.append(f"event {p['event_index']}: invariant violated in {p['machine']}: {p['message']}")
+        rec = None
+        try:
+            for rec in reader.events(run.run_id):
+                n += 1
+                counts[rec.kind] += 1
+                p = rec.payload
+                if rec.kind == "request_arrived":
+                    by_seq[p["seq_id"]] = RequestSummary(p["request_id"], p["seq_id"], len(p["prompt"]), rec.step)
+                elif rec.kind == "step_planned":
+                    planned = tuple(p["seqs"])
+                    drafts = p.get("drafts") or [[]] * len(planned)
+                    steps = max(steps, p["step"] + 1)
+                elif rec.kind == "step_executed":
+                    accepted = p.get("accepted") or [0] * len(planned)
+                    bits = p.get("verdicts") or [0] * len(planned)
+                    for seq_id, token, d, a, b in zip(planned, p["tokens"], drafts, accepted, bits, strict=True):
+                        if token >= 0:
+                            by_seq[seq_id].completion_tokens += 1 + a
+                        if d and a >= 0:
+                            accept.record(len(d), b)
+                elif rec.kind == "speculation_latched_off":
+                    latched += 1
+                elif rec.kind == "rolled_back":
+                    r = by_seq[p["seq_id"]]
+                    r.rollbacks += 1
+                    r.completion_tokens = p["keep"] - r.prompt_tokens
+                elif rec.kind == "sequence_preempted":
+                    by_seq[p["seq_id"]].preemptions += 1
+                elif rec.kind == "prefix_cache_hit":
+                    by_seq[p["seq_id"]].prefix_cached = p["position"]
+                    prefix.update(hits=1, tokens_saved=p["position"], tokens_replayed=p["replay"])
+                elif rec.kind == "carry_adopted":
+                    by_seq[p["seq_id"]].carry_rows = p["rows_kept"]
+                    prefix.update(carry_adopted=1, carry_rows_kept=p["rows_kept"], carry_rows_appended=p["rows_to_append"])
+                elif rec.kind in ("prefix_snapshotted", "carry_stored", "carry_released"):
+                    prefix[rec.kind.replace("prefix_", "")] += 1
+                elif rec.kind in ("request_finished", "request_cancelled"):
+                    r = by_seq[p["seq_id"]]
+                    r.finish_reason = p.get("reason", "cancelled")
+                    r.finish_detail = p.get("detail", "")
+                    r.finish_step = rec.step
+                elif rec.kind == "engine_faulted":
+                    kind = "fatal" if p["fatal"] else "step error"
+                    faults.append(f"step {p['step']}: {kind}{' (injected)' if p['injected'] else ''}: {p['error']}")
+                elif rec.kind == "invariant_violated":
+                    faults.append(f"event {p['event_index']}: invariant violated in {p['machine']}: {p['message']}")
+        except TraceFileError:
+            raise
+        except (KeyError, IndexError, TypeError, ValueError) as exc:  # well-formed events that contradict each other
+            where = "" if rec is None else f", event {rec.index} ({rec.kind})"
+            raise TraceFileError(f"{reader.name}: run {run.run_id}{where} contradicts the events before it "
+                                 f"({type(exc).__name__}: {exc}); `atlas replay check` says more") from None
         end = reader.end(run.run_id)
     finally:
         reader.close()

@@ -25,8 +25,10 @@ from atlas.registry import engine_for_run
 from atlas.replay import codec
 from atlas.replay.arrivals import ParamsCache, parse_arrivals
 from atlas.replay.digests import LazyDigests
+from atlas.replay.reader import bad_row, capacities_of, check_config, first_bad_row, read_run, read_stored
 from atlas.replay.runs import MIN_RUN, run_end
-from atlas.replay.store import EventRecord, RunRecord, read_run, read_stored
+from atlas.replay.sqlite_file import where
+from atlas.replay.store import EventRecord, RunRecord
 from atlas.sampling.params import SamplingParams
 from atlas.state.column_arrivals import apply_arrivals, apply_parsed
 from atlas.state.column_batch import finish_in_columns, finish_text_in_columns, plan_in_columns
@@ -172,6 +174,7 @@ def compare(recorded: list[EventRecord], actual: list[tuple[int, int, Event, str
 def verify(path_or_url: str | Path, run_id: int | None = None, *, progress: Progress | None = None,
            engine_kwargs: dict[str, Any] | None = None) -> VerifyReport:
     run, recorded = read_run(path_or_url, run_id)
+    check_config(run, where(path_or_url))
     sink = RecordingSink()
     engine = engine_for_run(run, sink, **(engine_kwargs or {}))
     try:
@@ -203,10 +206,22 @@ def check_state_only(path_or_url: str | Path, run_id: int | None = None) -> Stat
     collecting = gc.isenabled()
     gc.disable()
     try:
-        return check_rows(Capacities.from_table(run.capacities), rows, run.digests_comparable)[0]
+        report = check_rows(capacities_of(run, where(path_or_url)), rows, run.digests_comparable)[0]
+    except Exception:
+        # the rows are read unchecked (the fast path): an error out of the check may be a row that is not its
+        # event; the first such row is named, as a reader names it (atlas.replay.reader), else the error stands
+        bad = first_bad_row(rows)
+        if bad is None:
+            raise
+        raise bad_row(where(path_or_url), run.run_id, *bad) from None
     finally:
         if collecting:
             gc.enable()
+    if report.problem is not None:  # a refusal or a digest that differs may be a row that is not its event
+        bad = first_bad_row(rows if report.index is None else rows[:report.index + 1])
+        if bad is not None:
+            raise bad_row(where(path_or_url), run.run_id, *bad)
+    return report
 
 
 def _digest_report(total: int, wrong: tuple[int, str, str]) -> StateCheckReport:

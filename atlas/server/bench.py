@@ -25,6 +25,13 @@ class AuthRefused(RuntimeError):
     """The server answered 401/403: every request would fail the same way, so the run stops at the first."""
 
 
+class ServerUnreachable(RuntimeError):
+    """The first request (GET /v1/models) found no server at the URL, or one that is not OpenAI-compatible: nothing
+    was sent, the run stops there."""
+
+CONNECT_TIMEOUT_S = 10.0  # a dead host that drops packets is reported after this, not after the request timeout
+
+
 def _auth_refusal(status: int, body: bytes) -> AuthRefused:
     try:
         message = json.loads(body)["error"]["message"]
@@ -120,11 +127,19 @@ async def run_bench(cfg: BenchConfig, progress: Callable[[int, int], None] | Non
     limit = asyncio.Semaphore(cfg.max_concurrency or cfg.num_prompts)
     headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
     pool = httpx.Limits(max_connections=(cfg.max_concurrency or cfg.num_prompts) + 4)
-    async with httpx.AsyncClient(base_url=cfg.base_url, headers=headers, timeout=cfg.timeout_s,
-                                 limits=pool) as client:
-        probe = await client.get("/v1/models")  # a wrong key fails here, before any load is sent
+    timeout = httpx.Timeout(cfg.timeout_s, connect=min(cfg.timeout_s, CONNECT_TIMEOUT_S))
+    async with httpx.AsyncClient(base_url=cfg.base_url, headers=headers, timeout=timeout, limits=pool) as client:
+        try:  # a wrong key or a dead URL fails here, before any load is sent
+            probe = await client.get("/v1/models")
+        except httpx.TransportError as exc:
+            reason = " ".join(str(exc).split()) or type(exc).__name__
+            raise ServerUnreachable(f"--base-url {cfg.base_url}: no server answered ({type(exc).__name__}: "
+                                    f"{reason}); start one (atlas serve) or fix the URL") from None
         if probe.status_code in (401, 403):
             raise _auth_refusal(probe.status_code, probe.content)
+        if probe.status_code != 200:
+            raise ServerUnreachable(f"--base-url {cfg.base_url}: GET /v1/models answered HTTP {probe.status_code}: "
+                                    "not an OpenAI-compatible server (or not at this URL's path)")
 
         done = 0
 

@@ -265,6 +265,8 @@ class CpuBackend:
         verdicts = self.verify(w)
         try:
             n = accepted_prefix(verdicts, w.drafts, self.spec.vocab_size)
+            if w.propose and self.drafter is not None and w.seq_id in store.drafts:
+                store.draft_after(w.seq_id, verdicts[n].token)
             cursors = store.commit(w.seq_id, n + 1)
         except VerifyRefused as exc:
             store.pending.pop(w.seq_id, None)

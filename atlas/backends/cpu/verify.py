@@ -33,6 +33,7 @@ class PendingVerify:
     tokens: tuple[int, ...]
     states: tuple[SequenceState, ...]
     hidden: torch.Tensor  # [K, H], the target's final hidden per row (the drafter pairs them on commit)
+    then: int | None = None  # the token sampled after the kept rows, when the drafter proposes after it
 
 
 def run_verify(

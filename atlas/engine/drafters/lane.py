@@ -32,6 +32,7 @@ from atlas.state.events import Event, SpeculationLatchedOff
 from atlas.state.machines import Sequence
 
 log = structlog.get_logger("atlas.speculative")
+PROBE = 8  # tokens between the one-draft verifies of a sequence the policy has at 0 drafts
 
 
 def inert_bound(caps: Capacities) -> int | None:
@@ -87,7 +88,9 @@ class SpeculativeLane:
         for seq_id in decoding:
             seen = self._seen.get(seq_id)
             rates = smoothed_rates(seen.reached if seen else (), seen.conditional if seen else (), self.num_drafts)
-            out[seq_id] = choose_drafts(len(decoding), self.num_drafts, rates, self.costs)
+            k = choose_drafts(len(decoding), self.num_drafts, rates, self.costs)
+            # a sequence at 0 drafts still verifies one every PROBE tokens: its acceptance keeps being observed
+            out[seq_id] = 1 if k == 0 and state.seqs[seq_id].cursor.generated % PROBE == 0 else k
         return out
 
     def drafts(self, state: ControlState) -> dict[int, tuple[int, ...]]:
@@ -125,7 +128,8 @@ class SpeculativeLane:
         """How many drafts the backend's drafter proposes after this step's sampled token (0: none)."""
         if self.drafter is not None or seq.drafter.latched:
             return 0
-        return self._chosen.get(seq.seq_id, self.num_drafts)
+        k = self._chosen.get(seq.seq_id, self.num_drafts)
+        return 1 if k == 0 and (seq.cursor.generated + 1) % PROBE == 0 else k  # the next step's probe
 
     def observe(self, plan: StepPlan, result: StepResult) -> None:
         """After a step: acceptance statistics of its verifies, and the MTP drafts for the next step."""

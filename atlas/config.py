@@ -40,6 +40,12 @@ def _non_negative(_inst: object, attr: attrs.Attribute, value: int | None) -> No
         raise CapacityError(f"{attr.name} must be >= 0, got {value}")
 
 
+def _cost_rows(value: Any) -> tuple[tuple[int, tuple[float, ...]], ...] | None:
+    if value is None:
+        return None
+    return tuple((int(batch), tuple(float(c) for c in costs)) for batch, costs in value)
+
+
 @attrs.frozen
 class EngineConfig:
     """What a user sets. Everything else is derived by `derive_capacities`."""
@@ -83,6 +89,11 @@ class EngineConfig:
     # are carried to the next warm turn. One switch for both (carry without prefill is unreachable); resolved
     # from ATLAS_NO_MTP_DRAFTER_CONTEXT at engine start (resolve_drafter_context)
     drafter_context: bool = True
+    # the drafts each step verifies are chosen from 0..num_drafts by a cost model (atlas.engine.drafters.policy):
+    # ((batch, (a step with 1 draft over a plain decode step, 2 drafts, ...)), ...). None: measured by the backend
+    # when the engine is built (build_engine) and recorded here, so a replay decides as the run did; (): no cost
+    # model, every step verifies num_drafts (what a trace recorded before the policy did)
+    verify_costs: tuple[tuple[int, tuple[float, ...]], ...] | None = attrs.field(default=None, converter=_cost_rows)
 
     def to_json(self) -> dict[str, Any]:
         return attrs.asdict(self)
@@ -93,6 +104,8 @@ class EngineConfig:
         knobs = {k: v for k, v in d.items() if k in known}
         # a config recorded before aligned prefill chunks chunked by the budget alone: replay it that way
         knobs.setdefault("prefill_align", 0)
+        # ... and one recorded before the draft-count policy verified num_drafts every step
+        knobs.setdefault("verify_costs", ())
         return cls(**knobs)
 
 

@@ -140,6 +140,9 @@ def build_engine(model: str = TINY_MODEL, backend: str = "cpu", config: EngineCo
     if dtype is not None:
         options["dtype"] = dtype
     made = data_plane(model, backend, config, **options)
+    if config.verify_costs is None and config.num_drafts:  # the backend's, before the trace's run row records it
+        cost_model = getattr(made.backend, "verify_costs", None)  # (replay reads it back)
+        config = attrs.evolve(config, verify_costs=cost_model(config.num_drafts) if cost_model is not None else ())
     if trace is not None:
         tuning = getattr(made.backend, "tuning", None)
         sink = open_trace(trace, model=model, fingerprint=made.fingerprint, backend=backend, config=config,

@@ -32,7 +32,7 @@ TINY = load_model("atlas-tiny")
 PROMPTS = [list(b"hi"), list(b"speculate!"), list(b"cross the bound!!"), list(b"a verify across QSA, ok")]
 PARAMS = SamplingParams(max_tokens=14)
 CONFIG = EngineConfig(max_seq_len=40, max_batch_size=3, prefill_chunk_tokens=8, block_size=4, num_kv_blocks=14,
-                      num_drafts=3, drafter="scripted")
+                      num_drafts=3, drafter="scripted", verify_costs=())  # every verify 3 wide: no draft-count policy
 OFF = EngineConfig(max_seq_len=40, max_batch_size=1, prefill_chunk_tokens=40)
 
 

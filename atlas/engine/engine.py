@@ -22,6 +22,7 @@ from atlas.backends.base import Backend, Capabilities
 from atlas.config import Capacities, EngineConfig, derive_capacities, log_capacities
 from atlas.engine.drafters import Drafter, make_drafter
 from atlas.engine.drafters.lane import SpeculativeLane
+from atlas.engine.drafters.policy import VerifyCosts
 from atlas.engine.journal import Journal
 from atlas.engine.outcome import cursor_violation, outcome
 from atlas.engine.outputs import FinishReason, RequestOutput
@@ -108,7 +109,8 @@ class Engine:
         if config.num_drafts:
             self.lanes.spec = SpeculativeLane(drafter or make_drafter(config.drafter), self.capacities,
                                               config.num_drafts, self.vocab_size, per_row_qsa=caps.per_row_qsa_verify,
-                                              skip=self._snapshot_due)
+                                              skip=self._snapshot_due,
+                                              costs=VerifyCosts(config.verify_costs) if config.verify_costs else None)
         if self.capacities.prefix_caching:
             self.lanes.prefix = PrefixLane(self.capacities)
         self._dead: EngineDead | None = None

@@ -78,6 +78,9 @@ class EngineStats:
     spec_acceptance_unconditional: tuple[float, ...] = ()
     spec_acceptance_conditional: tuple[float, ...] = ()
     spec_latched_off_total: int = 0
+    # the draft-count policy (atlas.engine.drafters.policy): the last step's choice, and steps by choice 0..num_drafts
+    spec_draft_choice: int = 0
+    spec_steps_by_drafts: tuple[int, ...] = ()
     # prefix caching and the drafter carry (atlas.engine.prefix_lane.PrefixStats); coverage = drafter rows /
     # prompt length when a new turn's prefill completes, warm (prefix hit) and cold turns
     prefix_cache_queries: int = 0
@@ -102,7 +105,8 @@ def engine_stats(engine: Any) -> EngineStats:
                      spec_drafts_accepted=acc.drafts_accepted, spec_tokens_per_verify=acc.tokens_per_verify,
                      spec_acceptance_p1=unc[0] if unc else 0.0, spec_acceptance_unconditional=tuple(unc),
                      spec_acceptance_conditional=tuple(acc.p_conditional()),
-                     spec_latched_off_total=spec.latched_total)
+                     spec_latched_off_total=spec.latched_total, spec_draft_choice=spec.choice,
+                     spec_steps_by_drafts=tuple(spec.choices[k] for k in range(spec.num_drafts + 1)))
     prefix = engine.lanes.prefix
     if prefix is not None:
         s = prefix.stats

@@ -29,6 +29,8 @@ _GAUGES = (
     ("atlas:kv_blocks_used", "KV blocks owned by live sequences.", "kv_blocks_used"),
     ("atlas:kv_blocks_total", "KV blocks in the pool.", "kv_blocks_total"),
     ("atlas:engine_step", "Scheduler steps taken.", "step"),
+    ("atlas:spec_decode_draft_choice", "Drafts the last step verified per sequence (the draft-count policy's choice, "
+     "0..--num-drafts).", "spec_draft_choice"),
     ("atlas:spec_decode_tokens_per_verify", "Tokens emitted per verify step (accepted drafts + 1).",
      "spec_tokens_per_verify"),
     ("atlas:drafter_coverage_warm", "MTP drafter rows / prompt length when a warm (prefix-hit) turn's prefill "
@@ -117,6 +119,11 @@ class _EngineStatsCollector:
             for i, p in enumerate(getattr(stats, f"spec_acceptance_{kind}", ()) or ()):
                 rate.add_metric([self._model, str(i + 1), kind], float(p))
         yield rate
+        chosen = CounterMetricFamily("atlas:spec_decode_steps_by_drafts", "Steps by the drafts the policy chose.",
+                                     labels=["model_name", "drafts"])
+        for k, steps in enumerate(getattr(stats, "spec_steps_by_drafts", ()) or ()):
+            chosen.add_metric([self._model, str(k)], float(steps))
+        yield chosen
 
 
 class ServerMetrics:

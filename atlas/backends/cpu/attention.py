@@ -1,7 +1,9 @@
 """Gated full attention over paged KV, with the optional QSA token selection.
 
 q_proj yields per head a query and an output gate; q and k are RMS-normed per head (zero-centred), roped
-on their first rotary_dim features, and the output is multiplied by sigmoid(gate) before o_proj.
+on their first rotary_dim features, and the output is multiplied by sigmoid(gate) before o_proj. Row-exact
+(`rows.exact`, a verify's rows): the projections batched, each query's attention (and its QSA selection) over
+exactly the prefix it sees, as the one-row feed of its position computes it.
 """
 
 from __future__ import annotations
@@ -9,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from atlas.backends.cpu.qsa import index_projections, selection_mask
+from atlas.backends.cpu.rows import CHUNK, EXACT, RowMath
 from atlas.backends.cpu.state import KvPool
 from atlas.backends.ops import acc_dtype, apply_rope, rms_norm
 from atlas.model.spec import ModelSpec
@@ -26,33 +29,51 @@ def attention_forward(
     block_table: tuple[int, ...],
     start: int,
     index_keys: torch.Tensor | None,
+    rows: RowMath = CHUNK,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """x [n, H] at positions [start, start + n) -> (out [n, H], all raw index keys after this chunk)."""
     n, nh, nkv, hd = x.shape[0], spec.num_heads, spec.num_kv_heads, spec.head_dim
     end = start + n
-    q, gate = (x @ w[pre + "q_proj.weight"].T).view(n, nh, 2 * hd).chunk(2, dim=-1)
+    q, gate = rows.mm(x, w[pre + "q_proj.weight"]).view(n, nh, 2 * hd).chunk(2, dim=-1)
     q = rms_norm(q, w[pre + "q_norm.weight"], spec.rms_norm_eps)
-    k = rms_norm((x @ w[pre + "k_proj.weight"].T).view(n, nkv, hd), w[pre + "k_norm.weight"], spec.rms_norm_eps)
-    v = (x @ w[pre + "v_proj.weight"].T).view(n, nkv, hd)
+    k = rms_norm(rows.mm(x, w[pre + "k_proj.weight"]).view(n, nkv, hd), w[pre + "k_norm.weight"], spec.rms_norm_eps)
+    v = rows.mm(x, w[pre + "v_proj.weight"]).view(n, nkv, hd)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
 
     kv.write(layer, kv.slots(block_table, start, end), k, v, torch.arange(start, end))
     kv.forget_after(layer, block_table, end)  # a reused block's stale stamps never pass for this sequence's rows
-    keys, values = kv.read(layer, kv.slots(block_table, 0, end))  # [end, nkv, hd]
-
+    queries = None
     if index_keys is not None and spec.qsa is not None:
-        queries, raw = index_projections(spec, w, pre, x, cos, sin)
+        queries, raw = index_projections(spec, w, pre, x, cos, sin, rows)
         index_keys = torch.cat([index_keys, raw], dim=0)
+    keys, values = kv.read(layer, kv.slots(block_table, 0, end))  # [end, nkv, hd]
+    if queries is not None and index_keys is not None:
         mask = selection_mask(spec, w, pre, queries, index_keys, start)
     else:
         mask = torch.arange(end)[None, :] <= torch.arange(start, end)[:, None]
-
     group = nh // nkv
     keys = keys.repeat_interleave(group, dim=1)
     values = values.repeat_interleave(group, dim=1)
+    if rows.exact and n > 1:  # each query over exactly its own prefix, as its one-row feed
+        out = torch.cat([_attend(q[i : i + 1], keys[: start + i + 1], values[: start + i + 1],
+                                 mask[i : i + 1, : start + i + 1]) for i in range(n)])
+    else:
+        out = _attend(q, keys, values, mask)
+    out = out * torch.sigmoid(gate.reshape(n, nh * hd))
+    return rows.mm(out, w[pre + "o_proj.weight"]), index_keys
+
+
+def attention_rows(spec: ModelSpec, w: dict[str, torch.Tensor], pre: str, layer: int, x: torch.Tensor,
+                   cos: torch.Tensor, sin: torch.Tensor, kv: KvPool, block_table: tuple[int, ...], start: int,
+                   index_keys: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """attention_forward with each row's bits those of a token-by-token feed."""
+    return attention_forward(spec, w, pre, layer, x, cos, sin, kv, block_table, start, index_keys, EXACT)
+
+
+def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Queries q [n, nh, hd] over keys and values [T, nh, hd] where `mask` [n, T] allows: [n, nh * hd]."""
+    n, nh, hd = q.shape
     scores = torch.einsum("qhd,khd->hqk", q, keys) * hd**-0.5
     scores = scores.masked_fill(~mask[None], float("-inf"))
-    probs = torch.softmax(scores.to(acc_dtype(x.dtype)), dim=-1).to(x.dtype)
-    out = torch.einsum("hqk,khd->qhd", probs, values).reshape(n, nh * hd)
-    out = out * torch.sigmoid(gate.reshape(n, nh * hd))
-    return out @ w[pre + "o_proj.weight"].T, index_keys
+    probs = torch.softmax(scores.to(acc_dtype(q.dtype)), dim=-1).to(q.dtype)
+    return torch.einsum("hqk,khd->qhd", probs, values).reshape(n, nh * hd)

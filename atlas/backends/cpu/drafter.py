@@ -11,6 +11,11 @@ Conventions (the ones that are easy to get wrong):
   are overwritten by the next append: a row built from a draft, or from a drafter hidden, is never kept.
   Committed rows are always rebuilt from the target's hidden of the verified token.
 Slot i of the drafter's KV holds key i, so causal attention in slot space is causal over pair keys.
+
+Every forward is one row-exact pass (atlas.backends.cpu.rows): each row's bits those of feeding the keys one at
+a time, so the keys a verify's commit appends and the first draft's row after them (both from the target's
+hidden) go through the drafter together (`append(..., then=token)`); `propose` takes that row from the cache
+instead of computing it again. Logits are computed for the rows that draft, not for the keys appended.
 """
 
 from __future__ import annotations
@@ -21,9 +26,10 @@ import attrs
 import torch
 
 from atlas.backends.cpu.attention import attention_forward
-from atlas.backends.cpu.moe import moe_block
+from atlas.backends.cpu.moe import dense_mlp, moe_block
+from atlas.backends.cpu.rows import CHUNK, EXACT
 from atlas.backends.cpu.state import KvPool
-from atlas.backends.ops import dense_mlp, rms_norm, rope_table
+from atlas.backends.ops import rms_norm, rope_table
 from atlas.model.spec import ModelSpec
 from atlas.sampling.params import SamplingParams
 from atlas.sampling.verdicts import draft_from
@@ -53,6 +59,8 @@ class DrafterState:
     target_hidden: list[torch.Tensor | None] = attrs.Factory(list)
     proposal: Proposal | None = None
     first_key: int = 0  # 0: the drafter saw the prompt; later when its context is off or after a prefix hit
+    # the first draft's row, built by the append that preceded it: (key, token, drafter hidden [1, H])
+    head: tuple[int, int, torch.Tensor] | None = None
 
     @property
     def last_key(self) -> int:
@@ -88,19 +96,17 @@ class MtpDrafter:
         state.kv = grown
 
     def _forward(self, state: DrafterState, tokens: torch.Tensor, hidden: torch.Tensor, first_key: int
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+                 ) -> torch.Tensor:
         """Pair keys first_key.. (stored at slots from first_key - state.first_key: rows are compacted, RoPE
-        stays in sequence space): (logits [n, vocab], drafter hidden [n, H])."""
-        if self.exact and tokens.shape[0] > 1:  # one row at a time, like the target (see CpuBackend.exact)
-            outs = [self._forward(state, tokens[i : i + 1], hidden[i : i + 1], first_key + i)
-                    for i in range(tokens.shape[0])]
-            return torch.cat([o[0] for o in outs]), torch.cat([o[1] for o in outs])
+        stays in sequence space) in one pass: the drafter's hidden [n, H] (its logits: `logits`)."""
         spec, w, eps = self.spec, self.w, self.spec.rms_norm_eps
+        rows = EXACT if self.exact else CHUNK
         n = tokens.shape[0]
         slot = first_key - state.first_key
         self._reserve(state, slot + n)
         emb = rms_norm(w["embed_tokens.weight"][tokens], w["mtp.pre_fc_norm_embedding.weight"], eps)
-        x = torch.cat([emb, rms_norm(hidden, w["mtp.pre_fc_norm_hidden.weight"], eps)], dim=-1) @ w["mtp.fc.weight"].T
+        x = rows.mm(torch.cat([emb, rms_norm(hidden, w["mtp.pre_fc_norm_hidden.weight"], eps)], dim=-1),
+                    w["mtp.fc.weight"])
         cos, sin = rope_table(torch.arange(first_key + 1, first_key + 1 + n), spec.rotary_dim, spec.rope_theta,
                               x.dtype)
         table = tuple(range(state.kv.num_blocks))
@@ -108,16 +114,25 @@ class MtpDrafter:
             pre = f"mtp.layers.{layer}."
             h = rms_norm(x, w[pre + "input_layernorm.weight"], eps)
             attn, _ = attention_forward(spec, w, pre + "self_attn.", layer, h, cos, sin, state.kv, table, slot,
-                                        None)
+                                        None, rows)
             x = x + attn
             h = rms_norm(x, w[pre + "post_attention_layernorm.weight"], eps)
-            x = x + (moe_block(spec.moe, w, pre + "mlp.", h) if spec.moe is not None else dense_mlp(w, pre + "mlp.", h))
-        out = rms_norm(x, w["mtp.norm.weight"], eps)
-        return out @ w["lm_head.weight"].T, out
+            x = x + (moe_block(spec.moe, w, pre + "mlp.", h, rows) if spec.moe is not None
+                     else dense_mlp(w, pre + "mlp.", h, rows))
+        return rms_norm(x, w["mtp.norm.weight"], eps)
 
-    def append(self, state: DrafterState, start: int, tokens: Sequence[int], hidden: torch.Tensor) -> None:
+    def logits(self, own: torch.Tensor) -> torch.Tensor:
+        """The shared lm_head over drafter hidden rows [n, H]: [n, vocab] (row by row when exact, as the target's)."""
+        head = self.w["lm_head.weight"]
+        if self.exact:
+            return torch.cat([row @ head.T for row in own.split(1)])
+        return own @ head.T
+
+    def append(self, state: DrafterState, start: int, tokens: Sequence[int], hidden: torch.Tensor,
+               then: int | None = None) -> None:
         """The target fed `tokens` at [start, start + n) with final hiddens `hidden` [n, H]: add the pair keys
-        this completes (key j - 1 for every fed position j >= 1), all from the target's hidden."""
+        this completes (key j - 1 for every fed position j >= 1), all from the target's hidden. `then`: the token
+        sampled after them, whose first draft's row (key start + n - 1, transient) joins the same pass."""
         if start != len(state.target_hidden):
             raise ValueError(f"drafter holds hiddens for {len(state.target_hidden)} positions, fed at {start}")
         end = start + len(tokens)
@@ -126,14 +141,17 @@ class MtpDrafter:
         if start > (state.last_key + 2 if state.rows else state.first_key + 1):
             raise ValueError(f"drafter keys end at {state.last_key} (first {state.first_key}): a feed at {start} "
                              "would leave a hole")
-        state.proposal = None
+        state.proposal = state.head = None
         state.target_hidden.extend(hidden.unbind(0))
         if first >= end:
             return
-        ids = torch.tensor(list(tokens[first - start :]), dtype=torch.long)
-        pair_hidden = torch.stack(state.target_hidden[first - 1 : end - 1])  # type: ignore[arg-type]
-        self._forward(state, ids, pair_hidden, first - 1)
+        # the first draft's key end - 1 follows the keys appended: same pass, a transient row past `rows`
+        built = [*tokens[first - start :], *(() if then is None else (then,))]
+        pair_hidden = torch.stack(state.target_hidden[first - 1 : first - 1 + len(built)])  # type: ignore[arg-type]
+        own = self._forward(state, torch.tensor(built, dtype=torch.long), pair_hidden, first - 1)
         state.rows = end - 1 - state.first_key
+        if then is not None:
+            state.head = (end - 1, then, own[-1:])
 
     def propose(self, state: DrafterState, next_token: int, k: int, params: SamplingParams) -> tuple[int, ...]:
         """Draft k tokens after `next_token` (sampled at position `computed`, not yet fed). Transient rows
@@ -146,8 +164,13 @@ class MtpDrafter:
         drafts: list[int] = []
         qs: list[torch.Tensor | None] = []
         token, hidden = next_token, state.target_hidden[-1][None]  # type: ignore[index]
+        head, state.head = state.head, None
         for i in range(k):
-            logits, hidden = self._forward(state, torch.tensor([token]), hidden, computed - 1 + i)
+            if i == 0 and head is not None and head[:2] == (computed - 1, token):
+                hidden = head[2]  # built by the append before this proposal
+            else:
+                hidden = self._forward(state, torch.tensor([token]), hidden, computed - 1 + i)
+            logits = self.logits(hidden)
             # the token this row drafts sits at position computed + 1 + i
             token, q = draft_from(logits[0], params, computed + 1 + i)
             drafts.append(token)
@@ -160,7 +183,7 @@ class MtpDrafter:
         tokens and the target's hiddens, which a rewind does not change)."""
         del state.target_hidden[position:]
         state.rows = max(0, min(state.last_key, position - 2) - state.first_key + 1)
-        state.proposal = None
+        state.proposal = state.head = None
 
     def adopt(self, carried: DrafterState, last_key: int, position: int, hidden: torch.Tensor | None
               ) -> DrafterState:

@@ -3,6 +3,8 @@
 State per layer: the last K conv input columns, and S [Hv, dk, dv]. Per token t (per value head):
     S <- S * exp(g_t);  S <- S + k_t (beta_t (v_t - k_t^T S));  o_t = q_t^T S
 with q, k l2-normalised and q scaled by dk^-0.5, g_t = -exp(A_log) softplus(a_t + dt_bias), beta = sigmoid(b).
+The recurrence runs token by token in every form, so the state after each position of a chunk is at hand:
+`gdn_rows` keeps them all (a verify commits the one of its kept row).
 """
 
 from __future__ import annotations
@@ -10,33 +12,39 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from atlas.backends.cpu.rows import CHUNK, EXACT, RowMath
 from atlas.backends.ops import acc_dtype, gated_rms_norm, l2_normalise
 from atlas.model.spec import ModelSpec
 
 
-def causal_conv(cols_state: torch.Tensor, new_cols: torch.Tensor, weight: torch.Tensor, dilation: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
-    """Depthwise causal conv of `new_cols` [C, n] continuing `cols_state` [C, S]; returns (out [C, n], new state)."""
+def causal_conv(cols_state: torch.Tensor, new_cols: torch.Tensor, weight: torch.Tensor, dilation: int = 1,
+                rows: RowMath = CHUNK) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Depthwise causal conv of `new_cols` [C, n] continuing `cols_state` [C, S]: (out [C, n], new state, and every
+    column [C, S + n]: the state after new column i is columns [i + 1, i + 1 + S)). With `rows.exact` each output
+    column is its own one-column conv, as a token-by-token feed computes it."""
     cols = torch.cat([cols_state, new_cols], dim=-1)
+    n, s = new_cols.shape[-1], cols_state.shape[-1]
     reach = (weight.shape[-1] - 1) * dilation  # columns before a position that its output reads
-    out = F.conv1d(cols[None, :, cols.shape[-1] - new_cols.shape[-1] - reach :], weight,
-                   groups=cols.shape[0], dilation=dilation)[0]
-    return out, cols[:, -cols_state.shape[-1] :]
+    if rows.exact and n > 1:  # each output column its own batch element, shaped as a one-column feed's conv
+        windows = cols[:, s - reach :].unfold(-1, reach + 1, 1).permute(1, 0, 2).contiguous()  # [n, C, reach + 1]
+        out = F.conv1d(windows, weight, groups=cols.shape[0], dilation=dilation)[..., 0].T
+    else:
+        out = F.conv1d(cols[None, :, cols.shape[-1] - n - reach :], weight, groups=cols.shape[0], dilation=dilation)[0]
+    return out, cols[:, -s:], cols
 
 
-def gdn_forward(
-    spec: ModelSpec, w: dict[str, torch.Tensor], pre: str, x: torch.Tensor, conv: torch.Tensor, state: torch.Tensor,
-    position: int = 0,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
-    """x [n, H] -> (out [n, H], new conv state, new recurrent state, the position they encode: `position` + n).
-    Inputs are not modified."""
+def _gdn(spec: ModelSpec, w: dict[str, torch.Tensor], pre: str, x: torch.Tensor, conv: torch.Tensor,
+         state: torch.Tensor, rows: RowMath, keep: bool) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+    """(out [n, H], every conv column [C, S + n], the recurrent state after each position (all if `keep`, else
+    the last))."""
     n = x.shape[0]
     nk, nv, dk, dv = spec.gdn_k_heads, spec.gdn_v_heads, spec.gdn_k_dim, spec.gdn_v_dim
-    qkv = x @ w[pre + "in_proj_qkv.weight"].T
-    z = (x @ w[pre + "in_proj_z.weight"].T).view(n, nv, dv)
-    b = x @ w[pre + "in_proj_b.weight"].T
-    a = x @ w[pre + "in_proj_a.weight"].T
+    qkv = rows.mm(x, w[pre + "in_proj_qkv.weight"])
+    z = rows.mm(x, w[pre + "in_proj_z.weight"]).view(n, nv, dv)
+    b = rows.mm(x, w[pre + "in_proj_b.weight"])
+    a = rows.mm(x, w[pre + "in_proj_a.weight"])
 
-    mixed, new_conv = causal_conv(conv, qkv.T, w[pre + "conv1d.weight"])
+    mixed, _, cols = causal_conv(conv, qkv.T, w[pre + "conv1d.weight"], rows=rows)
     mixed = F.silu(mixed).T
     q, k, v = mixed.split([nk * dk, nk * dk, nv * dv], dim=-1)
     acc = acc_dtype(x.dtype)
@@ -46,10 +54,12 @@ def gdn_forward(
     v = v.reshape(n, nv, dv).to(acc)
     q = l2_normalise(q) * dk**-0.5
     k = l2_normalise(k)
-    beta = torch.sigmoid(b).to(acc)
-    decay = (-w[pre + "A_log"].to(acc).exp() * F.softplus(a.to(acc) + w[pre + "dt_bias"].to(acc))).exp()
+    beta = rows.each(torch.sigmoid, b).to(acc)
+    a_log, dt_bias = w[pre + "A_log"].to(acc), w[pre + "dt_bias"].to(acc)
+    decay = rows.each(lambda at: (-a_log.exp() * F.softplus(at.to(acc) + dt_bias)).exp(), a)
 
     s = state.to(acc)
+    states = []
     out = torch.empty(n, nv, dv, dtype=acc)
     for t in range(n):
         s = s * decay[t, :, None, None]
@@ -57,6 +67,28 @@ def gdn_forward(
         delta = (v[t] - predicted) * beta[t, :, None]
         s = s + k[t, :, :, None] * delta[:, None, :]
         out[t] = torch.einsum("hk,hkv->hv", q[t], s)
+        if keep:
+            states.append(s)
 
     o = gated_rms_norm(out.to(x.dtype), z, w[pre + "norm.weight"], spec.rms_norm_eps, spec.gdn_gate_act)
-    return o.reshape(n, nv * dv) @ w[pre + "out_proj.weight"].T, new_conv, s, position + n
+    return rows.mm(o.reshape(n, nv * dv), w[pre + "out_proj.weight"]), cols, states if keep else [s]
+
+
+def gdn_forward(
+    spec: ModelSpec, w: dict[str, torch.Tensor], pre: str, x: torch.Tensor, conv: torch.Tensor, state: torch.Tensor,
+    position: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """x [n, H] -> (out [n, H], new conv state, new recurrent state, the position they encode: `position` + n).
+    Inputs are not modified."""
+    out, cols, (s,) = _gdn(spec, w, pre, x, conv, state, CHUNK, keep=False)
+    return out, cols[:, -conv.shape[-1] :], s, position + x.shape[0]
+
+
+def gdn_rows(
+    spec: ModelSpec, w: dict[str, torch.Tensor], pre: str, x: torch.Tensor, conv: torch.Tensor, state: torch.Tensor,
+) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
+    """x [n, H], each row's bits those of a token-by-token feed -> (out [n, H], the conv state after each position,
+    the recurrent state after each position)."""
+    out, cols, states = _gdn(spec, w, pre, x, conv, state, EXACT, keep=True)
+    width = conv.shape[-1]
+    return out, [cols[:, t + 1 : t + 1 + width] for t in range(x.shape[0])], states

@@ -5,20 +5,21 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from atlas.backends.cpu.rows import CHUNK, RowMath
 from atlas.backends.ops import rms_norm
 
 
 def hyper_mix(
-    w: dict[str, torch.Tensor], pre: str, streams: torch.Tensor, hc: int, eps: float, *, combine: bool
+    w: dict[str, torch.Tensor], pre: str, streams: torch.Tensor, hc: int, eps: float, *, combine: bool,
+    rows: RowMath = CHUNK,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """streams [n, hc*H] -> (block input [n, H], injection weights [n, hc] or None for the final mixer)."""
     hidden = streams.shape[-1] // hc
     normed = rms_norm(streams, w[pre + "hc_norm.weight"], eps, group=hidden)
-    mix = F.silu((normed @ w[pre + "input_mix_weight_down.weight"].T) / hc)
-    mix = torch.sigmoid(mix @ w[pre + "input_mix_weight_up.weight"].T).unflatten(-1, (hc, hidden))
+    mix = rows.each(F.silu, rows.mm(normed, w[pre + "input_mix_weight_down.weight"]) / hc)
+    mix = rows.each(torch.sigmoid, rows.mm(mix, w[pre + "input_mix_weight_up.weight"])).unflatten(-1, (hc, hidden))
     mixed = (mix * normed.unflatten(-1, (hc, hidden))).mean(dim=-2)
     if not combine:
         return mixed, None
-    inject = 2 * torch.sigmoid((normed @ w[pre + "block_inject_weight.weight"].T) / hc)
+    inject = 2 * rows.each(torch.sigmoid, rows.mm(normed, w[pre + "block_inject_weight.weight"]) / hc)
     return mixed, inject
-

@@ -1,18 +1,27 @@
-"""The sparse MoE block with a gated shared expert (the dense SwiGLU MLP is atlas.backends.ops.dense_mlp)."""
+"""The sparse MoE block with a gated shared expert, and the dense SwiGLU MLP (atlas.backends.ops.dense_mlp's
+arithmetic, with the row-exact products of atlas.backends.cpu.rows)."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-from atlas.backends.ops import acc_dtype, dense_mlp
+from atlas.backends.cpu.rows import CHUNK, RowMath
+from atlas.backends.ops import acc_dtype
 from atlas.model.spec import MoeSpec
 
 
-def moe_block(moe: MoeSpec, w: dict[str, torch.Tensor], pre: str, x: torch.Tensor) -> torch.Tensor:
+def dense_mlp(w: dict[str, torch.Tensor], pre: str, x: torch.Tensor, rows: RowMath = CHUNK) -> torch.Tensor:
+    gate = rows.mm(x, w[pre + "gate_proj.weight"])
+    up = rows.mm(x, w[pre + "up_proj.weight"])
+    return rows.mm(rows.each(F.silu, gate) * up, w[pre + "down_proj.weight"])
+
+
+def moe_block(moe: MoeSpec, w: dict[str, torch.Tensor], pre: str, x: torch.Tensor, rows: RowMath = CHUNK
+              ) -> torch.Tensor:
     """x [n, H] -> [n, H]: top-k routed experts (softmax, then top-k, renormalised) + sigmoid-gated shared."""
-    logits = x @ w[pre + "gate.weight"].T
-    probs = torch.softmax(logits.to(acc_dtype(x.dtype)), dim=-1)
+    logits = rows.mm(x, w[pre + "gate.weight"])
+    probs = rows.each(lambda r: torch.softmax(r.to(acc_dtype(x.dtype)), dim=-1), logits)
     top_w, top_i = torch.topk(probs, moe.top_k, dim=-1)
     if moe.norm_topk_prob:
         top_w = top_w / top_w.sum(dim=-1, keepdim=True)
@@ -23,9 +32,10 @@ def moe_block(moe: MoeSpec, w: dict[str, torch.Tensor], pre: str, x: torch.Tenso
     # experts in ascending order, as the reference sums them
     for expert in torch.unique(top_i).tolist():
         tokens, slots = torch.where(top_i == expert)
-        gate, up = (x[tokens] @ gate_up[expert].T).chunk(2, dim=-1)
-        out = (F.silu(gate) * up) @ down[expert].T
+        gate, up = rows.mm(x[tokens], gate_up[expert]).chunk(2, dim=-1)
+        out = rows.mm(rows.each(F.silu, gate) * up, down[expert])
         routed.index_add_(0, tokens, out * top_w[tokens, slots, None])
 
-    shared = dense_mlp(w, pre + "shared_expert.", x)
-    return routed + torch.sigmoid(x @ w[pre + "shared_expert_gate.weight"].T) * shared
+    shared = dense_mlp(w, pre + "shared_expert.", x, rows)
+    gate = rows.each(torch.sigmoid, rows.mm(x, w[pre + "shared_expert_gate.weight"]))
+    return routed + gate * shared

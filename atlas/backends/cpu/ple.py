@@ -12,9 +12,33 @@ import torch
 import torch.nn.functional as F
 
 from atlas.backends.cpu.gdn import causal_conv
+from atlas.backends.cpu.rows import CHUNK, EXACT, RowMath
 from atlas.backends.ops import rms_norm
 from atlas.model.ngram import ngram_ids, ngram_tables
 from atlas.model.spec import ModelSpec
+
+
+def _ple(spec: ModelSpec, w: dict[str, torch.Tensor], pre: str, rank: int, streams: torch.Tensor,
+         history: torch.Tensor, conv: torch.Tensor, rows: RowMath) -> tuple[torch.Tensor, torch.Tensor]:
+    """(addition to the streams [n, hc*H], every short-conv column [hc*H, S + n])."""
+    assert spec.ple is not None
+    ple, hc, hidden = spec.ple, spec.hc_count, spec.hidden_size
+    n = streams.shape[0]
+    ids = ngram_ids(history, n, ple, ngram_tables(ple, spec.vocab_size, rank))
+    emb = w[pre + "ngram_embedding.weight"][ids].flatten(-2)  # [n, embed_dim]
+
+    eps = spec.rms_norm_eps
+    key = rms_norm(rows.mm(emb, w[pre + "key_proj.weight"]), w[pre + "norm_key.weight"], eps, group=hidden)
+    query = rms_norm(streams, w[pre + "norm_query.weight"], eps, group=hidden)
+    value = rows.mm(emb, w[pre + "value_proj.weight"])  # [n, H], shared by every stream
+    gate = (key.view(n, hc, hidden) * query.view(n, hc, hidden)).sum(-1, keepdim=True) / math.sqrt(hidden)
+    gate = gate.abs().clamp_min(1e-6).sqrt() * gate.sign()  # signed square root
+    gated = (rows.each(torch.sigmoid, gate) * value.unsqueeze(-2)).flatten(-2)  # [n, hc*H]
+    gated_normed = rms_norm(gated, w[pre + "norm_conv.weight"], eps, group=hidden)
+
+    conv_out, _, cols = causal_conv(conv, gated_normed.T, w[pre + "conv1d.weight"], dilation=ple.ngram_size,
+                                    rows=rows)
+    return gated + F.silu(conv_out).T, cols
 
 
 def ple_forward(
@@ -29,23 +53,16 @@ def ple_forward(
 ) -> tuple[torch.Tensor, torch.Tensor, int]:
     """streams [n, hc*H], history [ctx + n] ids -> (addition to the streams [n, hc*H], new conv state, the
     position it encodes: `position` + n)."""
-    assert spec.ple is not None
-    ple, hc, hidden = spec.ple, spec.hc_count, spec.hidden_size
-    n = streams.shape[0]
-    ids = ngram_ids(history, n, ple, ngram_tables(ple, spec.vocab_size, rank))
-    emb = w[pre + "ngram_embedding.weight"][ids].flatten(-2)  # [n, embed_dim]
+    added, cols = _ple(spec, w, pre, rank, streams, history, conv, CHUNK)
+    return added, cols[:, -conv.shape[-1] :], position + streams.shape[0]
 
-    eps = spec.rms_norm_eps
-    key = rms_norm(emb @ w[pre + "key_proj.weight"].T, w[pre + "norm_key.weight"], eps, group=hidden)
-    query = rms_norm(streams, w[pre + "norm_query.weight"], eps, group=hidden)
-    value = emb @ w[pre + "value_proj.weight"].T  # [n, H], shared by every stream
-    gate = (key.view(n, hc, hidden) * query.view(n, hc, hidden)).sum(-1, keepdim=True) / math.sqrt(hidden)
-    gate = gate.abs().clamp_min(1e-6).sqrt() * gate.sign()  # signed square root
-    gated = (torch.sigmoid(gate) * value.unsqueeze(-2)).flatten(-2)  # [n, hc*H]
-    gated_normed = rms_norm(gated, w[pre + "norm_conv.weight"], eps, group=hidden)
 
-    conv_out, new_conv = causal_conv(conv, gated_normed.T, w[pre + "conv1d.weight"], dilation=ple.ngram_size)
-    return gated + F.silu(conv_out).T, new_conv, position + n
+def ple_rows(spec: ModelSpec, w: dict[str, torch.Tensor], pre: str, rank: int, streams: torch.Tensor,
+             history: torch.Tensor, conv: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """ple_forward with each row's bits those of a token-by-token feed, and the conv state after each position."""
+    added, cols = _ple(spec, w, pre, rank, streams, history, conv, EXACT)
+    width = conv.shape[-1]
+    return added, [cols[:, t + 1 : t + 1 + width] for t in range(streams.shape[0])]
 
 
 def advance_context(context: torch.Tensor, position: int, tokens: torch.Tensor, context_len: int

@@ -20,6 +20,7 @@ from atlas.backends.base import (
     run_orders,
     state_audit_default,
 )
+from atlas.backends.cpu.costs import STEP_COSTS, measure_verify_costs
 from atlas.backends.cpu.decoder import forward_chunk
 from atlas.backends.cpu.drafter import MtpDrafter
 from atlas.backends.cpu.mtp import mtp_forward
@@ -178,6 +179,16 @@ class CpuBackend:
         """Reference MTP drafter over pair keys first_key.. (see atlas.backends.cpu.mtp): (logits, hidden)."""
         return mtp_forward(self.spec, self.weights, hidden, torch.tensor(list(next_tokens), dtype=torch.long), first_key)
 
+    def measure_verify_costs(self, num_drafts: int) -> tuple[tuple[int, tuple[float, ...]], ...]:
+        """A speculative step's time over a plain decode's, for 1..num_drafts drafts, timed now on this machine
+        (atlas.backends.cpu.costs)."""
+        return measure_verify_costs(self, num_drafts)
+
+    def verify_costs(self, num_drafts: int) -> tuple[tuple[int, tuple[float, ...]], ...]:
+        """The cost model the draft-count policy starts from: STEP_COSTS (deterministic, so two runs of one
+        config choose alike), cut to num_drafts."""
+        return ((1, STEP_COSTS[:num_drafts]),)
+
     def execute(self, plan: StepPlan) -> StepResult:
         done = run_orders(self.store, plan)
         ends = {w.seq_id: w.end for w in plan.work}
@@ -265,6 +276,8 @@ class CpuBackend:
         verdicts = self.verify(w)
         try:
             n = accepted_prefix(verdicts, w.drafts, self.spec.vocab_size)
+            if w.propose and self.drafter is not None and w.seq_id in store.drafts:
+                store.draft_after(w.seq_id, verdicts[n].token)
             cursors = store.commit(w.seq_id, n + 1)
         except VerifyRefused as exc:
             store.pending.pop(w.seq_id, None)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 
+import attrs
 import torch
 
 from atlas.backends.audit import StateAudit
@@ -172,11 +173,17 @@ class CpuStateStore:
             self.audit.check_commit(seq_id, rows, verified, snapshot_digest(self.seqs[seq_id]))
         if seq_id in self.drafts:
             d = self.drafts[seq_id]
-            self.drafter.append(d, pending.start, pending.tokens[:rows], pending.hidden[:rows])  # type: ignore[union-attr]
+            self.drafter.append(d, pending.start, pending.tokens[:rows], pending.hidden[:rows],  # type: ignore[union-attr]
+                                then=pending.then)
             if verified is not None:  # the committed pair keys are built from the target's hidden the verify computed
                 built = torch.stack(d.target_hidden[pending.start:pending.start + rows])  # type: ignore[arg-type]
                 self.audit.check_hidden(seq_id, rows, verified, built)
         return self.cursors(seq_id)
+
+    def draft_after(self, seq_id: int, token: int) -> None:
+        """The pending verify's commit will be followed by a proposal after `token`: the drafter builds the
+        first draft's row in the pass that appends the committed keys."""
+        self.pending[seq_id] = attrs.evolve(self.pending[seq_id], then=token)
 
     def record_verify(self, seq_id: int, pending: PendingVerify) -> None:
         """A verify ran: it waits for `commit`; the audit keeps what it computed (each row's state digest and

@@ -1,13 +1,15 @@
 """The K-wide verify and its exact partial-accept commit, on the CPU reference backend.
 
-A verify feeds [last token, d1 .. d_{K-1}] one row at a time (the same path a decode takes, so its bits are a
-decode's bits) and keeps the sequence's whole state after every row: the per-token intermediates (GDN conv
-+ recurrent state, PLE context + short-conv state; KV rows and QSA raw keys are positional). Nothing is
+A verify feeds [last token, d1 .. d_{K-1}] as one pass through the stack (`forward_rows`): the products
+batched, each row's bits those of a decode of that row (atlas.backends.cpu.rows), and it keeps the sequence's
+state after every row: the per-position intermediates the pass computes anyway (GDN conv + recurrent state, PLE
+context + short-conv state; KV rows and QSA raw keys are positional, so a row's are a slice). Nothing is
 committed by the verify itself. The commit of the accepted prefix installs the intermediate after row
-`rows - 1`, which is by construction the state of a sequence that decoded those rows one at a time.
+`rows - 1` (chosen by index, never recomputed), which is bitwise the state of a sequence that decoded those
+rows one at a time.
 
-QSA selection is applied per row (each row is its own forward with its own visible prefix), so a verify that
-crosses the inert bound is exact here: the CPU backend reports `verify_crosses_qsa_bound = True`.
+QSA selection is applied per row (each query over its own visible prefix), so a verify that crosses the inert
+bound is exact here: the CPU backend reports `verify_crosses_qsa_bound = True`.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from collections.abc import Sequence
 import attrs
 import torch
 
-from atlas.backends.cpu.decoder import forward_chunk
+from atlas.backends.cpu.decoder import forward_rows
 from atlas.backends.cpu.state import KvPool, SequenceState
 from atlas.errors import VerifyRefused
 from atlas.model.spec import ModelSpec
@@ -31,6 +33,7 @@ class PendingVerify:
     tokens: tuple[int, ...]
     states: tuple[SequenceState, ...]
     hidden: torch.Tensor  # [K, H], the target's final hidden per row (the drafter pairs them on commit)
+    then: int | None = None  # the token sampled after the kept rows, when the drafter proposes after it
 
 
 def run_verify(
@@ -42,14 +45,10 @@ def run_verify(
     start: int,
     block_table: tuple[int, ...],
 ) -> PendingVerify:
-    """Feed the K verify rows at [start, start + K), row by row; `state` itself is left untouched."""
-    rows, states = [], []
-    ids = torch.tensor(list(tokens), dtype=torch.long)
-    for i in range(len(tokens)):
-        hidden, state = forward_chunk(spec, w, kv, state, ids[i : i + 1], start + i, block_table)
-        rows.append(hidden)
-        states.append(state)
-    return PendingVerify(start, tuple(tokens), tuple(states), torch.cat(rows))
+    """Feed the K verify rows at [start, start + K) in one pass; `state` itself is left untouched."""
+    hidden, states = forward_rows(spec, w, kv, state, torch.tensor(list(tokens), dtype=torch.long), start,
+                                  block_table)
+    return PendingVerify(start, tuple(tokens), states, hidden)
 
 
 def check_commit(spec: ModelSpec, current: SequenceState, pending: PendingVerify, rows: int, depth: int) -> None:

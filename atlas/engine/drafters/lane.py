@@ -6,16 +6,25 @@ the n-gram and scripted drafters are pure functions of the tokens; the MTP draft
 the backend in the previous step's execute (SeqWork.propose -> SeqOutcome.drafts) and are cached here by the
 position they continue. The backend verifies and commits the accepted prefix in the same execute; the engine
 checks the count against the verdicts (atlas.engine.outcome) and records acceptance statistics (`observe`).
+
+How many drafts a sequence verifies this step (0..num_drafts) is `choose_drafts`'s (atlas.engine.drafters.policy)
+when the engine has a cost model: from the step's decoding batch, the acceptance observed on that sequence's own
+verifies and the recorded costs, never the clock, so a replay recomputes every choice (and where the costs do
+not vary with the batch, as on the CPU backend, a sequence's drafts do not depend on what runs beside it: sampled
+speculation stays batch-invariant). The drafts are cut to it, the MTP drafter proposes that many for the next
+step, and `choices` counts the sequences' steps by their choice.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Iterator
 
 import structlog
 
 from atlas.config import Capacities
 from atlas.engine.drafters.base import Drafter, DraftRequest
+from atlas.engine.drafters.policy import VerifyCosts, choose_drafts, smoothed_rates
 from atlas.plan import StepPlan, StepResult
 from atlas.sampling.acceptance import AcceptanceStats, verdict_bits
 from atlas.state.control import ControlState
@@ -23,6 +32,7 @@ from atlas.state.events import Event, SpeculationLatchedOff
 from atlas.state.machines import Sequence
 
 log = structlog.get_logger("atlas.speculative")
+PROBE = 8  # tokens between the one-draft verifies of a sequence the policy has at 0 drafts
 
 
 def inert_bound(caps: Capacities) -> int | None:
@@ -32,8 +42,10 @@ def inert_bound(caps: Capacities) -> int | None:
 
 class SpeculativeLane:
     def __init__(self, drafter: Drafter | None, caps: Capacities, num_drafts: int, vocab_size: int | None, *,
-                 per_row_qsa: bool, skip: Callable[[Sequence], bool] | None = None) -> None:
-        """`drafter` None: the backend's own MTP drafter proposes (SeqWork.propose)."""
+                 per_row_qsa: bool, skip: Callable[[Sequence], bool] | None = None,
+                 costs: VerifyCosts | None = None) -> None:
+        """`drafter` None: the backend's own MTP drafter proposes (SeqWork.propose). `costs` None: every step
+        verifies num_drafts."""
         self.drafter = drafter
         self.caps = caps
         self.num_drafts = num_drafts
@@ -43,6 +55,11 @@ class SpeculativeLane:
         self.stats = AcceptanceStats()
         self.latched_total = 0
         self._proposed: dict[int, tuple[int, tuple[int, ...]]] = {}  # MTP: seq_id -> (position, drafts)
+        self.costs = costs
+        self.choice = num_drafts  # the last step's largest draft count
+        self.choices: Counter[int] = Counter()  # decoding sequences' steps, by their draft count
+        self._chosen: dict[int, int] = {}  # this step's draft count per decoding sequence
+        self._seen: dict[int, AcceptanceStats] = {}  # each sequence's own verifies (the policy's acceptance)
 
     @property
     def backend_drafts(self) -> bool:
@@ -62,15 +79,33 @@ class SpeculativeLane:
                 yield SpeculationLatchedOff(state.step, seq_id, c.computed, self.bound,
                                             "backend cannot apply QSA selection per verify row")
 
+    def decide(self, state: ControlState) -> dict[int, int]:
+        """This step's draft count per decoding sequence: the policy's, or num_drafts without a cost model."""
+        decoding = [seq_id for seq_id in state.running if state.seqs[seq_id].cursor.decoding]
+        if self.costs is None:
+            return dict.fromkeys(decoding, self.num_drafts)
+        out = {}
+        for seq_id in decoding:
+            seen = self._seen.get(seq_id)
+            rates = smoothed_rates(seen.reached if seen else (), seen.conditional if seen else (), self.num_drafts)
+            k = choose_drafts(len(decoding), self.num_drafts, rates, self.costs)
+            # a sequence at 0 drafts still verifies one every PROBE tokens: its acceptance keeps being observed
+            out[seq_id] = 1 if k == 0 and state.seqs[seq_id].cursor.generated % PROBE == 0 else k
+        return out
+
     def drafts(self, state: ControlState) -> dict[int, tuple[int, ...]]:
         """Drafts per decoding sequence for this step, in arrival order (the scheduler cuts them to budget)."""
         out: dict[int, tuple[int, ...]] = {}
+        self._chosen = self.decide(state)
+        if self._chosen:
+            self.choice = max(self._chosen.values())
+            self.choices.update(self._chosen.values())
         for seq_id in state.running:
             seq = state.seqs[seq_id]
             c = seq.cursor
             if not c.decoding or seq.drafter.latched:
                 continue
-            k = min(self.num_drafts, seq.max_new - c.generated - 1)
+            k = min(self._chosen.get(seq_id, self.num_drafts), seq.max_new - c.generated - 1)
             if k < 1 or (seq.banned and max(seq.banned) >= len(c.tokens)) or (self.skip is not None
                                                                                and self.skip(seq)):
                 continue  # no room, or a rollback's ban ahead: the plain decode applies it
@@ -93,15 +128,20 @@ class SpeculativeLane:
         """How many drafts the backend's drafter proposes after this step's sampled token (0: none)."""
         if self.drafter is not None or seq.drafter.latched:
             return 0
-        return self.num_drafts
+        k = self._chosen.get(seq.seq_id, self.num_drafts)
+        return 1 if k == 0 and (seq.cursor.generated + 1) % PROBE == 0 else k  # the next step's probe
 
     def observe(self, plan: StepPlan, result: StepResult) -> None:
         """After a step: acceptance statistics of its verifies, and the MTP drafts for the next step."""
         for seq_id in (*plan.release, *plan.reset):
             self._proposed.pop(seq_id, None)
+            self._seen.pop(seq_id, None)
         for work, o in zip(plan.work, result.outcomes, strict=True):
             if work.drafts and o.accepted >= 0 and len(o.verdicts) == len(work.drafts) + 1:
-                self.stats.record(len(work.drafts), verdict_bits(o.verdicts, len(work.drafts)))
+                bits = verdict_bits(o.verdicts, len(work.drafts))
+                self.stats.record(len(work.drafts), bits)
+                if self.costs is not None:
+                    self._seen.setdefault(o.seq_id, AcceptanceStats()).record(len(work.drafts), bits)
             if self.drafter is None:
                 if o.drafts:
                     end = work.end + (o.accepted if work.drafts else 0)  # where the next verify starts

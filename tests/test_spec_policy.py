@@ -1,0 +1,84 @@
+"""The draft-count policy (atlas.engine.drafters.policy), without a model: speculation off where it loses, the
+widest verify where acceptance is high and the verify cheap, and the engine's choices recomputed on replay."""
+
+from __future__ import annotations
+
+import pytest
+
+from atlas.engine.drafters.policy import VerifyCosts, choose_drafts, expected_tokens, smoothed_rates
+
+CHEAP = VerifyCosts(((1, (1.05, 1.1, 1.15, 1.2)),))
+BY_BATCH = VerifyCosts(((1, (1.2, 1.4, 1.6, 1.8)), (16, (1.6, 2.2, 2.9, 3.6)), (64, (2.5, 4.5, 6.5, 9.0))))
+
+
+def test_expected_tokens_is_one_plus_the_chain_of_acceptances() -> None:
+    assert expected_tokens((0.7, 0.7), 2) == pytest.approx(1 + 0.7 + 0.49)
+    assert expected_tokens((0.7, 0.7), 0) == 1.0
+    assert expected_tokens((1.0, 0.0, 1.0), 3) == 2.0  # the chain stops at the first rejection
+
+
+def test_high_acceptance_and_a_cheap_verify_take_every_draft() -> None:
+    assert choose_drafts(1, 4, (0.95,) * 4, CHEAP) == 4
+
+
+def test_speculation_that_loses_at_a_batch_verifies_nothing_there() -> None:
+    rates = (0.8, 0.75, 0.7, 0.65)
+    assert choose_drafts(1, 4, rates, BY_BATCH) >= 2  # 2.8 tokens for 1.6: pays
+    assert choose_drafts(64, 4, rates, BY_BATCH) == 0  # 1.8 tokens for 2.5 at best: a plain decode is faster
+    assert choose_drafts(100, 4, rates, BY_BATCH) == 0  # past the last row, its costs
+    assert choose_drafts(16, 4, rates, BY_BATCH) == 1  # 1.8 / 1.6 beats 2.4 / 2.2 and the rest
+
+
+def test_low_acceptance_turns_drafting_off_and_max_drafts_bounds_the_choice() -> None:
+    assert choose_drafts(1, 4, (0.05,) * 4, CHEAP) == 0
+    assert choose_drafts(1, 2, (0.95,) * 4, CHEAP) == 2  # --num-drafts is an upper bound
+
+
+def test_a_gain_within_the_margin_is_not_taken() -> None:
+    costs = VerifyCosts(((1, (1.68,)),))
+    assert choose_drafts(1, 1, (0.7,), costs) == 0  # 1.7 tokens for 1.68: within 5% of a decode
+
+
+def test_smoothed_rates_start_at_the_prior_and_follow_what_is_observed() -> None:
+    assert smoothed_rates((), (), 2) == pytest.approx((0.7, 0.7))
+    rates = smoothed_rates((100, 50), (10, 50), 3)
+    assert rates[0] == pytest.approx((10 + 2.8) / 104) and rates[1] == pytest.approx((50 + 2.8) / 54)
+    assert rates[2] == pytest.approx(0.7)  # never reached: the prior
+
+
+def test_the_engine_cuts_drafts_to_its_choice_deterministically() -> None:
+    """A drafter that is always wrong: after a few verifies the policy stops drafting for each sequence, the tokens
+    are speculation off's, and a second run plans every step alike (the choice is a function of the recorded
+    costs and the verdicts, never the clock)."""
+    from atlas.config import EngineConfig
+    from atlas.engine.drafters.scripted import ScriptedDrafter
+    from atlas.engine.offline import generate
+    from atlas.engine.records import RecordingSink
+    from atlas.model import load_model
+    from atlas.registry import build_engine
+    from atlas.sampling.params import SamplingParams
+
+    tiny = load_model("atlas-tiny")
+    prompts, params = [list(b"policy: "), list(b"draft count")], SamplingParams(max_tokens=24)
+    config = EngineConfig(max_seq_len=64, max_batch_size=2, prefill_chunk_tokens=32, num_drafts=3, drafter="scripted",
+                          verify_costs=((1, (1.3, 1.6, 1.9)),))
+
+    def run():  # type: ignore[no-untyped-def]
+        sink = RecordingSink()
+        engine = build_engine("atlas-tiny", "cpu", config, loaded=tiny, sink=sink,
+                              drafter=ScriptedDrafter(lambda req: [(t + 7) % 256 for t in req.tokens[-req.k:]]))
+        out = [r.token_ids for r in generate(engine, prompts, [params] * 2)]
+        stats = engine.stats()
+        engine.close()
+        return out, stats, [e for _, _, e, _ in sink.rows if e.kind == "step_planned"]
+
+    out, stats, planned = run()
+    off = build_engine("atlas-tiny", "cpu", EngineConfig(max_seq_len=64, max_batch_size=2, prefill_chunk_tokens=32),
+                       loaded=tiny)
+    assert out == [r.token_ids for r in generate(off, prompts, [params] * 2)]
+    assert stats.spec_drafts_accepted == 0 and 0 < stats.spec_verify_steps < 24  # probes every 8 tokens at 0
+    by_drafts = stats.spec_steps_by_drafts
+    assert len(by_drafts) == 4 and by_drafts[0] > 0 and sum(by_drafts[1:]) > 0 and stats.spec_draft_choice == 0
+    # the prior (0.7 a draft): 2.19 tokens for 1.6 beats 1.7 for 1.3 and 2.53 for 1.9
+    assert max(len(d) for e in planned for d in e.drafts) == 2
+    assert run()[2] == planned

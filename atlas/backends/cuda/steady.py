@@ -42,6 +42,7 @@ _FLAGS = operator.attrgetter("sample", "banned", "drafts", "prompt_logprobs")
 _PLAIN = (True, (), (), None)  # sample, no ban, no drafts, no prompt logprobs
 _POSITION = operator.attrgetter("position")
 _LOGPROBS = operator.attrgetter("logprobs")
+_ADJUSTED = operator.attrgetter("adjusted")
 
 
 class FirstRows(Mapping):
@@ -95,6 +96,8 @@ class SteadyDecode:
         if not n or list(map(_FLAGS, work)).count(_PLAIN) != n:
             return None
         ids, tokens, starts, tables, params = zip(*map(_ROW, work), strict=True)
+        if any(map(_ADJUSTED, params)):  # a logit_bias or penalty: sample_rows' eager rows build its inputs
+            return None
         try:
             toks = [t for (t,) in tokens]  # one token a row
         except (TypeError, ValueError):

@@ -21,6 +21,21 @@ _LATER_FIELDS = {"min_p": 0.0, "repetition_penalty": 1.0, "min_tokens": 0, "prom
                  "frequency_penalty": 0.0, "presence_penalty": 0.0, "logit_bias": ()}
 
 
+_MASK64 = (1 << 64) - 1
+
+
+def choice_seed(seed: int, choice: int) -> int:
+    """The seed of choice `choice` (0, 1, ...) of a request asking n > 1 choices with `seed`: choice 0 keeps the seed
+    (so the first of n is the n = 1 answer), the others splitmix64(seed + choice * 0x9E3779B97F4A7C15) in [0, 2^64):
+    distinct, and the same on every run and every replay."""
+    if choice == 0:
+        return seed
+    z = (seed + choice * 0x9E37_79B9_7F4A_7C15) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58_476D_1CE4_E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D0_49BB_1331_11EB) & _MASK64
+    return z ^ (z >> 31)
+
+
 def _check_temperature(_inst: object, _attr: attrs.Attribute, value: float) -> None:
     if not 0.0 <= value <= 100.0:
         raise ValueError(f"temperature must be in [0, 100], got {value}")

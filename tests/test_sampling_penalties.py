@@ -172,3 +172,22 @@ def test_the_cpu_backend_engine_applies_them() -> None:
     rep = run("rep", logit_bias={7: 3.0}, repetition_penalty=5.0)
     assert rep[0] != 7  # 7 is in the prompt: its logit is divided by 5 from the first token
     assert run("again", logit_bias={7: 8.0}, frequency_penalty=2.0) == freq  # keyed: the same on every run
+
+
+@pytest.mark.parametrize("drafter", ["ngram", "mtp"])
+def test_a_penalised_request_is_not_speculated(drafter: str) -> None:
+    """A verify row's penalties would depend on the drafts before it: such a request decodes plainly, so with
+    speculation on it gets exactly its tokens with speculation off (an n-gram drafter proposes the biased 7s)."""
+    from atlas.config import EngineConfig
+    from atlas.engine.offline import generate
+    from atlas.registry import build_engine
+
+    prompts = [[5, 6, 7, 5, 6, 7, 5, 6], [9, 8, 7]]
+    params = [SamplingParams(max_tokens=16, logit_bias={7: 8.0}, frequency_penalty=1.0),
+              SamplingParams(max_tokens=16, temperature=0.8, seed=4, logit_bias={7: 4.0}, repetition_penalty=1.6,
+                             presence_penalty=0.5)]
+    off = generate(build_engine("atlas-tiny", "cpu", EngineConfig(max_seq_len=64)), prompts, params)
+    spec = EngineConfig(max_seq_len=64, num_drafts=3, drafter=drafter)
+    on = generate(build_engine("atlas-tiny", "cpu", spec), prompts, params)
+    assert [r.token_ids for r in on] == [r.token_ids for r in off]
+    assert 7 in off[0].token_ids and off[0].token_ids != [7] * 16

@@ -333,7 +333,7 @@ async def _run(ctx: ServingContext, request: Request, kind: Kind, body: Completi
     ctx.check_token_ids(body.stop_token_ids, param="stop_token_ids")
     ctx.check_token_ids(body.bias_token_ids(), param="logit_bias")
     for prompt in prompts:
-        _check_min_tokens(ctx, body.min_tokens, len(prompt))
+        body.check_min_tokens_room(ctx.max_seq_len, len(prompt))
     params = attrs.evolve(body.sampling_params(), snapshot_points=snapshot_points)
     request_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
     prompt_lp = body.engine_prompt_logprobs() if isinstance(body, CompletionRequest) else None
@@ -381,12 +381,6 @@ async def _fanned_events(ctx: ServingContext, streams: list[RequestStream], gens
                     "created": int(time.time()), "model": ctx.model_name, "choices": [], "usage": _usage(gens)})
     yield DONE
 
-
-def _check_min_tokens(ctx: ServingContext, min_tokens: int, prompt_len: int) -> None:
-    room = ctx.max_seq_len - prompt_len
-    if min_tokens > room:
-        raise bad_request(f"min_tokens: {min_tokens} exceeds the context left after the prompt, {room} tokens "
-                          f"(max_model_len {ctx.max_seq_len} - prompt {prompt_len})", param="min_tokens")
 
 
 async def create_completion(ctx: ServingContext, request: Request, body: CompletionRequest) -> Response:

@@ -132,6 +132,13 @@ class _SamplingFields(_Strict):
     def bias_token_ids(self) -> list[int]:
         return [int(k) for k in self.logit_bias or {}]
 
+    def check_min_tokens_room(self, max_seq_len: int, prompt_len: int) -> None:
+        """min_tokens must fit in the context the prompt leaves: a 400 naming both numbers."""
+        room = max_seq_len - prompt_len
+        if self.min_tokens > room:
+            raise bad_request(f"min_tokens: {self.min_tokens} exceeds the context left after the prompt, {room} "
+                              f"tokens (max_model_len {max_seq_len} - prompt {prompt_len})", param="min_tokens")
+
     def stop_strings(self) -> tuple[str, ...]:
         if self.stop is None:
             return ()

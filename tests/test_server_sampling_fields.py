@@ -5,6 +5,7 @@ them, `user` accepted and ignored as vLLM does, and a run using them replaying i
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -80,6 +81,25 @@ def test_n_choices_streamed(http: httpx.Client) -> None:
                                 "stream_options": {"include_usage": False, "continuous_usage_stats": True}})
     assert {e["choices"][0]["index"] for e in chat} == {0, 1} and all("usage" in e for e in chat)
     assert sum(e["choices"][0]["delta"].get("role") == "assistant" for e in chat) == 2
+
+
+def test_a_client_leaving_an_n_stream_cancels_every_choice() -> None:
+    config = EngineConfig(max_seq_len=4096, max_batch_size=8)
+    with serve_in_thread(build_engine("atlas-tiny", "null", config=config)) as s, \
+            httpx.Client(base_url=s.url, timeout=60) as http:
+        body = {"prompt": "abc", "max_tokens": 4000, "ignore_eos": True, "n": 3, "stream": True}
+        with http.stream("POST", COMPLETIONS, json=body) as r:
+            lines = (line for line in r.iter_lines() if line.startswith("data: "))
+            assert {json.loads(next(lines)[6:])["choices"][0]["index"] for _ in range(6)} >= {0, 1}
+        for _ in range(200):  # cancellations land within a step or two
+            stats = s.engine_loop.latest_stats
+            if stats.num_running == stats.num_waiting == stats.kv_blocks_used == 0:
+                break
+            time.sleep(0.05)
+        assert stats.num_running == stats.num_waiting == stats.kv_blocks_used == 0
+        cancelled = [line for line in http.get("/metrics").text.splitlines()
+                     if line.startswith("atlas:request_success_total{") and 'finished_reason="cancelled"' in line]
+        assert [float(line.rsplit(" ", 1)[1]) for line in cancelled] == [3.0], cancelled
 
 
 def test_penalties_and_logit_bias_are_honoured(http: httpx.Client) -> None:

@@ -12,6 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from atlas.cli import run as run_cli
 from atlas.config import EngineConfig
 from atlas.registry import build_engine
 from atlas.replay.store import TraceReader
@@ -184,7 +185,7 @@ def test_a_tiny_temperature_is_greedy(http: httpx.Client) -> None:
                for t, s in ((1e-320, 1), (1e-30, 2), (9e-6, 3)))
 
 
-def test_a_run_with_the_new_fields_replays_identically(tmp_path: Path) -> None:
+def test_a_run_with_the_new_fields_replays_identically(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     trace = tmp_path / "fields.db"
     engine = build_engine("atlas-tiny", "cpu", trace=str(trace), config=EngineConfig(max_seq_len=MAX_SEQ_LEN))
     with serve_in_thread(engine) as s, httpx.Client(base_url=s.url, timeout=60) as http:
@@ -198,3 +199,4 @@ def test_a_run_with_the_new_fields_replays_identically(tmp_path: Path) -> None:
     assert len({p["seed"] for p in params[:2]}) == 2  # the two choices: two seeds, both recorded
     report = verify(trace)
     assert report.identical, report.divergence and report.divergence.describe()
+    assert run_cli(["replay", "verify", str(trace), "--threads", "1"]) == 0, capsys.readouterr()

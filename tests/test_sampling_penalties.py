@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 from types import SimpleNamespace
 
+import attrs
 import pytest
 import torch
 
@@ -191,3 +192,31 @@ def test_a_penalised_request_is_not_speculated(drafter: str) -> None:
     on = generate(build_engine("atlas-tiny", "cpu", spec), prompts, params)
     assert [r.token_ids for r in on] == [r.token_ids for r in off]
     assert 7 in off[0].token_ids and off[0].token_ids != [7] * 16
+
+
+def test_the_cuda_backend_on_cpu_tensors_gives_the_cpu_backends_tokens() -> None:
+    """The engine end to end on both backends (CUDA's code on CPU tensors, fp32): a batch mixing penalised,
+    biased and plain rows, greedy and seeded, gives the same tokens (a batch holding such rows leaves CUDA's steady
+    step and decode graph for the eager sampler, which gets the history the plan carries)."""
+    from atlas.config import EngineConfig
+    from atlas.engine.offline import generate
+    from atlas.model import load_model
+    from atlas.registry import build_engine
+
+    torch.set_num_threads(1)
+    tiny = load_model("atlas-tiny")
+    config = EngineConfig(max_seq_len=128, max_batch_size=4, prefill_chunk_tokens=32)
+    prompts = [[5, 6, 7, 5, 6], list(b"hello there"), [7, 7, 7], list(b"abc")]
+    params = [SamplingParams(max_tokens=20, ignore_eos=True, logit_bias={7: 6.0}, frequency_penalty=1.5),
+              SamplingParams(max_tokens=20, ignore_eos=True, temperature=0.9, seed=3, repetition_penalty=1.2,
+                             frequency_penalty=-1.5, presence_penalty=-0.5),
+              SamplingParams(max_tokens=20, ignore_eos=True, logit_bias={7: 3.0}, repetition_penalty=3.0),
+              SamplingParams(max_tokens=20, ignore_eos=True, temperature=0.7, seed=9)]
+    cpu = generate(build_engine("atlas-tiny", "cpu", config, loaded=tiny), prompts, params)
+    cuda = generate(build_engine("atlas-tiny", "cuda-fp32", config, loaded=tiny,
+                                 backend_options={"device": "cpu", "cuda_graphs": False}), prompts, params)
+    assert [r.token_ids for r in cuda] == [r.token_ids for r in cpu]
+    unpenalised = [attrs.evolve(p, repetition_penalty=1.0, frequency_penalty=0.0, presence_penalty=0.0)
+                   for p in params]
+    plain = generate(build_engine("atlas-tiny", "cpu", config, loaded=tiny), prompts, unpenalised)
+    assert [a.token_ids != b.token_ids for a, b in zip(cpu, plain, strict=True)] == [True, True, True, False]

@@ -96,8 +96,6 @@ class SteadyDecode:
         if not n or list(map(_FLAGS, work)).count(_PLAIN) != n:
             return None
         ids, tokens, starts, tables, params = zip(*map(_ROW, work), strict=True)
-        if any(map(_ADJUSTED, params)):  # a logit_bias or penalty: sample_rows' eager rows build its inputs
-            return None
         try:
             toks = [t for (t,) in tokens]  # one token a row
         except (TypeError, ValueError):
@@ -112,8 +110,9 @@ class SteadyDecode:
         # the fed position with every block inside the pool
         if min(starts) <= 0 or starts != tuple(map(_POSITION, states)) or not all(map(operator.lt, starts, self.limits)):
             return None
-        if params != self.params:  # a row asking logprobs goes the general way (identity first: C speed)
-            if any(map(_LOGPROBS, params)):
+        if params != self.params:  # a row asking logprobs goes the general way (identity first: C speed), and so
+            # does one with a logit_bias or penalty (sample_rows' eager rows build its inputs)
+            if any(map(_LOGPROBS, params)) or any(map(_ADJUSTED, params)):
                 return None
             self.params = params
 

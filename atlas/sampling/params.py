@@ -3,6 +3,8 @@ plane (atlas.state) imports it without importing torch."""
 
 from __future__ import annotations
 
+import functools
+
 import attrs
 
 DEFAULT_SEED = 0
@@ -159,12 +161,12 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature < TEMPERATURE_FLOOR
 
-    @property
+    @functools.cached_property
     def reads_history(self) -> bool:
         """The sampled token depends on the tokens before it (a repetition, frequency or presence penalty)."""
         return self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
 
-    @property
+    @functools.cached_property  # once per params object: the decode paths ask it of every row
     def adjusted(self) -> bool:
         """The sampler needs inputs beyond the packed rows (atlas.sampling.keyed.RowBatch): the history, or a
         logit_bias. Such a row is sampled eagerly (not from a captured graph) and is not speculated."""

@@ -11,7 +11,7 @@ DEFAULT_SEED = 0
 SEED_BOUND = 2**64  # the API's seeds are in [0, 2^64): one request seed per 64-bit key, none aliasing another
 # a temperature in (0, TEMPERATURE_FLOOR) is greedy (vLLM's _SAMPLING_EPS is the same 1e-5): the sampler divides
 # the logits by T, and at T >= 1e-5 logits / T stays finite in float32 for every |logit| < 3.4e33; below 2.2e-308
-# it overflowed even float64 (inf - inf is nan: the draw was garbage). Such a row is packed with temperature 0
+# it overflows even float64 (inf - inf is nan: a garbage draw). Such a row is packed with temperature 0
 TEMPERATURE_FLOOR = 1e-5
 PENALTY_RANGE = 2.0  # frequency_penalty and presence_penalty are in [-2, 2] (OpenAI's range)
 BIAS_RANGE = 100.0  # a logit_bias value is in [-100, 100] (OpenAI's range)
@@ -29,7 +29,7 @@ _MASK64 = (1 << 64) - 1
 def choice_seed(seed: int, choice: int) -> int:
     """The seed of choice `choice` (0, 1, ...) of a request asking n > 1 choices with `seed`: choice 0 keeps the seed
     (so the first of n is the n = 1 answer), the others splitmix64(seed + choice * 0x9E3779B97F4A7C15) in [0, 2^64):
-    distinct, and the same on every run and every replay."""
+    distinct from each other (a bijection of distinct words), and the same on every run and every replay."""
     if choice == 0:
         return seed
     z = (seed + choice * 0x9E37_79B9_7F4A_7C15) & _MASK64

@@ -85,14 +85,19 @@ def test_n_choices_streamed(http: httpx.Client) -> None:
 
 
 def test_a_client_leaving_an_n_stream_cancels_every_choice() -> None:
-    config = EngineConfig(max_seq_len=4096, max_batch_size=8)
+    config = EngineConfig(max_seq_len=32768, max_batch_size=8)
     with serve_in_thread(build_engine("atlas-tiny", "null", config=config)) as s, \
             httpx.Client(base_url=s.url, timeout=60) as http:
-        body = {"prompt": "abc", "max_tokens": 4000, "ignore_eos": True, "n": 3, "stream": True}
+        body = {"prompt": "abc", "max_tokens": 32000, "ignore_eos": True, "n": 3, "stream": True}
+        seen: set[int] = set()
         with http.stream("POST", COMPLETIONS, json=body) as r:
-            lines = (line for line in r.iter_lines() if line.startswith("data: "))
-            assert {json.loads(next(lines)[6:])["choices"][0]["index"] for _ in range(6)} >= {0, 1}
-        for _ in range(200):  # cancellations land within a step or two
+            for line in r.iter_lines():  # leave once every choice has streamed something
+                if line.startswith("data: {"):
+                    seen.add(json.loads(line[6:])["choices"][0]["index"])
+                    if seen == {0, 1, 2}:
+                        break
+        assert seen == {0, 1, 2}
+        for _ in range(600):  # cancellations land within a step or two (the box may be busy)
             stats = s.engine_loop.latest_stats
             if stats.num_running == stats.num_waiting == stats.kv_blocks_used == 0:
                 break

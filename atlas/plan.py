@@ -65,6 +65,11 @@ class SeqWork:
     # prompt logprobs: None off; n >= 0: the logprob of every fed prompt token under the logits of the position
     # before it (the previous chunk's last row for a chunk's first token), with the n best alternatives
     prompt_logprobs: int | None = None
+    # every token before the sampled position (the prompt's first `prompt_len`, then the output so far): given only
+    # when the request's sampling reads it (SamplingParams.reads_history: a repetition, frequency or presence
+    # penalty), for the sampler's inputs (atlas.sampling.adjust.Adjust)
+    history: tuple[int, ...] = ()
+    prompt_len: int = 0
 
     @property
     def end(self) -> int:

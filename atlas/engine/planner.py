@@ -155,7 +155,9 @@ def _work(state: ControlState, planned: StepPlanned, lanes: Lanes) -> list[SeqWo
         # positional: SeqWork(seq_id, tokens, start, block_table, sample, sampling, banned, drafts,
         # drafter_first_key, propose, prompt_logprobs); a decode's one token without a slice; prompt logprobs for
         # prompt positions only
-        append(SeqWork(seq_id, (toks[start],) if n == 1 else tuple(toks[start:end]), start, tuple(seq.blocks), sample,
-                       p, banned, verify, seq.drafter.first_key, propose,
-                       p.prompt_logprobs if start < c.prompt_len else None))
+        w = SeqWork(seq_id, (toks[start],) if n == 1 else tuple(toks[start:end]), start, tuple(seq.blocks), sample,
+                    p, banned, verify, seq.drafter.first_key, propose, p.prompt_logprobs if start < c.prompt_len else None)
+        if sample and p.reads_history:  # the penalties' tokens (never speculated: the lane drafts none for it)
+            w.history, w.prompt_len = tuple(toks[:end]), c.prompt_len
+        append(w)
     return work

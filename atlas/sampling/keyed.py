@@ -1,10 +1,12 @@
 """The keyed sampler: one batched, device-agnostic function every backend runs, CPU reference and GPU alike.
 
-`sample(logits [B, V], rows) -> tokens [B]`. Per row: repetition penalty on the raw logits (vLLM semantics),
-banned tokens to -inf, then z = logits / temperature, then the kept set (min_p and top_k: thresholds on the
-same ordering; top_p over what they keep), then token = argmax over the kept set of z + g, where g is Gumbel
-noise keyed by (seed, position, salt, token id) (atlas.sampling.hashing). Gumbel-max samples exactly from
-softmax(z) restricted to the kept set. Temperature 0 is the greedy argmax, lowest index among ties.
+`sample(logits [B, V], rows) -> tokens [B]`. Per row: logit_bias added to the raw logits, the repetition
+penalty (vLLM semantics), the frequency and presence penalties (OpenAI's; the bias and the penalties' inputs from
+atlas.sampling.adjust), banned tokens to -inf, then z = logits / temperature, then the kept set (min_p and top_k:
+thresholds on the same ordering; top_p over what they keep), then token = argmax over the kept set of z + g,
+where g is Gumbel noise keyed by (seed, position, salt, token id) (atlas.sampling.hashing). Gumbel-max samples
+exactly from softmax(z) restricted to the kept set. Temperature 0 (and below TEMPERATURE_FLOOR, 1e-5, packed
+as 0) is the greedy argmax, lowest index among ties.
 
 No host synchronisation and fixed shapes (CUDA-graph capturable): which code path runs (greedy only, no
 sort, sort) is chosen from the host-side parameters (`RowBatch.mode`), never from tensor values. On a GPU the
@@ -44,6 +46,7 @@ import attrs
 import numpy as np
 import torch
 
+from atlas.sampling.adjust import Adjust
 from atlas.sampling.hashing import gumbel, row_keys, seed64, token_words, uniform
 from atlas.sampling.params import SamplingParams
 
@@ -106,7 +109,8 @@ class RowBatch:
     def of(cls, params: Sequence[SamplingParams], positions: Sequence[int], pin: bool = False) -> RowBatch:
         n = len(params)
         # numpy from flat tuples: torch.tensor of nested lists was 43.6 us at 64 rows (this box), this 27.8
-        floats = np.array([(p.temperature, p.top_p, math.log(p.min_p) if p.min_p > 0 else _NEG_INF,
+        # a temperature below the floor is greedy (SamplingParams.greedy): packed as 0, so every path agrees
+        floats = np.array([(0.0 if p.greedy else p.temperature, p.top_p, math.log(p.min_p) if p.min_p > 0 else _NEG_INF,
                             p.repetition_penalty) for p in params], dtype=np.float64).reshape(n, 4)
         ints = np.array([(p.top_k, seed64(p.seed), pos) for p, pos in zip(params, positions, strict=True)],
                         dtype=np.int64).reshape(n, 3)
@@ -163,21 +167,28 @@ def token_mask(ids_or_mask: torch.Tensor, vocab: int) -> torch.Tensor:
 
 
 def penalised(logits: torch.Tensor, rows: Rows, banned: torch.Tensor | None = None,
-              seen: torch.Tensor | None = None) -> torch.Tensor:
-    """The logits [B, V] after the repetition penalty on `seen` tokens and -inf on `banned` ones (each a [B, V]
-    bool mask or [B, L] ids padded with -1): the sampler's `key`. Without a penalty it stays in the logits' own
-    dtype (bf16/fp32 convert to float64 exactly, so float64(key) is the exact value and sorted(key) / T is
-    sorted(x / T) bit for bit): no float64 copy for greedy rows, a sort of half the width or less (one CPU
-    core, V = 65,536: fp32 5.3 ms, fp64 10.3 ms), and the fused kernel reads it without a cast pass."""
+              seen: torch.Tensor | None = None, adjust: Adjust | None = None) -> torch.Tensor:
+    """The logits [B, V] after logit_bias, the repetition penalty on `seen` tokens (`adjust.seen` when not given),
+    the frequency and presence penalties and -inf on `banned` tokens (`seen` and `banned` each a [B, V] bool mask or
+    [B, L] ids padded with -1; `adjust`: atlas.sampling.adjust.Adjust): the sampler's `key`. Without any of them it
+    stays in the logits' own dtype (bf16/fp32 convert to float64 exactly, so float64(key) is the exact value and
+    sorted(key) / T is sorted(x / T) bit for bit): no float64 copy for greedy rows, a sort of half the width or
+    less (one CPU core, V = 65,536: fp32 5.3 ms, fp64 10.3 ms), and the fused kernel reads it without a cast pass."""
     vocab = logits.shape[-1]
     key = logits
-    if banned is not None:
-        key = key.masked_fill(token_mask(banned, vocab), _NEG_INF)
+    if adjust is not None:
+        if adjust.bias is not None:
+            key = key.to(torch.float64) + adjust.bias
+        seen = adjust.seen if seen is None else seen
     if seen is not None:
         x = key.to(torch.float64)
         pen = rows.penalty[:, None]
         hit = token_mask(seen, vocab) & (pen != 1.0)
         key = torch.where(hit, torch.where(x > 0, x / pen, x * pen), x)
+    if adjust is not None and adjust.offset is not None:
+        key = key.to(torch.float64) + adjust.offset
+    if banned is not None:
+        key = key.masked_fill(token_mask(banned, vocab), _NEG_INF)
     return key
 
 
@@ -287,19 +298,19 @@ def _binned():  # the 16-bit threshold's launcher, or None
 
 
 def sample(logits: torch.Tensor, rows: Rows, *, banned: torch.Tensor | None = None,
-           seen: torch.Tensor | None = None, salt: int = SAMPLE_SALT) -> torch.Tensor:
+           seen: torch.Tensor | None = None, adjust: Adjust | None = None, salt: int = SAMPLE_SALT) -> torch.Tensor:
     """The token [B] int64 of every row of logits [B, V] (any float dtype, any device)."""
-    key = penalised(logits, rows, banned, seen)
+    key = penalised(logits, rows, banned, seen, adjust)
     if not rows.sampled:
         return key.argmax(dim=-1)  # first maximum: the lowest index among ties, on every device
     return keyed_argmax(key, rows, threshold(key, rows) if rows.filtered else None, salt)
 
 
 def distribution(logits: torch.Tensor, rows: Rows, *, banned: torch.Tensor | None = None,
-                 seen: torch.Tensor | None = None) -> torch.Tensor:
+                 seen: torch.Tensor | None = None, adjust: Adjust | None = None) -> torch.Tensor:
     """The target distribution [B, V] float64 that `sample` draws from (greedy rows: the point mass on the
     argmax)."""
-    key = penalised(logits, rows, banned, seen)
+    key = penalised(logits, rows, banned, seen, adjust)
     z = scaled(key.to(torch.float64), rows)
     keep = kept_mask(z, rows, threshold(key, rows) if rows.filtered else None)
     e = torch.where(keep, torch.exp(z - z.max(dim=-1, keepdim=True).values), 0.0)
@@ -335,12 +346,14 @@ def _one(params: SamplingParams, position: int, device: torch.device) -> Rows:
 
 
 def sample_token(logits: torch.Tensor, params: SamplingParams, position: int,
-                 seen: Sequence[int] | None = None) -> int:
-    """The token for `position` (its index in the sequence) from one row of logits [vocab]; `seen` (the prompt
-    and output tokens so far) feeds the repetition penalty."""
+                 seen: Sequence[int] | None = None, *, history: Sequence[int] = (), prompt_len: int = 0) -> int:
+    """The token for `position` (its index in the sequence) from one row of logits [vocab]. `history`: every token
+    before it (the prompt's `prompt_len`, then the output so far), which the repetition, frequency and presence
+    penalties read; `seen` overrides the repetition penalty's set."""
     row = logits.detach()[None]
     mask = None if seen is None else torch.tensor([list(seen) or [-1]], dtype=torch.int64, device=row.device)
-    return int(sample(row, _one(params, position, row.device), seen=mask)[0])
+    adjust = Adjust.of([params], [history], [prompt_len], row.shape[-1], row.device)
+    return int(sample(row, _one(params, position, row.device), seen=mask, adjust=adjust)[0])
 
 
 def filtered_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

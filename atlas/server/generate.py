@@ -20,11 +20,12 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from atlas.engine.outputs import FinishReason, RequestOutput
 from atlas.errors import AdmissionError, EngineDead, QueueFull
-from atlas.sampling.params import SamplingParams
+from atlas.sampling.params import SamplingParams, choice_seed
 from atlas.server.chat import ChatTemplate, encode_chat
 from atlas.server.echo import echoed_logprobs, vllm_prompt_logprobs
 from atlas.server.engine_loop import EngineLoop, EngineStopped, FaultKind, RequestStream
 from atlas.server.errors import APIError, bad_request, engine_dead, engine_error, shutting_down
+from atlas.server.fanout import merged, summed_usage
 from atlas.server.logprobs import chat_logprobs, completion_logprobs
 from atlas.server.schemas import ChatCompletionRequest, ChatMessage, CompletionRequest
 
@@ -137,6 +138,7 @@ class _Generation:
         self.token_ids: list[int] = []
         self.token_logprobs: list[float] = []
         self.tops: list[Any] = []
+        self.first_of_prompt = True  # n > 1: the usage counts each prompt's tokens once (fanout.summed_usage)
 
     def absorb(self, out: RequestOutput) -> str:
         """Take one output; returns its new text."""
@@ -215,7 +217,7 @@ async def _respond_whole(ctx: ServingContext, request: Request, streams: list[Re
             raise failure
     choices = [_whole_choice(ctx, gen, kind, body, prompt, index)
                for index, (gen, prompt) in enumerate(zip(gens, prompts, strict=True))]
-    usage = {key: sum(g.usage()[key] for g in gens) for key in ("prompt_tokens", "completion_tokens", "total_tokens")}
+    usage = _usage(gens)
     out = {"id": request_id, "object": "chat.completion" if kind == "chat" else "text_completion",
            "created": int(time.time()), "model": ctx.model_name, "choices": choices, "usage": usage}
     return JSONResponse(out, headers={"x-request-id": request_id})
@@ -243,18 +245,23 @@ def _whole_choice(ctx: ServingContext, gen: _Generation, kind: Kind, body: Compl
     return choice
 
 
+def _usage(gens: list[_Generation]) -> dict[str, int]:
+    return summed_usage([(g.prompt_tokens, g.completion_tokens, g.first_of_prompt) for g in gens])
+
+
 def _sse(payload: dict[str, Any]) -> bytes:
     return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n".encode()
 
 
 async def _stream_events(ctx: ServingContext, stream: RequestStream, gen: _Generation, kind: Kind,
-                         request_id: str, include_usage: bool) -> AsyncIterator[bytes]:
+                         request_id: str, include_usage: bool, index: int = 0, continuous: bool = False
+                         ) -> AsyncIterator[bytes]:
     created = int(time.time())
     obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
 
     def chunk(text: str | None, finish: str | None, logprobs: dict | None, role: bool = False,
               detail: str | None = None) -> bytes:
-        choice: dict[str, Any] = {"index": 0, "logprobs": logprobs, "finish_reason": finish}
+        choice: dict[str, Any] = {"index": index, "logprobs": logprobs, "finish_reason": finish}
         if detail is not None:
             choice["finish_detail"] = detail
         if kind == "chat":
@@ -264,8 +271,10 @@ async def _stream_events(ctx: ServingContext, stream: RequestStream, gen: _Gener
             choice["delta"] = delta
         else:
             choice["text"] = text or ""
-        return _sse({"id": request_id, "object": obj, "created": created, "model": ctx.model_name,
-                     "choices": [choice]})
+        payload = {"id": request_id, "object": obj, "created": created, "model": ctx.model_name, "choices": [choice]}
+        if continuous:  # stream_options.continuous_usage_stats: this choice's usage so far on every chunk
+            payload["usage"] = gen.usage()
+        return _sse(payload)
 
     try:
         if kind == "chat":
@@ -307,30 +316,39 @@ class _EventStream(StreamingResponse):
     """Cancels its request however the response ends: a client that leaves before the first chunk
     stops the body generator before it starts, so the generator's own `finally` never runs."""
 
-    def __init__(self, content: AsyncIterator[bytes], request_stream: RequestStream, **kwargs: Any) -> None:
+    def __init__(self, content: AsyncIterator[bytes], request_streams: list[RequestStream], **kwargs: Any) -> None:
         super().__init__(content, **kwargs)
-        self._request_stream = request_stream
+        self._request_streams = request_streams
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
-            self._request_stream.cancel()
+            for stream in self._request_streams:
+                stream.cancel()
 
 
 async def _run(ctx: ServingContext, request: Request, kind: Kind, body: CompletionRequest | ChatCompletionRequest,
                prompts: list[list[int]], snapshot_points: tuple[int, ...] = ()) -> Response:
     ctx.check_token_ids(body.stop_token_ids, param="stop_token_ids")
+    ctx.check_token_ids(body.bias_token_ids(), param="logit_bias")
+    for prompt in prompts:
+        body.check_min_tokens_room(ctx.max_seq_len, len(prompt))
     params = attrs.evolve(body.sampling_params(), snapshot_points=snapshot_points)
     request_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
     prompt_lp = body.engine_prompt_logprobs() if isinstance(body, CompletionRequest) else None
+    # n choices per prompt, `index` = prompt * n + choice (OpenAI's and vLLM's order)
+    choices = [(prompt, j) for prompt in prompts for j in range(body.n)]
     streams: list[RequestStream] = []
     try:
-        for i, prompt in enumerate(prompts):
-            # every prompt is its own engine request (its own seed draw when the body gives none)
-            sub_id = request_id if len(prompts) == 1 else f"{request_id}-{i}"
-            sub_params = params if i == 0 or body.seed is not None else attrs.evolve(body.sampling_params(),
-                                                                                      snapshot_points=snapshot_points)
+        for i, (prompt, j) in enumerate(choices):
+            # every choice is its own engine request: with a seed, choice j's is choice_seed(seed, j) (the same
+            # for every prompt); without, each draws its own, which the trace records
+            sub_id = request_id if len(choices) == 1 else f"{request_id}-{i}"
+            if body.seed is not None:
+                sub_params = attrs.evolve(params, seed=choice_seed(body.seed, j)) if j else params
+            else:
+                sub_params = params if i == 0 else attrs.evolve(params, seed=body.sampling_params().seed)
             # SSE requests get their tokens as sampled; the others are held back whole (a rollback can rewind)
             streams.append(await _submit(ctx, request, sub_id, prompt, sub_params, stream=bool(body.stream),
                                          prompt_logprobs=prompt_lp))
@@ -338,13 +356,31 @@ async def _run(ctx: ServingContext, request: Request, kind: Kind, body: Completi
         for st in streams:  # admitted ones must not run for nobody
             st.cancel()
         raise
-    gens = [_Generation(ctx, params, request_id) for _ in prompts]
+    gens = [_Generation(ctx, params, request_id) for _ in choices]
+    for gen, (prompt, j) in zip(gens, choices, strict=True):
+        gen.prompt_tokens, gen.first_of_prompt = len(prompt), j == 0
     if not body.stream:
-        return await _respond_whole(ctx, request, streams, gens, kind, request_id, body, prompts)
-    (stream,), (gen,) = streams, gens
-    events = _stream_events(ctx, stream, gen, kind, request_id, body.include_usage)
-    return _EventStream(events, stream, media_type="text/event-stream",
+        return await _respond_whole(ctx, request, streams, gens, kind, request_id, body, [p for p, _ in choices])
+    if len(streams) == 1:
+        events = _stream_events(ctx, streams[0], gens[0], kind, request_id, body.include_usage,
+                                continuous=body.continuous_usage)
+    else:
+        events = _fanned_events(ctx, streams, gens, kind, request_id, body)
+    return _EventStream(events, streams, media_type="text/event-stream",
                         headers={"cache-control": "no-cache", "x-request-id": request_id})
+
+
+async def _fanned_events(ctx: ServingContext, streams: list[RequestStream], gens: list[_Generation], kind: Kind,
+                         request_id: str, body: CompletionRequest | ChatCompletionRequest) -> AsyncIterator[bytes]:
+    """n > 1 streamed: every choice's events (atlas.server.fanout), then one usage chunk summed over them."""
+    async for event in merged([_stream_events(ctx, st, g, kind, request_id, False, index, body.continuous_usage)
+                               for index, (st, g) in enumerate(zip(streams, gens, strict=True))]):
+        yield event
+    if body.include_usage and all(g.finish is not None and g.failure() is None for g in gens):
+        yield _sse({"id": request_id, "object": "chat.completion.chunk" if kind == "chat" else "text_completion",
+                    "created": int(time.time()), "model": ctx.model_name, "choices": [], "usage": _usage(gens)})
+    yield DONE
+
 
 
 async def create_completion(ctx: ServingContext, request: Request, body: CompletionRequest) -> Response:

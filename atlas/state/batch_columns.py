@@ -61,9 +61,10 @@ except ImportError:  # numpy 1.x
 
 
 def _plain_request(seq: Sequence) -> bool:
-    """plan_step's SeqWork needs nothing per request beyond the columns: no bans, no min_tokens, no prompt logprobs."""
+    """plan_step's SeqWork needs nothing per request beyond the columns: no bans, no min_tokens, no prompt logprobs, no
+    history for the sampler (SeqWork.history)."""
     p = seq.params
-    return not seq.banned and not p.min_tokens and p.prompt_logprobs is None
+    return not seq.banned and not p.min_tokens and p.prompt_logprobs is None and not p.reads_history
 
 
 # decode_work's reuse of the last decode's SeqWork objects needs exact reference counts: CPython's (with the GIL: the

@@ -230,7 +230,8 @@ class CpuBackend:
             if w.banned:  # a rollback's re-steer: these tokens may not be sampled here
                 pick = row.clone()
                 pick[list(w.banned)] = float("-inf")
-            token = sample_token(pick, w.sampling, position=w.end)
+            # the history feeds the repetition, frequency and presence penalties (SeqWork.history)
+            token = sample_token(pick, w.sampling, position=w.end, history=w.history, prompt_len=w.prompt_len)
             if w.sampling.logprobs:
                 logprob, top = logprobs_of(row, token, w.sampling.top_logprobs)
             drafts = self._propose(w, token)

@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 from atlas.plan import PromptLogprob, SeqWork
+from atlas.sampling.adjust import Adjust
 from atlas.sampling.keyed import RowBatch, logprobs, sample
 from atlas.sampling.params import SamplingParams
 
@@ -54,8 +55,8 @@ def prompt_logprobs(backend: Any, w: SeqWork, rows: torch.Tensor) -> tuple[Promp
 def sample_rows(backend: Any, work: Sequence[SeqWork], logits: dict[int, torch.Tensor]
                 ) -> dict[int, tuple[int, float | None, tuple[tuple[int, float], ...]]]:
     """The keyed sampler (atlas.sampling.keyed) on the device for every sampled row: decode rows replayed
-    from a graph through the sampler graph, the rest (prefill ends, banned tokens, eager mode) in one
-    batched call; one device->host copy of the tokens, and one of the logprobs when a row asks."""
+    from a graph through the sampler graph, the rest (prefill ends, banned tokens, a logit_bias or penalty, eager
+    mode) in one batched call; one device->host copy of the tokens, and one of the logprobs when a row asks."""
     sampled = [i for i, w in enumerate(work) if w.sample]
     if not sampled:
         return {}
@@ -67,7 +68,7 @@ def sample_rows(backend: Any, work: Sequence[SeqWork], logits: dict[int, torch.T
         params, positions = [GREEDY] * shape.batch, [0] * shape.batch
         for j, i in enumerate(idx):  # one pass: the graph's rows and their sampler parameters
             w = work[i]
-            if w.sample and not w.banned:
+            if w.sample and not w.banned and not w.sampling.adjusted:
                 in_graph[i] = j
                 params[j], positions[j] = w.sampling, w.end
         if in_graph:
@@ -82,8 +83,12 @@ def sample_rows(backend: Any, work: Sequence[SeqWork], logits: dict[int, torch.T
             ids = torch.tensor([list(work[i].banned) + [-1] * (width - len(work[i].banned)) for i in rest],
                                dtype=torch.int64)
             banned = (ids.pin_memory() if pin else ids).to(backend.device, non_blocking=pin)
-        batch = RowBatch.of([work[i].sampling for i in rest], [work[i].end for i in rest], pin=pin)
-        parts.append(sample(rows, batch.to(backend.device), banned=banned))
+        params = [work[i].sampling for i in rest]
+        batch = RowBatch.of(params, [work[i].end for i in rest], pin=pin)
+        # logit_bias and the penalties' history (SeqWork.history): the same inputs the CPU backend builds
+        adjust = Adjust.of(params, [work[i].history for i in rest], [work[i].prompt_len for i in rest],
+                           rows.shape[-1], backend.device)
+        parts.append(sample(rows, batch.to(backend.device), banned=banned, adjust=adjust))
     tokens = (torch.cat(parts) if len(parts) > 1 else parts[0]).tolist()  # one copy
     # the graph's rows first (every one comes back; padding is dropped), then the rest in order
     chosen = {i: tokens[j] for i, j in in_graph.items()}

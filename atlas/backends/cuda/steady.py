@@ -42,6 +42,7 @@ _FLAGS = operator.attrgetter("sample", "banned", "drafts", "prompt_logprobs")
 _PLAIN = (True, (), (), None)  # sample, no ban, no drafts, no prompt logprobs
 _POSITION = operator.attrgetter("position")
 _LOGPROBS = operator.attrgetter("logprobs")
+_ADJUSTED = operator.attrgetter("adjusted")
 
 
 class FirstRows(Mapping):
@@ -109,8 +110,9 @@ class SteadyDecode:
         # the fed position with every block inside the pool
         if min(starts) <= 0 or starts != tuple(map(_POSITION, states)) or not all(map(operator.lt, starts, self.limits)):
             return None
-        if params != self.params:  # a row asking logprobs goes the general way (identity first: C speed)
-            if any(map(_LOGPROBS, params)):
+        if params != self.params:  # a row asking logprobs goes the general way (identity first: C speed), and so
+            # does one with a logit_bias or penalty (sample_rows' eager rows build its inputs)
+            if any(map(_LOGPROBS, params)) or any(map(_ADJUSTED, params)):
                 return None
             self.params = params
 

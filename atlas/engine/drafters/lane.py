@@ -106,9 +106,11 @@ class SpeculativeLane:
             if not c.decoding or seq.drafter.latched:
                 continue
             k = min(self._chosen.get(seq_id, self.num_drafts), seq.max_new - c.generated - 1)
-            if k < 1 or (seq.banned and max(seq.banned) >= len(c.tokens)) or (self.skip is not None
-                                                                               and self.skip(seq)):
-                continue  # no room, or a rollback's ban ahead: the plain decode applies it
+            if k < 1 or (seq.banned and max(seq.banned) >= len(c.tokens)) or seq.params.adjusted or (
+                    self.skip is not None and self.skip(seq)):
+                # no room, a rollback's ban ahead, or a logit_bias or penalty (a verify row's inputs would depend
+                # on the drafts before it): the plain decode applies it
+                continue
             if self.drafter is None:
                 position, drafts = self._proposed.get(seq_id, (-1, ()))
                 if position != c.computed:
@@ -126,7 +128,7 @@ class SpeculativeLane:
 
     def proposes(self, seq: Sequence) -> int:
         """How many drafts the backend's drafter proposes after this step's sampled token (0: none)."""
-        if self.drafter is not None or seq.drafter.latched:
+        if self.drafter is not None or seq.drafter.latched or seq.params.adjusted:
             return 0
         k = self._chosen.get(seq.seq_id, self.num_drafts)
         return 1 if k == 0 and (seq.cursor.generated + 1) % PROBE == 0 else k  # the next step's probe

@@ -1,4 +1,4 @@
-"""The raw-stream mix-down of prefill hyper sites (Tuning.prefill_site = "raw", layers.raw_mix_down): the mix-down as
+"""The raw-stream mix-down of prefill hyper sites (Tuning.raw_site, layers.raw_mix_down): the mix-down as
 a batched product over the raw streams against the down weight folded with the norm weight, weighted by each stream's
 rstd, computes hyper_block's normed form (fp32: to fp32 rounding; bf16: within bf16's rounding of an fp64 reference,
 as the normed form is), row by row; the folded weights are the down weights' columns times the norm weights; and prefill
@@ -20,7 +20,7 @@ from test_cuda_regions import PROMPTS, TABLES, _trace_regions
 
 from atlas.backends.cuda import CudaBackend, layers
 from atlas.backends.cuda.layers import hyper_block, raw_down_weight, raw_mix_down, raw_site_weights
-from atlas.backends.cuda.tuning import VARIANTS, Tuning
+from atlas.backends.cuda.tuning import EAGER, UNMEASURED, Tuning
 from atlas.model import load_model
 from atlas.plan import SeqWork
 
@@ -33,7 +33,7 @@ HC, HIDDEN, LOWRANK, EPS = 4, 64, 40, 1e-6
 # 0.81 to 1.11)
 FP32_TOLERANCE = 1e-5
 BF16_TOLERANCE = 1.5e-2
-RAW = dict(prefill_stack="regions", decode_stack="regions")
+RAW = {**{k: v for k, v in attrs.asdict(EAGER).items() if k != "raw_site"}, "regions": True}
 
 
 @pytest.fixture(scope="module")
@@ -138,11 +138,11 @@ def test_the_folded_weight_is_the_down_weights_columns_times_the_norm_weight(dty
 
 def test_the_backend_folds_every_site_once_under_the_knob_only(tiny) -> None:  # type: ignore[no-untyped-def]
     """Each site's folded weight is the one of its own down and norm weights (the final mixer's without inject rows),
-    made only when prefill_site "raw" takes effect (prefill_stack "regions"): the memory is unchanged otherwise."""
+    made only when raw_site takes effect (with the regions): the memory is unchanged otherwise."""
     spec = tiny.spec
     made = {}
-    for name, tuning in (("default", Tuning(**RAW)), ("layers", Tuning(prefill_site="raw")),
-                         ("raw", Tuning(**RAW, prefill_site="raw"))):
+    for name, tuning in (("default", Tuning(**RAW)), ("layers", Tuning(**{**RAW, "regions": False}, raw_site=True)),
+                         ("raw", Tuning(**RAW, raw_site=True))):
         backend = CudaBackend(tiny, num_kv_blocks=8, block_size=16, dtype=torch.bfloat16, device=DEVICE,
                               max_batch_size=2, kernels=False, cuda_graphs=False, tuning=tuning)
         made[name] = {k: v for k, v in backend.weights.items() if k.endswith("_raw.weight")}
@@ -196,7 +196,7 @@ def test_prefill_regions_take_the_raw_site_at_every_site_with_its_own_weight(tin
 
     monkeypatch.setattr(layers, "raw_mix_down", spy)
     backend = CudaBackend(tiny, num_kv_blocks=32, block_size=16, dtype=torch.float32, device=DEVICE,
-                          max_batch_size=4, kernels=False, cuda_graphs=False, tuning=Tuning(**RAW, prefill_site="raw"))
+                          max_batch_size=4, kernels=False, cuda_graphs=False, tuning=Tuning(**RAW, raw_site=True))
     spec, w = tiny.spec, backend.weights
     order = [w[f"layers.{i}.{kind}_hyper_connection.fused_down_raw.weight"].data_ptr()
              for i in range(spec.num_layers) for kind in ("attn", "mlp")]
@@ -219,7 +219,7 @@ def test_the_raw_site_prefill_gives_the_normed_forms_logits_and_state_in_fp32(ti
     wrote equal the normed form's to fp32 rounding (measured on the CPU: logits within 7.2e-7 of values up to 2.2,
     the state within 2.7e-6), with the same greedy tokens."""
     want, want_state = _run(tiny, Tuning(**RAW))
-    got, got_state = _run(tiny, Tuning(**RAW, prefill_site="raw"))
+    got, got_state = _run(tiny, Tuning(**RAW, raw_site=True))
     for w, g in zip(want, got, strict=True):
         assert torch.allclose(g, w, rtol=1e-5, atol=1e-5)
         assert torch.equal(g.argmax(-1), w.argmax(-1))
@@ -231,7 +231,7 @@ def test_the_raw_site_prefill_gives_the_normed_forms_logits_and_state_in_fp32(ti
 def test_the_raw_site_prefill_stays_within_bf16_rounding_of_the_normed_form(tiny) -> None:  # type: ignore[no-untyped-def]
     """bf16, as tests/test_cuda_tuning.py bounds its variants against the baseline (3e-2 relative on the logits)."""
     want, _ = _run(tiny, Tuning(**RAW), dtype=torch.bfloat16, steps=1)
-    got, _ = _run(tiny, Tuning(**RAW, prefill_site="raw"), dtype=torch.bfloat16, steps=1)
+    got, _ = _run(tiny, Tuning(**RAW, raw_site=True), dtype=torch.bfloat16, steps=1)
     for w, g in zip(want, got, strict=True):
         assert float((g - w).norm() / w.norm()) < 3e-2
 
@@ -247,7 +247,7 @@ def test_the_raw_site_gives_the_reference_tokens_through_the_engine(tiny) -> Non
     params = [SamplingParams(max_tokens=12, ignore_eos=True)] * len(PROMPTS)
     tokens = {}
     for backend, options in (("cpu", {}), ("cuda-fp32", {"device": DEVICE, "cuda_graphs": False,
-                                                         "tuning": Tuning(**RAW, prefill_site="raw")})):
+                                                         "tuning": Tuning(**RAW, raw_site=True)})):
         engine = build_engine("atlas-tiny", backend, config, loaded=tiny, sink=RecordingSink(),
                               backend_options=options)
         tokens[backend] = [r.token_ids for r in generate(engine, PROMPTS, params)]
@@ -260,8 +260,8 @@ def test_the_raw_site_traces_whole_in_the_compiled_prefill_regions(tiny, monkeyp
     dimension marked dynamic: the three chunk lengths share one graph a region kind and variant, and the traced graphs
     run as they are (backend "eager") give the eager regions' logits bit for bit."""
     _, compiles = _trace_regions(monkeypatch)
-    want, _ = _run(tiny, Tuning(**RAW, prefill_site="raw"), steps=0)
-    got, _ = _run(tiny, Tuning(**RAW, prefill_site="raw", compile_prefill="default"), steps=0)
+    want, _ = _run(tiny, Tuning(**RAW, raw_site=True), steps=0)
+    got, _ = _run(tiny, Tuning(**{**RAW, "compile": True}, raw_site=True), steps=0)
     assert torch.equal(got[0], want[0])
     # gdn_head's two variants (the PLE layers' with no ffn to settle, and the rest), gdn_tail's one, the final mixer's
     assert compiles["gdn_head"] == 2 and compiles["gdn_tail"] == 1 and compiles["final_mix"] == 1, compiles
@@ -270,8 +270,6 @@ def test_the_raw_site_traces_whole_in_the_compiled_prefill_regions(tiny, monkeyp
 def test_the_knob_defaults_to_the_normed_form_and_its_variant_changes_only_it() -> None:
     from atlas.bench_variants import DECODE_KNOBS, PREFILL_KNOBS
 
-    assert Tuning().prefill_site == "normed" and VARIANTS["regions-compile"].prefill_site == "normed"
-    assert VARIANTS["regions-raw-site"] == attrs.evolve(VARIANTS["regions-compile"], prefill_site="raw")
-    assert "prefill_site" in PREFILL_KNOBS and "prefill_site" not in DECODE_KNOBS  # its decode figures are shared
-    with pytest.raises(ValueError, match="prefill_site must be one of normed, raw"):
-        Tuning(prefill_site="fused")
+    assert not Tuning().raw_site
+    assert UNMEASURED["raw-site"] == attrs.evolve(Tuning(), raw_site=True)
+    assert "raw_site" in PREFILL_KNOBS and "raw_site" not in DECODE_KNOBS  # its decode figures are shared

@@ -16,24 +16,15 @@ import torch
 import torch.nn.functional as F
 
 
-def split_of(rows: int, hidden: int) -> int:
-    """The gate-up's split for a decode group (Tuning.moe "split"): moe_grouped.SPLIT_K_DECODE spans at most
-    SPLIT_ROWS rows where the hidden size takes them at the decode tile's k step, else 1 (unsplit)."""
-    from atlas_kernels.moe_grouped import SPLIT_K_DECODE, SPLIT_ROWS, block_sizes
-
-    return SPLIT_K_DECODE if rows <= SPLIT_ROWS and hidden % (SPLIT_K_DECODE * block_sizes(rows)[2]) == 0 else 1
-
-
 def routed_triton(x: torch.Tensor, top_i: torch.Tensor, top_w: torch.Tensor, gate_up: torch.Tensor,
                   down: torch.Tensor, route: tuple[torch.Tensor, torch.Tensor] | None = None,
-                  summed: bool = True, pdl: bool = False, split_k: int = 1) -> torch.Tensor:
+                  summed: bool = True) -> torch.Tensor:
     """sum_k top_w * expert(x) [R, H] through atlas_kernels.moe_grouped (two kernels + routing + the sum);
     `route`: the (order, offsets) of the pairs if the caller computed them (counted_route); summed=False: the
-    pairs' weighted outputs [R, K, H], the sum left to the caller (regions.settle); pdl: the two kernels launched
-    with programmatic dependent launch (Tuning.decode_pdl, decode groups); split_k: moe_grouped's gate-up split."""
+    pairs' weighted outputs [R, K, H], the sum left to the caller (regions.settle)."""
     from atlas_kernels.moe_grouped import moe_grouped
 
-    return moe_grouped(x, top_i, top_w, gate_up, down, route=route, summed=summed, pdl=pdl, split_k=split_k)
+    return moe_grouped(x, top_i, top_w, gate_up, down, route=route, summed=summed)
 
 
 # ranked_topk / counted_route: for at most this many experts (their [R, E, E] / [R * K, E] temporaries)

@@ -236,7 +236,7 @@ GATED_CHUNK_SCHEDULES = [
     {"prepare_warps": 2},
     {"scan_stages": 1},
     {"block_v": 64, "scan_warps": 8},
-    # bf16 intermediates and scan products (Tuning.gdn_work, session 14): half of w / u's bytes, twice the rate
+    # bf16 intermediates and scan products (the backend's for bf16 inputs): half of w / u's bytes, twice the rate
     {"work": "bf16"},  # its default: 3 scan stages (session 14: 221.8 us, 2 stages 255.7)
     {"work": "bf16", "scan_stages": 2},
     {"work": "bf16", "prepare_warps": 8},
@@ -303,7 +303,7 @@ def bench_conv(cfg: dict, layers: int) -> None:
 
         moved = layers * (batch * channels * (2 * kernel_size + 2) * 2 + channels * kernel_size * 2)
         record("conv_update", f"B={batch} T=1 C={channels}", time_ms(step), bytes_moved=moved, layers=layers)
-    # a prefill chunk's conv as the GDN head calls it (prefill_conv "triton"): a slice of the in-projection's output,
+    # a prefill chunk's conv as the GDN head calls it (a compiled prefill region's): a slice of the in-projection's output,
     # at every named launch schedule (atlas_kernels.conv.PREFILL_SCHEDULES; PREFILL_SCHEDULE is today's)
     from atlas_kernels import conv
     from atlas_kernels.conv import causal_conv_prefill

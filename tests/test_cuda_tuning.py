@@ -56,7 +56,7 @@ def reference(tiny) -> list[tuple[int, ...]]:  # type: ignore[no-untyped-def]
 
 
 def test_the_default_is_every_part_on_and_the_reference_every_part_off() -> None:
-    parts = [f.name for f in attrs.fields(Tuning) if f.name not in ("decode_grouped_mm", "raw_site")]
+    parts = [f.name for f in attrs.fields(Tuning) if f.name != "decode_grouped_mm"]
     assert all(getattr(Tuning(), p) for p in parts)
     assert not any(getattr(EAGER, p) for p in parts)
     assert TUNINGS == {"default": Tuning(), "eager": EAGER}  # what `--tuning` offers: at most 3

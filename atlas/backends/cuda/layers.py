@@ -145,17 +145,12 @@ def linear(x: torch.Tensor, w: torch.Tensor, gemv: str = "") -> torch.Tensor:
 
 
 def hyper_block(streams: torch.Tensor, norm_w: torch.Tensor, down_w: torch.Tensor, up_w: torch.Tensor, hc: int,
-                hidden: int, lowrank: int, eps: float, combine: bool, gemv: str = "",
-                raw_w: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                hidden: int, lowrank: int, eps: float, combine: bool, gemv: str = ""
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One hyper-connection site on tensors: (block input [.., H], injection weights [.., hc] or None). gemv: its
-    two products' form (`linear`). raw_w (Tuning.raw_site, prefill chunks through the regions): down_w folded with
-    norm_w (raw_down_weight), the mix-down taken on the raw streams (raw_mix_down) and the normed streams left to
-    the mix as an elementwise expression; down_w unused then."""
-    if raw_w is None:
-        normed = rms_norm(streams, norm_w, eps, group=hidden)
-        product = linear(normed, down_w, gemv)
-    else:
-        product, normed = raw_mix_down(streams, norm_w, raw_w, hc, hidden, eps)
+    two products' form (`linear`)."""
+    normed = rms_norm(streams, norm_w, eps, group=hidden)
+    product = linear(normed, down_w, gemv)
     if combine:  # 1/hc is folded into the weights (prepare_weights)
         down, inject = split_out(product, [lowrank, hc])
     else:
@@ -165,52 +160,6 @@ def hyper_block(streams: torch.Tensor, norm_w: torch.Tensor, down_w: torch.Tenso
     if inject is None:
         return mixed, None
     return mixed, 2 * torch.sigmoid(inject)
-
-
-def raw_down_weight(down_w: torch.Tensor, norm_w: torch.Tensor, hc: int, hidden: int) -> torch.Tensor:
-    """A hyper site's mix-down weight for raw_mix_down (Tuning.raw_site): [hc, H, n], stream s's block of
-    down_w's columns [n, hc*H] times its norm weight's (norm_w [hc*H]), folded in fp32 and cast back to down_w's
-    dtype; every output row kept, the inject and alignment rows too. Each stream's block [H, n] row-major, the
-    layout benchmarks/kernels.py --only site_gemm times for the batched product (its "per stream (bmm)" form)."""
-    acc = acc_dtype(down_w.dtype)
-    n = down_w.shape[0]
-    folded = down_w.to(acc).view(n, hc, hidden) * norm_w.to(acc).view(hc, hidden)
-    return folded.to(down_w.dtype).permute(1, 2, 0).contiguous()
-
-
-def raw_site_weights(spec: ModelSpec, w: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Every hyper site's raw_down_weight (Tuning.raw_site; the backend adds them to its prepared weights
-    only then): `<site>fused_down_raw.weight` for the two sites of each layer, the final mixer's
-    `hyper_connection_mixer.input_mix_weight_down_raw.weight` (no inject rows)."""
-    sites = [(f"layers.{layer}.{kind}", "fused_down") for layer in range(spec.num_layers)
-             for kind in ("attn_hyper_connection.", "mlp_hyper_connection.")]
-    sites.append(("hyper_connection_mixer.", "input_mix_weight_down"))
-    return {pre + down + "_raw.weight": raw_down_weight(w[pre + down + ".weight"], w[pre + "hc_norm.weight"],
-                                                         spec.hc_count, spec.hidden_size)
-            for pre, down in sites}
-
-
-def raw_mix_down(streams: torch.Tensor, norm_w: torch.Tensor, raw_w: torch.Tensor, hc: int, hidden: int,
-                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """A hyper site's mix-down on the raw streams [.., hc*H] (Tuning.raw_site): (the product [.., n] in the
-    streams' dtype, the normed streams [.., hc*H]). normed_s = x_s * rstd_s * w_s, so normed @ down_w.T is
-    sum_s rstd_s * (x_s @ (down_w_s * w_s).T): one batched product over a [hc, N, H] view of the streams (no copy)
-    against raw_w (raw_down_weight, [hc, H, n]), then the hc products weighted by the fp32 rstd [N, hc] and summed
-    in stream order, per row. The normed streams come back as an expression of x and rstd (rms_norm's rounding:
-    F.rms_norm's output dtype, then times the scale) that a compiled region fuses into the mix, so the [.., hc*H]
-    normed streams are never written for the GEMM (H200, 2,048 tokens: 33.5 MB a site, the rms_norm_mul_view
-    kernel ~26 us). Rounds differently from rms_norm + linear in bf16: each stream's product is rounded before
-    rstd scales it."""
-    acc = acc_dtype(streams.dtype)
-    lead = streams.shape[:-1]
-    x = streams.reshape(-1, hc, hidden)  # [N, hc, H]: a view of contiguous streams
-    rstd = torch.rsqrt(x.to(acc).pow(2).mean(dim=-1) + eps)  # [N, hc]
-    parts = torch.matmul(x.transpose(0, 1), raw_w)  # [hc, N, n]
-    product = parts[0].to(acc) * rstd[:, 0:1]
-    for s in range(1, hc):
-        product = product + parts[s].to(acc) * rstd[:, s : s + 1]
-    normed = (x.to(acc) * rstd.unsqueeze(-1)).to(streams.dtype) * norm_w.view(hc, hidden)
-    return product.to(streams.dtype).reshape(*lead, -1), normed.reshape(*lead, hc * hidden)
 
 
 def conv_step(prev: torch.Tensor, new: torch.Tensor, weight: torch.Tensor, dilation: int = 1,

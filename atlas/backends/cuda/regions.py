@@ -100,9 +100,9 @@ def routed_pairs_mm(x: torch.Tensor, top_i: torch.Tensor, top_w: torch.Tensor, g
 
 
 def _site(spec: ModelSpec, streams: torch.Tensor, norm_w: torch.Tensor, down_w: torch.Tensor, up_w: torch.Tensor,
-          gemv: str, raw_w: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+          gemv: str) -> tuple[torch.Tensor, torch.Tensor]:
     x, inject = hyper_block(streams, norm_w, down_w, up_w, spec.hc_count, spec.hidden_size, spec.hc_lowrank,
-                            spec.rms_norm_eps, True, gemv, raw_w)
+                            spec.rms_norm_eps, True, gemv)
     assert inject is not None
     return x, inject
 
@@ -124,13 +124,12 @@ def settle(streams: torch.Tensor, routed: torch.Tensor | None, shared: torch.Ten
 def gdn_head(spec: ModelSpec, streams: torch.Tensor, routed: torch.Tensor | None, shared: torch.Tensor | None,
              inject_prev: torch.Tensor | None, norm_w: torch.Tensor, down_w: torch.Tensor, up_w: torch.Tensor,
              fused_in: torch.Tensor, conv_w: torch.Tensor, conv_pool: torch.Tensor, slots: torch.Tensor,
-             library_conv: bool = False, gemv: str = "", fused_conv: str = "",
-             raw_w: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+             library_conv: bool = False, gemv: str = "", fused_conv: str = "") -> tuple[torch.Tensor, ...]:
     """(streams, inject, *gdn_in's parts but the conv columns) of a GDN layer, the previous ffn settled first; the
     new conv state written into conv_pool at `slots` here (fused with the conv; its stamp is the stack's, once a
     step for every layer)."""
     streams = settle(streams, routed, shared, inject_prev)
-    x, inject = _site(spec, streams, norm_w, down_w, up_w, gemv, raw_w)
+    x, inject = _site(spec, streams, norm_w, down_w, up_w, gemv)
     *parts, cols = gdn_in(spec, x, fused_in, conv_w, conv_pool[slots], library_conv, fused_conv)
     store_final(conv_pool, slots, cols[:, :, -conv_pool.shape[-1]:])
     return (streams, inject, *parts, None)
@@ -140,12 +139,12 @@ def attn_head(spec: ModelSpec, streams: torch.Tensor, routed: torch.Tensor | Non
               inject_prev: torch.Tensor | None, norm_w: torch.Tensor, down_w: torch.Tensor, up_w: torch.Tensor,
               fused_in: torch.Tensor, q_norm: torch.Tensor, k_norm: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
               write: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, raw_pool: torch.Tensor | None,
-              gemv: str = "", raw_w: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+              gemv: str = "") -> tuple[torch.Tensor, ...]:
     """(streams, inject, q, gate, qk) of an attention layer, the previous ffn settled first; its new KV rows (and
     QSA raw keys) written into the pools at the flat slots `write` here (their stamps are the stack's, once a
     step for every layer)."""
     streams = settle(streams, routed, shared, inject_prev)
-    x, inject = _site(spec, streams, norm_w, down_w, up_w, gemv, raw_w)
+    x, inject = _site(spec, streams, norm_w, down_w, up_w, gemv)
     q, gate, k, v, qk = attn_in(spec, x, fused_in, q_norm, k_norm, cos, sin)
     attn_store(spec, k, v, qk, write, k_pool, v_pool, raw_pool)
     return streams, inject, q, gate, qk
@@ -153,15 +152,14 @@ def attn_head(spec: ModelSpec, streams: torch.Tensor, routed: torch.Tensor | Non
 
 def ffn_head(spec: ModelSpec, streams: torch.Tensor, mixed: torch.Tensor, inject: torch.Tensor,
               norm_w: torch.Tensor, down_w: torch.Tensor, up_w: torch.Tensor, moe_in: torch.Tensor | None,
-              shared_down: torch.Tensor | None, route: str, gemv: str = "",
-              raw_w: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+              shared_down: torch.Tensor | None, route: str, gemv: str = "") -> tuple[torch.Tensor, ...]:
     """The mixer's output injected, then the ffn's site and (MoE) router: (streams, rows, inject, top_w, top_i,
     shared, the pairs' (order, offsets) for the routed kernels when `route`: "ranked" or "counted", see
     moe.counted_route; "" none); a dense ffn's rows only (its router
     parts None). Few experts: the top-k and the route as comparisons and counts (moe.ranked_topk /
     counted_route), which fuse here, instead of torch.topk and a sort."""
     streams = hyper_inject(streams, mixed, inject)
-    x, inject = _site(spec, streams, norm_w, down_w, up_w, gemv, raw_w)
+    x, inject = _site(spec, streams, norm_w, down_w, up_w, gemv)
     rows = x.reshape(-1, x.shape[-1])
     if moe_in is None or spec.moe is None:
         return streams, rows, inject, None, None, None, None
@@ -177,9 +175,9 @@ def ffn_head(spec: ModelSpec, streams: torch.Tensor, mixed: torch.Tensor, inject
 def gdn_tail(spec: ModelSpec, streams: torch.Tensor, inject: torch.Tensor, out: torch.Tensor, z: torch.Tensor,
              gnorm_w: torch.Tensor, out_w: torch.Tensor, norm_w: torch.Tensor, down_w: torch.Tensor,
              up_w: torch.Tensor, moe_in: torch.Tensor | None, shared_down: torch.Tensor | None, route: str,
-             gemv: str = "", raw_w: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+             gemv: str = "") -> tuple[torch.Tensor, ...]:
     return ffn_head(spec, streams, gdn_out(spec, out, z, gnorm_w, out_w), inject, norm_w, down_w, up_w, moe_in,
-                     shared_down, route, gemv, raw_w)
+                     shared_down, route, gemv)
 
 
 def attn_tail(spec: ModelSpec, streams: torch.Tensor, inject: torch.Tensor, q: torch.Tensor, gate: torch.Tensor,
@@ -187,22 +185,20 @@ def attn_tail(spec: ModelSpec, streams: torch.Tensor, inject: torch.Tensor, q: t
               read_slots: torch.Tensor, positions: torch.Tensor, o_w: torch.Tensor, iq_norm: torch.Tensor | None,
               ik_norm: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor, qsa_select: bool, sdpa: bool,
               norm_w: torch.Tensor, down_w: torch.Tensor, up_w: torch.Tensor, moe_in: torch.Tensor | None,
-              shared_down: torch.Tensor | None, route: str, gemv: str = "",
-              raw_w: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+              shared_down: torch.Tensor | None, route: str, gemv: str = "") -> tuple[torch.Tensor, ...]:
     mixed = attn_core(spec, q, gate, qk, k_pool, v_pool, raw_pool, read_slots, positions, o_w, iq_norm, ik_norm,
                       cos, sin, qsa_select, sdpa)
-    return ffn_head(spec, streams, mixed, inject, norm_w, down_w, up_w, moe_in, shared_down, route, gemv, raw_w)
+    return ffn_head(spec, streams, mixed, inject, norm_w, down_w, up_w, moe_in, shared_down, route, gemv)
 
 
 def attn_post(spec: ModelSpec, streams: torch.Tensor, inject: torch.Tensor, att: torch.Tensor, gate: torch.Tensor,
               o_w: torch.Tensor, norm_w: torch.Tensor, down_w: torch.Tensor, up_w: torch.Tensor,
-              moe_in: torch.Tensor | None, shared_down: torch.Tensor | None, route: str, gemv: str = "",
-              raw_w: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+              moe_in: torch.Tensor | None, shared_down: torch.Tensor | None, route: str, gemv: str = "") -> tuple[torch.Tensor, ...]:
     """attn_tail after the paged kernel's attention output att [R, nh, hd]: its gate and projection, then the ffn
     head."""
     b, t = streams.shape[:2]
     return ffn_head(spec, streams, attn_gate_out(att, gate, o_w, b, t), inject, norm_w, down_w, up_w, moe_in,
-                     shared_down, route, gemv, raw_w)
+                     shared_down, route, gemv)
 
 
 def ple_block(spec: ModelSpec, streams: torch.Tensor, routed: torch.Tensor | None, shared: torch.Tensor | None,
@@ -224,11 +220,11 @@ def ple_block(spec: ModelSpec, streams: torch.Tensor, routed: torch.Tensor | Non
 
 def final_mix(spec: ModelSpec, streams: torch.Tensor, routed: torch.Tensor | None, shared: torch.Tensor | None,
               inject: torch.Tensor | None, norm_w: torch.Tensor, down_w: torch.Tensor, up_w: torch.Tensor,
-              gemv: str = "", raw_w: torch.Tensor | None = None) -> torch.Tensor:
+              gemv: str = "") -> torch.Tensor:
     """The last ffn settled, then the final mixer: the hidden states [B, T, H]."""
     streams = settle(streams, routed, shared, inject)
     final, _ = hyper_block(streams, norm_w, down_w, up_w, spec.hc_count, spec.hidden_size, spec.hc_lowrank,
-                           spec.rms_norm_eps, False, gemv, raw_w)
+                           spec.rms_norm_eps, False, gemv)
     return final
 
 
@@ -281,18 +277,6 @@ def _token_dim(x: torch.Tensor | None) -> torch.Tensor | None:
     return x
 
 
-def _raw_sites(w: dict[str, torch.Tensor]) -> Callable[[str], torch.Tensor]:
-    """The folded mix-down weight of a site's `<down weight name>` (Tuning.raw_site: the backend made them
-    at load, layers.raw_site_weights), or a ValueError naming the missing one."""
-    def raw(name: str) -> torch.Tensor:
-        key = name + "_raw.weight"
-        if key not in w:
-            raise ValueError(f"Tuning.raw_site needs the folded mix-down weight {key!r} "
-                             "(CudaBackend adds layers.raw_site_weights to its weights when the knob is on)")
-        return w[key]
-    return raw
-
-
 def regions_stack(spec: ModelSpec, w: dict[str, torch.Tensor], pools: DevicePools, grp: Group, *,
                   gdn_kernel: GdnKernel | None, tuning: Tuning, invariant: bool = False,
                   ngram_tables: Sequence[tuple[torch.Tensor, ...]] = ()) -> torch.Tensor:
@@ -323,9 +307,6 @@ def regions_stack(spec: ModelSpec, w: dict[str, torch.Tensor], pools: DevicePool
     # a compiled decode group of few rows: the hyper sites' and router's products as reductions Inductor fuses, a
     # long K's sum split (layers.linear)
     gemv = "split" if not prefill and wide and grp.tokens.shape[0] <= GEMV_ROWS else ""
-    # a prefill chunk's hyper sites: the mix-down on the raw streams against the folded weights (Tuning.raw_site;
-    # whatever the compile mode: the eager regions compute the same math, which the CPU tests check)
-    raw = _raw_sites(w) if prefill and tuning.raw_site else None
     # paged: the split-K kernel between the head and attn_post (eager, in the graph)
     sdpa, paged = attention_kind(grp, tuning)
     moe_mode = moe_mode_of(tuning, prefill)
@@ -363,8 +344,6 @@ def regions_stack(spec: ModelSpec, w: dict[str, torch.Tensor], pools: DevicePool
         site = (w[pre + "attn_hyper_connection.hc_norm.weight"], w[pre + "attn_hyper_connection.fused_down.weight"],
                 w[pre + "attn_hyper_connection.input_mix_weight_up.weight"])
         mlp = pre + "mlp_hyper_connection."
-        site_raw = raw(pre + "attn_hyper_connection.fused_down") if raw else None
-        ffn_raw = raw(mlp + "fused_down") if raw else None
         ffn_site = (w[mlp + "hc_norm.weight"], w[mlp + "fused_down.weight"], w[mlp + "input_mix_weight_up.weight"])
         moe = spec.moe_layers[layer] and spec.moe is not None
         moe_w = (w[pre + "mlp.fused_in.weight"], w[pre + "mlp.shared_expert.down_proj.weight"]) if moe else (None, None)
@@ -375,11 +354,11 @@ def regions_stack(spec: ModelSpec, w: dict[str, torch.Tensor], pools: DevicePool
             streams, inject, q, gate, qk = head_a(spec, tok(streams), tok(routed), tok(shared), tok(inject_prev),
                                                   *site, w[a + "fused_in.weight"], w[a + "q_norm.weight"],
                                                   w[a + "k_norm.weight"], cos, sin, tok(write), k_pool, v_pool,
-                                                  raw_pool, gemv, site_raw)
+                                                  raw_pool, gemv)
             if paged:
                 att = attn_paged(q, k_pool, v_pool, grp)
                 streams, rows, inject, top_w, top_i, shared, pairs = post_a(spec, streams, inject, att, gate, o_w,
-                                                                            *ffn_site, *moe_w, route, gemv, ffn_raw)
+                                                                            *ffn_site, *moe_w, route, gemv)
             elif prefill:
                 # a prefill chunk's attention eager (as the layer stack's), its ffn head compiled. Written when the
                 # ConstraintViolationError (H200) was taken for Inductor's sdpa lowering specialising the
@@ -388,22 +367,22 @@ def regions_stack(spec: ModelSpec, w: dict[str, torch.Tensor], pools: DevicePool
                 mixed = attn_core(spec, q, gate, qk, k_pool, v_pool, raw_pool, read_slots, grp.positions, o_w,
                                   iq_norm, ik_norm, cos, sin, grp.shape.qsa_select, sdpa)
                 streams, rows, inject, top_w, top_i, shared, pairs = ffn_c(
-                    spec, tok(streams), tok(mixed), tok(inject), *ffn_site, *moe_w, route, "", ffn_raw)
+                    spec, tok(streams), tok(mixed), tok(inject), *ffn_site, *moe_w, route, "")
             else:
                 streams, rows, inject, top_w, top_i, shared, pairs = tail_a(
                     spec, streams, inject, q, gate, qk, k_pool, v_pool, raw_pool, read_slots, grp.positions, o_w,
                     iq_norm, ik_norm, cos, sin, grp.shape.qsa_select, sdpa, *ffn_site, *moe_w, route,
-                    gemv, ffn_raw)  # decode only
+                    gemv)  # decode only
         else:
             g = pre + "linear_attn."
             streams, inject, *parts = head_g(spec, tok(streams), tok(routed), tok(shared), tok(inject_prev), *site,
                                              w[g + "fused_in.weight"], w[g + "conv1d.weight"],
                                              pools.state[f"conv{layer}"], grp.slots, head_library, gemv,
-                                             head_fused, site_raw)
+                                             head_fused)
             out = gdn_update(spec, w, g, layer, tuple(parts), grp, pools, gdn_kernel, conv_written=True)
             streams, rows, inject, top_w, top_i, shared, pairs = tail_g(
                 spec, tok(streams), tok(inject), tok(out), tok(parts[3]), w[g + "norm.weight"],
-                w[g + "out_proj.weight"], *ffn_site, *moe_w, route, gemv, ffn_raw)
+                w[g + "out_proj.weight"], *ffn_site, *moe_w, route, gemv)
         if moe and pairs_mm:
             assert top_w is not None and top_i is not None and pairs is not None
             routed = compiled(routed_pairs_mm, mode)(rows, top_i, top_w, w[pre + "mlp.experts.gate_up_proj"],
@@ -426,6 +405,5 @@ def regions_stack(spec: ModelSpec, w: dict[str, torch.Tensor], pools: DevicePool
     final = final_c(spec, tok(streams), tok(routed), tok(shared), tok(inject_prev),
                     w["hyper_connection_mixer.hc_norm.weight"],
                     w["hyper_connection_mixer.input_mix_weight_down.weight"],
-                    w["hyper_connection_mixer.input_mix_weight_up.weight"], gemv,
-                    raw("hyper_connection_mixer.input_mix_weight_down") if raw else None)
+                    w["hyper_connection_mixer.input_mix_weight_up.weight"], gemv)
     return final

@@ -36,7 +36,6 @@ from atlas.backends.cuda.layers import (
     moe_mode_of,
     ple_context_update,
     prepare_weights,
-    raw_site_weights,
 )
 from atlas.backends.cuda.pools import DevicePools
 from atlas.backends.cuda.steady import SteadyDecode
@@ -175,10 +174,6 @@ class CudaBackend:
         # which implementation each part of a step uses (atlas.backends.cuda.tuning): the fastest arrangement, or
         # the plain-torch reference where the Triton kernels do not run (the fp32 parity mode, a CPU device)
         self.tuning = tuning or (Tuning() if self.gdn_kernel is not None else EAGER)
-        if self.tuning.raw_site and self.tuning.regions and spec.has_hyper_connections:
-            # the prefill regions' mix-down weights folded with their norm weights, made once (Tuning.raw_site; the
-            # decode groups keep the fused ones, so these are more memory, held only where the knob takes effect)
-            self.weights.update(raw_site_weights(spec, self.weights))
         # a verify of K rows: "rows" feeds them as K one-token groups (a decode's shapes, so a verify that accepts
         # n is bitwise n + 1 decodes: the fp32 parity mode's contract); "wide" as one [B, K] group keeping each
         # row's state (one forward: bf16, where a 1-row and a K-row GEMM round differently anyway)

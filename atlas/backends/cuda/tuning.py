@@ -48,10 +48,6 @@ class Tuning:
     # the order the tail region ranks them (regions.routed_pairs_mm), for the b1 experts' 12 + 6 us a layer against
     # ~6 us of bytes; unmeasured on a GPU, off
     decode_grouped_mm: bool = False
-    # a prefill chunk's hyper sites' mix-down on the raw streams against the mix-down weight folded with the norm
-    # weight at load (layers.raw_mix_down): the normed streams [T, hc * H] never written for the GEMM (33.5 MB a
-    # site at 2,048 tokens), ~0.4 ms a 2,048 prefill predicted; unmeasured on a GPU, off
-    raw_site: bool = False
 
     def __attrs_post_init__(self) -> None:
         if self.prefill_graphs and not self.moe_kernels:
@@ -73,6 +69,5 @@ TUNINGS: dict[str, Tuning] = {"default": Tuning(), "eager": EAGER}
 
 # arrangements written but never measured on a GPU, for `atlas bench gpu --variants` only (not a `--tuning`)
 UNMEASURED: dict[str, Tuning] = {
-    "raw-site": Tuning(raw_site=True),
     "moe-grouped-mm": Tuning(decode_grouped_mm=True),
 }

@@ -55,10 +55,6 @@ class Tuning:
                              "the prefill MoE syncs with the host every layer: turn moe_kernels on or prefill_graphs "
                              "off")
 
-    @property
-    def uses_triton(self) -> bool:
-        return self.moe_kernels or self.attention_kernels
-
 
 # the reference arrangement: every part plain torch
 EAGER = Tuning(regions=False, compile=False, moe_kernels=False, attention_kernels=False, library_conv=False,

@@ -3,7 +3,7 @@
 Measures, on one GPU, with random bf16 weights built on the device from a config.json (no checkpoint):
 - the ceilings: device copy bandwidth (bytes read + written) and the bf16 matmul rate (8192^3);
 - the default arrangement (`Tuning()`), or the named ones asked for (`--variants default,eager`:
-  atlas.backends.cuda.tuning.TUNINGS and UNMEASURED) side by side, a failing one reported and skipped
+  atlas.backends.cuda.tuning.TUNINGS) side by side, a failing one reported and skipped
   (atlas.bench_variants):
 - prefill tokens/s of one 2048-token prompt through the engine, against FLOPs / matmul rate (and 8,192 and
   32,752 tokens on the fastest variant);
@@ -92,10 +92,10 @@ def _fla_version() -> str | None:
 
 
 def variant_tunings() -> dict[str, Any]:
-    """The arrangements `--variants` may name: the user's (TUNINGS) and the unmeasured ones (UNMEASURED)."""
-    from atlas.backends.cuda.tuning import TUNINGS, UNMEASURED
+    """The arrangements `--variants` may name (atlas.backends.cuda.tuning.TUNINGS)."""
+    from atlas.backends.cuda.tuning import TUNINGS
 
-    return {**TUNINGS, **UNMEASURED}
+    return dict(TUNINGS)
 
 
 def run(config_path: Path = DEFAULT_CONFIG, *, out: Path | None = None, batches: tuple[int, ...] = (1, 16, 64),

@@ -22,7 +22,7 @@ from atlas.backends.cuda.tuning import Tuning
 
 # the knobs only one kind of step reads; every other Tuning field counts for both, so a new knob is re-measured
 # rather than silently shared
-DECODE_ONLY = ("decode_grouped_mm",)
+DECODE_ONLY: tuple[str, ...] = ()
 PREFILL_ONLY = ("library_conv", "prefill_graphs")
 PREFILL_KNOBS = tuple(f.name for f in attrs.fields(Tuning) if f.name not in DECODE_ONLY)
 DECODE_KNOBS = tuple(f.name for f in attrs.fields(Tuning) if f.name not in PREFILL_ONLY)

@@ -490,22 +490,19 @@ HYPER_DECODE_ROWS = (1, 4, 16, 64)
 
 
 def bench_moe_decode(cfg: dict, sweep: bool = True) -> None:
-    """The routed experts at decode rows: today's moe_grouped call, torch._grouped_mm's (atlas.backends.cuda.moe.routed_grouped_mm, the prefill's "grouped_mm" path), and (sweep) the grouped call with the gate-up's tile (block_n, block_k, warps, stages) and the down's swept apart
+    """The routed experts at decode rows: today's moe_grouped call and (sweep) the grouped call with the gate-up's
+    tile (block_n, block_k, warps, stages) and the down's swept apart
     (the other kernel on today's tile). Each whole call graph-timed (routing, both kernels, the slot sum), so a row's
     difference from today's is its kernels'. Session 17 run 1: the sweep moved rows 1 / 16 / 64 by at most 1.3 /
     1.1 / 1.4 us of 30.0 / 48.8 / 75.7."""
     from atlas_kernels.moe_grouped import block_sizes, moe_grouped, num_warps
 
-    from atlas.backends.cuda.moe import routed_grouped_mm
-
     gate_up, down, top_k = moe_weights(cfg)
-    gate_up.shape[2]
     for rows in MOE_DECODE_ROWS:
         x, top_i, top_w, moved = moe_rows(rows, gate_up, top_k)
         want = moe_grouped(x, top_i, top_w, gate_up, down)
         bm, bn0, bk0 = block_sizes(rows)
         cases = [("today", {})]
-        cases += [("grouped_mm", {})]  # torch._grouped_mm (CUTLASS) over the expert-sorted rows, never timed at decode
         cases += [(f"gate-up {bn}x{bk} w{w} s{st}", dict(blocks=(bm, bn, bk), warps=w, stages=st, down_tile=()))
                   for bn, bk, w, st in (MOE_DECODE_GATE_TILES if sweep else [])]
         cases += [(f"down {bn}x{bk} w{w} s{st}", dict(down_tile=(bn, bk, w, st))) for bn, bk, w, st in
@@ -514,7 +511,7 @@ def bench_moe_decode(cfg: dict, sweep: bool = True) -> None:
         for name, knobs in cases:
             if name.startswith("gate-up"):  # the down kernel on today's tile
                 knobs = dict(knobs, down_tile=(bn0, bk0, num_warps(bm), None))
-            call = routed_grouped_mm if name == "grouped_mm" else moe_grouped
+            call = moe_grouped
 
             def step(knobs=knobs, x=x, top_i=top_i, top_w=top_w, call=call) -> None:
                 call(x, top_i, top_w, gate_up, down, **knobs)
@@ -621,11 +618,8 @@ def moe_weights(cfg: dict) -> tuple[torch.Tensor, torch.Tensor, int]:
 
 def bench_moe_prefill(gate_up: torch.Tensor, down: torch.Tensor, top_k: int, sweep: bool = True) -> None:
     """The grouped kernels at prefill rows over PREFILL_MOE_TILES (tile, warps, pipeline depth; only today's
-    block_sizes / num_warps without `sweep`), and torch._grouped_mm on the same pairs (the backend's
-    prefill_moe "grouped_mm"); the whole call (routing, both GEMMs, the slot sum) graph-timed."""
+    block_sizes / num_warps without `sweep`); the whole call (routing, both GEMMs, the slot sum) graph-timed."""
     from atlas_kernels.moe_grouped import block_sizes, moe_grouped, num_warps
-
-    from atlas.backends.cuda.moe import grouped_mm_works, routed_grouped_mm
 
     experts, two_inter, hidden = gate_up.shape
     flops_per_pair = 2 * hidden * (two_inter + two_inter // 2)  # gate-up then down, 2 FLOPs a multiply-add
@@ -637,15 +631,6 @@ def bench_moe_prefill(gate_up: torch.Tensor, down: torch.Tensor, top_k: int, swe
         bm0, bn0, bk0 = block_sizes(rows)
         today = (bm0, bn0, bk0, num_warps(bm0), None)
         timed = []
-        if grouped_mm_works("cuda", BF16):
-            def grouped(x=x, top_i=top_i, top_w=top_w) -> torch.Tensor:
-                return routed_grouped_mm(x, top_i, top_w, gate_up, down)
-            got = grouped()
-            err = float((got.float() - want.float()).norm() / want.float().norm())
-            record("moe grouped_mm prefill", f"rows {rows}", time_ms(grouped), flops=rows * top_k * flops_per_pair,
-                   note=f"torch._grouped_mm; rel err vs the Triton kernels {err:.1e}")
-        else:
-            print("# torch._grouped_mm: not usable here for bf16", flush=True)
         for tile in [today, *(PREFILL_MOE_TILES if sweep else [])]:
             bm, bn, bk, w, st = tile
             # today's row is the default call (its down kernel on PREFILL_DOWN_TILE); a named tile is both kernels'
@@ -695,7 +680,7 @@ def main() -> None:
     parser.add_argument("--decode-rows", default="", metavar="N,N",
                         help="the decode row counts of moe_decode and hyper_decode (default 1,4,16,64)")
     parser.add_argument("--no-sweep", action="store_true",
-                        help="moe_prefill: today's tile and torch._grouped_mm only, not the tile sweep; chunk: the "
+                        help="moe_prefill: today's tile only, not the tile sweep; chunk: the "
                              "backend's call only (its defaults and GATED_CHUNK_SCHEDULES)")
     parser.add_argument("--dry-run", "--smoke", action="store_true",
                         help="load the config and list what would be timed; no GPU needed")

@@ -60,20 +60,16 @@ def test_a_failing_variant_is_reported_and_the_rest_measured(fakes: list) -> Non
 def test_every_prefill_knob_keeps_a_variant_from_reusing_prefill_figures(fakes: list) -> None:
     default = Tuning()
     variants = {"default": default, "eager-conv": attrs.evolve(default, library_conv=False),
-                "grouped-mm": attrs.evolve(default, decode_grouped_mm=True),
                 "no-prefill-graphs": attrs.evolve(default, prefill_graphs=False)}
     results = measure_variants(None, variants, batches=(1,), prefill_tokens=2048, bw=4e12, rate=7e14, out=None,
                                on_variant=lambda name, row: None, profile=False)
-    # eager-conv differs in a prefill-only knob: its prefill measured, its decode shared; grouped-mm in a decode-only
-    # knob: the reverse
+    # eager-conv differs in a prefill-only knob: its prefill measured, its decode shared
     assert "same_as" not in results["eager-conv"]["prefill"]
     assert results["eager-conv"]["decode_b1"]["same_as"] == "default"
-    assert results["grouped-mm"]["prefill"]["same_as"] == "default"
-    assert "same_as" not in results["grouped-mm"]["decode_b1"]
     # no-prefill-graphs: prefill graphs only (a prefill knob)
     assert "same_as" not in results["no-prefill-graphs"]["prefill"]
     assert results["no-prefill-graphs"]["decode_b1"]["same_as"] == "default"
-    assert [kind for kind, _ in fakes] == ["prefill", "decode", "prefill", "decode", "prefill"]
+    assert [kind for kind, _ in fakes] == ["prefill", "decode", "prefill", "prefill"]
 
 
 def test_profiles_can_wait_until_every_timing_is_done(fakes: list) -> None:

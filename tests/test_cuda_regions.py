@@ -44,8 +44,8 @@ TABLES = [tuple(range(8 * i, 8 * i + 8)) for i in range(3)]
 # the layer stack (the reference) and the regions run eagerly, every other part plain torch
 LAYERS = EAGER
 REGIONS = attrs.evolve(EAGER, regions=True)
-# the routed experts' forms: plain torch, the Triton kernels, torch._grouped_mm (a compiled bf16 decode's region)
-MOE = {"torch": {}, "triton": {"moe_kernels": True}, "grouped_mm": {"moe_kernels": True, "decode_grouped_mm": True}}
+# the routed experts' forms: plain torch, the Triton kernels
+MOE = {"torch": {}, "triton": {"moe_kernels": True}}
 
 
 @pytest.fixture(scope="module")
@@ -81,7 +81,7 @@ def _decode(tiny, tuning: Tuning, *, kernels: bool, steps: int = 2, prompts: lis
 def test_regions_equal_the_layer_stack_bit_for_bit(tiny, kernels: bool, moe: str) -> None:  # type: ignore[no-untyped-def]
     """moe="triton": the routed kernels with the route ranked in the tail region and their pairs summed in the
     next region (moe_routed(summed=False), regions.settle) against the layer stack's counted-by-the-kernel route
-    and its own sum; "grouped_mm" through torch._grouped_mm on the ranked route."""
+    and its own sum."""
     want_logits, want_state = _decode(tiny, attrs.evolve(LAYERS, **MOE[moe]), kernels=kernels)
     got_logits, got_state = _decode(tiny, attrs.evolve(REGIONS, **MOE[moe]), kernels=kernels)
     for want, got in zip(want_logits, got_logits, strict=True):
@@ -170,29 +170,6 @@ def test_every_region_traces_whole(tiny, monkeypatch: pytest.MonkeyPatch) -> Non
     assert compiles["gdn_head"] == 4 and compiles["gdn_tail"] == 2, compiles
 
 
-def test_the_decode_grouped_mm_experts_are_a_region_of_their_own_in_bf16(tiny, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
-    """Tuning.decode_grouped_mm in a compiled bf16 decode: the routed experts and their glue traced whole as one
-    region (regions.routed_pairs_mm, once for the two steps' one shape), the step's logits and state those of the
-    uncompiled regions' moe_routed call; in fp32 (which Dynamo cannot trace through torch._grouped_mm's meta) the
-    eager call stays."""
-    from atlas.backends.cuda.moe import grouped_mm_works
-
-    if not grouped_mm_works(DEVICE, torch.bfloat16):
-        pytest.skip("torch._grouped_mm does not run here")
-    traced, compiles = _trace_regions(monkeypatch)
-    eager = attrs.evolve(REGIONS, **MOE["grouped_mm"])
-    want, want_state = _decode(tiny, eager, kernels=False, dtype=torch.bfloat16)
-    got, got_state = _decode(tiny, attrs.evolve(eager, compile=True), kernels=False, dtype=torch.bfloat16)
-    for w, g in zip(want, got, strict=True):
-        assert torch.equal(w, g)
-    for name, w in want_state.items():
-        assert torch.equal(w, got_state[name]), name
-    assert "routed_pairs_mm" in traced and compiles["routed_pairs_mm"] == 1, compiles
-    before = compiles.copy()
-    _decode(tiny, attrs.evolve(eager, compile=True), kernels=False, steps=1)  # fp32: the regions again
-    assert compiles["gdn_tail"] > before["gdn_tail"] and compiles["routed_pairs_mm"] == 1, compiles
-
-
 def test_regions_give_the_reference_tokens_through_the_engine(tiny) -> None:  # type: ignore[no-untyped-def]
     from atlas.config import EngineConfig
     from atlas.engine.offline import generate
@@ -242,32 +219,6 @@ def test_counted_route_is_the_sorted_route(rows: int, experts: int, k: int) -> N
         assert got_offsets.dtype == torch.int32 and got_order.dtype == order.dtype
 
 
-@pytest.mark.parametrize("summed", [True, False])
-def test_grouped_mm_experts_equal_the_grouped_path_with_a_counted_route(summed: bool) -> None:
-    """routed_grouped_mm (torch._grouped_mm over expert-sorted rows) with the route the prefill tail region counts,
-    the slots summed here or left to the caller (regions.settle), against the host-grouped eager path."""
-    from atlas.backends.cuda.layers import moe_routed
-    from atlas.backends.cuda.moe import counted_route, grouped_mm_works, routed_grouped_mm
-    from atlas.model.spec import MoeSpec
-
-    if not grouped_mm_works(DEVICE, torch.float32):
-        pytest.skip("torch._grouped_mm missing in this torch")
-    gen = torch.Generator().manual_seed(11)
-    rows, hidden, inter, experts, k = 37, 32, 24, 6, 2  # expert 5 chosen by nobody
-    x = torch.randn(rows, hidden, generator=gen).to(DEVICE)
-    gate_up = (torch.randn(experts, 2 * inter, hidden, generator=gen) / hidden**0.5).to(DEVICE)
-    down = (torch.randn(experts, hidden, inter, generator=gen) / inter**0.5).to(DEVICE)
-    top_i = torch.stack([torch.randperm(experts - 1, generator=gen)[:k] for _ in range(rows)]).to(DEVICE)
-    top_w = torch.rand(rows, k, generator=gen).to(DEVICE)
-    w = {"mlp.experts.gate_up_proj": gate_up, "mlp.experts.down_proj": down}
-    moe = MoeSpec(num_experts=experts, top_k=k, intermediate_size=inter, shared_intermediate_size=inter,
-                  norm_topk_prob=True)
-    want = moe_routed(moe, w, "mlp.", x, top_w, top_i, mode="grouped")
-    got = routed_grouped_mm(x, top_i, top_w, gate_up, down, counted_route(top_i, experts), summed)
-    assert got.shape == ((rows, hidden) if summed else (rows, k, hidden))
-    assert torch.allclose(got if summed else got.sum(dim=1), want, atol=1e-5, rtol=1e-4)
-
-
 @pytest.mark.parametrize("dilation", [1, 3])
 def test_the_library_conv_equals_the_windowed_product(dilation: int) -> None:
     from atlas.backends.cuda.layers import conv_step
@@ -288,13 +239,11 @@ def test_the_library_conv_equals_the_windowed_product(dilation: int) -> None:
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="Inductor on the GPU: the compiled regions")
-@pytest.mark.parametrize("variant", ["regions", "default", "moe-grouped-mm"])
+@pytest.mark.parametrize("variant", ["regions", "default"])
 def test_compiled_regions_give_the_reference_tokens_on_the_gpu(tiny, variant: str) -> None:  # type: ignore[no-untyped-def]
     """fp32, CUDA graphs on: the regions through torch.compile alone, the default arrangement (the paged decode
-    attention, the routed kernels, the prefill graphs, the batch-3 products through cuBLAS: GEMV_ROWS 1) and the
-    default with the decode's routed experts through torch._grouped_mm, greedy and seeded rows side by side, against
-    the CPU reference."""
-    from atlas.backends.cuda.tuning import UNMEASURED
+    attention, the routed kernels, the prefill graphs, the batch-3 products through cuBLAS: GEMV_ROWS 1), greedy and
+    seeded rows side by side, against the CPU reference."""
     from atlas.config import EngineConfig
     from atlas.engine.offline import generate
     from atlas.engine.records import RecordingSink
@@ -305,7 +254,7 @@ def test_compiled_regions_give_the_reference_tokens_on_the_gpu(tiny, variant: st
     params = [SamplingParams(max_tokens=12, ignore_eos=True),
               SamplingParams(max_tokens=12, ignore_eos=True, temperature=0.8, top_p=0.95, seed=7),
               SamplingParams(max_tokens=12, ignore_eos=True, temperature=1.0, top_k=20, seed=3)]
-    tuning = {"regions": attrs.evolve(REGIONS, compile=True), "default": Tuning(), **UNMEASURED}[variant]
+    tuning = {"regions": attrs.evolve(REGIONS, compile=True), "default": Tuning()}[variant]
     for prompts in (PROMPTS, SHORT):  # QSA-selected decode groups (sdpa), then dense ones (the paged kernel)
         tokens = {}
         for backend, options in (("cpu", {}), ("cuda-fp32", {"device": DEVICE, "cuda_graphs": True,

@@ -15,8 +15,7 @@ if not torch.cuda.is_available():  # the Triton kernels run interpreted on a CPU
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from atlas.backends.cuda import CudaBackend
-from atlas.backends.cuda.moe import grouped_mm_works
-from atlas.backends.cuda.tuning import EAGER, TUNINGS, UNMEASURED, Tuning
+from atlas.backends.cuda.tuning import EAGER, TUNINGS, Tuning
 from atlas.config import EngineConfig
 from atlas.engine.offline import generate
 from atlas.engine.records import RecordingSink
@@ -56,11 +55,10 @@ def reference(tiny) -> list[tuple[int, ...]]:  # type: ignore[no-untyped-def]
 
 
 def test_the_default_is_every_part_on_and_the_reference_every_part_off() -> None:
-    parts = [f.name for f in attrs.fields(Tuning) if f.name != "decode_grouped_mm"]
+    parts = [f.name for f in attrs.fields(Tuning)]
     assert all(getattr(Tuning(), p) for p in parts)
     assert not any(getattr(EAGER, p) for p in parts)
     assert TUNINGS == {"default": Tuning(), "eager": EAGER}  # what `--tuning` offers: at most 3
-    assert not set(UNMEASURED) & set(TUNINGS)
 
 
 def test_a_backend_takes_the_default_where_the_kernels_run_and_the_reference_elsewhere(tiny) -> None:  # type: ignore[no-untyped-def]
@@ -108,12 +106,6 @@ def test_bf16_part_logits_stay_within_rounding_of_the_reference(tiny, tuning: Tu
         logits.append(torch.stack([v.float() for v in backend._last_logits(decode).values()]))
     base, got = logits
     assert float((got - base).norm() / base.norm()) < 3e-2
-
-
-def test_grouped_mm_feature_test_runs_here() -> None:
-    # torch 2.13 CPU has it (the GPU machine's torch 2.11 on sm_90 too); where it is missing, decode_grouped_mm
-    # falls back to the Triton kernels rather than failing
-    assert grouped_mm_works(DEVICE, torch.float32) == hasattr(torch, "_grouped_mm")
 
 
 def test_prefill_graphs_without_the_moe_kernels_are_refused() -> None:

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from atlas.backends.cuda.batch import Group
-from atlas.backends.cuda.moe import grouped_mm_works, ranked_topk, routed_grouped_mm, routed_triton
+from atlas.backends.cuda.moe import ranked_topk, routed_triton
 from atlas.backends.cuda.pools import DevicePools
 from atlas.backends.cuda.tuning import Tuning
 from atlas.backends.decoder import decoder_stack
@@ -458,11 +458,11 @@ def library_conv(tuning: Tuning, grp: Group, invariant: bool) -> bool:
 
 
 def moe_mode_of(tuning: Tuning, prefill: bool) -> str:
-    """moe_routed's mode for a group (Tuning.moe_kernels, decode_grouped_mm): "triton" the device-routed kernels;
+    """moe_routed's mode for a group (Tuning.moe_kernels): "triton" the device-routed kernels;
     else a prefill chunk's "grouped" (one host sync a layer) and a decode group's "torch" (fixed shapes)."""
     if not tuning.moe_kernels:
         return "grouped" if prefill else "torch"
-    return "grouped_mm" if tuning.decode_grouped_mm and not prefill else "triton"
+    return "triton"
 
 
 def attention_layer(spec: ModelSpec, w: dict[str, torch.Tensor], pre: str, layer: int, x: torch.Tensor,
@@ -517,26 +517,21 @@ def moe_layer(moe: MoeSpec, w: dict[str, torch.Tensor], pre: str, x: torch.Tenso
 def moe_routed(moe: MoeSpec, w: dict[str, torch.Tensor], pre: str, x: torch.Tensor, top_w: torch.Tensor,
                top_i: torch.Tensor, *, eager: bool = False, mode: str | None = None,
                route: tuple[torch.Tensor, torch.Tensor] | None = None, summed: bool = True) -> torch.Tensor:
-    """sum_k top_w * expert_{top_i}(x) [R, H] (summed=False with mode "triton" / "grouped_mm": the pairs' weighted outputs
+    """sum_k top_w * expert_{top_i}(x) [R, H] (summed=False with mode "triton": the pairs' weighted outputs
     [R, K, H], each the row's own slot k, the sum over k the caller's; every other mode sums here).
 
     eager: group tokens by expert (one host sync for the counts; right for prefill, where each expert
     sees many tokens). Otherwise fixed shapes for CUDA graphs: with fewer routed slots than experts, the
     chosen experts' weights are gathered per slot; else every expert runs on every row, weighted by a
     routing matrix that is zero off the top-k (decode at batch >= E / top_k touches most experts anyway).
-    mode (moe_mode_of) overrides eager: "grouped" is eager; "torch" the fixed shapes; "triton" / "grouped_mm" route
-    on the device and read the chosen experts in place (atlas.backends.cuda.moe: no host sync, graph-capturable).
-    "grouped_mm" falls back to "triton" where torch._grouped_mm fails its feature test. route: the pairs' (order,
+    mode (moe_mode_of) overrides eager: "grouped" is eager; "torch" the fixed shapes; "triton" routes on the
+    device and reads the chosen experts in place (atlas.backends.cuda.moe: no host sync, graph-capturable). route: the pairs' (order,
     offsets) for "triton" if the caller counted them (moe.counted_route)."""
     eager = mode == "grouped" if mode is not None else eager
     rows = x.shape[0]
     gate_up, down = w[pre + "experts.gate_up_proj"], w[pre + "experts.down_proj"]
-    if mode == "grouped_mm" and not grouped_mm_works(x.device.type, x.dtype):
-        mode = "triton"
     if mode == "triton":
         return routed_triton(x, top_i, top_w, gate_up, down, route, summed)
-    if mode == "grouped_mm":
-        return routed_grouped_mm(x, top_i, top_w, gate_up, down, route, summed)
     if eager:
         # (token, slot) pairs sorted by expert: one host sync for the counts, each pair's output written once
         # (no atomics), then summed over the slots in a fixed order

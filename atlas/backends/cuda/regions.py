@@ -60,8 +60,6 @@ from atlas.backends.cuda.moe import (
     RANKED_PAIRS,
     SMALL_EXPERTS,
     counted_route,
-    grouped_mm_works,
-    routed_grouped_mm,
 )
 from atlas.backends.cuda.pools import DevicePools, store_final
 from atlas.backends.cuda.tuning import Tuning
@@ -86,17 +84,6 @@ def applies(spec: ModelSpec, grp: Group, tuning: Tuning) -> bool:
     if not spec.has_hyper_connections or shape.keep:
         return False
     return tuning.regions and (shape.width == 1 or not shape.pending)
-
-
-def routed_pairs_mm(x: torch.Tensor, top_i: torch.Tensor, top_w: torch.Tensor, gate_up: torch.Tensor,
-                    down: torch.Tensor, order: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    """A compiled decode's routed experts through torch._grouped_mm (Tuning.decode_grouped_mm) as a region of their
-    own: moe.routed_grouped_mm on the tail region's ranked route (order, offsets), the pairs' outputs [R, K, H] left
-    for the next region's sum. Eagerly the glue around the two grouped products (the pairs' gather, SwiGLU, the
-    weighting, the scatter back to pair order) is ~6 launches a layer more than moe_grouped's two kernels
-    (benchmarks/dispatch_count.py: b1 156 -> 335 launches outside the regions); compiled it fuses around them. bf16
-    only: torch's meta function for _grouped_mm takes bf16, so Dynamo cannot trace an fp32 one."""
-    return routed_grouped_mm(x, top_i, top_w, gate_up, down, (order, offsets), summed=False)
 
 
 def _site(spec: ModelSpec, streams: torch.Tensor, norm_w: torch.Tensor, down_w: torch.Tensor, up_w: torch.Tensor,
@@ -318,11 +305,7 @@ def regions_stack(spec: ModelSpec, w: dict[str, torch.Tensor], pools: DevicePool
     if head_fused:
         import atlas_kernels.conv  # noqa: F401  (registers torch.ops.atlas.causal_conv_prefill)
     # the routed kernels take the pairs' order computed in the tail region: ranked (decode) or counted (prefill)
-    route = ("counted" if prefill else "ranked") if moe_mode in ("triton", "grouped_mm") else ""
-    # a compiled bf16 decode's routed experts through torch._grouped_mm (Tuning.decode_grouped_mm): the two grouped
-    # products and their glue as one region (routed_pairs_mm); elsewhere moe_routed's eager call
-    pairs_mm = (not prefill and wide and moe_mode == "grouped_mm" and dtype == torch.bfloat16
-                and grouped_mm_works(grp.tokens.device.type, dtype))
+    route = ("counted" if prefill else "ranked") if moe_mode == "triton" else ""
     ple_layers = spec.ple.layers if spec.ple is not None else ()
     pending: Pending = (None, None, None)
     for layer in range(spec.num_layers):
@@ -383,11 +366,7 @@ def regions_stack(spec: ModelSpec, w: dict[str, torch.Tensor], pools: DevicePool
             streams, rows, inject, top_w, top_i, shared, pairs = tail_g(
                 spec, tok(streams), tok(inject), tok(out), tok(parts[3]), w[g + "norm.weight"],
                 w[g + "out_proj.weight"], *ffn_site, *moe_w, route, gemv)
-        if moe and pairs_mm:
-            assert top_w is not None and top_i is not None and pairs is not None
-            routed = compiled(routed_pairs_mm, mode)(rows, top_i, top_w, w[pre + "mlp.experts.gate_up_proj"],
-                                                     w[pre + "mlp.experts.down_proj"], *pairs)
-        elif moe:
+        if moe:
             assert spec.moe is not None and top_w is not None and top_i is not None
             routed = moe_routed(spec.moe, w, pre + "mlp.", rows, top_w, top_i, mode=moe_mode, route=pairs,
                                 summed=False)

@@ -44,10 +44,6 @@ class Tuning:
     # two, a shape captured the second time it is fed, at most runner.PREFILL_GRAPHS shapes); needs moe_kernels
     # (no host sync)
     prefill_graphs: bool = True
-    # a compiled bf16 decode's routed experts through torch._grouped_mm (CUTLASS grouped GEMMs) over the pairs in
-    # the order the tail region ranks them (regions.routed_pairs_mm), for the b1 experts' 12 + 6 us a layer against
-    # ~6 us of bytes; unmeasured on a GPU, off
-    decode_grouped_mm: bool = False
 
     def __attrs_post_init__(self) -> None:
         if self.prefill_graphs and not self.moe_kernels:
@@ -62,8 +58,3 @@ EAGER = Tuning(regions=False, compile=False, moe_kernels=False, attention_kernel
 
 # the arrangements a user picks by name (`--tuning`, `atlas bench gpu --variants`): the default and the reference
 TUNINGS: dict[str, Tuning] = {"default": Tuning(), "eager": EAGER}
-
-# arrangements written but never measured on a GPU, for `atlas bench gpu --variants` only (not a `--tuning`)
-UNMEASURED: dict[str, Tuning] = {
-    "moe-grouped-mm": Tuning(decode_grouped_mm=True),
-}

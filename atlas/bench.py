@@ -2,16 +2,18 @@
 
 Measures, on one GPU, with random bf16 weights built on the device from a config.json (no checkpoint):
 - the ceilings: device copy bandwidth (bytes read + written) and the bf16 matmul rate (8192^3);
-- every Tuning variant (atlas.backends.cuda.tuning.VARIANTS) side by side, a failing one reported and skipped
+- the default arrangement (`Tuning()`), or the named ones asked for (`--variants default,eager`:
+  atlas.backends.cuda.tuning.TUNINGS) side by side, a failing one reported and skipped
   (atlas.bench_variants):
 - prefill tokens/s of one 2048-token prompt through the engine, against FLOPs / matmul rate (and 8,192 and
-  32,752 tokens on the fastest SDPA variant);
+  32,752 tokens on the fastest variant);
 - decode ms/step and tokens/s at batch 1, 16 and 64 through the engine (CUDA graphs), against the bytes of
   weights a step must read / copy bandwidth, and the control plane's share of the step (engine time outside
   Backend.execute);
-- profiles of an eager 2048-token prefill and batch-1 decode step (kernel count, device time by kernel);
-- transformers (Qwen4ExpForCausalLM, same config, random bf16 weights, sdpa): prefill 2048 and decode at
-  batch 1 and 16 (difference of two greedy generate() lengths).
+- profiles of a 2048-token prefill and batch-1 decode step (kernel count, device time by kernel);
+- transformers (Qwen4ExpForCausalLM, same config, random bf16 weights, sdpa, its GDN layers through
+  flash-linear-attention's kernels where fla is installed): prefill 2048 and decode at batch 1 and 16
+  (difference of two greedy generate() lengths).
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ from atlas.calibrate import host_speed
 
 # the long prefills (the model's max_position_embeddings is 32,768: the prompt leaves room for the engine's margin)
 LONG_PREFILL = (8192, 32752)
-# decode rows beside greedy (issue 15): seeded sampling (goal within 5% of greedy) and `cuda-invariant` (within 10%)
+# decode rows beside greedy: seeded sampling (goal within 5% of greedy) and `cuda-invariant` (within 2%)
 MODES = ("seeded", "invariant")
 # each variant's decode row: the median of this many engines' rounds (session 15: one decode code read b64 6.23 and
 # 7.01 ms, control plane 2.5% and 5.9%, in two runs of one round each)
@@ -61,7 +63,7 @@ def bench_transformers(config: dict, *, prefill_tokens: int = 2048, batches: tup
             model = tf.Qwen4ExpForCausalLM(cfg).eval()
         finally:
             torch.set_default_dtype(previous)
-    result: dict[str, Any] = {"transformers": tf.__version__}
+    result: dict[str, Any] = {"transformers": tf.__version__, "fla": _fla_version()}
 
     def gen(ids: torch.Tensor, new: int) -> None:
         with torch.no_grad():
@@ -79,19 +81,36 @@ def bench_transformers(config: dict, *, prefill_tokens: int = 2048, batches: tup
     return result
 
 
+def _fla_version() -> str | None:
+    """flash-linear-attention's version where it is importable (transformers then runs the GDN layers through its
+    chunk and recurrent kernels), else None (transformers' torch fallback)."""
+    try:
+        import fla  # type: ignore[import-not-found]
+    except Exception:
+        return None
+    return str(getattr(fla, "__version__", "unknown"))
+
+
+def variant_tunings() -> dict[str, Any]:
+    """The arrangements `--variants` may name (atlas.backends.cuda.tuning.TUNINGS)."""
+    from atlas.backends.cuda.tuning import TUNINGS
+
+    return dict(TUNINGS)
+
+
 def run(config_path: Path = DEFAULT_CONFIG, *, out: Path | None = None, batches: tuple[int, ...] = (1, 16, 64),
         with_transformers: bool = True, variants: list[str] | None = None,
         long_prefill: tuple[int, ...] = LONG_PREFILL, modes: tuple[str, ...] = MODES,
         decode_rounds: int = DECODE_ROUNDS) -> dict:
-    """Ceilings, then every Tuning variant side by side (atlas.bench_variants: a failing one is reported and
-    skipped), the long prefills on the fastest variant whose attention is SDPA, then transformers."""
+    """Ceilings, then the default arrangement (or the `variants` named, side by side: atlas.bench_variants, a failing
+    one reported and skipped), the long prefills on the fastest variant, then transformers."""
     from atlas.backends.cuda.random_model import random_model
-    from atlas.backends.cuda.tuning import VARIANTS
     from atlas.bench_variants import best, guarded, measure_variants, profile_variants, variant_line
 
     if not torch.cuda.is_available():
         raise SystemExit("atlas bench gpu needs an NVIDIA GPU")
-    names = variants or list(VARIANTS)
+    VARIANTS = variant_tunings()
+    names = variants or ["default"]
     # "name@2": the variant measured again under that label, later in the run (an order control: engines built one
     # after another in one process have differed by 1 ms of a 28 ms prefill, H200 session 13)
     unknown = [n for n in names if n.split("@")[0] not in VARIANTS]
@@ -167,8 +186,9 @@ def run(config_path: Path = DEFAULT_CONFIG, *, out: Path | None = None, batches:
                   f"{d['ms_per_step']:.2f} ms/step, x{d['vs_greedy']:.2f} greedy (greedy before / after "
                   f"{' / '.join(f'{a:.2f}' for a in d['greedy_around_ms'])} ms)"), flush=True)
             save()
-    sdpa = {n: r for n, r in report["variants"].items() if r["tuning"]["attention"] == "sdpa"}
-    long_variant = best(sdpa, "prefill", "ms")
+    # the eager reference's materialised scores cannot hold 32,752 tokens: its long prefills are not run
+    fast = {n: r for n, r in report["variants"].items() if r["tuning"]["attention_kernels"]}
+    long_variant = best(fast, "prefill", "ms")
     if long_variant is not None:
         tuning = VARIANTS[long_variant[0].split("@")[0]]
         for tokens in long_prefill:
@@ -207,7 +227,7 @@ def table(report: dict) -> str:
     p = report.get("prefill")
     if p:
         lines.append(f"prefill 2048 best: {p['variant']} {p['ms']:.1f} ms, {p['tokens_per_s']:.0f} tok/s; floor "
-                     f"{p['floor_ms']:.1f} ms; {100 * p['achieved_of_matmul_rate']:.1f}% of the matmul rate (goal 40%)")
+                     f"{p['floor_ms']:.1f} ms; {100 * p['achieved_of_matmul_rate']:.1f}% of the matmul rate (goal 45%)")
     for key in sorted((k for k in report if k.startswith("prefill_")), key=lambda k: int(k[8:])):
         q = report[key]
         lines.append(f"prefill {key[8:]}: " + (f"ERROR {q['error']}" if "error" in q else
@@ -216,17 +236,17 @@ def table(report: dict) -> str:
     floors = [report[f"decode_b{b}"] for b in batches if f"decode_b{b}" in report]
     lines.append("decode floors (weights / +state, ms): " + ", ".join(
         f"b{d['batch']} {d['floor_ms']:.3f} / {d['floor_with_state_ms']:.3f}" for d in floors)
-        + "; goals b1 <= 1.1, b16 <= 2.3, b64 <= 3.0 ms")
+        + "; goals b1 <= 1.3x, b16 <= 1.8x the weights' floor, b64 <= 1.3x the floor with state")
     lines.append("decode best: " + ", ".join(
         f"b{d['batch']} {d['variant']} {d['ms_per_step']:.2f} ms ({d['tokens_per_s']:.0f} tok/s, "
         + (f"rounds {' / '.join(f'{r:.2f}' for r in d['rounds_ms'])}, " if len(d.get("rounds_ms", ())) > 1 else "")
         + f"control plane {100 * d['control_plane_share']:.1f}%"
         + (f" = {1e3 * d['control_plane_ms']:.0f} us a step" if "control_plane_ms" in d else "") + ")"
-        for d in floors) + "; goal: control plane <= 3% at b64"
+        for d in floors) + "; goal: control plane <= 2% at b64"
         + (f"; host speed {report['host_speed_us']:.1f} us a calibration round (the 2-core dev box: ~9)"
            if "host_speed_us" in report else ""))
     lines += variants_table(report.get("variants", {}), batches)
-    for mode, goal in (("seeded", 1.05), ("invariant", 1.10)):
+    for mode, goal in (("seeded", 1.05), ("invariant", 1.02)):
         rows = {b: report[f"{mode}_b{b}"] for b in batches if f"{mode}_b{b}" in report}
         if rows:
             lines.append(f"decode {mode} (goal <= x{goal:.2f} greedy): " + ", ".join(
@@ -234,7 +254,8 @@ def table(report: dict) -> str:
                 for b, r in rows.items()))
     t = report.get("transformers", {})
     if "prefill" in t:
-        lines.append(f"transformers {t['transformers']}: prefill 2048 {t['prefill']['tokens_per_s']:.0f} tok/s; "
+        lines.append(f"transformers {t['transformers']} (flash-linear-attention {t.get('fla') or 'not installed'}): "
+                     f"prefill 2048 {t['prefill']['tokens_per_s']:.0f} tok/s; "
                      + "; ".join(f"decode b{k[8:]} {v['ms_per_step']:.1f} ms/step ({v['tokens_per_s']:.0f} tok/s)"
                                  for k, v in t.items() if k.startswith("decode_b")))
     elif t:
@@ -251,9 +272,11 @@ def table(report: dict) -> str:
 def main(argv: list[str] | None = None) -> None:
     import argparse
 
-    parser = argparse.ArgumentParser(description="atlas bench gpu: every Tuning variant side by side")
+    parser = argparse.ArgumentParser(description="atlas bench gpu: the CUDA backend's default arrangement against its "
+                                     "floors and transformers")
     parser.add_argument("out", nargs="?", type=Path)
-    parser.add_argument("--variants", help="comma-separated Tuning variants (default: all); name@2 measures one again")
+    parser.add_argument("--variants", help="comma-separated arrangements side by side (default: default; "
+                        f"choose from {', '.join(variant_tunings())}); name@2 measures one again")
     parser.add_argument("--batches", default="1,16,64")
     parser.add_argument("--long-prefill", default=",".join(map(str, LONG_PREFILL)), help="'' skips them")
     parser.add_argument("--no-transformers", action="store_true")

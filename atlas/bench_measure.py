@@ -132,17 +132,15 @@ def _run_steps(engine: Any, prompts: list[list[int]], max_tokens: int, seeded: b
     return [(b - a) * 1e3 for a, b in zip(stamps, stamps[1:], strict=False)]
 
 
-def bench_prefill(model: Any, tokens: int = 2048, repeat: int = 3, moe: str | None = None,
-                  tuning: Any = None, backend: str = "cuda") -> dict[str, Any]:
+def bench_prefill(model: Any, tokens: int = 2048, repeat: int = 3, tuning: Any = None,
+                  backend: str = "cuda") -> dict[str, Any]:
     """One `tokens`-long prompt prefilled `repeat` times after its warm-up runs (one chunk each, a fresh prompt each
-    time): the first compiles, and under Tuning.prefill_graphs the second is the chunk shape's capture (H200 session
-    10: the 8,192-token row's median of [capture 490 ms, replay 157 ms] was reported as 352.9 ms). "runs" /
+    time): the first compiles, and under Tuning.prefill_graphs the second is the chunk shape's capture (H200: the 8,192-token row's median of [capture 490 ms, replay 157 ms] was reported as 352.9 ms). "runs" /
     "execute_runs": every run's wall / execute ms in order, the `warm` first ones left out of the medians."""
     engine, timed = _engine(model, batch=1, max_seq_len=tokens + 16, chunk=tokens, tuning=tuning, backend=backend)
-    if moe is not None:
-        timed.inner.prefill_moe = moe
     moe = getattr(timed.inner, "prefill_moe", None)
-    warm = 2 if getattr(tuning, "prefill_graphs", "none") != "none" else 1
+    arranged = getattr(timed.inner, "tuning", tuning)  # the backend's own (its default when `tuning` is None)
+    warm = 2 if arranged is not None and arranged.prefill_graphs else 1
     g = torch.Generator().manual_seed(1)
     steps = []
     for _ in range(repeat + warm):

@@ -1,4 +1,4 @@
-"""The CUDA backend's Tuning variants (atlas.backends.cuda.tuning.VARIANTS) timed side by side by `atlas bench gpu`.
+"""The CUDA backend's named arrangements (atlas.backends.cuda.tuning) timed side by side by `atlas bench gpu`.
 
 Each variant's prefill and decode are measured through the engine as atlas.bench does for one arrangement; a
 variant whose prefill knobs (or decode knobs) equal an already measured variant's reuses those figures instead
@@ -21,12 +21,9 @@ import torch
 from atlas.backends.cuda.tuning import Tuning
 
 # the knobs only one kind of step reads; every other Tuning field counts for both, so a new knob is re-measured
-# rather than silently shared (session 8: regions-prefill's prefill was reported "= regions-compile" because
-# prefill_stack / compile_prefill were missing from a hand-written prefill list)
-DECODE_ONLY = ("moe", "decode_attention", "compile_decode", "decode_stack", "decode_gemv", "decode_pdl",
-               "decode_regions")
-PREFILL_ONLY = ("prefill_moe", "attention", "prefill_conv", "prefill_stack", "compile_prefill", "prefill_graphs",
-                "gdn_work", "prefill_mix_up", "gdn_prepare", "prefill_site")
+# rather than silently shared
+DECODE_ONLY: tuple[str, ...] = ()
+PREFILL_ONLY = ("library_conv", "prefill_graphs")
 PREFILL_KNOBS = tuple(f.name for f in attrs.fields(Tuning) if f.name not in DECODE_ONLY)
 DECODE_KNOBS = tuple(f.name for f in attrs.fields(Tuning) if f.name not in PREFILL_ONLY)
 

@@ -68,9 +68,9 @@ def serve(
     api_key: str = typer.Option(None, help="require 'Authorization: Bearer KEY' (visible in ps: prefer "
                                 "--api-key-file or the ATLAS_API_KEY variable; an empty key is an error)"),
     backend: str = typer.Option("cpu", help="cpu | cuda | cuda-fp32 | cuda-invariant | null"),
-    tuning: str = typer.Option(None, help="CUDA backends: the kernels' arrangement, one of the variants `atlas "
-                               "bench gpu` measures (regions-compile: fastest on the H200, compiles on the first "
-                               "steps of each shape; default: baseline, eager)"),
+    tuning: str = typer.Option(None, help="CUDA backends: the kernels' arrangement: default (the fastest measured; "
+                               "compiles on the first steps of each shape) | eager (plain torch, the reference "
+                               "for debugging)"),
     max_seq_len: int = typer.Option(None, help="longest prompt + completion, in tokens (default: 4096, or the "
                                                "model's max_position_embeddings when smaller)"),
     max_batch_size: int = typer.Option(None, help="sequences decoded together (default: 64)"),
@@ -82,7 +82,7 @@ def serve(
     num_drafts: int = typer.Option(None, help="speculative decoding: drafts per verify (0: off)"),
     drafter: str = typer.Option(None, help="speculative drafter: mtp | ngram (default: mtp)"),
     prefix_caching: bool = typer.Option(None, "--prefix-caching/--no-prefix-caching",
-                                        help="reuse KV + recurrent state of shared prefixes (default: on for cpu)"),
+                                        help="reuse KV + recurrent state of shared prefixes (default: on for cpu, cuda)"),
     threads: int = typer.Option(None, help="torch CPU threads (default: OMP_NUM_THREADS, else 1: measured best, "
                                            "see atlas/threads.py)"),
     enable_fault_injection: bool = typer.Option(False, hidden=True, help="tests only: fault-injection hooks"),
@@ -223,7 +223,7 @@ def generate(
     num_drafts: int = typer.Option(0, help="speculative decoding: drafts per verify (0: off)"),
     drafter: str = typer.Option("mtp", help="mtp | ngram"),
     prefix_caching: bool = typer.Option(None, "--prefix-caching/--no-prefix-caching",
-                                        help="reuse KV + recurrent state of shared prefixes (default: on for cpu)"),
+                                        help="reuse KV + recurrent state of shared prefixes (default: on for cpu, cuda)"),
     trace: str = typer.Option(None, help="record the run: a SQLite path or a SQLAlchemy URL"),
     threads: int = typer.Option(None, help="torch CPU threads (default: OMP_NUM_THREADS, else 1)"),
     tokenizer: str = typer.Option("auto", help="auto: the checkpoint's tokenizer.json; byte: for one without"),
@@ -251,7 +251,7 @@ def generate(
     config = EngineConfig(max_seq_len=max_seq_len, max_batch_size=max_batch_size,
                           prefill_chunk_tokens=max(prefill_chunk_tokens, max_batch_size), num_drafts=num_drafts,
                           drafter=drafter, prefill_align=prefill_align,
-                          enable_prefix_caching=backend == "cpu" if prefix_caching is None else prefix_caching)
+                          enable_prefix_caching=backend != "null" if prefix_caching is None else prefix_caching)
     from atlas.registry import build_engine
 
     engine = _open_engine(lambda: build_engine(model, backend, config, trace=trace), trace)

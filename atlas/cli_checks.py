@@ -106,14 +106,14 @@ def check_backend(backend: str, choices: tuple[str, ...]) -> None:
 
 
 def check_tuning(tuning: str | None, backend: str) -> None:
-    """`--tuning NAME`: one of the CUDA backend's measured variants (atlas.backends.cuda.tuning.VARIANTS), on a
-    CUDA backend only (the CPU reference has one arithmetic)."""
+    """`--tuning NAME`: one of the CUDA backend's arrangements (atlas.backends.cuda.tuning.TUNINGS), on a CUDA
+    backend only (the CPU reference has one arithmetic)."""
     if tuning is None:
         return
-    from atlas.backends.cuda.tuning import VARIANTS
+    from atlas.backends.cuda.tuning import TUNINGS
 
-    if tuning not in VARIANTS:
-        raise UsageError(f"--tuning {tuning!r} is not a CUDA tuning; use one of {', '.join(VARIANTS)}")
+    if tuning not in TUNINGS:
+        raise UsageError(f"--tuning {tuning!r} is not a CUDA tuning; use one of {', '.join(TUNINGS)}")
     if not backend.startswith("cuda"):
         raise UsageError(f"--tuning {tuning} picks the CUDA backend's kernels; --backend {backend} has none "
                          "(use --backend cuda, or drop --tuning)")

@@ -10,7 +10,7 @@ kernel on a GPU is counted (views and metadata ops are not); every Triton kernel
 kernels run interpreted, TRITON_INTERPRET=1); host syncs (`.item()`, `.tolist()` of device data) are counted
 apart. The GDN recurrent/chunk kernels stand in for the torch loop the CPU path would run, as on a GPU.
 
-Variants are the backend's Tuning knobs (atlas.backends.cuda.tuning.VARIANTS), so the count of each variant the
+Variants are the backend's named arrangements (atlas.backends.cuda.tuning.TUNINGS), so the count of each variant the
 GPU benchmark times is known before a GPU runs it.
 """
 
@@ -149,7 +149,7 @@ def _regions_as_calls(counter: Counter, calls: collections.Counter[str]) -> Call
     return restore
 
 
-def count_step(variant: str = "baseline", batch: int = 1, prefill: int = 0, context: int = 140,
+def count_step(variant: str = "eager", batch: int = 1, prefill: int = 0, context: int = 140,
                layers: int | None = None, regions_as_calls: bool = False) -> dict[str, Any]:
     """Ops of one bf16 decode step of `batch` sequences at `context` tokens (or one prefill of `prefill`).
     regions_as_calls: each compiled region counted as one call (_regions_as_calls), the ops outside them as ops."""
@@ -167,7 +167,7 @@ def _count(variant: str, batch: int, prefill: int, context: int, layers: int | N
            region_calls: collections.Counter[str]) -> dict[str, Any]:
     from atlas.backends.cuda import CudaBackend, random_model
     from atlas.backends.cuda.runner import triton_gdn
-    from atlas.backends.cuda.tuning import VARIANTS
+    from atlas.backends.cuda.tuning import TUNINGS as VARIANTS
     from atlas.plan import SeqWork, StepPlan
 
     model = random_model(shrunk_config(layers=layers), device="cpu", dtype=torch.bfloat16, seed=0)
@@ -212,10 +212,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="each compiled region one call (nothing compiled): the launches outside the regions")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
-    from atlas.backends.cuda.tuning import VARIANTS
+    from atlas.backends.cuda.tuning import TUNINGS as VARIANTS
 
     rows = []
-    variants = args.variant or (["baseline"] if args.smoke else list(VARIANTS))
+    variants = args.variant or (["eager"] if args.smoke else list(VARIANTS))
     for variant in variants:
         try:
             row = count_step(variant, args.batch, args.prefill, context=20 if args.smoke else 140,

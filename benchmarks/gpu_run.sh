@@ -3,7 +3,7 @@
 # (.whl, git-ignored), run the CUDA tests, then `atlas bench gpu`. Logs and JSON under $OUT.
 #   run: bash benchmarks/gpu_run.sh            (carry: .whl; build it here first: bash benchmarks/gpu_wheels.sh)
 # TESTS=0 skips the tests; BENCH=0 skips the benchmark; BENCH_ARGS are passed to atlas.bench (e.g.
-# "--no-transformers --variants baseline,fused --long-prefill 8192"); EXTRA: more commands;
+# "--no-transformers --variants default,eager --long-prefill 8192"); EXTRA: more commands;
 # FEATURES=0 skips benchmarks/cuda_features.py (issue 14: speculation K=1/2/4 x oracle acceptance, prefix TTFT,
 # snapshot costs); MINI=1: atlas-mini's CPU figures (benchmarks/mini_figures.py) on this machine's spare cores;
 # TRAIN=1: retrain atlas-mini beside the rest (tools/train_gpu.sh, the card's step count pinned: issue 16's
@@ -33,7 +33,7 @@ if [ "${TRAIN:-0}" = 1 ]; then  # the GPU is shared with what follows: the step 
   train_pid=$!
 fi
 if [ "${TESTS:-1}" = 1 ]; then
-  timeout "${TEST_TIMEOUT:-240}" python3 -m pytest -q -p no:cacheprovider --durations=8 ${TEST_FILES:-tests/test_cuda_gpu.py tests/test_cuda_backend.py tests/test_state_store.py tests/test_kernels_moe.py tests/test_kernels_hyper.py tests/test_cuda_tuning.py} \
+  timeout "${TEST_TIMEOUT:-240}" python3 -m pytest -q -p no:cacheprovider --durations=8 ${TEST_FILES:-tests/test_cuda_gpu.py tests/test_cuda_backend.py tests/test_state_store.py tests/test_kernels_moe.py tests/test_cuda_tuning.py tests/test_cuda_regions.py} \
     > "$OUT/tests.log" 2>&1
   echo "tests exit $?"; grep -E "passed|failed|Error|alone-vs-batch|FAILED|assert" "$OUT/tests.log" | tail -25
 fi
@@ -41,8 +41,9 @@ if [ -n "${EXTRA:-}" ]; then  # more GPU commands of this call (e.g. a benchmark
   bash -c "$EXTRA"; echo "extra exit $?"
 fi
 if [ "${BENCH:-1}" = 1 ]; then
-  # every Tuning variant side by side (atlas/bench_variants.py): one table row per variant is printed as it
-  # lands, so a timeout keeps the finished rows; a failing variant prints ERROR and the run goes on
+  # the default arrangement (docs/PERFORMANCE.md): ceilings, decode b1/b16/b64 against the floors from this card's
+  # copy bandwidth, prefill 2,048 / 8,192 / 32,752 against its matmul rate, kernel counts, transformers (with
+  # flash-linear-attention from the wheels); BENCH_ARGS="--variants default,eager" puts arrangements side by side
   timeout "${BENCH_TIMEOUT:-480}" python3 -m atlas.bench "$OUT" ${BENCH_ARGS:-} > "$OUT/bench.log" 2>&1
   echo "bench exit $?"; grep -v "capacities derived" "$OUT/bench.log" | tail -60
 fi

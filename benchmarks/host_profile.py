@@ -1,6 +1,6 @@
 """Where a decode step's host time goes on the GPU (issue 15: the b64 step is ~10.3 ms of which ~6.8 ms is kernels).
 
-    python3 benchmarks/host_profile.py [--variant regions-compile] [--batches 1,64] [--steps 24] [--out DIR]
+    python3 benchmarks/host_profile.py [--variant default] [--batches 1,64] [--steps 24] [--out DIR]
 
 Not a test: it prints figures. Builds the benchmark model (benchmarks/configs/qwen4exp-2p7b.json, random bf16 weights)
 on the GPU, decodes greedily through the engine, and after the warm-up steps (graph captures, compiles) runs
@@ -36,7 +36,7 @@ WAITS = ("synchronize", "tolist", "item", "cpu", "numpy")
 
 def run(model: Any, variant: str, batch: int, steps: int, warm: int, out: Path | None,
         smoke: bool = False, seeded: bool = False) -> dict[str, Any]:
-    from atlas.backends.cuda.tuning import VARIANTS
+    from atlas.backends.cuda.tuning import TUNINGS as VARIANTS
     from atlas.bench_measure import TimedBackend
     from atlas.config import EngineConfig
     from atlas.engine.records import RecordingSink
@@ -100,7 +100,7 @@ def run(model: Any, variant: str, batch: int, steps: int, warm: int, out: Path |
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--variant", default="regions-compile")
+    parser.add_argument("--variant", default="default")
     parser.add_argument("--batches", default="1,64")
     parser.add_argument("--steps", type=int, default=24)
     parser.add_argument("--warm", type=int, default=6)
@@ -114,7 +114,7 @@ def main() -> None:
 
         torch.set_num_threads(1)
         model = shrunk("cpu")
-        args.variant, args.steps, args.warm, args.batches = "baseline", 3, 1, "2"
+        args.variant, args.steps, args.warm, args.batches = "eager", 3, 1, "2"
     elif not torch.cuda.is_available():
         raise SystemExit("benchmarks/host_profile.py needs an NVIDIA GPU")
     else:

@@ -5,7 +5,7 @@ random prompts share the engine with it (issue 15, deliverable 4; goal 1,000 of 
     python benchmarks/invariance.py --smoke     # atlas-tiny, the CUDA backend's fp32 math on the CPU, 6 trials
 
     python benchmarks/invariance.py --stream [--trials 1000]   # one engine, a stream of arrivals (see below)
-    python benchmarks/invariance.py --stream --variant regions-compile   # the benchmark's fastest knobs
+    python benchmarks/invariance.py --stream --variant default   # the benchmark's fastest knobs
 
 Each trial builds a batch of the target prompt plus a random number of random other prompts (random lengths, so
 the scheduler's prefill chunks and the decode batch differ from trial to trial), generates greedily (or with
@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--smoke", action="store_true")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--variant", default=None,
-                        help="a Tuning variant (atlas.backends.cuda.tuning.VARIANTS, e.g. regions-compile); default: "
+                        help="a Tuning variant (atlas.backends.cuda.tuning.VARIANTS, e.g. default); default: "
                         "the backend's own tuning")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
         model = random_model(json.loads(CONFIG.read_text()), device="cuda", dtype=torch.bfloat16, seed=0)
         name = model.name
     if args.variant is not None:
-        from atlas.backends.cuda.tuning import VARIANTS
+        from atlas.backends.cuda.tuning import TUNINGS as VARIANTS
 
         if args.variant not in VARIANTS:
             parser.error(f"--variant {args.variant!r}: one of {', '.join(VARIANTS)}")

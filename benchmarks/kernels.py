@@ -236,7 +236,7 @@ GATED_CHUNK_SCHEDULES = [
     {"prepare_warps": 2},
     {"scan_stages": 1},
     {"block_v": 64, "scan_warps": 8},
-    # bf16 intermediates and scan products (Tuning.gdn_work, session 14): half of w / u's bytes, twice the rate
+    # bf16 intermediates and scan products (the backend's for bf16 inputs): half of w / u's bytes, twice the rate
     {"work": "bf16"},  # its default: 3 scan stages (session 14: 221.8 us, 2 stages 255.7)
     {"work": "bf16", "scan_stages": 2},
     {"work": "bf16", "prepare_warps": 8},
@@ -303,7 +303,7 @@ def bench_conv(cfg: dict, layers: int) -> None:
 
         moved = layers * (batch * channels * (2 * kernel_size + 2) * 2 + channels * kernel_size * 2)
         record("conv_update", f"B={batch} T=1 C={channels}", time_ms(step), bytes_moved=moved, layers=layers)
-    # a prefill chunk's conv as the GDN head calls it (prefill_conv "triton"): a slice of the in-projection's output,
+    # a prefill chunk's conv as the GDN head calls it (a compiled prefill region's): a slice of the in-projection's output,
     # at every named launch schedule (atlas_kernels.conv.PREFILL_SCHEDULES; PREFILL_SCHEDULE is today's)
     from atlas_kernels import conv
     from atlas_kernels.conv import causal_conv_prefill
@@ -423,37 +423,6 @@ def bench_norms(cfg: dict) -> None:
                bytes_moved=3 * x.numel() * 2, note="eager torch, for comparison")
 
 
-def bench_mix_up(cfg: dict) -> None:
-    """A prefill chunk's hyper-site mix after the mix-down (atlas_kernels.hyper.mix_up, Tuning.prefill_mix_up) at
-    every MIX_UP_SCHEDULES schedule, against the torch form compiled by Inductor (cuBLAS's mix-up product written,
-    then Inductor's sigmoid / mix / mean pass reading it back with the normed streams)."""
-    from atlas_kernels.hyper import MIX_UP_SCHEDULES, mix_up
-
-    hidden, hc, lowrank = cfg["hidden_size"], cfg["hc_count"], cfg["hc_lowrank"]
-
-    def torch_form(normed: torch.Tensor, act: torch.Tensor, up_w: torch.Tensor) -> torch.Tensor:
-        mix = torch.sigmoid(act @ up_w.T).unflatten(-1, (hc, hidden))
-        return (mix * normed.unflatten(-1, (hc, hidden))).mean(dim=-2)
-
-    compiled = torch.compile(torch_form, dynamic=False)
-    up_w = torch.randn(hc * hidden, lowrank, device=DEV, dtype=BF16) / lowrank**0.5
-    for tokens in (PREFILL_TOKENS, 4 * PREFILL_TOKENS):
-        normed = torch.randn(tokens, hc * hidden, device=DEV, dtype=BF16)
-        # a slice of the mix-down's output, as the site's: its rows padded to 8 (layers' aligned fused weights), so
-        # cuBLAS takes its aligned path (session 15 run 1 sliced 324 columns: the torch form's product unaligned)
-        act = torch.randn(tokens, lowrank + 8, device=DEV, dtype=BF16)[:, :lowrank]
-        flops = 2 * tokens * lowrank * hc * hidden
-        moved = (normed.numel() + tokens * lowrank + tokens * hidden + up_w.numel()) * 2
-        want = compiled(normed, act, up_w)
-        record("mix_up", f"[{tokens}] torch form (Inductor)", time_ms(lambda n=normed, a=act: compiled(n, a, up_w)),
-               bytes_moved=moved, flops=flops)
-        for name in MIX_UP_SCHEDULES:
-            got = mix_up(normed, act, up_w, hc, name)
-            error = float((got.float() - want.float()).norm() / want.float().norm())
-            record("mix_up", f"[{tokens}] {name}", time_ms(lambda n=normed, a=act, name=name: mix_up(n, a, up_w, hc, name)),
-                   bytes_moved=moved, flops=flops, note=f"rel err {error:.1e}")
-
-
 # (block_m, block_n, block_k, stages) of the routed-MoE kernels swept at decode sizes; block_m stays 16 for every
 # decode batch (a row's result must not depend on the batch). The chosen tile is then fixed in block_sizes: a
 # runtime autotune would pick by timing noise and change the reduction order from run to run.
@@ -518,37 +487,22 @@ MOE_DECODE_GATE_TILES = [(bn, bk, w, st) for bn in (16, 32, 64) for bk in (128, 
 MOE_DECODE_DOWN_TILES = [(bn, bk, w, None) for bn in (16, 32, 64, 128) for bk in (64, 128) for w in (2, 4)]
 MOE_DECODE_ROWS = (1, 4, 16, 64)
 HYPER_DECODE_ROWS = (1, 4, 16, 64)
-# atlas_kernels.hyper_small's (mix-down outputs a program, its k step, the mix-up's k step, warps) and moe_small's
-# (gate-up columns, k step, down columns, k step, warps) at 1-4 rows; the first of each is the module's default
-# H200 session 17 run 3 (us at 1 / 4 rows): 11.2 / 18.9, 11.0 / 18.6, 11.5 / 18.5, 12.9 / 18.3, 12.3 / 27.6,
-# 11.6 / 20.4, 11.1 / 21.7, 9.3 / 18.0 (the default since); moe_small 36.3-49.5 / 84-121 against moe_grouped's 29.8 / 40.9
-HYPER_SMALL_TILES = [(16, 128, 64, 4), (16, 128, 32, 4), (8, 128, 32, 4), (16, 256, 32, 4), (16, 64, 32, 4),
-                     (16, 128, 32, 8), (32, 128, 32, 4), (8, 256, 32, 2)]
-MOE_SMALL_TILES = [(16, 64, 32, 128, 4), (8, 64, 16, 128, 4), (16, 128, 32, 128, 4), (8, 128, 16, 64, 2),
-                   (16, 64, 64, 128, 4), (32, 64, 32, 128, 4), (16, 64, 32, 64, 8), (8, 64, 32, 128, 8)]
 
 
 def bench_moe_decode(cfg: dict, sweep: bool = True) -> None:
-    """The routed experts at decode rows: today's moe_grouped call, atlas_kernels.moe_small's (at most its ROWS rows),
-    torch._grouped_mm's (atlas.backends.cuda.moe.routed_grouped_mm, the prefill's "grouped_mm" path), and (sweep) the grouped call with the gate-up's tile (block_n, block_k, warps, stages) and the down's swept apart
+    """The routed experts at decode rows: today's moe_grouped call and (sweep) the grouped call with the gate-up's
+    tile (block_n, block_k, warps, stages) and the down's swept apart
     (the other kernel on today's tile). Each whole call graph-timed (routing, both kernels, the slot sum), so a row's
     difference from today's is its kernels'. Session 17 run 1: the sweep moved rows 1 / 16 / 64 by at most 1.3 /
     1.1 / 1.4 us of 30.0 / 48.8 / 75.7."""
     from atlas_kernels.moe_grouped import block_sizes, moe_grouped, num_warps
-    from atlas_kernels.moe_small import fits, moe_small
-
-    from atlas.backends.cuda.moe import routed_grouped_mm
 
     gate_up, down, top_k = moe_weights(cfg)
-    hidden = gate_up.shape[2]
     for rows in MOE_DECODE_ROWS:
         x, top_i, top_w, moved = moe_rows(rows, gate_up, top_k)
         want = moe_grouped(x, top_i, top_w, gate_up, down)
         bm, bn0, bk0 = block_sizes(rows)
         cases = [("today", {})]
-        cases += [(f"split {k}", dict(split_k=k)) for k in (2, 4, 8) if rows <= 4 and hidden % (k * bk0) == 0]
-        cases += [(f"small {tiles}", dict(tiles=tiles)) for tiles in MOE_SMALL_TILES] if fits(rows) else []
-        cases += [("grouped_mm", {})]  # torch._grouped_mm (CUTLASS) over the expert-sorted rows, never timed at decode
         cases += [(f"gate-up {bn}x{bk} w{w} s{st}", dict(blocks=(bm, bn, bk), warps=w, stages=st, down_tile=()))
                   for bn, bk, w, st in (MOE_DECODE_GATE_TILES if sweep else [])]
         cases += [(f"down {bn}x{bk} w{w} s{st}", dict(down_tile=(bn, bk, w, st))) for bn, bk, w, st in
@@ -557,7 +511,7 @@ def bench_moe_decode(cfg: dict, sweep: bool = True) -> None:
         for name, knobs in cases:
             if name.startswith("gate-up"):  # the down kernel on today's tile
                 knobs = dict(knobs, down_tile=(bn0, bk0, num_warps(bm), None))
-            call = moe_small if name.startswith("small") else routed_grouped_mm if name == "grouped_mm" else moe_grouped
+            call = moe_grouped
 
             def step(knobs=knobs, x=x, top_i=top_i, top_w=top_w, call=call) -> None:
                 call(x, top_i, top_w, gate_up, down, **knobs)
@@ -579,12 +533,8 @@ def bench_moe_decode(cfg: dict, sweep: bool = True) -> None:
 def bench_hyper_decode(cfg: dict, sweep: bool = True) -> None:
     """A hyper site (norm, mix-down, silu, mix-up, sigmoid, mix, mean, injection) at decode rows: compiled as the decode
     regions compile it (combo kernels; products through cuBLAS, or as Inductor reductions with split K, the b1-4
-    form), atlas_kernels.hyper.hyper_site's four Triton kernels, and cuBLAS's two products alone. Session 16's b64
+    form), and cuBLAS's two products alone. Session 16's b64
     profile: ~16 us a site (cuBLAS's split-K mix-down 5.7 us + its reduce 2.2, the mix-up 4.9) for 10.5 MB of weights."""
-    from atlas_kernels.hyper import hyper_site
-    from atlas_kernels.hyper_small import fits as small_fits
-    from atlas_kernels.hyper_small import hyper_small
-
     from atlas.backends.cuda.layers import hyper_block
 
     hidden, hc, lowrank, eps = cfg["hidden_size"], cfg["hc_count"], cfg["hc_lowrank"], cfg["rms_norm_eps"]
@@ -596,17 +546,11 @@ def bench_hyper_decode(cfg: dict, sweep: bool = True) -> None:
     for rows in HYPER_DECODE_ROWS:
         streams = torch.randn(rows, width, device=DEV, dtype=BF16)
         forms = {}
-        for gemv in ("", "split") if sweep else ():  # without sweep: hyper_small's tiles and cuBLAS's products only
+        for gemv in ("", "split") if sweep else ():  # without sweep: cuBLAS's products only
             def site(s: torch.Tensor, gemv=gemv) -> tuple[torch.Tensor, torch.Tensor | None]:
                 return hyper_block(s, norm_w, down_w, up_w, hc, hidden, lowrank, eps, True, gemv)
             forms[f"compiled {gemv or 'cublas'}"] = torch.compile(site, options={"combo_kernels": True},
                                                                   dynamic=False, fullgraph=True)
-        if sweep:
-            forms["triton hyper_site"] = lambda s: hyper_site(s, norm_w, down_w, up_w, hc, lowrank, eps, True)
-        if small_fits(rows, hc, hidden):
-            for tiles in HYPER_SMALL_TILES:
-                forms[f"triton hyper_small {tiles}"] = (
-                    lambda s, tiles=tiles: hyper_small(s, norm_w, down_w, up_w, hc, lowrank, eps, True, tiles))
         want = hyper_block(streams.double(), norm_w.double(), down_w.double(), up_w.double(), hc, hidden, lowrank, eps,
                            True)[0]
         for name, fn in forms.items():
@@ -674,11 +618,8 @@ def moe_weights(cfg: dict) -> tuple[torch.Tensor, torch.Tensor, int]:
 
 def bench_moe_prefill(gate_up: torch.Tensor, down: torch.Tensor, top_k: int, sweep: bool = True) -> None:
     """The grouped kernels at prefill rows over PREFILL_MOE_TILES (tile, warps, pipeline depth; only today's
-    block_sizes / num_warps without `sweep`), and torch._grouped_mm on the same pairs (the backend's
-    prefill_moe "grouped_mm"); the whole call (routing, both GEMMs, the slot sum) graph-timed."""
+    block_sizes / num_warps without `sweep`); the whole call (routing, both GEMMs, the slot sum) graph-timed."""
     from atlas_kernels.moe_grouped import block_sizes, moe_grouped, num_warps
-
-    from atlas.backends.cuda.moe import grouped_mm_works, routed_grouped_mm
 
     experts, two_inter, hidden = gate_up.shape
     flops_per_pair = 2 * hidden * (two_inter + two_inter // 2)  # gate-up then down, 2 FLOPs a multiply-add
@@ -690,15 +631,6 @@ def bench_moe_prefill(gate_up: torch.Tensor, down: torch.Tensor, top_k: int, swe
         bm0, bn0, bk0 = block_sizes(rows)
         today = (bm0, bn0, bk0, num_warps(bm0), None)
         timed = []
-        if grouped_mm_works("cuda", BF16):
-            def grouped(x=x, top_i=top_i, top_w=top_w) -> torch.Tensor:
-                return routed_grouped_mm(x, top_i, top_w, gate_up, down)
-            got = grouped()
-            err = float((got.float() - want.float()).norm() / want.float().norm())
-            record("moe grouped_mm prefill", f"rows {rows}", time_ms(grouped), flops=rows * top_k * flops_per_pair,
-                   note=f"torch._grouped_mm; rel err vs the Triton kernels {err:.1e}")
-        else:
-            print("# torch._grouped_mm: not usable here for bf16", flush=True)
         for tile in [today, *(PREFILL_MOE_TILES if sweep else [])]:
             bm, bn, bk, w, st = tile
             # today's row is the default call (its down kernel on PREFILL_DOWN_TILE); a named tile is both kernels'
@@ -740,7 +672,7 @@ def main() -> None:
     parser.add_argument("--config", type=Path, default=DEFAULT_CONFIG)
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".")))
     parser.add_argument("--only", default="",
-                        help="comma-separated subset: gdn,conv,attn,qsa,norms,mix_up,site_gemm,moe,moe_decode,hyper_decode,"
+                        help="comma-separated subset: gdn,conv,attn,qsa,norms,site_gemm,moe,moe_decode,hyper_decode,"
                              "moe_prefill,chunk")
     parser.add_argument("--fp32-chunk", action="store_true", help="also time the fp32 (parity) chunked prefill")
     parser.add_argument("--chunk-schedules", default="", metavar="TEXT",
@@ -748,7 +680,7 @@ def main() -> None:
     parser.add_argument("--decode-rows", default="", metavar="N,N",
                         help="the decode row counts of moe_decode and hyper_decode (default 1,4,16,64)")
     parser.add_argument("--no-sweep", action="store_true",
-                        help="moe_prefill: today's tile and torch._grouped_mm only, not the tile sweep; chunk: the "
+                        help="moe_prefill: today's tile only, not the tile sweep; chunk: the "
                              "backend's call only (its defaults and GATED_CHUNK_SCHEDULES)")
     parser.add_argument("--dry-run", "--smoke", action="store_true",
                         help="load the config and list what would be timed; no GPU needed")
@@ -759,7 +691,7 @@ def main() -> None:
         MOE_DECODE_ROWS = HYPER_DECODE_ROWS = tuple(int(n) for n in args.decode_rows.split(","))
     gdn_layers = cfg["layer_types"].count("linear_attention")
     attn_layers = len(cfg["layer_types"]) - gdn_layers
-    groups = ("gdn", "conv", "attn", "qsa", "norms", "mix_up", "site_gemm", "moe", "moe_decode", "hyper_decode",
+    groups = ("gdn", "conv", "attn", "qsa", "norms", "site_gemm", "moe", "moe_decode", "hyper_decode",
               "moe_prefill", "chunk")
     unknown = [name for name in args.only.split(",") if name and name not in groups]
     if unknown:
@@ -782,7 +714,6 @@ def main() -> None:
         "attn": lambda: bench_attention(cfg, attn_layers),
         "qsa": lambda: bench_qsa(cfg, attn_layers),
         "norms": lambda: bench_norms(cfg),
-        "mix_up": lambda: bench_mix_up(cfg),
         "site_gemm": lambda: bench_site_gemms(cfg),
         "moe": lambda: bench_moe(cfg),
         "moe_decode": lambda: bench_moe_decode(cfg, sweep=not args.no_sweep),

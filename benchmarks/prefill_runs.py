@@ -1,6 +1,6 @@
 """Every run of a prefill, per Tuning variant and prompt length: where a median hides a slow replay or capture.
 
-    python3 benchmarks/prefill_runs.py [--variants regions-compile,regions-eager-prefill] [--tokens 2048,8192] [--repeat 4]
+    python3 benchmarks/prefill_runs.py [--variants default,eager] [--tokens 2048,8192] [--repeat 4]
     python3 benchmarks/prefill_runs.py --smoke        # the CPU backend, atlas-tiny, 64 tokens (a clone's check)
 
 Not a test: it prints figures. Written for session 10's question (issue 15.3): `prefill_graphs = "recurring"` took
@@ -24,7 +24,7 @@ CONFIG = Path(__file__).resolve().parent / "configs" / "qwen4exp-2p7b.json"
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--variants", default="regions-compile,regions-eager-prefill")
+    parser.add_argument("--variants", default="default,eager")
     parser.add_argument("--tokens", default="2048,8192")
     parser.add_argument("--repeat", type=int, default=4)
     parser.add_argument("--smoke", action="store_true")
@@ -43,7 +43,7 @@ def main() -> None:
         print(f"cpu atlas-tiny 64 tokens: runs ms {' '.join(f'{r:.1f}' for r in result['runs'])}")
         return
     from atlas.backends.cuda.random_model import random_model
-    from atlas.backends.cuda.tuning import VARIANTS
+    from atlas.backends.cuda.tuning import TUNINGS as VARIANTS
 
     model = random_model(json.loads(CONFIG.read_text()), device="cuda", dtype=torch.bfloat16, seed=0)
     for name in args.variants.split(","):
@@ -72,7 +72,7 @@ def graph_split(model: object, name: str, tokens: int) -> None:
 
     import torch
 
-    from atlas.backends.cuda.tuning import VARIANTS
+    from atlas.backends.cuda.tuning import TUNINGS as VARIANTS
     from atlas.bench_measure import _engine, _run_steps
 
     engine, timed = _engine(model, batch=1, max_seq_len=tokens + 16, chunk=tokens, tuning=VARIANTS[name])

@@ -6,13 +6,8 @@
 - `tl.dot` on bf16 operands multiplies their raw uint16 storage as integers (garbage of order 1e10):
   bf16 operands are widened to fp32 first, which is what the tensor cores compute too.
 - `x.to(tl.bfloat16)` of fp32 truncated the mantissa (round toward zero) where the GPU rounds to nearest
-  even: a kernel rounding its intermediates as the torch path does (atlas_kernels.hyper) came out 4x less
+  even: a kernel rounding its intermediates as the torch path does (a hyper-site kernel, since deleted) came out 4x less
   accurate than on a GPU (1.5e-2 against 3.8e-3 relative). fp32 -> bf16 casts now round to nearest even.
-
-And one addition: the grid-dependency instructions of programmatic dependent launch (`griddepcontrol.wait` /
-`griddepcontrol.launch_dependents`, atlas_kernels.pdl) are no-ops here (the interpreter runs launches one after
-another, so there is nothing to wait for), where any inline PTX raised: the kernels' PDL branch then runs
-interpreted too (atlas_kernels.pdl.enabled itself never turns PDL on here).
 
 Compiled (GPU) kernels never come here.
 """
@@ -66,31 +61,6 @@ def _install() -> None:
         return original_cast(self, src, dst_type)
 
     builder.cast_impl = cast_impl
-
-    original_asm = builder.create_inline_asm
-
-    class _NoOp:  # the inline asm's call: its one (dummy int32) result
-        def get_result(self, index: int):
-            return interpreter.TensorHandle(np.zeros((1,), dtype=np.int32), tl.int32)
-
-    def create_inline_asm(self, inline_asm, constraints, values, types, is_pure, pack):
-        if inline_asm.startswith("griddepcontrol.") and not values:
-            return _NoOp()
-        return original_asm(self, inline_asm, constraints, values, types, is_pure, pack)
-
-    builder.create_inline_asm = create_inline_asm
-
-    # tl.extra.cuda's builtins (gdc_wait, gdc_launch_dependents) get the interpreter's builder as tl's own do
-    from triton.language.extra import cuda as tl_cuda
-
-    original_patch_lang = interpreter._patch_lang
-
-    def patch_lang(fn):
-        scope = original_patch_lang(fn)
-        interpreter._patch_builtin(tl_cuda, interpreter.interpreter_builder, scope)
-        return scope
-
-    interpreter._patch_lang = patch_lang
 
 
 _install()

@@ -4,10 +4,8 @@
 
 Triton compiles ahead of time for any target, and its wheel ships ptxas, so compile errors and register
 spills (the usual reason a kernel is far off its bandwidth or FLOP ceiling) show up on a CPU-only machine,
-at no device time. The tests use it to catch kernels that interpret fine but do not compile. The decode step's
-kernels are compiled a second time with programmatic dependent launch (PDL=True, atlas_kernels.pdl: config
-"... pdl"); --ptx DIR writes every kernel's PTX there (the JSON's "ptx" names the file), which
-tests/test_kernels_compile.py reads for the griddepcontrol instructions and their place.
+at no device time. The tests use it to catch kernels that interpret fine but do not compile. --ptx DIR writes
+every kernel's PTX there (the JSON's "ptx" names the file).
 """
 
 from __future__ import annotations
@@ -27,11 +25,8 @@ from atlas_kernels import (
     gdn_chunk,
     gdn_chunk_split,
     gdn_recurrent,
-    hyper,
-    hyper_small,
     keyed_sample,
     moe_grouped,
-    moe_small,
     norms,
     paged_attention,
     qsa,
@@ -52,7 +47,6 @@ class CompileReport:
     spill_bytes: int  # spill stores + spill loads per thread
     stack_bytes: int
     shared_bytes: int
-    pdl: bool = False  # compiled with PDL=True (the griddepcontrol prologue)
     ptx: str = ""  # the PTX's file under --ptx DIR ("" without)
 
 
@@ -66,20 +60,12 @@ PTX_DIR = ""  # where compile_for_hopper writes each kernel's PTX (main's --ptx)
 def compile_for_hopper(kernel: Any, arg_types: dict[str, str], constexprs: dict[str, Any], num_warps: int = 4,
                        label: str = "", num_stages: int = 3, divisible: tuple[str, ...] = ()) -> CompileReport:
     """arg_types: Triton type strings ('*bf16', 'i32', 'fp32') of every non-constexpr argument; divisible: the
-    arguments a launch would see divisible by 16 (Triton specialises on it: vector loads, fewer address registers).
-    A kernel with a PDL constexpr (atlas_kernels.pdl) is compiled with the PDL the constexprs name, False if none."""
+    arguments a launch would see divisible by 16 (Triton specialises on it: vector loads, fewer address registers)."""
     if not isinstance(kernel, JITFunction):
         # Under TRITON_INTERPRET=1 the decorator gave an interpreter wrapper; compiling its function in the
         # same process breaks the interpreter's later runs (and the reverse), so run this in its own process.
         raise RuntimeError("compile_report needs a process without TRITON_INTERPRET=1")
     names = kernel.arg_names
-    if "PDL" in names:
-        constexprs = {"PDL": False, **constexprs}
-    if "SPLIT_K" in names:  # moe_grouped's gate-up split: off unless named
-        constexprs = {"SPLIT_K": 1, **constexprs}
-    pdl = bool(constexprs.get("PDL", False))
-    if pdl:
-        label = f"{label} pdl"
     signature = {name: "constexpr" if name in constexprs else arg_types[name] for name in names}
     source = ASTSource(kernel, signature, {(names.index(k),): v for k, v in constexprs.items()},
                        {(names.index(name),): [["tt.divisibility", 16]] for name in divisible})
@@ -107,7 +93,7 @@ def compile_for_hopper(kernel: Any, arg_types: dict[str, str], constexprs: dict[
         kernel=kernel.fn.__name__.strip("_"), config=label,
         registers=number(r"Used (\d+) registers"),
         spill_bytes=number(r"(\d+) bytes spill stores") + number(r"(\d+) bytes spill loads"),
-        stack_bytes=number(r"(\d+) bytes stack frame"), shared_bytes=compiled.metadata.shared, pdl=pdl, ptx=ptx_file,
+        stack_bytes=number(r"(\d+) bytes stack frame"), shared_bytes=compiled.metadata.shared, ptx=ptx_file,
     )
 
 
@@ -157,7 +143,7 @@ def gdn_chunk_split_cases() -> list[CompileReport]:
     ]
 
 
-def gdn_recurrent_case(block_v: int = 32, store_states: bool = False, fused_gating: bool = False, pdl: bool = False
+def gdn_recurrent_case(block_v: int = 32, store_states: bool = False, fused_gating: bool = False
                        ) -> CompileReport:
     types = dict(q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", g_ptr="*fp32", beta_ptr="*bf16", a_log_ptr="*fp32",
                  dt_bias_ptr="*fp32", state_ptr="*fp32", slot_ptr="*i64", out_ptr="*bf16", states_out_ptr="*fp32",
@@ -165,15 +151,15 @@ def gdn_recurrent_case(block_v: int = 32, store_states: bool = False, fused_gati
                  v_token_stride="i32", g_token_stride="i32", beta_token_stride="i32", scale="fp32", eps="fp32")
     # the decode case (commit) writes its state's stamp in the kernel, as the backend launches it
     consts = dict(DK=128, DV=128, BK=128, BV=block_v, STORE_STATES=store_states, COMMIT=not store_states,
-                  FUSED_GATING=fused_gating, STAMP=not store_states, PDL=pdl)
+                  FUSED_GATING=fused_gating, STAMP=not store_states)
     return compile_for_hopper(gdn_recurrent._gdn_recurrent_kernel, types, consts, 4,
                               f"BV={block_v} states={store_states} gating={fused_gating}")
 
 
-def conv_case(pdl: bool = False) -> CompileReport:
+def conv_case() -> CompileReport:
     types = dict(x_ptr="*bf16", state_ptr="*bf16", slot_ptr="*i64", weight_ptr="*bf16", bias_ptr="*bf16",
                  out_ptr="*bf16", num_tokens="i32", channels="i32")
-    consts = dict(K=4, S=4, BS=4, BC=256, HAS_BIAS=False, SILU=True, PDL=pdl)
+    consts = dict(K=4, S=4, BS=4, BC=256, HAS_BIAS=False, SILU=True)
     return compile_for_hopper(conv._conv_update_kernel, types, consts, 4, "C tile 256, K=S=4")
 
 
@@ -194,26 +180,25 @@ def conv_prefill_cases() -> list[CompileReport]:
     return reports
 
 
-def attention_cases(pdl: bool = False) -> list[CompileReport]:
-    """The partition kernel dense and QSA-selected and the merge; with pdl the decode's (dense) partition and the
-    merge, PDL=True."""
+def attention_cases() -> list[CompileReport]:
+    """The partition kernel dense and QSA-selected and the merge."""
     types = dict(q_ptr="*bf16", k_pool_ptr="*bf16", v_pool_ptr="*bf16", block_tables_ptr="*i32",
                  seq_lens_ptr="*i32", selected_ptr="*i32", selected_count_ptr="*i32", m_ptr="*fp32",
                  l_ptr="*fp32", acc_ptr="*fp32", num_rows="i32", num_q_heads="i32", num_kv_heads="i32",
                  block_size="i32", max_blocks="i32", max_selected="i32", num_partitions="i32", scale="fp32")
     reports = []
-    for selected in (False,) if pdl else (False, True):
+    for selected in (False, True):
         consts = dict(D=128, BD=128, GROUP=8, BG=16, BN=64, PART=paged_attention.PARTITION, SELECTED=selected,
-                      PRECISION="tf32", PDL=pdl)
+                      PRECISION="tf32")
         reports.append(compile_for_hopper(paged_attention._attention_partition_kernel, types, consts, 8,
                                           f"D=128 group 8 {'qsa' if selected else 'dense'}"))
     merge_types = dict(m_ptr="*fp32", l_ptr="*fp32", acc_ptr="*fp32", out_ptr="*bf16", num_partitions="i32")
     reports.append(compile_for_hopper(paged_attention._attention_merge_kernel, merge_types,
-                                      dict(D=128, BD=128, BP=32, PDL=pdl), 4, "32 partitions"))
+                                      dict(D=128, BD=128, BP=32), 4, "32 partitions"))
     return reports
 
 
-def qsa_cases(pdl: bool = False) -> list[CompileReport]:
+def qsa_cases() -> list[CompileReport]:
     pool_types = dict(raw_pool_ptr="*bf16", pooled_pool_ptr="*bf16", block_tables_ptr="*i32",
                       first_block_ptr="*i32", end_block_ptr="*i32", norm_weight_ptr="*fp32", inv_freq_ptr="*fp32",
                       block_size="i32", max_pages="i32", eps="fp32")
@@ -222,9 +207,9 @@ def qsa_cases(pdl: bool = False) -> list[CompileReport]:
                        max_blocks="i32", scale="fp32")
     return [
         compile_for_hopper(qsa._pool_keys_kernel, pool_types,
-                           dict(D=128, BD=128, ROTARY=32, RATIO=4, BJ=16, PDL=pdl), 4, "d=128 rotary 32"),
+                           dict(D=128, BD=128, ROTARY=32, RATIO=4, BJ=16), 4, "d=128 rotary 32"),
         compile_for_hopper(qsa._block_scores_kernel, score_types,
-                           dict(RATIO=4, D=128, BD=128, BH=16, BB=64, PRECISION="tf32", PDL=pdl), 4,
+                           dict(RATIO=4, D=128, BD=128, BH=16, BB=64, PRECISION="tf32"), 4,
                            "8 heads, 64 blocks"),
     ]
 
@@ -249,111 +234,28 @@ def keyed_sample_cases() -> list[CompileReport]:
     return reports
 
 
-def moe_cases(pdl: bool = False) -> list[CompileReport]:
-    """The gate-up and down kernels at the decode and prefill tiles and the prefill down tile; with pdl the decode
-    tiles only, PDL=True (the backend launches them with PDL in decode groups only)."""
+def moe_cases() -> list[CompileReport]:
+    """The gate-up and down kernels at the decode and prefill tiles and the prefill down tile."""
     reports = []
-    for rows in (1,) if pdl else (1, 2048):  # decode tiles, prefill tiles
+    for rows in (1, 2048):  # decode tiles, prefill tiles
         bm, bn, bk = moe_grouped.block_sizes(rows)
         warps = moe_grouped.num_warps(bm)
         up = dict(x_ptr="*bf16", order_ptr="*i64", offsets_ptr="*i32", w_ptr="*bf16", act_ptr="*bf16",
                   hidden="i32", inter="i32", m_tiles="i32", pairs="i32")
         reports.append(compile_for_hopper(moe_grouped._moe_gate_up_kernel, up,
-                                          dict(TOP_K=4, BM=bm, BN=bn, BK=bk, EVEN_K=True, PRECISION="tf32", PDL=pdl),
+                                          dict(TOP_K=4, BM=bm, BN=bn, BK=bk, EVEN_K=True, PRECISION="tf32"),
                                           warps, f"BM={bm} BN={bn} BK={bk} warps={warps}"))
         down = dict(act_ptr="*bf16", order_ptr="*i64", offsets_ptr="*i32", top_w_ptr="*bf16", w_ptr="*bf16",
                     out_ptr="*bf16", hidden="i32", inter="i32", m_tiles="i32", pairs="i32")
         reports.append(compile_for_hopper(moe_grouped._moe_down_kernel, down,
-                                          dict(BM=bm, BN=bn, BK=bk, EVEN_K=True, PRECISION="tf32", PDL=pdl), warps,
+                                          dict(BM=bm, BN=bn, BK=bk, EVEN_K=True, PRECISION="tf32"), warps,
                                           f"BM={bm} BN={bn} BK={bk} warps={warps}"))
-    if pdl:
-        return reports
-    # the decode tiles with the gate-up split (moe_grouped(split_k=SPLIT_K_DECODE), Tuning.moe "split")
-    bm, bn, bk = moe_grouped.block_sizes(1)
-    warps = moe_grouped.num_warps(bm)
-    split = moe_grouped.SPLIT_K_DECODE
-    reports.append(compile_for_hopper(moe_grouped._moe_gate_up_kernel, dict(up, act_ptr="*fp32"),
-                                      dict(TOP_K=4, BM=bm, BN=bn, BK=bk, EVEN_K=True, PRECISION="tf32",
-                                           SPLIT_K=split), warps, f"BM={bm} BN={bn} BK={bk} warps={warps} split {split}"))
-    reports.append(compile_for_hopper(moe_grouped._moe_down_kernel, dict(down, act_ptr="*fp32"),
-                                      dict(BM=bm, BN=bn, BK=bk, EVEN_K=True, PRECISION="tf32", SPLIT_K=split), warps,
-                                      f"BM={bm} BN={bn} BK={bk} warps={warps} split {split}"))
     # the prefill down kernel's own tile (moe_grouped.PREFILL_DOWN_TILE)
     bn, bk, warps, stages = moe_grouped.PREFILL_DOWN_TILE
     reports.append(compile_for_hopper(moe_grouped._moe_down_kernel, down,
                                       dict(BM=128, BN=bn, BK=bk, EVEN_K=True, PRECISION="tf32"), warps,
                                       f"BM=128 BN={bn} BK={bk} warps={warps} stages={stages}", stages))
     return reports
-
-
-def hyper_cases() -> list[CompileReport]:
-    # the tile sizes do not depend on the row count (batch invariance), so one configuration a kernel
-    split, bk = hyper.split_sizes(2048)
-    bm, bn = hyper.BLOCK_M, hyper.BLOCK_N
-    norm = dict(x_ptr="*bf16", norm_ptr="*bf16", normed_ptr="*bf16", rows="i32", hidden="i32", eps="fp32")
-    down = dict(normed_ptr="*bf16", w_ptr="*bf16", part_ptr="*fp32", rows="i32", width="i32", n_out="i32")
-    act = dict(part_ptr="*fp32", act_ptr="*bf16", inject_ptr="*bf16", rows="i32", lowrank="i32", n_out="i32",
-               splits="i32")
-    up = dict(normed_ptr="*bf16", w_ptr="*bf16", act_ptr="*bf16", out_ptr="*bf16", rows="i32", hidden="i32",
-              lowrank="i32")
-    return [
-        compile_for_hopper(hyper._hyper_norm_kernel, norm, dict(HC=4, BM=hyper.NORM_ROWS, BH=2048),
-                           hyper.NORM_WARPS,
-                           f"{hyper.NORM_ROWS} rows x 2048"),
-        compile_for_hopper(hyper._hyper_down_kernel, down,
-                           dict(BM=bm, BN=bn, BK=bk, SPLIT=split, PRECISION="tf32"), hyper.DOWN_WARPS,
-                           f"split {split}"),
-        compile_for_hopper(hyper._hyper_act_kernel, act, dict(HC=4, BM=bm, BN=bn), hyper.ACT_WARPS, f"BM={bm}"),
-        compile_for_hopper(hyper._hyper_up_kernel, up, dict(HC=4, BM=bm, BN=bn, BK=64, PRECISION="tf32"),
-                           hyper.UP_WARPS, f"BM={bm}"),
-        mix_up_case(),
-    ]
-
-
-def small_cases() -> list[CompileReport]:
-    """The decode forms at 1-4 rows (hyper_small's two kernels, moe_small's two) at the benchmark model's sizes and
-    their default tiles, at 4 rows (their largest register tiles), the arguments a launch sees divisible by 16 marked
-    so (the unrolled loops' vector loads)."""
-    split = hyper_small.split_of(2048)
-    down = dict(x_ptr="*bf16", norm_ptr="*bf16", w_ptr="*bf16", part_ptr="*fp32", rstd_ptr="*fp32", rows="i32",
-                n_out="i32", eps="fp32")
-    up = dict(x_ptr="*bf16", norm_ptr="*bf16", w_ptr="*bf16", part_ptr="*fp32", rstd_ptr="*fp32", out_ptr="*bf16",
-              inject_ptr="*bf16", rows="i32", n_out="i32")
-    gate = dict(x_ptr="*bf16", order_ptr="*i64", offsets_ptr="*i32", w_ptr="*bf16", act_ptr="*bf16")
-    down_moe = dict(act_ptr="*bf16", order_ptr="*i64", offsets_ptr="*i32", top_w_ptr="*bf16", w_ptr="*bf16",
-                    out_ptr="*bf16")
-    rb = hyper_small.ROWS
-    aligned = ("x_ptr", "norm_ptr", "w_ptr", "part_ptr", "act_ptr", "out_ptr")
-    return [
-        compile_for_hopper(hyper_small._down_kernel, down,
-                           dict(HIDDEN=2048, HP=2048, HC=4, RB=rb, BN=hyper_small.BN,
-                                BK=min(hyper_small.MAX_BK, split), SPLIT=split),
-                           hyper_small.WARPS, f"{rb} rows, split {split}",
-                           divisible=tuple(n for n in aligned if n in down)),
-        compile_for_hopper(hyper_small._up_kernel, up,
-                           dict(HIDDEN=2048, LOWRANK=320, SPLITS=4 * 2048 // split, SP=4 * 2048 // split, HC=4, RB=rb,
-                                BH=hyper_small.BH, LB=hyper_small.LOWRANK_BLOCK, COMBINE=True),
-                           hyper_small.WARPS, f"{rb} rows", divisible=tuple(n for n in aligned if n in up)),
-        compile_for_hopper(moe_small._small_gate_up_kernel, gate,
-                           dict(HIDDEN=2048, INTER=512, TOP_K=4, PB=moe_small.ROWS, BN=moe_small.BN, BK=moe_small.BK),
-                           moe_small.WARPS, f"{moe_small.ROWS} pairs", divisible=tuple(n for n in aligned if n in gate)),
-        compile_for_hopper(moe_small._small_down_kernel, down_moe,
-                           dict(HIDDEN=2048, INTER=512, PB=moe_small.ROWS, BN=moe_small.BN_DOWN, BK=moe_small.BK_DOWN),
-                           moe_small.WARPS, f"{moe_small.ROWS} pairs",
-                           divisible=tuple(n for n in aligned if n in down_moe)),
-    ]
-
-
-def mix_up_case() -> CompileReport:
-    # a prefill chunk's mix after the mix-down (hyper.mix_up) at its default schedule, the benchmark model's sizes
-    block_m, block_n, block_k, warps, stages = hyper.MIX_UP_SCHEDULES[hyper.MIX_UP_SCHEDULE]
-    types = dict(normed_ptr="*bf16", w_ptr="*bf16", act_ptr="*bf16", out_ptr="*bf16", rows="i32",
-                 normed_stride="i32", act_stride="i32")
-    return compile_for_hopper(hyper._mix_up_kernel, types,
-                              dict(HIDDEN=2048, LOWRANK=320, HC=4, BM=block_m, BN=block_n, BK=block_k,
-                                   PRECISION="tf32"), warps, hyper.MIX_UP_SCHEDULE, stages,
-                              divisible=("normed_ptr", "w_ptr", "act_ptr", "out_ptr", "normed_stride",
-                                         "act_stride"))
 
 
 def stamp_summary_case() -> CompileReport:
@@ -366,21 +268,12 @@ def stamp_summary_case() -> CompileReport:
                               "12 paged kinds, 38 stamps, drafter")
 
 
-def pdl_reports() -> list[CompileReport]:
-    """The decode step's kernels with programmatic dependent launch (PDL=True), each in its decode configuration: the
-    GDN update as the backend's decode launches it (gates and stamp in the kernel, dv tile 32), the conv update, the
-    paged attention's dense partition and merge, the QSA pool keys and block scores, the MoE decode tiles."""
-    return [gdn_recurrent_case(fused_gating=True, pdl=True), conv_case(pdl=True), *attention_cases(pdl=True),
-            *qsa_cases(pdl=True), *moe_cases(pdl=True)]
-
-
 def all_reports() -> list[CompileReport]:
-    """The kernels at the benchmark model's (qwen4exp-2p7b) sizes, in the configurations the wrappers pick, then the
-    decode step's kernels again with PDL (pdl_reports)."""
+    """The kernels at the benchmark model's (qwen4exp-2p7b) sizes, in the configurations the wrappers pick."""
     return [gdn_recurrent_case(), gdn_recurrent_case(64, store_states=True, fused_gating=True), gdn_chunk_case(),
             *gdn_chunk_split_cases(), conv_case(), *conv_prefill_cases(),
             *attention_cases(), *qsa_cases(), *norm_cases(), *keyed_sample_cases(),
-            *moe_cases(), *hyper_cases(), *small_cases(), stamp_summary_case(), *pdl_reports()]
+            *moe_cases(), stamp_summary_case()]
 
 
 def main() -> None:

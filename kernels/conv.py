@@ -11,7 +11,6 @@ import torch
 import triton
 import triton.language as tl
 from atlas_kernels import _interpreter_compat  # noqa: F401  (CPU interpreter fix)
-from atlas_kernels import pdl as _pdl
 
 
 @triton.jit
@@ -19,9 +18,8 @@ def _conv_update_kernel(
     x_ptr, state_ptr, slot_ptr, weight_ptr, bias_ptr, out_ptr,  # x, out [N, T, C]; state [slots, C, S]
     num_tokens, channels,
     K: tl.constexpr, S: tl.constexpr, BS: tl.constexpr, BC: tl.constexpr,
-    HAS_BIAS: tl.constexpr, SILU: tl.constexpr, PDL: tl.constexpr,
+    HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
 ):
-    _pdl.pdl_start(PDL)  # programmatic dependent launch: before any load or store (atlas_kernels.pdl)
     channel_tile = tl.program_id(0)
     seq = tl.program_id(1)
     offs_c = channel_tile * BC + tl.arange(0, BC)
@@ -69,14 +67,12 @@ def causal_conv1d_update(
     *,
     silu: bool = True,
     block_c: int = 256,
-    pdl: bool = False,
 ) -> torch.Tensor:
     """x [N, T, C] (new pre-activation columns) through the depthwise causal conv of width K.
 
     state_pool: [slots, C, S] with S >= K - 1, each slot the last S columns, oldest first (transformers
     keeps S == K); slots: [N] int. weight: [C, K]. Updates the sequences' state slots in place.
-    Returns out [N, T, C] in x's dtype. pdl: launch with programmatic dependent launch where
-    atlas_kernels.pdl.enabled allows it.
+    Returns out [N, T, C] in x's dtype.
     """
     num_seqs, num_tokens, channels = x.shape
     kernel_size = weight.shape[1]
@@ -87,12 +83,11 @@ def causal_conv1d_update(
     x, weight = x.contiguous(), weight.contiguous()
     out = torch.empty_like(x)
     grid = (triton.cdiv(channels, block_c), num_seqs)
-    pdl = _pdl.enabled(pdl, x.device)
     _conv_update_kernel[grid](
         x, state_pool, slots, weight, bias if bias is not None else weight, out,
         num_tokens, channels,
         K=kernel_size, S=state_len, BS=triton.next_power_of_2(state_len), BC=block_c,
-        HAS_BIAS=bias is not None, SILU=silu, PDL=pdl, **_pdl.launch(pdl),
+        HAS_BIAS=bias is not None, SILU=silu,
     )
     return out
 

@@ -12,7 +12,6 @@ import torch
 import triton
 import triton.language as tl
 from atlas_kernels import _interpreter_compat  # noqa: F401  (CPU interpreter fix)
-from atlas_kernels import pdl as _pdl
 from atlas_kernels.reference import L2_EPS, check_gdn_state_pool
 
 
@@ -28,9 +27,7 @@ def _gdn_recurrent_kernel(
     scale, eps,
     DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     STORE_STATES: tl.constexpr, COMMIT: tl.constexpr, FUSED_GATING: tl.constexpr, STAMP: tl.constexpr,
-    PDL: tl.constexpr,
 ):
-    _pdl.pdl_start(PDL)  # programmatic dependent launch: before any load or store (atlas_kernels.pdl)
     v_tile = tl.program_id(0)
     seq_head = tl.program_id(1)
     seq = seq_head // num_v_heads
@@ -137,7 +134,6 @@ def gdn_recurrent(
     commit: bool = True,
     out_dtype: torch.dtype | None = None,
     block_v: int | None = None,
-    pdl: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """T tokens of N sequences through the gated delta rule.
 
@@ -147,9 +143,8 @@ def gdn_recurrent(
     commit: write the state after the last token back into its slot (decode). For verify, pass
     commit=False, store_states=True and copy states[n, accepted - 1] into the slot once the accept is known.
     Returns (out [N, T, Hv, dv] in out_dtype (default v's dtype), states [N, T, Hv, dk, dv] fp32 or None).
-    pdl: launch with programmatic dependent launch where atlas_kernels.pdl.enabled allows it (the decode step's).
     """
-    return _launch(q, k, v, g, beta, None, state_pool, slots, store_states, commit, out_dtype, block_v, pdl=pdl)
+    return _launch(q, k, v, g, beta, None, state_pool, slots, store_states, commit, out_dtype, block_v)
 
 
 def gdn_recurrent_gated(
@@ -168,20 +163,17 @@ def gdn_recurrent_gated(
     out_dtype: torch.dtype | None = None,
     block_v: int | None = None,
     stamp: tuple[torch.Tensor, torch.Tensor] | None = None,
-    pdl: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """gdn_recurrent with the gates computed in the kernel from the layer's raw projections a, b [N, T, Hv]
     and its A_log, dt_bias [Hv]: g = -exp(A_log) * softplus(a + dt_bias), beta = sigmoid(b). At batch 1
     the recurrent update itself takes ~3.7 us a layer, so the separate elementwise launches for the gates
     would cost as much again. stamp: (the pool's int32 stamps [slots], each sequence's new stamp [N] int32),
-    written by the same kernel as the committed state (the eager write after it was one launch a layer). pdl: as
-    gdn_recurrent's."""
+    written by the same kernel as the committed state (the eager write after it was one launch a layer)."""
     return _launch(q, k, v, a, b, (a_log, dt_bias), state_pool, slots, store_states, commit, out_dtype, block_v,
-                   stamp, pdl)
+                   stamp)
 
 
-def _launch(q, k, v, g, beta, gating, state_pool, slots, store_states, commit, out_dtype, block_v, stamp=None,
-            pdl=False):
+def _launch(q, k, v, g, beta, gating, state_pool, slots, store_states, commit, out_dtype, block_v, stamp=None):
     num_seqs, num_tokens, num_k_heads, dk = k.shape
     num_v_heads, dv = v.shape[2], v.shape[3]
     check_gdn_state_pool(state_pool, num_k_heads, num_v_heads, dk, dv)
@@ -203,12 +195,11 @@ def _launch(q, k, v, g, beta, gating, state_pool, slots, store_states, commit, o
     if stamp is not None and (not commit or stamp[0].dtype != torch.int32 or stamp[1].dtype != torch.int32):
         raise ValueError("gdn_recurrent_gated: stamp= needs commit=True and int32 (stamps, ends)")
     stamps, ends = stamp if stamp is not None else (slots, slots)
-    pdl = _pdl.enabled(pdl, v.device)
     _gdn_recurrent_kernel[grid](
         q, k, v, g, beta, a_log, dt_bias, state_pool, slots, out, states if states is not None else out,
         stamps, ends, num_tokens, num_k_heads, num_v_heads, qk_stride, v_stride, g_stride, beta_stride, dk**-0.5,
         L2_EPS,
         DK=dk, DV=dv, BK=block_k, BV=block_v, STORE_STATES=store_states, COMMIT=commit,
-        FUSED_GATING=gating is not None, STAMP=stamp is not None, PDL=pdl, **_pdl.launch(pdl),
+        FUSED_GATING=gating is not None, STAMP=stamp is not None,
     )
     return out, states

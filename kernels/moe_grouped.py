@@ -22,19 +22,14 @@ import torch
 import triton
 import triton.language as tl
 from atlas_kernels import _interpreter_compat  # noqa: F401  (CPU interpreter fix)
-from atlas_kernels import pdl as _pdl
 
 
 @triton.jit
 def _moe_gate_up_kernel(
     x_ptr, order_ptr, offsets_ptr, w_ptr, act_ptr, hidden, inter, m_tiles, pairs,
     TOP_K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr,
-    PRECISION: tl.constexpr, PDL: tl.constexpr, SPLIT_K: tl.constexpr = 1,
+    PRECISION: tl.constexpr,
 ):
-    # SPLIT_K > 1: program_id(2) reduces one of SPLIT_K equal spans of the hidden size and writes its fp32 partials of
-    # g and u to act_ptr [SPLIT_K, pairs, 2 * inter] (pairs = rows x top_k; the down kernel sums them, then silu;
-    # EVEN_K required)
-    _pdl.pdl_start(PDL)  # programmatic dependent launch: before any load or store (atlas_kernels.pdl)
     expert = tl.program_id(0) // m_tiles
     first = tl.load(offsets_ptr + expert) + (tl.program_id(0) % m_tiles) * BM
     end = tl.load(offsets_ptr + expert + 1)
@@ -45,19 +40,14 @@ def _moe_gate_up_kernel(
         cols = tl.program_id(1) * BN + tl.arange(0, BN)
         col_ok = cols < inter
         w_base = w_ptr + expert.to(tl.int64) * 2 * inter * hidden
-        if SPLIT_K == 1:  # (the unsplit kernel's code exactly as measured)
-            span = hidden
-            ks = tl.arange(0, BK)
-        else:
-            span = hidden // SPLIT_K
-            ks = tl.program_id(2) * span + tl.arange(0, BK)
+        ks = tl.arange(0, BK)
         # pointers advanced by BK a step (fewer live 64-bit address tiles than recomputing them: registers)
         x_ptrs = x_ptr + token.to(tl.int64)[:, None] * hidden + ks[None, :]
         g_ptrs = w_base + cols[:, None].to(tl.int64) * hidden + ks[None, :]  # [BN, BK]: rows contiguous
         u_ptrs = g_ptrs + inter * hidden
         acc_g = tl.zeros((BM, BN), dtype=tl.float32)
         acc_u = tl.zeros((BM, BN), dtype=tl.float32)
-        for k0 in range(0, span, BK):
+        for k0 in range(0, hidden, BK):
             if EVEN_K:
                 xt = tl.load(x_ptrs, mask=live[:, None], other=0.0)
                 wg = tl.load(g_ptrs, mask=col_ok[:, None], other=0.0)
@@ -72,26 +62,16 @@ def _moe_gate_up_kernel(
             x_ptrs += BK
             g_ptrs += BK
             u_ptrs += BK
-        if SPLIT_K == 1:
-            act = acc_g * tl.sigmoid(acc_g) * acc_u
-            tl.store(act_ptr + pos.to(tl.int64)[:, None] * inter + cols[None, :],
-                     act.to(act_ptr.dtype.element_ty), mask=live[:, None] & col_ok[None, :])
-        else:
-            at = (tl.program_id(2) * pairs + pos).to(tl.int64)[:, None] * (2 * inter) + cols[None, :]
-            tl.store(act_ptr + at, acc_g, mask=live[:, None] & col_ok[None, :])
-            tl.store(act_ptr + at + inter, acc_u, mask=live[:, None] & col_ok[None, :])
+        act = acc_g * tl.sigmoid(acc_g) * acc_u
+        tl.store(act_ptr + pos.to(tl.int64)[:, None] * inter + cols[None, :],
+                 act.to(act_ptr.dtype.element_ty), mask=live[:, None] & col_ok[None, :])
 
 
 @triton.jit
 def _moe_down_kernel(
     act_ptr, order_ptr, offsets_ptr, top_w_ptr, w_ptr, out_ptr, hidden, inter, m_tiles, pairs,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
-    PDL: tl.constexpr, SPLIT_K: tl.constexpr = 1,
 ):
-    # SPLIT_K > 1: act_ptr holds the gate-up's fp32 partials [SPLIT_K, pairs, 2 * inter]; each k tile of the
-    # activations is their sum in split order, then silu(g) * u rounded to the activations' dtype, as the gate-up's
-    # own epilogue rounds it
-    _pdl.pdl_start(PDL)
     expert = tl.program_id(0) // m_tiles
     first = tl.load(offsets_ptr + expert) + (tl.program_id(0) % m_tiles) * BM
     end = tl.load(offsets_ptr + expert + 1)
@@ -103,30 +83,16 @@ def _moe_down_kernel(
         col_ok = cols < hidden
         w_base = w_ptr + expert.to(tl.int64) * hidden * inter
         ks = tl.arange(0, BK)
-        if SPLIT_K == 1:
-            a_ptrs = act_ptr + pos.to(tl.int64)[:, None] * inter + ks[None, :]
-        else:
-            a_ptrs = act_ptr + pos.to(tl.int64)[:, None] * (2 * inter) + ks[None, :]
+        a_ptrs = act_ptr + pos.to(tl.int64)[:, None] * inter + ks[None, :]
         d_ptrs = w_base + cols[:, None].to(tl.int64) * inter + ks[None, :]
         acc = tl.zeros((BM, BN), dtype=tl.float32)
         for k0 in range(0, inter, BK):
-            if SPLIT_K == 1:
-                if EVEN_K:
-                    a = tl.load(a_ptrs, mask=live[:, None], other=0.0)
-                    wd = tl.load(d_ptrs, mask=col_ok[:, None], other=0.0)
-                else:
-                    k_ok = (k0 + ks) < inter
-                    a = tl.load(a_ptrs, mask=live[:, None] & k_ok[None, :], other=0.0)
-                    wd = tl.load(d_ptrs, mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+            if EVEN_K:
+                a = tl.load(a_ptrs, mask=live[:, None], other=0.0)
+                wd = tl.load(d_ptrs, mask=col_ok[:, None], other=0.0)
             else:
                 k_ok = (k0 + ks) < inter
-                g = tl.zeros((BM, BK), dtype=tl.float32)
-                u = tl.zeros((BM, BK), dtype=tl.float32)
-                for split in tl.static_range(SPLIT_K):  # the partials in split order, whatever the batch
-                    part = a_ptrs + split * pairs.to(tl.int64) * (2 * inter)
-                    g += tl.load(part, mask=live[:, None] & k_ok[None, :], other=0.0)
-                    u += tl.load(part + inter, mask=live[:, None] & k_ok[None, :], other=0.0)
-                a = (g * tl.sigmoid(g) * u).to(w_ptr.dtype.element_ty)
+                a = tl.load(a_ptrs, mask=live[:, None] & k_ok[None, :], other=0.0)
                 wd = tl.load(d_ptrs, mask=col_ok[:, None] & k_ok[None, :], other=0.0)
             acc = tl.dot(a, tl.trans(wd), acc, input_precision=PRECISION)
             a_ptrs += BK
@@ -178,13 +144,6 @@ def block_sizes(rows: int) -> tuple[int, int, int]:
 PREFILL_DOWN_TILE = (256, 64, 8, 3)
 
 
-# the gate-up's split at decode rows (Tuning.moe "split", groups of at most SPLIT_ROWS rows): 4 spans of 512 of the
-# benchmark model's 2,048 hidden, 128 programs with work at one row instead of 32
-# (H200 session 18: slower, the gate-up 13.6 against 12.2 us a b1 layer, the summing down kernel 23.5 against 6.0)
-SPLIT_K_DECODE = 4
-SPLIT_ROWS = 4
-
-
 def num_warps(block_m: int) -> int:
     return 4 if block_m <= 16 else 8  # 64-row tiles spill at 4 warps (1380 B in gate_up)
 
@@ -193,20 +152,14 @@ def moe_grouped(x: torch.Tensor, top_i: torch.Tensor, top_w: torch.Tensor, gate_
                 down: torch.Tensor, *, blocks: tuple[int, int, int] | None = None,
                 route: tuple[torch.Tensor, torch.Tensor] | None = None, stages: int | None = None,
                 summed: bool = True, warps: int | None = None,
-                down_tile: tuple[int, int, int, int] | None = None, pdl: bool = False, split_k: int = 1
-                ) -> torch.Tensor:
+                down_tile: tuple[int, int, int, int] | None = None) -> torch.Tensor:
     """The routed experts' weighted sum [R, H] in x's dtype (the shared expert is the caller's). `route`: the
     (order, offsets) moe_route would compute, if the caller has them; `stages`: the loops' pipeline depth
     (Triton's default when None); warps: the programs' warps (num_warps(block_m) when None); summed=False: each
     pair's weighted output [R, K, H] instead, for a caller that sums over the slots inside a fused kernel of its own
     (the sum is one more launch a layer here). down_tile: the down kernel's own (block_n, block_k, warps, stages) (its
     block_m is the gate-up's: the pairs' tiles are the same); None: PREFILL_DOWN_TILE at prefill rows (> 64) unless
-    `blocks` names a tile, else the gate-up's; () the gate-up's. pdl: launch both kernels with programmatic
-    dependent launch where atlas_kernels.pdl.enabled allows it (the decode step's; moe_route's sort is torch's).
-    split_k > 1 (few rows: Tuning.moe "split"): the gate-up's hidden size cut into split_k equal spans, each its own
-    program (split_k times the programs: at one row 4 experts x column tiles are 32 programs on 132 SMs), its fp32
-    partials of g and u summed in split order by the down kernel before silu; hidden must be a multiple of split_k x
-    block_k."""
+    `blocks` names a tile, else the gate-up's; () the gate-up's."""
     rows, hidden = x.shape
     experts, two_inter, w_hidden = gate_up.shape
     inter = two_inter // 2
@@ -222,17 +175,11 @@ def moe_grouped(x: torch.Tensor, top_i: torch.Tensor, top_w: torch.Tensor, gate_
     warps = warps or num_warps(bm)
     extra = {} if stages is None else {"num_stages": stages}
     m_tiles = triton.cdiv(rows, bm)  # an expert holds at most one pair per row
-    if split_k < 1 or (split_k > 1 and hidden % (split_k * bk)):
-        raise ValueError(f"moe_grouped: split_k {split_k} needs hidden {hidden} a multiple of split_k x block_k {bk}")
-    if split_k == 1:
-        act = torch.empty(rows * top_k, inter, dtype=x.dtype, device=x.device)
-    else:  # the gate-up's fp32 partials, g then u, a split after another
-        act = torch.empty(split_k, rows * top_k, 2 * inter, dtype=torch.float32, device=x.device)
-    pdl = _pdl.enabled(pdl, x.device)
-    _moe_gate_up_kernel[(experts * m_tiles, triton.cdiv(inter, bn), split_k)](
+    act = torch.empty(rows * top_k, inter, dtype=x.dtype, device=x.device)
+    _moe_gate_up_kernel[(experts * m_tiles, triton.cdiv(inter, bn))](
         x, order, offsets, gate_up, act, hidden, inter, m_tiles, rows * top_k,
-        TOP_K=top_k, BM=bm, BN=bn, BK=bk, EVEN_K=hidden % bk == 0, PRECISION=precision, PDL=pdl, SPLIT_K=split_k,
-        num_warps=warps, **extra, **_pdl.launch(pdl))
+        TOP_K=top_k, BM=bm, BN=bn, BK=bk, EVEN_K=hidden % bk == 0, PRECISION=precision,
+        num_warps=warps, **extra)
     outs = torch.empty(rows * top_k, hidden, dtype=x.dtype, device=x.device)
     down_bn, down_warps, down_extra = bn, warps, extra
     if down_tile is None and blocks is None and rows > 64:
@@ -243,7 +190,7 @@ def moe_grouped(x: torch.Tensor, top_i: torch.Tensor, top_w: torch.Tensor, gate_
         down_extra = {} if down_stages is None else {"num_stages": down_stages}
     _moe_down_kernel[(experts * m_tiles, triton.cdiv(hidden, down_bn))](
         act, order, offsets, top_w, down, outs, hidden, inter, m_tiles, rows * top_k,
-        BM=bm, BN=down_bn, BK=down_bk, EVEN_K=inter % down_bk == 0, PRECISION=precision, PDL=pdl, SPLIT_K=split_k,
-        num_warps=down_warps, **down_extra, **_pdl.launch(pdl))
+        BM=bm, BN=down_bn, BK=down_bk, EVEN_K=inter % down_bk == 0, PRECISION=precision,
+        num_warps=down_warps, **down_extra)
     outs = outs.view(rows, top_k, hidden)
     return outs.sum(dim=1) if summed else outs

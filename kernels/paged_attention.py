@@ -14,7 +14,6 @@ import torch
 import triton
 import triton.language as tl
 from atlas_kernels import _interpreter_compat  # noqa: F401  (CPU interpreter fix)
-from atlas_kernels import pdl as _pdl
 
 PARTITION = 256
 
@@ -25,9 +24,8 @@ def _attention_partition_kernel(
     m_ptr, l_ptr, acc_ptr,  # per-partition softmax max, denominator and unnormalised output
     num_rows, num_q_heads, num_kv_heads, block_size, max_blocks, max_selected, num_partitions, scale,
     D: tl.constexpr, BD: tl.constexpr, GROUP: tl.constexpr, BG: tl.constexpr, BN: tl.constexpr,
-    PART: tl.constexpr, SELECTED: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr,
+    PART: tl.constexpr, SELECTED: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    _pdl.pdl_start(PDL)  # programmatic dependent launch: before any load or store (atlas_kernels.pdl)
     row = tl.program_id(0)  # b * num_rows + t
     kv_head = tl.program_id(1)
     part = tl.program_id(2)
@@ -83,9 +81,8 @@ def _attention_partition_kernel(
 @triton.jit
 def _attention_merge_kernel(
     m_ptr, l_ptr, acc_ptr, out_ptr, num_partitions,
-    D: tl.constexpr, BD: tl.constexpr, BP: tl.constexpr, PDL: tl.constexpr,
+    D: tl.constexpr, BD: tl.constexpr, BP: tl.constexpr,
 ):
-    _pdl.pdl_start(PDL)
     row_head = tl.program_id(0)
     offs_p = tl.arange(0, BP)
     offs_d = tl.arange(0, BD)
@@ -117,7 +114,6 @@ def paged_attention(
     block_n: int = 64,
     num_warps: int = 8,
     precision: str | None = None,
-    pdl: bool = False,
 ) -> torch.Tensor:
     """Attention of T query rows per sequence over its paged KV (see reference.paged_attention).
 
@@ -128,7 +124,6 @@ def paged_attention(
     num_warps 8: at block_n 64, head dim 128 and 8 query heads per KV head, 4 warps spill registers on
     sm_90 (compile_report: 255 registers, 456 spill bytes) and 8 do not.
     selected, selected_count: optional QSA selection [B, T, max_sel] int32 positions and [B, T] counts.
-    pdl: launch both kernels with programmatic dependent launch where atlas_kernels.pdl.enabled allows it.
     Returns [B, T, Hq, D] in q's dtype.
     """
     batch, num_rows, num_q_heads, head_dim = q.shape
@@ -149,7 +144,6 @@ def paged_attention(
     acc = torch.empty((*stats_shape, head_dim), dtype=torch.float32, device=q.device)
     if selected is not None:
         selected, selected_count = selected.contiguous(), selected_count.contiguous()
-    pdl = _pdl.enabled(pdl, q.device)
     _attention_partition_kernel[(batch * num_rows, num_kv_heads, num_partitions)](
         q, k_pool, v_pool, block_tables, seq_lens,
         selected if selected is not None else seq_lens, selected_count if selected_count is not None else seq_lens,
@@ -157,13 +151,12 @@ def paged_attention(
         num_rows, num_q_heads, num_kv_heads, block_size, block_tables.shape[1],
         selected.shape[-1] if selected is not None else 0, num_partitions, scale,
         D=head_dim, BD=triton.next_power_of_2(head_dim), GROUP=group, BG=max(16, triton.next_power_of_2(group)),
-        BN=block_n, PART=partition, SELECTED=selected is not None, PRECISION=precision, PDL=pdl,
-        num_warps=num_warps, **_pdl.launch(pdl),
+        BN=block_n, PART=partition, SELECTED=selected is not None, PRECISION=precision,
+        num_warps=num_warps,
     )
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     _attention_merge_kernel[(batch * num_rows * num_q_heads,)](
         m, denominator, acc, out, num_partitions,
-        D=head_dim, BD=triton.next_power_of_2(head_dim), BP=max(2, triton.next_power_of_2(num_partitions)), PDL=pdl,
-        **_pdl.launch(pdl),
+        D=head_dim, BD=triton.next_power_of_2(head_dim), BP=max(2, triton.next_power_of_2(num_partitions)),
     )
     return out

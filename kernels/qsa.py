@@ -18,7 +18,6 @@ import torch
 import triton
 import triton.language as tl
 from atlas_kernels import _interpreter_compat  # noqa: F401  (CPU interpreter fix)
-from atlas_kernels import pdl as _pdl
 
 
 @triton.jit
@@ -26,9 +25,7 @@ def _pool_keys_kernel(
     raw_pool_ptr, pooled_pool_ptr, block_tables_ptr, first_block_ptr, end_block_ptr, norm_weight_ptr,
     inv_freq_ptr, block_size, max_pages, eps,
     D: tl.constexpr, BD: tl.constexpr, ROTARY: tl.constexpr, RATIO: tl.constexpr, BJ: tl.constexpr,
-    PDL: tl.constexpr,
 ):
-    _pdl.pdl_start(PDL)  # programmatic dependent launch: before any load or store (atlas_kernels.pdl)
     seq = tl.program_id(0)
     blocks = tl.load(first_block_ptr + seq) + tl.program_id(1) * BJ + tl.arange(0, BJ)
     valid = blocks < tl.load(end_block_ptr + seq)
@@ -83,14 +80,12 @@ def qsa_pool_keys(
     max_new_blocks: int,
     *,
     block_j: int = 16,
-    pdl: bool = False,
 ) -> None:
     """Pool blocks [first_block[b], end_block[b]) of each sequence b into pooled_pool, in place.
 
     raw_pool: [num_pages, block_size, d] raw (un-normed, un-roped) index keys; pooled_pool:
     [num_pages, block_size // ratio, d]; block_tables: [B, max_pages] int32; inv_freq: [rotary_dim / 2]
-    fp32, the model's RoPE frequencies. max_new_blocks bounds end - first (sizes the grid only). pdl: launch with
-    programmatic dependent launch where atlas_kernels.pdl.enabled allows it.
+    fp32, the model's RoPE frequencies. max_new_blocks bounds end - first (sizes the grid only).
     """
     num_pages, block_size, head_dim = raw_pool.shape
     if block_size % ratio or tuple(pooled_pool.shape) != (num_pages, block_size // ratio, head_dim):
@@ -100,12 +95,11 @@ def qsa_pool_keys(
         return
     batch = block_tables.shape[0]
     grid = (batch, triton.cdiv(max_new_blocks, block_j))
-    pdl = _pdl.enabled(pdl, raw_pool.device)
     _pool_keys_kernel[grid](
         raw_pool, pooled_pool, block_tables, first_block, end_block, norm_weight, inv_freq.float().contiguous(),
         block_size, block_tables.shape[1], eps,
         D=head_dim, BD=triton.next_power_of_2(head_dim), ROTARY=2 * inv_freq.numel(), RATIO=ratio, BJ=block_j,
-        PDL=pdl, **_pdl.launch(pdl),
+
     )
 
 
@@ -114,9 +108,8 @@ def _block_scores_kernel(
     q_ptr, pooled_pool_ptr, block_tables_ptr, seq_lens_ptr, scores_ptr,
     num_rows, num_heads, max_pages, per_page, max_blocks, scale,
     RATIO: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, BH: tl.constexpr, BB: tl.constexpr,
-    PRECISION: tl.constexpr, PDL: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
-    _pdl.pdl_start(PDL)
     row = tl.program_id(0)  # b * num_rows + t
     seq = row // num_rows
     num_visible = tl.load(seq_lens_ptr + seq) - num_rows + row % num_rows + 1
@@ -149,12 +142,11 @@ def qsa_block_scores(
     *,
     block_b: int = 64,
     precision: str | None = None,
-    pdl: bool = False,
 ) -> torch.Tensor:
     """Block scores for T query rows per sequence. q: [B, T, H_index, d], normed and roped at each row's
     position; row t of sequence b sees seq_lens[b] - T + t + 1 tokens, hence that // ratio blocks.
     max_blocks: host-known bound on any row's block count (sizes the output).
-    Returns scores [B, T, max_blocks] fp32, -inf past each row's complete blocks. pdl: as qsa_pool_keys'."""
+    Returns scores [B, T, max_blocks] fp32, -inf past each row's complete blocks."""
     batch, num_rows, num_heads, head_dim = q.shape
     per_page = pooled_pool.shape[1]
     if precision is None:
@@ -165,13 +157,11 @@ def qsa_block_scores(
         return scores
     block_b = max(16, block_b)  # tl.dot needs every dim >= 16 when compiled
     grid = (batch * num_rows, triton.cdiv(max_blocks, block_b))
-    pdl = _pdl.enabled(pdl, q.device)
     _block_scores_kernel[grid](
         q, pooled_pool, block_tables, seq_lens, scores,
         num_rows, num_heads, block_tables.shape[1], per_page, max_blocks, head_dim**-0.5,
         RATIO=ratio, D=head_dim, BD=triton.next_power_of_2(head_dim),
-        BH=max(16, triton.next_power_of_2(num_heads)), BB=block_b, PRECISION=precision, PDL=pdl,
-        **_pdl.launch(pdl),
+        BH=max(16, triton.next_power_of_2(num_heads)), BB=block_b, PRECISION=precision,
     )
     return scores
 

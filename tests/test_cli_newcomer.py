@@ -142,11 +142,11 @@ def test_a_bad_tuning_names_the_knob_and_the_choices_before_any_gpu_check(capsys
     code, out, err = atlas(capsys, "serve", "--backend", "cuda", "--tuning", "fastest")
     assert code == 2 and out == ""
     line = one_line(err)
-    assert "--tuning 'fastest'" in line and "regions-compile" in line and "baseline" in line
-    code, _, err = atlas(capsys, "serve", "--tuning", "regions-compile")  # the default backend is cpu
+    assert "--tuning 'fastest'" in line and "default" in line and "eager" in line
+    code, _, err = atlas(capsys, "serve", "--tuning", "eager")  # the default backend is cpu
     assert code == 2
     line = one_line(err)
-    assert "--tuning regions-compile" in line and "--backend cpu" in line and "--backend cuda" in line
+    assert "--tuning eager" in line and "--backend cpu" in line and "--backend cuda" in line
 
 
 def test_serving_with_a_tuning_builds_that_arrangement_and_records_it(tmp_path: Path) -> None:
@@ -155,7 +155,7 @@ def test_serving_with_a_tuning_builds_that_arrangement_and_records_it(tmp_path: 
     import attrs
 
     import atlas.server.serve as serve_module
-    from atlas.backends.cuda.tuning import VARIANTS
+    from atlas.backends.cuda.tuning import TUNINGS
     from atlas.replay.store import TraceReader
 
     built: dict = {}
@@ -169,17 +169,18 @@ def test_serving_with_a_tuning_builds_that_arrangement_and_records_it(tmp_path: 
     serve_module.registry_build = on_cpu
     try:
         engine = serve_module.engine_for_serving(None, backend="cuda-fp32", trace=str(tmp_path / "t.db"),
-                                                 max_seq_len=64, max_batch_size=2, tuning="moe-triton")
+                                                 max_seq_len=64, max_batch_size=2, tuning="default")
     finally:
         serve_module.registry_build = real
     try:
-        assert built["options"]["tuning"] == VARIANTS["moe-triton"]
-        assert engine.backend.tuning == VARIANTS["moe-triton"]
+        # named, the default arrangement even where the backend would fall back to the reference (CPU tensors)
+        assert built["options"]["tuning"] == TUNINGS["default"]
+        assert engine.backend.tuning == TUNINGS["default"]
     finally:
         engine.close()
     reader = TraceReader(tmp_path / "t.db")
     try:
-        assert reader.run().config["backend_tuning"] == attrs.asdict(VARIANTS["moe-triton"])
+        assert reader.run().config["backend_tuning"] == attrs.asdict(TUNINGS["default"])
     finally:
         reader.close()
 

@@ -1,4 +1,4 @@
-"""The decode step as regions (Tuning.decode_stack = "regions", atlas.backends.cuda.regions) computes what the
+"""The decode step and prefill chunks as regions (Tuning.regions, atlas.backends.cuda.regions) compute what the
 layer stack computes: bit for bit in fp32 with the regions run eagerly (logits and every state pool and stamp
 the step wrote), the CPU reference's tokens end to end, and every region traces into one graph (Dynamo,
 fullgraph=True: no graph break, so Inductor on the GPU sees each region whole)."""
@@ -17,7 +17,7 @@ if not torch.cuda.is_available():  # the Triton kernels run interpreted on a CPU
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from atlas.backends.cuda import CudaBackend, regions
-from atlas.backends.cuda.tuning import Tuning
+from atlas.backends.cuda.tuning import EAGER, Tuning
 from atlas.model import load_model
 from atlas.plan import SeqWork, StepPlan
 
@@ -41,6 +41,11 @@ PROMPTS = [list(b"The quick brown fox jumps over the lazy dog. " * 2)[:70], list
 # below atlas-tiny's QSA inert bound (19 keys) through the first decodes: dense groups, where the paged kernel applies
 SHORT = [list(b"hello"), list(b"0123456789"), list(b"ab")]
 TABLES = [tuple(range(8 * i, 8 * i + 8)) for i in range(3)]
+# the layer stack (the reference) and the regions run eagerly, every other part plain torch
+LAYERS = EAGER
+REGIONS = attrs.evolve(EAGER, regions=True)
+# the routed experts' forms: plain torch, the Triton kernels
+MOE = {"torch": {}, "triton": {"moe_kernels": True}}
 
 
 @pytest.fixture(scope="module")
@@ -72,15 +77,13 @@ def _decode(tiny, tuning: Tuning, *, kernels: bool, steps: int = 2, prompts: lis
 
 @pytest.mark.parametrize("kernels", [False, pytest.param(True, marks=pytest.mark.skipif(
     DEVICE != "cuda", reason="the Triton GDN kernel runs on a GPU only"))], ids=["torch-gdn", "triton-gdn"])
-@pytest.mark.parametrize("moe", ["torch", "triton", "small", "split", "grouped_mm"])
+@pytest.mark.parametrize("moe", list(MOE))
 def test_regions_equal_the_layer_stack_bit_for_bit(tiny, kernels: bool, moe: str) -> None:  # type: ignore[no-untyped-def]
     """moe="triton": the routed kernels with the route ranked in the tail region and their pairs summed in the
     next region (moe_routed(summed=False), regions.settle) against the layer stack's counted-by-the-kernel route
-    and its own sum; moe="small" the same through atlas_kernels.moe_small (a decode group of at most 4 rows), "split"
-    through moe_grouped with the gate-up split (where the model's hidden size takes the split), "grouped_mm" through
-    torch._grouped_mm on the ranked route."""
-    want_logits, want_state = _decode(tiny, Tuning(moe=moe), kernels=kernels)
-    got_logits, got_state = _decode(tiny, Tuning(moe=moe, decode_stack="regions"), kernels=kernels)
+    and its own sum."""
+    want_logits, want_state = _decode(tiny, attrs.evolve(LAYERS, **MOE[moe]), kernels=kernels)
+    got_logits, got_state = _decode(tiny, attrs.evolve(REGIONS, **MOE[moe]), kernels=kernels)
     for want, got in zip(want_logits, got_logits, strict=True):
         assert torch.equal(want, got)
     assert want_state.keys() == got_state.keys()
@@ -88,11 +91,8 @@ def test_regions_equal_the_layer_stack_bit_for_bit(tiny, kernels: bool, moe: str
         assert torch.equal(want, got_state[name]), name
 
 
-@pytest.mark.parametrize("tuning,widths", [(Tuning(decode_stack="regions"), [1]),
-                                            (Tuning(prefill_stack="regions"), [70, 5, 20]),
-                                            (Tuning(decode_stack="regions", prefill_stack="regions"), [70, 5, 20, 1])],
-                         ids=["decode", "prefill", "both"])
-def test_regions_are_taken_for_the_groups_their_knob_names(tiny, tuning: Tuning, widths: list[int]) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("tuning,widths", [(REGIONS, [70, 5, 20, 1]), (LAYERS, [])], ids=["regions", "layers"])
+def test_regions_are_taken_for_prefill_chunks_and_decode_groups(tiny, tuning: Tuning, widths: list[int]) -> None:  # type: ignore[no-untyped-def]
     calls = []
     real = regions.regions_stack
 
@@ -111,8 +111,8 @@ def test_regions_are_taken_for_the_groups_their_knob_names(tiny, tuning: Tuning,
 def test_prefill_regions_equal_the_layer_stack_bit_for_bit(tiny) -> None:  # type: ignore[no-untyped-def]
     """Prefill chunks through the regions (run eagerly) write the layer stack's state and give its logits, and
     the decodes after them too."""
-    want_logits, want_state = _decode(tiny, Tuning(), kernels=False)
-    got_logits, got_state = _decode(tiny, Tuning(prefill_stack="regions", decode_stack="regions"), kernels=False)
+    want_logits, want_state = _decode(tiny, LAYERS, kernels=False)
+    got_logits, got_state = _decode(tiny, REGIONS, kernels=False)
     for want, got in zip(want_logits, got_logits, strict=True):
         assert torch.equal(want, got)
     for name, want in want_state.items():
@@ -146,10 +146,8 @@ def test_every_region_traces_whole(tiny, monkeypatch: pytest.MonkeyPatch) -> Non
     """Dynamo with fullgraph=True raises on any graph break; backend "eager" runs the traced graph as is, so the
     result must also equal the uncompiled regions'."""
     traced, compiles = _trace_regions(monkeypatch)
-    both = dict(decode_stack="regions", prefill_stack="regions")
-    want, want_state = _decode(tiny, Tuning(**both), kernels=False, steps=2)
-    got, got_state = _decode(tiny, Tuning(**both, compile_decode="default", compile_prefill="default"), kernels=False,
-                             steps=2)
+    want, want_state = _decode(tiny, REGIONS, kernels=False, steps=2)
+    got, got_state = _decode(tiny, attrs.evolve(REGIONS, compile=True), kernels=False, steps=2)
     for w, g in zip(want, got, strict=True):
         assert torch.equal(w, g)
     # every state and stamp as the eager regions leave them: the compiled PLE regions (prefill and decode) write
@@ -161,13 +159,6 @@ def test_every_region_traces_whole(tiny, monkeypatch: pytest.MonkeyPatch) -> Non
             "group_columns"} <= set(traced)
     # a compiled decode's (prefill chunks keep theirs eager); the group's columns for the decode steps only
     assert compiles["prologue"] == 1 and compiles["group_columns"] == 1, compiles
-    # the narrow decode cut (session 15's, Tuning.decode_regions "narrow") leaves the same state, stamps and logits
-    narrow, narrow_state = _decode(tiny, Tuning(**both, compile_decode="default", compile_prefill="default",
-                                                decode_regions="narrow"), kernels=False, steps=2)
-    for w, g in zip(want, narrow, strict=True):
-        assert torch.equal(w, g)
-    for name, w in want_state.items():
-        assert torch.equal(w, narrow_state[name]), name
     # atlas-tiny's PLE layers are its first two: the first settles no ffn, the second does (two graphs), each for
     # the prefill chunks (token dimension symbolic) and for the decode
     assert compiles["ple_block"] == 4, compiles
@@ -177,29 +168,6 @@ def test_every_region_traces_whole(tiny, monkeypatch: pytest.MonkeyPatch) -> Non
     # first layer's and a PLE layer's, with no ffn to settle; and the rest) x (prefill, decode), gdn_tail's one x
     # (prefill, decode). Without the mark: a static graph for 70 tokens, then a symbolic one (6 and 3)
     assert compiles["gdn_head"] == 4 and compiles["gdn_tail"] == 2, compiles
-
-
-def test_the_decode_grouped_mm_experts_are_a_region_of_their_own_in_bf16(tiny, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
-    """Tuning.moe "grouped_mm" in a compiled bf16 decode: the routed experts and their glue traced whole as one
-    region (regions.routed_pairs_mm, once for the two steps' one shape), the step's logits and state those of the
-    uncompiled regions' moe_routed call; in fp32 (which Dynamo cannot trace through torch._grouped_mm's meta) the
-    eager call stays."""
-    from atlas.backends.cuda.moe import grouped_mm_works
-
-    if not grouped_mm_works(DEVICE, torch.bfloat16):
-        pytest.skip("torch._grouped_mm does not run here")
-    traced, compiles = _trace_regions(monkeypatch)
-    eager = Tuning(moe="grouped_mm", decode_stack="regions")
-    want, want_state = _decode(tiny, eager, kernels=False, dtype=torch.bfloat16)
-    got, got_state = _decode(tiny, attrs.evolve(eager, compile_decode="default"), kernels=False, dtype=torch.bfloat16)
-    for w, g in zip(want, got, strict=True):
-        assert torch.equal(w, g)
-    for name, w in want_state.items():
-        assert torch.equal(w, got_state[name]), name
-    assert "routed_pairs_mm" in traced and compiles["routed_pairs_mm"] == 1, compiles
-    before = compiles.copy()
-    _decode(tiny, attrs.evolve(eager, compile_decode="default"), kernels=False, steps=1)  # fp32: the regions again
-    assert compiles["gdn_tail"] > before["gdn_tail"] and compiles["routed_pairs_mm"] == 1, compiles
 
 
 def test_regions_give_the_reference_tokens_through_the_engine(tiny) -> None:  # type: ignore[no-untyped-def]
@@ -213,7 +181,7 @@ def test_regions_give_the_reference_tokens_through_the_engine(tiny) -> None:  # 
     params = [SamplingParams(max_tokens=12, ignore_eos=True)] * len(PROMPTS)
     tokens = {}
     for backend, options in (("cpu", {}), ("cuda-fp32", {"device": DEVICE, "cuda_graphs": False,
-                                                         "tuning": Tuning(decode_stack="regions")})):
+                                                         "tuning": REGIONS})):
         engine = build_engine("atlas-tiny", backend, config, loaded=tiny, sink=RecordingSink(),
                               backend_options=options)
         tokens[backend] = [r.token_ids for r in generate(engine, PROMPTS, params)]
@@ -251,32 +219,6 @@ def test_counted_route_is_the_sorted_route(rows: int, experts: int, k: int) -> N
         assert got_offsets.dtype == torch.int32 and got_order.dtype == order.dtype
 
 
-@pytest.mark.parametrize("summed", [True, False])
-def test_grouped_mm_experts_equal_the_grouped_path_with_a_counted_route(summed: bool) -> None:
-    """routed_grouped_mm (torch._grouped_mm over expert-sorted rows) with the route the prefill tail region counts,
-    the slots summed here or left to the caller (regions.settle), against the host-grouped eager path."""
-    from atlas.backends.cuda.layers import moe_routed
-    from atlas.backends.cuda.moe import counted_route, grouped_mm_works, routed_grouped_mm
-    from atlas.model.spec import MoeSpec
-
-    if not grouped_mm_works(DEVICE, torch.float32):
-        pytest.skip("torch._grouped_mm missing in this torch")
-    gen = torch.Generator().manual_seed(11)
-    rows, hidden, inter, experts, k = 37, 32, 24, 6, 2  # expert 5 chosen by nobody
-    x = torch.randn(rows, hidden, generator=gen).to(DEVICE)
-    gate_up = (torch.randn(experts, 2 * inter, hidden, generator=gen) / hidden**0.5).to(DEVICE)
-    down = (torch.randn(experts, hidden, inter, generator=gen) / inter**0.5).to(DEVICE)
-    top_i = torch.stack([torch.randperm(experts - 1, generator=gen)[:k] for _ in range(rows)]).to(DEVICE)
-    top_w = torch.rand(rows, k, generator=gen).to(DEVICE)
-    w = {"mlp.experts.gate_up_proj": gate_up, "mlp.experts.down_proj": down}
-    moe = MoeSpec(num_experts=experts, top_k=k, intermediate_size=inter, shared_intermediate_size=inter,
-                  norm_topk_prob=True)
-    want = moe_routed(moe, w, "mlp.", x, top_w, top_i, mode="grouped")
-    got = routed_grouped_mm(x, top_i, top_w, gate_up, down, counted_route(top_i, experts), summed)
-    assert got.shape == ((rows, hidden) if summed else (rows, k, hidden))
-    assert torch.allclose(got if summed else got.sum(dim=1), want, atol=1e-5, rtol=1e-4)
-
-
 @pytest.mark.parametrize("dilation", [1, 3])
 def test_the_library_conv_equals_the_windowed_product(dilation: int) -> None:
     from atlas.backends.cuda.layers import conv_step
@@ -296,39 +238,12 @@ def test_the_library_conv_equals_the_windowed_product(dilation: int) -> None:
     assert float((got.float() - want.float()).norm() / want.float().norm()) < 1e-2
 
 
-@pytest.mark.parametrize("dilation", [1, 3])
-def test_the_shifted_conv_equals_the_windowed_product(dilation: int) -> None:
-    """prefill_conv "shifted": the taps as a time-major sum of shifted slices, its out and columns [B, C, ...] views
-    of time-major tensors (the GDN kernels read q / k / v from them in place), the windowed product's values."""
-    from atlas.backends.cuda.layers import conv_step
-
-    gen = torch.Generator().manual_seed(10 + dilation)
-    b, c, k, t = 2, 24, 4, 37
-    prev = torch.randn(b, c, (k - 1) * dilation, generator=gen)
-    new = torch.randn(b, t, c, generator=gen).transpose(1, 2)  # as the projection's output is handed in
-    weight = torch.randn(c, 1, k, generator=gen)
-    want, cols = conv_step(prev, new, weight, dilation)
-    got, got_cols = conv_step(prev, new, weight, dilation, shifted=True)
-    assert torch.equal(got_cols, cols)
-    assert got.transpose(1, 2).is_contiguous() and got.shape == want.shape
-    assert torch.allclose(got, want, atol=1e-5, rtol=1e-5)
-    one, _ = conv_step(prev, new[:, :, :1], weight, dilation, shifted=True)  # decode: the windowed product
-    assert torch.equal(one, conv_step(prev, new[:, :, :1], weight, dilation)[0])
-
-
 @pytest.mark.skipif(DEVICE != "cuda", reason="Inductor on the GPU: the compiled regions")
-@pytest.mark.parametrize("variant", ["decode", "regions-compile", "regions-persistent", "regions-pdl",
-                                     "regions-pdl-kernels", "regions-hyper-site", "regions-hyper-small",
-                                     "regions-moe-small", "regions-moe-split", "regions-split-small",
-                                     "regions-moe-grouped-mm"])
+@pytest.mark.parametrize("variant", ["regions", "default"])
 def test_compiled_regions_give_the_reference_tokens_on_the_gpu(tiny, variant: str) -> None:  # type: ignore[no-untyped-def]
-    """fp32, CUDA graphs on: the decode regions through torch.compile and the paged decode attention (and, as
-    VARIANTS["regions-compile"]: the prefill regions, the routed kernels, the batch-3 products through cuBLAS
-    (GEMV_ROWS 1); its neighbours regions-persistent and regions-pdl under their Inductor choices / programmatic
-    dependent launches, regions-pdl-kernels with our decode kernels' too, regions-hyper-site with the decode sites as
-    atlas_kernels.hyper's kernels, regions-hyper-small / regions-moe-small with the 1-4-row sites / routed experts as
-    hyper_small's / moe_small's), greedy and seeded rows side by side, against the CPU reference."""
-    from atlas.backends.cuda.tuning import VARIANTS
+    """fp32, CUDA graphs on: the regions through torch.compile alone, the default arrangement (the paged decode
+    attention, the routed kernels, the prefill graphs, the batch-3 products through cuBLAS: GEMV_ROWS 1), greedy and
+    seeded rows side by side, against the CPU reference."""
     from atlas.config import EngineConfig
     from atlas.engine.offline import generate
     from atlas.engine.records import RecordingSink
@@ -339,8 +254,7 @@ def test_compiled_regions_give_the_reference_tokens_on_the_gpu(tiny, variant: st
     params = [SamplingParams(max_tokens=12, ignore_eos=True),
               SamplingParams(max_tokens=12, ignore_eos=True, temperature=0.8, top_p=0.95, seed=7),
               SamplingParams(max_tokens=12, ignore_eos=True, temperature=1.0, top_k=20, seed=3)]
-    tuning = (Tuning(decode_stack="regions", compile_decode="default", decode_attention="paged")
-              if variant == "decode" else VARIANTS[variant])
+    tuning = {"regions": attrs.evolve(REGIONS, compile=True), "default": Tuning()}[variant]
     for prompts in (PROMPTS, SHORT):  # QSA-selected decode groups (sdpa), then dense ones (the paged kernel)
         tokens = {}
         for backend, options in (("cpu", {}), ("cuda-fp32", {"device": DEVICE, "cuda_graphs": True,
@@ -352,15 +266,14 @@ def test_compiled_regions_give_the_reference_tokens_on_the_gpu(tiny, variant: st
         assert tokens["cuda-fp32"] == tokens["cpu"]
 
 
-@pytest.mark.parametrize("conv", ["windowed", "shifted", "triton", "grouped-mm"])
+@pytest.mark.parametrize("parts", ["regions", "default"])
 def test_compiled_prefill_regions_give_the_reference_tokens(tiny, monkeypatch: pytest.MonkeyPatch, request,  # type: ignore[no-untyped-def]
-                                                            conv: str) -> None:
-    """32-token prefill chunks through the compiled prefill regions (Inductor on a GPU; on the CPU the traced graphs
-    run eagerly, what is tested there is Dynamo's tracing with the marked token dimension) give the CPU
-    reference's tokens, the GDN heads' conv windowed, shifted or the Triton kernel on a GPU (prefill_conv; the
-    windowed product on the CPU), or windowed with the routed experts
-    through torch._grouped_mm on the route the tail region counts (prefill_moe "grouped_mm"). Without
-    fullgraph=True this raised ConstraintViolationError (session 7, H200 and CPU)."""
+                                                            parts: str) -> None:
+    """32-token prefill chunks through the compiled regions (Inductor on a GPU; on the CPU the traced graphs run
+    eagerly, what is tested there is Dynamo's tracing with the marked token dimension) give the CPU reference's
+    tokens: the regions alone, and the default arrangement (the GDN heads' conv the Triton kernel on a GPU, the
+    windowed product on the CPU; the routed kernels on the route the tail region counts). Without fullgraph=True
+    this raised ConstraintViolationError (H200 and CPU)."""
     from atlas.config import EngineConfig
     from atlas.engine.offline import generate
     from atlas.engine.records import RecordingSink
@@ -378,8 +291,7 @@ def test_compiled_prefill_regions_give_the_reference_tokens(tiny, monkeypatch: p
         module._compile.cache_clear()
         torch._dynamo.reset()
         request.addfinalizer(module._compile.cache_clear)  # no eager-backed function outlives the test
-    knobs = {"prefill_conv": "inductor", "prefill_moe": "grouped_mm"} if conv == "grouped-mm" else {"prefill_conv": conv}
-    tuning = Tuning(prefill_stack="regions", compile_prefill="default", **knobs)
+    tuning = attrs.evolve(REGIONS, compile=True) if parts == "regions" else Tuning(prefill_graphs=DEVICE == "cuda")
     tokens = {}
     for backend, options in (("cpu", {}), ("cuda-fp32", {"device": DEVICE, "cuda_graphs": DEVICE == "cuda",
                                                          "tuning": tuning})):
@@ -394,7 +306,7 @@ def test_the_library_conv_is_for_prefill_chunks_of_a_non_invariant_backend(tiny)
 
     backend = CudaBackend(tiny, num_kv_blocks=32, block_size=16, dtype=torch.bfloat16, device=DEVICE,
                           max_batch_size=4, kernels=False, cuda_graphs=False)
-    tuning = Tuning(prefill_conv="library")
+    tuning = attrs.evolve(EAGER, library_conv=True)
     seen = {}
     for width in (1, 8):
         shape = backend._shape(1, width, width)
@@ -417,7 +329,7 @@ def test_row_verifies_through_the_regions_give_speculation_offs_tokens(tiny) -> 
 
     params = [SamplingParams(max_tokens=16, ignore_eos=True)] * len(PROMPTS)
     runs = {}
-    for name, drafts, tuning in (("off", 0, Tuning()), ("regions", 3, Tuning(decode_stack="regions"))):
+    for name, drafts, tuning in (("off", 0, LAYERS), ("regions", 3, REGIONS)):
         config = EngineConfig(max_seq_len=128, max_batch_size=3, prefill_chunk_tokens=32, num_drafts=drafts,
                               drafter="mtp")
         engine = build_engine("atlas-tiny", "cuda-fp32", config, loaded=tiny, sink=RecordingSink(),
@@ -452,10 +364,11 @@ def test_fused_weights_are_padded_to_aligned_rows_with_zeros(tiny) -> None:  # t
 
 @pytest.mark.parametrize("stack", ["layers", "regions"])
 def test_the_paged_decode_attention_matches_the_torch_path(tiny, stack: str) -> None:  # type: ignore[no-untyped-def]
-    """decode_attention="paged" (the split-K kernel over the pools in place) against the materialised scores, fp32,
+    """attention_kernels (a decode's split-K kernel over the pools in place) against the materialised scores, fp32,
     through the layer stack and the regions; the regions' paged step equals the layer stack's bit for bit."""
-    want, want_state = _decode(tiny, Tuning(decode_stack=stack), kernels=False, prompts=SHORT)
-    got, got_state = _decode(tiny, Tuning(decode_stack=stack, decode_attention="paged"), kernels=False, prompts=SHORT)
+    base = REGIONS if stack == "regions" else LAYERS
+    want, want_state = _decode(tiny, base, kernels=False, prompts=SHORT)
+    got, got_state = _decode(tiny, attrs.evolve(base, attention_kernels=True), kernels=False, prompts=SHORT)
     for a, b in zip(want, got, strict=True):
         assert float((a - b).norm() / a.norm()) < 1e-5
         assert not torch.equal(a, b) or DEVICE == "cuda"  # a different summation: the kernel really ran (CPU)
@@ -463,7 +376,7 @@ def test_the_paged_decode_attention_matches_the_torch_path(tiny, stack: str) -> 
         if name.startswith(("keys.", "stamp.", "paged_pos", "index.")):
             assert torch.equal(state, got_state[name]), name
     if stack == "regions":
-        layers, _ = _decode(tiny, Tuning(decode_attention="paged"), kernels=False, prompts=SHORT)
+        layers, _ = _decode(tiny, attrs.evolve(LAYERS, attention_kernels=True), kernels=False, prompts=SHORT)
         assert all(torch.equal(a, b) for a, b in zip(layers, got, strict=True))
 
 
@@ -479,9 +392,9 @@ def test_paged_attention_is_for_dense_decode_groups_only(tiny, monkeypatch: pyte
 
     monkeypatch.setattr(layers, "attn_paged", spy)
     monkeypatch.setattr(regions, "attn_paged", spy)
-    _decode(tiny, Tuning(decode_stack="regions", decode_attention="paged"), kernels=False, steps=1)  # QSA-selected
+    _decode(tiny, attrs.evolve(REGIONS, attention_kernels=True), kernels=False, steps=1)  # QSA-selected
     assert calls == []
-    _decode(tiny, Tuning(decode_stack="regions", decode_attention="paged"), kernels=False, steps=1, prompts=SHORT)
+    _decode(tiny, attrs.evolve(REGIONS, attention_kernels=True), kernels=False, steps=1, prompts=SHORT)
     assert calls and set(calls) == {(1, False)}
 
 
@@ -490,9 +403,9 @@ def test_linear_as_a_reduction_is_the_product() -> None:
     from atlas.backends.cuda.layers import linear
 
     gen = torch.Generator().manual_seed(5)
-    for k in (40, 2 * layers.SPLIT_K):  # "split" cuts only the second K (into two chunks)
+    for k in (40, 2 * layers.SPLIT_K):  # the first K one reduction, the second cut into two chunks
         x, w = torch.randn(3, 1, k, generator=gen), torch.randn(24, k, generator=gen)
-        for gemv in ("reduce", "split"):
+        for gemv in ("split",):
             assert torch.allclose(linear(x, w, gemv), x @ w.T, atol=1e-4, rtol=1e-5), (k, gemv)
             xb, wb = x.to(torch.bfloat16), w.to(torch.bfloat16)
             got = linear(xb, wb, gemv)
@@ -501,11 +414,11 @@ def test_linear_as_a_reduction_is_the_product() -> None:
             assert torch.allclose(got.float(), want, atol=1e-3, rtol=2**-7), (k, gemv)
 
 
-def test_decode_gemv_takes_the_reduction_only_in_compiled_decode_regions_of_few_rows(
+def test_the_small_products_are_reductions_only_in_compiled_decode_regions_of_few_rows(
         tiny, monkeypatch: pytest.MonkeyPatch, recompile_limit) -> None:  # type: ignore[no-untyped-def]
-    """decode_gemv="reduce": the compiled decode regions (Dynamo, eager backend) of <= GEMV_ROWS rows take
-    layers.linear's reduction (counted), prefill chunks and uncompiled regions never; the logits stay the
-    library product's within fp32 rounding. A 3-row group reduces only with GEMV_ROWS raised to 3 (it is 1)."""
+    """The compiled decode regions (Dynamo, eager backend) of <= GEMV_ROWS rows take layers.linear's split
+    reduction (counted), prefill chunks and uncompiled regions never; the logits stay the uncompiled regions'
+    product's within fp32 rounding. A 3-row group reduces only with GEMV_ROWS raised to 3 (it is 1)."""
     from atlas.backends.cuda import layers
 
     torch._dynamo.reset()
@@ -513,7 +426,7 @@ def test_decode_gemv_takes_the_reduction_only_in_compiled_decode_regions_of_few_
     real = layers.linear
 
     def spy(x, w, gemv=""):  # type: ignore[no-untyped-def]
-        seen.append((x.reshape(-1, x.shape[-1]).shape[0], gemv == "reduce"))
+        seen.append((x.reshape(-1, x.shape[-1]).shape[0], gemv == "split"))
         return real(x, w, gemv)
 
     monkeypatch.setattr(layers, "linear", spy)
@@ -523,27 +436,26 @@ def test_decode_gemv_takes_the_reduction_only_in_compiled_decode_regions_of_few_
         return fn if mode == "none" else torch.compile(fn, backend="eager", fullgraph=True, dynamic=None)
 
     monkeypatch.setattr(regions, "compiled", eager_compile)
-    base = dict(decode_stack="regions", prefill_stack="regions", compile_decode="default", compile_prefill="default")
-    want, _ = _decode(tiny, Tuning(**base), kernels=False, steps=1)
+    want, _ = _decode(tiny, REGIONS, kernels=False, steps=1)
     assert seen and not any(reduce for _, reduce in seen)
     seen.clear()
     assert regions.GEMV_ROWS < 3
-    _decode(tiny, Tuning(**base, decode_gemv="reduce"), kernels=False, steps=1)
+    _decode(tiny, attrs.evolve(REGIONS, compile=True), kernels=False, steps=1)
     assert seen and not any(reduce for _, reduce in seen)  # 3 rows > GEMV_ROWS: the product
     seen.clear()
     monkeypatch.setattr(regions, "GEMV_ROWS", 3)
-    got, _ = _decode(tiny, Tuning(**base, decode_gemv="reduce"), kernels=False, steps=1)
+    got, _ = _decode(tiny, attrs.evolve(REGIONS, compile=True), kernels=False, steps=1)
     assert torch.allclose(want[0], got[0], atol=1e-4, rtol=1e-4)
     # the decode group (3 rows <= GEMV_ROWS) reduces, every prefill chunk (70, 5, 20 tokens) takes the product
     assert {rows for rows, reduce in seen if reduce} == {3}
     assert {rows for rows, reduce in seen if not reduce} == {70, 5, 20}
 
 
-def test_the_inductor_conv_is_windowed_in_compiled_prefill_heads_and_library_elsewhere(
+def test_the_conv_is_fused_in_compiled_prefill_heads_and_library_elsewhere(
         tiny, monkeypatch: pytest.MonkeyPatch, recompile_limit) -> None:  # type: ignore[no-untyped-def]
-    """prefill_conv="inductor": a compiled prefill region's GDN conv takes the windowed product (Inductor fuses it),
-    and so does the compiled PLE region's (regions.ple_block); uncompiled regions keep the library conv for both,
-    the PLE layer then eager (layers.ple_layer)."""
+    """library_conv with the regions compiled: a compiled prefill region's GDN conv takes the windowed product
+    (Inductor fuses it; the Triton conv on a GPU), and so does the compiled PLE region's (regions.ple_block);
+    uncompiled regions keep the library conv for both, the PLE layer then eager (layers.ple_layer)."""
     torch._dynamo.reset()
     seen: dict[str, set[bool]] = collections.defaultdict(set)
     real_in, real_ple, real_mix = regions.gdn_in, regions.ple_layer, regions.ple_mix
@@ -568,23 +480,22 @@ def test_the_inductor_conv_is_windowed_in_compiled_prefill_heads_and_library_els
     monkeypatch.setattr(regions, "ple_layer", ple_layer)
     monkeypatch.setattr(regions, "ple_mix", ple_mix)
     monkeypatch.setattr(regions, "compiled", eager_compile)
-    for mode, want in (("default", {"gdn": {False}, "ple_block": {False}}), ("none", {"gdn": {True}, "ple": {True}})):
+    for compile_on, want in ((True, {"gdn": {False}, "ple_block": {False}}), (False, {"gdn": {True}, "ple": {True}})):
         seen.clear()
-        _decode(tiny, Tuning(prefill_stack="regions", compile_prefill=mode, prefill_conv="inductor"), kernels=False,
-                steps=0)
-        assert dict(seen) == want, mode
+        _decode(tiny, attrs.evolve(REGIONS, compile=compile_on, library_conv=True), kernels=False, steps=0)
+        assert dict(seen) == want, compile_on
 
 
 def test_the_new_decode_regions_lower_through_inductor(tiny, recompile_limit) -> None:  # type: ignore[no-untyped-def]
     """Inductor itself (its C++ code on the CPU; Triton on a GPU, where the token test runs them) compiles the decode
-    regions of session 16, the group's columns and the prologue with the n-gram ids' int64 arithmetic, to the eager
+    regions, the group's columns and the prologue with the n-gram ids' int64 arithmetic, to the eager
     values: what Dynamo's eager-backend trace (test_every_region_traces_whole) does not exercise, Inductor's lowering."""
     from atlas.backends.cuda import compiled as module
     from atlas.backends.cuda.batch import group_columns
 
     backend = CudaBackend(tiny, num_kv_blocks=32, block_size=16, dtype=torch.float32, device=DEVICE,
                           max_batch_size=4, kernels=False, cuda_graphs=False,
-                          tuning=Tuning(decode_stack="regions", compile_decode="default"))
+                          tuning=attrs.evolve(REGIONS, compile=True))
     backend.execute(StepPlan(0, tuple(SeqWork(i, tuple(p), 0, TABLES[i], True) for i, p in enumerate(PROMPTS))))
     shape = backend._shape(3, 1, 80)
     rows = [backend._row(SeqWork(i, (40 + i,), len(p), TABLES[i], True)) for i, p in enumerate(PROMPTS)]

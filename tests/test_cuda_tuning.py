@@ -1,11 +1,13 @@
-"""Every Tuning variant the GPU benchmark times computes the same step: in the fp32 parity mode on the CPU
-(Triton kernels interpreted) each gives the CPU reference backend's greedy tokens, and in bf16 its logits
-stay within rounding of the baseline's."""
+"""The CUDA backend's arrangements compute the same step: the default (every part on) is what a backend takes
+without a tuning where the kernels run, the reference (EAGER) where they do not; each part, switched on alone over
+the reference in the fp32 parity mode on the CPU (Triton kernels interpreted), gives the CPU reference backend's
+greedy tokens, and in bf16 its logits stay within rounding of the reference's."""
 
 from __future__ import annotations
 
 import os
 
+import attrs
 import pytest
 import torch
 
@@ -13,8 +15,7 @@ if not torch.cuda.is_available():  # the Triton kernels run interpreted on a CPU
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from atlas.backends.cuda import CudaBackend
-from atlas.backends.cuda.moe import grouped_mm_works
-from atlas.backends.cuda.tuning import VARIANTS, Tuning
+from atlas.backends.cuda.tuning import EAGER, TUNINGS, Tuning
 from atlas.config import EngineConfig
 from atlas.engine.offline import generate
 from atlas.engine.records import RecordingSink
@@ -29,6 +30,9 @@ PROMPTS = [
     list(b"0123456789abcdefghij"),
 ]
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# the default's parts but torch.compile (the regions run eagerly: on a CPU Inductor would compile for minutes) and the
+# prefill graphs (nothing is captured on a CPU)
+UNCOMPILED = Tuning(compile=False, prefill_graphs=False)
 
 
 @pytest.fixture(scope="module")
@@ -50,33 +54,50 @@ def reference(tiny) -> list[tuple[int, ...]]:  # type: ignore[no-untyped-def]
     return run_tokens(tiny, "cpu")
 
 
-# On a CPU the Triton kernels run interpreted: ~270 s of the suite's time for every variant. There the variants
-# whose knobs are each a subset of another's run only as that one ("fused" holds moe-triton's, hyper-triton's and
-# fused-hyper-torch's kernels, so a wrong kernel in any of them fails "fused"); every knob value still runs. On a
-# GPU every variant runs.
-SUBSUMED_ON_CPU = {"moe-triton", "hyper-triton", "fused-hyper-torch"}
-TOKEN_VARIANTS = [v for v, t in VARIANTS.items() if v != "baseline" and t.compile_decode == "none"
-                  and (DEVICE == "cuda" or v not in SUBSUMED_ON_CPU)]
+def test_the_default_is_every_part_on_and_the_reference_every_part_off() -> None:
+    parts = [f.name for f in attrs.fields(Tuning)]
+    assert all(getattr(Tuning(), p) for p in parts)
+    assert not any(getattr(EAGER, p) for p in parts)
+    assert TUNINGS == {"default": Tuning(), "eager": EAGER}  # what `--tuning` offers: at most 3
 
 
-def test_the_cpu_subset_still_runs_every_knob_value() -> None:
-    for knob in ("moe", "prefill_moe", "attention", "decode_attention", "hyper"):
-        everywhere = {getattr(t, knob) for v, t in VARIANTS.items() if t.compile_decode == "none"}
-        assert everywhere == {getattr(VARIANTS[v], knob) for v in [*TOKEN_VARIANTS, "baseline"]}, knob
+def test_a_backend_takes_the_default_where_the_kernels_run_and_the_reference_elsewhere(tiny) -> None:  # type: ignore[no-untyped-def]
+    for dtype in (torch.float32, torch.bfloat16):  # no Triton GDN kernel on a CPU device, nor in fp32 on a GPU
+        backend = CudaBackend(tiny, num_kv_blocks=8, block_size=16, dtype=dtype, device="cpu", max_batch_size=2,
+                              cuda_graphs=False)
+        assert backend.tuning == EAGER and backend.prefill_moe == "grouped"
+    named = CudaBackend(tiny, num_kv_blocks=8, block_size=16, device="cpu", max_batch_size=2, cuda_graphs=False,
+                        tuning=Tuning())
+    assert named.tuning == Tuning() and named.prefill_moe == "triton"
 
 
-@pytest.mark.parametrize("variant", TOKEN_VARIANTS)
-def test_each_variant_gives_the_reference_tokens(tiny, reference, variant: str) -> None:  # type: ignore[no-untyped-def]
-    assert run_tokens(tiny, "cuda-fp32", VARIANTS[variant]) == reference
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_a_bf16_backend_on_a_gpu_takes_the_default(tiny) -> None:  # type: ignore[no-untyped-def]
+    backend = CudaBackend(tiny, num_kv_blocks=8, block_size=16, device="cuda", max_batch_size=2)
+    assert backend.tuning == Tuning() and backend.prefill_graphs is not None
+    fp32 = CudaBackend(tiny, num_kv_blocks=8, block_size=16, dtype=torch.float32, device="cuda", max_batch_size=2)
+    assert fp32.tuning == EAGER
 
 
-@pytest.mark.parametrize("tuning", [Tuning(moe="triton"), Tuning(decode_attention="sdpa"), Tuning(hyper="triton"),
-                                    Tuning(prefill_moe="grouped_mm", attention="sdpa"), Tuning(prefill_conv="library")])
-def test_bf16_variant_logits_stay_within_rounding_of_the_baseline(tiny, tuning: Tuning) -> None:  # type: ignore[no-untyped-def]
+# each part alone over the reference, then every part but the compile together
+PARTS = {"regions": attrs.evolve(EAGER, regions=True), "moe_kernels": attrs.evolve(EAGER, moe_kernels=True),
+         "attention_kernels": attrs.evolve(EAGER, attention_kernels=True), "uncompiled": UNCOMPILED}
+
+
+@pytest.mark.parametrize("part", list(PARTS))
+def test_each_part_gives_the_reference_tokens(tiny, reference, part: str) -> None:  # type: ignore[no-untyped-def]
+    assert run_tokens(tiny, "cuda-fp32", PARTS[part]) == reference
+
+
+@pytest.mark.parametrize("tuning", [attrs.evolve(EAGER, moe_kernels=True), attrs.evolve(EAGER, attention_kernels=True),
+                                    attrs.evolve(EAGER, library_conv=True), UNCOMPILED],
+                         ids=["moe_kernels", "attention_kernels", "library_conv", "uncompiled"])
+def test_bf16_part_logits_stay_within_rounding_of_the_reference(tiny, tuning: Tuning) -> None:  # type: ignore[no-untyped-def]
     tables = [tuple(range(8 * i, 8 * i + 8)) for i in range(3)]
     prompts = [PROMPTS[1], PROMPTS[2], PROMPTS[0][:40]]
     logits = []
-    for t in (Tuning(), tuning):
+    for t in (EAGER, tuning):
         backend = CudaBackend(tiny, num_kv_blocks=32, block_size=16, dtype=torch.bfloat16, device=DEVICE,
                               max_batch_size=4, kernels=False, cuda_graphs=False, tuning=t)
         backend.execute(StepPlan(0, tuple(SeqWork(i, tuple(p), 0, tables[i], True) for i, p in enumerate(prompts))))
@@ -87,17 +108,9 @@ def test_bf16_variant_logits_stay_within_rounding_of_the_baseline(tiny, tuning: 
     assert float((got - base).norm() / base.norm()) < 3e-2
 
 
-def test_grouped_mm_feature_test_runs_here() -> None:
-    # torch 2.13 CPU has it (the GPU machine's torch 2.11 on sm_90 too); where it is missing, the "grouped_mm"
-    # variant falls back to the Triton kernels rather than failing
-    assert grouped_mm_works(DEVICE, torch.float32) == hasattr(torch, "_grouped_mm")
-
-
-def test_unknown_knob_values_are_refused_with_the_choices() -> None:
-    with pytest.raises(ValueError, match="Tuning.moe must be one of torch, triton"):
-        Tuning(moe="cutlass")
-    with pytest.raises(ValueError, match="prefill_graphs 'recurring'.*prefill_moe 'grouped' syncs"):
-        Tuning(prefill_graphs="recurring")  # the default prefill_moe syncs with the host: not capturable
+def test_prefill_graphs_without_the_moe_kernels_are_refused() -> None:
+    with pytest.raises(ValueError, match="prefill_graphs.*moe_kernels off.*syncs with the host"):
+        Tuning(moe_kernels=False)  # the default's prefill graphs cannot capture a host sync
 
 
 def test_recurring_prefill_shapes_are_captured_on_their_second_feed_up_to_the_cap() -> None:
@@ -124,7 +137,7 @@ def test_prefill_graph_shapes_give_the_reference_tokens(tiny, reference) -> None
 
     CudaBackend._run_group = spy  # type: ignore[method-assign]
     try:
-        assert run_tokens(tiny, "cuda-fp32", Tuning(prefill_moe="dense", prefill_graphs="recurring")) == reference
+        assert run_tokens(tiny, "cuda-fp32", attrs.evolve(EAGER, moe_kernels=True, prefill_graphs=True)) == reference
     finally:
         CudaBackend._run_group = real  # type: ignore[method-assign]
     prefill = {s.key_blocks for s in seen if s.width > 1}
@@ -132,14 +145,15 @@ def test_prefill_graph_shapes_give_the_reference_tokens(tiny, reference) -> None
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the benchmark's fused-compile variant runs it; the "
-                    "compile would cost the lead's test minutes")
-def test_compiled_decode_blocks_give_the_eager_logits(tiny) -> None:  # type: ignore[no-untyped-def]
-    """Tuning.compile_decode: the hyper-connection sites and the MoE router through torch.compile (inductor's
-    C++ backend here, ~2 minutes of compiling on the shared CPU; Triton on a GPU) give the eager logits."""
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the benchmark's default compiles them; the compile "
+                    "would cost the lead's test minutes")
+def test_compiled_regions_give_the_eager_logits(tiny) -> None:  # type: ignore[no-untyped-def]
+    """Tuning.compile: the regions through torch.compile (Inductor's C++ backend here, minutes of compiling on the
+    shared CPU; Triton on a GPU) give the eager regions' logits."""
     tables = [tuple(range(8 * i, 8 * i + 8)) for i in range(2)]
     logits = []
-    for tuning in (Tuning(), Tuning(compile_decode="default")):
+    regions = attrs.evolve(EAGER, regions=True)
+    for tuning in (regions, attrs.evolve(regions, compile=True)):
         backend = CudaBackend(tiny, num_kv_blocks=32, block_size=16, dtype=torch.float32, device=DEVICE,
                               max_batch_size=4, kernels=False, cuda_graphs=False, tuning=tuning)
         backend.execute(StepPlan(0, tuple(SeqWork(i, tuple(range(30 + i, 50 + i)), 0, tables[i], True)
@@ -155,7 +169,7 @@ def test_a_trace_records_the_tuning_and_a_replay_rebuilds_it(tiny, tmp_path) -> 
     from atlas.registry import engine_for_run
     from atlas.replay.store import TraceReader
 
-    tuning = Tuning(decode_stack="regions", prefill_conv="library")
+    tuning = attrs.evolve(EAGER, regions=True, library_conv=True)
     config = EngineConfig(max_seq_len=64, max_batch_size=2, prefill_chunk_tokens=32)
     path = tmp_path / "tuned.db"
     engine = build_engine("atlas-tiny", "cuda-fp32", config, str(path), loaded=tiny,
@@ -163,6 +177,6 @@ def test_a_trace_records_the_tuning_and_a_replay_rebuilds_it(tiny, tmp_path) -> 
     generate(engine, [PROMPTS[1]], [SamplingParams(max_tokens=3, ignore_eos=True)])
     engine.close()
     run = TraceReader(path).run()
-    assert run.config["backend_tuning"]["decode_stack"] == "regions"
+    assert run.config["backend_tuning"]["regions"] is True
     again = engine_for_run(run, Sink(), loaded=tiny, backend_options={"device": DEVICE, "cuda_graphs": False})
     assert again.backend.tuning == tuning  # type: ignore[attr-defined]

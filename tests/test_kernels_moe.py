@@ -87,36 +87,3 @@ def test_the_down_kernels_own_tile_keeps_the_result(down_tile: tuple[int, int, i
     got = moe_grouped(x, top_i, top_w, gate_up, down, blocks=(64, 16, 16), down_tile=down_tile)
     assert got.shape == want.shape
     assert torch.allclose(got, want, atol=1e-5, rtol=1e-5)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize(("rows", "split_k"), [(1, 4), (3, 2), (4, 8)])
-def test_the_split_gate_up_matches_the_loop(dtype: torch.dtype, rows: int, split_k: int) -> None:
-    """split_k: the gate-up's hidden size in split_k spans, their fp32 partials summed by the down kernel; the same
-    function (within the dtype's rounding) as the unsplit call, the pairs' outputs too, a row alone equal to itself
-    among others, and a hidden size the spans cannot cut refused."""
-    hidden, inter = 256, 80  # inter 80: the down kernel's k tiles uneven
-    x, top_i, top_w, gate_up, down = random_case(rows, hidden, inter, 8, 2, dtype, seed=rows + split_k)
-    blocks = (16, 32, 32)
-    got = moe_grouped(x, top_i, top_w, gate_up, down, blocks=blocks, split_k=split_k)
-    assert got.dtype == dtype and got.shape == (rows, hidden)
-    assert rel_err(got, reference(x, top_i, top_w, gate_up, down)) < TOLERANCE[dtype]
-    unsplit = moe_grouped(x, top_i, top_w, gate_up, down, blocks=blocks, summed=False)
-    pairs = moe_grouped(x, top_i, top_w, gate_up, down, blocks=blocks, summed=False, split_k=split_k)
-    assert rel_err(pairs, unsplit.double()) < TOLERANCE[dtype]
-    alone = moe_grouped(x[-1:], top_i[-1:], top_w[-1:], gate_up, down, blocks=blocks, split_k=split_k)
-    assert torch.equal(alone[0], got[-1])
-    with pytest.raises(ValueError, match="split_k"):
-        moe_grouped(x, top_i, top_w, gate_up, down, blocks=blocks, split_k=3)
-
-
-def test_the_decode_split_is_for_few_rows_of_a_hidden_size_it_cuts() -> None:
-    """Tuning.moe "split" (atlas.backends.cuda.moe.split_of): the gate-up split four ways at 1-4 rows of the benchmark
-    model's hidden size (2,048 = 4 x 512), unsplit above 4 rows or where the spans would not hold whole k steps."""
-    from atlas_kernels.moe_grouped import SPLIT_K_DECODE, SPLIT_ROWS
-
-    from atlas.backends.cuda.moe import split_of
-
-    assert SPLIT_K_DECODE == 4 and SPLIT_ROWS == 4
-    assert split_of(1, 2048) == split_of(4, 2048) == 4
-    assert split_of(5, 2048) == split_of(1, 64) == split_of(1, 1024 + 128) == 1

@@ -59,22 +59,22 @@ def engine_for_serving(
     prefill_align: int | None = None,
     tuning: str | None = None,
 ) -> Any:
-    """`tuning`: a CUDA backend's variant name (atlas.backends.cuda.tuning.VARIANTS; the trace records its knobs,
+    """`tuning`: a CUDA backend's arrangement name (atlas.backends.cuda.tuning.TUNINGS; the trace records its knobs,
     so a replay rebuilds the same arithmetic)."""
     from atlas.config import EngineConfig
 
     knobs = {"max_seq_len": max_seq_len, "max_batch_size": max_batch_size, "ring_slots": ring_slots,
              "loop_watchdog": loop_watchdog or None, "num_drafts": num_drafts, "drafter": drafter,
              "prefill_align": prefill_align,
-             # prefix caching: on by default where the backend stores prefix snapshots (cpu)
-             "enable_prefix_caching": backend == "cpu" if prefix_caching is None else prefix_caching}
+             # prefix caching: on by default where the backend stores prefix snapshots (cpu, cuda)
+             "enable_prefix_caching": backend != "null" if prefix_caching is None else prefix_caching}
     config = EngineConfig(**{k: v for k, v in knobs.items() if v is not None})
     options = None
     if tuning is not None:
-        from atlas.backends.cuda.tuning import VARIANTS
+        from atlas.backends.cuda.tuning import TUNINGS
 
-        options = {"tuning": VARIANTS[tuning]}
-        log.info("CUDA tuning", tuning=tuning, knobs=attrs.asdict(VARIANTS[tuning]))
+        options = {"tuning": TUNINGS[tuning]}
+        log.info("CUDA tuning", tuning=tuning, knobs=attrs.asdict(TUNINGS[tuning]))
     return registry_build(model or "atlas-tiny", backend, config, trace=trace, backend_options=options)
 
 

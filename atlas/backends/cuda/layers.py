@@ -9,15 +9,13 @@ path (`eager_moe=False`), so a decode group can be captured in a CUDA graph.
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
 
 from atlas.backends.cuda.batch import Group
-from atlas.backends.cuda.compiled import compiled
-from atlas.backends.cuda.moe import grouped_mm_works, ranked_topk, routed_grouped_mm, routed_triton, split_of
+from atlas.backends.cuda.moe import ranked_topk, routed_triton
 from atlas.backends.cuda.pools import DevicePools
 from atlas.backends.cuda.tuning import Tuning
 from atlas.backends.decoder import decoder_stack
@@ -113,21 +111,12 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
     return F.rms_norm(x, (x.shape[-1],), weight, eps) * (F.silu(gate) if act == "silu" else torch.sigmoid(gate))
 
 
-def hyper_mix(spec: ModelSpec, w: dict[str, torch.Tensor], pre: str, streams: torch.Tensor, *, combine: bool,
-              compile_mode: str = "none", kernel: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """atlas.backends.cpu.hyper.hyper_mix with the mix-down and inject weights in one GEMM (prepare_weights).
-    compile_mode: hyper_block through torch.compile (one compiled graph serves every site: tensors in);
-    kernel: the two fused Triton kernels of atlas_kernels.hyper instead (Tuning.hyper = "triton")."""
+def hyper_mix(spec: ModelSpec, w: dict[str, torch.Tensor], pre: str, streams: torch.Tensor, *, combine: bool
+              ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """atlas.backends.cpu.hyper.hyper_mix with the mix-down and inject weights in one GEMM (prepare_weights)."""
     down_w = w[pre + "fused_down.weight"] if combine else w[pre + "input_mix_weight_down.weight"]
-    if kernel:
-        from atlas_kernels.hyper import hyper_site
-
-        down_w = down_w[: spec.hc_lowrank + (spec.hc_count if combine else 0)]  # without the alignment rows
-        return hyper_site(streams, w[pre + "hc_norm.weight"], down_w, w[pre + "input_mix_weight_up.weight"],
-                          spec.hc_count, spec.hc_lowrank, spec.rms_norm_eps, combine)
-    block = compiled(hyper_block, compile_mode)
-    return block(streams, w[pre + "hc_norm.weight"], down_w, w[pre + "input_mix_weight_up.weight"],
-                 spec.hc_count, spec.hidden_size, spec.hc_lowrank, spec.rms_norm_eps, combine)
+    return hyper_block(streams, w[pre + "hc_norm.weight"], down_w, w[pre + "input_mix_weight_up.weight"],
+                       spec.hc_count, spec.hidden_size, spec.hc_lowrank, spec.rms_norm_eps, combine)
 
 
 # linear(gemv="split"): the reduction over K cut into chunks of this many inputs where K is a multiple of it, >= 2 of them
@@ -135,16 +124,16 @@ SPLIT_K = 1024
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, gemv: str = "") -> torch.Tensor:
-    """x [..., K] @ w.T [N, K]; gemv "" the GEMM. "reduce" (Tuning.decode_gemv, a compiled decode region of few rows): the
-    product written as a broadcast multiply and an fp32 sum over K, which Inductor lowers to a reduction kernel of
+    """x [..., K] @ w.T [N, K]; gemv "" the GEMM. "split" (a compiled decode region of at most regions.GEMV_ROWS
+    rows): the product written as a broadcast multiply and an fp32 sum over K, which Inductor lowers to a reduction kernel of
     its own, fused with what surrounds it, in place of a cuBLAS GEMV (H200, session 8: the hyper sites' 5 MB
     GEMVs 4-7 us each, + a split-K reduce, at 15-30% of the copy rate). Rounded once, as the GEMM rounds: fp32
     accumulation in either. Eagerly it materialises [..., N, K]: a compiled region's form only.
 
-    "split": the sum over K as partial sums over chunks of SPLIT_K, then their sum, so a
-    product of few outputs and a long K (the mix-down: 328 outputs of 8,192 inputs, one 8 us reduction kernel of
-    328 programs at batch 1, H200 session 8) runs as N x K / SPLIT_K programs; the partials' sum fuses into the
-    consumer. Unmeasured on a GPU."""
+    Where K is a multiple of SPLIT_K (at least two chunks) the sum over K as partial sums over chunks of SPLIT_K,
+    then their sum, so a product of few outputs and a long K (the mix-down: 328 outputs of 8,192 inputs, one 8 us
+    reduction kernel of 328 programs at batch 1 on the H200) runs as N x K / SPLIT_K programs; the partials' sum
+    fuses into the consumer (H200: b1 3.47 -> 3.30 ms a step against cuBLAS's GEMVs)."""
     if not gemv:
         return x @ w.T
     acc = acc_dtype(x.dtype)
@@ -156,105 +145,34 @@ def linear(x: torch.Tensor, w: torch.Tensor, gemv: str = "") -> torch.Tensor:
 
 
 def hyper_block(streams: torch.Tensor, norm_w: torch.Tensor, down_w: torch.Tensor, up_w: torch.Tensor, hc: int,
-                hidden: int, lowrank: int, eps: float, combine: bool, gemv: str = "", mix_up: str = "",
-                raw_w: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                hidden: int, lowrank: int, eps: float, combine: bool, gemv: str = ""
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One hyper-connection site on tensors: (block input [.., H], injection weights [.., hc] or None). gemv: its
-    two products' form (`linear`). mix_up "triton" (Tuning.prefill_mix_up, compiled prefill regions, bf16 / fp16
-    streams, at most 4 of them, on a CUDA device, or the CPU under TRITON_INTERPRET=1): the mix-up product, its sigmoid and the mix with
-    the normed streams as one kernel (atlas_kernels.hyper.mix_up, a custom op), which never writes the [.., hc*H]
-    product. mix_up "site" (Tuning.decode_hyper, decode groups; on a CUDA device, or the CPU under TRITON_INTERPRET=1):
-    the whole site as atlas_kernels.hyper.hyper_site's four kernels (the custom op atlas::hyper_site); "small" (the
-    same knob, at most hyper_small.ROWS rows) as atlas_kernels.hyper_small's two GEMV-shaped kernels
-    (atlas::hyper_small). raw_w (Tuning.prefill_site "raw", prefill chunks through the regions): down_w folded with
-    norm_w (raw_down_weight), the mix-down taken on the raw streams (raw_mix_down) and the normed streams left to
-    the mix as an elementwise expression; down_w unused then."""
-    if mix_up in ("site", "small") and (streams.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
-        # the caller imported the kernels' module (which registers the op) outside any compiled function
-        n_out = lowrank + (hc if combine else 0)  # the fused weight without its alignment rows
-        op = torch.ops.atlas.hyper_site if mix_up == "site" else torch.ops.atlas.hyper_small
-        mixed, inject = op(streams, norm_w, down_w[:n_out], up_w, hc, lowrank, eps, combine)
-        return mixed, (inject if combine else None)
-    if raw_w is None:
-        normed = rms_norm(streams, norm_w, eps, group=hidden)
-        product = linear(normed, down_w, gemv)
-    else:
-        product, normed = raw_mix_down(streams, norm_w, raw_w, hc, hidden, eps)
+    two products' form (`linear`)."""
+    normed = rms_norm(streams, norm_w, eps, group=hidden)
+    product = linear(normed, down_w, gemv)
     if combine:  # 1/hc is folded into the weights (prepare_weights)
         down, inject = split_out(product, [lowrank, hc])
     else:
         down, inject = product, None
-    if mix_up == "triton" and normed.dtype in (torch.bfloat16, torch.float16) and hc <= 4 and (
-            normed.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
-        mixed = torch.ops.atlas.hyper_mix_up(normed, F.silu(down), up_w, hc, "")
-    else:
-        mix = torch.sigmoid(linear(F.silu(down), up_w, gemv)).unflatten(-1, (hc, hidden))
-        mixed = (mix * normed.unflatten(-1, (hc, hidden))).mean(dim=-2)
+    mix = torch.sigmoid(linear(F.silu(down), up_w, gemv)).unflatten(-1, (hc, hidden))
+    mixed = (mix * normed.unflatten(-1, (hc, hidden))).mean(dim=-2)
     if inject is None:
         return mixed, None
     return mixed, 2 * torch.sigmoid(inject)
 
 
-def raw_down_weight(down_w: torch.Tensor, norm_w: torch.Tensor, hc: int, hidden: int) -> torch.Tensor:
-    """A hyper site's mix-down weight for raw_mix_down (Tuning.prefill_site "raw"): [hc, H, n], stream s's block of
-    down_w's columns [n, hc*H] times its norm weight's (norm_w [hc*H]), folded in fp32 and cast back to down_w's
-    dtype; every output row kept, the inject and alignment rows too. Each stream's block [H, n] row-major, the
-    layout benchmarks/kernels.py --only site_gemm times for the batched product (its "per stream (bmm)" form)."""
-    acc = acc_dtype(down_w.dtype)
-    n = down_w.shape[0]
-    folded = down_w.to(acc).view(n, hc, hidden) * norm_w.to(acc).view(hc, hidden)
-    return folded.to(down_w.dtype).permute(1, 2, 0).contiguous()
-
-
-def raw_site_weights(spec: ModelSpec, w: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Every hyper site's raw_down_weight (Tuning.prefill_site "raw"; the backend adds them to its prepared weights
-    only then): `<site>fused_down_raw.weight` for the two sites of each layer, the final mixer's
-    `hyper_connection_mixer.input_mix_weight_down_raw.weight` (no inject rows)."""
-    sites = [(f"layers.{layer}.{kind}", "fused_down") for layer in range(spec.num_layers)
-             for kind in ("attn_hyper_connection.", "mlp_hyper_connection.")]
-    sites.append(("hyper_connection_mixer.", "input_mix_weight_down"))
-    return {pre + down + "_raw.weight": raw_down_weight(w[pre + down + ".weight"], w[pre + "hc_norm.weight"],
-                                                         spec.hc_count, spec.hidden_size)
-            for pre, down in sites}
-
-
-def raw_mix_down(streams: torch.Tensor, norm_w: torch.Tensor, raw_w: torch.Tensor, hc: int, hidden: int,
-                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """A hyper site's mix-down on the raw streams [.., hc*H] (Tuning.prefill_site "raw"): (the product [.., n] in the
-    streams' dtype, the normed streams [.., hc*H]). normed_s = x_s * rstd_s * w_s, so normed @ down_w.T is
-    sum_s rstd_s * (x_s @ (down_w_s * w_s).T): one batched product over a [hc, N, H] view of the streams (no copy)
-    against raw_w (raw_down_weight, [hc, H, n]), then the hc products weighted by the fp32 rstd [N, hc] and summed
-    in stream order, per row. The normed streams come back as an expression of x and rstd (rms_norm's rounding:
-    F.rms_norm's output dtype, then times the scale) that a compiled region fuses into the mix, so the [.., hc*H]
-    normed streams are never written for the GEMM (H200, 2,048 tokens: 33.5 MB a site, the rms_norm_mul_view
-    kernel ~26 us). Rounds differently from rms_norm + linear in bf16: each stream's product is rounded before
-    rstd scales it."""
-    acc = acc_dtype(streams.dtype)
-    lead = streams.shape[:-1]
-    x = streams.reshape(-1, hc, hidden)  # [N, hc, H]: a view of contiguous streams
-    rstd = torch.rsqrt(x.to(acc).pow(2).mean(dim=-1) + eps)  # [N, hc]
-    parts = torch.matmul(x.transpose(0, 1), raw_w)  # [hc, N, n]
-    product = parts[0].to(acc) * rstd[:, 0:1]
-    for s in range(1, hc):
-        product = product + parts[s].to(acc) * rstd[:, s : s + 1]
-    normed = (x.to(acc) * rstd.unsqueeze(-1)).to(streams.dtype) * norm_w.view(hc, hidden)
-    return product.to(streams.dtype).reshape(*lead, -1), normed.reshape(*lead, hc * hidden)
-
-
 def conv_step(prev: torch.Tensor, new: torch.Tensor, weight: torch.Tensor, dilation: int = 1,
-              library: bool = False, shifted: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+              library: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Depthwise causal conv of new columns [B, C, T] continuing the states prev [B, C, S] (pure: nothing
     written): (out [B, C, T] with fp32 accumulation in new's dtype, the columns [B, C, S + T] whose last S are
     the state after the group).
 
-    library (Tuning.prefill_conv = "library"; bf16/fp16 chunks of more than one token only): F.conv1d,
-    depthwise (cuDNN, fp32 accumulation), in place of the windowed product, which materialises [B, C, T, K] fp32
-    windows: at 2,048 tokens that product, its casts and its sum were ~20 ms of an 81 ms prefill on the H200
-    (session 4 profile). fp32 (the parity mode) and decode keep the windowed product: its order is the
-    reference's, and T = 1 is tiny. Opt-in until measured on the GPU (and cuDNN's choice of algorithm by shape
-    is not known to be batch-invariant, so the invariant modes keep the windowed product).
-    shifted (Tuning.prefill_conv = "shifted", compiled prefill heads; more than one token): the same taps in
-    time-major order as a sum of shifted slices (per element, so batch-invariant; the sum's order is the taps',
-    not necessarily torch's sum over the windows)."""
+    library (Tuning.library_conv; bf16/fp16 chunks of more than one token only): F.conv1d, depthwise (cuDNN, fp32
+    accumulation), in place of the windowed product, which materialises [B, C, T, K] fp32 windows: at 2,048 tokens
+    that product, its casts and its sum were ~20 ms of an 81 ms prefill on the H200. fp32 (the parity mode) and
+    decode keep the windowed product: its order is the reference's, and T = 1 is tiny (and cuDNN's choice of
+    algorithm by shape is not known to be batch-invariant, so the invariant modes keep the windowed product)."""
     state_len = prev.shape[-1]
     k = weight.shape[-1]
     base = state_len - (k - 1) * dilation  # first column the first new output reads
@@ -263,20 +181,6 @@ def conv_step(prev: torch.Tensor, new: torch.Tensor, weight: torch.Tensor, dilat
         return F.conv1d(cols[:, :, base:], weight.to(new.dtype), groups=cols.shape[1], dilation=dilation), cols
     span = (k - 1) * dilation + 1
     acc = acc_dtype(new.dtype)
-    if shifted and new.shape[-1] > 1:
-        # time-major [B, S + T, C] (the layout of the projection's output: `new` is its transposed view), the K taps
-        # as shifted slices summed in order (one pointwise pass, no [B, T, C, K] windows for Inductor to
-        # materialise), out and cols handed back as [B, C, ...] views: the compiled prefill head then neither
-        # transposes the 2,048 x 8,192 columns into channel-major order nor back for the GDN kernels
-        rows = torch.cat([prev.transpose(1, 2).to(new.dtype), new.transpose(1, 2)], dim=1)  # [B, S + T, C]
-        t = new.shape[-1]
-        out = None
-        for tap in range(k):
-            at = base + tap * dilation
-            term = rows[:, at : at + t].to(acc) * weight[None, None, :, 0, tap].to(acc)
-            out = term if out is None else out + term
-        assert out is not None
-        return out.to(new.dtype).transpose(1, 2), rows.transpose(1, 2)
     cols = torch.cat([prev.to(new.dtype), new], dim=-1)  # [B, C, S + T]
     windows = cols[:, :, base:].unfold(-1, span, 1)[..., ::dilation]  # [B, C, T, K], a view
     return (windows.to(acc) * weight[None, :, None, 0, :].to(acc)).sum(-1).to(new.dtype), cols
@@ -321,14 +225,14 @@ def gdn_recurrence(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.T
 def silu_conv(prev: torch.Tensor, new: torch.Tensor, weight: torch.Tensor, dilation: int = 1, library: bool = False,
               fused: str = "") -> tuple[torch.Tensor, torch.Tensor]:
     """(silu(conv) [B, T, C] time-major, conv_step's columns [B, C, S + T]) of the time-major new columns [B, T, C]
-    (a view is fine). fused (Tuning.prefill_conv inside a compiled prefill region): "" conv_step's windowed (or
-    library) product, "shifted" its shifted slices, "triton" atlas_kernels.conv.causal_conv_prefill on a CUDA
-    device (one kernel reading `new` in place, time-major; the windowed product elsewhere)."""
+    (a view is fine). fused (a compiled prefill region): "" conv_step's windowed (or library) product, "triton"
+    atlas_kernels.conv.causal_conv_prefill on a CUDA device (one kernel reading `new` in place, time-major; the
+    windowed product elsewhere)."""
     if fused == "triton" and new.is_cuda and new.shape[1] > 1:
         prev = prev.to(new.dtype)
         out = torch.ops.atlas.causal_conv_prefill(new, prev, weight, dilation, True)
         return out, torch.cat([prev, new.transpose(1, 2)], dim=-1)
-    conv, cols = conv_step(prev, new.transpose(1, 2), weight, dilation, library, fused == "shifted")
+    conv, cols = conv_step(prev, new.transpose(1, 2), weight, dilation, library)
     return F.silu(conv).transpose(1, 2), cols
 
 
@@ -341,7 +245,7 @@ def gdn_in(spec: ModelSpec, x: torch.Tensor, fused_in: torch.Tensor, conv_w: tor
     nk, nv, dk, dv = spec.gdn_k_heads, spec.gdn_v_heads, spec.gdn_k_dim, spec.gdn_v_dim
     qkv, z, beta_raw, a = (x @ fused_in.T).split([spec.gdn_conv_dim, nv * dv, nv, nv], dim=-1)
     mixed, cols = silu_conv(conv_prev, qkv, conv_w, 1, library_conv, fused_conv)
-    # [B, T, C] channels-last (a no-op at T = 1, for the shifted and the Triton conv; the others' is copied, Inductor
+    # [B, T, C] channels-last (a no-op at T = 1, for the Triton conv; the others' is copied, Inductor
     # fusing the copy with the silu): q / k / v are then token-strided slices the GDN kernels read in place (before,
     # each was copied a prefill layer)
     mixed = mixed.contiguous()
@@ -358,20 +262,12 @@ def gdn_out(spec: ModelSpec, out: torch.Tensor, z: torch.Tensor, norm_w: torch.T
     return o.reshape(b, t, -1) @ out_w.T
 
 
-def decode_pdl(tuning: Tuning, grp: Group) -> bool:
-    """Whether a group's own Triton kernels (the GDN update, the paged attention, the routed experts) launch with
-    programmatic dependent launch (Tuning.decode_pdl, atlas_kernels.pdl): decode groups (one token a row) only, prefill
-    chunks and verifies never."""
-    return tuning.decode_pdl == "on" and grp.shape.width == 1
-
-
 def gdn_update(spec: ModelSpec, w: dict[str, torch.Tensor], pre: str, layer: int, parts: tuple[torch.Tensor, ...],
-               grp: Group, pools: DevicePools, kernel: GdnKernel | None, conv_written: bool = False,
-               pdl: bool = False) -> torch.Tensor:
+               grp: Group, pools: DevicePools, kernel: GdnKernel | None, conv_written: bool = False
+               ) -> torch.Tensor:
     """gdn_in's parts -> the recurrence's output [B, T, nv, dv], writing the conv and recurrent state and their
     stamps at the group's slots (a wide verify keeps the state after each row instead). conv_written: the conv
-    state's data is in its pool already (a compiled region's head wrote it; its stamp is the caller's). pdl: the
-    kernel's decode launch with programmatic dependent launch (decode_pdl)."""
+    state's data is in its pool already (a compiled region's head wrote it; its stamp is the caller's)."""
     q, k, v, _z, beta_raw, a, cols = parts
     if not conv_written:
         put_conv(pools, grp, f"conv{layer}", cols)
@@ -379,7 +275,7 @@ def gdn_update(spec: ModelSpec, w: dict[str, torch.Tensor], pre: str, layer: int
     if kernel is not None:  # the kernel computes the gates from the raw projections (decode: in-kernel)
         # the kernel writes the live state and its stamp itself (unless keep: then the kept rows, here)
         out, states = kernel(q, k, v, a, beta_raw, w[pre + "A_log"], w[pre + "dt_bias"], state_pool, grp.slots,
-                             keep=grp.shape.keep, stamp=(pools.stamp[f"gdn{layer}"], grp.ends), pdl=pdl)
+                             keep=grp.shape.keep, stamp=(pools.stamp[f"gdn{layer}"], grp.ends))
         if grp.shape.keep:
             pools.put(f"gdn{layer}", grp.slots, grp.positions, None, states.transpose(0, 1), True, grp.ends)
         return out
@@ -396,13 +292,12 @@ def gdn_update(spec: ModelSpec, w: dict[str, torch.Tensor], pre: str, layer: int
 
 
 def gdn_layer(spec: ModelSpec, w: dict[str, torch.Tensor], pre: str, layer: int, x: torch.Tensor, grp: Group,
-              pools: DevicePools, kernel: GdnKernel | None, library_conv: bool = False, pdl: bool = False
-              ) -> torch.Tensor:
+              pools: DevicePools, kernel: GdnKernel | None, library_conv: bool = False) -> torch.Tensor:
     """x [B, T, H] -> [B, T, H] through one Gated DeltaNet layer (conv and recurrent state, with their stamps,
     at the group's slots; a wide verify keeps the state after each row instead)."""
     parts = gdn_in(spec, x, w[pre + "fused_in.weight"], w[pre + "conv1d.weight"], pools.state[f"conv{layer}"][grp.slots],
                    library_conv)
-    out = gdn_update(spec, w, pre, layer, parts, grp, pools, kernel, pdl=pdl)
+    out = gdn_update(spec, w, pre, layer, parts, grp, pools, kernel)
     return gdn_out(spec, out, parts[3], w[pre + "norm.weight"], w[pre + "out_proj.weight"])
 
 
@@ -535,48 +430,53 @@ def attn_gate_out(out: torch.Tensor, gate: torch.Tensor, o_w: torch.Tensor, b: i
     return (out @ o_w.T).view(b, t, -1)
 
 
-def attn_paged(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, grp: Group, pdl: bool = False
-               ) -> torch.Tensor:
+def attn_paged(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, grp: Group) -> torch.Tensor:
     """A decode group's attention (T = 1, dense: no QSA selection) over the paged KV through the split-K kernel
-    (Tuning.decode_attention = "paged"): q [R, nh, hd] normed and roped -> [R, nh, hd]. Keys are read in place
-    through the block table; each row sees positions [0, grp.ends) (its own key written before the call). pdl: its
-    two kernels launched with programmatic dependent launch (decode_pdl)."""
+    (Tuning.attention_kernels): q [R, nh, hd] normed and roped -> [R, nh, hd]. Keys are read in place through the
+    block table; each row sees positions [0, grp.ends) (its own key written before the call)."""
     from atlas_kernels.paged_attention import paged_attention
 
     b, t = grp.positions.shape
     block_size = k_pool.shape[1]
     out = paged_attention(q.view(b, t, *q.shape[1:]), k_pool, v_pool, grp.block_table, grp.ends, q.shape[-1] ** -0.5,
-                          grp.shape.key_blocks * block_size, pdl=pdl)
+                          grp.shape.key_blocks * block_size)
     return out.view(b * t, *q.shape[1:])
 
 
-def attention_kind(grp: Group, mode: str) -> tuple[bool, bool]:
-    """(sdpa, paged) of a group's attention under `mode` (Tuning.attention or decode_attention): the paged kernel
-    for a decode-shaped group without QSA selection when the knob says "paged", else sdpa unless "torch"."""
-    paged = mode == "paged" and grp.shape.width == 1 and not grp.shape.qsa_select
-    return mode != "torch" and not paged, paged
+def attention_kind(grp: Group, tuning: Tuning) -> tuple[bool, bool]:
+    """(sdpa, paged) of a group's attention (Tuning.attention_kernels): the paged kernel for a decode-shaped group
+    without QSA selection, sdpa for the others; the materialised fp32 scores with the knob off."""
+    paged = tuning.attention_kernels and grp.shape.width == 1 and not grp.shape.qsa_select
+    return tuning.attention_kernels and not paged, paged
 
 
 def library_conv(tuning: Tuning, grp: Group, invariant: bool) -> bool:
-    """Whether a group's eager causal convs take the library conv: prefill chunks only, never in a batch-invariant
-    mode (see conv_step). prefill_conv "inductor" is "library" for eager convs (the layer stack's, PLE's); a
-    compiled prefill region's GDN conv takes the windowed product then (regions.regions_stack), which Inductor
-    fuses into one pass instead of materialising the windows."""
-    return tuning.prefill_conv in ("library", "inductor", "shifted", "triton") and grp.shape.width > 1 and not invariant
+    """Whether a group's eager causal convs take the library conv (Tuning.library_conv): prefill chunks only, never
+    in a batch-invariant mode (see conv_step). A compiled prefill region's GDN and PLE convs take the windowed
+    product or the Triton conv instead (regions.regions_stack)."""
+    return tuning.library_conv and grp.shape.width > 1 and not invariant
+
+
+def moe_mode_of(tuning: Tuning, prefill: bool) -> str:
+    """moe_routed's mode for a group (Tuning.moe_kernels): "triton" the device-routed kernels;
+    else a prefill chunk's "grouped" (one host sync a layer) and a decode group's "torch" (fixed shapes)."""
+    if not tuning.moe_kernels:
+        return "grouped" if prefill else "torch"
+    return "triton"
 
 
 def attention_layer(spec: ModelSpec, w: dict[str, torch.Tensor], pre: str, layer: int, x: torch.Tensor,
                     grp: Group, pools: DevicePools, cos: torch.Tensor, sin: torch.Tensor, *,
-                    sdpa: bool = False, paged: bool = False, pdl: bool = False) -> torch.Tensor:
+                    sdpa: bool = False, paged: bool = False) -> torch.Tensor:
     """x [B, T, H] -> [B, T, H]: gated attention over the paged KV (QSA-selected past the inert bound).
-    sdpa: the scores through F.scaled_dot_product_attention (Tuning.attention / decode_attention); paged: the
-    split-K kernel (attn_paged; a dense decode group only), pdl its launches' (decode_pdl)."""
+    sdpa: the scores through F.scaled_dot_product_attention, paged: the split-K kernel (attn_paged; a dense decode
+    group only), attention_kind's."""
     q, gate, k, v, qk = attn_in(spec, x, w[pre + "fused_in.weight"], w[pre + "q_norm.weight"],
                                 w[pre + "k_norm.weight"], cos, sin)
     attn_write(spec, layer, k, v, qk, grp, pools)
     if paged:
         b, t = grp.positions.shape
-        return attn_gate_out(attn_paged(q, pools.keys[layer], pools.values[layer], grp, pdl=pdl), gate,
+        return attn_gate_out(attn_paged(q, pools.keys[layer], pools.values[layer], grp), gate,
                              w[pre + "o_proj.weight"], b, t)
     return attn_core(spec, q, gate, qk, *attn_sources(spec, w, pre, layer, grp, pools), cos, sin,
                      grp.shape.qsa_select, sdpa)
@@ -608,48 +508,30 @@ def moe_router(moe: MoeSpec, x: torch.Tensor, fused_in: torch.Tensor, shared_dow
 
 
 def moe_layer(moe: MoeSpec, w: dict[str, torch.Tensor], pre: str, x: torch.Tensor, *, eager: bool = False,
-              mode: str | None = None, compile_mode: str = "none", pdl: bool = False) -> torch.Tensor:
-    """x [R, H] -> [R, H]: top-k routed experts (moe_routed) + sigmoid-gated shared expert. compile_mode: the
-    router + shared expert through torch.compile (the routed experts not); pdl: moe_routed's."""
-    router = compiled(moe_router, compile_mode)
-    top_w, top_i, shared = router(moe, x, w[pre + "fused_in.weight"], w[pre + "shared_expert.down_proj.weight"])
-    return moe_routed(moe, w, pre, x, top_w, top_i, eager=eager, mode=mode, pdl=pdl) + shared
+              mode: str | None = None) -> torch.Tensor:
+    """x [R, H] -> [R, H]: top-k routed experts (moe_routed) + sigmoid-gated shared expert."""
+    top_w, top_i, shared = moe_router(moe, x, w[pre + "fused_in.weight"], w[pre + "shared_expert.down_proj.weight"])
+    return moe_routed(moe, w, pre, x, top_w, top_i, eager=eager, mode=mode) + shared
 
 
 def moe_routed(moe: MoeSpec, w: dict[str, torch.Tensor], pre: str, x: torch.Tensor, top_w: torch.Tensor,
                top_i: torch.Tensor, *, eager: bool = False, mode: str | None = None,
-               route: tuple[torch.Tensor, torch.Tensor] | None = None, summed: bool = True, pdl: bool = False
-               ) -> torch.Tensor:
-    """sum_k top_w * expert_{top_i}(x) [R, H] (summed=False with mode "triton" / "grouped_mm": the pairs' weighted outputs
+               route: tuple[torch.Tensor, torch.Tensor] | None = None, summed: bool = True) -> torch.Tensor:
+    """sum_k top_w * expert_{top_i}(x) [R, H] (summed=False with mode "triton": the pairs' weighted outputs
     [R, K, H], each the row's own slot k, the sum over k the caller's; every other mode sums here).
 
     eager: group tokens by expert (one host sync for the counts; right for prefill, where each expert
     sees many tokens). Otherwise fixed shapes for CUDA graphs: with fewer routed slots than experts, the
     chosen experts' weights are gathered per slot; else every expert runs on every row, weighted by a
     routing matrix that is zero off the top-k (decode at batch >= E / top_k touches most experts anyway).
-    mode (Tuning.moe / prefill_moe) overrides eager: "grouped" is eager; "torch" / "dense" the fixed shapes;
-    "triton" / "grouped_mm" / "small" (at most atlas_kernels.moe_small.ROWS rows; "triton" above) / "split" (moe_grouped
-    with the gate-up split at few rows, moe.split_of) route on the device and read the chosen experts in place (atlas.backends.cuda.moe:
-    no host sync, graph-capturable). "grouped_mm" falls back to "triton" where torch._grouped_mm fails its
-    feature test. route: the pairs' (order, offsets) for "triton" if the caller counted them (moe.counted_route).
-    pdl: "triton"'s two kernels launched with programmatic dependent launch (decode_pdl; the other modes ignore it)."""
+    mode (moe_mode_of) overrides eager: "grouped" is eager; "torch" the fixed shapes; "triton" routes on the
+    device and reads the chosen experts in place (atlas.backends.cuda.moe: no host sync, graph-capturable). route: the pairs' (order,
+    offsets) for "triton" if the caller counted them (moe.counted_route)."""
     eager = mode == "grouped" if mode is not None else eager
     rows = x.shape[0]
     gate_up, down = w[pre + "experts.gate_up_proj"], w[pre + "experts.down_proj"]
-    if mode == "grouped_mm" and not grouped_mm_works(x.device.type, x.dtype):
-        mode = "triton"
-    if mode == "small":  # Tuning.moe "small": groups of at most moe_small.ROWS rows GEMV-shaped, others grouped
-        from atlas_kernels.moe_small import fits, moe_small
-
-        if fits(rows):
-            return moe_small(x, top_i, top_w, gate_up, down, route=route, summed=summed)
-        mode = "triton"
-    if mode == "split":  # Tuning.moe "split": groups of few rows with the gate-up's hidden size split, others grouped
-        return routed_triton(x, top_i, top_w, gate_up, down, route, summed, pdl, split_k=split_of(rows, x.shape[-1]))
     if mode == "triton":
-        return routed_triton(x, top_i, top_w, gate_up, down, route, summed, pdl)
-    if mode == "grouped_mm":
-        return routed_grouped_mm(x, top_i, top_w, gate_up, down, route, summed)
+        return routed_triton(x, top_i, top_w, gate_up, down, route, summed)
     if eager:
         # (token, slot) pairs sorted by expert: one host sync for the counts, each pair's output written once
         # (no atomics), then summed over the slots in a fixed order
@@ -773,31 +655,26 @@ class _GroupOps:
         self.gdn_kernel = gdn_kernel
         self.tuning = tuning = tuning or Tuning()
         # eager groups (prefill chunks) may sync with the host; the rest must stay graph-capturable
-        self.moe_mode = tuning.prefill_moe if eager_moe else tuning.moe
-        # torch.compile for decode groups only (fixed shapes, captured under the graphs); prefill stays eager
-        self.compile_mode = "none" if eager_moe else tuning.compile_decode
+        self.moe_mode = moe_mode_of(tuning, eager_moe)
         self.library_conv = library_conv(tuning, grp, invariant)
-        self.pdl = decode_pdl(tuning, grp)  # the group's own kernels' programmatic dependent launch
         dtype = w["embed_tokens.weight"].dtype
         self.cos, self.sin = rope_table(grp.positions.reshape(-1), spec.rotary_dim, spec.rope_theta, dtype)
 
     def mixer(self, layer: int, x: torch.Tensor) -> torch.Tensor:
         spec, w, pre = self.spec, self.w, f"layers.{layer}."
         if spec.layer_types[layer] == FULL_ATTENTION:
-            sdpa, paged = attention_kind(self.grp, self.tuning.attention if self.grp.shape.width > 1
-                                         else self.tuning.decode_attention)
+            sdpa, paged = attention_kind(self.grp, self.tuning)
             return attention_layer(spec, w, pre + "self_attn.", layer, x, self.grp, self.pools, self.cos, self.sin,
-                                   sdpa=sdpa, paged=paged, pdl=self.pdl)
+                                   sdpa=sdpa, paged=paged)
         return gdn_layer(spec, w, pre + "linear_attn.", layer, x, self.grp, self.pools, self.gdn_kernel,
-                         self.library_conv, self.pdl)
+                         self.library_conv)
 
     def ffn(self, layer: int, x: torch.Tensor) -> torch.Tensor:
         b, t = self.grp.tokens.shape
         pre = f"layers.{layer}.mlp."
         rows = x.reshape(b * t, -1)
         if self.spec.moe_layers[layer] and self.spec.moe is not None:
-            return moe_layer(self.spec.moe, self.w, pre, rows, mode=self.moe_mode,
-                             compile_mode=self.compile_mode, pdl=self.pdl).view(b, t, -1)
+            return moe_layer(self.spec.moe, self.w, pre, rows, mode=self.moe_mode).view(b, t, -1)
         return dense_mlp(self.w, pre, rows).view(b, t, -1)
 
     def norm(self, x: torch.Tensor, name: str) -> torch.Tensor:
@@ -809,8 +686,7 @@ class _GroupOps:
                          self.pools, layer, self.library_conv)
 
     def hyper_mix(self, pre: str, streams: torch.Tensor, *, combine: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-        return hyper_mix(self.spec, self.w, pre, streams, combine=combine, compile_mode=self.compile_mode,
-                         kernel=self.tuning.hyper == "triton")
+        return hyper_mix(self.spec, self.w, pre, streams, combine=combine)
 
 
 def forward_group(spec: ModelSpec, w: dict[str, torch.Tensor], pools: DevicePools, grp: Group, *,
@@ -818,8 +694,8 @@ def forward_group(spec: ModelSpec, w: dict[str, torch.Tensor], pools: DevicePool
                   invariant: bool = False) -> torch.Tensor:
     """Feed the group's tokens through the stack: the final hidden states [B, T, H].
 
-    eager_moe: the group runs eagerly (a prefill chunk), so its MoE may take tuning.prefill_moe (which may
-    sync with the host); otherwise tuning.moe (graph-capturable). invariant: the backend is batch-invariant."""
+    eager_moe: the group runs eagerly (a prefill chunk), so its MoE may sync with the host (moe_mode_of);
+    otherwise it stays graph-capturable. invariant: the backend is batch-invariant."""
     ops = _GroupOps(spec, w, pools, grp, eager_moe=eager_moe, gdn_kernel=gdn_kernel, tuning=tuning,
                     invariant=invariant)
     return decoder_stack(spec, w["embed_tokens.weight"][grp.tokens], ops)

@@ -1,39 +1,27 @@
-"""The routed experts of a MoE layer without a host sync: the Triton grouped kernels, or torch._grouped_mm.
+"""The routed experts of a MoE layer without a host sync: the Triton grouped kernels.
 
-Both sort the (row, slot) pairs by expert on the device (atlas_kernels.moe_grouped.moe_route) and read each
-chosen expert's weights in place; neither copies the chosen experts' weights (the torch graph-safe path
-gathers gate_up[top_i], ~25 MB a layer at batch 1) or runs every expert on every row (the "dense" path,
-top_k / num_experts of its FLOPs useful), and neither syncs with the host (the "grouped" path's bincount
+They sort the (row, slot) pairs by expert on the device (atlas_kernels.moe_grouped.moe_route) and read each
+chosen expert's weights in place; they neither copy the chosen experts' weights (the torch graph-safe path
+gathers gate_up[top_i], ~25 MB a layer at batch 1), run every expert on every row (the torch path at many rows,
+top_k / num_experts of its FLOPs useful), nor sync with the host (the "grouped" path's bincount
 .tolist(): one sync a layer in prefill). Each pair's output row is written once and summed over the slots in
 a fixed order.
 """
 
 from __future__ import annotations
 
-import functools
-
 import torch
-import torch.nn.functional as F
-
-
-def split_of(rows: int, hidden: int) -> int:
-    """The gate-up's split for a decode group (Tuning.moe "split"): moe_grouped.SPLIT_K_DECODE spans at most
-    SPLIT_ROWS rows where the hidden size takes them at the decode tile's k step, else 1 (unsplit)."""
-    from atlas_kernels.moe_grouped import SPLIT_K_DECODE, SPLIT_ROWS, block_sizes
-
-    return SPLIT_K_DECODE if rows <= SPLIT_ROWS and hidden % (SPLIT_K_DECODE * block_sizes(rows)[2]) == 0 else 1
 
 
 def routed_triton(x: torch.Tensor, top_i: torch.Tensor, top_w: torch.Tensor, gate_up: torch.Tensor,
                   down: torch.Tensor, route: tuple[torch.Tensor, torch.Tensor] | None = None,
-                  summed: bool = True, pdl: bool = False, split_k: int = 1) -> torch.Tensor:
+                  summed: bool = True) -> torch.Tensor:
     """sum_k top_w * expert(x) [R, H] through atlas_kernels.moe_grouped (two kernels + routing + the sum);
     `route`: the (order, offsets) of the pairs if the caller computed them (counted_route); summed=False: the
-    pairs' weighted outputs [R, K, H], the sum left to the caller (regions.settle); pdl: the two kernels launched
-    with programmatic dependent launch (Tuning.decode_pdl, decode groups); split_k: moe_grouped's gate-up split."""
+    pairs' weighted outputs [R, K, H], the sum left to the caller (regions.settle)."""
     from atlas_kernels.moe_grouped import moe_grouped
 
-    return moe_grouped(x, top_i, top_w, gate_up, down, route=route, summed=summed, pdl=pdl, split_k=split_k)
+    return moe_grouped(x, top_i, top_w, gate_up, down, route=route, summed=summed)
 
 
 # ranked_topk / counted_route: for at most this many experts (their [R, E, E] / [R * K, E] temporaries)
@@ -89,42 +77,3 @@ def counted_route(top_i: torch.Tensor, num_experts: int, ranked: bool = False) -
     order = torch.empty_like(flat).scatter_(0, offsets[flat].to(flat.dtype) + before,
                                             torch.arange(pairs, device=flat.device))
     return order, offsets
-
-
-@functools.cache
-def grouped_mm_works(device_type: str, dtype: torch.dtype) -> bool:
-    """Whether torch._grouped_mm runs here for `dtype` (torch >= 2.8; on CUDA bf16 on sm_90+): a tiny
-    feature test against a plain product, once per (device, dtype)."""
-    if not hasattr(torch, "_grouped_mm"):
-        return False
-    try:
-        gen = torch.Generator().manual_seed(0)
-        a = torch.randn(24, 32, generator=gen).to(device_type, dtype)
-        b = torch.randn(2, 16, 32, generator=gen).to(device_type, dtype)
-        got = torch._grouped_mm(a, b.transpose(1, 2), offs=torch.tensor([8, 24], dtype=torch.int32,
-                                                                        device=device_type))
-        want = torch.cat([a[:8] @ b[0].T, a[8:] @ b[1].T])
-        return bool(torch.allclose(got.float(), want.float(), rtol=2e-2, atol=2e-2))
-    except (RuntimeError, NotImplementedError, TypeError):
-        return False
-
-
-def routed_grouped_mm(x: torch.Tensor, top_i: torch.Tensor, top_w: torch.Tensor, gate_up: torch.Tensor,
-                      down: torch.Tensor, route: tuple[torch.Tensor, torch.Tensor] | None = None,
-                      summed: bool = True) -> torch.Tensor:
-    """The same through torch._grouped_mm over the expert-sorted rows (cuBLAS / CUTLASS grouped GEMMs):
-    gather rows, two grouped GEMMs with SwiGLU between, each pair's output weighted (rounded to x's dtype, then
-    times its weight, as the Triton kernel does) and scattered back to pair order r*K + k; `route` and `summed`
-    as routed_triton's (summed=False: [R, K, H], the slot sum left to the caller)."""
-    from atlas_kernels.moe_grouped import moe_route
-
-    rows, top_k = top_i.shape
-    order, offsets = moe_route(top_i, gate_up.shape[0]) if route is None else route
-    order = order.long()
-    ends = offsets[1:]
-    gu = torch._grouped_mm(x[order // top_k], gate_up.transpose(1, 2), offs=ends)  # [R*K, 2I] expert-sorted
-    g, u = gu.chunk(2, dim=-1)
-    out = torch._grouped_mm(F.silu(g) * u, down.transpose(1, 2), offs=ends)  # [R*K, H]
-    out = out * top_w.flatten()[order][:, None]
-    outs = torch.empty_like(out).index_copy_(0, order, out).view(rows, top_k, -1)  # back to pair order
-    return outs.sum(dim=1) if summed else outs

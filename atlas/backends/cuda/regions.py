@@ -1,4 +1,4 @@
-"""The decode step as compiled regions (Tuning.decode_stack = "regions"): each layer's pure math between its
+"""The decode step and prefill chunks as compiled regions (Tuning.regions, Tuning.compile): each layer's pure math between its
 state writes, one torch.compile'd function per region kind, reused by every layer.
 
 A decode step is launch-bound (H200: ~1,600-1,900 kernels a step at ~3 us each against 0.74 ms of weights), so
@@ -33,7 +33,7 @@ import attrs
 import torch
 
 from atlas.backends.cuda.batch import Group, GroupShape, group_columns
-from atlas.backends.cuda.compiled import compiled
+from atlas.backends.cuda.compiled import COMPILE_MODE, compiled
 from atlas.backends.cuda.layers import (
     GdnKernel,
     attention_kind,
@@ -43,12 +43,12 @@ from atlas.backends.cuda.layers import (
     attn_paged,
     attn_sources,
     attn_store,
-    decode_pdl,
     gdn_in,
     gdn_out,
     gdn_update,
     hyper_block,
     library_conv,
+    moe_mode_of,
     moe_routed,
     moe_router,
     ngram_ids_from,
@@ -60,18 +60,16 @@ from atlas.backends.cuda.moe import (
     RANKED_PAIRS,
     SMALL_EXPERTS,
     counted_route,
-    grouped_mm_works,
-    routed_grouped_mm,
 )
 from atlas.backends.cuda.pools import DevicePools, store_final
 from atlas.backends.cuda.tuning import Tuning
 from atlas.backends.ops import dense_mlp, hyper_inject, rope_table
 from atlas.model.spec import FULL_ATTENTION, ModelSpec
 
-# Tuning.decode_gemv ("reduce", "split") applies to decode groups of at most this many rows: the reduction re-reads a weight
-# from L2 once a row (cuBLAS's GEMM reads it once), so it can only win where the GEMV's fixed cost dominates. H200,
-# session 17 (benchmarks/kernels.py --only hyper_decode, a compiled hyper site alone): "split" 13.0 / 32.2 us at 1 / 4
-# rows against cuBLAS's 14.1 / 17.6, so one row only (it was 4)
+# a compiled decode group of at most this many rows takes its small products as split reductions (layers.linear): the
+# reduction re-reads a weight from L2 once a row (cuBLAS's GEMM reads it once), so it can only win where the GEMV's
+# fixed cost dominates. H200 (benchmarks/kernels.py --only hyper_decode, a compiled hyper site alone): 13.0 / 32.2 us
+# at 1 / 4 rows against cuBLAS's 14.1 / 17.6, so one row only
 GEMV_ROWS = 1
 
 # (routed [R, H] or its pairs [R, K, H], shared, inject) of the ffn not yet injected into the streams; all None before
@@ -80,32 +78,18 @@ Pending = tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]
 
 
 def applies(spec: ModelSpec, grp: Group, tuning: Tuning) -> bool:
-    """Whether this group runs as regions: a hyper-connection model, and the knob of its kind on: a decode group
-    (one token a row, no kept verify rows) under decode_stack, a prefill chunk (wider, not a verify) under
-    prefill_stack."""
+    """Whether this group runs as regions (Tuning.regions): a hyper-connection model's decode group (one token a
+    row, no kept verify rows) or prefill chunk (wider, not a verify)."""
     shape = grp.shape
     if not spec.has_hyper_connections or shape.keep:
         return False
-    if shape.width == 1:
-        return tuning.decode_stack == "regions"
-    return tuning.prefill_stack == "regions" and not shape.pending
-
-
-def routed_pairs_mm(x: torch.Tensor, top_i: torch.Tensor, top_w: torch.Tensor, gate_up: torch.Tensor,
-                    down: torch.Tensor, order: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    """A compiled decode's routed experts through torch._grouped_mm (Tuning.moe "grouped_mm") as a region of their
-    own: moe.routed_grouped_mm on the tail region's ranked route (order, offsets), the pairs' outputs [R, K, H] left
-    for the next region's sum. Eagerly the glue around the two grouped products (the pairs' gather, SwiGLU, the
-    weighting, the scatter back to pair order) is ~6 launches a layer more than moe_grouped's two kernels
-    (benchmarks/dispatch_count.py: b1 156 -> 335 launches outside the regions); compiled it fuses around them. bf16
-    only: torch's meta function for _grouped_mm takes bf16, so Dynamo cannot trace an fp32 one."""
-    return routed_grouped_mm(x, top_i, top_w, gate_up, down, (order, offsets), summed=False)
+    return tuning.regions and (shape.width == 1 or not shape.pending)
 
 
 def _site(spec: ModelSpec, streams: torch.Tensor, norm_w: torch.Tensor, down_w: torch.Tensor, up_w: torch.Tensor,
-          gemv: str, mix_up: str = "", raw_w: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+          gemv: str) -> tuple[torch.Tensor, torch.Tensor]:
     x, inject = hyper_block(streams, norm_w, down_w, up_w, spec.hc_count, spec.hidden_size, spec.hc_lowrank,
-                            spec.rms_norm_eps, True, gemv, mix_up, raw_w)
+                            spec.rms_norm_eps, True, gemv)
     assert inject is not None
     return x, inject
 
@@ -127,13 +111,12 @@ def settle(streams: torch.Tensor, routed: torch.Tensor | None, shared: torch.Ten
 def gdn_head(spec: ModelSpec, streams: torch.Tensor, routed: torch.Tensor | None, shared: torch.Tensor | None,
              inject_prev: torch.Tensor | None, norm_w: torch.Tensor, down_w: torch.Tensor, up_w: torch.Tensor,
              fused_in: torch.Tensor, conv_w: torch.Tensor, conv_pool: torch.Tensor, slots: torch.Tensor,
-             library_conv: bool = False, gemv: str = "", fused_conv: str = "", mix_up: str = "",
-             raw_w: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+             library_conv: bool = False, gemv: str = "", fused_conv: str = "") -> tuple[torch.Tensor, ...]:
     """(streams, inject, *gdn_in's parts but the conv columns) of a GDN layer, the previous ffn settled first; the
     new conv state written into conv_pool at `slots` here (fused with the conv; its stamp is the stack's, once a
     step for every layer)."""
     streams = settle(streams, routed, shared, inject_prev)
-    x, inject = _site(spec, streams, norm_w, down_w, up_w, gemv, mix_up, raw_w)
+    x, inject = _site(spec, streams, norm_w, down_w, up_w, gemv)
     *parts, cols = gdn_in(spec, x, fused_in, conv_w, conv_pool[slots], library_conv, fused_conv)
     store_final(conv_pool, slots, cols[:, :, -conv_pool.shape[-1]:])
     return (streams, inject, *parts, None)
@@ -143,12 +126,12 @@ def attn_head(spec: ModelSpec, streams: torch.Tensor, routed: torch.Tensor | Non
               inject_prev: torch.Tensor | None, norm_w: torch.Tensor, down_w: torch.Tensor, up_w: torch.Tensor,
               fused_in: torch.Tensor, q_norm: torch.Tensor, k_norm: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
               write: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, raw_pool: torch.Tensor | None,
-              gemv: str = "", mix_up: str = "", raw_w: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+              gemv: str = "") -> tuple[torch.Tensor, ...]:
     """(streams, inject, q, gate, qk) of an attention layer, the previous ffn settled first; its new KV rows (and
     QSA raw keys) written into the pools at the flat slots `write` here (their stamps are the stack's, once a
     step for every layer)."""
     streams = settle(streams, routed, shared, inject_prev)
-    x, inject = _site(spec, streams, norm_w, down_w, up_w, gemv, mix_up, raw_w)
+    x, inject = _site(spec, streams, norm_w, down_w, up_w, gemv)
     q, gate, k, v, qk = attn_in(spec, x, fused_in, q_norm, k_norm, cos, sin)
     attn_store(spec, k, v, qk, write, k_pool, v_pool, raw_pool)
     return streams, inject, q, gate, qk
@@ -156,15 +139,14 @@ def attn_head(spec: ModelSpec, streams: torch.Tensor, routed: torch.Tensor | Non
 
 def ffn_head(spec: ModelSpec, streams: torch.Tensor, mixed: torch.Tensor, inject: torch.Tensor,
               norm_w: torch.Tensor, down_w: torch.Tensor, up_w: torch.Tensor, moe_in: torch.Tensor | None,
-              shared_down: torch.Tensor | None, route: str, gemv: str = "", mix_up: str = "",
-              raw_w: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+              shared_down: torch.Tensor | None, route: str, gemv: str = "") -> tuple[torch.Tensor, ...]:
     """The mixer's output injected, then the ffn's site and (MoE) router: (streams, rows, inject, top_w, top_i,
     shared, the pairs' (order, offsets) for the routed kernels when `route`: "ranked" or "counted", see
     moe.counted_route; "" none); a dense ffn's rows only (its router
     parts None). Few experts: the top-k and the route as comparisons and counts (moe.ranked_topk /
     counted_route), which fuse here, instead of torch.topk and a sort."""
     streams = hyper_inject(streams, mixed, inject)
-    x, inject = _site(spec, streams, norm_w, down_w, up_w, gemv, mix_up, raw_w)
+    x, inject = _site(spec, streams, norm_w, down_w, up_w, gemv)
     rows = x.reshape(-1, x.shape[-1])
     if moe_in is None or spec.moe is None:
         return streams, rows, inject, None, None, None, None
@@ -180,9 +162,9 @@ def ffn_head(spec: ModelSpec, streams: torch.Tensor, mixed: torch.Tensor, inject
 def gdn_tail(spec: ModelSpec, streams: torch.Tensor, inject: torch.Tensor, out: torch.Tensor, z: torch.Tensor,
              gnorm_w: torch.Tensor, out_w: torch.Tensor, norm_w: torch.Tensor, down_w: torch.Tensor,
              up_w: torch.Tensor, moe_in: torch.Tensor | None, shared_down: torch.Tensor | None, route: str,
-             gemv: str = "", mix_up: str = "", raw_w: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+             gemv: str = "") -> tuple[torch.Tensor, ...]:
     return ffn_head(spec, streams, gdn_out(spec, out, z, gnorm_w, out_w), inject, norm_w, down_w, up_w, moe_in,
-                     shared_down, route, gemv, mix_up, raw_w)
+                     shared_down, route, gemv)
 
 
 def attn_tail(spec: ModelSpec, streams: torch.Tensor, inject: torch.Tensor, q: torch.Tensor, gate: torch.Tensor,
@@ -190,23 +172,20 @@ def attn_tail(spec: ModelSpec, streams: torch.Tensor, inject: torch.Tensor, q: t
               read_slots: torch.Tensor, positions: torch.Tensor, o_w: torch.Tensor, iq_norm: torch.Tensor | None,
               ik_norm: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor, qsa_select: bool, sdpa: bool,
               norm_w: torch.Tensor, down_w: torch.Tensor, up_w: torch.Tensor, moe_in: torch.Tensor | None,
-              shared_down: torch.Tensor | None, route: str, gemv: str = "", mix_up: str = "",
-              raw_w: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+              shared_down: torch.Tensor | None, route: str, gemv: str = "") -> tuple[torch.Tensor, ...]:
     mixed = attn_core(spec, q, gate, qk, k_pool, v_pool, raw_pool, read_slots, positions, o_w, iq_norm, ik_norm,
                       cos, sin, qsa_select, sdpa)
-    return ffn_head(spec, streams, mixed, inject, norm_w, down_w, up_w, moe_in, shared_down, route, gemv, mix_up,
-                    raw_w)
+    return ffn_head(spec, streams, mixed, inject, norm_w, down_w, up_w, moe_in, shared_down, route, gemv)
 
 
 def attn_post(spec: ModelSpec, streams: torch.Tensor, inject: torch.Tensor, att: torch.Tensor, gate: torch.Tensor,
               o_w: torch.Tensor, norm_w: torch.Tensor, down_w: torch.Tensor, up_w: torch.Tensor,
-              moe_in: torch.Tensor | None, shared_down: torch.Tensor | None, route: str, gemv: str = "",
-              mix_up: str = "", raw_w: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+              moe_in: torch.Tensor | None, shared_down: torch.Tensor | None, route: str, gemv: str = "") -> tuple[torch.Tensor, ...]:
     """attn_tail after the paged kernel's attention output att [R, nh, hd]: its gate and projection, then the ffn
     head."""
     b, t = streams.shape[:2]
     return ffn_head(spec, streams, attn_gate_out(att, gate, o_w, b, t), inject, norm_w, down_w, up_w, moe_in,
-                     shared_down, route, gemv, mix_up, raw_w)
+                     shared_down, route, gemv)
 
 
 def ple_block(spec: ModelSpec, streams: torch.Tensor, routed: torch.Tensor | None, shared: torch.Tensor | None,
@@ -214,11 +193,11 @@ def ple_block(spec: ModelSpec, streams: torch.Tensor, routed: torch.Tensor | Non
               key_norm: torch.Tensor, query_norm: torch.Tensor, value_w: torch.Tensor, conv_norm: torch.Tensor,
               conv_w: torch.Tensor, conv_pool: torch.Tensor, slots: torch.Tensor, fused_conv: str = ""
               ) -> torch.Tensor:
-    """A compiled PLE layer as one region (a prefill chunk's since session 12, a decode group's since session 16): the
+    """A compiled PLE layer as one region (a prefill chunk's and a compiled decode group's): the
     previous ffn settled, the PLE addition (layers.ple_mix) added to the streams, its conv's new state written into
     conv_pool at `slots` (the stamp is the caller's). Eagerly (layers.ple_layer) a PLE layer is ~20 launches: at
-    2,048 tokens over the [2,048, 4 x 2,048] streams, its conv ATen's depthwise kernel (176 us on the H200, session 12
-    profile) after a 133 us cat; in a decode step ~20 of its ~840 kernels each (two PLE layers)."""
+    2,048 tokens over the [2,048, 4 x 2,048] streams, its conv ATen's depthwise kernel (176 us on the H200) after a
+    133 us cat; in a decode step ~20 of its ~840 kernels each (two PLE layers)."""
     streams = settle(streams, routed, shared, inject_prev)
     add, cols = ple_mix(spec, streams, ids, table, key_w, key_norm, query_norm, value_w, conv_norm, conv_w,
                         conv_pool[slots], False, fused_conv)
@@ -228,11 +207,11 @@ def ple_block(spec: ModelSpec, streams: torch.Tensor, routed: torch.Tensor | Non
 
 def final_mix(spec: ModelSpec, streams: torch.Tensor, routed: torch.Tensor | None, shared: torch.Tensor | None,
               inject: torch.Tensor | None, norm_w: torch.Tensor, down_w: torch.Tensor, up_w: torch.Tensor,
-              gemv: str = "", mix_up: str = "", raw_w: torch.Tensor | None = None) -> torch.Tensor:
+              gemv: str = "") -> torch.Tensor:
     """The last ffn settled, then the final mixer: the hidden states [B, T, H]."""
     streams = settle(streams, routed, shared, inject)
     final, _ = hyper_block(streams, norm_w, down_w, up_w, spec.hc_count, spec.hidden_size, spec.hc_lowrank,
-                           spec.rms_norm_eps, False, gemv, mix_up, raw_w)
+                           spec.rms_norm_eps, False, gemv)
     return final
 
 
@@ -252,31 +231,23 @@ def prologue(spec: ModelSpec, tokens: torch.Tensor, positions: torch.Tensor, emb
 
 
 def compiled_decode(spec: ModelSpec, shape: GroupShape, tuning: Tuning) -> bool:
-    """Whether a group runs as compiled decode regions (applies, one token a row, compile_decode not "none"): the
+    """Whether a group runs as compiled decode regions (applies, one token a row, Tuning.compile): the
     runner then derives its columns with a compiled batch.group_columns, and leaves its n-gram ids to the prologue
     (computes_ngram_ids)."""
-    return (shape.width == 1 and not shape.keep and spec.has_hyper_connections and tuning.decode_stack == "regions"
-            and tuning.compile_decode != "none" and tuning.decode_regions == "wide")
+    return (shape.width == 1 and not shape.keep and spec.has_hyper_connections and tuning.regions
+            and tuning.compile)
 
 
 def columns_of(spec: ModelSpec, shape: GroupShape, tuning: Tuning) -> Callable[..., tuple[torch.Tensor, ...]] | None:
     """The compiled batch.group_columns a compiled decode group's columns are derived with (~17 launches one
     region), or None (Group.view's eager group_columns)."""
-    return compiled(group_columns, tuning.compile_decode) if compiled_decode(spec, shape, tuning) else None
+    return compiled(group_columns, COMPILE_MODE) if compiled_decode(spec, shape, tuning) else None
 
 
 def computes_ngram_ids(spec: ModelSpec, shape: GroupShape, tuning: Tuning) -> bool:
     """Whether regions_stack computes a group's n-gram ids itself (in the compiled prologue): a compiled decode group
     of a PLE model. The runner then leaves Group.ngram_ids None (layers.device_ngram_ids eagerly otherwise)."""
     return spec.ple is not None and shape.ngram_on_device and compiled_decode(spec, shape, tuning)
-
-
-def _small_sites(spec: ModelSpec, grp: Group) -> bool:
-    """Whether a decode group's hyper sites fit atlas_kernels.hyper_small (Tuning.decode_hyper "small"): few rows and
-    the model's sizes its tiles divide. Others keep the torch form."""
-    from atlas_kernels.hyper_small import fits
-
-    return fits(grp.tokens.shape[0], spec.hc_count, spec.hidden_size)
 
 
 def _same(x: torch.Tensor | None) -> torch.Tensor | None:
@@ -287,42 +258,28 @@ def _token_dim(x: torch.Tensor | None) -> torch.Tensor | None:
     """A prefill chunk's activation with its token dimension marked dynamic (dim 1 of [1, T, ...], dim 0 of rows
     [T, ...]) before a compiled region sees it: one compile a region kind serves every chunk length, and only the
     token dimension is symbolic. dynamic=True instead made every size symbolic, weights' included, and the
-    kernels 5-10x slower (H200, session 7: a grouped RMSNorm over [2,048, 8,192] 157 us, ~15 us of traffic)."""
+    kernels 5-10x slower (H200: a grouped RMSNorm over [2,048, 8,192] 157 us, ~15 us of traffic)."""
     if x is not None:
         torch._dynamo.mark_dynamic(x, 1 if x.dim() >= 2 and x.shape[0] == 1 else 0)
     return x
-
-
-def _raw_sites(w: dict[str, torch.Tensor]) -> Callable[[str], torch.Tensor]:
-    """The folded mix-down weight of a site's `<down weight name>` (Tuning.prefill_site "raw": the backend made them
-    at load, layers.raw_site_weights), or a ValueError naming the missing one."""
-    def raw(name: str) -> torch.Tensor:
-        key = name + "_raw.weight"
-        if key not in w:
-            raise ValueError(f"Tuning.prefill_site 'raw' needs the folded mix-down weight {key!r} "
-                             "(CudaBackend adds layers.raw_site_weights to its weights when the knob is on)")
-        return w[key]
-    return raw
 
 
 def regions_stack(spec: ModelSpec, w: dict[str, torch.Tensor], pools: DevicePools, grp: Group, *,
                   gdn_kernel: GdnKernel | None, tuning: Tuning, invariant: bool = False,
                   ngram_tables: Sequence[tuple[torch.Tensor, ...]] = ()) -> torch.Tensor:
     """The group's final hidden states [B, T, H]: decoder_stack's result, cut into regions. A decode group takes
-    the decode knobs (compile_decode, moe, decode_attention), a prefill chunk the prefill ones (compile_prefill
-    with the token dimension symbolic: one compile a region kind serves every chunk length; prefill_moe,
-    attention, prefill_conv)."""
+    its token dimension symbolic when compiled (one compile a region kind serves every chunk length)."""
     prefill = grp.shape.width > 1
-    mode = tuning.compile_prefill if prefill else tuning.compile_decode
+    mode = COMPILE_MODE if tuning.compile else "none"
     head_g, head_a = compiled(gdn_head, mode), compiled(attn_head, mode)
     tail_g, tail_a, post_a = compiled(gdn_tail, mode), compiled(attn_tail, mode), compiled(attn_post, mode)
     ffn_c = compiled(ffn_head, mode)
     settle_c, final_c, ple_c = compiled(settle, mode), compiled(final_mix, mode), compiled(ple_block, mode)
     tok = _token_dim if prefill and mode != "none" else _same
     dtype = w["embed_tokens.weight"].dtype
-    # the wide decode cut (Tuning.decode_regions, session 16): the prologue, the PLE layers and the group's columns as
-    # regions too; the narrow one runs them eagerly (session 15's cut)
-    wide = mode != "none" and (prefill or tuning.decode_regions == "wide")
+    # compiled: the prologue, the PLE layers and a decode group's columns as regions too; eager regions run them
+    # op by op
+    wide = mode != "none"
     if prefill or not wide:
         cos, sin = rope_table(grp.positions.reshape(-1), spec.rotary_dim, spec.rope_theta, dtype)
         streams = torch.cat([w["embed_tokens.weight"][grp.tokens]] * spec.hc_count, dim=-1)
@@ -334,44 +291,21 @@ def regions_stack(spec: ModelSpec, w: dict[str, torch.Tensor], pools: DevicePool
             grp = attrs.evolve(grp, ngram_ids=ids)
     cos, sin = tok(cos), tok(sin)
     write = grp.write_slots.reshape(-1)
-    # a decode group of few rows: the hyper sites' and router's products as reductions Inductor fuses (linear)
-    small = not prefill and mode != "none" and grp.tokens.shape[0] <= GEMV_ROWS
-    gemv = tuning.decode_gemv if small and tuning.decode_gemv != "library" else ""
-    # a compiled prefill chunk's hyper sites: the mix after the mix-down as one Triton kernel (a custom op)
-    mix_up = tuning.prefill_mix_up if prefill and mode != "none" and tuning.prefill_mix_up != "inductor" else ""
-    # a decode group's hyper sites: the whole site as atlas_kernels.hyper's four kernels (a custom op), Tuning.decode_hyper
-    if not prefill and tuning.decode_hyper == "triton":
-        mix_up = "site"
-    elif not prefill and tuning.decode_hyper == "small" and _small_sites(spec, grp):
-        import atlas_kernels.hyper_small  # registers torch.ops.atlas.hyper_small
-
-        mix_up = "small"
-    if mix_up in ("site", "triton"):
-        import atlas_kernels.hyper  # registers torch.ops.atlas.hyper_mix_up and hyper_site
-    # a prefill chunk's hyper sites: the mix-down on the raw streams against the folded weights (Tuning.prefill_site;
-    # whatever the compile mode: the eager regions compute the same math, which the CPU tests check)
-    raw = _raw_sites(w) if prefill and tuning.prefill_site == "raw" else None
+    # a compiled decode group of few rows: the hyper sites' and router's products as reductions Inductor fuses, a
+    # long K's sum split (layers.linear)
+    gemv = "split" if not prefill and wide and grp.tokens.shape[0] <= GEMV_ROWS else ""
     # paged: the split-K kernel between the head and attn_post (eager, in the graph)
-    sdpa, paged = attention_kind(grp, tuning.attention if prefill else tuning.decode_attention)
-    moe_mode = tuning.prefill_moe if prefill else tuning.moe
+    sdpa, paged = attention_kind(grp, tuning)
+    moe_mode = moe_mode_of(tuning, prefill)
     library = library_conv(tuning, grp, invariant)  # the eager convs' (PLE's)
-    # the GDN heads' (and the PLE region's) conv: under "inductor" a compiled region's is the windowed product,
-    # under "shifted" the time-major shifted sum, fused there; under "triton" the time-major Triton kernel (a custom
-    # op the region calls; on a CUDA device)
-    fused_conv = tuning.prefill_conv in ("inductor", "shifted", "triton") and mode != "none"
-    head_library = library and not fused_conv
-    head_fused = tuning.prefill_conv if prefill and fused_conv and tuning.prefill_conv != "inductor" else ""
-    if head_fused == "triton":
+    # a compiled region's GDN heads' (and PLE region's) conv: the windowed product Inductor fuses, or in a prefill
+    # chunk on a CUDA device the time-major Triton kernel (a custom op the region calls)
+    head_library = library and not wide
+    head_fused = "triton" if prefill and wide else ""
+    if head_fused:
         import atlas_kernels.conv  # noqa: F401  (registers torch.ops.atlas.causal_conv_prefill)
     # the routed kernels take the pairs' order computed in the tail region: ranked (decode) or counted (prefill)
-    route = ("counted" if prefill else "ranked") if moe_mode in ("triton", "grouped_mm", "small", "split") else ""
-    # the group's own kernels (GDN update, paged attention, routed experts) with programmatic dependent launch:
-    # decode groups only (Tuning.decode_pdl)
-    pdl = decode_pdl(tuning, grp)
-    # a compiled bf16 decode's routed experts through torch._grouped_mm (Tuning.moe "grouped_mm"): the two grouped
-    # products and their glue as one region (routed_pairs_mm); elsewhere moe_routed's eager call
-    pairs_mm = (not prefill and mode != "none" and moe_mode == "grouped_mm" and dtype == torch.bfloat16
-                and grouped_mm_works(grp.tokens.device.type, dtype))
+    route = ("counted" if prefill else "ranked") if moe_mode == "triton" else ""
     ple_layers = spec.ple.layers if spec.ple is not None else ()
     pending: Pending = (None, None, None)
     for layer in range(spec.num_layers):
@@ -393,8 +327,6 @@ def regions_stack(spec: ModelSpec, w: dict[str, torch.Tensor], pools: DevicePool
         site = (w[pre + "attn_hyper_connection.hc_norm.weight"], w[pre + "attn_hyper_connection.fused_down.weight"],
                 w[pre + "attn_hyper_connection.input_mix_weight_up.weight"])
         mlp = pre + "mlp_hyper_connection."
-        site_raw = raw(pre + "attn_hyper_connection.fused_down") if raw else None
-        ffn_raw = raw(mlp + "fused_down") if raw else None
         ffn_site = (w[mlp + "hc_norm.weight"], w[mlp + "fused_down.weight"], w[mlp + "input_mix_weight_up.weight"])
         moe = spec.moe_layers[layer] and spec.moe is not None
         moe_w = (w[pre + "mlp.fused_in.weight"], w[pre + "mlp.shared_expert.down_proj.weight"]) if moe else (None, None)
@@ -405,44 +337,39 @@ def regions_stack(spec: ModelSpec, w: dict[str, torch.Tensor], pools: DevicePool
             streams, inject, q, gate, qk = head_a(spec, tok(streams), tok(routed), tok(shared), tok(inject_prev),
                                                   *site, w[a + "fused_in.weight"], w[a + "q_norm.weight"],
                                                   w[a + "k_norm.weight"], cos, sin, tok(write), k_pool, v_pool,
-                                                  raw_pool, gemv, mix_up, site_raw)
+                                                  raw_pool, gemv)
             if paged:
-                att = attn_paged(q, k_pool, v_pool, grp, pdl=pdl)
+                att = attn_paged(q, k_pool, v_pool, grp)
                 streams, rows, inject, top_w, top_i, shared, pairs = post_a(spec, streams, inject, att, gate, o_w,
-                                                                            *ffn_site, *moe_w, route, gemv, mix_up,
-                                                                            ffn_raw)
+                                                                            *ffn_site, *moe_w, route, gemv)
             elif prefill:
                 # a prefill chunk's attention eager (as the layer stack's), its ffn head compiled. Written when the
-                # ConstraintViolationError (H200, session 7) was taken for Inductor's sdpa lowering specialising the
+                # ConstraintViolationError (H200) was taken for Inductor's sdpa lowering specialising the
                 # query length; the cause was the frame retry that fullgraph=True ends (atlas.backends.cuda.compiled),
                 # so attn_tail could serve prefill too: unmeasured, kept as run
                 mixed = attn_core(spec, q, gate, qk, k_pool, v_pool, raw_pool, read_slots, grp.positions, o_w,
                                   iq_norm, ik_norm, cos, sin, grp.shape.qsa_select, sdpa)
                 streams, rows, inject, top_w, top_i, shared, pairs = ffn_c(
-                    spec, tok(streams), tok(mixed), tok(inject), *ffn_site, *moe_w, route, "", mix_up, ffn_raw)
+                    spec, tok(streams), tok(mixed), tok(inject), *ffn_site, *moe_w, route, "")
             else:
                 streams, rows, inject, top_w, top_i, shared, pairs = tail_a(
                     spec, streams, inject, q, gate, qk, k_pool, v_pool, raw_pool, read_slots, grp.positions, o_w,
                     iq_norm, ik_norm, cos, sin, grp.shape.qsa_select, sdpa, *ffn_site, *moe_w, route,
-                    gemv, mix_up, ffn_raw)  # decode only
+                    gemv)  # decode only
         else:
             g = pre + "linear_attn."
             streams, inject, *parts = head_g(spec, tok(streams), tok(routed), tok(shared), tok(inject_prev), *site,
                                              w[g + "fused_in.weight"], w[g + "conv1d.weight"],
                                              pools.state[f"conv{layer}"], grp.slots, head_library, gemv,
-                                             head_fused, mix_up, site_raw)
-            out = gdn_update(spec, w, g, layer, tuple(parts), grp, pools, gdn_kernel, conv_written=True, pdl=pdl)
+                                             head_fused)
+            out = gdn_update(spec, w, g, layer, tuple(parts), grp, pools, gdn_kernel, conv_written=True)
             streams, rows, inject, top_w, top_i, shared, pairs = tail_g(
                 spec, tok(streams), tok(inject), tok(out), tok(parts[3]), w[g + "norm.weight"],
-                w[g + "out_proj.weight"], *ffn_site, *moe_w, route, gemv, mix_up, ffn_raw)
-        if moe and pairs_mm:
-            assert top_w is not None and top_i is not None and pairs is not None
-            routed = compiled(routed_pairs_mm, mode)(rows, top_i, top_w, w[pre + "mlp.experts.gate_up_proj"],
-                                                     w[pre + "mlp.experts.down_proj"], *pairs)
-        elif moe:
+                w[g + "out_proj.weight"], *ffn_site, *moe_w, route, gemv)
+        if moe:
             assert spec.moe is not None and top_w is not None and top_i is not None
             routed = moe_routed(spec.moe, w, pre + "mlp.", rows, top_w, top_i, mode=moe_mode, route=pairs,
-                                summed=False, pdl=pdl)
+                                summed=False)
         else:
             routed, shared = dense_mlp(w, pre + "mlp.", rows), None
         pending = (routed, shared, inject)
@@ -457,6 +384,5 @@ def regions_stack(spec: ModelSpec, w: dict[str, torch.Tensor], pools: DevicePool
     final = final_c(spec, tok(streams), tok(routed), tok(shared), tok(inject_prev),
                     w["hyper_connection_mixer.hc_norm.weight"],
                     w["hyper_connection_mixer.input_mix_weight_down.weight"],
-                    w["hyper_connection_mixer.input_mix_weight_up.weight"], gemv, mix_up,
-                    raw("hyper_connection_mixer.input_mix_weight_down") if raw else None)
+                    w["hyper_connection_mixer.input_mix_weight_up.weight"], gemv)
     return final

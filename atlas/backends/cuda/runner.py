@@ -33,14 +33,14 @@ from atlas.backends.cuda.layers import (
     GdnKernel,
     device_ngram_ids,
     forward_group,
+    moe_mode_of,
     ple_context_update,
     prepare_weights,
-    raw_site_weights,
 )
 from atlas.backends.cuda.pools import DevicePools
 from atlas.backends.cuda.steady import SteadyDecode
 from atlas.backends.cuda.store import CudaStateStore, SeqState
-from atlas.backends.cuda.tuning import Tuning
+from atlas.backends.cuda.tuning import EAGER, Tuning
 from atlas.backends.cuda.verify import VerifyRun, run_verifies
 from atlas.config import Capacities
 from atlas.model.loader import LoadedModel
@@ -87,10 +87,10 @@ def parse_backend(name: str) -> tuple[torch.dtype, bool]:
     return (torch.float32 if "-fp32" in name else torch.bfloat16), name.endswith("-invariant")
 
 
-def triton_gdn(work: str = "fp32", prepare: str = "scratch") -> GdnKernel | None:
-    """The Triton GDN kernels (decode: recurrent update; prefill: chunked, its intermediates in `work`:
-    Tuning.gdn_work, its chunk-local kernel `prepare`: Tuning.gdn_prepare, for bf16 inputs), or None when
-    atlas_kernels is not importable. On a CPU they run only under TRITON_INTERPRET=1 (tests)."""
+def triton_gdn() -> GdnKernel | None:
+    """The Triton GDN kernels (decode: recurrent update; prefill: chunked, its intermediates and scan products in
+    bf16 for bf16 inputs, fp32 for fp32 ones), or None when atlas_kernels is not importable. On a CPU they run only
+    under TRITON_INTERPRET=1 (tests)."""
     try:
         from atlas_kernels.gdn_chunk_split import gdn_chunk_prefill_gated
         from atlas_kernels.gdn_recurrent import gdn_recurrent_gated
@@ -99,27 +99,22 @@ def triton_gdn(work: str = "fp32", prepare: str = "scratch") -> GdnKernel | None
 
     def gdn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor, b_raw: torch.Tensor,
             a_log: torch.Tensor, dt_bias: torch.Tensor, pool: torch.Tensor, slots: torch.Tensor, *, keep: bool = False,
-            stamp: tuple[torch.Tensor, torch.Tensor] | None = None, pdl: bool = False
-            ) -> tuple[torch.Tensor, torch.Tensor | None]:
+            stamp: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(out, per-token states [B, T, ...] when `keep`: a wide verify, whose live state is left as it was).
-        stamp: (the state's stamps [slots], each row's new stamp [B]), written with the state unless `keep`. pdl: the
-        decode update launched with programmatic dependent launch (Tuning.decode_pdl; the verify and the chunk
-        prefill never)."""
+        stamp: (the state's stamps [slots], each row's new stamp [B]), written with the state unless `keep`."""
         if keep:  # a verify: every row's state kept for the commit, the slot not written
             return gdn_recurrent_gated(q, k, v, a, b_raw, a_log, dt_bias, pool, slots, store_states=True,
                                        commit=False)
         if q.shape[1] == 1:  # g, beta and the stamp in the kernel: no separate launches for them per layer
-            return gdn_recurrent_gated(q, k, v, a, b_raw, a_log, dt_bias, pool, slots, stamp=stamp, pdl=pdl)[0], None
-        # the split chunk kernel (chunk-local products in a parallel kernel, then the state scan), dv tile 32 with
-        # 4 scan warps: 435 us a 2,048-token layer on an H200 against the fused kernel's 683 (session 6 run 1,
-        # benchmarks/kernels.py --only chunk; fla-core 0.6.0's chunk_gated_delta_rule: 626 us, session 10); the
-        # gates, the sequences' bounds and the stamp in its kernels, q / k / v / a / b read in place (session 11:
-        # ~12 eager launches a layer before); its launch defaults (prepare warps, the scan's pipelining) are in its
-        # docstring
-        low = v.dtype == torch.bfloat16  # fp32 inputs (the parity mode) keep fp32 work and the scratch prepare
-        out = gdn_chunk_prefill_gated(q, k, v, a, b_raw, a_log, dt_bias, pool, slots, stamp=stamp,
-                                      work=work if low else "fp32", prepare=prepare if low else "scratch")
-        return out, None
+            return gdn_recurrent_gated(q, k, v, a, b_raw, a_log, dt_bias, pool, slots, stamp=stamp)[0], None
+        # the split chunk kernel (chunk-local products in a parallel kernel, then the state scan), the gates, the
+        # sequences' bounds and the stamp in its kernels, q / k / v / a / b read in place. bf16 inputs: bf16 work and
+        # the registers prepare (H200, a 2,048-token layer's call: 322.5 us with fp32 work and the scratch prepare,
+        # 221.8 with bf16 work, 146.5 with the registers prepare; fla-core 0.6.0's chunk_gated_delta_rule 626 us);
+        # fp32 inputs (the parity mode) fp32 work and the scratch prepare (the registers prepare spills there)
+        low = v.dtype == torch.bfloat16
+        return gdn_chunk_prefill_gated(q, k, v, a, b_raw, a_log, dt_bias, pool, slots, stamp=stamp,
+                                       work="bf16" if low else "fp32", prepare="registers" if low else "scratch"), None
 
     return gdn
 
@@ -172,13 +167,13 @@ class CudaBackend:
         # only (a request's tokens alone equal its tokens in any batch). Costs a full batch's work per step.
         self.batch_invariant = batch_invariant
         self.max_blocks_per_seq = max_blocks_per_seq or num_kv_blocks
-        # which implementation each part of a step uses (atlas.backends.cuda.tuning); the benchmark times them
-        self.tuning = tuning or Tuning()
-        if (self.tuning.prefill_site == "raw" and self.tuning.prefill_stack == "regions"
-                and spec.has_hyper_connections):
-            # the prefill regions' mix-down weights folded with their norm weights, made once (Tuning.prefill_site; the
-            # decode groups keep the fused ones, so these are more memory, held only where the knob takes effect)
-            self.weights.update(raw_site_weights(spec, self.weights))
+        use_kernels = self.dtype != torch.float32 if kernels is None else kernels
+        self.gdn_kernel = triton_gdn() if use_kernels and self.device.type == "cuda" else None
+        if kernels and self.gdn_kernel is None:
+            raise ValueError("kernels=True needs a CUDA device and atlas_kernels (the kernels/ package) importable")
+        # which implementation each part of a step uses (atlas.backends.cuda.tuning): the fastest arrangement, or
+        # the plain-torch reference where the Triton kernels do not run (the fp32 parity mode, a CPU device)
+        self.tuning = tuning or (Tuning() if self.gdn_kernel is not None else EAGER)
         # a verify of K rows: "rows" feeds them as K one-token groups (a decode's shapes, so a verify that accepts
         # n is bitwise n + 1 decodes: the fp32 parity mode's contract); "wide" as one [B, K] group keeping each
         # row's state (one forward: bf16, where a 1-row and a K-row GEMM round differently anyway)
@@ -205,22 +200,12 @@ class CudaBackend:
         self.store = CudaStateStore(spec, self.pools, slot_bytes=snapshot_bytes, drafter=self.drafter,
                                     table_blocks=self.max_blocks_per_seq, graphs=use_graphs,
                                     audit=state_audit_default() if state_audit is None else state_audit)
-        use_kernels = self.dtype != torch.float32 if kernels is None else kernels
-        self.gdn_kernel = triton_gdn(self.tuning.gdn_work, self.tuning.gdn_prepare) if use_kernels and self.device.type == "cuda" else None
-        if kernels and self.gdn_kernel is None:
-            raise ValueError("kernels=True needs a CUDA device and atlas_kernels (the kernels/ package) importable")
-        if tuning is None and self.gdn_kernel is not None:
-            # the measured winner (H200 run 3, 2.7B config, docs/BENCHMARKS.md): prefill MoE through the
-            # device-routed Triton kernels, 240.6 -> 95.6 ms for 2,048 tokens (no host sync a layer); decode
-            # stays torch: the Triton decode MoE (7.80 vs 6.87 ms at batch 1) and the fused hyper sites (10.16 ms)
-            # were slower there
-            self.tuning = Tuning(prefill_moe="triton")
         self.graphs = DecodeGraphs(self._decode_logits, self.device) if use_graphs else None
         # wide verifies ([B, K] groups) replayed from graphs of their own: every row's logits come back
         self.verify_graphs = DecodeGraphs(self._verify_logits, self.device) if use_graphs else None
         # prefill chunks of a recurring shape replayed from graphs of their own (Tuning.prefill_graphs)
         self.prefill_graphs = None
-        if use_graphs and self.tuning.prefill_graphs != "none":
+        if use_graphs and self.tuning.prefill_graphs:
             self.prefill_graphs = DecodeGraphs(self._prefill_logits, self.device)
         self._recurring = Recurring()
         # a plain step's outcomes built without the general path's per-row dicts (execute; off only in a test)
@@ -251,12 +236,8 @@ class CudaBackend:
 
     @property
     def prefill_moe(self) -> str:
-        """MoE of prefill chunks (Tuning.prefill_moe), settable as before."""
-        return self.tuning.prefill_moe
-
-    @prefill_moe.setter
-    def prefill_moe(self, mode: str) -> None:
-        self.tuning = attrs.evolve(self.tuning, prefill_moe=mode)
+        """MoE of prefill chunks (layers.moe_mode_of): "grouped" syncs with the host every layer."""
+        return moe_mode_of(self.tuning, prefill=True)
 
     @classmethod
     def for_capacities(cls, model: LoadedModel, caps: Capacities, *, dtype: torch.dtype | None = None,
@@ -344,7 +325,7 @@ class CudaBackend:
 
     def _run_group(self, packed: torch.Tensor, shape: GroupShape) -> torch.Tensor:
         grp = self._group(packed, shape)
-        # decode groups take graph-capturable paths; prefill groups run eagerly (tuning.prefill_moe may sync)
+        # decode groups take graph-capturable paths; prefill groups run eagerly (their MoE may sync: prefill_moe)
         eager = shape.width > 1 and not shape.pending
         if regions.applies(self.spec, grp, self.tuning):
             hidden = regions.regions_stack(self.spec, self.weights, self.pools, grp, ngram_tables=self._ple_tables_dev,
@@ -441,7 +422,7 @@ class CudaBackend:
                 shape = self._decode_shape(len(members), end)
             else:
                 shape = self._shape(len(members), width, end)
-                if self.tuning.prefill_graphs != "none":  # eager or replayed, a chunk computes one shape
+                if self.tuning.prefill_graphs:  # eager or replayed, a chunk computes one shape
                     shape = attrs.evolve(shape, key_blocks=bucket(shape.key_blocks, 4))
             rows = [self._row(c) for c in members]
             packed = pack_rows(shape, rows, self.pools.scratch_slots, self.pools.scratch_block, self.block_size)

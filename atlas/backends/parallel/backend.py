@@ -16,12 +16,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import attrs
 import torch
 
 from atlas.backends.base import ChunkLike
 from atlas.backends.cuda.batch import GroupShape
 from atlas.backends.cuda.layers import ple_context_update
 from atlas.backends.cuda.runner import CudaBackend
+from atlas.backends.cuda.tuning import EAGER
 from atlas.backends.parallel.comm import Comm
 from atlas.backends.parallel.layers import VocabParallelHead, tp_forward_group
 from atlas.backends.parallel.shard import TpLayout, local_spec, shard_weights, vocab_range
@@ -51,7 +53,10 @@ class TpBackend(CudaBackend):
             raise ValueError("mtp_drafter=True is not supported under tensor parallelism (the drafter is not sharded: "
                              "use the n-gram drafter)")
         kwargs.setdefault("name", f"cuda-tp{layout.tp}")
+        default = "tuning" not in kwargs
         super().__init__(local, **kwargs)
+        if default:  # tp_forward_group is the layer stack (no regions): the reference, prefill MoE as CudaBackend's
+            self.tuning = attrs.evolve(EAGER, moe_kernels=self.gdn_kernel is not None)
         # every `hidden @ weights["lm_head.weight"].T` of the CudaBackend becomes the vocab-parallel product
         self.weights["lm_head.weight"] = VocabParallelHead(  # type: ignore[assignment]
             self.weights["lm_head.weight"], full_spec.vocab_size, comm)

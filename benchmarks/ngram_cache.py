@@ -7,7 +7,7 @@ a GPU is present, the CUDA one.
     .venv/bin/python benchmarks/ngram_cache.py --smoke          # CPU, 8 steps (CI: the script runs)
 
 Prompts: the held-out files' first lines (models/atlas-mini/heldout_sample.json), greedy. Decode steps are timed
-after every prompt is prefilled (untimed); the hit rate is the decode phase's (rows looked up once per step and
+after every prompt is prefilled (untimed), the two runs alternated --repeats times, the best of each printed; the hit rate is the decode phase's (rows looked up once per step and
 PLE layer; a miss reads the row from the file). The cache's slots are derived from the step budget
 (prefill_chunk_tokens x n-gram heads, rounded up to a power of two) unless --slots; the tokens of the two runs
 are compared (they must be identical).
@@ -80,12 +80,13 @@ def main() -> None:
     ap.add_argument("--prompt-tokens", type=int, default=64)
     ap.add_argument("--chunk", type=int, default=64, help="prefill_chunk_tokens: the step budget the slots follow")
     ap.add_argument("--slots", type=int, default=None, help="ngram_cache_slots override (>= chunk x heads)")
+    ap.add_argument("--repeats", type=int, default=2, help="runs of each, alternated; the best is printed")
     ap.add_argument("--smoke", action="store_true", help="CPU backend, batch 2, 8 steps")
     args = ap.parse_args()
     import torch
 
     if args.smoke:
-        args.backends, args.batch, args.steps, args.prompt_tokens = "cpu", 2, 8, 16
+        args.backends, args.batch, args.steps, args.prompt_tokens, args.repeats = "cpu", 2, 8, 16, 1
     backends = (args.backends or ("cpu,cuda" if torch.cuda.is_available() else "cpu")).split(",")
 
     from atlas.config import EngineConfig
@@ -105,8 +106,13 @@ def main() -> None:
           f"{'misses/step':>11} {'evictions':>9} {'transfers':>9} {'same tokens':>11}")
     for backend in backends:
         name = {"cpu": "cpu", "cuda": "cuda"}[backend]
-        base = decode_run(whole, name, config, batch, args.steps, {})
-        got = decode_run(lazy, name, config, batch, args.steps, {})
+        base: dict = {}
+        got: dict = {}
+        for _ in range(args.repeats):  # alternated, best of each: a shared machine's load hits both alike
+            runs = (decode_run(whole, name, config, batch, args.steps, {}),
+                    decode_run(lazy, name, config, batch, args.steps, {}))
+            base = runs[0] if not base or runs[0]["ms"] < base["ms"] else base
+            got = runs[1] if not got or runs[1]["ms"] < got["ms"] else got
         from atlas.config import derive_capacities
 
         slots = derive_capacities(config, whole.spec).ngram_cache_slots

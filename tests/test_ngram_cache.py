@@ -126,3 +126,21 @@ def test_capacities_derive_the_cache_and_scratch() -> None:
         check_ple_capacities(attrs.evolve(caps, ple_scratch_rows=99))
     with pytest.raises(CapacityError, match=rf"ngram_cache_slots 10 is below its floor {100 * heads}"):
         check_ple_capacities(attrs.evolve(caps, ngram_cache_slots=10))
+
+
+def test_the_seeds_widest_chunk_fits_the_derived_cache() -> None:
+    """The seed's defect D-3: an 8,193-token chunk pins 8,193 x 16 rows, which 65,536 fixed slots could not hold; the
+    slots derived from the same budget hold it, and a second such chunk evicts the first."""
+    spec = {"layer_types": ["linear_attention"], "ple_layer_ids": [0], "ngram_size": 3, "heads_per_ngram": 8}
+    caps = derive_capacities(EngineConfig(max_batch_size=1, prefill_chunk_tokens=8193), spec)
+    assert (caps.ple_scratch_rows, caps.ngram_heads, caps.ngram_cache_slots) == (8193, 16, 262_144)
+    rows = np.random.default_rng(0).choice(20_000_000 * 16, size=(2, 8193, 16), replace=False)
+    with pytest.raises(CapacityError, match=r"131088 distinct n-gram rows in one call exceed the row cache's 65536"):
+        RowCache(65_536).assign(rows[0])
+    cache = RowCache(caps.ngram_cache_slots)
+    for chunk in (rows[0], rows[1], rows[1][:100], rows[0]):
+        got = cache.assign(chunk)
+        assert np.array_equal(cache.row_of[got.slots], chunk)
+    # the second chunk overflows the free slots by 32 (the first chunk's least recent rows go); the first chunk back
+    # misses exactly those 32, evicting 32 of the second's rows the third call did not touch
+    assert (cache.stats.evictions, cache.stats.misses) == (64, 2 * 131_088 + 32)

@@ -71,3 +71,21 @@ def test_a_cache_below_its_floor_is_refused_at_load() -> None:
     with pytest.raises(CapacityError, match=r"ngram_cache_slots 31 is below its derived floor 32"):
         build_engine("atlas-tiny", "cpu", EngineConfig(max_batch_size=2, prefill_chunk_tokens=8,
                                                        ngram_cache_slots=31), loaded=tiny)
+
+
+def test_a_cache_at_its_exact_floor_serves_chunks_of_the_whole_budget() -> None:
+    """Whole chunks (exact=False) of max_batch_tokens tokens, each pinning up to 16 x 4 rows of 64 slots, prompts
+    longer than two chunks: no step runs out of slots and every token is the whole table's."""
+    tiny = load_model("atlas-tiny")
+    config = EngineConfig(max_seq_len=128, max_batch_size=2, prefill_chunk_tokens=16, ngram_cache_slots=64)
+    prompts = [list(range(40, 73)), list(range(100, 117))]
+    params = [SamplingParams(max_tokens=10, ignore_eos=True)] * 2
+    out = []
+    for budget in (None, 0):
+        engine = build_engine("atlas-tiny", "cpu", config, loaded=tiny, sink=RecordingSink(),
+                              backend_options={"exact": False, "ngram_budget": budget})
+        out.append([r.token_ids for r in generate(engine, prompts, params)])
+        caches = engine.backend.ngram_caches
+        engine.close()
+    assert out[0] == out[1] and all(len(t) == 10 for t in out[1])
+    assert all(t.cache.slots == 64 and t.cache.stats.evictions > 0 for t in caches.values())

@@ -92,12 +92,12 @@ class RowCache:
         slot_of[~hit] = victims
         self.row_of[victims] = missing
         self.used[victims] = self._tick
-        if len(evicted) or len(missing):
-            keep = ~np.isin(self._keys, evicted, assume_unique=True)
-            keys = np.concatenate([self._keys[keep], missing])
-            vals = np.concatenate([self._vals[keep], victims])
-            order = np.argsort(keys, kind="stable")
-            self._keys, self._vals = keys[order], vals[order]
+        if len(evicted):  # the resident index stays sorted: out at the evicted rows' places, in at the new rows'
+            gone = np.searchsorted(self._keys, evicted)
+            self._keys, self._vals = np.delete(self._keys, gone), np.delete(self._vals, gone)
+        if len(missing):  # (`missing` is sorted: np.unique's order)
+            at = np.searchsorted(self._keys, missing)
+            self._keys, self._vals = np.insert(self._keys, at, missing), np.insert(self._vals, at, victims)
         n = len(unique)
         self.stats.lookups += n
         self.stats.hits += n - len(missing)

@@ -60,6 +60,33 @@ def test_device_cache_is_the_whole_table(mini, backend, config, options) -> None
         assert stats.spec_verify_steps > 0
 
 
+def test_ids_read_through_the_remap_are_the_slots_the_host_assigned(mini) -> None:
+    """layers.ngram_ids_from (the eager group's and the compiled prologue's ids) with the cache's remap gives, for
+    every id, the slot the host's fill assigned to that row, and the slot holds the row's embedding."""
+    from atlas.backends.cuda.layers import ngram_ids_from
+    from atlas.backends.cuda.runner import CudaBackend
+    from atlas.config import derive_capacities
+
+    _, lazy = mini
+    ple = lazy.spec.ple
+    caps = derive_capacities(EngineConfig(max_seq_len=64, max_batch_size=4, prefill_chunk_tokens=16), lazy.spec,
+                             activation_bytes=4)
+    backend = CudaBackend.for_capacities(lazy, caps, dtype=torch.float32, device="cpu")
+    gen = torch.Generator().manual_seed(2)
+    for _ in range(6):
+        ctx = torch.randint(0, 4096, (4, ple.context_len), generator=gen)
+        tokens = torch.randint(0, 4096, (4, 4), generator=gen)
+        plain = ngram_ids_from(ctx, tokens, ple, [t[:3] for t in backend._ple_tables_dev])
+        backend.ngram_cache.fill([plain[p].reshape(-1).numpy() for p in range(plain.shape[0])], tokens.numel())
+        slots = ngram_ids_from(ctx, tokens, ple, backend._ple_tables_dev)
+        for p, name in enumerate(backend.ngram_cache.names):
+            want = backend.ngram_cache.caches[p].lookup(plain[p].numpy())
+            assert torch.equal(slots[p], torch.from_numpy(want))
+            rows = lazy.ngram_rows[name].gather(plain[p].reshape(-1).numpy()).float()
+            assert torch.equal(backend.weights[name][slots[p].reshape(-1)], rows)
+    assert backend.ngram_cache.stats.evictions > 0
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
 def test_device_cache_on_the_gpu(mini) -> None:

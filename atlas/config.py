@@ -80,6 +80,10 @@ class EngineConfig:
     max_rollbacks: int = attrs.field(default=2, validator=_non_negative)
     # overrides of derived sizes (None = derived); each is checked against its floor
     qsa_index_capacity: int | None = attrs.field(default=None, validator=_positive)
+    # PLE: slots of the n-gram row cache (a table larger than the n-gram budget is served through it; floor:
+    # max_batch_tokens x n-gram heads) and the scratch rows a PLE layer is sized for (floor: max_batch_tokens)
+    ngram_cache_slots: int | None = attrs.field(default=None, validator=_positive)
+    ple_scratch_rows: int | None = attrs.field(default=None, validator=_positive)
     # prefix caching (atlas.state.prefix_index): off by default because a config without the field (every
     # trace recorded before it) must replay as recorded; `atlas serve` and `atlas generate` turn it on.
     # prefix_snapshots: recurrent snapshots the cache keeps (LRU; None = derived, 4 x max_batch_size).
@@ -138,6 +142,12 @@ class Capacities:
     prefix_snapshots: int = 0  # recurrent snapshots the prefix cache keeps (0: prefix caching off)
     drafter_context: bool = True  # MTP drafter prefilled over the prompt and carried across turns
     prefill_align: int = 0  # prefill chunks end at multiples of it (0: off; the default of older traces)
+    # PLE (0 without it): n-gram ids a token has per PLE layer; the row cache's slots per PLE layer (at least
+    # max_batch_tokens x ngram_heads: one step's rows are all resident at once); a PLE layer's scratch rows (the
+    # most tokens one step feeds it: at least max_batch_tokens, checked again where a backend is built)
+    ngram_heads: int = 0
+    ngram_cache_slots: int = 0
+    ple_scratch_rows: int = 0
 
     def table(self) -> dict[str, int | str]:
         return attrs.asdict(self)
@@ -165,6 +175,7 @@ class _ModelShape:
     qsa_budget: int = 0
     ngram_size: int = 0
     max_positions: int | None = None
+    ngram_heads: int = 0
 
 
 def _model_shape(spec: Any) -> _ModelShape:
@@ -184,10 +195,14 @@ def _model_shape(spec: Any) -> _ModelShape:
     else:
         qsa, ratio, budget = 0, 1, 0
     if ple_spec is not None:
-        ngram = int(ple_spec.ngram_size)
+        ngram, heads = int(ple_spec.ngram_size), int(ple_spec.num_heads)
+    elif _spec_get(spec, "ple_layer_ids", []):
+        ngram = int(_spec_get(spec, "ngram_size", 3))
+        heads = (ngram - 1) * int(_spec_get(spec, "heads_per_ngram", 8))
     else:
-        ngram = int(_spec_get(spec, "ngram_size", 0)) if _spec_get(spec, "ple_layer_ids", []) else 0
-    return _ModelShape(attention, qsa, gdn, ratio, budget, ngram, _spec_get(spec, "max_position_embeddings", None))
+        ngram, heads = 0, 0
+    return _ModelShape(attention, qsa, gdn, ratio, budget, ngram, _spec_get(spec, "max_position_embeddings", None),
+                       heads)
 
 
 def _check_floor(name: str, value: int | None, floor: int, why: str) -> int:
@@ -254,6 +269,7 @@ def derive_capacities(config: EngineConfig, spec: Any = None, *, activation_byte
         config.max_seq_len,
         f"max_seq_len {config.max_seq_len}: every token's raw index key is kept",
     )
+    scratch_rows, cache_slots = _ple_sizes(config, max_batch_tokens, shape.ngram_heads)
     return Capacities(
         max_seq_len=config.max_seq_len,
         max_batch_size=config.max_batch_size,
@@ -277,7 +293,40 @@ def derive_capacities(config: EngineConfig, spec: Any = None, *, activation_byte
         prefix_snapshots=(config.prefix_snapshots or 4 * config.max_batch_size) if config.enable_prefix_caching else 0,
         drafter_context=config.drafter_context,
         prefill_align=prefill_align,
+        ngram_heads=shape.ngram_heads,
+        ngram_cache_slots=cache_slots,
+        ple_scratch_rows=scratch_rows,
     )
+
+
+def _ple_sizes(config: EngineConfig, max_batch_tokens: int, heads: int) -> tuple[int, int]:
+    """(PLE scratch rows, n-gram row cache slots): the widest step's tokens, and every n-gram row of it resident at
+    once (derived: that rounded up to a power of two). Both 0 without PLE."""
+    if not heads:
+        return 0, 0
+    scratch = _check_floor("ple_scratch_rows", config.ple_scratch_rows, max_batch_tokens,
+                           f"max_batch_tokens {max_batch_tokens}: the most tokens one step feeds a PLE layer")
+    floor = max_batch_tokens * heads
+    slots = config.ngram_cache_slots
+    if slots is None:
+        return scratch, 1 << (floor - 1).bit_length()
+    return scratch, _check_floor("ngram_cache_slots", slots, floor,
+                                 f"max_batch_tokens {max_batch_tokens} x {heads} n-gram heads: one step's rows "
+                                 "all resident at once")
+
+
+def check_ple_capacities(caps: Capacities) -> None:
+    """At load (a backend built from `caps`): the PLE scratch and the row cache hold the widest step. One error
+    naming both numbers."""
+    if not caps.ngram_heads:
+        return
+    if caps.ple_scratch_rows < caps.max_batch_tokens:
+        raise CapacityError(f"ple_scratch_rows {caps.ple_scratch_rows} is below its floor max_batch_tokens "
+                            f"{caps.max_batch_tokens}: a step that wide could not be fed to a PLE layer")
+    floor = caps.max_batch_tokens * caps.ngram_heads
+    if caps.ngram_cache_slots < floor:
+        raise CapacityError(f"ngram_cache_slots {caps.ngram_cache_slots} is below its floor {floor} (max_batch_tokens "
+                            f"{caps.max_batch_tokens} x {caps.ngram_heads} n-gram heads)")
 
 
 def _prefill_align(config: EngineConfig, max_batch_tokens: int, verify_width: int, batch_invariant: bool) -> int:

@@ -32,6 +32,7 @@ EXPECT = {
     "mini_figures.py": "watchdog shard",
     "mini_tpot.py": "TPOT ms",
     "multiturn.py": "tokens equal on/off",
+    "ngram_cache.py": "ms/step cached",
     "mutation_campaign.py": "acceptance",
     "prefill_runs.py": "runs ms",
     "replay_check.py": "state-only check",

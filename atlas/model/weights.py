@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterable
+from collections.abc import Container, Iterable, Mapping
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -31,8 +32,8 @@ _NGRAM_SHARD = re.compile(r"^(?P<pre>.*\.ple)\.ple_embedding\.ngram_embedding\.s
 _NGRAM_BUFFER = re.compile(r"^(?P<pre>.*\.ple)\.ple_embedding\.(?P<name>layer_multipliers|ngram_heads_offsets|ngram_heads_vocab_sizes)$")
 
 
-def read_safetensors(checkpoint_dir: str | Path) -> dict[str, torch.Tensor]:
-    """Every tensor of a checkpoint dir: `model.safetensors`, or the shards a `*.index.json` names."""
+def safetensor_files(checkpoint_dir: str | Path) -> list[Path]:
+    """A checkpoint dir's safetensors files: `model.safetensors`, or the shards a `*.index.json` names."""
     root = Path(checkpoint_dir)
     index = root / "model.safetensors.index.json"
     if index.is_file():
@@ -44,15 +45,34 @@ def read_safetensors(checkpoint_dir: str | Path) -> dict[str, torch.Tensor]:
         files = sorted(p.name for p in root.glob("*.safetensors"))
     if not files:
         raise ModelLoadError(f"{root}: no safetensors weights (model.safetensors or model.safetensors.index.json)")
-    tensors: dict[str, torch.Tensor] = {}
     for name in files:
-        path = root / name
-        if not path.is_file():
+        if not (root / name).is_file():
             raise ModelLoadError(f"{root}: the index names {name}, which is missing")
+    return [root / name for name in files]
+
+
+def read_safetensors(checkpoint_dir: str | Path, skip: Container[str] = ()) -> dict[str, torch.Tensor]:
+    """Every tensor of a checkpoint dir but the keys in `skip` (tables read lazily: atlas.model.ngram_rows)."""
+    tensors: dict[str, torch.Tensor] = {}
+    for path in safetensor_files(checkpoint_dir):
         with safe_open(str(path), framework="pt") as f:
             for key in f.keys():
-                tensors[key] = f.get_tensor(key)
+                if key not in skip:
+                    tensors[key] = f.get_tensor(key)
     return tensors
+
+
+def ngram_table_key(key: str) -> tuple[str, int] | None:
+    """(Atlas's name of the whole table, the shard's index; -1 for an unsplit table) for a checkpoint key of a
+    PLE n-gram table, else None."""
+    name = normalise_key(key)
+    if name is None:
+        return None
+    if m := _NGRAM_SHARD.match(name):
+        return f"{m['pre']}.ngram_embedding.weight", int(m["idx"])
+    if name.endswith(".ple.ple_embedding.ngram_embedding.weight"):
+        return name.replace(".ple_embedding.ngram_embedding.", ".ngram_embedding."), -1
+    return None
 
 
 def normalise_key(key: str) -> str | None:
@@ -289,12 +309,16 @@ def validate(spec: ModelSpec, tensors: dict[str, torch.Tensor], names: Iterable[
             raise ModelLoadError(f"shape mismatch for {name}: checkpoint {got}, expected {shape}")
 
 
-def load_weights(spec: ModelSpec, raw: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """Normalise and validate checkpoint tensors; cast floating ones to `dtype`. Keeps `mtp.*` if present."""
+def load_weights(spec: ModelSpec, raw: dict[str, torch.Tensor], dtype: torch.dtype,
+                 lazy: Mapping[str, Any] | None = None) -> dict[str, torch.Tensor]:
+    """Normalise and validate checkpoint tensors; cast floating ones to `dtype`. Keeps `mtp.*` if present.
+    `lazy`: tensors left in the checkpoint (the n-gram tables a row cache serves), by name; their shapes are
+    checked here and they are not among the returned weights."""
+    lazy = lazy or {}
     tensors = normalise(spec, raw)
     main = expected_shapes(spec)
-    validate(spec, tensors, main.items())
-    keep = dict(main)
+    validate(spec, {**tensors, **lazy}, main.items())
+    keep = {k: s for k, s in main.items() if k not in lazy}
     if any(k.startswith("mtp.") for k in tensors):
         # the drafter is optional; when present its head must be whole, and all of it is kept
         head = {k: s for k, s in mtp_shapes(spec).items() if not k.startswith("mtp.layers.")}

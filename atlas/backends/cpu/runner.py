@@ -27,9 +27,10 @@ from atlas.backends.cpu.mtp import mtp_forward
 from atlas.backends.cpu.state import KvPool
 from atlas.backends.cpu.store import CpuStateStore
 from atlas.backends.cpu.verify import run_verify
-from atlas.config import Capacities
+from atlas.config import Capacities, check_ple_capacities
 from atlas.errors import VerifyRefused
 from atlas.model.loader import LoadedModel
+from atlas.model.ngram_cache import cached_tables
 from atlas.plan import BackendCursors, PromptLogprob, RowVerdict, SeqOutcome, SeqWork, StepPlan, StepResult
 from atlas.sampling.acceptance import accepted_prefix
 from atlas.sampling.keyed import logprobs_of, sample_token
@@ -63,6 +64,9 @@ class CpuBackend:
         per_row_qsa_verify: bool = True,
         snapshot_bytes: int = 0,
         state_audit: bool | None = None,
+        ngram_cache_slots: int = 0,
+        ple_scratch_rows: int = 0,
+        ngram_budget: int | str | None = None,
     ) -> None:
         self.model = model
         self.spec = model.spec
@@ -70,6 +74,10 @@ class CpuBackend:
         self.weights = model.weights
         if self.dtype != model.dtype:
             self.weights = {k: t.to(self.dtype) if t.is_floating_point() else t for k, t in model.weights.items()}
+        # n-gram tables over the budget (or left in the checkpoint by the loader) read through row caches
+        self.ngram_caches = cached_tables(model, self.dtype, ngram_cache_slots, ple_scratch_rows, ngram_budget)
+        if self.ngram_caches:
+            self.weights = {**self.weights, **self.ngram_caches}
         self.block_size = block_size
         # exact: feed every token on its own, so its bits depend only on the token and its prefix. A GEMM's
         # reduction order, and whether a vectorised transcendental lands in the SIMD body or the scalar
@@ -97,10 +105,13 @@ class CpuBackend:
     @classmethod
     def for_capacities(cls, model: LoadedModel, caps: Capacities, *, dtype: torch.dtype | None = None,
                        **kwargs: object) -> CpuBackend:
-        """The backend sized by the engine's capacities: KV blocks, ring slots, verify width, the drafter."""
+        """The backend sized by the engine's capacities: KV blocks, ring slots, verify width, the drafter, the PLE
+        scratch and n-gram row cache (their floors checked here)."""
+        check_ple_capacities(caps)
         return cls(model, num_kv_blocks=caps.num_kv_blocks, block_size=caps.block_size, dtype=dtype,
                    ring_slots=caps.ring_slots, verify_width=caps.verify_width, mtp_drafter=caps.drafter_rows > 0,
-                   snapshot_bytes=caps.ring_slot_bytes, **kwargs)  # type: ignore[arg-type]
+                   snapshot_bytes=caps.ring_slot_bytes, ngram_cache_slots=caps.ngram_cache_slots,
+                   ple_scratch_rows=caps.ple_scratch_rows, **kwargs)  # type: ignore[arg-type]
 
     @property
     def num_kv_blocks(self) -> int:

@@ -610,7 +610,8 @@ def device_ngram_ids(pools: DevicePools, grp: Group, ple: PleSpec, tables: Seque
 
 def ngram_ids_from(ctx: torch.Tensor, tokens: torch.Tensor, ple: PleSpec, tables: Sequence[tuple[torch.Tensor, ...]]
                    ) -> torch.Tensor:
-    """device_ngram_ids' arithmetic (pure): the slots' n-gram context ctx [B, L] continued by tokens [B, T]."""
+    """device_ngram_ids' arithmetic (pure): the slots' n-gram context ctx [B, L] continued by tokens [B, T]. A
+    table with a fourth tensor (the n-gram row cache's remap, atlas.backends.cuda.ngram) gives the rows' slots."""
     length, width = ctx.shape[1], tokens.shape[1]
     if length < ple.ngram_size - 1:
         raise ValueError(f"the PLE context holds {length} ids; n-grams of {ple.ngram_size} need {ple.ngram_size - 1}")
@@ -623,7 +624,7 @@ def ngram_ids_from(ctx: torch.Tensor, tokens: torch.Tensor, ple: PleSpec, tables
         eos_between = eos_between | (before == eos)  # an EOS among the `back` tokens before
         shifted.append(torch.where(eos_between, eos, before))
     out = []
-    for mult, sizes, offsets in tables:
+    for mult, sizes, offsets, *remap in tables:
         mixed = shifted[0] * mult[0]
         blocks = []
         for order in range(2, ple.ngram_size + 1):
@@ -631,7 +632,8 @@ def ngram_ids_from(ctx: torch.Tensor, tokens: torch.Tensor, ple: PleSpec, tables
             lo = (order - 2) * ple.heads_per_ngram
             blocks.append(torch.remainder(mixed[..., None], sizes[lo : lo + ple.heads_per_ngram])
                           + offsets[lo : lo + ple.heads_per_ngram])
-        out.append(torch.cat(blocks, dim=-1))
+        ids = torch.cat(blocks, dim=-1)
+        out.append(remap[0][ids].long() if remap else ids)
     return torch.stack(out)
 
 

@@ -15,6 +15,7 @@ import gc
 from collections.abc import Iterator, Mapping, Sequence
 
 import attrs
+import numpy as np
 import torch
 
 from atlas.backends.base import (
@@ -37,12 +38,13 @@ from atlas.backends.cuda.layers import (
     ple_context_update,
     prepare_weights,
 )
+from atlas.backends.cuda.ngram import device_ngram_cache
 from atlas.backends.cuda.pools import DevicePools
 from atlas.backends.cuda.steady import SteadyDecode
 from atlas.backends.cuda.store import CudaStateStore, SeqState
 from atlas.backends.cuda.tuning import EAGER, Tuning
 from atlas.backends.cuda.verify import VerifyRun, run_verifies
-from atlas.config import Capacities
+from atlas.config import Capacities, check_ple_capacities
 from atlas.model.loader import LoadedModel
 from atlas.model.ngram import NgramTables, ngram_ids, ngram_tables
 from atlas.plan import BackendCursors, PromptLogprob, SeqOutcome, SeqWork, StepPlan, StepResult
@@ -141,6 +143,9 @@ class CudaBackend:
         verify_mode: str | None = None,
         tuning: Tuning | None = None,
         state_audit: bool | None = None,
+        ngram_cache_slots: int = 0,
+        ple_scratch_rows: int = 0,
+        ngram_budget: int | str | None = None,
     ) -> None:
         self.name = name
         self.model = model
@@ -157,9 +162,15 @@ class CudaBackend:
             # parity mode: full fp32 products (TF32 would round operands to 10-bit mantissas)
             torch.backends.cuda.matmul.allow_tf32 = False
             torch.backends.cudnn.allow_tf32 = False
+        # n-gram tables not held whole (left in the checkpoint, or over the budget) read through the row cache:
+        # its slots stand in for them in the weights (atlas.backends.cuda.ngram)
+        self.ngram_cache = device_ngram_cache(model, dtype=self.dtype, device=self.device, slots=ngram_cache_slots,
+                                              scratch_rows=ple_scratch_rows, budget=ngram_budget)
+        cached = self.ngram_cache.tables() if self.ngram_cache is not None else {}
         self.weights = prepare_weights(spec, {
             k: t.to(device=self.device, dtype=self.dtype if t.is_floating_point() else t.dtype)
-            for k, t in model.weights.items() if not k.startswith("mtp.")})
+            for k, t in model.weights.items() if not k.startswith("mtp.") and k not in cached})
+        self.weights.update(cached)
         self.block_size = block_size
         self.max_batch_size = max_batch_size
         # batch invariance: every decode group padded to the same rows and key blocks, so every GEMM, softmax and
@@ -212,7 +223,8 @@ class CudaBackend:
         self.plain_fast = True
         # the steady decode step run on columns (atlas.backends.cuda.steady; None: every step the general way, as a
         # subclass that samples otherwise, the tensor-parallel backend, does)
-        self.steady = SteadyDecode(self) if type(self)._sample is CudaBackend._sample else None
+        self.steady = (SteadyDecode(self) if type(self)._sample is CudaBackend._sample and self.ngram_cache is None
+                       else None)  # (the cache's fill needs each step's rows on the host: the general path)
         self._decode_shapes: dict = {}  # _decode_shape's memo: (batch, blocks, ...) -> shape, and shape -> itself
         # the decode graph's sampler rows, kept between steps (atlas.sampling.keyed.RowPacker)
         self.row_packer = RowPacker(pin=self.device.type == "cuda")
@@ -227,6 +239,9 @@ class CudaBackend:
         # the same tables on the device, for a decode group's ids computed there (layers.device_ngram_ids)
         self._ple_tables_dev = [tuple(torch.tensor(v, dtype=torch.long, device=self.device) for v in
                                       (t.multipliers, t.head_vocab_sizes, t.head_offsets)) for t in self._ple_tables]
+        if self.ngram_cache is not None:  # ids read through each layer's remap, from a row to its slot
+            self._ple_tables_dev = [(*t, remap) for t, remap in zip(self._ple_tables_dev, self.ngram_cache.remaps(),
+                                                                    strict=True)]
         # verify rows get their own QSA selection (qsa_selection masks per row by the row's own position), so a
         # verify across the inert bound is exact
         self.capabilities = Capabilities(
@@ -243,10 +258,12 @@ class CudaBackend:
     def for_capacities(cls, model: LoadedModel, caps: Capacities, *, dtype: torch.dtype | None = None,
                        **kwargs: object) -> CudaBackend:
         """The backend sized by the engine's capacities: KV blocks, slots, ring, verify width, the drafter."""
+        check_ple_capacities(caps)
         return cls(model, num_kv_blocks=caps.num_kv_blocks, block_size=caps.block_size, dtype=dtype,
                    max_batch_size=caps.max_batch_size, max_blocks_per_seq=caps.kv_blocks_per_seq,
                    ring_slots=caps.ring_slots, verify_width=caps.verify_width, mtp_drafter=caps.drafter_rows > 0,
-                   snapshot_bytes=caps.ring_slot_bytes, **kwargs)  # type: ignore[arg-type]
+                   snapshot_bytes=caps.ring_slot_bytes, ngram_cache_slots=caps.ngram_cache_slots,
+                   ple_scratch_rows=caps.ple_scratch_rows, **kwargs)  # type: ignore[arg-type]
 
     @property
     def num_kv_blocks(self) -> int:
@@ -289,7 +306,24 @@ class CudaBackend:
                           ngram_on_device=ple is not None)
 
     def _ngram_rows(self, state: SeqState, tokens: Sequence[int]) -> list[list[int]]:
-        """Per PLE layer, the n-gram ids of `tokens` continuing the sequence's context, flattened."""
+        """Per PLE layer, the n-gram ids of `tokens` continuing the sequence's context, flattened: the table rows,
+        or with the row cache their slots (this step's fill assigned them)."""
+        rows = self._ngram_row_ids(state, tokens)
+        if self.ngram_cache is None:
+            return rows
+        return [self.ngram_cache.slot_ids(p, layer) for p, layer in enumerate(rows)]
+
+    def _ngram_fill(self, fed: Sequence[tuple[SeqState, Sequence[int]]]) -> None:
+        """With the row cache: every n-gram row the step's (state, tokens) feed resident before its forward."""
+        if self.ngram_cache is None or not fed:
+            return
+        per_seq = [self._ngram_row_ids(state, tokens) for state, tokens in fed]
+        layers = [np.fromiter((r for seq in per_seq for r in seq[p]), dtype=np.int64)
+                  for p in range(len(self._ple_tables))]
+        self.ngram_cache.fill(layers, sum(len(tokens) for _, tokens in fed))
+
+    def _ngram_row_ids(self, state: SeqState, tokens: Sequence[int]) -> list[list[int]]:
+        """Per PLE layer, the table rows of `tokens`' n-gram ids continuing the sequence's context, flattened."""
         ple = self.spec.ple
         if ple is None:
             return []
@@ -483,6 +517,7 @@ class CudaBackend:
         """Run each chunk (eager, one group each); return its final hidden states [n, H] (the lm_head input)."""
         with self._faults():
             self._prepare(chunks)
+            self._ngram_fill([(self._seqs[c.seq_id], c.tokens) for c in chunks])
             out = []
             for chunk in chunks:
                 shape = self._shape(1, len(chunk.tokens), chunk.start + len(chunk.tokens))
@@ -519,6 +554,7 @@ class CudaBackend:
             for w in verifies:
                 self._check_verify(w)
             self._prepare(plain)
+            self._ngram_fill([(self._seqs[w.seq_id], tuple(w.tokens) + tuple(w.drafts)) for w in plain + verifies])
             scored = {i for i, w in enumerate(plain) if w.prompt_logprobs is not None}
             logits = self._last_logits(plain, scored)
             in_work = set(ends)
@@ -590,6 +626,7 @@ class CudaBackend:
         """Feed one verify's K rows and judge them; the per-row states wait in the pools for `store.commit`."""
         with self._faults():
             self._check_verify(w)
+            self._ngram_fill([(self._seqs[w.seq_id], tuple(w.tokens) + tuple(w.drafts))])
             run = run_verifies(self, [w], commit=False)[w.seq_id]
             return run.verdicts
 

@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator
 from typing import Any, Literal
 
 import attrs
+import structlog
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
@@ -28,6 +29,7 @@ from atlas.server.errors import APIError, bad_request, engine_dead, engine_error
 from atlas.server.logprobs import chat_logprobs, completion_logprobs
 from atlas.server.schemas import ChatCompletionRequest, ChatMessage, CompletionRequest
 
+log = structlog.get_logger(__name__)
 DONE = b"data: [DONE]\n\n"
 FAULT_HEADER = "x-atlas-inject-fault"  # honoured only when the app enables fault injection
 Kind = Literal["completion", "chat"]
@@ -172,6 +174,12 @@ class _Generation:
                                    text_offset)
 
 
+def _quietly(future: asyncio.Future[Any]) -> None:
+    """Retrieve a cancelled gather's outcome: its CancelledError was logged as 'never retrieved' otherwise."""
+    if not future.cancelled():
+        future.exception()
+
+
 async def _until_disconnect(request: Request) -> None:
     while (await request.receive())["type"] != "http.disconnect":
         pass
@@ -201,7 +209,9 @@ async def _respond_whole(ctx: ServingContext, request: Request, streams: list[Re
             consumer.cancel()
             for st in streams:
                 st.cancel()
-    if client_left:  # nobody will read an answer
+    if client_left:  # nobody will read an answer: one line, no traceback
+        consumer.add_done_callback(_quietly)
+        log.info("client disconnected: request cancelled", request_id=request_id)
         return Response(status_code=499)
     try:
         consumer.result()
@@ -300,7 +310,7 @@ async def _stream_events(ctx: ServingContext, stream: RequestStream, gen: _Gener
         yield shutting_down(str(exc)).sse_event()
         yield DONE
     finally:
-        stream.cancel()  # a no-op once finished; when the client went away, the engine frees its blocks
+        _abandon(stream)  # a no-op once finished; when the client went away, the engine frees its blocks
 
 
 class _EventStream(StreamingResponse):
@@ -315,7 +325,14 @@ class _EventStream(StreamingResponse):
         try:
             await super().__call__(scope, receive, send)
         finally:
-            self._request_stream.cancel()
+            _abandon(self._request_stream)
+
+
+def _abandon(stream: RequestStream) -> None:
+    """Cancel a request whose client went away (one log line); nothing once it finished."""
+    if not stream.finished:
+        log.info("client disconnected: request cancelled", request_id=stream.request_id)
+        stream.cancel()
 
 
 async def _run(ctx: ServingContext, request: Request, kind: Kind, body: CompletionRequest | ChatCompletionRequest,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import random
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -46,6 +47,15 @@ class ServingContext:
     max_seq_len: int
     vocab_size: int | None
     fault_injection: bool = False
+    seeds: random.Random | None = None  # `atlas serve --seed`: the sequence requests without a seed draw from
+
+    def sampling_params(self, body: CompletionRequest | ChatCompletionRequest, **changes: Any) -> SamplingParams:
+        """The body's SamplingParams; without a seed in the body, the next seed of the server's sequence when it
+        has one (the request's seed is recorded with its arrival either way, so a replay reproduces it)."""
+        params = body.sampling_params()
+        if body.seed is None and self.seeds is not None:
+            changes["seed"] = self.seeds.getrandbits(63)
+        return attrs.evolve(params, **changes) if changes else params
 
     def decode(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(list(token_ids))
@@ -338,7 +348,7 @@ def _abandon(stream: RequestStream) -> None:
 async def _run(ctx: ServingContext, request: Request, kind: Kind, body: CompletionRequest | ChatCompletionRequest,
                prompts: list[list[int]], snapshot_points: tuple[int, ...] = ()) -> Response:
     ctx.check_token_ids(body.stop_token_ids, param="stop_token_ids")
-    params = attrs.evolve(body.sampling_params(), snapshot_points=snapshot_points)
+    params = ctx.sampling_params(body, snapshot_points=snapshot_points)
     request_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
     prompt_lp = body.engine_prompt_logprobs() if isinstance(body, CompletionRequest) else None
     streams: list[RequestStream] = []
@@ -346,8 +356,8 @@ async def _run(ctx: ServingContext, request: Request, kind: Kind, body: Completi
         for i, prompt in enumerate(prompts):
             # every prompt is its own engine request (its own seed draw when the body gives none)
             sub_id = request_id if len(prompts) == 1 else f"{request_id}-{i}"
-            sub_params = params if i == 0 or body.seed is not None else attrs.evolve(body.sampling_params(),
-                                                                                      snapshot_points=snapshot_points)
+            sub_params = params if i == 0 or body.seed is not None else ctx.sampling_params(
+                body, snapshot_points=snapshot_points)
             # SSE requests get their tokens as sampled; the others are held back whole (a rollback can rewind)
             streams.append(await _submit(ctx, request, sub_id, prompt, sub_params, stream=bool(body.stream),
                                          prompt_logprobs=prompt_lp))

@@ -463,7 +463,10 @@ class EngineLoop:
         if arrival.inject_fault is not None:  # test hook, only reachable when the server enables it
             self.engine.inject_fault(arrival.inject_fault, arrival.request_id)
             self._force_step = True
-        self._unacked.append(arrival)  # acknowledged once its RequestArrived is committed
+        if self._sink is None:  # nothing to commit: acknowledged now
+            _acknowledge(arrival, None)
+        else:
+            self._unacked.append(arrival)  # acknowledged once its RequestArrived is committed
 
     def _dispatch(self, outputs: Sequence[RequestOutput]) -> None:
         now = time.perf_counter()

@@ -39,9 +39,18 @@ class EngineFatal(Exception):
     """The engine died of a fatal fault while a command ran: exit status 3."""
 
 
+def _print_version(value: bool) -> None:
+    if value:
+        from atlas import __version__
+
+        typer.echo(__version__)
+        raise typer.Exit(0)
+
+
 @app.callback()
-def _root(debug: bool = typer.Option(False, "--debug", help="print tracebacks of errors (also ATLAS_DEBUG=1)")
-          ) -> None:
+def _root(debug: bool = typer.Option(False, "--debug", help="print tracebacks of errors (also ATLAS_DEBUG=1)"),
+          version: bool = typer.Option(False, "--version", is_eager=True, callback=_print_version,
+                                       help="print the Atlas version and exit")) -> None:
     """Atlas: serve and replay hybrid LMs."""
 
 
@@ -61,6 +70,8 @@ def _check_drafter(drafter: str | None) -> None:
 
 @app.command()
 def serve(
+    model_arg: str = typer.Argument(None, metavar="MODEL", show_default=False,
+                                    help="checkpoint directory or atlas-mini, as vLLM's `serve MODEL` (or --model)"),
     model: str = typer.Option(None, help="checkpoint directory or atlas-mini (default: the built-in atlas-tiny)"),
     host: str = typer.Option("127.0.0.1", help="bind address (loopback unless told otherwise)"),
     port: int = typer.Option(8000, help="TCP port"),
@@ -71,9 +82,11 @@ def serve(
     tuning: str = typer.Option(None, help="CUDA backends: the kernels' arrangement: default (the fastest measured; "
                                "compiles on the first steps of each shape) | eager (plain torch, the reference "
                                "for debugging)"),
-    max_seq_len: int = typer.Option(None, help="longest prompt + completion, in tokens (default: 4096, or the "
-                                               "model's max_position_embeddings when smaller)"),
-    max_batch_size: int = typer.Option(None, help="sequences decoded together (default: 64)"),
+    max_seq_len: int = typer.Option(None, "--max-seq-len", "--max-model-len",
+                                    help="longest prompt + completion, in tokens (default: 4096, or the model's "
+                                         "max_position_embeddings when smaller)"),
+    max_batch_size: int = typer.Option(None, "--max-batch-size", "--max-num-seqs",
+                                       help="sequences decoded together (default: 64)"),
     prefill_align: int = typer.Option(None, help="prefill chunks end at multiples of this many prompt tokens, so "
                                       "a prompt's chunking does not depend on the load (0: off; default: derived "
                                       "for the batch-invariant backends, off elsewhere)"),
@@ -82,9 +95,20 @@ def serve(
     num_drafts: int = typer.Option(None, help="speculative decoding: drafts per verify (0: off)"),
     drafter: str = typer.Option(None, help="speculative drafter: mtp | ngram (default: mtp)"),
     prefix_caching: bool = typer.Option(None, "--prefix-caching/--no-prefix-caching",
+                                        "--enable-prefix-caching/--no-enable-prefix-caching",
                                         help="reuse KV + recurrent state of shared prefixes (default: on for cpu, cuda)"),
     threads: int = typer.Option(None, help="torch CPU threads (default: OMP_NUM_THREADS, else 1: measured best, "
                                            "see atlas/threads.py)"),
+    # -- vLLM's flags without an Atlas twin (atlas/cli_serve.py maps or refuses each) --
+    dtype: str = typer.Option("auto", help="auto | bfloat16 | float32: picks the backend's mode (cuda + float32 -> "
+                                           "cuda-fp32); one the backend has no mode for is an error"),
+    seed: int = typer.Option(None, help="requests without a seed get theirs from this seed's sequence (recorded in "
+                                        "the trace, per request and in the run)"),
+    tensor_parallel_size: int = typer.Option(1, help="1: Atlas serves on one device; more is an error"),
+    gpu_memory_utilization: float = typer.Option(None, hidden=True, help="refused: the KV cache is sized by "
+                                                 "--max-model-len x --max-num-seqs"),
+    metrics_auth: bool = typer.Option(False, "--metrics-auth", help="require the API key on /metrics too (default: open, as vLLM's, "
+                                                  "so a Prometheus scrape needs no key)"),
     enable_fault_injection: bool = typer.Option(False, hidden=True, help="tests only: fault-injection hooks"),
     served_model_name: str = typer.Option(None, help="the model id clients send and /v1/models lists (default: "
                                                      "the checkpoint directory's name)"),
@@ -102,9 +126,22 @@ def serve(
                                              "(above the client pools' expiry: httpx 5, aiohttp 15)"),
 ) -> None:
     """Serve the OpenAI-compatible API. Exits 0 after SIGTERM/SIGINT (drained), 2 for a usage error, 3 if the
-    engine died of a fatal fault."""
+    engine died of a fatal fault. vLLM's flags work beside Atlas's (see atlas/cli_serve.py)."""
+    from atlas.cli_serve import (
+        check_gpu_memory_utilization,
+        check_seed,
+        check_tensor_parallel,
+        resolve_dtype,
+        resolve_model,
+    )
+
+    model = resolve_model(model_arg, model)
     check_tuning(tuning, backend)
     check_backend(backend, SERVE_BACKENDS)
+    backend = resolve_dtype(dtype, backend)
+    check_tensor_parallel(tensor_parallel_size, backend)
+    check_gpu_memory_utilization(gpu_memory_utilization)
+    check_seed(seed)
     _check_drafter(drafter)
     check_model(model or TINY_MODEL, tokenizer)
     check_trace_out(trace)
@@ -124,7 +161,7 @@ def serve(
                       enable_fault_injection=enable_fault_injection, prefix_caching=prefix_caching,
                       served_model_name=served_model_name, api_key_file=api_key_file,
                       allow_unauthenticated=allow_unauthenticated, settings=settings, prefill_align=prefill_align,
-                      tuning=tuning)
+                      tuning=tuning, seed=seed, metrics_auth=metrics_auth)
     raise typer.Exit(code)
 
 

@@ -110,27 +110,30 @@ def data_plane(model: str, backend: str, config: EngineConfig, **options: Any) -
 
 
 def open_trace(trace: str, *, model: str, fingerprint: str, backend: str, config: EngineConfig,
-               caps: Capacities, tuning: dict[str, str] | None = None) -> EventSink:
+               caps: Capacities, tuning: dict[str, str] | None = None, seed: int | None = None) -> EventSink:
     """`tuning`: a CUDA backend's Tuning knobs (each part's implementation), recorded beside the config as
-    "backend_tuning" so that a replay rebuilds the same arithmetic (engine_for_run)."""
+    "backend_tuning" so that a replay rebuilds the same arithmetic (engine_for_run). `seed`: the server's default
+    seed (`atlas serve --seed`), recorded in the run row (each request's own seed is in its arrival)."""
     from atlas import __version__
     from atlas.replay.store import TRACE_SCHEMA, TraceWriter, git_revision
 
     extra = {"backend_tuning": tuning} if tuning is not None else {}
     return TraceWriter(trace, run={
         "engine_version": __version__, "git_revision": git_revision(), "model": model,
-        "model_fingerprint": fingerprint, "backend": backend, "seed": None,
+        "model_fingerprint": fingerprint, "backend": backend, "seed": seed,
         "config": {**config.to_json(), "trace_schema": TRACE_SCHEMA, **extra}, "capacities": caps.table(),
     })
 
 
 def build_engine(model: str = TINY_MODEL, backend: str = "cpu", config: EngineConfig | None = None,
                  trace: str | None = None, *, sink: EventSink | None = None, loaded: Any = None, dtype: Any = None,
-                 backend_options: dict[str, Any] | None = None, **engine_kwargs: Any) -> Engine:
+                 backend_options: dict[str, Any] | None = None, seed: int | None = None,
+                 **engine_kwargs: Any) -> Engine:
     """The engine for (model, backend, config). `trace` records a new run (a SQLite path or any SQLAlchemy URL);
     `sink` collects events in memory instead. `loaded`: an already loaded model (atlas.model.LoadedModel), with
     `model` the name or dir the trace records so that a replay can load it again. `backend_options` go to the
-    backend's constructor (e.g. device=, cuda_graphs= for CUDA); `engine_kwargs` to Engine."""
+    backend's constructor (e.g. device=, cuda_graphs= for CUDA); `seed` to the trace's run row; `engine_kwargs`
+    to Engine."""
     from atlas.engine.engine import Engine
 
     config = resolve_drafter_context(config or EngineConfig())  # once, at start, before the trace's run row
@@ -146,7 +149,7 @@ def build_engine(model: str = TINY_MODEL, backend: str = "cpu", config: EngineCo
     if trace is not None:
         tuning = getattr(made.backend, "tuning", None)
         sink = open_trace(trace, model=model, fingerprint=made.fingerprint, backend=backend, config=config,
-                          caps=made.caps, tuning=attrs.asdict(tuning) if tuning is not None else None)
+                          caps=made.caps, tuning=attrs.asdict(tuning) if tuning is not None else None, seed=seed)
     return Engine(made.backend, tokenizer=made.tokenizer, config=config, capacities=made.caps, spec=made.spec,
                   model_name=made.model_name, sink=sink, fingerprint=made.fingerprint, **engine_kwargs)
 

@@ -161,10 +161,10 @@ def test_serving_with_a_tuning_builds_that_arrangement_and_records_it(tmp_path: 
     built: dict = {}
     real = serve_module.registry_build
 
-    def on_cpu(model, backend, config, *, trace=None, backend_options=None):
+    def on_cpu(model, backend, config, *, trace=None, backend_options=None, **kwargs):
         built["options"] = backend_options
         return real(model, backend, config, trace=trace,
-                    backend_options={**backend_options, "device": "cpu", "cuda_graphs": False})
+                    backend_options={**backend_options, "device": "cpu", "cuda_graphs": False}, **kwargs)
 
     serve_module.registry_build = on_cpu
     try:
@@ -380,8 +380,8 @@ def test_help_has_no_type_labels_and_serve_documents_its_sizes(capsys) -> None:
     assert "--max-tokens N" in out and "[default: 16]" in out
     code, out, _ = atlas(capsys, "serve", "--help")
     flat = " ".join(out.split())
-    assert "--max-seq-len N longest prompt + completion" in flat and "4096" in flat
-    assert "--max-batch-size N sequences decoded together (default: 64)" in flat
+    assert "--max-seq-len, --max-model-len N longest prompt + completion" in flat and "4096" in flat
+    assert "--max-batch-size, --max-num-seqs N sequences decoded together (default: 64)" in flat
 
 
 def test_trace_show_prints_config_as_a_table_and_keeps_a_letter_fingerprint(capsys, gen_trace: Path,

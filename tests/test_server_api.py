@@ -135,11 +135,13 @@ def test_models_tokenize_detokenize(client: openai.OpenAI, http: httpx.Client) -
     assert chat["count"] > 2
 
 
-def test_api_key_guards_every_route_but_health(served: Served) -> None:
+def test_api_key_guards_every_route_but_the_probes_and_metrics(served: Served) -> None:
+    # as vLLM's: /health, /ping, /version and /metrics answer without the key (a Prometheus scrape has none)
     with httpx.Client(base_url=served.url, timeout=30) as anon:
-        assert anon.get("/health").status_code == 200
-        for method, path in (("GET", "/v1/models"), ("GET", "/metrics"), ("POST", "/v1/completions"),
-                             ("POST", "/tokenize")):
+        for path in ("/health", "/ping", "/version", "/metrics"):
+            assert anon.get(path).status_code == 200, path
+        for method, path in (("GET", "/v1/models"), ("POST", "/v1/completions"), ("POST", "/tokenize"),
+                             ("POST", "/detokenize"), ("GET", "/tokenizer_info")):
             r = anon.request(method, path, json={"prompt": "x"})
             assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
         wrong = anon.get("/v1/models", headers={"Authorization": f"Bearer {API_KEY}x"})

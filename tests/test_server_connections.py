@@ -1,7 +1,7 @@
 """Bounded connections (a CI-sized flood; benchmarks/server_flood.py is the full-size one): idle, slow-header
-and slow-body connections are cut by their deadlines, the connection cap evicts the longest idle connection
-for a newcomer (503 only when every connection has a request in flight), the in-flight bound answers 503,
-and /health and a completion answer within 2 s throughout."""
+and slow-body connections are cut by their deadlines, a newcomer over the connection cap gets a 503 while the
+connections already open keep working (none is evicted for it), the in-flight bound answers 503, and /health
+and a completion answer within 2 s throughout."""
 
 from __future__ import annotations
 
@@ -66,35 +66,41 @@ def flooded() -> Iterator[Served]:
                        requests=RequestLimits(body_timeout=2.0))
 
 
-def test_a_small_flood_of_idle_and_slow_clients(flooded: Served) -> None:
-    idle = [_connect(flooded) for _ in range(300)]  # twice the cap: the oldest are evicted as newer ones arrive
-    slow = []
-    for _ in range(20):
-        s = _connect(flooded)
-        s.sendall(SLOW_HEAD + b'{"pro')
-        slow.append(s)
-    worst = 0.0
-    with httpx.Client(base_url=flooded.url, timeout=10) as http:
-        for _ in range(3):
-            status, took = _timed(http, "GET", "/health")
-            assert status == 200
-            worst = max(worst, took)
-            status, took = _timed(http, "POST", "/v1/completions",
-                                  json={"prompt": "under flood", "max_tokens": 4, "ignore_eos": True})
-            assert status == 200
-            worst = max(worst, took)
-    assert worst < 2.0, worst
-    assert _metric(flooded, "atlas:http_connections_open") <= 150
-    assert _metric(flooded, "atlas:http_connections_evicted_total") >= 150
-    # the slow bodies are cut at their deadline with a 408 and a close; idle ones at the header deadline
-    for s in slow:
-        answer = _closed_by_server(s, 5.0)
-        assert answer is not None and answer.startswith(b"HTTP/1.1 408") and b"body_timeout" in answer
-    for s in idle[-100:]:
-        assert _closed_by_server(s, 5.0) is not None
-    assert _metric(flooded, "atlas:http_header_timeouts_total") >= 1
-    for s in idle + slow:
-        s.close()
+def test_a_small_flood_of_idle_and_slow_clients() -> None:
+    for flooded in _served(max_connections=150, header_timeout=1.5, requests=RequestLimits(body_timeout=2.0)):
+        with httpx.Client(base_url=flooded.url, timeout=10) as http:
+            assert http.get("/health").status_code == 200  # connected before the flood: it keeps its connection
+            slow = []
+            for _ in range(20):
+                s = _connect(flooded)
+                s.sendall(SLOW_HEAD + b'{"pro')
+                slow.append(s)
+            idle = [_connect(flooded) for _ in range(300)]  # twice the cap: the last ones are refused
+            worst = 0.0
+            for _ in range(3):
+                status, took = _timed(http, "GET", "/health")
+                assert status == 200
+                worst = max(worst, took)
+                status, took = _timed(http, "POST", "/v1/completions",
+                                      json={"prompt": "under flood", "max_tokens": 4, "ignore_eos": True})
+                assert status == 200
+                worst = max(worst, took)
+        assert worst < 2.0, worst
+        assert _metric(flooded, "atlas:http_connections_open") <= 150
+        assert _metric(flooded, "atlas:http_connections_refused_total") >= 150
+        # the slow bodies are cut at their deadline with a 408 and a close; idle ones at the header deadline (they
+        # sent nothing: a plain close); the ones over the cap got a 503 at once
+        for s in slow:
+            answer = _closed_by_server(s, 5.0)
+            assert answer is not None and answer.startswith(b"HTTP/1.1 408") and b"body_timeout" in answer
+        for s in idle[:100]:
+            assert _closed_by_server(s, 5.0) == b""
+        for s in idle[-100:]:
+            answer = _closed_by_server(s, 5.0)
+            assert answer is not None and answer.startswith(b"HTTP/1.1 503") and b"too_many_connections" in answer
+        assert _metric(flooded, "atlas:http_header_timeouts_total") >= 1
+        for s in idle + slow:
+            s.close()
 
 
 def test_trickled_headers_and_idle_keep_alive_are_cut(flooded: Served) -> None:
@@ -128,7 +134,7 @@ def test_at_the_cap_with_every_connection_busy_a_newcomer_gets_503() -> None:
         busy = []
         for _ in range(4):
             s = _connect(served)
-            s.sendall(SLOW_HEAD + b"{")  # a request in flight: not evictable
+            s.sendall(SLOW_HEAD + b"{")  # a request in flight
             busy.append(s)
         time.sleep(0.3)
         late = _connect(served)
@@ -141,6 +147,33 @@ def test_at_the_cap_with_every_connection_busy_a_newcomer_gets_503() -> None:
         time.sleep(0.3)
         with httpx.Client(base_url=served.url, timeout=5) as http:
             assert http.get("/health").status_code == 200  # room again
+
+
+def test_over_the_cap_newcomers_get_503_and_the_open_connections_keep_working() -> None:
+    # evicting the longest idle connection for a newcomer closed legitimate just-opened connections without a
+    # response (cap 1000 under a flood: /health answered 2 of 8)
+    for served in _served(max_connections=4, header_timeout=5.0):
+        kept = [_connect(served) for _ in range(3)]
+        for s in kept:
+            assert _get_health(s).startswith(b"HTTP/1.1 200")  # kept alive, idle between requests
+        fresh = _connect(served)  # opened, its request not sent yet
+        time.sleep(0.2)
+        for _ in range(8):
+            late = _connect(served)
+            late.sendall(b"GET /health HTTP/1.1\r\nhost: x\r\n\r\n")
+            answer = _closed_by_server(late, 3.0)
+            assert answer is not None and answer.startswith(b"HTTP/1.1 503") and b"too_many_connections" in answer
+            late.close()
+        for s in [*kept, fresh]:
+            assert _get_health(s).startswith(b"HTTP/1.1 200")
+        assert _metric(served, "atlas:http_connections_refused_total") == 8
+        assert _metric(served, "atlas:http_connections_open") == 4
+        fresh.close()
+        time.sleep(0.2)
+        with httpx.Client(base_url=served.url, timeout=5) as http:
+            assert http.get("/health").status_code == 200  # room again
+        for s in kept:
+            s.close()
 
 
 def test_the_in_flight_bound_answers_503_but_not_to_probes() -> None:

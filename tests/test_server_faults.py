@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -213,3 +214,30 @@ def test_fault_injection_is_off_unless_enabled() -> None:
         assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "length"
         assert http.post("/debug/inject_fault", json={"kind": "fatal"}).status_code == 404
         assert http.get("/health").status_code == 200 and served.engine_loop.dead is None
+
+
+def test_an_abandoned_request_logs_one_line_not_a_traceback(tmp_path) -> None:
+    # a whole request whose client left used to log an 11-line ERROR ("_GatheringFuture exception was never
+    # retrieved" and its CancelledError traceback)
+    with ServeProcess(tmp_path, "--backend", "null", "--max-seq-len", str(1 << 20), "--max-batch-size", "4") as server:
+        server.wait_ready()
+        with httpx.Client(base_url=server.url, timeout=30) as http:
+            with pytest.raises(httpx.ReadTimeout):
+                http.post("/v1/completions", json={"prompt": "y" * 40, "max_tokens": 1_000_000, "ignore_eos": True},
+                          timeout=0.3)
+            with http.stream("POST", "/v1/completions", json={
+                "prompt": "x" * 40, "max_tokens": 1_000_000, "ignore_eos": True, "stream": True,
+            }) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: "):
+                        break
+            cancelled = 'atlas:request_success_total{finished_reason="cancelled",model_name="atlas-tiny"} 2.0'
+            deadline = time.monotonic() + 20
+            while cancelled not in http.get("/metrics").text and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert cancelled in http.get("/metrics").text
+        server.signal(signal.SIGTERM)
+        assert server.wait() == 0
+        logs = server.logs()
+    assert logs.count("client disconnected: request cancelled") == 2, logs
+    assert "Traceback" not in logs and "never retrieved" not in logs and "[error" not in logs, logs

@@ -7,6 +7,7 @@ NaN, wrong types, out-of-range values) becomes a 400 in OpenAI's error shape nam
 from __future__ import annotations
 
 import json
+import random
 import time
 from typing import Any
 
@@ -18,6 +19,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 
+from atlas import __version__
 from atlas.server.chat import ChatTemplate
 from atlas.server.engine_loop import EngineLoop
 from atlas.server.errors import APIError, bad_request
@@ -33,6 +35,8 @@ from atlas.server.schemas import (
 from atlas.server.security import (  # noqa: F401 (the size limits are re-exported for tests)
     DEFAULT_MAX_BODY_BYTES,
     DEFAULT_MAX_HEADER_BYTES,
+    OPEN_PATHS,
+    PROBE_PATHS,
     GateMiddleware,
     Lifecycle,
     LimitsMiddleware,
@@ -107,9 +111,12 @@ def create_app(
     limits: RequestLimits | None = None,
     lifecycle: Lifecycle | None = None,
     enable_fault_injection: bool = False,
+    default_seed: int | None = None,
+    metrics_auth: bool = False,
 ) -> FastAPI:
     """Build the app around a started EngineLoop. The caller owns the loop (starts and stops it); `lifecycle`
-    is shared with the server that drains on shutdown."""
+    is shared with the server that drains on shutdown. `default_seed`: requests without a seed draw theirs from
+    this seed's sequence (else a fresh random one); `metrics_auth`: /metrics needs the key too (else open)."""
     engine = engine_loop.engine
     name = model_name or engine.model_name
     capacities = getattr(engine, "capacities", None)
@@ -121,6 +128,7 @@ def create_app(
         max_seq_len=int(getattr(capacities, "max_seq_len", 0) or 0),
         vocab_size=getattr(engine.tokenizer, "vocab_size", None),
         fault_injection=enable_fault_injection,
+        seeds=None if default_seed is None else random.Random(default_seed),
     )
     lifecycle = lifecycle or Lifecycle()
     metrics = ServerMetrics(engine_loop, name, lifecycle)
@@ -132,7 +140,8 @@ def create_app(
     app.state.engine_loop = engine_loop
     app.state.lifecycle = lifecycle
     # added last = outermost: limits first, then the dead/draining/auth gate, then the routes
-    app.add_middleware(GateMiddleware, engine_loop=engine_loop, api_key=api_key, lifecycle=lifecycle)
+    app.add_middleware(GateMiddleware, engine_loop=engine_loop, api_key=api_key, lifecycle=lifecycle,
+                       open_paths=PROBE_PATHS if metrics_auth else OPEN_PATHS)
     app.add_middleware(LimitsMiddleware, limits=limits or RequestLimits(), counter=lifecycle.in_flight)
 
     @app.exception_handler(APIError)
@@ -163,6 +172,14 @@ def create_app(
     @app.get("/health")
     async def health() -> dict[str, str]:
         return {"status": "ok"}  # GateMiddleware answers 503 once the engine is dead
+
+    @app.api_route("/ping", methods=["GET", "POST"])
+    async def ping() -> Response:
+        return Response(status_code=200)  # vLLM's and SageMaker's liveness probe: 200, empty
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": __version__}
 
     @app.get("/metrics")
     async def prometheus() -> Response:

@@ -4,9 +4,14 @@ uvicorn (h11) holds a connection for as long as the client keeps it: one that ne
 its headers a byte at a time, is held forever (its keep-alive timer is reset by every byte received), and
 20,200 of them reached the fd limit and took /health and the accept loop down with them. This protocol:
 
-- caps open connections (`max_connections`, derived from the fd limit by default). At the cap the connection
-  that has been idle longest (no request in flight: it never sent one, or sits in keep-alive) is closed to
-  make room; only when every connection has a request in flight does the newcomer get a 503 and a close.
+- caps open connections (`max_connections`, derived from the fd limit by default). At the cap a newcomer gets
+  a 503 and a close; the connections already open are never closed to make room (evicting the longest idle one
+  closed legitimate just-opened connections before their request arrived, and kept-alive ones under their
+  clients' next request: at a cap of 1000 under a flood, /health answered 2 of 8). The header deadline frees
+  the slots of connections that never send a request.
+- writes the 503 and then closes only once the client has sent something, or closed its side, or after
+  REFUSE_LINGER_S: a close with the client's request unread resets the connection, and a reset can cost the
+  client the 503 it was about to read.
 - gives a request's headers `header_timeout` seconds, however slowly they trickle in: from the moment a new
   connection opens, and on a kept-alive connection from the first byte of its next request; then a 408 and
   a close (enforced by a sweep that closes the oldest first, a bounded number per event-loop turn). A
@@ -30,7 +35,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 log = structlog.get_logger(__name__)
 
-FD_RESERVE = 256  # fds kept free of connections: the trace store, model files, the eviction's brief overlap
+FD_RESERVE = 256  # fds kept free of connections: the trace store, model files, refused connections' linger
 
 _BUSY_503 = (b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\nconnection: close\r\n"
              b"content-length: %d\r\n\r\n%s")
@@ -69,22 +74,22 @@ def default_max_connections() -> int:
 
 # Deadlines are enforced by one sweep every SWEEP_S closing at most SWEEP_MAX connections, not by a timer per
 # connection: 20,000 connections opened in one burst time out in one burst, and their timers all ran in one
-# event-loop iteration (a /health caught behind them took 2.7 s). Oldest first, since the idle list is in the
+# event-loop iteration (a /health caught behind them took 2.7 s). Oldest first, since the deadlines are in the
 # order the deadlines started.
 SWEEP_S = 0.05
 SWEEP_MAX = 200
 
 
+REFUSE_LINGER_S = 0.5  # a refused connection's 503 is written, then the close waits this long at most
+
+
 class _Registry:
-    """The server's connections that have no request in flight, longest idle first (the cap evicts from the
-    front); those whose header deadline runs, each with the time it started (the sweep closes from the front);
-    and the counts /metrics reports."""
+    """The server's connections whose header deadline runs, each with the time it started (the sweep closes
+    from the front), and the counts /metrics reports."""
 
     def __init__(self) -> None:
-        self.idle: OrderedDict[BoundedH11Protocol, float] = OrderedDict()
         self.deadlines: OrderedDict[BoundedH11Protocol, float] = OrderedDict()
         self.open = 0
-        self.evicted = 0
         self.refused = 0
         self.header_timeouts = 0
         self._sweeping: asyncio.TimerHandle | None = None
@@ -116,27 +121,38 @@ class BoundedH11Protocol(H11Protocol):
         super().__init__(*args, **kwargs)
         self._received_any = False
         self._counted = False
+        self._refused: asyncio.TimerHandle | None = None  # a connection refused at the cap: its close timer
 
     # -- the cap ------------------------------------------------------------------------------------
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
         reg = self.registry
-        if reg.open >= self.limits.max_connections:
-            victim = next(iter(reg.idle), None)
-            if victim is None:  # every connection has a request in flight: refuse this one
-                reg.refused += 1
-                transport.write(_BUSY_503 % (len(_BUSY_BODY), _BUSY_BODY))
-                transport.close()
-                return
-            reg.evicted += 1
-            victim._close("evicted at the connection cap")
+        if reg.open >= self.limits.max_connections:  # the open ones keep their slots: this one is refused
+            reg.refused += 1
+            transport.write(_BUSY_503 % (len(_BUSY_BODY), _BUSY_BODY))
+            self._refused = self.loop.call_later(REFUSE_LINGER_S, self._end_refused)
+            return
         reg.open += 1
         self._counted = True
         self._wait_for_request()
         self._start_deadline()  # a new connection has header_timeout for its first request's headers
 
+    def _end_refused(self) -> None:
+        if self._refused is not None:
+            self._refused.cancel()
+        if not self.transport.is_closing():
+            self.transport.close()
+
+    def eof_received(self) -> bool | None:
+        if self._refused is not None:
+            self._end_refused()
+            return None
+        return super().eof_received()
+
     def connection_lost(self, exc: Exception | None) -> None:
+        if self._refused is not None:
+            self._refused.cancel()
         self._forget()
         super().connection_lost(exc)
 
@@ -144,7 +160,6 @@ class BoundedH11Protocol(H11Protocol):
         if self._counted:
             self._counted = False
             self.registry.open -= 1
-        self.registry.idle.pop(self, None)
         self.registry.deadlines.pop(self, None)
 
     def _close(self, why: str) -> None:
@@ -158,12 +173,10 @@ class BoundedH11Protocol(H11Protocol):
         return self.cycle is not None and not self.cycle.response_complete
 
     def _wait_for_request(self) -> None:
-        """No request in flight: evictable at the cap. Its header deadline starts with the next byte (or at
-        the opening, for a new connection); until then an idle kept-alive connection is the keep-alive timer's."""
+        """No request in flight. Its header deadline starts with the next byte (or at the opening, for a new
+        connection); until then an idle kept-alive connection is the keep-alive timer's."""
         if not self._counted:
             return
-        self.registry.idle.pop(self, None)
-        self.registry.idle[self] = self.loop.time()
         self.registry.deadlines.pop(self, None)
         self._received_any = False
 
@@ -175,7 +188,6 @@ class BoundedH11Protocol(H11Protocol):
         self.registry.watch(self.loop, self.limits.header_timeout)
 
     def _request_started(self) -> None:
-        self.registry.idle.pop(self, None)
         self.registry.deadlines.pop(self, None)
 
     def _headers_late(self) -> None:
@@ -188,6 +200,9 @@ class BoundedH11Protocol(H11Protocol):
         self._close("header timeout")
 
     def data_received(self, data: bytes) -> None:
+        if self._refused is not None:  # the request of a refused connection: read (so the close is clean), dropped
+            self._end_refused()
+            return
         was_busy = self._busy()
         self._received_any = True
         if not was_busy:  # the first byte of a request: its headers' deadline (a no-op if it already runs)

@@ -6,7 +6,9 @@ fills through `loop.call_soon_threadsafe`. Between two engine steps the thread d
 arrival is admitted at a definite step, which the engine stamps into the trace.
 
 Write-ahead: a step's events are committed to the trace before any of that step's outputs reach a client,
-so every byte a client received is backed by events on disk. By default the commit runs on the trace
+so every byte a client received is backed by events on disk; and an arrival is acknowledged (`submit`
+returns, so the handler may send a status line) only once the commit that holds its RequestArrived is done:
+a request that got any byte of a response is in the trace, even after a kill -9. By default the commit runs on the trace
 writer's thread while this thread computes the next step, and the outputs are released from there once
 their commit is done (`commit="thread"`); `commit="inline"` commits on this thread before releasing. A
 failed commit (a full disk) ends the engine: its outputs are never released, every request ends with 503.
@@ -156,6 +158,14 @@ def _settle(future: asyncio.Future[None], error: BaseException | None) -> None:
         future.set_exception(error)
 
 
+def _acknowledge(arrival: _Arrival, error: BaseException | None) -> None:
+    """Settle an arrival's `admitted` future from any thread (its event loop may have closed: nobody waits)."""
+    try:
+        arrival.loop.call_soon_threadsafe(_settle, arrival.admitted, error)
+    except RuntimeError:
+        pass
+
+
 class RequestStream:
     """One admitted request's outputs, as its HTTP handler reads them."""
 
@@ -211,6 +221,9 @@ class EngineLoop:
         self._stopped = False
         self._death_callbacks: list[Callable[[str], None]] = []
         self._thread: threading.Thread | None = None
+        # admitted arrivals whose RequestArrived is not committed yet (the engine thread's): acknowledged by the
+        # release of the next commit, which holds their events
+        self._unacked: list[_Arrival] = []
         self.latest_stats: Any = None  # engine.stats() after the last committed step; read by /metrics
         self.steps_run = 0
 
@@ -269,8 +282,9 @@ class EngineLoop:
         stream: bool = False,
         prompt_logprobs: int | None = None,
     ) -> RequestStream:
-        """Admit a request. Raises AdmissionError, QueueFull, EngineDead or EngineStopped before anything
-        is streamed."""
+        """Admit a request; returns once its arrival is committed to the trace (when there is one), so that
+        nothing is sent for a request the trace could lose. Raises AdmissionError, QueueFull, EngineDead or
+        EngineStopped before anything is streamed."""
         loop = asyncio.get_running_loop()
         admitted: asyncio.Future[None] = loop.create_future()
         outputs: asyncio.Queue[Any] = asyncio.Queue()
@@ -332,31 +346,39 @@ class EngineLoop:
     def _commit_then_release(self, outputs: list[RequestOutput]) -> None:
         stats = self._stats()
         sink = self._sink
+        acks, self._unacked = self._unacked, []
         if sink is None:
-            self._release(outputs, stats, None)
+            self._release(outputs, stats, None, acks)
             return
         if self.commit_mode == "thread" and callable(getattr(sink, "commit_async", None)):
             self._commit_slot.acquire()
 
             def committed(error: BaseException | None) -> None:
                 self._commit_slot.release()
-                self._release(outputs, stats, error)
+                self._release(outputs, stats, error, acks)
 
             sink.commit_async(committed)
             return
         try:
             sink.flush()
         except Exception as exc:
-            self._release(outputs, stats, exc)
+            self._release(outputs, stats, exc, acks)
             raise EngineDead(self._trace_failure(exc)) from None
-        self._release(outputs, stats, None)
+        self._release(outputs, stats, None, acks)
 
-    def _release(self, outputs: list[RequestOutput], stats: Any, error: BaseException | None) -> None:
-        """After the commit of the step that produced `outputs` (on the committing thread)."""
+    def _release(self, outputs: list[RequestOutput], stats: Any, error: BaseException | None,
+                 acks: list[_Arrival]) -> None:
+        """After the commit of the step that produced `outputs` and of the arrivals `acks` (on the committing
+        thread): acknowledge the arrivals, then hand out the outputs."""
         if error is not None:  # never released: nothing on disk backs them
+            refusal = EngineDead(self._trace_failure(error))
+            for arrival in acks:  # their handlers answer 503 without having sent a byte
+                _acknowledge(arrival, refusal)
             if self._dead is None:
                 self._inbox.put(_TraceFailed(self._trace_failure(error)))
             return
+        for arrival in acks:
+            _acknowledge(arrival, None)
         if stats is not None:
             persisted = getattr(self._sink, "events_written", None)
             if persisted is not None and hasattr(stats, "trace_events_written"):
@@ -441,7 +463,10 @@ class EngineLoop:
         if arrival.inject_fault is not None:  # test hook, only reachable when the server enables it
             self.engine.inject_fault(arrival.inject_fault, arrival.request_id)
             self._force_step = True
-        arrival.loop.call_soon_threadsafe(_settle, arrival.admitted, None)
+        if self._sink is None:  # nothing to commit: acknowledged now
+            _acknowledge(arrival, None)
+        else:
+            self._unacked.append(arrival)  # acknowledged once its RequestArrived is committed
 
     def _dispatch(self, outputs: Sequence[RequestOutput]) -> None:
         now = time.perf_counter()
@@ -476,6 +501,9 @@ class EngineLoop:
                 log.warning("shutdown grace over: requests cancelled", requests=len(live))
             if self._sink is not None:
                 self._sink.flush()
+            acks, self._unacked = self._unacked, []
+            for arrival in acks:  # committed now; their streams end like every other's
+                _acknowledge(arrival, None)
             ending = _Died(command.detail, fatal=False)
             with self._sub_lock:
                 subs = [self._subscribers.pop(rid) for rid in live if rid in self._subscribers]
@@ -499,6 +527,9 @@ class EngineLoop:
         for sub in subs:
             sub.mailbox.post(sub.outputs, ending)
         refusal = EngineDead(ending.detail) if ending.fatal else EngineStopped(ending.detail)
+        acks, self._unacked = self._unacked, []
+        for arrival in acks:  # never acknowledged: their handlers answer 503 without having sent a byte
+            _acknowledge(arrival, refusal)
         while True:
             try:
                 command = self._inbox.get_nowait()

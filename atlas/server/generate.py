@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+import random
 import time
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any, Literal
 
 import attrs
+import structlog
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
@@ -29,6 +31,7 @@ from atlas.server.fanout import merged, summed_usage
 from atlas.server.logprobs import chat_logprobs, completion_logprobs
 from atlas.server.schemas import ChatCompletionRequest, ChatMessage, CompletionRequest
 
+log = structlog.get_logger(__name__)
 DONE = b"data: [DONE]\n\n"
 FAULT_HEADER = "x-atlas-inject-fault"  # honoured only when the app enables fault injection
 Kind = Literal["completion", "chat"]
@@ -45,6 +48,15 @@ class ServingContext:
     max_seq_len: int
     vocab_size: int | None
     fault_injection: bool = False
+    seeds: random.Random | None = None  # `atlas serve --seed`: the sequence requests without a seed draw from
+
+    def sampling_params(self, body: CompletionRequest | ChatCompletionRequest, **changes: Any) -> SamplingParams:
+        """The body's SamplingParams; without a seed in the body, the next seed of the server's sequence when it
+        has one (the request's seed is recorded with its arrival either way, so a replay reproduces it)."""
+        params = body.sampling_params()
+        if body.seed is None and self.seeds is not None:
+            changes["seed"] = self.seeds.getrandbits(63)
+        return attrs.evolve(params, **changes) if changes else params
 
     def decode(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(list(token_ids))
@@ -174,6 +186,12 @@ class _Generation:
                                    text_offset)
 
 
+def _quietly(future: asyncio.Future[Any]) -> None:
+    """Retrieve a cancelled gather's outcome: its CancelledError was logged as 'never retrieved' otherwise."""
+    if not future.cancelled():
+        future.exception()
+
+
 async def _until_disconnect(request: Request) -> None:
     while (await request.receive())["type"] != "http.disconnect":
         pass
@@ -203,7 +221,9 @@ async def _respond_whole(ctx: ServingContext, request: Request, streams: list[Re
             consumer.cancel()
             for st in streams:
                 st.cancel()
-    if client_left:  # nobody will read an answer
+    if client_left:  # nobody will read an answer: one line, no traceback
+        consumer.add_done_callback(_quietly)
+        log.info("client disconnected: request cancelled", request_id=request_id)
         return Response(status_code=499)
     try:
         consumer.result()
@@ -249,8 +269,14 @@ def _usage(gens: list[_Generation]) -> dict[str, int]:
     return summed_usage([(g.prompt_tokens, g.completion_tokens, g.first_of_prompt) for g in gens])
 
 
-def _sse(payload: dict[str, Any]) -> bytes:
-    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n".encode()
+# characters JSON leaves raw that line splitters modelled on str.splitlines (httpx's iter_lines) break a line at:
+# escaped, an SSE event stays one line to every client (a 10k-request soak lost 1 to a generated U+0085)
+_LINE_BREAKS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
+def sse_data(payload: dict[str, Any]) -> bytes:
+    """One SSE event carrying `payload` as JSON (UTF-8, one line)."""
+    return f"data: {json.dumps(payload, ensure_ascii=False).translate(_LINE_BREAKS)}\n\n".encode()
 
 
 async def _stream_events(ctx: ServingContext, stream: RequestStream, gen: _Generation, kind: Kind,
@@ -274,7 +300,7 @@ async def _stream_events(ctx: ServingContext, stream: RequestStream, gen: _Gener
         payload = {"id": request_id, "object": obj, "created": created, "model": ctx.model_name, "choices": [choice]}
         if continuous:  # stream_options.continuous_usage_stats: this choice's usage so far on every chunk
             payload["usage"] = gen.usage()
-        return _sse(payload)
+        return sse_data(payload)
 
     try:
         if kind == "chat":
@@ -299,7 +325,7 @@ async def _stream_events(ctx: ServingContext, stream: RequestStream, gen: _Gener
         yield chunk(None if kind == "chat" else "", gen.finish.finish_reason.value, None,
                     detail=gen.finish.finish_detail)
         if include_usage:
-            yield _sse({"id": request_id, "object": obj, "created": created, "model": ctx.model_name,
+            yield sse_data({"id": request_id, "object": obj, "created": created, "model": ctx.model_name,
                         "choices": [], "usage": gen.usage()})
         yield DONE
     except EngineDead as exc:
@@ -309,7 +335,7 @@ async def _stream_events(ctx: ServingContext, stream: RequestStream, gen: _Gener
         yield shutting_down(str(exc)).sse_event()
         yield DONE
     finally:
-        stream.cancel()  # a no-op once finished; when the client went away, the engine frees its blocks
+        _abandon(stream)  # a no-op once finished; when the client went away, the engine frees its blocks
 
 
 class _EventStream(StreamingResponse):
@@ -325,7 +351,14 @@ class _EventStream(StreamingResponse):
             await super().__call__(scope, receive, send)
         finally:
             for stream in self._request_streams:
-                stream.cancel()
+                _abandon(stream)
+
+
+def _abandon(stream: RequestStream) -> None:
+    """Cancel a request whose client went away (one log line); nothing once it finished."""
+    if not stream.finished:
+        log.info("client disconnected: request cancelled", request_id=stream.request_id)
+        stream.cancel()
 
 
 async def _run(ctx: ServingContext, request: Request, kind: Kind, body: CompletionRequest | ChatCompletionRequest,
@@ -334,7 +367,7 @@ async def _run(ctx: ServingContext, request: Request, kind: Kind, body: Completi
     ctx.check_token_ids(body.bias_token_ids(), param="logit_bias")
     for prompt in prompts:
         body.check_min_tokens_room(ctx.max_seq_len, len(prompt))
-    params = attrs.evolve(body.sampling_params(), snapshot_points=snapshot_points)
+    params = ctx.sampling_params(body, snapshot_points=snapshot_points)
     request_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
     prompt_lp = body.engine_prompt_logprobs() if isinstance(body, CompletionRequest) else None
     # n choices per prompt, `index` = prompt * n + choice (OpenAI's and vLLM's order)
@@ -342,13 +375,14 @@ async def _run(ctx: ServingContext, request: Request, kind: Kind, body: Completi
     streams: list[RequestStream] = []
     try:
         for i, (prompt, j) in enumerate(choices):
-            # every choice is its own engine request: with a seed, choice j's is choice_seed(seed, j) (the same
-            # for every prompt); without, each draws its own, which the trace records
+            # every choice is its own engine request: with a seed in the body, choice j's is choice_seed(seed, j)
+            # (the same for every prompt); without, each draws its own (the server's --seed sequence, else fresh),
+            # which the trace records
             sub_id = request_id if len(choices) == 1 else f"{request_id}-{i}"
             if body.seed is not None:
                 sub_params = attrs.evolve(params, seed=choice_seed(body.seed, j)) if j else params
             else:
-                sub_params = params if i == 0 else attrs.evolve(params, seed=body.sampling_params().seed)
+                sub_params = params if i == 0 else ctx.sampling_params(body, snapshot_points=snapshot_points)
             # SSE requests get their tokens as sampled; the others are held back whole (a rollback can rewind)
             streams.append(await _submit(ctx, request, sub_id, prompt, sub_params, stream=bool(body.stream),
                                          prompt_logprobs=prompt_lp))
@@ -377,7 +411,7 @@ async def _fanned_events(ctx: ServingContext, streams: list[RequestStream], gens
                                for index, (st, g) in enumerate(zip(streams, gens, strict=True))]):
         yield event
     if body.include_usage and all(g.finish is not None and g.failure() is None for g in gens):
-        yield _sse({"id": request_id, "object": "chat.completion.chunk" if kind == "chat" else "text_completion",
+        yield sse_data({"id": request_id, "object": "chat.completion.chunk" if kind == "chat" else "text_completion",
                     "created": int(time.time()), "model": ctx.model_name, "choices": [], "usage": _usage(gens)})
     yield DONE
 

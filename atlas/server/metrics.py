@@ -62,9 +62,7 @@ _COUNTERS = (
 # (metric, help, attribute of the connection registry in atlas.server.connections), counters unless open
 _CONNECTIONS = (
     ("atlas:http_connections_open", "Open HTTP connections.", "open"),
-    ("atlas:http_connections_evicted", "Idle connections closed to make room at the connection cap.", "evicted"),
-    ("atlas:http_connections_refused", "Connections refused with 503 at the cap (all had a request in flight).",
-     "refused"),
+    ("atlas:http_connections_refused", "Connections refused with 503 at the connection cap.", "refused"),
     ("atlas:http_header_timeouts", "Connections closed because a request's headers did not arrive in time.",
      "header_timeouts"),
 )

@@ -17,8 +17,11 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from atlas.server.errors import APIError, engine_dead, shutting_down
 
-OPEN_PATHS = frozenset({"/health"})  # answer without the API key (a load balancer's probe has none)
-UNBOUNDED_PATHS = frozenset({"/health", "/metrics"})  # probes: never refused for being busy
+# answer without the API key, as vLLM's do: probes (a load balancer's has no key), the version, and /metrics (a
+# Prometheus scrape configured for vLLM sends none; `atlas serve --metrics-auth` keeps it behind the key)
+PROBE_PATHS = frozenset({"/health", "/ping", "/version"})
+OPEN_PATHS = PROBE_PATHS | {"/metrics"}
+UNBOUNDED_PATHS = OPEN_PATHS  # probes and scrapes: never refused for being busy
 DEFAULT_MAX_BODY_BYTES = 1 << 20  # 1 MiB: far above any prompt max_seq_len allows, far below harm
 DEFAULT_MAX_HEADER_BYTES = 16 << 10
 
@@ -132,13 +135,15 @@ class InFlight:
 
 class GateMiddleware:
     """Once the engine is dead every route answers 503; while the server shuts down every new request does
-    (`shutting_down`); otherwise every route but /health needs the key."""
+    (`shutting_down`); otherwise every route but `open_paths` needs the key."""
 
-    def __init__(self, app: ASGIApp, *, engine_loop: Any, api_key: str | None, lifecycle: Lifecycle) -> None:
+    def __init__(self, app: ASGIApp, *, engine_loop: Any, api_key: str | None, lifecycle: Lifecycle,
+                 open_paths: frozenset[str] = OPEN_PATHS) -> None:
         self.app = app
         self.engine_loop = engine_loop
         self.expected = f"Bearer {api_key}".encode() if api_key else None
         self.lifecycle = lifecycle
+        self.open_paths = open_paths
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -152,7 +157,7 @@ class GateMiddleware:
             response.headers["connection"] = "close"
             await response(scope, receive, send)
             return
-        if self.expected is not None and scope["path"] not in OPEN_PATHS:
+        if self.expected is not None and scope["path"] not in self.open_paths:
             given = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
             # constant time, so the key cannot be guessed a byte at a time from response timings
             if not hmac.compare_digest(given, self.expected):

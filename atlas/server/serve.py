@@ -58,9 +58,10 @@ def engine_for_serving(
     prefix_caching: bool | None = None,
     prefill_align: int | None = None,
     tuning: str | None = None,
+    seed: int | None = None,
 ) -> Any:
     """`tuning`: a CUDA backend's arrangement name (atlas.backends.cuda.tuning.TUNINGS; the trace records its knobs,
-    so a replay rebuilds the same arithmetic)."""
+    so a replay rebuilds the same arithmetic). `seed`: the default seed, recorded in the trace's run row."""
     from atlas.config import EngineConfig
 
     knobs = {"max_seq_len": max_seq_len, "max_batch_size": max_batch_size, "ring_slots": ring_slots,
@@ -75,7 +76,7 @@ def engine_for_serving(
 
         options = {"tuning": TUNINGS[tuning]}
         log.info("CUDA tuning", tuning=tuning, knobs=attrs.asdict(TUNINGS[tuning]))
-    return registry_build(model or "atlas-tiny", backend, config, trace=trace, backend_options=options)
+    return registry_build(model or "atlas-tiny", backend, config, trace=trace, backend_options=options, seed=seed)
 
 
 class ServerThread:
@@ -175,6 +176,8 @@ def serve(
     settings: ServerSettings | None = None,
     prefill_align: int | None = None,
     tuning: str | None = None,
+    seed: int | None = None,
+    metrics_auth: bool = False,
 ) -> int:
     """Serve until stopped. Returns the process exit status: 0 (also after SIGTERM/SIGINT: drained),
     EXIT_BAD_CONFIG when the engine cannot be built or the flags are wrong (the reason is logged), or
@@ -191,7 +194,7 @@ def serve(
         engine = engine_for_serving(model, backend=backend, trace=trace, max_seq_len=max_seq_len,
                               max_batch_size=max_batch_size, ring_slots=ring_slots, loop_watchdog=loop_watchdog,
                               num_drafts=num_drafts, drafter=drafter, prefix_caching=prefix_caching,
-                              prefill_align=prefill_align, tuning=tuning)
+                              prefill_align=prefill_align, tuning=tuning, seed=seed)
     except (ValueError, OSError) as exc:  # CapacityError is a ValueError: it names the knob and numbers
         log.error("cannot start the engine", error=str(exc))
         return EXIT_BAD_CONFIG
@@ -199,7 +202,8 @@ def serve(
     template = load_chat_template(model_dir(model) if model else None)  # "atlas-mini" -> models/atlas-mini
     lifecycle = Lifecycle()
     app = create_app(engine_loop, chat_template=template, api_key=auth.api_key, limits=settings.requests,
-                     lifecycle=lifecycle, enable_fault_injection=enable_fault_injection, model_name=served_model_name)
+                     lifecycle=lifecycle, enable_fault_injection=enable_fault_injection, model_name=served_model_name,
+                     default_seed=seed, metrics_auth=metrics_auth)
     config = uvicorn_config(app, host, port, log_level, settings)
     server = AtlasServer(config, engine_loop, lifecycle, settings.shutdown_grace)
 
@@ -222,7 +226,8 @@ def serve(
                     else "from the network (--allow-unauthenticated)")
     limits = settings.requests
     log.info("serving", model=served_model_name or engine.model_name, url=f"http://{host}:{port}", backend=backend, trace=trace,
-             auth=f"on ({auth.source})" if auth.enabled else "off", host=host,
+             auth=f"on ({auth.source})" if auth.enabled else "off", host=host, seed=seed,
+             metrics="behind the key" if auth.enabled and metrics_auth else "open",
              max_connections=config.http.limits.max_connections,  # type: ignore[union-attr]
              max_concurrency=limits.max_concurrency, header_timeout_s=settings.header_timeout,
              body_timeout_s=limits.body_timeout, keep_alive_s=settings.keep_alive_timeout,

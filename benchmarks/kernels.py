@@ -29,8 +29,7 @@ import triton
 import triton.testing
 from atlas_kernels import reference as ref
 from atlas_kernels.conv import causal_conv1d_update
-from atlas_kernels.gdn_chunk import CHUNK, gdn_chunk_prefill
-from atlas_kernels.gdn_chunk_split import gdn_chunk_prefill_split
+from atlas_kernels.gdn_chunk_split import CHUNK, gdn_chunk_prefill_split
 from atlas_kernels.gdn_recurrent import gdn_recurrent
 from atlas_kernels.norms import gated_rms_norm, rms_norm
 from atlas_kernels.paged_attention import paged_attention
@@ -172,9 +171,9 @@ def chunk_flops(tokens: int, hv: int, dk: int, dv: int) -> float:
     return hv * (tokens / c) * per_chunk
 
 
-def bench_gdn_chunk(cfg: dict, with_fp32: bool, others: bool = True, schedules: str = "") -> None:
-    """others=False (--no-sweep): only the backend's call, at its defaults and GATED_CHUNK_SCHEDULES (not the fused
-    kernel nor the split one's tiles); schedules (--chunk-schedules): only the schedules whose name holds it."""
+def bench_gdn_prefill(cfg: dict, with_fp32: bool, others: bool = True, schedules: str = "") -> None:
+    """others=False (--no-sweep): only the backend's call, at its defaults and GATED_CHUNK_SCHEDULES (not the split
+    kernel's tiles); schedules (--chunk-schedules): only the schedules whose name holds it."""
     hk, hv = cfg["linear_num_key_heads"], cfg["linear_num_value_heads"]
     dk, dv = cfg["linear_key_head_dim"], cfg["linear_value_head_dim"]
     tokens = PREFILL_TOKENS
@@ -185,13 +184,9 @@ def bench_gdn_chunk(cfg: dict, with_fp32: bool, others: bool = True, schedules: 
     dtypes = [BF16, torch.float32] if with_fp32 else [BF16]
     for dtype in dtypes:
         inputs = gdn_inputs((tokens,), hk, hv, dk, dv, dtype)
-        variants: list[tuple[str, Callable]] = [] if not others else [
-            (f"fused BV={bv} w={w}", lambda pool, bv=bv, w=w, inputs=inputs: gdn_chunk_prefill(
-                *inputs, cu, pool, slots, block_v=bv, num_warps=w)) for bv, w in [(32, 4), (64, 8)]
-        ]
         # the scan's grid is dv tiles x heads (128 programs at tile 32 for 32 heads, on 132 SMs): tile 16 doubles it;
         # pw: the prepare kernel's warps (8 spilled 2.4 KB a thread in the sm_90 compile report)
-        variants += [] if not others else [
+        variants: list[tuple[str, Callable]] = [] if not others else [
             (f"split BV={bv} w={w} pw={pw}", lambda pool, bv=bv, w=w, pw=pw, inputs=inputs: gdn_chunk_prefill_split(
                 *inputs, cu, pool, slots, tokens, block_v=bv, scan_warps=w, prepare_warps=pw))
             for bv, w, pw in [(64, 8, 8), (32, 4, 8), (16, 4, 8), (16, 2, 8), (32, 2, 8), (32, 4, 4), (32, 4, 16)]
@@ -210,9 +205,9 @@ def bench_gdn_chunk(cfg: dict, with_fp32: bool, others: bool = True, schedules: 
             try:
                 ms = time_ms(lambda run=run, pool=pool: run(pool))
             except Exception as error:
-                print(f"# gdn_chunk {name} failed: {error}", flush=True)
+                print(f"# gdn_prefill {name} failed: {error}", flush=True)
                 continue
-            record("gdn_chunk", f"L={tokens} {str(dtype)[6:]} {name}", ms, flops=flops,
+            record("gdn_prefill", f"L={tokens} {str(dtype)[6:]} {name}", ms, flops=flops,
                    note=f"{tokens / ms / 1e3:.2f}M tok/s/layer")
     ops = fla_ops()
     if ops is not None:
@@ -258,14 +253,6 @@ GATED_CHUNK_SCHEDULES = [
     {"work": "bf16", "prepare": "registers", "prepare_warps": 1},
     {"work": "bf16", "prepare": "registers", "prepare_warps": 2, "prepare_maxnreg": 168},
     {"work": "bf16", "prepare": "registers", "prepare_warps": 2, "scan_stages": 2},
-    # the wide prepare (session 15: whole-chunk wgmma products in registers, X one [64, 64] tile; gdn_chunk_split's
-    # docstring), 4 warps by default; sm_90 report at bf16 work: 208 registers no spills (2 programs an SM), maxnreg
-    # 168 no spills (3), 128 1.1 KB of spills (4); 8 warps 224, no spills (1). H200 run 5: 149.3, 143.3, 152.9, 207.1 us
-    # (the registers prepare at 2 warps 145.8 in run 3)
-    {"work": "bf16", "prepare": "wide"},
-    {"work": "bf16", "prepare": "wide", "prepare_maxnreg": 168},
-    {"work": "bf16", "prepare": "wide", "prepare_maxnreg": 128},
-    {"work": "bf16", "prepare": "wide", "prepare_warps": 8},
 ]
 
 
@@ -719,7 +706,7 @@ def main() -> None:
         "moe_decode": lambda: bench_moe_decode(cfg, sweep=not args.no_sweep),
         "hyper_decode": lambda: bench_hyper_decode(cfg, sweep=not args.no_sweep),
         "moe_prefill": lambda: bench_moe_prefill(*moe_weights(cfg), sweep=not args.no_sweep),
-        "chunk": lambda: bench_gdn_chunk(cfg, args.fp32_chunk, others=not args.no_sweep,
+        "chunk": lambda: bench_gdn_prefill(cfg, args.fp32_chunk, others=not args.no_sweep,
                                          schedules=args.chunk_schedules),
     }
     chosen = [name for name in args.only.split(",") if name] or list(benches)

@@ -257,7 +257,7 @@ GATED_CHUNK_SCHEDULES = [
 
 
 def gated_chunk_call(tokens: int, hk: int, hv: int, dk: int, dv: int, dtype: torch.dtype, **schedule) -> Callable:
-    """gdn_chunk_prefill_gated as a GDN layer's prefill calls it (runner.triton_gdn): q / k / v token-strided slices
+    """gdn_chunk_prefill_gated as a GDN layer's prefill calls it (gdn.triton_gdn): q / k / v token-strided slices
     of one channels-last conv output, a / b slices of one projection, the gates and the stamp in the kernels."""
     from atlas_kernels.gdn_chunk_split import gdn_chunk_prefill_gated
 
@@ -522,7 +522,7 @@ def bench_hyper_decode(cfg: dict, sweep: bool = True) -> None:
     regions compile it (combo kernels; products through cuBLAS, or as Inductor reductions with split K, the b1-4
     form), and cuBLAS's two products alone. Session 16's b64
     profile: ~16 us a site (cuBLAS's split-K mix-down 5.7 us + its reduce 2.2, the mix-up 4.9) for 10.5 MB of weights."""
-    from atlas.backends.cuda.layers import hyper_block
+    from atlas.backends.cuda.hyper import hyper_block
 
     hidden, hc, lowrank, eps = cfg["hidden_size"], cfg["hc_count"], cfg["hc_lowrank"], cfg["rms_norm_eps"]
     width = hc * hidden

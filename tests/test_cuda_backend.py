@@ -18,7 +18,7 @@ from atlas.backends.cpu.runner import Chunk
 from atlas.backends.cuda import CudaBackend, random_model
 from atlas.backends.cuda.batch import Group, GroupShape
 from atlas.backends.cuda.ple import device_ngram_ids
-from atlas.backends.cuda.runner import _ngram_one
+from atlas.backends.cuda.runner import ngram_one
 from atlas.config import EngineConfig
 from atlas.engine.offline import generate
 from atlas.engine.records import RecordingSink
@@ -80,7 +80,7 @@ def test_hidden_states_match_the_reference_chunked_past_the_inert_bound(tiny) ->
 
 @pytest.mark.parametrize("width", [1, 5])
 def test_group_ngram_ids_equal_the_reference(tiny, width: int) -> None:
-    """The host's per-row ids (_ngram_one, decode) and the device's for a whole group (layers.device_ngram_ids,
+    """The host's per-row ids (ngram_one, decode) and the device's for a whole group (layers.device_ngram_ids,
     from the slots' n-gram context continued by `width` tokens: a decode, or a prefill chunk) equal
     atlas.model.ngram.ngram_ids for the group's last `width` positions, EOS restarts included."""
     spec = tiny.spec
@@ -109,7 +109,7 @@ def test_group_ngram_ids_equal_the_reference(tiny, width: int) -> None:
                 want = ngram_ids(history, width, ple, tables)
                 assert torch.equal(device[rank, row], want), (trial, rank, row)
                 if width == 1:
-                    got = _ngram_one(history.tolist(), ple.ngram_size, ple.heads_per_ngram, ple.eos_token_id, tables)
+                    got = ngram_one(history.tolist(), ple.ngram_size, ple.heads_per_ngram, ple.eos_token_id, tables)
                     assert got == want.flatten().tolist()
 
 

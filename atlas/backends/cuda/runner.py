@@ -191,8 +191,8 @@ class CudaBackend(GroupFeed):
     def close(self) -> None:
         """Give the device memory back now (Engine.close): the graphs hold bound methods of this backend (a
         reference cycle), so without this its pools, fused weights and graph pools wait for the cyclic garbage
-        collector; a process that builds engines one after another (the benchmarks) ran out of the H200's
-        139 GiB at the fourteenth (GPU run 2 of session 3)."""
+        collector; a process that builds engines one after another (the benchmarks) runs out of the H200's
+        139 GiB at the fourteenth without it."""
         self.graphs = self.verify_graphs = self.prefill_graphs = None
         self.store.reader.close()
         if self.device.type == "cuda":  # the CPU path (tests) has no graphs and memory to spare: no collection
@@ -221,7 +221,7 @@ class CudaBackend(GroupFeed):
             return []
         history = state.ple_context + list(tokens)
         if len(tokens) == 1:  # decode: plain integers, no tensor round trip (the host side of every step)
-            return [_ngram_one(history, ple.ngram_size, ple.heads_per_ngram, ple.eos_token_id, t) for t in self._ple_tables]
+            return [ngram_one(history, ple.ngram_size, ple.heads_per_ngram, ple.eos_token_id, t) for t in self._ple_tables]
         hist = torch.tensor(history, dtype=torch.long)
         return [ngram_ids(hist, len(tokens), ple, t).flatten().tolist() for t in self._ple_tables]
 
@@ -335,7 +335,7 @@ class CudaBackend(GroupFeed):
         return probe_device(self.device)
 
 
-def _ngram_one(history: list[int], ngram_size: int, heads_per_ngram: int, eos: int, tables: NgramTables) -> list[int]:
+def ngram_one(history: list[int], ngram_size: int, heads_per_ngram: int, eos: int, tables: NgramTables) -> list[int]:
     """atlas.model.ngram.ngram_ids for the last token of `history` (context + 1 token), on plain ints."""
     p = len(history) - 1
     mult, sizes, offsets = tables.multipliers, tables.head_vocab_sizes, tables.head_offsets

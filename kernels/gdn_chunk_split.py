@@ -544,24 +544,24 @@ def gdn_chunk_prefill_gated(
     the stamp). Returns out [N, T, Hv, dv] (default v's dtype). Same numbers as gdn_chunk_prefill_split given
     the same gates (the tests check both against the reference).
 
-    Launch defaults from `benchmarks/kernels.py --only chunk` (H200, session 12, one 2,048-token layer of the 2.7B
+    Launch defaults from `benchmarks/kernels.py --only chunk` (H200, one 2,048-token layer of the 2.7B
     config, this call): 4 prepare warps and the scan loop pipelined 2 deep (its next chunk's loads issued
     before this chunk's products) against 8 warps and no pipelining: 8 -> 4 prepare warps 377 -> 346 us (the
-    prepare no longer keeps the decayed q / k tiles: 8 warps lost to 4 in session 10), 1 -> 2 stages 378 -> 350 us.
+    prepare no longer keeps the decayed q / k tiles: 8 warps lose to 4), 1 -> 2 stages 378 -> 350 us.
     Tried and dropped (same session): the outputs off the sequential scan (the scan storing each chunk's fp32
     state and v_new, a third kernel computing every chunk's output in parallel, as fla's chunk_o): 398 us, 380
     with 2 stages; the 64 MB of states written and read back cost more than the two products it took off the
     sequential path (a 2,048-token prefill 28.8 -> 29.1 ms).
 
-    work="bf16" (session 14, same call): 322.5 -> 255.7 us with 2 scan stages, **221.8 us** with 3 (the default
+    work="bf16" (same call): 322.5 -> 255.7 us with 2 scan stages, **221.8 us** with 3 (the default
     for bf16 work: its operand tiles are half the size, so a third stage fits; fp32 work's 3 stages need 272 KB);
     dv tile 16 257.6, dv tile 64 / 8 warps 312.8.
 
-    prepare="registers" (session 15; the module's docstring): the prepare kernel by 16-row blocks in registers,
+    prepare="registers" (the module's docstring): the prepare kernel by 16-row blocks in registers,
     without the scratch prepare's global-memory block inverse and its barriers (137 us of the ~222 above were that
     prepare, for a floor of ~20 us), its products on `work` operands, p in `work`. Left alone ptxas gives it 240
     registers at 4 warps (2 programs an SM, as the scratch prepare's 255); prepare_maxnreg 168 fits 3 for 120 bytes
-    of spills a thread, 128 fits 4 for 664 (sm_90 compile report, bf16 work). H200, session 15 run 2, this call
+    of spills a thread, 128 fits 4 for 664 (sm_90 compile report, bf16 work). H200, this call
     with bf16 work: **146.5 us at 2 prepare warps** (its default: prepare_warps None is 2 for the registers prepare,
     4 for the scratch one), 164.3 at 4, 228.9 at 8; at 4 warps maxnreg 168 156.2, 128 152.5 (8 warps + 128:
     190.9); the scratch prepare 221.9 us in the same run. In the model its kernel took 78.8 us a layer against the

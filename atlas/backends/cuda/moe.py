@@ -41,8 +41,8 @@ def ranked_topk(probs: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor
     """torch.topk(probs [R, E], k) (descending; equal values in index order, as a stable sort) written as
     comparisons and sums, which Inductor fuses into the router's kernels: torch.topk is two generic kernels, 8.5 us a
     layer at batch 1 on the H200 (0.2 ms of a 4.5 ms decode step). For E <= 64. The j-th expert is the one whose rank
-    is j, summed out of a [R, E, k] comparison (session 15; before, a scatter of the experts by rank, which Inductor
-    left to ATen's scatter kernel: one launch a MoE layer of its own, 24 a decode step)."""
+    is j, summed out of a [R, E, k] comparison (a scatter of the experts by rank would go to ATen's scatter kernel,
+    Inductor cannot fuse it: one launch a MoE layer of its own, 24 a decode step)."""
     e = probs.shape[1]
     idx = torch.arange(e, device=probs.device)
     mine, other = probs[:, :, None], probs[:, None, :]
@@ -65,9 +65,9 @@ def counted_route(top_i: torch.Tensor, num_experts: int, ranked: bool = False) -
 
     ranked (decode groups, at most RANKED_PAIRS pairs): each pair's place is its rank among the pairs by
     (expert, pair index), one [P, P] comparison summed, the order the pair whose place is q (the same comparison's
-    transpose, summed: session 15, before a scatter left to ATen's kernel, a launch a MoE layer), and an expert's
+    transpose, summed: a scatter would be left to ATen's kernel, a launch a MoE layer), and an expert's
     offset the count of pairs routed to a lower expert: comparisons and sums only. Otherwise a one-hot and its running sums over the pairs: Inductor's
-    scan along the pairs was one 26.5 us kernel a layer at batch 64 (256 pairs) on the H200 (session 8), 0.64 ms
+    scan along the pairs was one 26.5 us kernel a layer at batch 64 (256 pairs) on the H200, 0.64 ms
     of a 6.5 ms step. Both give the same order and offsets (tests/test_cuda_regions.py)."""
     flat = top_i.flatten()
     pairs = flat.shape[0]

@@ -33,7 +33,7 @@ SPLIT_K = 1024
 def linear(x: torch.Tensor, w: torch.Tensor, gemv: str = "") -> torch.Tensor:
     """x [..., K] @ w.T [N, K]; gemv "" the GEMM. "split" (a compiled decode region of at most regions.GEMV_ROWS
     rows): the product written as a broadcast multiply and an fp32 sum over K, which Inductor lowers to a reduction kernel of
-    its own, fused with what surrounds it, in place of a cuBLAS GEMV (H200, session 8: the hyper sites' 5 MB
+    its own, fused with what surrounds it, in place of a cuBLAS GEMV (H200: the hyper sites' 5 MB
     GEMVs 4-7 us each, + a split-K reduce, at 15-30% of the copy rate). Rounded once, as the GEMM rounds: fp32
     accumulation in either. Eagerly it materialises [..., N, K]: a compiled region's form only.
 

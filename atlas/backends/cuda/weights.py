@@ -58,7 +58,7 @@ def prepare_weights(spec: ModelSpec, w: dict[str, torch.Tensor]) -> dict[str, to
 
 
 # fused weights padded to a multiple of this many output rows (zeros): a product whose output rows are not 16-byte
-# aligned cannot take cuBLAS's sm90 kernels. H200, session 7: the hyper mix-down + inject (324 columns) ran as
+# aligned cannot take cuBLAS's sm90 kernels. H200, unpadded: the hyper mix-down + inject (324 columns) ran as
 # cutlass_80 s16816 GEMMs (48 a step, 7.6 us each at batch 64, 55 us at 2,048 tokens) and the MoE router + shared
 # expert input (1,041 columns) as cutlass_75 s1688 (12.2 us at batch 64, 133 us at 2,048 tokens)
 ALIGN_ROWS = 8

@@ -1,6 +1,6 @@
 """Atlas: an event-sourced, deterministic serving engine for hybrid language models."""
 
-__version__ = "0.1.0"
+from atlas.version import __version__
 
 __all__ = ["LLM", "SamplingParams", "__version__"]
 

@@ -26,14 +26,14 @@ import torch
 
 from atlas.bench_measure import (  # noqa: F401  (re-exported: the measurements the report is built from)
     TimedBackend,
-    _median_ms,
-    _run_steps,
     bench_decode,
     bench_decode_pair,
     bench_prefill,
     ceilings,
+    median_ms,
     prefill_flops,
     profile_steps,
+    run_steps,
     state_bytes,
     weight_bytes,
 )
@@ -43,7 +43,7 @@ from atlas.calibrate import host_speed
 LONG_PREFILL = (8192, 32752)
 # decode rows beside greedy: seeded sampling (goal within 5% of greedy) and `cuda-invariant` (within 2%)
 MODES = ("seeded", "invariant")
-# each variant's decode row: the median of this many engines' rounds (session 15: one decode code read b64 6.23 and
+# each variant's decode row: the median of this many engines' rounds (one decode code read b64 6.23 and
 # 7.01 ms, control plane 2.5% and 5.9%, in two runs of one round each)
 DECODE_ROUNDS = 3
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "benchmarks" / "configs" / "qwen4exp-2p7b.json"
@@ -70,12 +70,12 @@ def bench_transformers(config: dict, *, prefill_tokens: int = 2048, batches: tup
             model.generate(ids, max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0)
 
     ids = torch.randint(0, cfg.vocab_size, (1, prefill_tokens), device=device)
-    prefill_ms = _median_ms(lambda: gen(ids, 1), repeat=2)
+    prefill_ms = median_ms(lambda: gen(ids, 1), repeat=2)
     result["prefill"] = {"tokens": prefill_tokens, "ms": prefill_ms, "tokens_per_s": prefill_tokens / prefill_ms * 1e3}
     for batch in batches:
         ids = torch.randint(0, cfg.vocab_size, (batch, 140), device=device)
-        short = _median_ms(lambda ids=ids: gen(ids, 2), repeat=2)
-        long = _median_ms(lambda ids=ids: gen(ids, 10), repeat=2)
+        short = median_ms(lambda ids=ids: gen(ids, 2), repeat=2)
+        long = median_ms(lambda ids=ids: gen(ids, 10), repeat=2)
         step = (long - short) / 8
         result[f"decode_b{batch}"] = {"ms_per_step": step, "tokens_per_s": batch / step * 1e3}
     return result
@@ -112,7 +112,7 @@ def run(config_path: Path = DEFAULT_CONFIG, *, out: Path | None = None, batches:
     VARIANTS = variant_tunings()
     names = variants or ["default"]
     # "name@2": the variant measured again under that label, later in the run (an order control: engines built one
-    # after another in one process have differed by 1 ms of a 28 ms prefill, H200 session 13)
+    # after another in one process have differed by 1 ms of a 28 ms prefill on the H200)
     unknown = [n for n in names if n.split("@")[0] not in VARIANTS]
     if unknown:
         raise SystemExit(f"unknown variants {unknown}; choose from {', '.join(VARIANTS)}")
@@ -151,7 +151,7 @@ def run(config_path: Path = DEFAULT_CONFIG, *, out: Path | None = None, batches:
     # the issue-15 rows beside greedy, on each batch's fastest variant: seeded sampling (keyed draws on the device)
     # (greedy and seeded alternated in one engine) and the batch-invariant mode (its own backend: against greedy runs
     # of the same variant timed right before and after it); two timings of one arrangement in one process moved by
-    # up to 10% in session 6, so a ratio against the greedy row timed minutes earlier measures drift as much as mode
+    # up to 10% on the H200, so a ratio against the greedy row timed minutes earlier measures drift as much as mode
     for batch in batches if modes else ():
         fastest = report.get(f"decode_b{batch}")
         if fastest is None:
@@ -208,7 +208,7 @@ def run(config_path: Path = DEFAULT_CONFIG, *, out: Path | None = None, batches:
             report["transformers"] = {"error": f"{type(exc).__name__}: {exc}"}
         save()
     # the profiles last: a torch.profiler session slowed every decode timed after it in the same process by
-    # 10-25% (session 6 run 1: seeded x1.26-1.29 greedy measured after the profile, x1.04 in a process without one)
+    # 10-25% (H200: seeded x1.26-1.29 greedy measured after the profile, x1.04 in a process without one)
     profile_variants(model, report["variants"], out)
     for name, row in report["variants"].items():  # the rows again, now with their kernel counts
         print(variant_line(name, row), flush=True)

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 
-def _median_ms(fn: Callable[[], Any], repeat: int = 10) -> float:
+def median_ms(fn: Callable[[], Any], repeat: int = 10) -> float:
     """Median wall time of fn() in ms, with the device synchronised around each call (one warm-up)."""
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
     fn()
@@ -29,10 +29,10 @@ def _median_ms(fn: Callable[[], Any], repeat: int = 10) -> float:
 def ceilings() -> dict[str, float]:
     src = torch.randn(1 << 29, device="cuda")  # 2 GiB of fp32
     dst = torch.empty_like(src)
-    copy_ms = _median_ms(lambda: dst.copy_(src))
+    copy_ms = median_ms(lambda: dst.copy_(src))
     a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    mm_ms = _median_ms(lambda: a @ b)
+    mm_ms = median_ms(lambda: a @ b)
     return {"copy_gb_s": 2 * (1 << 31) / copy_ms / 1e6, "bf16_tflop_s": 2 * 8192**3 / mm_ms / 1e9}
 
 
@@ -99,7 +99,7 @@ class TimedBackend:
         return result
 
 
-def _engine(model: Any, *, batch: int, max_seq_len: int, chunk: int, tuning: Any = None,
+def timed_engine(model: Any, *, batch: int, max_seq_len: int, chunk: int, tuning: Any = None,
             backend: str = "cuda") -> tuple[Any, TimedBackend]:
     from atlas.config import EngineConfig
     from atlas.engine.records import RecordingSink
@@ -117,7 +117,7 @@ def _engine(model: Any, *, batch: int, max_seq_len: int, chunk: int, tuning: Any
 SEEDED = {"temperature": 0.8, "top_p": 0.95}
 
 
-def _run_steps(engine: Any, prompts: list[list[int]], max_tokens: int, seeded: bool = False) -> list[float]:
+def run_steps(engine: Any, prompts: list[list[int]], max_tokens: int, seeded: bool = False) -> list[float]:
     """Generate (greedy, or `seeded`: SEEDED with a seed per request); the wall time of every engine step in ms."""
     from atlas.engine.offline import generate
     from atlas.sampling.params import SamplingParams
@@ -137,7 +137,7 @@ def bench_prefill(model: Any, tokens: int = 2048, repeat: int = 3, tuning: Any =
     """One `tokens`-long prompt prefilled `repeat` times after its warm-up runs (one chunk each, a fresh prompt each
     time): the first compiles, and under Tuning.prefill_graphs the second is the chunk shape's capture (H200: the 8,192-token row's median of [capture 490 ms, replay 157 ms] was reported as 352.9 ms). "runs" /
     "execute_runs": every run's wall / execute ms in order, the `warm` first ones left out of the medians."""
-    engine, timed = _engine(model, batch=1, max_seq_len=tokens + 16, chunk=tokens, tuning=tuning, backend=backend)
+    engine, timed = timed_engine(model, batch=1, max_seq_len=tokens + 16, chunk=tokens, tuning=tuning, backend=backend)
     moe = getattr(timed.inner, "prefill_moe", None)
     arranged = getattr(timed.inner, "tuning", tuning)  # the backend's own (its default when `tuning` is None)
     warm = 2 if arranged is not None and arranged.prefill_graphs else 1
@@ -146,7 +146,7 @@ def bench_prefill(model: Any, tokens: int = 2048, repeat: int = 3, tuning: Any =
     for _ in range(repeat + warm):
         prompt = torch.randint(0, model.spec.vocab_size, (tokens,), generator=g).tolist()
         timed.calls.clear()
-        walls = _run_steps(engine, [prompt], max_tokens=1)
+        walls = run_steps(engine, [prompt], max_tokens=1)
         steps.append((walls[0], timed.calls[0][2]))
     engine.close()
     wall = statistics.median(s[0] for s in steps[warm:])
@@ -159,12 +159,12 @@ def decode_figures(batch: int, rounds: list[list[tuple[float, float]]]) -> dict[
     """A decode row's figures from its rounds' timed steps, each step (wall ms, execute ms) of one engine step.
 
     ms_per_step is the median of the rounds' medians (rounds_ms lists them: their spread is the row's noise; engines
-    built one after another in one process differed by up to 10% on the H200, session 6, and one decode code read b64
-    6.23 and 7.01 ms in two runs of session 15). The control plane (engine time outside `execute`) is taken step by
-    step, wall minus execute of the same step, and its median over every step divided by ms_per_step; until session 16
-    it was the difference of the two medians, which mixes two distributions: a step's execute moves by more than the
-    whole control plane, so that difference read 2.5% and 5.9% for the same code (control_plane_share_unpaired keeps it
-    for comparison)."""
+    built one after another in one process differed by up to 10% on the H200, and one decode code read b64
+    6.23 and 7.01 ms in two runs). The control plane (engine time outside `execute`) is taken step by
+    step, wall minus execute of the same step, and its median over every step divided by ms_per_step, not
+    the difference of the two medians, which mixes two distributions: a step's execute moves by more than the whole
+    control plane, so that difference read 2.5% and 5.9% for the same code (control_plane_share_unpaired keeps it for
+    comparison)."""
     steps = [s for r in rounds for s in r]
     if not steps:
         raise ValueError(f"decode b{batch}: no decode step was timed (every round's steps were graph captures)")
@@ -192,9 +192,9 @@ def bench_decode(model: Any, batch: int, prompt_len: int = 140, steps: int = 40,
     prompts = [torch.randint(0, model.spec.vocab_size, (prompt_len,), generator=g).tolist() for _ in range(batch)]
     timed_rounds = []
     for _ in range(rounds):
-        engine, timed = _engine(model, batch=batch, max_seq_len=prompt_len + steps + 16, chunk=4096, tuning=tuning,
+        engine, timed = timed_engine(model, batch=batch, max_seq_len=prompt_len + steps + 16, chunk=4096, tuning=tuning,
                                 backend=backend)
-        walls = _run_steps(engine, prompts, max_tokens=steps, seeded=seeded)
+        walls = run_steps(engine, prompts, max_tokens=steps, seeded=seeded)
         engine.close()
         timed_rounds.append(_decode_steps(walls, timed.calls, batch))
     return decode_figures(batch, timed_rounds)
@@ -204,16 +204,16 @@ def bench_decode_pair(model: Any, batch: int, prompt_len: int = 140, steps: int 
                       rounds: int = 3) -> dict[str, Any]:
     """Greedy and seeded decode alternated `rounds` times through one engine (the same graphs, pools and memory):
     {"greedy": decode_figures, "seeded": the same, "vs_greedy": seeded / greedy ms_per_step}. Two engines built one
-    after another differed by up to 10% on the H200 (session 6 runs 1-3), as much as the 5% goal, so the ratio is
+    after another differed by up to 10% on the H200, as much as the 5% goal, so the ratio is
     taken inside one."""
-    engine, timed = _engine(model, batch=batch, max_seq_len=prompt_len + steps + 16, chunk=4096, tuning=tuning)
+    engine, timed = timed_engine(model, batch=batch, max_seq_len=prompt_len + steps + 16, chunk=4096, tuning=tuning)
     g = torch.Generator().manual_seed(batch)
     prompts = [torch.randint(0, model.spec.vocab_size, (prompt_len,), generator=g).tolist() for _ in range(batch)]
     steps_of: dict[str, list[list[tuple[float, float]]]] = {"greedy": [], "seeded": []}
     for _ in range(rounds):
         for mode in steps_of:
             timed.calls.clear()
-            walls = _run_steps(engine, prompts, max_tokens=steps, seeded=mode == "seeded")
+            walls = run_steps(engine, prompts, max_tokens=steps, seeded=mode == "seeded")
             steps_of[mode].append(_decode_steps(walls, timed.calls, batch))
     engine.close()
     out: dict[str, Any] = {mode: decode_figures(batch, rounds_of) for mode, rounds_of in steps_of.items()}

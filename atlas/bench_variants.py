@@ -55,7 +55,7 @@ def measure_variants(model: Any, variants: dict[str, Any], *, batches: tuple[int
     """{variant: {"tuning", "prefill", "decode_b{n}", "profile"}} with floors; figures reused where knobs agree.
     Each decode row is `decode_rounds` engines' rounds (bench_measure.decode_figures: the median and the spread).
     profile=False leaves the profiles to profile_variants (run them after every other timing: a torch.profiler
-    session left the rows timed after it 10-25% slower on the H200, session 6 run 1)."""
+    session left the rows timed after it 10-25% slower on the H200)."""
     from atlas.bench_measure import (
         bench_decode,
         bench_prefill,

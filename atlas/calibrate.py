@@ -14,7 +14,7 @@ def host_speed(clock: Callable[[], float] = time.perf_counter, rounds: int = 5) 
     """Microseconds (best of `rounds`, by `clock`) of a fixed pure-Python and small-numpy workload shaped like a
     decode step's control plane (attribute reads and stores on slotted objects, tuple and dict building, a few small
     numpy calls over 64 rows): printed beside the figures, so a figure from another machine (the GPU host read ~3x
-    this box's for the same code, docs/BENCHMARKS.md "Session 19") can be told apart from a change of the code."""
+    this box's for the same code) can be told apart from a change of the code."""
     @attrs.define(slots=True)
     class Row:
         seq_id: int

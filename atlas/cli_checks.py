@@ -110,7 +110,7 @@ def check_tuning(tuning: str | None, backend: str) -> None:
     backend only (the CPU reference has one arithmetic)."""
     if tuning is None:
         return
-    from atlas.backends.cuda.tuning import TUNINGS
+    from atlas.registry import TUNINGS
 
     if tuning not in TUNINGS:
         raise UsageError(f"--tuning {tuning!r} is not a CUDA tuning; use one of {', '.join(TUNINGS)}")

@@ -5,7 +5,7 @@ Names (what a trace's run row records, so a replay rebuilds the same data plane 
 - "null": no tensors, a deterministic token function (control-plane tests and benchmarks);
 - "cuda", "cuda-fp32", "cuda-invariant", "cuda-fp32-invariant": the CUDA backend's modes (bf16 / fp32 parity,
   batch-invariant or not);
-- "null-looping", "cpu-looping", "cpu-row-blind": the failure library's scenario backends (atlas.replay.scenarios).
+- "null-looping", "cpu-looping", "cpu-row-blind": the failure library's scenario backends (below: `SCENARIOS`).
 `LLM`, the CLI, the server and replay all build through here; the backend's capabilities are checked
 against the config once, in `Engine.__init__` (atlas.backends.base.Capabilities.check).
 """
@@ -19,6 +19,8 @@ from typing import TYPE_CHECKING, Any
 import attrs
 
 from atlas.config import Capacities, EngineConfig, derive_capacities, resolve_drafter_context
+from atlas.plan import StepPlan, StepResult
+from atlas.version import __version__
 
 if TYPE_CHECKING:
     from atlas.engine.engine import Engine
@@ -79,18 +81,90 @@ def _cuda(model: str, config: EngineConfig, *, backend: str, loaded: Any = None,
     return DataPlane(data_plane, loaded.tokenizer, loaded.spec, caps, loaded.name, loaded.fingerprint)
 
 
+# The failure library's scenario backends (traces/): data planes that are deterministic and recordable by name, so
+# that `atlas replay verify/against` rebuild exactly the engine that recorded a trace.
+# - "null-looping": the null backend whose sampler is caught in a content loop (LOOP_TOKEN from position LOOP_FROM
+#   on) until a rollback bans the looping token there; then the model's own re-steered token.
+# - "cpu-looping": the CPU reference on atlas-tiny with the same scripted loop (real GDN, PLE, QSA and KV state
+#   behind every rollback, so a restore that misses one of them shows in that layer's position stamp);
+# - "cpu-row-blind": the CPU backend declaring it cannot apply QSA selection per verify row
+#   (per_row_qsa_verify=False) and refusing a verify whose rows cross the inert bound, as a backend that attends
+#   densely per verify would have to.
+LOOP_TOKEN = 65  # "A": a period-1 loop, the shortest the watchdog can see
+LOOP_FROM = 6  # sampled positions from here on loop
+
+
+def loop(plan: StepPlan, result: StepResult, steered: set[int]) -> StepResult:
+    """The scripted loop: every sampled position from LOOP_FROM on samples LOOP_TOKEN, until a rollback bans it
+    there; then the model's own token, and the sequence has left the loop (`steered`)."""
+    for seq_id in (*plan.release, *plan.reset):
+        steered.discard(seq_id)
+    outcomes = []
+    for work, o in zip(plan.work, result.outcomes, strict=True):
+        if o.token is not None and not work.drafts and work.end >= LOOP_FROM and work.seq_id not in steered:
+            if LOOP_TOKEN in work.banned:  # the re-steer: the model's own (non-banned) token, loop left
+                steered.add(work.seq_id)
+            else:
+                o = attrs.evolve(o, token=LOOP_TOKEN)
+        outcomes.append(o)
+    return attrs.evolve(result, outcomes=tuple(outcomes))
+
+
+def row_blind_check(plan: StepPlan, bound: int | None) -> None:
+    """The row-blind backend's refusal: a verify whose rows reach past the QSA inert bound `bound`."""
+    for w in plan.work:
+        if w.drafts and bound is not None and w.start + 1 + len(w.drafts) > bound:
+            raise ValueError(f"sequence {w.seq_id}: verify rows reach visible prefix {w.start + 1 + len(w.drafts)} "
+                             f"past the QSA inert bound {bound}; this backend cannot apply QSA selection per verify "
+                             "row")
+
+
 def _scenario(model: str, config: EngineConfig, *, backend: str, loaded: Any = None, **_: Any) -> DataPlane:
-    from atlas.backends.null import ByteTokenizer
-    from atlas.replay.scenarios import looping_cpu, looping_null, row_blind_cpu
+    from atlas.backends.cpu import CpuBackend
+    from atlas.backends.null import ByteTokenizer, NullBackend
 
     if backend == "null-looping":
+
+        class LoopingNullBackend(NullBackend):
+            name = "null-looping"
+
+            def __init__(self) -> None:
+                super().__init__()
+                self.steered: set[int] = set()  # sequences a rollback re-steered out of the loop
+
+            def execute(self, plan: StepPlan) -> StepResult:
+                return loop(plan, super().execute(plan), self.steered)
+
         caps = derive_capacities(config, None)
-        return DataPlane(looping_null(), ByteTokenizer(), None, caps, model or TINY_MODEL, f"null:{model}")
+        return DataPlane(LoopingNullBackend(), ByteTokenizer(), None, caps, model or TINY_MODEL, f"null:{model}")
     loaded = _load(model, loaded, None)
     caps = derive_capacities(config, loaded.spec, activation_bytes=loaded.dtype.itemsize)
-    backend_of = looping_cpu if backend == "cpu-looping" else row_blind_cpu
-    return DataPlane(backend_of(loaded, caps), loaded.tokenizer, loaded.spec, caps, model or TINY_MODEL,
-                     loaded.fingerprint)
+    if backend == "cpu-looping":
+
+        class LoopingCpuBackend(CpuBackend):
+            name = "cpu-looping"
+
+            def __init__(self, *args: Any, **kwargs: Any) -> None:
+                super().__init__(*args, **kwargs)
+                self.steered: set[int] = set()
+
+            def execute(self, plan: StepPlan) -> StepResult:
+                return loop(plan, super().execute(plan), self.steered)
+
+        made = LoopingCpuBackend.for_capacities(loaded, caps)
+    else:
+        # the model's own bound, from the capacities (never the engine's lane: a lane bug must not move it)
+        bound = caps.qsa_budget + caps.qsa_ratio - 1 if caps.num_qsa_layers and caps.qsa_budget else None
+
+        class RowBlindCpuBackend(CpuBackend):
+            name = "cpu-row-blind"
+
+            def execute(self, plan: StepPlan) -> StepResult:
+                row_blind_check(plan, bound)
+                return super().execute(plan)
+
+        made = RowBlindCpuBackend.for_capacities(loaded, caps, per_row_qsa_verify=False)
+    return DataPlane(made, loaded.tokenizer, loaded.spec, caps, model or TINY_MODEL, loaded.fingerprint)
 
 
 def data_plane(model: str, backend: str, config: EngineConfig, **options: Any) -> DataPlane:
@@ -114,7 +188,6 @@ def open_trace(trace: str, *, model: str, fingerprint: str, backend: str, config
     """`tuning`: a CUDA backend's Tuning knobs (each part's implementation), recorded beside the config as
     "backend_tuning" so that a replay rebuilds the same arithmetic (engine_for_run). `seed`: the server's default
     seed (`atlas serve --seed`), recorded in the run row (each request's own seed is in its arrival)."""
-    from atlas import __version__
     from atlas.replay.store import TRACE_SCHEMA, TraceWriter, git_revision
 
     extra = {"backend_tuning": tuning} if tuning is not None else {}
@@ -171,3 +244,13 @@ def engine_for_run(run: RunRecord, sink: EventSink, **kwargs: Any) -> Engine:
         kwargs["backend_options"] = {"tuning": Tuning(**{k: v for k, v in recorded.items() if k in known}),
                                      **kwargs.get("backend_options", {})}
     return build_engine(run.model, run.backend, EngineConfig.from_json(run.config), sink=sink, **kwargs)
+
+
+def __getattr__(name: str) -> Any:
+    """`TUNINGS`: the CUDA backend's named arrangements (atlas.backends.cuda.tuning; `--tuning`), for the registry's
+    users, loaded when asked (the CUDA package imports torch)."""
+    if name == "TUNINGS":
+        from atlas.backends.cuda.tuning import TUNINGS
+
+        return TUNINGS
+    raise AttributeError(name)

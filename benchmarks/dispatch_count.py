@@ -166,7 +166,7 @@ def count_step(variant: str = "eager", batch: int = 1, prefill: int = 0, context
 def _count(variant: str, batch: int, prefill: int, context: int, layers: int | None, counter: Counter,
            region_calls: collections.Counter[str]) -> dict[str, Any]:
     from atlas.backends.cuda import CudaBackend, random_model
-    from atlas.backends.cuda.runner import triton_gdn
+    from atlas.backends.cuda.gdn import triton_gdn
     from atlas.backends.cuda.tuning import TUNINGS as VARIANTS
     from atlas.plan import SeqWork, StepPlan
 

@@ -81,7 +81,7 @@ def run(model: Any, variant: str, batch: int, steps: int, warm: int, out: Path |
     text = io.StringIO()
     pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(40)
     pstats.Stats(prof, stream=text).sort_stats("cumulative").print_stats(60)
-    # one level down from the backend's step and the stamp read's launch (session 6: prefetch showed 1.9 ms a
+    # one level down from the backend's step and the stamp read's launch (prefetch shows 1.9 ms a
     # profiled b64 step of cumulative time its listed children did not account for)
     pstats.Stats(prof, stream=text).sort_stats("cumulative").print_callees(r"\((execute|prefetch|_last_logits)\)")
     if out is not None:

@@ -29,8 +29,7 @@ import triton
 import triton.testing
 from atlas_kernels import reference as ref
 from atlas_kernels.conv import causal_conv1d_update
-from atlas_kernels.gdn_chunk import CHUNK, gdn_chunk_prefill
-from atlas_kernels.gdn_chunk_split import gdn_chunk_prefill_split
+from atlas_kernels.gdn_chunk_split import CHUNK, gdn_chunk_prefill_split
 from atlas_kernels.gdn_recurrent import gdn_recurrent
 from atlas_kernels.norms import gated_rms_norm, rms_norm
 from atlas_kernels.paged_attention import paged_attention
@@ -172,9 +171,9 @@ def chunk_flops(tokens: int, hv: int, dk: int, dv: int) -> float:
     return hv * (tokens / c) * per_chunk
 
 
-def bench_gdn_chunk(cfg: dict, with_fp32: bool, others: bool = True, schedules: str = "") -> None:
-    """others=False (--no-sweep): only the backend's call, at its defaults and GATED_CHUNK_SCHEDULES (not the fused
-    kernel nor the split one's tiles); schedules (--chunk-schedules): only the schedules whose name holds it."""
+def bench_gdn_prefill(cfg: dict, with_fp32: bool, others: bool = True, schedules: str = "") -> None:
+    """others=False (--no-sweep): only the backend's call, at its defaults and GATED_CHUNK_SCHEDULES (not the split
+    kernel's tiles); schedules (--chunk-schedules): only the schedules whose name holds it."""
     hk, hv = cfg["linear_num_key_heads"], cfg["linear_num_value_heads"]
     dk, dv = cfg["linear_key_head_dim"], cfg["linear_value_head_dim"]
     tokens = PREFILL_TOKENS
@@ -185,13 +184,9 @@ def bench_gdn_chunk(cfg: dict, with_fp32: bool, others: bool = True, schedules: 
     dtypes = [BF16, torch.float32] if with_fp32 else [BF16]
     for dtype in dtypes:
         inputs = gdn_inputs((tokens,), hk, hv, dk, dv, dtype)
-        variants: list[tuple[str, Callable]] = [] if not others else [
-            (f"fused BV={bv} w={w}", lambda pool, bv=bv, w=w, inputs=inputs: gdn_chunk_prefill(
-                *inputs, cu, pool, slots, block_v=bv, num_warps=w)) for bv, w in [(32, 4), (64, 8)]
-        ]
         # the scan's grid is dv tiles x heads (128 programs at tile 32 for 32 heads, on 132 SMs): tile 16 doubles it;
         # pw: the prepare kernel's warps (8 spilled 2.4 KB a thread in the sm_90 compile report)
-        variants += [] if not others else [
+        variants: list[tuple[str, Callable]] = [] if not others else [
             (f"split BV={bv} w={w} pw={pw}", lambda pool, bv=bv, w=w, pw=pw, inputs=inputs: gdn_chunk_prefill_split(
                 *inputs, cu, pool, slots, tokens, block_v=bv, scan_warps=w, prepare_warps=pw))
             for bv, w, pw in [(64, 8, 8), (32, 4, 8), (16, 4, 8), (16, 2, 8), (32, 2, 8), (32, 4, 4), (32, 4, 16)]
@@ -210,9 +205,9 @@ def bench_gdn_chunk(cfg: dict, with_fp32: bool, others: bool = True, schedules: 
             try:
                 ms = time_ms(lambda run=run, pool=pool: run(pool))
             except Exception as error:
-                print(f"# gdn_chunk {name} failed: {error}", flush=True)
+                print(f"# gdn_prefill {name} failed: {error}", flush=True)
                 continue
-            record("gdn_chunk", f"L={tokens} {str(dtype)[6:]} {name}", ms, flops=flops,
+            record("gdn_prefill", f"L={tokens} {str(dtype)[6:]} {name}", ms, flops=flops,
                    note=f"{tokens / ms / 1e3:.2f}M tok/s/layer")
     ops = fla_ops()
     if ops is not None:
@@ -230,14 +225,14 @@ def bench_gdn_chunk(cfg: dict, with_fp32: bool, others: bool = True, schedules: 
 # the backend's call under other launch schedules (prepare warps, the scan loop's pipelining depth) against its
 # defaults (gdn_chunk_prefill_gated's docstring)
 GATED_CHUNK_SCHEDULES = [
-    {"inverse": "squaring"},  # the WY inverse by squaring the whole chunk (before session 13)
+    {"inverse": "squaring"},  # the WY inverse by squaring the whole chunk (the blocks' inverse replaced it)
     {"inverse": "squaring", "prepare_warps": 8},
     {"prepare_warps": 8},
     {"prepare_warps": 2},
     {"scan_stages": 1},
     {"block_v": 64, "scan_warps": 8},
     # bf16 intermediates and scan products (the backend's for bf16 inputs): half of w / u's bytes, twice the rate
-    {"work": "bf16"},  # its default: 3 scan stages (session 14: 221.8 us, 2 stages 255.7)
+    {"work": "bf16"},  # its default: 3 scan stages (H200: 221.8 us, 2 stages 255.7)
     {"work": "bf16", "scan_stages": 2},
     {"work": "bf16", "prepare_warps": 8},
     {"work": "bf16", "block_v": 16},
@@ -254,23 +249,15 @@ GATED_CHUNK_SCHEDULES = [
     {"work": "bf16", "prepare": "registers", "prepare_maxnreg": 168},
     {"work": "bf16", "prepare": "registers", "prepare_maxnreg": 128},
     {"work": "bf16", "prepare": "registers", "prepare_warps": 8, "prepare_maxnreg": 128},
-    # session 15 run 2: 2 warps won (146.5 us, the registers prepare's default since); fewer warps, capped
+    # 2 warps are the registers prepare's default (H200: 146.5 us); fewer warps, capped
     {"work": "bf16", "prepare": "registers", "prepare_warps": 1},
     {"work": "bf16", "prepare": "registers", "prepare_warps": 2, "prepare_maxnreg": 168},
     {"work": "bf16", "prepare": "registers", "prepare_warps": 2, "scan_stages": 2},
-    # the wide prepare (session 15: whole-chunk wgmma products in registers, X one [64, 64] tile; gdn_chunk_split's
-    # docstring), 4 warps by default; sm_90 report at bf16 work: 208 registers no spills (2 programs an SM), maxnreg
-    # 168 no spills (3), 128 1.1 KB of spills (4); 8 warps 224, no spills (1). H200 run 5: 149.3, 143.3, 152.9, 207.1 us
-    # (the registers prepare at 2 warps 145.8 in run 3)
-    {"work": "bf16", "prepare": "wide"},
-    {"work": "bf16", "prepare": "wide", "prepare_maxnreg": 168},
-    {"work": "bf16", "prepare": "wide", "prepare_maxnreg": 128},
-    {"work": "bf16", "prepare": "wide", "prepare_warps": 8},
 ]
 
 
 def gated_chunk_call(tokens: int, hk: int, hv: int, dk: int, dv: int, dtype: torch.dtype, **schedule) -> Callable:
-    """gdn_chunk_prefill_gated as a GDN layer's prefill calls it (runner.triton_gdn): q / k / v token-strided slices
+    """gdn_chunk_prefill_gated as a GDN layer's prefill calls it (gdn.triton_gdn): q / k / v token-strided slices
     of one channels-last conv output, a / b slices of one projection, the gates and the stamp in the kernels."""
     from atlas_kernels.gdn_chunk_split import gdn_chunk_prefill_gated
 
@@ -434,10 +421,10 @@ MOE_TILES = [(16, bn, bk, st) for bn in (16, 32, 64) for bk in (64, 128, 256) fo
 PREFILL_MOE_TILES = [(bm, bn, bk, w, st) for bm, bn in ((64, 64), (64, 128), (128, 64), (128, 128))
                      for bk in (32, 64) for w in (4, 8) for st in (2, 3, 4)]
 PREFILL_MOE_ROWS = (2048, 8192)
-# the down kernel's own (block_n, block_k, warps, stages) at prefill rows, beside today's shared tile (session 15: the
-# down kernel ran at ~36% of the matmul rate, 61.7 us a layer, its 128 x 64 output tiles re-reading each pair's
+# the down kernel's own (block_n, block_k, warps, stages) at prefill rows, beside the shared tile (with the shared tile the
+# down kernel runs at ~36% of the matmul rate, 61.7 us a layer, its 128 x 64 output tiles re-reading each pair's
 # activations from L2 for each of 32 column tiles)
-# H200 run 5: rows 2,048 / 8,192: 243.1 / 632.7, 244.2 / 618.4 (256 x 64 s3: moe_grouped.PREFILL_DOWN_TILE since), 256.6 / -,
+# H200, rows 2,048 / 8,192: 243.1 / 632.7, 244.2 / 618.4 (256 x 64 s3: moe_grouped.PREFILL_DOWN_TILE), 256.6 / -,
 # 259.1 / - us, against the shared tile's 250.9 / 671.2; (64, 64, 8, None) is that shared tile
 PREFILL_MOE_DOWN_TILES = [(64, 64, 8, None), (128, 64, 8, None), (256, 64, 8, 3), (128, 64, 8, 4), (128, 128, 8, 3)]
 
@@ -480,7 +467,7 @@ def bench_moe(cfg: dict) -> None:
 
 
 # the decode MoE's two kernels swept apart (block_m 16 and the gate-up's block_k fixed per batch bucket; block_n, warps
-# and stages only tile columns and schedule loads): session 16's b1 profile has the gate-up at 12.0 us a layer for
+# and stages only tile columns and schedule loads): the H200's b1 profile has the gate-up at 12.0 us a layer for
 # ~4 us of bytes (4 of 16 experts: 64-column tiles leave 32 programs with work on 132 SMs) and the down at 6.1 us
 MOE_DECODE_GATE_TILES = [(bn, bk, w, st) for bn in (16, 32, 64) for bk in (128, 256) for w in (2, 4)
                          for st in (None, 4)]
@@ -493,7 +480,7 @@ def bench_moe_decode(cfg: dict, sweep: bool = True) -> None:
     """The routed experts at decode rows: today's moe_grouped call and (sweep) the grouped call with the gate-up's
     tile (block_n, block_k, warps, stages) and the down's swept apart
     (the other kernel on today's tile). Each whole call graph-timed (routing, both kernels, the slot sum), so a row's
-    difference from today's is its kernels'. Session 17 run 1: the sweep moved rows 1 / 16 / 64 by at most 1.3 /
+    difference from today's is its kernels'. H200: the sweep moves rows 1 / 16 / 64 by at most 1.3 /
     1.1 / 1.4 us of 30.0 / 48.8 / 75.7."""
     from atlas_kernels.moe_grouped import block_sizes, moe_grouped, num_warps
 
@@ -533,9 +520,9 @@ def bench_moe_decode(cfg: dict, sweep: bool = True) -> None:
 def bench_hyper_decode(cfg: dict, sweep: bool = True) -> None:
     """A hyper site (norm, mix-down, silu, mix-up, sigmoid, mix, mean, injection) at decode rows: compiled as the decode
     regions compile it (combo kernels; products through cuBLAS, or as Inductor reductions with split K, the b1-4
-    form), and cuBLAS's two products alone. Session 16's b64
+    form), and cuBLAS's two products alone. The H200's b64
     profile: ~16 us a site (cuBLAS's split-K mix-down 5.7 us + its reduce 2.2, the mix-up 4.9) for 10.5 MB of weights."""
-    from atlas.backends.cuda.layers import hyper_block
+    from atlas.backends.cuda.hyper import hyper_block
 
     hidden, hc, lowrank, eps = cfg["hidden_size"], cfg["hc_count"], cfg["hc_lowrank"], cfg["rms_norm_eps"]
     width = hc * hidden
@@ -572,7 +559,7 @@ def bench_hyper_decode(cfg: dict, sweep: bool = True) -> None:
 def bench_site_gemms(cfg: dict) -> None:
     """A prefill hyper site's two skinny products alone, at the shapes the model runs and at padded or re-laid-out
     ones, so the next change to the site's weights (their alignment rows, their layout) is chosen by measurement.
-    Session 15's profile (2,048 tokens): the mix-down 24-27 us and the mix-up 24-27 us a site, ~400 TFLOP/s, 49 sites;
+    The H200's profile (2,048 tokens): the mix-down 24-27 us and the mix-up 24-27 us a site, ~400 TFLOP/s, 49 sites;
     both products are 11 GFLOP (14 us at 788 TFLOP/s). The mix-down's 328 output columns (320 + 4 inject + 4 alignment
     rows) make 48 output tiles of 128 x 128 at 2,048 rows on 132 SMs; the mix-up writes a [T, 8,192] product of K 320.
     Forms: the mix-down as F.linear against the [N, K] weight (today's), against a [K, N] copy, and per stream over
@@ -719,7 +706,7 @@ def main() -> None:
         "moe_decode": lambda: bench_moe_decode(cfg, sweep=not args.no_sweep),
         "hyper_decode": lambda: bench_hyper_decode(cfg, sweep=not args.no_sweep),
         "moe_prefill": lambda: bench_moe_prefill(*moe_weights(cfg), sweep=not args.no_sweep),
-        "chunk": lambda: bench_gdn_chunk(cfg, args.fp32_chunk, others=not args.no_sweep,
+        "chunk": lambda: bench_gdn_prefill(cfg, args.fp32_chunk, others=not args.no_sweep,
                                          schedules=args.chunk_schedules),
     }
     chosen = [name for name in args.only.split(",") if name] or list(benches)

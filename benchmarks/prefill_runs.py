@@ -3,9 +3,8 @@
     python3 benchmarks/prefill_runs.py [--variants default,eager] [--tokens 2048,8192] [--repeat 4]
     python3 benchmarks/prefill_runs.py --smoke        # the CPU backend, atlas-tiny, 64 tokens (a clone's check)
 
-Not a test: it prints figures. Written for session 10's question (issue 15.3): `prefill_graphs = "recurring"` took
-a 2,048-token prefill from 52.8 to 41.7 ms on the H200 but the 8,192-token one to 352.9 ms (session 8's eager
-regions: 174.7 ms). `atlas bench gpu` reports one median a length; this prints each fresh prompt's wall and
+Not a test: it prints figures. Its question (issue 15.3): prefill graphs take a 2,048-token prefill from 52.8 to
+41.7 ms on the H200, but took the 8,192-token one to 352.9 ms against 174.7 ms with the regions eager. `atlas bench gpu` reports one median a length; this prints each fresh prompt's wall and
 execute ms in order (the first run compiles; with prefill_graphs the second is the capture and the rest replays;
 the bench's median leaves out these warm-up runs), the peak device memory, on the benchmark config with random bf16 weights.
 """
@@ -73,13 +72,13 @@ def graph_split(model: object, name: str, tokens: int) -> None:
     import torch
 
     from atlas.backends.cuda.tuning import TUNINGS as VARIANTS
-    from atlas.bench_measure import _engine, _run_steps
+    from atlas.bench_measure import run_steps, timed_engine
 
-    engine, timed = _engine(model, batch=1, max_seq_len=tokens + 16, chunk=tokens, tuning=VARIANTS[name])
+    engine, timed = timed_engine(model, batch=1, max_seq_len=tokens + 16, chunk=tokens, tuning=VARIANTS[name])
     g = torch.Generator().manual_seed(2)
     for _ in range(3):  # compile, capture, one replay
         timed.calls.clear()
-        _run_steps(engine, [torch.randint(0, model.spec.vocab_size, (tokens,), generator=g).tolist()], max_tokens=1)
+        run_steps(engine, [torch.randint(0, model.spec.vocab_size, (tokens,), generator=g).tolist()], max_tokens=1)
     execute = timed.calls[0][2]
     graphs = getattr(timed.inner, "prefill_graphs", None)
     if graphs is None or not graphs._graphs:
@@ -114,7 +113,7 @@ def graph_split(model: object, name: str, tokens: int) -> None:
     prompt = torch.randint(0, model.spec.vocab_size, (tokens,), generator=g).tolist()
     profile = cProfile.Profile()
     profile.enable()
-    _run_steps(engine, [prompt], max_tokens=1)
+    run_steps(engine, [prompt], max_tokens=1)
     profile.disable()
     text = io.StringIO()
     stats = pstats.Stats(profile, stream=text)
@@ -124,7 +123,7 @@ def graph_split(model: object, name: str, tokens: int) -> None:
     prompt = torch.randint(0, model.spec.vocab_size, (tokens,), generator=g).tolist()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
                                             torch.profiler.ProfilerActivity.CUDA]) as prof:
-        _run_steps(engine, [prompt], max_tokens=1)
+        run_steps(engine, [prompt], max_tokens=1)
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30), flush=True)
     engine.close()
 

@@ -5,10 +5,10 @@
 
 Records the trace once (cached at --trace), then times check_state_only: reading the events from SQLite,
 upcasting, applying each to the state machines, checking the invariants it touched and its digest. Step events
-and arrivals are recorded in codec 1 (atlas.replay.codec; arrivals since the sixth pass: a trace cached by older
-code keeps JSON arrivals, which still check, at ~222 against ~189 M instructions); --json times a copy of the same
+and arrivals are recorded in codec 1 (atlas.replay.codec; a trace cached by older code may keep JSON arrivals,
+which still check, at ~222 against ~189 M instructions); --json times a copy of the same
 run with every payload as JSON text (how traces were stored before codec 1: what an older trace costs to check). --no-runs applies every event
-one at a time (no runs of step pairs at once: atlas.state.column_runs), the third pass's path.
+one at a time (no runs of step pairs at once: atlas.state.column_runs).
 
 On a loaded machine the instruction count is the figure to compare (docs/CONTROL-PLANE.md, fourth and fifth
 passes): callgrind collecting inside one check after a warm-up check, toggled on a builtin nothing in the check

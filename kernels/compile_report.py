@@ -22,7 +22,6 @@ import attrs
 import triton
 from atlas_kernels import (
     conv,
-    gdn_chunk,
     gdn_chunk_split,
     gdn_recurrent,
     keyed_sample,
@@ -97,15 +96,6 @@ def compile_for_hopper(kernel: Any, arg_types: dict[str, str], constexprs: dict[
     )
 
 
-def gdn_chunk_case(block_v: int = 32, num_warps: int = 4, precision: str = "tf32") -> CompileReport:
-    types = dict(q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", g_ptr="*fp32", beta_ptr="*bf16",
-                 cu_seqlens_ptr="*i32", state_ptr="*fp32", slot_ptr="*i64", out_ptr="*bf16", num_k_heads="i32",
-                 num_v_heads="i32", scale="fp32", eps="fp32")
-    consts = dict(DK=128, DV=128, BK=128, BV=block_v, C=gdn_chunk.CHUNK, LOG2_C=6, PRECISION=precision)
-    return compile_for_hopper(gdn_chunk._gdn_chunk_kernel, types, consts, num_warps,
-                              f"BV={block_v} warps={num_warps} {precision}")
-
-
 def gdn_chunk_split_cases() -> list[CompileReport]:
     work = dict(w_ptr="*fp32", u_ptr="*fp32", q_norm_ptr="*fp32", k_norm_ptr="*fp32", p_ptr="*fp32",
                 g_cum_ptr="*fp32", cu_seqlens_ptr="*i32")
@@ -124,7 +114,7 @@ def gdn_chunk_split_cases() -> list[CompileReport]:
     # strides, the scratch, the head counts and the length (the gate slices a / b of the projection are not)
     aligned = ("q_ptr", "k_ptr", "v_ptr", *work, "state_ptr", "out_ptr", "num_k_heads", "num_v_heads", "qk_stride",
                "v_stride", "seq_len")
-    c = gdn_chunk.CHUNK
+    c = gdn_chunk_split.CHUNK
     bf16_work = dict(w_ptr="*bf16", u_ptr="*bf16", p_ptr="*bf16")
     return [
         compile_for_hopper(gdn_chunk_split._prepare_kernel, prepare,
@@ -135,7 +125,7 @@ def gdn_chunk_split_cases() -> list[CompileReport]:
                            dict(DK=128, DV=128, BK=128, BV=32, C=c, PRECISION="tf32", UNIFORM=True, STAMP=True), 4,
                            "BV=32 warps=4 stages=2 tf32 uniform stamp", num_stages=2,
                            divisible=tuple(name for name in aligned if name in scan)),
-        # regions-compile's: bf16 work (w, u, p in bf16) with the registers prepare at its 2 warps (session 15)
+        # regions-compile's: bf16 work (w, u, p in bf16) with the registers prepare at its 2 warps
         compile_for_hopper(gdn_chunk_split._prepare_registers_kernel, {**prepare, **bf16_work},
                            dict(DK=128, DV=128, BK=128, BDV=128, C=c, PRECISION="tf32", FUSED_GATING=True,
                                 UNIFORM=True), 2, "registers warps=2 stages=1 bf16 work gated uniform",
@@ -270,7 +260,7 @@ def stamp_summary_case() -> CompileReport:
 
 def all_reports() -> list[CompileReport]:
     """The kernels at the benchmark model's (qwen4exp-2p7b) sizes, in the configurations the wrappers pick."""
-    return [gdn_recurrent_case(), gdn_recurrent_case(64, store_states=True, fused_gating=True), gdn_chunk_case(),
+    return [gdn_recurrent_case(), gdn_recurrent_case(64, store_states=True, fused_gating=True),
             *gdn_chunk_split_cases(), conv_case(), *conv_prefill_cases(),
             *attention_cases(), *qsa_cases(), *norm_cases(), *keyed_sample_cases(),
             *moe_cases(), stamp_summary_case()]

@@ -101,7 +101,7 @@ def _conv_prefill_kernel(
     """One program a (token tile, channel tile, sequence), all parallel: every tap read time-major (coalesced along
     the channels), nothing written but out. A tile whose taps all fall in x (every tile but the first (K - 1) x DIL
     tokens') loads one shifted [BT, BC] tile a tap and nothing else; only the first tiles also read the state's
-    columns (session 12's form read both for every tile: 250 registers, 97.9 us for a 2,048-token GDN head)."""
+    columns (reading both for every tile: 250 registers, 97.9 us for a 2,048-token GDN head)."""
     t0 = tl.program_id(0) * BT
     offs_t = t0 + tl.arange(0, BT)
     offs_c = tl.program_id(1) * BC + tl.arange(0, BC)
@@ -171,9 +171,9 @@ def _conv_prefill_rows_kernel(
 # causal_conv_prefill's launch: a kernel form ("tiles": _conv_prefill_kernel, "rows": _conv_prefill_rows_kernel), its
 # token and channel tiles and warps; benchmarks/kernels.py --only conv times every named schedule
 PREFILL_SCHEDULES = {
-    # H200 session 13, one 2,048-token GDN head (2,048 x 8,192 channels from a strided slice), us: tiles 67.5,
+    # H200, one 2,048-token GDN head (2,048 x 8,192 channels from a strided slice), us: tiles 67.5,
     # 32x128-w4 45.0, 16x128-w4 33.8, 64x64-w4 62.7, 64x128-w8 73.3, 32x256-w8 46.6, rows 87.0, rows-16x512-w4 84.7
-    # (session 12's form, every tile reading x and the state, 32x128 at 8 warps: 97.9); second sweep, same session:
+    # (every tile reading x and the state, 32x128 at 8 warps: 97.9); a second sweep on the same card:
     # 16x128-w4 33.7, 16x128-w2 36.8, 8x128-w2 29.2, 16x256-w4 36.9, 8x256-w4 29.5, 16x64-w2 33.8
     "tiles-8x128-w2": ("tiles", 8, 128, 2),
     "tiles-16x128-w4": ("tiles", 16, 128, 4),
@@ -197,7 +197,7 @@ def causal_conv_prefill(x: torch.Tensor, prev: torch.Tensor, weight: torch.Tenso
     silu: silu of the conv rounded to that dtype (F.silu(conv)); fp32 accumulation, taps summed in order. Pure (the
     caller writes the new state); a torch custom op, so a compiled region calls it as one opaque kernel. Against
     the channel-major windowed product Inductor fused into the GDN heads (a 60 us kernel a 2,048-token layer on the
-    H200, session 12 profile, for ~64 MB of traffic)."""
+    H200 profile, for ~64 MB of traffic)."""
     num_seqs, num_tokens, channels = x.shape
     kernel_size = weight.shape[-1]
     state_len = prev.shape[-1]

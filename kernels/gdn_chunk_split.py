@@ -1,9 +1,10 @@
 """Gated DeltaNet chunked prefill in two kernels: the chunk-local work in parallel over every chunk, then
 the sequential hop of the state from chunk to chunk.
 
-gdn_chunk.gdn_chunk_prefill does everything in one program per (sequence, head, dv tile), so the ~15
-chunk-local matrix products (the (I + A)^-1 solve above all) sit on the sequential path, 32 times for a
-2048-token prompt, and its [64, 128] fp32 working set spills registers. Nothing chunk-local depends on the
+Within a chunk the T sequential rank-1 updates become a few [64, 64] and [64, dk] matrix products (the WY / UT
+form of the delta rule, as in transformers' torch_chunk_gated_delta_rule). Done in one program per (sequence,
+head, dv tile), the ~15 chunk-local products (the (I + A)^-1 solve above all) sit on the sequential path, 32 times
+for a 2048-token prompt, and the [64, 128] fp32 working set spills registers. Nothing chunk-local depends on the
 state, so here:
 
 1. prepare (grid: chunk x sequence x head, all parallel): normalise q/k, solve the WY form, and write per
@@ -11,14 +12,14 @@ state, so here:
    P = (q k^T) * decay, the cumulative log decay and q's / k's norms.
 2. scan (grid: dv tile x sequence x head, sequential over chunks): per chunk only four products,
    v_new = u - w S;  out = q_decayed S + P v_new;  S = e^glast S + k_decayed^T v_new,
-   the decayed q and k rebuilt from the inputs (bf16: half the bytes of the [C, DK] fp32 tiles prepare stored
-   before session 11) with the same float operations, so the same values.
+   the decayed q and k rebuilt from the inputs (bf16: half the bytes of storing [C, DK] fp32 tiles) with the
+   same float operations, so the same values.
 
 With work="fp32" the intermediates are stored in fp32 and the products run in tf32 for bf16 inputs (ieee fp32
 for fp32 inputs, the parity mode); work="bf16" (bf16 inputs only) stores w / u in bf16 and runs the scan's
 products on bf16 operands, the state fp32 throughout.
 
-Three prepare kernels (prepare=):
+Two prepare kernels (prepare=):
 - "scratch" (_prepare_kernel, the default): whole-chunk [64, *] products; a's block inverse goes through this
   program's rows of p in global memory as fp32 scratch, between tl.debug_barrier()s (so p is an fp32 buffer),
   and its products stay tf32 on fp32 operands even with bf16 work. sm_90 compile report (4 warps, gated, uniform):
@@ -35,22 +36,6 @@ Three prepare kernels (prepare=):
   state 2.9e-3 against 2.5e-3 (the bf16 operands of q k^T / k k^T and of w / u's products account for about
   half each); with fp32 work both prepares' errors are the same (output 1.7e-3, the output's own rounding; state
   2-4e-7). fp32 inputs (ieee) at dk = 128 spill 118 KB a thread in it: the parity mode stays on "scratch".
-- "wide" (_prepare_wide_kernel, session 15): the registers prepare's numbers (same `work` operands, X by its 16 x 16
-  blocks) with every product a whole-chunk one (M = 64, one warpgroup: wgmma), in registers, no scratch:
-  P = (q k^T) * decay and a = beta (k k^T) * decay as two [64, DK] x [DK, 64] products on `work` operands;
-  X = (I + a)^-1 as one [64, 64] fp32 tile, in 10 [64, 64, 64] PRECISION (tf32) products: the 4 diagonal blocks'
-  inverse X_D = (I + D)^-1 by squaring the block-diagonal D (a masked to its diagonal blocks; D^16 = 0), then
-  X = (I - N)(I + N^2) X_D with N = X_D (a - D) (strictly lower by blocks: N^4 = 0); w = X (beta k e^gcum) and
-  u = X (beta v) as two [64, 64] x [64, DK|DV] products on X rounded to `work`. k k^T is computed before q is
-  loaded (one fp32 [64, DK] tile live at a time). sm_90 compile report at bf16 work (gated, uniform): 4 warps 208
-  registers, no spills, 49 KB of shared memory, 104 wgmma and no mma.sync, 39 bar.sync (the registers prepare:
-  240 registers, 320 mma.sync, 127 bar.sync); maxnreg 168 no spills (3 programs an SM), 144 196 B, 128 1.1 KB;
-  8 warps 224 registers, no spills, 192 wgmma; 2 warps (no warpgroup: mma.sync) 255 and 1.7 KB of spills, so
-  prepare_warps None is 4 for it. "wide-stacked" computes q k^T and k k^T as one [128, DK] x [DK, 64] product of
-  q and k stacked (tl.join / permute / reshape, split back): the same 104 wgmma (M = 128 is two m64 instructions
-  anyway), 228 registers, 64 KB of shared memory, so no gain on paper. Errors (CPU interpreter, the bf16 test's
-  150 tokens) the registers prepare's to three digits: output 4.1e-3, state 2.9e-3. For bf16 inputs; fp32 inputs
-  run it in ieee (the tests' parity check), not a launch to time.
 """
 
 from __future__ import annotations
@@ -59,18 +44,17 @@ import torch
 import triton
 import triton.language as tl
 from atlas_kernels import _interpreter_compat  # noqa: F401  (CPU interpreter fix)
-from atlas_kernels.gdn_chunk import CHUNK
 from atlas_kernels.reference import L2_EPS, check_gdn_state_pool
+
+CHUNK = 64  # tokens a chunk
 
 # the intermediates w, u (and p's values) the scan reads, and its products' operands: "fp32" (tf32 products for
 # bf16 inputs, ieee for fp32) or "bf16" (bf16 products at twice the tensor rate, half of w / u's bytes; the
 # state itself stays fp32 in registers and in the pool), as flash-linear-attention runs its chunk kernels
 WORK = {"fp32": torch.float32, "bf16": torch.bfloat16}
 # the prepare kernel: "scratch" (_prepare_kernel: whole-chunk products, the block inverse through p's rows in global
-# memory between barriers), "registers" (_prepare_registers_kernel: 16-row blocks in registers, p stored in `work`) or
-# "wide" / "wide-stacked" (_prepare_wide_kernel: whole-chunk products in registers, X = (I + a)^-1 one [64, 64] tile;
-# stacked: q k^T and k k^T as one product of [q; k])
-PREPARES = ("scratch", "registers", "wide", "wide-stacked")
+# memory between barriers) or "registers" (_prepare_registers_kernel: 16-row blocks in registers, p stored in `work`)
+PREPARES = ("scratch", "registers")
 
 
 @triton.jit
@@ -428,97 +412,6 @@ def _prepare_registers_kernel(
 
 
 @triton.jit
-def _prepare_wide_kernel(
-    q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, cu_seqlens_ptr,  # as _prepare_kernel's
-    a_log_ptr, dt_bias_ptr,
-    w_ptr, u_ptr, q_norm_ptr, k_norm_ptr, p_ptr, g_cum_ptr,  # w, u, p in `work` (the products' operand type)
-    num_k_heads, num_v_heads, qk_stride, v_stride, g_stride, beta_stride, seq_len, scale, eps,
-    DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BDV: tl.constexpr,
-    C: tl.constexpr, PRECISION: tl.constexpr, FUSED_GATING: tl.constexpr, UNIFORM: tl.constexpr,
-    STACKED: tl.constexpr,
-):
-    """_prepare_registers_kernel's outputs with every product a whole-chunk one (M = C = 64: wgmma-sized), in
-    registers, no scratch in global memory, no barrier:
-    - P = (q k^T) * decay and a = strictly_lower(beta (k k^T) * decay), each one [64, DK] x [DK, 64] product on `work`
-      operands (STACKED: both as one [128, DK] x [DK, 64] product of q and k stacked, k^T converted once);
-    - X = (I + a)^-1 as one [64, 64] fp32 tile, by its 16 x 16 blocks but with whole-tile products (PRECISION, tf32
-      for bf16 inputs): D = a's 4 diagonal blocks (a masked to them), L = a - D; X_D = (I + D)^-1 =
-      (I - D)(I + D^2)(I + D^4)(I + D^8) (exact: D^16 = 0, as _diag_inverse per block); then
-      I + a = (I + D)(I + N) with N = X_D L strictly lower by blocks (N^4 = 0), so X = (I - N)(I + N^2) X_D:
-      10 [64, 64, 64] products (the squaring's count, but its powers only of 16 x 16 blocks, as the blocks
-      inverse's numbers);
-    - w = X (beta k e^gcum), u = X (beta v), X rounded to `work`: two [64, 64] x [64, DK|DV] products."""
-    chunk = tl.program_id(0)
-    seq = tl.program_id(1)
-    head = tl.program_id(2)
-    k_head = head // (num_v_heads // num_k_heads)
-    seq_start, end = _sequence_bounds(cu_seqlens_ptr, seq, seq_len, UNIFORM)
-    chunk_start = seq_start + chunk * C
-    if chunk_start >= end:
-        return
-    tl.static_assert(C == 64, "the wide prepare inverts 4 diagonal blocks of 16")
-    work = w_ptr.dtype.element_ty
-
-    offs_c = tl.arange(0, C)
-    offs_k = tl.arange(0, BK)
-    offs_v = tl.arange(0, BDV)
-    tokens = chunk_start + offs_c
-    valid = tokens < end
-    lower = offs_c[:, None] >= offs_c[None, :]
-    identity = tl.where(offs_c[:, None] == offs_c[None, :], 1.0, 0.0)
-
-    wide = tokens.to(tl.int64)
-    qk_rows = (wide * qk_stride + k_head * DK)[:, None] + offs_k[None, :]
-    qk_mask = valid[:, None] & (offs_k < DK)[None, :]
-    k = tl.load(k_ptr + qk_rows, mask=qk_mask, other=0.0).to(tl.float32)
-    k_norm = tl.rsqrt(tl.sum(k * k, 1) + eps)
-    g, beta = _gates(g_ptr, beta_ptr, a_log_ptr, dt_bias_ptr, wide, valid, g_stride, beta_stride, head, FUSED_GATING)
-    g_cum = tl.cumsum(g, 0)
-    head_rows = tokens * num_v_heads + head
-    tl.store(k_norm_ptr + head_rows, k_norm, mask=valid)
-    tl.store(g_cum_ptr + head_rows, g_cum, mask=valid)
-    # the fp32 k tile dies here (q's after its product): only `work` operands stay live
-    k = k * k_norm[:, None]
-    key = k.to(work)
-    key_scaled = (k * (beta * tl.exp(g_cum))[:, None]).to(work)
-    key_t = tl.trans(key)
-    if not STACKED:  # k k^T before q is loaded: one fp32 [64, DK] tile live at a time
-        kk = tl.dot(key, key_t, input_precision=PRECISION)
-    q = tl.load(q_ptr + qk_rows, mask=qk_mask, other=0.0).to(tl.float32)
-    q_norm = tl.rsqrt(tl.sum(q * q, 1) + eps) * scale
-    tl.store(q_norm_ptr + head_rows, q_norm, mask=valid)
-    if STACKED:  # [q; k] [128, DK] against k^T: one product, split back into its halves
-        stacked = tl.reshape(tl.permute(tl.join(q * q_norm[:, None], k).to(work), (2, 0, 1)), (2 * C, BK))
-        both = tl.dot(stacked, key_t, input_precision=PRECISION)
-        qk, kk = tl.split(tl.permute(tl.reshape(both, (2, C, C)), (1, 2, 0)))
-    else:
-        qk = tl.dot((q * q_norm[:, None]).to(work), key_t, input_precision=PRECISION)
-    decay = tl.exp(tl.where(lower, g_cum[:, None] - g_cum[None, :], float("-inf")))
-    tl.store(p_ptr + head_rows[:, None] * C + offs_c[None, :], (qk * decay).to(work), mask=valid[:, None])
-    a = tl.where(offs_c[:, None] > offs_c[None, :], kk * beta[:, None] * decay, 0.0)
-
-    # X = (I + a)^-1: the diagonal blocks' inverse X_D by squaring, then X = (I - N)(I + N^2) X_D, N = X_D L
-    block = offs_c // 16
-    diagonal = block[:, None] == block[None, :]
-    d = tl.where(diagonal, a, 0.0)
-    x_d = identity - d
-    power = d
-    for _ in tl.static_range(3):
-        power = tl.dot(power, power, input_precision=PRECISION)
-        x_d = tl.dot(x_d, identity + power, input_precision=PRECISION)
-    n = tl.dot(x_d, tl.where(diagonal, 0.0, a), input_precision=PRECISION)
-    x = tl.dot(identity + tl.dot(n, n, input_precision=PRECISION), x_d, input_precision=PRECISION)
-    x = (x - tl.dot(n, x, input_precision=PRECISION)).to(work)
-
-    w = tl.dot(x, key_scaled, input_precision=PRECISION)
-    tl.store(w_ptr + head_rows[:, None] * DK + offs_k[None, :], w.to(work), mask=qk_mask)
-    v_mask = valid[:, None] & (offs_v < DV)[None, :]
-    v = tl.load(v_ptr + (wide * v_stride + head * DV)[:, None] + offs_v[None, :], mask=v_mask, other=0.0)
-    u = tl.dot(x, (v.to(tl.float32) * beta[:, None]).to(work), input_precision=PRECISION)
-    tl.store(u_ptr + head_rows[:, None] * DV + offs_v[None, :], u.to(work), mask=v_mask)
-
-
-@triton.jit
 def _scan_kernel(
     w_ptr, u_ptr, q_ptr, k_ptr, q_norm_ptr, k_norm_ptr, p_ptr, g_cum_ptr, cu_seqlens_ptr,
     state_ptr, slot_ptr, out_ptr, stamp_ptr, end_ptr, num_k_heads, num_v_heads, qk_stride, seq_len,
@@ -598,15 +491,18 @@ def gdn_chunk_prefill_split(
     prepare: str = "scratch",
     prepare_maxnreg: int | None = None,
 ) -> torch.Tensor:
-    """Same contract as gdn_chunk.gdn_chunk_prefill, plus max_seqlen: a host-known bound on the longest
-    sequence in the batch (sizes the prepare grid only).
+    """Packed prompts of N sequences through the gated delta rule, continuing from and updating their states.
+
+    q, k: [L, Hk, dk]; v: [L, Hv, dv]; g (log decay), beta: [L, Hv]; cu_seqlens: [N + 1] int32 offsets of each
+    sequence's tokens in the packed dim; state_pool: fp32 [slots, Hv, dk, dv], read as the initial state and
+    overwritten with the final state of each sequence's slot; max_seqlen: a host-known bound on the longest
+    sequence in the batch (sizes the prepare grid only). Returns out [L, Hv, dv] in out_dtype (default v's dtype).
 
     Launch shapes from the sm_90 compile report (no GPU timing yet): the scan at dv tile 64 with 8 warps
     and no software pipelining spills 128 bytes and needs 147 KB of shared memory; with the default 3
     pipeline stages its three [64, 128] fp32 operand tiles would need 426 KB, over the 227 KB limit.
 
-    prepare: "scratch", "registers", "wide" or "wide-stacked" (the module's docstring; all but "scratch" need
-    inverse="blocks");
+    prepare: "scratch" or "registers" (the module's docstring; "registers" needs inverse="blocks");
     prepare_maxnreg: a cap on the prepare kernel's registers a thread (Triton's maxnreg), None for ptxas's own."""
     q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
     num_k_heads, dk = k.shape[1], k.shape[2]
@@ -648,35 +544,31 @@ def gdn_chunk_prefill_gated(
     the stamp). Returns out [N, T, Hv, dv] (default v's dtype). Same numbers as gdn_chunk_prefill_split given
     the same gates (the tests check both against the reference).
 
-    Launch defaults from `benchmarks/kernels.py --only chunk` (H200, session 12, one 2,048-token layer of the 2.7B
+    Launch defaults from `benchmarks/kernels.py --only chunk` (H200, one 2,048-token layer of the 2.7B
     config, this call): 4 prepare warps and the scan loop pipelined 2 deep (its next chunk's loads issued
     before this chunk's products) against 8 warps and no pipelining: 8 -> 4 prepare warps 377 -> 346 us (the
-    prepare no longer keeps the decayed q / k tiles: 8 warps lost to 4 in session 10), 1 -> 2 stages 378 -> 350 us.
+    prepare no longer keeps the decayed q / k tiles: 8 warps lose to 4), 1 -> 2 stages 378 -> 350 us.
     Tried and dropped (same session): the outputs off the sequential scan (the scan storing each chunk's fp32
     state and v_new, a third kernel computing every chunk's output in parallel, as fla's chunk_o): 398 us, 380
     with 2 stages; the 64 MB of states written and read back cost more than the two products it took off the
     sequential path (a 2,048-token prefill 28.8 -> 29.1 ms).
 
-    work="bf16" (session 14, same call): 322.5 -> 255.7 us with 2 scan stages, **221.8 us** with 3 (the default
+    work="bf16" (same call): 322.5 -> 255.7 us with 2 scan stages, **221.8 us** with 3 (the default
     for bf16 work: its operand tiles are half the size, so a third stage fits; fp32 work's 3 stages need 272 KB);
     dv tile 16 257.6, dv tile 64 / 8 warps 312.8.
 
-    prepare="registers" (session 15; the module's docstring): the prepare kernel by 16-row blocks in registers,
+    prepare="registers" (the module's docstring): the prepare kernel by 16-row blocks in registers,
     without the scratch prepare's global-memory block inverse and its barriers (137 us of the ~222 above were that
     prepare, for a floor of ~20 us), its products on `work` operands, p in `work`. Left alone ptxas gives it 240
     registers at 4 warps (2 programs an SM, as the scratch prepare's 255); prepare_maxnreg 168 fits 3 for 120 bytes
-    of spills a thread, 128 fits 4 for 664 (sm_90 compile report, bf16 work). H200, session 15 run 2, this call
+    of spills a thread, 128 fits 4 for 664 (sm_90 compile report, bf16 work). H200, this call
     with bf16 work: **146.5 us at 2 prepare warps** (its default: prepare_warps None is 2 for the registers prepare,
     4 for the scratch one), 164.3 at 4, 228.9 at 8; at 4 warps maxnreg 168 156.2, 128 152.5 (8 warps + 128:
     190.9); the scratch prepare 221.9 us in the same run. In the model its kernel took 78.8 us a layer against the
     scratch prepare's 137.6. With fp32 work it gains nothing (318.2 against 326.0 us).
-
-    prepare="wide" / "wide-stacked" (session 15; the module's docstring): the same numbers as "registers" with
-    whole-chunk wgmma products, 4 prepare warps by default (a warpgroup; at 2 it falls back to mma.sync and spills).
-    H200 run 5, this call with bf16 work: 149.3 us at 4 warps, 143.3 with maxnreg 168, 152.9 with 128, 207.1 at 8
-    warps, against the registers prepare's 145.8 (run 3): within noise, so "registers" stays the backend's."""
+"""
     if prepare_warps is None:
-        prepare_warps = 2 if prepare == "registers" else 4  # (wide: 4, one warpgroup for wgmma)
+        prepare_warps = 2 if prepare == "registers" else 4
     from atlas_kernels.gdn_recurrent import strided_inputs
 
     if scan_stages is None:  # bf16 work's operand tiles are half the size: a third stage fits in shared memory
@@ -716,7 +608,7 @@ def _launch(q, k, v, g, beta, gating, cu_seqlens, seq_len, state_pool, slots, ma
         raise ValueError("gdn chunk prefill: work='bf16' is for bf16 inputs (fp32 inputs are the parity mode)")
     if prepare not in PREPARES:
         raise ValueError(f"gdn chunk prefill: prepare={prepare!r}; choose {' or '.join(map(repr, PREPARES))}")
-    registers = prepare != "scratch"
+    registers = prepare == "registers"
     if registers and (inverse != "blocks" or CHUNK != 64):
         raise ValueError(f"gdn chunk prefill: prepare={prepare!r} solves by 16 x 16 blocks of a 64-token chunk "
                          f"(inverse={inverse!r}, chunk {CHUNK})")
@@ -725,7 +617,7 @@ def _launch(q, k, v, g, beta, gating, cu_seqlens, seq_len, state_pool, slots, ma
         return torch.empty((num_tokens, num_v_heads, width), dtype=dtype, device=v.device)
 
     # the scratch prepare's block inverse uses p's rows as fp32 scratch, so p is fp32 there (the scan rounds it to
-    # `work`); the registers and wide prepares store it in `work`
+    # `work`); the registers prepare stores it in `work`
     w, u = scratch(dk, WORK[work]), scratch(dv, WORK[work])
     p = scratch(CHUNK, WORK[work] if registers else torch.float32)
     g_cum, q_norm, k_norm = (torch.empty((num_tokens, num_v_heads), dtype=torch.float32, device=v.device)
@@ -740,10 +632,8 @@ def _launch(q, k, v, g, beta, gating, cu_seqlens, seq_len, state_pool, slots, ma
     # programs an SM at the cost of spills
     launch = dict(num_warps=prepare_warps, num_stages=1, **({} if prepare_maxnreg is None else
                                                             {"maxnreg": prepare_maxnreg}))
-    if prepare == "registers":
+    if registers:
         _prepare_registers_kernel[prepare_grid](*prepare_args, **shapes, **launch)
-    elif registers:
-        _prepare_wide_kernel[prepare_grid](*prepare_args, **shapes, STACKED=prepare == "wide-stacked", **launch)
     else:
         _prepare_kernel[prepare_grid](*prepare_args, **shapes, LOG2_C=CHUNK.bit_length() - 1,
                                       BLOCK_INVERSE=inverse == "blocks" and CHUNK == 64, **launch)

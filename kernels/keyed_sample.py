@@ -1,5 +1,5 @@
 """The keyed sampler's draw in one pass over the logits: row keys, token words, Gumbel noise, the kept-set test and
-the argmax, fused (reference: atlas.sampling.keyed._keyed_argmax_torch, which it must match token for token).
+the argmax, fused (reference: atlas.sampling.keyed.keyed_argmax_torch, which it must match token for token).
 
 Per row: T > 0: argmax over {z - z_max >= log_min_p and z >= last} of z + g, z = float64(key) / T, g the Gumbel
 noise of the row's (seed, position, salt) words; T == 0: argmax of key. The words are bit-identical to the torch

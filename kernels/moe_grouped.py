@@ -121,14 +121,14 @@ def block_sizes(rows: int) -> tuple[int, int, int]:
     """(block_m, block_n, block_k): decode-sized rows get 16-row tiles (bandwidth-bound), prefill 64 x 64
     tiles (FLOP-bound). block_m and block_k are the same for every batch up to 64 rows, so decode results do
     not depend on the batch size (block_n only tiles the columns: no reduction order changes with it).
-    block_n 64 from `benchmarks/kernels.py --only moe` on the H200 (session 4, the whole call graph-timed, 2.7B
+    block_n 64 from `benchmarks/kernels.py --only moe` on the H200 (the whole call graph-timed, 2.7B
     shapes): rows 1 / 16 / 64 29.1 / 49.6 / 75.9 us against 42.0 / 55.7 / 94.4 us for block_n 16, the best
     block_k-128 tile at every size (block_k 256 won rows 1 by 0.5 us and lost rows 64; pipeline depth 2-4 within
     noise). Fewer, wider programs: at batch 1 the 16-column tiles left each program a short loop of loads. It
     spills (compile_report, sm_90: gate_up 11.6 KB, down 72 B; 16x32x128 spills 92 B in gate_up) and is faster
     all the same: the measurement decides (tests/test_kernels_compile.py allows exactly these).
     Prefill rows 128 x 64 x 64 (8 warps, Triton's default 3 stages) from `benchmarks/kernels.py --only moe_prefill`
-    (H200, session 11, 49 tiles x warps x stages, the whole call graph-timed at 2,048 rows: 8,192 pairs): 255.6 us
+    (H200, 49 tiles x warps x stages, the whole call graph-timed at 2,048 rows: 8,192 pairs): 255.6 us
     against 280.7 for the 64 x 64 x 64 before; 64x64x64 at 4 warps, 3 stages 265.2; 128 x 128 x 64 256.8; at 8,192
     rows 64 x 128 x 32 with 4 warps, 4 stages was best of the 18 reached (714.6 against 820.8 us)."""
     if rows <= 64:
@@ -137,7 +137,7 @@ def block_sizes(rows: int) -> tuple[int, int, int]:
 
 
 # the down kernel's own (block_n, block_k, warps, stages) at prefill rows (> 64), from `benchmarks/kernels.py --only
-# moe_prefill --no-sweep` (H200, session 15 run 5, the whole call graph-timed): at 2,048 rows 244.2 us against 250.9
+# moe_prefill --no-sweep` (H200, the whole call graph-timed): at 2,048 rows 244.2 us against 250.9
 # with the gate-up's 128 x 64 x 64 tile (243.1 at 128 x 64 with Triton's default stages), at 8,192 rows 618.4 against
 # 671.2 (632.7). Wider output tiles read each pair's activations from L2 for fewer column tiles. It spills (sm_90
 # compile report: 8.9 KB without divisibility hints) and is faster all the same; tests/test_kernels_compile.py allows it

@@ -9,8 +9,8 @@ For slot r, with L = tables[r, 0] (its block table's length in positions) and th
 - the least and the greatest of the paged runs and per-slot stamps (equal: a uniform, healthy row).
 
 The torch form it replaces (`StampReader._summary`, still the CPU path and this kernel's reference in
-tests/test_kernels_stamp_summary.py) is ~20 small ops; measured on the H200 (benchmarks/stamp_read.py --device cuda,
-session 5) its graph replay, copy and wait took 0.11 ms at batch 1 and 0.17 ms at batch 64, most of it those
+tests/test_kernels_stamp_summary.py) is ~20 small ops; measured on the H200 (benchmarks/stamp_read.py --device cuda)
+its graph replay, copy and wait took 0.11 ms at batch 1 and 0.17 ms at batch 64, most of it those
 kernels' launches inside the graph.
 """
 

@@ -136,11 +136,11 @@ def test_seeded_decode_gives_every_request_its_own_seed(monkeypatch: pytest.Monk
         progress(1, 1)
 
     monkeypatch.setattr("atlas.engine.offline.generate", generate)
-    measure._run_steps(None, [[1], [2], [3]], max_tokens=4, seeded=True)
+    measure.run_steps(None, [[1], [2], [3]], max_tokens=4, seeded=True)
     assert [p.seed for p in seen] == [1000, 1001, 1002]
     assert all(p.temperature == 0.8 and p.top_p == 0.95 and p.ignore_eos for p in seen)
     seen.clear()
-    measure._run_steps(None, [[1], [2]], max_tokens=4)
+    measure.run_steps(None, [[1], [2]], max_tokens=4)
     assert all(p.temperature == 0.0 for p in seen)
 
 
@@ -162,8 +162,8 @@ def test_seeded_and_greedy_alternate_in_one_engine(monkeypatch: pytest.MonkeyPat
         runs.append(seeded)
         timed.calls.extend([(2, 20, 1.0)] + [(2, 2, 1.0)] * 10)  # a prefill, then ten decode steps
         return [99.0] + [5.0 if seeded else 4.0] * 10
-    monkeypatch.setattr(measure, "_engine", engine)
-    monkeypatch.setattr(measure, "_run_steps", run_steps)
+    monkeypatch.setattr(measure, "timed_engine", engine)
+    monkeypatch.setattr(measure, "run_steps", run_steps)
     model = SimpleNamespace(spec=SimpleNamespace(vocab_size=50))
     out = measure.bench_decode_pair(model, 2, prompt_len=4, steps=10, rounds=3)
     assert runs == [False, True] * 3 and len(engines) == 1
@@ -194,8 +194,8 @@ def test_the_prefill_median_leaves_out_the_compile_and_the_capture(monkeypatch: 
         Timed.calls.append((1, len(prompts[0]), wall - 1.0))
         return [wall]
 
-    monkeypatch.setattr(measure, "_engine", lambda *a, **k: (Engine(), Timed()))
-    monkeypatch.setattr(measure, "_run_steps", run_steps)
+    monkeypatch.setattr(measure, "timed_engine", lambda *a, **k: (Engine(), Timed()))
+    monkeypatch.setattr(measure, "run_steps", run_steps)
     result = measure.bench_prefill(model, tokens=16, repeat=2, tuning=tuning)  # the long prefills' repeat
     assert result["warm"] == warm and result["runs"] == [900.0, 490.0, 157.0, 150.0][: 2 + warm]
     # eager: the second run is a plain one; under the knob the capture is left out with the compile
@@ -204,7 +204,7 @@ def test_the_prefill_median_leaves_out_the_compile_and_the_capture(monkeypatch: 
 
 def test_the_control_plane_is_taken_step_by_step_and_the_row_is_the_median_of_its_rounds() -> None:
     """decode_figures: every step's wall minus its own execute. Here the control plane is 0.1 ms in five of seven
-    steps while execute swings by 2 ms from step to step; the difference of the two medians (session 15's figure,
+    steps while execute swings by 2 ms from step to step; the difference of the two medians (the H200's figure,
     kept as control_plane_share_unpaired) reads it 4x too large, the paired one as it is."""
     first = [(5.0, 4.9), (5.1, 5.0), (5.3, 4.3), (5.4, 4.4)]  # two steps of 1 ms outside execute
     second = [(7.0, 6.9), (7.1, 7.0), (7.2, 7.1)]
@@ -236,8 +236,8 @@ def test_each_decode_round_builds_its_own_engine_and_skips_its_captures(monkeypa
         ms = next(per_round)
         engine.timed.calls.extend([(3, 30, 9.0)] + [(3, 3, ms - 0.2)] * 4 + [(3, 3, ms - 0.1)] * 6)
         return [10.0] + [50.0] * 4 + [ms] * 6  # a prefill, four captures, six timed steps
-    monkeypatch.setattr(measure, "_engine", engine)
-    monkeypatch.setattr(measure, "_run_steps", run_steps)
+    monkeypatch.setattr(measure, "timed_engine", engine)
+    monkeypatch.setattr(measure, "run_steps", run_steps)
     fig = measure.bench_decode(SimpleNamespace(spec=SimpleNamespace(vocab_size=50)), 3, steps=10, rounds=3)
     assert len(engines) == 3 and fig["rounds_ms"] == [4.0, 6.0, 5.0] and fig["ms_per_step"] == 5.0
     assert fig["steps_timed"] == 18 and fig["control_plane_ms"] == pytest.approx(0.1)

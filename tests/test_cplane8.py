@@ -156,12 +156,12 @@ def test_a_block_too_many_named_as_without_columns(monkeypatch: pytest.MonkeyPat
 def test_int_rows_passes_exact_int_rows_and_converts_anything_else() -> None:
     import numpy as np
 
-    from atlas.state.events import _int_rows
+    from atlas.state.events import int_rows
 
     rows = ((1, 2), (3, 4, 5))
-    assert _int_rows(rows) is rows  # the scheduler's rows: no tuple built
+    assert int_rows(rows) is rows  # the scheduler's rows: no tuple built
     for value in (((1, np.int64(2)),), [[1, 2]], ((True, 2),), ([1, 2],), ((1,), [2])):
-        out = _int_rows(value)
+        out = int_rows(value)
         assert out == tuple(tuple(int(b) for b in row) for row in value)
         assert type(out) is tuple and all(type(r) is tuple and all(type(b) is int for b in r) for r in out)
 

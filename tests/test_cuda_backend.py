@@ -17,8 +17,8 @@ if not torch.cuda.is_available():  # the Triton kernels run interpreted on a CPU
 from atlas.backends.cpu.runner import Chunk
 from atlas.backends.cuda import CudaBackend, random_model
 from atlas.backends.cuda.batch import Group, GroupShape
-from atlas.backends.cuda.layers import device_ngram_ids
-from atlas.backends.cuda.runner import _ngram_one
+from atlas.backends.cuda.ple import device_ngram_ids
+from atlas.backends.cuda.runner import ngram_one
 from atlas.config import EngineConfig
 from atlas.engine.offline import generate
 from atlas.engine.records import RecordingSink
@@ -80,7 +80,7 @@ def test_hidden_states_match_the_reference_chunked_past_the_inert_bound(tiny) ->
 
 @pytest.mark.parametrize("width", [1, 5])
 def test_group_ngram_ids_equal_the_reference(tiny, width: int) -> None:
-    """The host's per-row ids (_ngram_one, decode) and the device's for a whole group (layers.device_ngram_ids,
+    """The host's per-row ids (ngram_one, decode) and the device's for a whole group (layers.device_ngram_ids,
     from the slots' n-gram context continued by `width` tokens: a decode, or a prefill chunk) equal
     atlas.model.ngram.ngram_ids for the group's last `width` positions, EOS restarts included."""
     spec = tiny.spec
@@ -109,7 +109,7 @@ def test_group_ngram_ids_equal_the_reference(tiny, width: int) -> None:
                 want = ngram_ids(history, width, ple, tables)
                 assert torch.equal(device[rank, row], want), (trial, rank, row)
                 if width == 1:
-                    got = _ngram_one(history.tolist(), ple.ngram_size, ple.heads_per_ngram, ple.eos_token_id, tables)
+                    got = ngram_one(history.tolist(), ple.ngram_size, ple.heads_per_ngram, ple.eos_token_id, tables)
                     assert got == want.flatten().tolist()
 
 
@@ -224,7 +224,7 @@ def test_triton_gdn_kernels_in_the_batched_forward_match_the_torch_path(tiny) ->
     """The kernel wrapper's layouts (unrepeated key heads, log decay, state slots read from the packed group
     buffer) in a real batched forward: chunked prefill per sequence, then one decode group of 3 sequences.
     Interpreted on the CPU (TRITON_INTERPRET=1, as tests/test_kernels_*.py), compiled on a GPU."""
-    from atlas.backends.cuda.runner import triton_gdn
+    from atlas.backends.cuda.gdn import triton_gdn
     from atlas.plan import SeqWork, StepPlan
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -255,7 +255,7 @@ def test_triton_gdn_passes_the_prefill_knobs_for_bf16_and_keeps_the_parity_mode(
     fp32 work and the scratch prepare."""
     import atlas_kernels.gdn_chunk_split as split
 
-    from atlas.backends.cuda.runner import triton_gdn
+    from atlas.backends.cuda.gdn import triton_gdn
 
     seen = []
 
@@ -296,7 +296,7 @@ def test_a_wide_verify_through_the_triton_gdn_kernel_keeps_the_torch_paths_rows(
     """The one-forward verify with the GDN recurrent kernel (store_states, commit=False: the slot is not written,
     every row's state comes back for the commit) against the torch recurrence: the same verdicts, and after the
     commit the same state to fp32 rounding. Interpreted on the CPU, compiled on a GPU."""
-    from atlas.backends.cuda.runner import triton_gdn
+    from atlas.backends.cuda.gdn import triton_gdn
     from atlas.plan import SeqWork, StepPlan
 
     device = "cuda" if torch.cuda.is_available() else "cpu"

@@ -221,7 +221,7 @@ def test_counted_route_is_the_sorted_route(rows: int, experts: int, k: int) -> N
 
 @pytest.mark.parametrize("dilation", [1, 3])
 def test_the_library_conv_equals_the_windowed_product(dilation: int) -> None:
-    from atlas.backends.cuda.layers import conv_step
+    from atlas.backends.cuda.primitives import conv_step
 
     gen = torch.Generator().manual_seed(dilation)
     b, c, k, t = 2, 24, 4, 37
@@ -302,7 +302,7 @@ def test_compiled_prefill_regions_give_the_reference_tokens(tiny, monkeypatch: p
 
 
 def test_the_library_conv_is_for_prefill_chunks_of_a_non_invariant_backend(tiny) -> None:  # type: ignore[no-untyped-def]
-    from atlas.backends.cuda.layers import _GroupOps
+    from atlas.backends.cuda.layers import GroupOps
 
     backend = CudaBackend(tiny, num_kv_blocks=32, block_size=16, dtype=torch.bfloat16, device=DEVICE,
                           max_batch_size=4, kernels=False, cuda_graphs=False)
@@ -312,7 +312,7 @@ def test_the_library_conv_is_for_prefill_chunks_of_a_non_invariant_backend(tiny)
         shape = backend._shape(1, width, width)
         grp = regions.Group.view(backend._padding(shape).to(DEVICE), shape, 16)
         for invariant in (False, True):
-            ops = _GroupOps(tiny.spec, backend.weights, backend.pools, grp, eager_moe=width > 1, gdn_kernel=None,
+            ops = GroupOps(tiny.spec, backend.weights, backend.pools, grp, eager_moe=width > 1, gdn_kernel=None,
                             tuning=tuning, invariant=invariant)
             seen[width, invariant] = ops.library_conv
     assert seen == {(1, False): False, (1, True): False, (8, False): True, (8, True): False}
@@ -343,7 +343,8 @@ def test_row_verifies_through_the_regions_give_speculation_offs_tokens(tiny) -> 
 def test_fused_weights_are_padded_to_aligned_rows_with_zeros(tiny) -> None:  # type: ignore[no-untyped-def]
     """The hyper sites' mix-down + inject and the MoE router + shared-expert input are padded to ALIGN_ROWS output
     rows (cuBLAS's sm90 kernels need 16-byte aligned output rows), the padding zero and dropped by split_out."""
-    from atlas.backends.cuda.layers import ALIGN_ROWS, prepare_weights, split_out
+    from atlas.backends.cuda.primitives import split_out
+    from atlas.backends.cuda.weights import ALIGN_ROWS, prepare_weights
 
     spec, raw = tiny.spec, tiny.weights
     w = prepare_weights(spec, dict(raw))
@@ -381,16 +382,16 @@ def test_the_paged_decode_attention_matches_the_torch_path(tiny, stack: str) -> 
 
 
 def test_paged_attention_is_for_dense_decode_groups_only(tiny, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
-    from atlas.backends.cuda import layers
+    from atlas.backends.cuda import attention
 
     calls = []
-    real = layers.attn_paged
+    real = attention.attn_paged
 
     def spy(q, k_pool, v_pool, grp, **kwargs):  # type: ignore[no-untyped-def]
         calls.append((grp.shape.width, grp.shape.qsa_select))
         return real(q, k_pool, v_pool, grp, **kwargs)
 
-    monkeypatch.setattr(layers, "attn_paged", spy)
+    monkeypatch.setattr(attention, "attn_paged", spy)
     monkeypatch.setattr(regions, "attn_paged", spy)
     _decode(tiny, attrs.evolve(REGIONS, attention_kernels=True), kernels=False, steps=1)  # QSA-selected
     assert calls == []
@@ -399,11 +400,11 @@ def test_paged_attention_is_for_dense_decode_groups_only(tiny, monkeypatch: pyte
 
 
 def test_linear_as_a_reduction_is_the_product() -> None:
-    from atlas.backends.cuda import layers
-    from atlas.backends.cuda.layers import linear
+    from atlas.backends.cuda import primitives
+    from atlas.backends.cuda.primitives import linear
 
     gen = torch.Generator().manual_seed(5)
-    for k in (40, 2 * layers.SPLIT_K):  # the first K one reduction, the second cut into two chunks
+    for k in (40, 2 * primitives.SPLIT_K):  # the first K one reduction, the second cut into two chunks
         x, w = torch.randn(3, 1, k, generator=gen), torch.randn(24, k, generator=gen)
         for gemv in ("split",):
             assert torch.allclose(linear(x, w, gemv), x @ w.T, atol=1e-4, rtol=1e-5), (k, gemv)
@@ -416,20 +417,21 @@ def test_linear_as_a_reduction_is_the_product() -> None:
 
 def test_the_small_products_are_reductions_only_in_compiled_decode_regions_of_few_rows(
         tiny, monkeypatch: pytest.MonkeyPatch, recompile_limit) -> None:  # type: ignore[no-untyped-def]
-    """The compiled decode regions (Dynamo, eager backend) of <= GEMV_ROWS rows take layers.linear's split
+    """The compiled decode regions (Dynamo, eager backend) of <= GEMV_ROWS rows take primitives.linear's split
     reduction (counted), prefill chunks and uncompiled regions never; the logits stay the uncompiled regions'
     product's within fp32 rounding. A 3-row group reduces only with GEMV_ROWS raised to 3 (it is 1)."""
-    from atlas.backends.cuda import layers
+    from atlas.backends.cuda import hyper, moe, primitives
 
     torch._dynamo.reset()
     seen: list[tuple[int, bool]] = []
-    real = layers.linear
+    real = primitives.linear
 
     def spy(x, w, gemv=""):  # type: ignore[no-untyped-def]
         seen.append((x.reshape(-1, x.shape[-1]).shape[0], gemv == "split"))
         return real(x, w, gemv)
 
-    monkeypatch.setattr(layers, "linear", spy)
+    for module in (hyper, moe):  # the hyper sites' and the router's products
+        monkeypatch.setattr(module, "linear", spy)
 
     @functools.cache
     def eager_compile(fn, mode):  # type: ignore[no-untyped-def]
@@ -455,7 +457,7 @@ def test_the_conv_is_fused_in_compiled_prefill_heads_and_library_elsewhere(
         tiny, monkeypatch: pytest.MonkeyPatch, recompile_limit) -> None:  # type: ignore[no-untyped-def]
     """library_conv with the regions compiled: a compiled prefill region's GDN conv takes the windowed product
     (Inductor fuses it; the Triton conv on a GPU), and so does the compiled PLE region's (regions.ple_block);
-    uncompiled regions keep the library conv for both, the PLE layer then eager (layers.ple_layer)."""
+    uncompiled regions keep the library conv for both, the PLE layer then eager (ple.ple_layer)."""
     torch._dynamo.reset()
     seen: dict[str, set[bool]] = collections.defaultdict(set)
     real_in, real_ple, real_mix = regions.gdn_in, regions.ple_layer, regions.ple_mix
@@ -517,7 +519,7 @@ def test_the_new_decode_regions_lower_through_inductor(tiny, recompile_limit) ->
         assert torch.equal(got[0], want[0]) and torch.equal(got[3], want[3])  # the streams, the n-gram ids
         assert torch.allclose(got[1], want[1], atol=1e-6) and torch.allclose(got[2], want[2], atol=1e-6)  # cos, sin
         # the ids are the runner's own (layers.device_ngram_ids)
-        from atlas.backends.cuda.layers import device_ngram_ids
+        from atlas.backends.cuda.ple import device_ngram_ids
 
         assert torch.equal(want[3], device_ngram_ids(backend.pools, grp, spec.ple, backend._ple_tables_dev))
     finally:

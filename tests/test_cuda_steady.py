@@ -341,7 +341,7 @@ def test_every_bad_input_to_a_steady_batch_is_refused_with_the_general_paths_err
     refused_alike(fast, general, with_row(plan, 1, block_table=(*w.block_table[:-1], BLOCKS)), "outside")
     refused_alike(fast, general, with_row(plan, 1, block_table=(-1, *w.block_table[1:])), "outside")
     # a block outside the pool past the blocks the positions need: the group's key slots, the sentinel and the stamp
-    # read read it (before session 16 the general path checked the first `needed` only and failed mid-step)
+    # read read it (checking the first `needed` only, the general path failed mid-step)
     refused_alike(fast, general, with_row(plan, 1, block_table=(*w.block_table, BLOCKS + 3)), "outside")
     refused_alike(fast, general, with_row(plan, 1, block_table=(*w.block_table, -1)), "outside")
     refused_alike(fast, general, StepPlan(plan.step, (*plan.work, plan.work[1])), "at most once")

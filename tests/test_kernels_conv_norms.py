@@ -67,7 +67,7 @@ def test_prefill_conv_equals_the_windowed_product_on_strided_input(dtype: torch.
     taps reaching into the state past the first tile), PLE's dilation 3."""
     from atlas_kernels import conv
 
-    from atlas.backends.cuda.layers import conv_step
+    from atlas.backends.cuda.primitives import conv_step
 
     monkeypatch.setattr(conv, "PREFILL_SCHEDULE", schedule)
     gen = torch.Generator().manual_seed(dilation * 100 + tokens)

@@ -15,17 +15,12 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the kernels' import
 
 from atlas_kernels import reference as ref
-from atlas_kernels.gdn_chunk import gdn_chunk_prefill
 from atlas_kernels.gdn_chunk_split import gdn_chunk_prefill_gated, gdn_chunk_prefill_split
 from atlas_kernels.gdn_recurrent import gdn_recurrent, gdn_recurrent_gated
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 1.5e-2}
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
-
-
-def fused_prefill(*args: torch.Tensor, max_seqlen: int) -> torch.Tensor:
-    return gdn_chunk_prefill(*args)
 
 
 def split_prefill(*args: torch.Tensor, max_seqlen: int) -> torch.Tensor:
@@ -54,24 +49,11 @@ def split_bf16_registers_prefill(*args: torch.Tensor, max_seqlen: int) -> torch.
     return gdn_chunk_prefill_split(*args, max_seqlen, work=work, prepare="registers")
 
 
-def split_bf16_wide_prefill(*args: torch.Tensor, max_seqlen: int) -> torch.Tensor:
-    """The wide prepare (whole-chunk products in registers, X one [64, 64] tile) with bf16 work for bf16 inputs"""
-    work = "bf16" if args[2].dtype == torch.bfloat16 else "fp32"
-    return gdn_chunk_prefill_split(*args, max_seqlen, work=work, prepare="wide")
-
-
-def split_bf16_wide_stacked_prefill(*args: torch.Tensor, max_seqlen: int) -> torch.Tensor:
-    """The wide prepare with q k^T and k k^T as one product of q and k stacked"""
-    work = "bf16" if args[2].dtype == torch.bfloat16 else "fp32"
-    return gdn_chunk_prefill_split(*args, max_seqlen, work=work, prepare="wide-stacked")
-
-
 PREFILLS = pytest.mark.parametrize(
     "prefill",
-    [fused_prefill, split_prefill, split_squaring_prefill, split_bf16_prefill, split_registers_prefill,
-     split_bf16_registers_prefill, split_bf16_wide_prefill, split_bf16_wide_stacked_prefill],
-    ids=["fused", "split", "split-squaring", "split-bf16", "split-registers", "split-bf16-registers",
-         "split-bf16-wide", "split-bf16-wide-stacked"])
+    [split_prefill, split_squaring_prefill, split_bf16_prefill, split_registers_prefill,
+     split_bf16_registers_prefill],
+    ids=["split", "split-squaring", "split-bf16", "split-registers", "split-bf16-registers"])
 
 
 def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -201,15 +183,13 @@ def test_chunked_prefill_matches_recurrent_reference(dtype: torch.dtype, prefill
     assert torch.equal(pool[2], before[2])
 
 
-@pytest.mark.parametrize("prepare", ["scratch", "registers", "wide", "wide-stacked"])
+@pytest.mark.parametrize("prepare", ["scratch", "registers"])
 def test_bf16_work_keeps_the_reference_within_bf16_error_and_refuses_fp32_inputs(prepare: str) -> None:
     """work='bf16' (w / u / p and the scan's product operands in bf16, the state fp32): against the recurrent
     reference on a 150-token prompt: output 3.3e-3 against the fp32 work's 1.7e-3 (the output's own bf16 rounding),
     the state 2.8e-3 against 3e-7; fp32 inputs (the parity mode) are refused. The registers prepare (its products
     on bf16 operands too, X rounded to bf16 for w / u): output 4.1e-3, the state 3.5e-3 (CPU interpreter; at
-    dk = dv = 128, 256 tokens: 4.1e-3 / 2.9e-3 against the scratch prepare's 3.1e-3 / 2.3e-3). The wide prepares
-    (the same operands, whole-chunk products): the registers prepare's errors to three digits (4.1e-3 / 2.9e-3 and
-    3.4e-3 / 3.5e-3 for the two sequences)."""
+    dk = dv = 128, 256 tokens: 4.1e-3 / 2.9e-3 against the scratch prepare's 3.1e-3 / 2.3e-3)."""
     gen = torch.Generator().manual_seed(31)
     lengths = [150, 7]
     q, k, v, g, beta = random_gdn(gen, (sum(lengths),), 2, 4, 32, 32, torch.bfloat16)
@@ -247,8 +227,6 @@ def test_prepare_choices_are_checked_and_a_register_cap_computes_the_same() -> N
         gdn_chunk_prefill_split(q, k, v, g, beta, cu_seqlens, pool, slots, 9, prepare="shared")
     with pytest.raises(ValueError, match="prepare='registers' solves by 16 x 16 blocks"):
         gdn_chunk_prefill_split(q, k, v, g, beta, cu_seqlens, pool, slots, 9, prepare="registers", inverse="squaring")
-    with pytest.raises(ValueError, match="prepare='wide' solves by 16 x 16 blocks"):
-        gdn_chunk_prefill_split(q, k, v, g, beta, cu_seqlens, pool, slots, 9, prepare="wide", inverse="squaring")
     # a cap on the prepare's registers (more programs an SM, some spills) computes the same
     capped_pool = pool.clone()
     out = gdn_chunk_prefill_split(q, k, v, g, beta, cu_seqlens, pool, slots, 9, work="bf16", prepare="registers")
@@ -257,8 +235,7 @@ def test_prepare_choices_are_checked_and_a_register_cap_computes_the_same() -> N
     assert rel_err(capped, out) < 1e-6 and rel_err(capped_pool, pool) < 1e-6
 
 
-@pytest.mark.parametrize(("prepare", "work"), [("scratch", "fp32"), ("registers", "fp32"), ("registers", "bf16"),
-                                               ("wide", "fp32"), ("wide", "bf16"), ("wide-stacked", "bf16")])
+@pytest.mark.parametrize(("prepare", "work"), [("scratch", "fp32"), ("registers", "fp32"), ("registers", "bf16")])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_gated_chunked_prefill_on_conv_output_slices_matches_reference(dtype: torch.dtype, prepare: str,
                                                                        work: str) -> None:

@@ -1,4 +1,4 @@
-"""The fused keyed-sampling kernel against the torch reference (atlas.sampling.keyed._keyed_argmax_torch): the
+"""The fused keyed-sampling kernel against the torch reference (atlas.sampling.keyed.keyed_argmax_torch): the
 same token on every row (greedy, temperature, min_p, top_k/top_p thresholds, banned tokens, greedy ties across
 blocks), for any split of the vocabulary and any float width of the logits. Interpreted without a GPU."""
 
@@ -17,8 +17,8 @@ from atlas_kernels.keyed_sample import keyed_argmax
 from atlas.sampling.keyed import (
     DRAFT_SALT,
     SAMPLE_SALT,
-    _keyed_argmax_torch,
-    _temperature,
+    keyed_argmax_torch,
+    row_temperature,
     rows_of,
     sample,
     threshold,
@@ -39,7 +39,7 @@ PARAMS = [
 
 def fused(key: torch.Tensor, rows, salt: int, splits: int | None = None) -> torch.Tensor:
     last = threshold(key, rows) if rows.filtered else torch.full((key.shape[0],), float("-inf"), dtype=torch.float64)
-    zmax = key.max(dim=-1).values.to(torch.float64) / _temperature(rows)
+    zmax = key.max(dim=-1).values.to(torch.float64) / row_temperature(rows)
     return keyed_argmax(key, rows.temperature, rows.log_min_p, last.to(key.device), zmax, rows.seed,
                         rows.position, salt, splits=splits)
 
@@ -60,7 +60,7 @@ def test_the_kernel_draws_the_references_tokens(splits: int | None) -> None:
     rows = rows_of(params, positions)
     last = threshold(key, rows)
     for salt in (SAMPLE_SALT, DRAFT_SALT):
-        want = _keyed_argmax_torch(key, rows, last, salt)
+        want = keyed_argmax_torch(key, rows, last, salt)
         got = fused(key.to(DEVICE), rows_of(params, positions, DEVICE), salt, splits).cpu()
         assert got.tolist() == want.tolist()
     assert want[1] == 5  # the tie went to the lowest index

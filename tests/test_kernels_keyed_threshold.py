@@ -15,7 +15,7 @@ if not torch.cuda.is_available():
 
 from atlas_kernels.keyed_threshold import bin_values, keyed_threshold
 
-from atlas.sampling.keyed import _temperature, rows_of, sample, threshold, threshold_sorted
+from atlas.sampling.keyed import row_temperature, rows_of, sample, threshold, threshold_sorted
 from atlas.sampling.params import SamplingParams
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -42,7 +42,7 @@ def damaged(n: int, vocab: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
 
 
 def ours(key: torch.Tensor, rows) -> torch.Tensor:
-    zmax = key.max(dim=-1).values.to(torch.float64) / _temperature(rows)
+    zmax = key.max(dim=-1).values.to(torch.float64) / row_temperature(rows)
     # interpreted, a larger scan step: 8 steps a row instead of 64 (the same code; the GPU runs the default)
     return keyed_threshold(key, rows.temperature, rows.log_min_p, rows.top_k, rows.top_p, zmax,
                            **({"scan_block": 8192} if DEVICE == "cpu" else {}))

@@ -17,10 +17,10 @@ if not torch.cuda.is_available():
 import pytest
 from test_cuda_stamps_read import _backend, _scramble, graph_path
 
-from atlas.backends.cuda.stamp_read import _summary_kernel
+from atlas.backends.cuda.stamp_read import summary_kernel
 from atlas.plan import SeqWork, StepPlan
 
-KERNEL = _summary_kernel()
+KERNEL = summary_kernel()
 pytestmark = pytest.mark.skipif(KERNEL is None, reason="atlas_kernels (triton) does not import here")
 # the backends of test_cuda_stamps_read live on the CPU; on a GPU the compiled kernel reads copies of their tensors
 DEV = "cuda" if torch.cuda.is_available() else "cpu"

@@ -1,6 +1,8 @@
 """Layers point one way (docs/ARCHITECTURE.md): the control plane imports neither the engine nor torch, the
-backends import neither the engine nor each other, and no import circle runs across files. Read off every
-import statement of the package (lazy ones inside functions included), not off what happens to be loaded."""
+backends import neither the engine nor each other, every module imports down the layer table (the registry's
+users reach a backend through the registry), no module imports another's private (_name) name, and no import
+circle runs across files. Read off every import statement of the package (lazy ones inside functions included),
+not off what happens to be loaded."""
 
 from __future__ import annotations
 
@@ -92,3 +94,97 @@ def test_no_import_circle_across_files() -> None:
     for m in sorted(edges):
         if m not in state:
             visit(m)
+
+
+# the layer table of docs/ARCHITECTURE.md, lowest first: a module imports only from its own layer or one below. The
+# users of the registry (the last layer) reach a backend only through it: they import no atlas.backends module.
+LAYERS: list[tuple[str, ...]] = [
+    ("atlas.errors", "atlas.hashing", "atlas.version", "atlas.threads"),
+    ("atlas.config",),
+    ("atlas.sampling.params",),
+    ("atlas.plan",),
+    ("atlas.state",),
+    ("atlas.model",),
+    ("atlas.sampling",),
+    ("atlas.backends",),
+    ("atlas.engine", "atlas.replay.store", "atlas.replay.codec", "atlas.replay.rows", "atlas.replay.reader",
+     "atlas.replay.sqlite_file"),
+    ("atlas.registry",),
+    ("atlas.bench", "atlas.bench_measure", "atlas.bench_variants", "atlas.calibrate"),
+    ("atlas", "atlas.replay", "atlas.server", "atlas.cli", "atlas.cli_checks", "atlas.cli_support", "atlas.llm"),
+]
+REGISTRY_USERS = len(LAYERS) - 1
+
+
+def layer_of(module: str) -> int:
+    """The index in LAYERS of the longest entry `module` is under."""
+    best = max(((len(name), i) for i, names in enumerate(LAYERS) for name in names if _under(module, name)),
+               default=None)
+    assert best is not None, f"{module} is in no layer of LAYERS (docs/ARCHITECTURE.md): add it"
+    return best[1]
+
+
+def test_every_module_imports_down_the_layer_table() -> None:
+    graph = import_graph()
+    # a package whose __init__ imports nothing (`from atlas.replay import codec` runs it) belongs to no layer
+    empty = {m for m, ts in graph.items() if not ts and (ROOT / m.replace(".", "/") / "__init__.py").exists()}
+    upward = []
+    for module, targets in sorted(graph.items()):
+        if not _under(module, "atlas"):
+            continue
+        mine = layer_of(module)
+        for target in sorted(t for t in targets if _under(t, "atlas") and t not in empty):
+            theirs = layer_of(target)
+            if theirs > mine or (mine == REGISTRY_USERS and _under(target, "atlas.backends")):
+                upward.append(f"{module} (layer {mine}) imports {target} (layer {theirs})")
+    assert not upward, "\n".join(upward)
+
+
+def private_imports(text: str, own: str, modules: set[str]) -> list[tuple[int, str]]:
+    """(line, M._name) of each `from M import _name` (or `import M._name`) in `text` where M is a module of the
+    package and _name is not a private submodule of the importer's (`own`) package: another module's private name."""
+    bad = []
+    for node in ast.walk(ast.parse(text)):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found = [(node.module, a.name) for a in node.names]
+        elif isinstance(node, ast.Import):
+            found = [(a.name.rsplit(".", 1)[0], a.name.rsplit(".", 1)[1]) for a in node.names if "." in a.name]
+        else:
+            continue
+        for module, name in found:
+            if module.split(".")[0] not in ("atlas", "atlas_kernels") or not name.startswith("_"):
+                continue
+            if name.startswith("__") and name.endswith("__"):
+                continue
+            if f"{module}.{name}" in modules and own and _under(own, module):  # its own package's private module
+                continue
+            bad.append((node.lineno, f"{module}.{name}"))
+    return bad
+
+
+def test_no_module_imports_another_modules_private_name() -> None:
+    modules = set(import_graph())
+    bad = []
+    for top in ("atlas", "kernels", "tests", "benchmarks", "tools"):
+        for path in (ROOT / top).rglob("*.py"):
+            if "__pycache__" in path.parts:
+                continue
+            own = _module(path) if top in ("atlas", "kernels") else ""
+            bad += [f"{path.relative_to(ROOT)}:{line}: {name}" for line, name in
+                    private_imports(path.read_text(), own, modules)]
+    assert not bad, "private names imported across modules (make the shared one public):\n" + "\n".join(bad)
+
+
+def test_the_checks_see_a_private_import_and_place_each_layer() -> None:
+    """The checks above catch what they are for: another module's private name (a package's own private module
+    is its own), and the layers in the table's order."""
+    modules = set(import_graph())
+    text = ("from atlas.state.invariants import _holds\nimport atlas.replay._x\n"
+            "from atlas_kernels import _interpreter_compat\nfrom atlas.state.invariants import check_sequence\n")
+    assert private_imports(text, "atlas.state.probe", modules) == [
+        (1, "atlas.state.invariants._holds"), (2, "atlas.replay._x"), (3, "atlas_kernels._interpreter_compat")]
+    assert private_imports(text, "atlas_kernels.conv", modules) == [(1, "atlas.state.invariants._holds"),
+                                                                     (2, "atlas.replay._x")]
+    assert layer_of("atlas.state.machines") < layer_of("atlas.engine.engine") < layer_of("atlas.registry")
+    assert layer_of("atlas.replay.store") < layer_of("atlas.registry") < layer_of("atlas.replay.verify")
+    assert layer_of("atlas.server.serve") == REGISTRY_USERS

@@ -1,6 +1,6 @@
 """The batched control-plane paths decide exactly what the per-sequence ones do.
 
-`_holds` (check_invariants' one-expression test) must pass exactly the sequences check_sequence passes;
+`holds` (check_invariants' one-expression test) must pass exactly the sequences check_sequence passes;
 StepExecuted's batched advance must refuse what Sequence.check_advance refuses (same machine, message,
 fields) and leave the same state (digest) when it commits; the inline fingerprint must equal the
 specified one (two mix64 rounds over the fields)."""
@@ -18,7 +18,7 @@ from atlas.hashing import mix64
 from atlas.sampling.params import SamplingParams
 from atlas.state import events as ev
 from atlas.state.control import ControlState, common_fingerprint, sequence_fingerprint
-from atlas.state.invariants import _holds, check_sequence
+from atlas.state.invariants import check_sequence, holds
 from atlas.state.machines import DrafterCarry, Phase, QsaCursor, Sequence, SequenceCursor, SsmRing
 
 CAPS = derive_capacities(EngineConfig(max_seq_len=64, max_batch_size=4, prefill_chunk_tokens=16,
@@ -71,7 +71,7 @@ def test_holds_passes_exactly_what_check_sequence_passes(seq: Sequence, block_si
         passes = True
     except InvariantViolation:
         passes = False
-    assert _holds(seq, block_size, drafts) == passes
+    assert holds(seq, block_size, drafts) == passes
 
 
 @settings(max_examples=500, deadline=None)
@@ -205,7 +205,7 @@ def test_the_batched_advance_names_the_violation_the_per_sequence_walk_names(pro
     assert got == expected
     if not broken:  # nothing corrupted: every sequence passes the batched test itself
         assert touched.suspects == [] and got is None
-    assert set(touched.suspects) >= {s for s in touched if not _holds(state.seqs[s], CAPS.block_size, 0)}
+    assert set(touched.suspects) >= {s for s in touched if not holds(state.seqs[s], CAPS.block_size, 0)}
 
 
 def test_a_block_past_the_tokens_after_a_batched_advance_is_named() -> None:

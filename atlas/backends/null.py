@@ -52,7 +52,7 @@ def _mix(h: int) -> int:
 
 
 @attrs.define
-class _SeqData:
+class SeqData:
     fed: int = 0  # tokens folded in: its KV, recurrent and PLE cursors
     rolling: int = 0
     keys: int = 0  # its QSA keys (moved with `fed` by every honest operation; separate so a desync can show)
@@ -68,10 +68,10 @@ class NullBackend:
         self.vocab_size = vocab_size
         self.eos_token_id = eos_token_id
         self.eos_rate = eos_rate
-        self._seqs: dict[int, _SeqData] = {}
-        self._ring: dict[int, dict[int, _SeqData]] = {}  # seq_id -> ring slot -> boundary snapshot
+        self._seqs: dict[int, SeqData] = {}
+        self._ring: dict[int, dict[int, SeqData]] = {}  # seq_id -> ring slot -> boundary snapshot
 
-    def _pick(self, data: _SeqData, seed: int | None, position: int) -> int:
+    def _pick(self, data: SeqData, seed: int | None, position: int) -> int:
         h = _mix(data.rolling ^ 0x9E3779B97F4A7C15)
         if seed is not None:  # sampled: the keyed draw depends on (seed, position) as well
             h = _mix(h ^ (seed * 0xD6E8FEB86659FD93 + position) & _MASK)
@@ -94,14 +94,14 @@ class NullBackend:
     def snapshot(self, order: RingSnapshot) -> None:
         data = self._seqs[order.seq_id]
         if data.fed == order.position:  # a misplaced snapshot is not stored: the restore will refuse it
-            self._ring.setdefault(order.seq_id, {})[order.slot] = _SeqData(data.fed, data.rolling, data.keys)
+            self._ring.setdefault(order.seq_id, {})[order.slot] = SeqData(data.fed, data.rolling, data.keys)
 
     def restore(self, order: RingRestore) -> BackendCursors:
         seq_id, slot, position = order.seq_id, order.slot, order.position
         snap = self._ring.get(seq_id, {}).get(slot)
         if seq_id not in self._seqs or snap is None or snap.fed != position or position > self._seqs[seq_id].fed:
             raise RestoreRefused(f"sequence {seq_id}: no snapshot at {position} in ring slot {slot}")
-        self._seqs[seq_id] = _SeqData(snap.fed, snap.rolling, snap.keys)
+        self._seqs[seq_id] = SeqData(snap.fed, snap.rolling, snap.keys)
         ring = self._ring[seq_id]
         for s in [s for s, held in ring.items() if held.fed > position]:
             del ring[s]
@@ -133,7 +133,7 @@ class NullBackend:
                 continue
             data = self._seqs.get(w.seq_id)
             if data is None:
-                data = self._seqs[w.seq_id] = _SeqData()
+                data = self._seqs[w.seq_id] = SeqData()
             if w.start == data.fed:  # a misplaced chunk is not folded in: the cursor check will catch it
                 h = data.rolling
                 for t in w.tokens:
@@ -156,7 +156,7 @@ class NullBackend:
                           refused=tuple((s, why) for s, why in done.refused.items() if s not in in_work))
 
     def cursors(self, seq_id: int) -> BackendCursors:
-        data = self._seqs.get(seq_id, _SeqData())
+        data = self._seqs.get(seq_id, SeqData())
         n = data.fed
         return BackendCursors(n, data.keys, n, n, 0)
 

@@ -19,7 +19,7 @@ class EventSink(Protocol):
 
 
 @attrs.define
-class _Held:
+class Held:
     """A non-streaming request's output so far, handed out in one RequestOutput when it ends."""
 
     tokens: list[int] = attrs.Factory(list)

@@ -18,7 +18,7 @@ import attrs
 from atlas.config import EngineConfig
 from atlas.engine.outputs import FinishReason, RequestOutput
 from atlas.engine.planner import Lanes
-from atlas.engine.records import _Held
+from atlas.engine.records import Held as _Held
 from atlas.engine.rollback import RollbackPlan, plan_rollback
 from atlas.engine.stopping import StopChecker, Tokenizer
 from atlas.engine.watchdog import WatchdogConfig, detect_loop

@@ -2,7 +2,7 @@
 
 A step event (StepPlanned v3, StepExecuted v2) is 64 integers and more per step at batch 64, and most of a
 trace; as JSON, reading one back (json.loads, then the event's converters turning lists into tuples) cost more
-than replay check's whole per-event budget at 100,000 events/s (docs/CONTROL-PLANE.md, third pass). Codec 1 stores
+than replay check's whole per-event budget at 100,000 events/s (docs/CONTROL-PLANE.md). Codec 1 stores
 such a payload as a BLOB: one byte `CODEC`, then little-endian int32s, each variable-length field as its length
 and its values, in field order (an event with a value outside int32 is stored as JSON):
 
@@ -10,7 +10,7 @@ and its values, in field order (an event with a value outside int32 is stored as
     step_executed v2:  step, tokens*, accepted*, verdicts*
     (x* = len, values; x** = number of rows, then each row as x*)
 
-A request arrival (RequestArrived v2, replay check's sixth pass: its JSON parse and SamplingParams' validation were
+A request arrival (RequestArrived v2: as JSON, its parse and SamplingParams' validation were
 ~37 M of a 231 M-instruction check of benchmarks/replay_check.py's trace) is a fixed head, the prompt as int32s, then
 text: codec byte, seed (int64), seq_id, max_new, stream, seed_at, len(prompt), len(request id), len(params) (int32s),
 prompt, the request id (UTF-8), and the params without their seed as compact JSON (UTF-8); `seed_at` is the seed's

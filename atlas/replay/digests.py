@@ -1,4 +1,4 @@
-"""The state digests of events applied one at a time, compared in batches (replay check's fifth pass).
+"""The state digests of events applied one at a time, compared in batches (replay check).
 
 `ControlState.digest()` is four splitmix64 rounds in Python integers and a hex format: ~29,000 instructions a call,
 10 M of a 250 M-instruction check of benchmarks/replay_check.py's trace (350 events outside the runs). Here each

@@ -194,10 +194,10 @@ def penalised(logits: torch.Tensor, rows: Rows, banned: torch.Tensor | None = No
 
 def scaled(x: torch.Tensor, rows: Rows) -> torch.Tensor:
     """z = x / temperature (greedy rows divided by 1: their z is only ever argmax'd)."""
-    return x / _temperature(rows)[:, None]
+    return x / row_temperature(rows)[:, None]
 
 
-def _temperature(rows: Rows) -> torch.Tensor:
+def row_temperature(rows: Rows) -> torch.Tensor:
     return torch.where(rows.temperature > 0, rows.temperature, 1.0)
 
 
@@ -209,7 +209,7 @@ def threshold(key: torch.Tensor, rows: Rows) -> torch.Tensor:
     if key.is_cuda and key.dtype in (torch.bfloat16, torch.float16):
         binned = _binned()
         if binned is not None:
-            zmax = key.max(dim=-1).values.to(torch.float64) / _temperature(rows)
+            zmax = key.max(dim=-1).values.to(torch.float64) / row_temperature(rows)
             return binned(key, rows.temperature, rows.log_min_p, rows.top_k, rows.top_p, zmax)
     return threshold_sorted(key, rows)
 
@@ -217,7 +217,7 @@ def threshold(key: torch.Tensor, rows: Rows) -> torch.Tensor:
 def threshold_sorted(key: torch.Tensor, rows: Rows) -> torch.Tensor:
     """threshold() by sorting the row: the reference (and the path of float32 / float64 keys)."""
     vocab = key.shape[-1]
-    s = torch.sort(key, dim=-1, descending=True).values.to(torch.float64) / _temperature(rows)[:, None]
+    s = torch.sort(key, dim=-1, descending=True).values.to(torch.float64) / row_temperature(rows)[:, None]
     d = s - s[:, :1]  # z - z_max: s[:, 0] = fl(max(x) / T) == max(fl(x / T)), rounding is monotone
     k = torch.where(rows.top_k > 0, rows.top_k.clamp(max=vocab), vocab)
     prefix = (d >= rows.log_min_p[:, None]) & (s >= s.gather(1, (k - 1)[:, None]))  # both monotone in s
@@ -249,21 +249,21 @@ def keyed_argmax(key: torch.Tensor, rows: Rows, last: torch.Tensor | None, salt:
     give the same tokens); ATLAS_SAMPLER_KERNEL=0 keeps the torch ops."""
     fused = _fused() if key.is_cuda else None
     if fused is not None:
-        t = _temperature(rows)
+        t = row_temperature(rows)
         zmax = key.max(dim=-1).values.to(torch.float64) / t
         bound = torch.full_like(zmax, _NEG_INF) if last is None else last
         return fused(key, rows.temperature, rows.log_min_p, bound, zmax, rows.seed, rows.position, salt)
-    return _keyed_argmax_torch(key, rows, last, salt)
+    return keyed_argmax_torch(key, rows, last, salt)
 
 
 # elements per pass on a CPU: [4, 65,536] int64 temporaries stay in cache (B = 16, V = 65,536: 225 -> 116 ms)
 _CPU_ELEMENTS = 1 << 18
 
 
-def _keyed_argmax_torch(key: torch.Tensor, rows: Rows, last: torch.Tensor | None, salt: int) -> torch.Tensor:
+def keyed_argmax_torch(key: torch.Tensor, rows: Rows, last: torch.Tensor | None, salt: int) -> torch.Tensor:
     step = max(1, _CPU_ELEMENTS // key.shape[-1])
     if not key.is_cuda and key.shape[0] > step:  # a few rows at a time is the same function: no row sees another
-        return torch.cat([_keyed_argmax_torch(key[i : i + step], rows.rows(i, i + step),
+        return torch.cat([keyed_argmax_torch(key[i : i + step], rows.rows(i, i + step),
                                               None if last is None else last[i : i + step], salt)
                           for i in range(0, key.shape[0], step)])
     z = scaled(key.to(torch.float64), rows)

@@ -72,7 +72,7 @@ def engine_for_serving(
     config = EngineConfig(**{k: v for k, v in knobs.items() if v is not None})
     options = None
     if tuning is not None:
-        from atlas.backends.cuda.tuning import TUNINGS
+        from atlas.registry import TUNINGS
 
         options = {"tuning": TUNINGS[tuning]}
         log.info("CUDA tuning", tuning=tuning, knobs=attrs.asdict(TUNINGS[tuning]))

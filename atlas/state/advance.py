@@ -15,7 +15,7 @@ from __future__ import annotations
 from atlas.hashing import MASK64
 from atlas.state.control import ControlState, common_fingerprint, fold_fingerprints, sequence_fingerprint
 from atlas.state.events import StepPlanned
-from atlas.state.invariants import _holds
+from atlas.state.invariants import holds as _holds
 from atlas.state.machines import Phase, Sequence
 
 _FNV = 0x100000001B3

@@ -33,10 +33,10 @@ import numpy as np
 
 from atlas.hashing import ints_key
 from atlas.state.column_steps import refresh_rows
-from atlas.state.columns import _K_BLOCKS, _K_ID, _K_RUNNING, StepColumns, common
+from atlas.state.columns import K_BLOCKS, K_ID, K_RUNNING, StepColumns, common
 from atlas.state.control import Checked, ControlState
 from atlas.state.events import RequestFinished, StepPlanned
-from atlas.state.invariants import _holds
+from atlas.state.invariants import holds as _holds
 from atlas.state.machines import FinishReason, Phase
 from atlas.state.orders import PlanOrders
 
@@ -201,7 +201,7 @@ def _combined(cols: StepColumns, kept: slice | np.ndarray, kept_blocks: np.ndarr
                        _I, 4 * a).reshape(a, 4)
     words = np.fromiter(chain.from_iterable((s.cursor.token_hash, s.fingerprint, s.seq_id) for s in admitted),
                         _U, 3 * a).reshape(a, 3)
-    new.hid = np.concatenate((cols.hid[kept], words[:, 2] * _K_ID))
+    new.hid = np.concatenate((cols.hid[kept], words[:, 2] * K_ID))
     new.computed = np.concatenate((cols.computed[kept], ints[:, 0]))
     new.ntok = np.concatenate((cols.ntok[kept], ints[:, 1]))
     new.token_hash = np.concatenate((cols.token_hash[kept], words[:, 0]))
@@ -215,7 +215,7 @@ def _combined(cols: StepColumns, kept: slice | np.ndarray, kept_blocks: np.ndarr
     new.budget_end = np.concatenate((cols.budget_end[kept], ints[:, 3]))
     new.limit = np.minimum(new.capacity, new.nblocks * bs)
     new.low = (new.nblocks - 1) * bs
-    new.blocks_term = new.nblocks.view(_U) * _K_BLOCKS + _K_RUNNING
+    new.blocks_term = new.nblocks.view(_U) * K_BLOCKS + K_RUNNING
     return new
 
 

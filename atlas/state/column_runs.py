@@ -26,7 +26,7 @@ from array import array
 import numpy as np
 
 from atlas.hashing import MASK64
-from atlas.state.columns import _K_BLOCKS, _K_RUNNING, StepColumns, mix64_column, mix_columns
+from atlas.state.columns import K_BLOCKS, K_RUNNING, StepColumns, mix64_column, mix_columns
 from atlas.state.control import ControlState
 from atlas.state.orders import PlanOrders
 
@@ -172,7 +172,7 @@ def _apply(state: ControlState, plans: list[bytes], execs: list[bytes], digests:
     cols.computed, cols.ntok, cols.token_hash, cols.fp, cols.nblocks = computed, ntok, token_hash, fp, nblocks
     cols.limit = np.minimum(cols.capacity, nblocks * caps.block_size)
     cols.low = (nblocks - 1) * caps.block_size
-    cols.blocks_term = nblocks.view(np.uint64) * _K_BLOCKS + _K_RUNNING
+    cols.blocks_term = nblocks.view(np.uint64) * K_BLOCKS + K_RUNNING
     cols.tokens.append(T)  # [R x batch]: flush takes one-step rows and runs alike
     state.seq_digest = int(seqd[-1])
     state.pending_release.clear()
@@ -362,8 +362,8 @@ def _decode_chunk(comp: np.ndarray, ntok: np.ndarray, th: np.ndarray, nb: np.nda
     np.cumsum(add, axis=0, out=add)
     add += th
     np.multiply(P, add, out=TH[1:])
-    terms = NB.view(np.uint64) * _K_BLOCKS
-    terms += _K_RUNNING
+    terms = NB.view(np.uint64) * K_BLOCKS
+    terms += K_RUNNING
     FX = np.empty((m + 1, len(comp)), dtype=np.uint64)
     FX[0] = fp
     FX[1:] = mix_columns(TH[1:] ^ hid, C + 1, C, terms)
@@ -396,8 +396,8 @@ def _cursors(cols: StepColumns, F: np.ndarray, T: np.ndarray, G: np.ndarray, kk:
                     k, r = kk[a:b] - c0, rr[a:b]
                     f = k * n  # [k, r] of the [steps x batch] arrays as one flat index (a 1-D take, no 2-D mapiter)
                     f += r
-                    terms = NB.ravel().take(f).view(np.uint64) * _K_BLOCKS
-                    terms += _K_RUNNING
+                    terms = NB.ravel().take(f).view(np.uint64) * K_BLOCKS
+                    terms += K_RUNNING
                     Cf = C.ravel().take(f)
                     new = mix_columns(TH.ravel().take(f) ^ hid.take(r), Cf, Cf - 1, terms)
                     new ^= FX.ravel().take(f)
@@ -423,8 +423,8 @@ def _cursors(cols: StepColumns, F: np.ndarray, T: np.ndarray, G: np.ndarray, kk:
         TH = np.empty((c1 - c0 + 1, n), dtype=np.uint64)
         TH[0] = th
         token_hash_rows(th, S, Tc, TH[1:])
-        terms = NB.view(np.uint64) * _K_BLOCKS
-        terms += _K_RUNNING
+        terms = NB.view(np.uint64) * K_BLOCKS
+        terms += K_RUNNING
         FX = np.empty((c1 - c0 + 1, n), dtype=np.uint64)  # row 0: the fingerprints before the chunk
         FX[0] = fp
         FX[1:] = mix_columns(TH[1:] ^ hid, NT, C, terms)

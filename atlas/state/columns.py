@@ -20,12 +20,12 @@ from atlas.state.machines import Phase, Sequence
 
 _U = np.uint64
 _I = np.int64
-_K_ID, _K_MIX1, _K_MIX2 = _U(0x9E3779B97F4A7C15), _U(0xBF58476D1CE4E5B9), _U(0x94D049BB133111EB)
+K_ID, _K_MIX1, _K_MIX2 = _U(0x9E3779B97F4A7C15), _U(0xBF58476D1CE4E5B9), _U(0x94D049BB133111EB)
 _S30, _S27, _S31 = _U(30), _U(27), _U(31)
-_K_LEN, _K_BLOCKS = _U(0xC2B2AE3D27D4EB4F), _U(0xFF51AFD7ED558CCD)
+K_LEN, K_BLOCKS = _U(0xC2B2AE3D27D4EB4F), _U(0xFF51AFD7ED558CCD)
 _K_COMPUTED_QSA = _U((0x165667B19E3779F9 + 0xC4CEB9FE1A85EC53) & 0xFFFFFFFFFFFFFFFF)
 _M64 = (1 << 64) - 1
-_K_RUNNING = _U(0xD6E8FEB86659FD93 * Phase.RUNNING & _M64)
+K_RUNNING = _U(0xD6E8FEB86659FD93 * Phase.RUNNING & _M64)
 _FINISHED = Phase.FINISHED
 
 
@@ -57,7 +57,7 @@ def mix_columns(h: np.ndarray, seq_len: np.ndarray, computed: np.ndarray, blocks
     h ^= h >> _S27
     h *= _K_MIX2
     h ^= h >> _S31
-    h += seq_len.view(_U) * _K_LEN  # int64 columns >= 0: their uint64 view is the same number
+    h += seq_len.view(_U) * K_LEN  # int64 columns >= 0: their uint64 view is the same number
     h += computed.view(_U) * _K_COMPUTED_QSA
     h += blocks_term
     return mix64_column(h)
@@ -107,7 +107,7 @@ class StepColumns:
         self.row = {s: i for i, s in enumerate(ids)}
         self.bs = bs
         cur = [s.cursor for s in objs]
-        self.hid = np.array(ids, dtype=_U) * _K_ID
+        self.hid = np.array(ids, dtype=_U) * K_ID
         self.computed = np.array([c.computed for c in cur], dtype=_I)
         self.ntok = np.array([len(c.tokens) for c in cur], dtype=_I)
         self.token_hash = np.array([c.token_hash for c in cur], dtype=_U)
@@ -124,7 +124,7 @@ class StepColumns:
         self.budget_end = np.array([c.prompt_len + s.max_new for c, s in zip(cur, objs, strict=True)], dtype=_I)
         self.limit = np.minimum(self.capacity, self.nblocks * bs)  # KV and QSA keys end within both
         self.low = (self.nblocks - 1) * bs  # the tokens reach past this (no block beyond them)
-        self.blocks_term = self.nblocks.astype(_U) * _K_BLOCKS + _K_RUNNING
+        self.blocks_term = self.nblocks.astype(_U) * K_BLOCKS + K_RUNNING
 
     def add_blocks(self, r: int, k: int) -> None:
         """Row r's sequence got k blocks (StepPlanned's alloc)."""

@@ -138,7 +138,7 @@ def _token_ints(value: Any) -> tuple[int, ...]:
     return _ints(value)
 
 
-def _int_rows(value: Any) -> tuple[tuple[int, ...], ...]:
+def int_rows(value: Any) -> tuple[tuple[int, ...], ...]:
     if type(value) is tuple and not value:  # () (a step without allocations or drafts): no generator
         return value
     # a tuple of tuples of exact ints (the scheduler's alloc rows) as it is: C-level type tests, no tuple built a row
@@ -196,12 +196,12 @@ class StepPlanned(Event):
     admitted: tuple[int, ...] = attrs.field(converter=_ints)  # waiting -> running this step
     seqs: tuple[int, ...] = attrs.field(converter=_remembering_ints())  # the work, in plan order
     fed: tuple[int, ...] = attrs.field(converter=_remembering_ints())  # tokens fed per sequence
-    alloc: tuple[tuple[int, ...], ...] = attrs.field(converter=_int_rows)  # (seq_id, block, ...) rows
+    alloc: tuple[tuple[int, ...], ...] = attrs.field(converter=int_rows)  # (seq_id, block, ...) rows
     release: tuple[int, ...] = attrs.field(converter=_ints)  # data-plane state dropped (finished)
     reset: tuple[int, ...] = attrs.field(converter=_ints)  # data-plane state zeroed (preempted)
     # speculative decoding: drafts verified after the fed token, aligned with seqs (() = a plain feed); the
     # whole field is () when nothing drafts this step
-    drafts: tuple[tuple[int, ...], ...] = attrs.field(default=(), converter=_int_rows)
+    drafts: tuple[tuple[int, ...], ...] = attrs.field(default=(), converter=int_rows)
     # sequences whose content-loop rollback the data plane restores before the work (RingRestore orders)
     restored: tuple[int, ...] = attrs.field(default=(), converter=_ints)
 

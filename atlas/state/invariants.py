@@ -87,7 +87,7 @@ def _drafts_in_flight(state: ControlState, seq_id: int) -> int:
 def check_invariants(state: ControlState, touched: tuple[int, ...], index: int) -> None:
     """After every event: the sequences it touched, and the pool's and queues' counters.
 
-    Each touched sequence goes through `_holds`, one expression with every condition of check_sequence (on
+    Each touched sequence goes through `holds`, one expression with every condition of check_sequence (on
     its common path): only a sequence it cannot pass is given to check_sequence, which names the broken
     invariant exactly as before. At batch 64 this was the largest per-sequence cost of a step (6.9 us of
     ~37 us per sequence-step, benchmarks/control_plane.py)."""
@@ -99,7 +99,7 @@ def check_invariants(state: ControlState, touched: tuple[int, ...], index: int) 
               max_batch_size=state.caps.max_batch_size)
     bs = state.caps.block_size
     seqs = state.seqs
-    if type(touched) is Checked:  # the handler ran `_holds`'s test in its commit pass: what it could not pass
+    if type(touched) is Checked:  # the handler ran `holds`'s test in its commit pass: what it could not pass
         for seq_id in touched.suspects:
             check_sequence(seqs[seq_id], bs, index, _drafts_in_flight(state, seq_id))
         return
@@ -109,11 +109,11 @@ def check_invariants(state: ControlState, touched: tuple[int, ...], index: int) 
         seq = seqs.get(seq_id)
         if seq is not None:
             in_flight = _drafts_in_flight(state, seq_id) if drafting else 0
-            if not _holds(seq, bs, in_flight):
+            if not holds(seq, bs, in_flight):
                 check_sequence(seq, bs, index, in_flight)
 
 
-def _holds(seq: Sequence, bs: int, drafts_in_flight: int) -> bool:
+def holds(seq: Sequence, bs: int, drafts_in_flight: int) -> bool:
     """True only when check_sequence would pass: its conditions, negated and joined (False for anything not
     RUNNING or WAITING, which check_sequence refuses)."""
     c = seq.cursor

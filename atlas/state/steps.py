@@ -33,7 +33,7 @@ from atlas.state.events import (
     StepExecuted,
     StepPlanned,
 )
-from atlas.state.invariants import _holds
+from atlas.state.invariants import holds as _holds
 from atlas.state.machines import Phase, Sequence
 from atlas.state.orders import empty_or_new
 from atlas.state.prefix import forget_blocks, register_blocks

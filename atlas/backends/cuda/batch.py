@@ -30,7 +30,7 @@ class GroupShape:
     # a wide verify: per-slot state after each row goes to the pools' `inter`, the live state is left as it was
     keep: bool = False
     # a group whose PLE n-gram ids are computed on the device from its slots' n-gram context
-    # (layers.device_ngram_ids, inside the decode / prefill graph) instead of packed by the host: no ids columns
+    # (ple.device_ngram_ids, inside the decode / prefill graph) instead of packed by the host: no ids columns
     # (the runner's groups all do; a verify group packs the host's)
     ngram_on_device: bool = False
 

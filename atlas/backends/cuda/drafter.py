@@ -21,7 +21,7 @@ from typing import Any
 import attrs
 import torch
 
-from atlas.backends.cuda.layers import moe_layer
+from atlas.backends.cuda.moe import moe_layer
 from atlas.backends.cuda.pools import DevicePools
 from atlas.backends.ops import acc_dtype, apply_rope, dense_mlp, rms_norm, rope_table
 from atlas.model.spec import ModelSpec

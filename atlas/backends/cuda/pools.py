@@ -140,7 +140,7 @@ class DevicePools:
     def clear(self, slot: int) -> None:
         """A slot's non-positional state back to a fresh sequence's (zeros, an all-EOS context), stamps 0."""
         # one multi-tensor launch per dtype instead of one per pool (~40 on the 2.7B config, before a fresh
-        # sequence's prefill can start: H200 session 18, a replayed 2,048-token prefill's host part was ~1-2 ms)
+        # sequence's prefill can start: on the H200 a replayed 2,048-token prefill's host part is ~1-2 ms)
         torch._foreach_zero_([pool[slot] for name, pool in self.state.items() if name != "pctx"]
                              + [self.stamps[:, slot]])
         if "pctx" in self.state:

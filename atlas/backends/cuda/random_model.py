@@ -21,7 +21,7 @@ from atlas.model.tokenizer import ByteTokenizer
 from atlas.model.weights import expected_shapes
 
 
-def _random_tensor(name: str, shape: tuple[int, ...], g: torch.Generator, device: torch.device,
+def random_tensor(name: str, shape: tuple[int, ...], g: torch.Generator, device: torch.device,
                    dtype: torch.dtype) -> torch.Tensor:
     # drawn in fp32 then cast: bf16 normal_ would round the scale into the distribution's shape
     t = torch.empty(shape, device=device, dtype=torch.float32)
@@ -52,7 +52,7 @@ def random_model(config: dict[str, Any] | str | Path, *, device: str | torch.dev
     spec = ModelSpec.from_config(config)
     device = torch.device(device)
     g = torch.Generator(device=device).manual_seed(seed)
-    weights = {name: _random_tensor(name, shape, g, device, dtype)
+    weights = {name: random_tensor(name, shape, g, device, dtype)
                for name, shape in sorted(expected_shapes(spec).items())}
     digest = hashlib.sha256(json.dumps(config, sort_keys=True).encode() + f":random:{seed}".encode()).hexdigest()
     return LoadedModel(name=str(config.get("_name_or_path") or spec.model_type), spec=spec, weights=weights,

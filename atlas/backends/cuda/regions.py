@@ -15,12 +15,12 @@ function of tensors that Inductor fuses into a few kernels around its GEMMs:
     (eager: conv state / KV / QSA key writes and their stamps; the GDN recurrent kernel)
     tail:  the mixer's output (GDN's gated norm, or attention over the paged KV with QSA selection) + out
            projection + injection + the ffn's hyper site + the MoE router and shared expert
-    (eager: the routed experts, atlas.backends.cuda.layers.moe_routed)
+    (eager: the routed experts, atlas.backends.cuda.moe.moe_routed)
 
 The regions take tensors and plain numbers only (no weight dict, no layer names), so every layer of a kind hits
 the same compiled graph (one compile per region kind, and one more with symbolic sizes when a second batch
-bucket comes). The math is the functions of atlas.backends.cuda.layers (gdn_in, gdn_out, attn_in, attn_core,
-hyper_block, moe_router), composed: with compile "none" the regions run eagerly and give the layer stack's
+bucket comes). The math is the layer modules' functions (atlas.backends.cuda.gdn, attention, moe, hyper, ple:
+gdn_in, gdn_out, attn_in, attn_core, hyper_block, moe_router), composed: with compile "none" the regions run eagerly and give the layer stack's
 result bit for bit (tests/test_cuda_regions.py). Only decode groups (one token a row, no kept verify rows) of
 hyper-connection models run here; everything else takes the layer stack.
 """
@@ -32,10 +32,7 @@ from collections.abc import Callable, Sequence
 import attrs
 import torch
 
-from atlas.backends.cuda.batch import Group, GroupShape, group_columns
-from atlas.backends.cuda.compiled import COMPILE_MODE, compiled
-from atlas.backends.cuda.layers import (
-    GdnKernel,
+from atlas.backends.cuda.attention import (
     attention_kind,
     attn_core,
     attn_gate_out,
@@ -43,30 +40,27 @@ from atlas.backends.cuda.layers import (
     attn_paged,
     attn_sources,
     attn_store,
-    gdn_in,
-    gdn_out,
-    gdn_update,
-    hyper_block,
-    library_conv,
-    moe_mode_of,
-    moe_routed,
-    moe_router,
-    ngram_ids_from,
-    ple_layer,
-    ple_mix,
-    ple_weights,
 )
+from atlas.backends.cuda.batch import Group, GroupShape, group_columns
+from atlas.backends.cuda.compiled import COMPILE_MODE, compiled
+from atlas.backends.cuda.gdn import GdnKernel, gdn_in, gdn_out, gdn_update
+from atlas.backends.cuda.hyper import hyper_block
 from atlas.backends.cuda.moe import (
     RANKED_PAIRS,
     SMALL_EXPERTS,
     counted_route,
+    moe_mode_of,
+    moe_routed,
+    moe_router,
 )
+from atlas.backends.cuda.ple import ngram_ids_from, ple_layer, ple_mix, ple_weights
 from atlas.backends.cuda.pools import DevicePools, store_final
+from atlas.backends.cuda.primitives import library_conv
 from atlas.backends.cuda.tuning import Tuning
 from atlas.backends.ops import dense_mlp, hyper_inject, rope_table
 from atlas.model.spec import FULL_ATTENTION, ModelSpec
 
-# a compiled decode group of at most this many rows takes its small products as split reductions (layers.linear): the
+# a compiled decode group of at most this many rows takes its small products as split reductions (primitives.linear): the
 # reduction re-reads a weight from L2 once a row (cuBLAS's GEMM reads it once), so it can only win where the GEMV's
 # fixed cost dominates. H200 (benchmarks/kernels.py --only hyper_decode, a compiled hyper site alone): 13.0 / 32.2 us
 # at 1 / 4 rows against cuBLAS's 14.1 / 17.6, so one row only
@@ -194,8 +188,8 @@ def ple_block(spec: ModelSpec, streams: torch.Tensor, routed: torch.Tensor | Non
               conv_w: torch.Tensor, conv_pool: torch.Tensor, slots: torch.Tensor, fused_conv: str = ""
               ) -> torch.Tensor:
     """A compiled PLE layer as one region (a prefill chunk's and a compiled decode group's): the
-    previous ffn settled, the PLE addition (layers.ple_mix) added to the streams, its conv's new state written into
-    conv_pool at `slots` (the stamp is the caller's). Eagerly (layers.ple_layer) a PLE layer is ~20 launches: at
+    previous ffn settled, the PLE addition (ple.ple_mix) added to the streams, its conv's new state written into
+    conv_pool at `slots` (the stamp is the caller's). Eagerly (ple.ple_layer) a PLE layer is ~20 launches: at
     2,048 tokens over the [2,048, 4 x 2,048] streams, its conv ATen's depthwise kernel (176 us on the H200) after a
     133 us cat; in a decode step ~20 of its ~840 kernels each (two PLE layers)."""
     streams = settle(streams, routed, shared, inject_prev)
@@ -220,7 +214,7 @@ def prologue(spec: ModelSpec, tokens: torch.Tensor, positions: torch.Tensor, emb
              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """A compiled decode group's first region: (the streams [B, T, hc*H], the embedded tokens repeated per stream;
     cos, sin of the rotary table at the positions; the PLE n-gram ids from the slots' n-gram contexts (the pool
-    `ctx_pool` [slots, L] at `slots`), layers.device_ngram_ids' [P, B, T, heads], or None when ctx_pool is None).
+    `ctx_pool` [slots, L] at `slots`), ple.device_ngram_ids' [P, B, T, heads], or None when ctx_pool is None).
     Eagerly ~40 launches a step (the table's arange, pow, reciprocal, product, cat, cos, sin and casts; the gather and
     the streams' cat; the context's gather and the n-gram ids' ~30 integer ops)."""
     cos, sin = rope_table(positions.reshape(-1), spec.rotary_dim, spec.rope_theta, embed.dtype)
@@ -246,7 +240,7 @@ def columns_of(spec: ModelSpec, shape: GroupShape, tuning: Tuning) -> Callable[.
 
 def computes_ngram_ids(spec: ModelSpec, shape: GroupShape, tuning: Tuning) -> bool:
     """Whether regions_stack computes a group's n-gram ids itself (in the compiled prologue): a compiled decode group
-    of a PLE model. The runner then leaves Group.ngram_ids None (layers.device_ngram_ids eagerly otherwise)."""
+    of a PLE model. The runner then leaves Group.ngram_ids None (ple.device_ngram_ids eagerly otherwise)."""
     return spec.ple is not None and shape.ngram_on_device and compiled_decode(spec, shape, tuning)
 
 
@@ -292,7 +286,7 @@ def regions_stack(spec: ModelSpec, w: dict[str, torch.Tensor], pools: DevicePool
     cos, sin = tok(cos), tok(sin)
     write = grp.write_slots.reshape(-1)
     # a compiled decode group of few rows: the hyper sites' and router's products as reductions Inductor fuses, a
-    # long K's sum split (layers.linear)
+    # long K's sum split (primitives.linear)
     gemv = "split" if not prefill and wide and grp.tokens.shape[0] <= GEMV_ROWS else ""
     # paged: the split-K kernel between the head and attn_post (eager, in the graph)
     sdpa, paged = attention_kind(grp, tuning)

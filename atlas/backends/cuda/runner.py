@@ -12,7 +12,7 @@ Its Capabilities declare what it supports; the engine builder refuses any other 
 from __future__ import annotations
 
 import gc
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Sequence
 
 import attrs
 import numpy as np
@@ -20,30 +20,25 @@ import torch
 
 from atlas.backends.base import (
     Capabilities,
-    ChunkLike,
-    check_chunk,
     check_verify,
     run_orders,
     state_audit_default,
 )
-from atlas.backends.cuda import picks, regions
-from atlas.backends.cuda.batch import Group, GroupShape, Row, pack_rows
+from atlas.backends.cuda import picks
+from atlas.backends.cuda.batch import GroupShape
 from atlas.backends.cuda.faults import FaultGuard, probe_device
+from atlas.backends.cuda.feed import GroupFeed
+from atlas.backends.cuda.gdn import triton_gdn
 from atlas.backends.cuda.graphs import DecodeGraphs, Recurring, bucket
-from atlas.backends.cuda.layers import (
-    GdnKernel,
-    device_ngram_ids,
-    forward_group,
-    moe_mode_of,
-    ple_context_update,
-    prepare_weights,
-)
+from atlas.backends.cuda.moe import moe_mode_of
 from atlas.backends.cuda.ngram import device_ngram_cache
 from atlas.backends.cuda.pools import DevicePools
+from atlas.backends.cuda.seq_state import SeqState
 from atlas.backends.cuda.steady import SteadyDecode
-from atlas.backends.cuda.store import CudaStateStore, SeqState
+from atlas.backends.cuda.store import CudaStateStore
 from atlas.backends.cuda.tuning import EAGER, Tuning
 from atlas.backends.cuda.verify import VerifyRun, run_verifies
+from atlas.backends.cuda.weights import prepare_weights
 from atlas.config import Capacities, check_ple_capacities
 from atlas.model.loader import LoadedModel
 from atlas.model.ngram import NgramTables, ngram_ids, ngram_tables
@@ -55,33 +50,6 @@ from atlas.sampling.keyed import RowPacker
 MODES = ("cuda", "cuda-fp32", "cuda-invariant", "cuda-fp32-invariant")
 
 
-class GroupRows(Mapping):
-    """Chunk index -> its row of a group's batched tensor ([vocab] logits, a hidden), indexed when asked: a
-    batch-64 decode step used to slice 128 views a step (64 logits, 64 hiddens) that the sampler graph and a
-    drafter-less step never read."""
-
-    def __init__(self) -> None:
-        self._at: dict[int, tuple[torch.Tensor, int]] = {}
-
-    def put(self, tensor: torch.Tensor, idx: Sequence[int]) -> None:
-        at = self._at
-        for j, i in enumerate(idx):
-            at[i] = (tensor, j)
-
-    def __getitem__(self, i: int) -> torch.Tensor:
-        tensor, j = self._at[i]
-        return tensor[j]
-
-    def __iter__(self) -> Iterator[int]:
-        return iter(self._at)
-
-    def __len__(self) -> int:
-        return len(self._at)
-
-    def __contains__(self, i: object) -> bool:
-        return i in self._at
-
-
 def parse_backend(name: str) -> tuple[torch.dtype, bool]:
     """(activation dtype, batch invariant) of a CUDA backend name."""
     if name not in MODES:
@@ -89,39 +57,7 @@ def parse_backend(name: str) -> tuple[torch.dtype, bool]:
     return (torch.float32 if "-fp32" in name else torch.bfloat16), name.endswith("-invariant")
 
 
-def triton_gdn() -> GdnKernel | None:
-    """The Triton GDN kernels (decode: recurrent update; prefill: chunked, its intermediates and scan products in
-    bf16 for bf16 inputs, fp32 for fp32 ones), or None when atlas_kernels is not importable. On a CPU they run only
-    under TRITON_INTERPRET=1 (tests)."""
-    try:
-        from atlas_kernels.gdn_chunk_split import gdn_chunk_prefill_gated
-        from atlas_kernels.gdn_recurrent import gdn_recurrent_gated
-    except ImportError:
-        return None
-
-    def gdn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor, b_raw: torch.Tensor,
-            a_log: torch.Tensor, dt_bias: torch.Tensor, pool: torch.Tensor, slots: torch.Tensor, *, keep: bool = False,
-            stamp: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(out, per-token states [B, T, ...] when `keep`: a wide verify, whose live state is left as it was).
-        stamp: (the state's stamps [slots], each row's new stamp [B]), written with the state unless `keep`."""
-        if keep:  # a verify: every row's state kept for the commit, the slot not written
-            return gdn_recurrent_gated(q, k, v, a, b_raw, a_log, dt_bias, pool, slots, store_states=True,
-                                       commit=False)
-        if q.shape[1] == 1:  # g, beta and the stamp in the kernel: no separate launches for them per layer
-            return gdn_recurrent_gated(q, k, v, a, b_raw, a_log, dt_bias, pool, slots, stamp=stamp)[0], None
-        # the split chunk kernel (chunk-local products in a parallel kernel, then the state scan), the gates, the
-        # sequences' bounds and the stamp in its kernels, q / k / v / a / b read in place. bf16 inputs: bf16 work and
-        # the registers prepare (H200, a 2,048-token layer's call: 322.5 us with fp32 work and the scratch prepare,
-        # 221.8 with bf16 work, 146.5 with the registers prepare; fla-core 0.6.0's chunk_gated_delta_rule 626 us);
-        # fp32 inputs (the parity mode) fp32 work and the scratch prepare (the registers prepare spills there)
-        low = v.dtype == torch.bfloat16
-        return gdn_chunk_prefill_gated(q, k, v, a, b_raw, a_log, dt_bias, pool, slots, stamp=stamp,
-                                       work="bf16" if low else "fp32", prepare="registers" if low else "scratch"), None
-
-    return gdn
-
-
-class CudaBackend:
+class CudaBackend(GroupFeed):
     def __init__(
         self,
         model: LoadedModel,
@@ -236,7 +172,7 @@ class CudaBackend:
         self._kept_out: dict[GroupShape, dict] = {}
         self._ple_tables = ([ngram_tables(spec.ple, spec.vocab_size, r) for r in range(len(spec.ple.layers))]
                             if spec.ple is not None else [])
-        # the same tables on the device, for a decode group's ids computed there (layers.device_ngram_ids)
+        # the same tables on the device, for a decode group's ids computed there (ple.device_ngram_ids)
         self._ple_tables_dev = [tuple(torch.tensor(v, dtype=torch.long, device=self.device) for v in
                                       (t.multipliers, t.head_vocab_sizes, t.head_offsets)) for t in self._ple_tables]
         if self.ngram_cache is not None:  # ids read through each layer's remap, from a row to its slot
@@ -251,7 +187,7 @@ class CudaBackend:
 
     @property
     def prefill_moe(self) -> str:
-        """MoE of prefill chunks (layers.moe_mode_of): "grouped" syncs with the host every layer."""
+        """MoE of prefill chunks (moe.moe_mode_of): "grouped" syncs with the host every layer."""
         return moe_mode_of(self.tuning, prefill=True)
 
     @classmethod
@@ -272,8 +208,8 @@ class CudaBackend:
     def close(self) -> None:
         """Give the device memory back now (Engine.close): the graphs hold bound methods of this backend (a
         reference cycle), so without this its pools, fused weights and graph pools wait for the cyclic garbage
-        collector; a process that builds engines one after another (the benchmarks) ran out of the H200's
-        139 GiB at the fourteenth (GPU run 2 of session 3)."""
+        collector; a process that builds engines one after another (the benchmarks) runs out of the H200's
+        139 GiB at the fourteenth without it."""
         self.graphs = self.verify_graphs = self.prefill_graphs = None
         self.store.reader.close()
         if self.device.type == "cuda":  # the CPU path (tests) has no graphs and memory to spare: no collection
@@ -294,16 +230,6 @@ class CudaBackend:
 
     def cursors(self, seq_id: int) -> BackendCursors:
         return self.store.cursors(seq_id)
-
-    # -- groups ---------------------------------------------------------------------------------------
-
-    def _shape(self, batch: int, width: int, end: int) -> GroupShape:
-        ple = self.spec.ple
-        qsa = self.spec.qsa
-        return GroupShape(batch=batch, width=width, key_blocks=-(-end // self.block_size),
-                          qsa_select=qsa is not None and end > qsa.inert_bound,
-                          ngram_heads=ple.num_heads if ple else 0, ple_layers=len(ple.layers) if ple else 0,
-                          ngram_on_device=ple is not None)
 
     def _ngram_rows(self, state: SeqState, tokens: Sequence[int]) -> list[list[int]]:
         """Per PLE layer, the n-gram ids of `tokens` continuing the sequence's context, flattened: the table rows,
@@ -329,210 +255,9 @@ class CudaBackend:
             return []
         history = state.ple_context + list(tokens)
         if len(tokens) == 1:  # decode: plain integers, no tensor round trip (the host side of every step)
-            return [_ngram_one(history, ple.ngram_size, ple.heads_per_ngram, ple.eos_token_id, t) for t in self._ple_tables]
+            return [ngram_one(history, ple.ngram_size, ple.heads_per_ngram, ple.eos_token_id, t) for t in self._ple_tables]
         hist = torch.tensor(history, dtype=torch.long)
         return [ngram_ids(hist, len(tokens), ple, t).flatten().tolist() for t in self._ple_tables]
-
-    def _row(self, chunk: ChunkLike) -> Row:
-        """The chunk's packed row, without n-gram ids: every group the runner packs computes them on the device
-        (GroupShape.ngram_on_device; only the row-by-row verify packs the host's, from _ngram_rows)."""
-        state = self._seqs[chunk.seq_id]
-        return (chunk.tokens, chunk.start, state.slot, chunk.block_table, [])
-
-    def _advance(self, chunk: ChunkLike) -> None:
-        state = self._seqs[chunk.seq_id]
-        state.position = chunk.start + len(chunk.tokens)
-        state.table = tuple(chunk.block_table)
-        if self.spec.ple is not None:
-            state.ple_context = (state.ple_context + list(chunk.tokens))[-self.spec.ple.context_len :]
-
-    def _group(self, packed: torch.Tensor, shape: GroupShape) -> Group:
-        """The device views of a packed group; a decode group's n-gram ids computed from the slots' context (by the
-        compiled prologue for compiled decode regions); a compiled decode's columns derived in one compiled region."""
-        grp = Group.view(packed, shape, self.block_size, regions.columns_of(self.spec, shape, self.tuning))
-        if shape.ngram_on_device:
-            assert self.spec.ple is not None
-            if not regions.computes_ngram_ids(self.spec, shape, self.tuning):  # else the compiled prologue does
-                grp = attrs.evolve(grp, ngram_ids=device_ngram_ids(self.pools, grp, self.spec.ple,
-                                                                   self._ple_tables_dev))
-        return grp
-
-    def _run_group(self, packed: torch.Tensor, shape: GroupShape) -> torch.Tensor:
-        grp = self._group(packed, shape)
-        # decode groups take graph-capturable paths; prefill groups run eagerly (their MoE may sync: prefill_moe)
-        eager = shape.width > 1 and not shape.pending
-        if regions.applies(self.spec, grp, self.tuning):
-            hidden = regions.regions_stack(self.spec, self.weights, self.pools, grp, ngram_tables=self._ple_tables_dev,
-                                           gdn_kernel=self.gdn_kernel,
-                                           tuning=self.tuning, invariant=self.batch_invariant)
-        else:
-            hidden = forward_group(self.spec, self.weights, self.pools, grp, eager_moe=eager,
-                                   gdn_kernel=self.gdn_kernel, tuning=self.tuning, invariant=self.batch_invariant)
-        if self.pools.ple_context_len:  # the device's n-gram context (and its stamp), in the same graph
-            ple_context_update(self.pools, grp)
-        return hidden
-
-    def _decode_logits(self, packed: torch.Tensor, shape: GroupShape) -> torch.Tensor:
-        hidden = self._run_group(packed, shape)
-        last = hidden[:, -1]
-        # the last row's hidden, kept for the drafter (under a graph: the captured run's static tensor)
-        self._hidden_out[shape] = last
-        return last @ self.weights["lm_head.weight"].T
-
-    def _prefill_logits(self, packed: torch.Tensor, shape: GroupShape) -> torch.Tensor:
-        """A prefill chunk's last-row logits [1, vocab], its every row's hidden kept (the eager path's ops)."""
-        hidden = self._run_group(packed, shape)
-        self._hidden_out[shape] = hidden
-        return hidden[:, -1] @ self.weights["lm_head.weight"].T
-
-    def _verify_logits(self, packed: torch.Tensor, shape: GroupShape) -> torch.Tensor:
-        """A wide verify group: every row's logits [B, K, vocab] (its hidden kept for the drafter's commit)."""
-        hidden = self._run_group(packed, shape)
-        self._hidden_out[shape] = hidden
-        # the per-token state tensors the commit selects from: under a graph, the captured run's static tensors
-        # (a replay runs no Python, so verify.py puts these back into pools.kept after each replay)
-        self._kept_out[shape] = dict(self.pools.kept)
-        return hidden @ self.weights["lm_head.weight"].T
-
-    def _padding(self, shape: GroupShape) -> torch.Tensor:
-        return pack_rows(shape, [], self.pools.scratch_slots, self.pools.scratch_block, self.block_size)
-
-    # -- compute ------------------------------------------------------------------------------------
-
-    def _check_chunk(self, chunk: ChunkLike) -> None:
-        state = self._seqs.get(chunk.seq_id)
-        check_chunk(chunk, self.spec.vocab_size, state.position if state is not None else 0)
-        end = chunk.start + len(chunk.tokens)
-        needed = -(-end // self.block_size)
-        whole = chunk.block_table
-        if state is not None and state.checked[0] is whole and needed <= state.checked[1]:
-            return  # this table object was checked whole at an earlier step, and covers these positions
-        if len(whole) < needed:
-            raise ValueError(f"block table has {len(whole)} blocks; positions up to {end} need {needed} "
-                             f"of block_size {self.block_size}")
-        # every block of it, not only the first `needed`: the group reads its key blocks' slots past them, the
-        # sentinel the block at `end`, the stamp read the whole table (a block outside the pool there failed mid-step)
-        if whole and (min(whole) < 0 or max(whole) >= self.pools.num_kv_blocks):
-            raise ValueError(f"block table {list(whole)} names a block outside [0, {self.pools.num_kv_blocks})")
-        if state is not None and isinstance(whole, tuple):  # a tuple cannot change under us
-            state.checked = (whole, len(whole))
-
-    def _prepare(self, chunks: Sequence[ChunkLike]) -> None:
-        seq_ids = [c.seq_id for c in chunks]
-        if len(set(seq_ids)) != len(seq_ids):
-            raise ValueError(f"a step feeds each sequence at most once, got sequence ids {seq_ids}")
-        for chunk in chunks:  # refuse a bad batch before any sequence moves
-            self._check_chunk(chunk)
-        fresh = [c.seq_id for c in chunks if c.start == 0 or c.seq_id not in self._seqs]
-        free = self.pools.free_count + sum(1 for s in fresh if s in self._seqs)
-        if len({*fresh}) > free:
-            raise ValueError(f"{len(fresh)} new sequences but only {free} state slots are free (max_batch_size "
-                             f"{self.max_batch_size})")
-        for seq_id in fresh:
-            self.reset(seq_id)
-
-    def _groups(self, chunks: Sequence[ChunkLike]) -> list[list[int]]:
-        """Indices of `chunks` per group: all one-token rows together, each longer chunk alone."""
-        decodes = [i for i, c in enumerate(chunks) if len(c.tokens) == 1]
-        groups = [[i] for i, c in enumerate(chunks) if len(c.tokens) > 1]
-        return ([decodes] if decodes else []) + groups
-
-    def _last_logits(self, chunks: Sequence[ChunkLike], full: set[int] | None = None) -> GroupRows:
-        """Feed the chunks; the logits of each one's last fed position, by chunk index ([vocab] each). For the
-        chunks in `full` (prompt logprobs), every fed position's logits go to self.full_logits [n, vocab]. Each
-        chunk's final hidden states (every position of a prefill chunk, the last of a decode) go to
-        self.fed_hidden, for the drafter."""
-        out = GroupRows()
-        self._replayed = None
-        self.full_logits: dict[int, torch.Tensor] = {}
-        self.fed_hidden = GroupRows()
-        full = full or set()
-        head = self.weights["lm_head.weight"]
-        for idx in self._groups(chunks):
-            members = [chunks[i] for i in idx]
-            width = len(members[0].tokens)
-            end = max(c.start + len(c.tokens) for c in members)
-            if width == 1:
-                shape = self._decode_shape(len(members), end)
-            else:
-                shape = self._shape(len(members), width, end)
-                if self.tuning.prefill_graphs:  # eager or replayed, a chunk computes one shape
-                    shape = attrs.evolve(shape, key_blocks=bucket(shape.key_blocks, 4))
-            rows = [self._row(c) for c in members]
-            packed = pack_rows(shape, rows, self.pools.scratch_slots, self.pools.scratch_block, self.block_size)
-            if width == 1:
-                logits = self._decode_group(shape, packed, idx)
-                hidden = self._hidden_out[shape][:, None]
-            elif self.prefill_graphs is not None and self._recurring.take(shape):
-                host = packed.pin_memory() if self.device.type == "cuda" else packed
-                logits, _ = self.prefill_graphs.replay(shape, host, self._padding)
-                # copied out now: another chunk of this shape in the step replays the same static outputs
-                logits, hidden = logits.clone(), self._hidden_out[shape].clone()
-            else:
-                hidden = self._run_group(packed.to(self.device), shape)
-                logits = hidden[:, -1] @ head.T
-            for c in members:
-                self._advance(c)
-            out.put(logits, idx)
-            self.fed_hidden.put(hidden, idx)
-            for j, i in enumerate(idx):
-                if i in full:
-                    self.full_logits[i] = logits[j][None] if width == 1 else hidden[j] @ head.T
-        return out
-
-    def _decode_shape(self, batch: int, end: int) -> GroupShape:
-        """The shape of a decode group of `batch` rows whose furthest fed position is end - 1: padded to the graph
-        buckets (or, batch invariant, to the one shape of every step). Memoised: a steady decode asks every step."""
-        qsa = self.spec.qsa
-        key = (batch, -(-end // self.block_size), qsa is not None and end > qsa.inert_bound, self.graphs is not None,
-               self.batch_invariant)
-        shape = self._decode_shapes.get(key)
-        if shape is None:
-            shape = self._shape(batch, 1, end)
-            if self.batch_invariant:
-                shape = attrs.evolve(shape, batch=bucket(self.max_batch_size), key_blocks=self.max_blocks_per_seq)
-            elif self.graphs is not None:
-                shape = attrs.evolve(shape, batch=bucket(batch), key_blocks=bucket(shape.key_blocks, 4))
-            if len(self._decode_shapes) >= 1024:
-                self._decode_shapes.clear()
-            # one object per distinct shape (several keys bucket to one): the steady step keeps its packed buffer
-            # while the shape is the same object, and the graphs' dicts find it by identity
-            shape = self._decode_shapes[key] = self._decode_shapes.setdefault(shape, shape)
-        return shape
-
-    def _decode_group(self, shape: GroupShape, packed: torch.Tensor, idx: list[int], *, ready: bool = False
-                      ) -> torch.Tensor:
-        """A decode group's forward on its packed host buffer (`ready`: already in pinned memory on a CUDA device):
-        its logits [B, vocab] (its last hidden in self._hidden_out[shape]), replayed from its graph when there are
-        graphs (the sampler then samples the graph's own logits: self._replayed)."""
-        if self.graphs is not None:
-            host = packed if ready or self.device.type != "cuda" else packed.pin_memory()
-            logits, _ = self.graphs.replay(shape, host, self._padding)
-            self._replayed = (shape, idx)
-        else:
-            logits = self._decode_logits(packed.to(self.device), shape)
-        return logits
-
-    def forward_hidden(self, chunks: Sequence[ChunkLike]) -> list[torch.Tensor]:
-        """Run each chunk (eager, one group each); return its final hidden states [n, H] (the lm_head input)."""
-        with self._faults():
-            self._prepare(chunks)
-            self._ngram_fill([(self._seqs[c.seq_id], c.tokens) for c in chunks])
-            out = []
-            for chunk in chunks:
-                shape = self._shape(1, len(chunk.tokens), chunk.start + len(chunk.tokens))
-                packed = pack_rows(shape, [self._row(chunk)], self.pools.scratch_slots, self.pools.scratch_block,
-                                   self.block_size)
-                out.append(self._run_group(packed.to(self.device), shape)[0])
-                self._advance(chunk)
-            return out
-
-    def logits_from_hidden(self, hidden: torch.Tensor) -> torch.Tensor:
-        return hidden @ self.weights["lm_head.weight"].T
-
-    def forward(self, chunks: Sequence[ChunkLike]) -> list[torch.Tensor]:
-        """Run each chunk; return its logits [n, vocab] for every fed position."""
-        return [self.logits_from_hidden(h) for h in self.forward_hidden(chunks)]
 
     def execute(self, plan: StepPlan) -> StepResult:
         with self._faults():
@@ -646,7 +371,7 @@ class CudaBackend:
         return probe_device(self.device)
 
 
-def _ngram_one(history: list[int], ngram_size: int, heads_per_ngram: int, eos: int, tables: NgramTables) -> list[int]:
+def ngram_one(history: list[int], ngram_size: int, heads_per_ngram: int, eos: int, tables: NgramTables) -> list[int]:
     """atlas.model.ngram.ngram_ids for the last token of `history` (context + 1 token), on plain ints."""
     p = len(history) - 1
     mult, sizes, offsets = tables.multipliers, tables.head_vocab_sizes, tables.head_offsets

@@ -63,7 +63,7 @@ class StampReader:
         self.pools, self.drafter = pools, drafter
         self.on_cuda = pools.device.type == "cuda"  # (torch.device.type builds a string each time: ~3 k instructions)
         self.use_graphs = graphs and self.on_cuda
-        self.kernel = _summary_kernel() if (pools.device.type == "cuda" if kernel is None else kernel) else None
+        self.kernel = summary_kernel() if (pools.device.type == "cuda" if kernel is None else kernel) else None
         dev, slots = pools.device, pools.state_slots
         self.bs = pools.block_size
         self._alloc(max(1, table_blocks))
@@ -153,8 +153,8 @@ class StampReader:
             self._set_delta(entries)
             return
         # through pinned memory, queued: a pageable copy (copy_ without non_blocking) waits for the whole stream, and
-        # a fresh prompt's read comes right after its prefill is queued (H200 session 18: a 2,048-token prefill's
-        # 128 new blocks took this path, and the host sat here for the whole 20 ms graph before it could queue the
+        # a fresh prompt's read comes right after its prefill is queued (H200: a 2,048-token prefill's 128 new blocks
+        # take this path, and a pageable copy keeps the host here for the whole 20 ms graph before it can queue the
         # sampler and the summary behind it). Pinned blocks freed after a queued copy are not reused before it ends.
         e = torch.tensor(entries, dtype=torch.long)
         pinned = self.pools.device.type == "cuda"
@@ -357,7 +357,7 @@ class StampReader:
                               drafter_rows=drafter, stamps=tuple(zip(self.kinds, self.layers, row, strict=True)))
 
 
-def _summary_kernel() -> Any:
+def summary_kernel() -> Any:
     """atlas_kernels.stamp_summary.stamp_summary, or None where the kernels do not import."""
     try:
         from atlas_kernels.stamp_summary import stamp_summary

@@ -25,7 +25,7 @@ class Tuning:
     regions: bool = True
     # the regions through torch.compile with Inductor's combo kernels (one compiled graph per region kind, a decode
     # group's prologue, PLE layers and columns as regions too, a prefill chunk's token dimension symbolic); inside
-    # them a one-row decode group's small products as reductions with a long K's sum split (layers.linear) and a
+    # them a one-row decode group's small products as reductions with a long K's sum split (primitives.linear) and a
     # prefill chunk's causal convs as one time-major Triton kernel each on a CUDA device (off: the regions eagerly,
     # bit for bit the layer stack's result)
     compile: bool = True
@@ -38,10 +38,10 @@ class Tuning:
     # F.scaled_dot_product_attention (off: materialised fp32 scores)
     attention_kernels: bool = True
     # a prefill chunk's eager causal convs through cuDNN's depthwise conv1d (never in the batch-invariant modes:
-    # layers.conv_step) (off: the reference's fp32 windowed product)
+    # primitives.conv_step) (off: the reference's fp32 windowed product)
     library_conv: bool = True
     # prefill chunks of a recurring shape replayed from CUDA graphs (the chunk's key blocks rounded up to a power of
-    # two, a shape captured the second time it is fed, at most runner.PREFILL_GRAPHS shapes); needs moe_kernels
+    # two, a shape captured the second time it is fed, at most graphs.PREFILL_GRAPHS shapes); needs moe_kernels
     # (no host sync)
     prefill_graphs: bool = True
 

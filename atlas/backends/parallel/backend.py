@@ -21,7 +21,7 @@ import torch
 
 from atlas.backends.base import ChunkLike
 from atlas.backends.cuda.batch import GroupShape
-from atlas.backends.cuda.layers import ple_context_update
+from atlas.backends.cuda.ple import ple_context_update
 from atlas.backends.cuda.runner import CudaBackend
 from atlas.backends.cuda.tuning import EAGER
 from atlas.backends.parallel.comm import Comm

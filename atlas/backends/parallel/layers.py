@@ -14,18 +14,14 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from atlas.backends.cuda.attention import attention_layer
 from atlas.backends.cuda.batch import Group
-from atlas.backends.cuda.layers import (
-    GdnKernel,
-    attention_layer,
-    gdn_layer,
-    hyper_mix,
-    moe_layer,
-    ple_layer,
-    rms_norm,
-    split_out,
-)
+from atlas.backends.cuda.gdn import GdnKernel, gdn_layer
+from atlas.backends.cuda.hyper import hyper_mix
+from atlas.backends.cuda.moe import moe_layer
+from atlas.backends.cuda.ple import ple_layer
 from atlas.backends.cuda.pools import DevicePools
+from atlas.backends.cuda.primitives import rms_norm, split_out
 from atlas.backends.decoder import decoder_stack
 from atlas.backends.ops import acc_dtype, dense_mlp, rope_table
 from atlas.backends.parallel.comm import Comm
@@ -38,7 +34,7 @@ def ep_moe_layer(moe: MoeSpec, w: dict[str, torch.Tensor], pre: str, x: torch.Te
     """x [R, H] -> this rank's partial [R, H] of the MoE block under expert parallelism: the routing over all
     `moe.num_experts` (the router is replicated), the routed slots whose expert this rank holds
     ([first_expert, first_expert + local experts)), plus its share of the width-split shared expert. The same
-    three paths as atlas.backends.cuda.layers.moe_layer, on the local experts."""
+    three paths as atlas.backends.cuda.moe.moe_layer, on the local experts."""
     shared_width = moe.shared_intermediate_size
     logits, shared_gate, shared_up, shared_scale = split_out(  # (prepare_weights pads the fused rows)
         x @ w[pre + "fused_in.weight"].T, [moe.num_experts, shared_width, shared_width, 1])

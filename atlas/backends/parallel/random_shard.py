@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from atlas.backends.cuda.random_model import _random_tensor
+from atlas.backends.cuda.random_model import random_tensor
 from atlas.backends.parallel.shard import TpLayout, check_divisible, local_shape, rule
 from atlas.model.loaded import LoadedModel
 from atlas.model.spec import ModelSpec
@@ -41,7 +41,7 @@ def random_shard(config: dict[str, Any] | str | Path, layout: TpLayout, *, devic
         shape = local_shape(spec, layout, name, full)
         g = torch.Generator(device=device).manual_seed(
             seed * 1_000_003 + zlib.crc32(name.encode()) + (layout.rank + 1) * 7919 * (split is not None))
-        t = _random_tensor(name, shape, g, device, dtype)
+        t = random_tensor(name, shape, g, device, dtype)
         if split is not None and len(full) > 1 and split.dim == len(full) - 1 and "embed" not in name:
             t *= math.sqrt(shape[-1] / full[-1])  # the whole tensor's fan-in
         shard[name] = t

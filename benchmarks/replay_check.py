@@ -28,7 +28,7 @@ from pathlib import Path
 
 from atlas.config import EngineConfig
 from atlas.registry import build_engine
-from atlas.replay.store import TraceReader
+from atlas.replay.reader import TraceReader
 from atlas.replay.verify import check_state_only
 from atlas.sampling.params import SamplingParams
 

@@ -156,7 +156,7 @@ def test_serving_with_a_tuning_builds_that_arrangement_and_records_it(tmp_path: 
 
     import atlas.server.serve as serve_module
     from atlas.backends.cuda.tuning import TUNINGS
-    from atlas.replay.store import TraceReader
+    from atlas.replay.reader import TraceReader
 
     built: dict = {}
     real = serve_module.registry_build

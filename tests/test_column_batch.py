@@ -21,7 +21,7 @@ from atlas.errors import TraceFileError, UnknownEvent
 from atlas.hashing import roll_tokens
 from atlas.registry import build_engine
 from atlas.replay import arrivals, codec, digests, verify
-from atlas.replay.store import TraceReader, read_stored
+from atlas.replay.reader import TraceReader, read_stored
 from atlas.sampling.params import SamplingParams
 from atlas.state import column_arrivals
 from atlas.state.control import ControlState

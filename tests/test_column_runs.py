@@ -15,8 +15,8 @@ from fixtures import null_workload
 
 from atlas.config import Capacities
 from atlas.replay import codec, verify
+from atlas.replay.reader import TraceReader
 from atlas.replay.runs import MIN_RUN, run_end
-from atlas.replay.store import TraceReader
 from atlas.state import column_runs
 from atlas.state.control import ControlState
 from atlas.state.events import StepExecuted, StepPlanned

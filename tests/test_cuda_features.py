@@ -26,7 +26,7 @@ from atlas.errors import InvariantViolation
 from atlas.model import load_model
 from atlas.plan import SeqWork, StepPlan
 from atlas.registry import build_engine, open_trace
-from atlas.replay.store import read_run
+from atlas.replay.reader import read_run
 from atlas.replay.verify import compare, redrive
 from atlas.sampling.params import SamplingParams
 from atlas.state.events import CarryAdopted, InvariantViolated, PrefixCacheHit, RolledBack

@@ -167,7 +167,7 @@ def test_compiled_regions_give_the_eager_logits(tiny) -> None:  # type: ignore[n
 def test_a_trace_records_the_tuning_and_a_replay_rebuilds_it(tiny, tmp_path) -> None:  # type: ignore[no-untyped-def]
     from atlas.engine.records import RecordingSink as Sink
     from atlas.registry import engine_for_run
-    from atlas.replay.store import TraceReader
+    from atlas.replay.reader import TraceReader
 
     tuning = attrs.evolve(EAGER, regions=True, library_conv=True)
     config = EngineConfig(max_seq_len=64, max_batch_size=2, prefill_chunk_tokens=32)

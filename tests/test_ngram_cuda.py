@@ -61,9 +61,9 @@ def test_device_cache_is_the_whole_table(mini, backend, config, options) -> None
 
 
 def test_ids_read_through_the_remap_are_the_slots_the_host_assigned(mini) -> None:
-    """layers.ngram_ids_from (the eager group's and the compiled prologue's ids) with the cache's remap gives, for
+    """ple.ngram_ids_from (the eager group's and the compiled prologue's ids) with the cache's remap gives, for
     every id, the slot the host's fill assigned to that row, and the slot holds the row's embedding."""
-    from atlas.backends.cuda.layers import ngram_ids_from
+    from atlas.backends.cuda.ple import ngram_ids_from
     from atlas.backends.cuda.runner import CudaBackend
     from atlas.config import derive_capacities
 

@@ -14,7 +14,7 @@ from atlas.config import EngineConfig
 from atlas.engine.engine import Engine
 from atlas.model import load_model
 from atlas.registry import build_engine
-from atlas.replay.store import TraceReader
+from atlas.replay.reader import TraceReader
 from atlas.replay.summary import summarize
 from atlas.replay.verify import check_state_only, verify
 from atlas.sampling.params import SamplingParams

@@ -18,7 +18,7 @@ from atlas.replay.against import FAILURE_GONE, NEW_FAILURE, PASSES, STILL_THERE,
 from atlas.replay.codec import decode
 from atlas.replay.jsonl import export_jsonl, import_jsonl
 from atlas.replay.minimize import run_program
-from atlas.replay.store import TraceReader
+from atlas.replay.reader import TraceReader
 from atlas.replay.verify import verify
 
 runner = CliRunner()

@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 from atlas.cli import app
 from atlas.replay.against import STILL_THERE, against
 from atlas.replay.minimize import Input, candidates, minimize
-from atlas.replay.store import TraceReader
+from atlas.replay.reader import TraceReader
 from atlas.replay.verify import verify
 
 runner = CliRunner()

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from atlas.replay.against import PASSES, against
 from atlas.replay.jsonl import export_jsonl, import_jsonl
-from atlas.replay.store import TraceReader
+from atlas.replay.reader import TraceReader
 from atlas.replay.verify import check_state_only, verify
 from atlas.state.events import EVENT_TYPES
 

@@ -16,7 +16,7 @@ from atlas.config import EngineConfig
 from atlas.errors import EngineDead
 from atlas.registry import build_engine
 from atlas.replay.codec import decode
-from atlas.replay.store import TraceReader
+from atlas.replay.reader import TraceReader
 from atlas.replay.verify import check_state_only, verify
 from atlas.sampling.params import SamplingParams
 

@@ -170,7 +170,7 @@ def test_without_the_watchdog_the_loop_runs_to_length(tiny) -> None:
 
 
 def test_a_traced_run_with_the_ring_and_watchdog_on_replays(tiny, tmp_path) -> None:
-    from atlas.replay.store import TraceReader
+    from atlas.replay.reader import TraceReader
     from atlas.replay.verify import verify
 
     trace = tmp_path / "ring.sqlite"

@@ -18,7 +18,7 @@ from atlas.engine.engine import Engine
 from atlas.engine.records import RecordingSink
 from atlas.model import load_model
 from atlas.registry import open_trace
-from atlas.replay.store import TraceReader
+from atlas.replay.reader import TraceReader
 from atlas.replay.summary import summarize
 from atlas.replay.verify import check_state_only, compare, redrive
 from atlas.server.serve import serve_in_thread

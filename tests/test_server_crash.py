@@ -17,7 +17,7 @@ from fixtures.serving import ServeProcess
 from typer.testing import CliRunner
 
 from atlas.cli import app
-from atlas.replay.store import TraceReader
+from atlas.replay.reader import TraceReader
 from atlas.server.serve import EXIT_ENGINE_DEAD
 
 runner = CliRunner()

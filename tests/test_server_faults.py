@@ -15,7 +15,7 @@ from fixtures.serving import ServeProcess
 from atlas.config import EngineConfig
 from atlas.engine.engine import Engine
 from atlas.registry import build_engine
-from atlas.replay.store import TraceReader
+from atlas.replay.reader import TraceReader
 from atlas.server.metrics import sample_value
 from atlas.server.serve import EXIT_ENGINE_DEAD, Served, serve_in_thread
 

@@ -19,7 +19,7 @@ from atlas.engine.records import RecordingSink
 from atlas.engine.stopping import StopChecker
 from atlas.model.tokenizer import ByteTokenizer, HfTokenizer
 from atlas.registry import build_engine
-from atlas.replay.store import TraceReader
+from atlas.replay.reader import TraceReader
 from atlas.sampling.params import SamplingParams
 from atlas.server.chat import ChatTemplate, encode_chat
 from atlas.server.serve import Served, serve_in_thread

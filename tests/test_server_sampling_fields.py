@@ -15,7 +15,7 @@ import pytest
 from atlas.cli import run as run_cli
 from atlas.config import EngineConfig
 from atlas.registry import build_engine
-from atlas.replay.store import TraceReader
+from atlas.replay.reader import TraceReader
 from atlas.replay.verify import verify
 from atlas.server.serve import Served, serve_in_thread
 

@@ -14,7 +14,7 @@ import httpx
 import pytest
 from fixtures.serving import ServeProcess
 
-from atlas.replay.store import TraceReader
+from atlas.replay.reader import TraceReader
 from atlas.replay.verify import verify
 
 LONG = 1500  # tokens: far more than a 3 s grace lets atlas-tiny produce on a CPU

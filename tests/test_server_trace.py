@@ -8,7 +8,7 @@ import httpx
 
 from atlas.config import EngineConfig
 from atlas.registry import build_engine
-from atlas.replay.store import TraceReader
+from atlas.replay.reader import TraceReader
 from atlas.replay.verify import verify
 from atlas.server.serve import serve_in_thread
 

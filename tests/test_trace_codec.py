@@ -14,7 +14,8 @@ from hypothesis import strategies as st
 
 from atlas.errors import UnknownEvent
 from atlas.replay import codec
-from atlas.replay.store import TraceReader, TraceWriter
+from atlas.replay.reader import TraceReader
+from atlas.replay.store import TraceWriter
 from atlas.sampling.params import SamplingParams
 from atlas.state.events import RequestArrived, RequestFinished, StepExecuted, StepPlanned
 

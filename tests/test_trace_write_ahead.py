@@ -18,7 +18,8 @@ from atlas.engine.engine import Engine
 from atlas.engine.offline import generate
 from atlas.registry import build_engine
 from atlas.replay.jsonl import export_jsonl, import_jsonl
-from atlas.replay.store import TraceReader, TraceWriteError, TraceWriter
+from atlas.replay.reader import TraceReader
+from atlas.replay.store import TraceWriteError, TraceWriter
 from atlas.replay.summary import run_end, summarize
 from atlas.sampling.params import SamplingParams
 from atlas.server.metrics import sample_value

@@ -13,7 +13,7 @@ from fixtures.broken import VARIANTS
 from fixtures.library import SCENARIOS, TRACES
 
 from atlas.replay.against import FAILURE_GONE, STILL_THERE, against, describe_divergence
-from atlas.replay.store import TraceReader
+from atlas.replay.reader import TraceReader
 from atlas.replay.verify import check_state_only, verify
 
 NAMES = sorted(VARIANTS)

@@ -12,10 +12,10 @@ from pathlib import Path
 from typing import Any
 
 from atlas.errors import TraceFileError
-from atlas.replay.reader import TraceReader, run_record
+from atlas.replay.reader import TraceReader
 from atlas.replay.rows import BadRow, check_payload
 from atlas.replay.sqlite_file import space_note, where
-from atlas.replay.store import TraceWriteError, TraceWriter
+from atlas.replay.store import TraceWriteError, TraceWriter, run_record
 
 FORMAT = "atlas-trace"
 FORMAT_VERSION = 1

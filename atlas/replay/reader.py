@@ -24,18 +24,19 @@ from atlas.replay import codec
 from atlas.replay.rows import BadRow, check_event, check_row
 from atlas.replay.sqlite_file import check_tables, connect_readonly, problem_of, sqlite_path, where
 from atlas.replay.store import (
+    RUN_COLUMNS,
     SELECT_EVENTS,
-    TRACE_SCHEMA,
     EventRecord,
     RunRecord,
+    check_runs,
     events,
+    run_record,
     run_status,
 )
 from atlas.state.events import EVENT_TYPES, Event
 
 StoredRow = tuple[int, int, str, int, "str | bytes", str]
-_RUN_COLUMNS = ("run_id, engine_version, git_revision, model, model_fingerprint, backend, seed, config, "
-                "capacities")
+
 
 
 @attrs.frozen
@@ -66,41 +67,6 @@ class RunEnd:
                     f"{self.marked if self.marked is not None else 'none'}: events are missing or extra")
         return (f"TRUNCATED: the run did not end cleanly (no run-end marker); the trace stops at {at}, "
                 f"{self.events} events on disk")
-
-
-def run_record(row: Any, name: str) -> RunRecord:
-    """A runs row as a RunRecord, checked: JSON objects for config and capacities, a schema this Atlas reads."""
-    run_id = row[0]
-    if type(run_id) is not int:
-        raise TraceFileError(f"{name}: a run row's id is {run_id!r}, not an integer")
-    parsed = []
-    for field, text in (("config", row[7]), ("capacities", row[8])):
-        try:
-            value = json.loads(text)
-        except (TypeError, ValueError):
-            value = None
-        if type(value) is not dict:
-            raise TraceFileError(f"{name}: run {run_id}'s {field} is not a JSON object")
-        parsed.append(value)
-    for field, value in zip(("engine_version", "model", "model_fingerprint", "backend"), (row[1], *row[3:6]),
-                            strict=True):
-        if type(value) is not str:
-            raise TraceFileError(f"{name}: run {run_id}'s {field} is {value!r}, not a string")
-    schema = parsed[0].get("trace_schema", 1)
-    if type(schema) is not int or not 1 <= schema <= TRACE_SCHEMA:
-        raise TraceFileError(f"{name}: run {run_id} was recorded with trace schema {schema!r}; this Atlas reads "
-                             f"schemas 1-{TRACE_SCHEMA} (a newer Atlas wrote it: read it with that one)")
-    return RunRecord(run_id=run_id, engine_version=row[1], git_revision=row[2], model=row[3],
-                     model_fingerprint=row[4], backend=row[5], seed=row[6], config=parsed[0], capacities=parsed[1])
-
-
-def check_runs(conn: sqlite3.Connection, name: str) -> list[RunRecord]:
-    """Every run row of a SQLite trace, checked (run_record)."""
-    try:
-        found = conn.execute(f"SELECT {_RUN_COLUMNS} FROM runs ORDER BY run_id").fetchall()
-    except sqlite3.Error as exc:
-        raise TraceFileError(f"{name} {problem_of(exc)}") from None
-    return [run_record(r, name) for r in found]
 
 
 def capacities_of(run: RunRecord, name: str) -> Capacities:
@@ -189,7 +155,7 @@ class TraceReader:
     def runs(self) -> list[RunRecord]:
         try:
             with self.db.connect() as conn:
-                rows = conn.execute(sa.text(f"SELECT {_RUN_COLUMNS} FROM runs ORDER BY run_id")).all()
+                rows = conn.execute(sa.text(f"SELECT {RUN_COLUMNS} FROM runs ORDER BY run_id")).all()
         except (sa.exc.DBAPIError, sqlite3.Error) as exc:
             raise self._failed(exc) from None
         return [run_record(r, self.name) for r in rows]

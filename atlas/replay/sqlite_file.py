@@ -193,50 +193,6 @@ def check_tables(conn: sqlite3.Connection, path: Path | str, *, empty_ok: bool =
     return bool(columns["run_status"])
 
 
-def check_for_append(path: Path) -> None:
-    """A store a writer may append to: absent, empty, a SQLite database without tables, or a whole Atlas trace
-    (tables as check_tables wants, PRAGMA quick_check clean: a read of the whole file, once for a file as it is).
-    Read without writing; else TraceFileError."""
-    try:
-        if not path.exists() and not path.is_symlink() or path.is_file() and path.stat().st_size == 0:
-            return
-    except OSError as exc:
-        raise TraceFileError(f"{where(path)} cannot be read ({exc.strerror})") from None
-    stamp = _stamp(path)
-    if stamp is not None and stamp == _CHECKED.get(str(path.resolve())):
-        return  # checked whole as it is now (the CLI checks before it loads a model; the writer checks again)
-    conn, close = connect_readonly(path)
-    try:
-        if check_tables(conn, path, empty_ok=True) is not None:
-            from atlas.replay.reader import check_runs  # the reader's own check of run rows
-
-            check_runs(conn, where(path))
-        try:
-            verdict = [r[0] for r in conn.execute("PRAGMA quick_check(3)")]
-        except sqlite3.Error as exc:
-            raise TraceFileError(f"{where(path)} {problem_of(exc)}") from None
-        if verdict != ["ok"]:
-            raise TraceFileError(f"{where(path)} is corrupt (quick_check: {'; '.join(verdict)}); record to another "
-                                 "path")
-    finally:
-        close()
-    if stamp is not None:
-        _CHECKED[str(path.resolve())] = stamp
-
-
-# path -> (size, mtime, -wal size, mtime) of the file when check_for_append last found it whole
-_CHECKED: dict[str, tuple[int, ...]] = {}
-
-
-def _stamp(path: Path) -> tuple[int, ...] | None:
-    try:
-        st = os.stat(path)
-        wal = os.stat(f"{path}-wal") if os.path.exists(f"{path}-wal") else None
-    except OSError:
-        return None
-    return (st.st_size, st.st_mtime_ns, *((wal.st_size, wal.st_mtime_ns) if wal else (-1, -1)))
-
-
 def space_note(path: Path | str) -> str:
     """Room left for `path`: the file-size limit when one is set, else the free bytes on its device."""
     try:

@@ -19,6 +19,7 @@ atlas.replay.reader's (read-only, every row checked); TraceReader and read_run a
 from __future__ import annotations
 
 import json
+import os
 import queue
 import sqlite3
 import subprocess
@@ -33,7 +34,14 @@ import sqlalchemy as sa
 
 from atlas.errors import TraceFileError
 from atlas.replay import codec
-from atlas.replay.sqlite_file import check_for_append, space_note, sqlite_path, where
+from atlas.replay.sqlite_file import (
+    check_tables,
+    connect_readonly,
+    problem_of,
+    space_note,
+    sqlite_path,
+    where,
+)
 from atlas.state.events import EVENT_TYPES, Event
 
 # The trace schema: 2 since prefix keys, the in-flight plan's digest share and every persisted hash are specified
@@ -326,10 +334,82 @@ class TraceWriter:
             self.db.dispose()
 
 
-def __getattr__(name: str) -> Any:
-    """The readers (atlas.replay.reader), where callers have always found them."""
-    if name in ("TraceReader", "RunEnd", "read_run", "read_stored"):
-        from atlas.replay import reader
+RUN_COLUMNS = ("run_id, engine_version, git_revision, model, model_fingerprint, backend, seed, config, "
+                "capacities")
 
-        return getattr(reader, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+def run_record(row: Any, name: str) -> RunRecord:
+    """A runs row as a RunRecord, checked: JSON objects for config and capacities, a schema this Atlas reads."""
+    run_id = row[0]
+    if type(run_id) is not int:
+        raise TraceFileError(f"{name}: a run row's id is {run_id!r}, not an integer")
+    parsed = []
+    for field, text in (("config", row[7]), ("capacities", row[8])):
+        try:
+            value = json.loads(text)
+        except (TypeError, ValueError):
+            value = None
+        if type(value) is not dict:
+            raise TraceFileError(f"{name}: run {run_id}'s {field} is not a JSON object")
+        parsed.append(value)
+    for field, value in zip(("engine_version", "model", "model_fingerprint", "backend"), (row[1], *row[3:6]),
+                            strict=True):
+        if type(value) is not str:
+            raise TraceFileError(f"{name}: run {run_id}'s {field} is {value!r}, not a string")
+    schema = parsed[0].get("trace_schema", 1)
+    if type(schema) is not int or not 1 <= schema <= TRACE_SCHEMA:
+        raise TraceFileError(f"{name}: run {run_id} was recorded with trace schema {schema!r}; this Atlas reads "
+                             f"schemas 1-{TRACE_SCHEMA} (a newer Atlas wrote it: read it with that one)")
+    return RunRecord(run_id=run_id, engine_version=row[1], git_revision=row[2], model=row[3],
+                     model_fingerprint=row[4], backend=row[5], seed=row[6], config=parsed[0], capacities=parsed[1])
+
+
+def check_runs(conn: sqlite3.Connection, name: str) -> list[RunRecord]:
+    """Every run row of a SQLite trace, checked (run_record)."""
+    try:
+        found = conn.execute(f"SELECT {RUN_COLUMNS} FROM runs ORDER BY run_id").fetchall()
+    except sqlite3.Error as exc:
+        raise TraceFileError(f"{name} {problem_of(exc)}") from None
+    return [run_record(r, name) for r in found]
+
+
+def check_for_append(path: Path) -> None:
+    """A store a writer may append to: absent, empty, a SQLite database without tables, or a whole Atlas trace
+    (tables as check_tables wants, PRAGMA quick_check clean: a read of the whole file, once for a file as it is).
+    Read without writing; else TraceFileError."""
+    try:
+        if not path.exists() and not path.is_symlink() or path.is_file() and path.stat().st_size == 0:
+            return
+    except OSError as exc:
+        raise TraceFileError(f"{where(path)} cannot be read ({exc.strerror})") from None
+    stamp = _stamp(path)
+    if stamp is not None and stamp == _CHECKED.get(str(path.resolve())):
+        return  # checked whole as it is now (the CLI checks before it loads a model; the writer checks again)
+    conn, close = connect_readonly(path)
+    try:
+        if check_tables(conn, path, empty_ok=True) is not None:
+            check_runs(conn, where(path))
+        try:
+            verdict = [r[0] for r in conn.execute("PRAGMA quick_check(3)")]
+        except sqlite3.Error as exc:
+            raise TraceFileError(f"{where(path)} {problem_of(exc)}") from None
+        if verdict != ["ok"]:
+            raise TraceFileError(f"{where(path)} is corrupt (quick_check: {'; '.join(verdict)}); record to another "
+                                 "path")
+    finally:
+        close()
+    if stamp is not None:
+        _CHECKED[str(path.resolve())] = stamp
+
+
+# path -> (size, mtime, -wal size, mtime) of the file when check_for_append last found it whole
+_CHECKED: dict[str, tuple[int, ...]] = {}
+
+
+def _stamp(path: Path) -> tuple[int, ...] | None:
+    try:
+        st = os.stat(path)
+        wal = os.stat(f"{path}-wal") if os.path.exists(f"{path}-wal") else None
+    except OSError:
+        return None
+    return (st.st_size, st.st_mtime_ns, *((wal.st_size, wal.st_mtime_ns) if wal else (-1, -1)))

@@ -3,7 +3,7 @@
 A table the backend does not hold whole (atlas.model.ngram_rows.row_sources: left in the checkpoint by the
 loader, or over the n-gram budget) is replaced in the weights by its layer's slots [slots, dim], and each PLE
 layer gets a device remap [table rows] int32 from a row to its slot. The groups compute their n-gram ids as
-always (on the device, in the graphs; layers.ngram_ids_from then reads them through the remap), so nothing a
+always (on the device, in the graphs; ple.ngram_ids_from then reads them through the remap), so nothing a
 graph captures changes shape or address. Before a step's forward the host computes the same ids from each
 sequence's context (the runner's _ngram_row_ids), assigns slots with atlas.model.ngram_cache.RowCache (the
 bookkeeping the CPU backend's cache uses), gathers the missed rows from the memory-mapped checkpoint and copies
@@ -55,7 +55,7 @@ class DeviceNgramCache:
         return {name: self.rows[p] for p, name in enumerate(self.names)}
 
     def remaps(self) -> list[torch.Tensor]:
-        """Each PLE layer's remap [its table's rows] int32 (layers.ngram_ids_from's fourth table)."""
+        """Each PLE layer's remap [its table's rows] int32 (ple.ngram_ids_from's fourth table)."""
         return [self.remap[int(a) : int(a) + s.shape[0]] for a, s in zip(self.remap_at, self.sources, strict=True)]
 
     @property

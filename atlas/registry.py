@@ -79,7 +79,8 @@ def _cuda(model: str, config: EngineConfig, *, backend: str, loaded: Any = None,
     return DataPlane(data_plane, loaded.tokenizer, loaded.spec, caps, loaded.name, loaded.fingerprint)
 
 
-def _scenario(model: str, config: EngineConfig, *, backend: str, loaded: Any = None, **_: Any) -> DataPlane:
+def _scenario(model: str, config: EngineConfig, *, backend: str, loaded: Any = None, **options: Any) -> DataPlane:
+    """The failure library's backends; the CPU ones take the CPU backend's options (state_audit= included)."""
     from atlas.backends.null import ByteTokenizer
     from atlas.replay.scenarios import looping_cpu, looping_null, row_blind_cpu
 
@@ -89,7 +90,7 @@ def _scenario(model: str, config: EngineConfig, *, backend: str, loaded: Any = N
     loaded = _load(model, loaded, None)
     caps = derive_capacities(config, loaded.spec, activation_bytes=loaded.dtype.itemsize)
     backend_of = looping_cpu if backend == "cpu-looping" else row_blind_cpu
-    return DataPlane(backend_of(loaded, caps), loaded.tokenizer, loaded.spec, caps, model or TINY_MODEL,
+    return DataPlane(backend_of(loaded, caps, **options), loaded.tokenizer, loaded.spec, caps, model or TINY_MODEL,
                      loaded.fingerprint)
 
 
@@ -109,14 +110,30 @@ def data_plane(model: str, backend: str, config: EngineConfig, **options: Any) -
     return factory(model, config, **options)
 
 
+def recorded_options(backend: str, options: dict[str, Any]) -> dict[str, Any]:
+    """The backend options a trace records (beside the config, "backend_options"): the plain values among them
+    (bool, int, float, str), and for a backend with the state-digest audit the audit it runs with (the option, else
+    ATLAS_STATE_AUDIT), so that a replay rebuilds the same data plane, audit included (engine_for_run)."""
+    out = {k: v for k, v in sorted(options.items()) if isinstance(v, bool | int | float | str)}
+    if backend in AUDITED_BACKENDS and "state_audit" not in out:
+        from atlas.backends.base import state_audit_default
+
+        out["state_audit"] = state_audit_default()
+    return out
+
+
 def open_trace(trace: str, *, model: str, fingerprint: str, backend: str, config: EngineConfig,
-               caps: Capacities, tuning: dict[str, str] | None = None) -> EventSink:
+               caps: Capacities, tuning: dict[str, str] | None = None,
+               options: dict[str, Any] | None = None) -> EventSink:
     """`tuning`: a CUDA backend's Tuning knobs (each part's implementation), recorded beside the config as
-    "backend_tuning" so that a replay rebuilds the same arithmetic (engine_for_run)."""
+    "backend_tuning" so that a replay rebuilds the same arithmetic (engine_for_run); `options`: the backend's
+    plain options (recorded_options), recorded as "backend_options"."""
     from atlas import __version__
     from atlas.replay.store import TRACE_SCHEMA, TraceWriter, git_revision
 
-    extra = {"backend_tuning": tuning} if tuning is not None else {}
+    extra: dict[str, Any] = {"backend_tuning": tuning} if tuning is not None else {}
+    if options is not None:
+        extra["backend_options"] = options
     return TraceWriter(trace, run={
         "engine_version": __version__, "git_revision": git_revision(), "model": model,
         "model_fingerprint": fingerprint, "backend": backend, "seed": None,
@@ -143,7 +160,8 @@ def build_engine(model: str = TINY_MODEL, backend: str = "cpu", config: EngineCo
     if trace is not None:
         tuning = getattr(made.backend, "tuning", None)
         sink = open_trace(trace, model=model, fingerprint=made.fingerprint, backend=backend, config=config,
-                          caps=made.caps, tuning=attrs.asdict(tuning) if tuning is not None else None)
+                          caps=made.caps, tuning=attrs.asdict(tuning) if tuning is not None else None,
+                          options=recorded_options(backend, options))
     return Engine(made.backend, tokenizer=made.tokenizer, config=config, capacities=made.caps, spec=made.spec,
                   model_name=made.model_name, sink=sink, fingerprint=made.fingerprint, **engine_kwargs)
 
@@ -153,10 +171,14 @@ AUDITED_BACKENDS = ("cpu", "cpu-looping", "cpu-row-blind", *CUDA_BACKENDS)
 
 
 def engine_for_run(run: RunRecord, sink: EventSink, **kwargs: Any) -> Engine:
-    """A fresh engine like the one that recorded `run` (atlas.replay.store.RunRecord), its events going to `sink`;
-    replay runs the backend's state-digest audit mode (a snapshot or commit whose bytes drift is a violation)."""
+    """A fresh engine like the one that recorded `run` (atlas.replay.store.RunRecord), its events going to `sink`:
+    the backend options the trace recorded (recorded_options) are restored, for every backend, under the ones the
+    caller passes; replay runs the backend's state-digest audit mode (a snapshot or commit whose bytes drift is a
+    violation) whether or not the recording did, so a replay never audits less than the run it replays."""
+    recorded_opts = dict(run.config.get("backend_options") or {})
     if run.backend in AUDITED_BACKENDS:
-        kwargs["backend_options"] = {"state_audit": True, **kwargs.get("backend_options", {})}
+        recorded_opts["state_audit"] = True
+    kwargs["backend_options"] = {**recorded_opts, **kwargs.get("backend_options", {})}
     recorded = run.config.get("backend_tuning")
     if recorded is not None and run.backend in CUDA_BACKENDS:  # the recorded run's implementations, unless told
         from atlas.backends.cuda.tuning import Tuning

@@ -58,7 +58,7 @@ def looping_null() -> LoopingNullBackend:
     return LoopingNullBackend()
 
 
-def looping_cpu(loaded: Any, caps: Capacities) -> Any:
+def looping_cpu(loaded: Any, caps: Capacities, **options: Any) -> Any:
     from atlas.backends.cpu import CpuBackend
 
     class LoopingCpuBackend(CpuBackend):
@@ -71,25 +71,15 @@ def looping_cpu(loaded: Any, caps: Capacities) -> Any:
         def execute(self, plan: StepPlan) -> StepResult:
             return loop(plan, super().execute(plan), self.steered)
 
-    return LoopingCpuBackend.for_capacities(loaded, caps)
+    return LoopingCpuBackend.for_capacities(loaded, caps, **options)
 
 
-def row_blind_cpu(loaded: Any, caps: Capacities) -> Any:
+def row_blind_cpu(loaded: Any, caps: Capacities, **options: Any) -> Any:
+    """The CPU backend with per_row_qsa_verify=False (it refuses a verify whose rows pass the inert bound,
+    atlas.backends.base.check_dense_verify), under its own name."""
     from atlas.backends.cpu import CpuBackend
-
-    # the model's own bound, from the capacities (never the engine's lane: a lane bug must not move it)
-    bound = caps.qsa_budget + caps.qsa_ratio - 1 if caps.num_qsa_layers and caps.qsa_budget else None
 
     class RowBlindCpuBackend(CpuBackend):
         name = "cpu-row-blind"
 
-        def execute(self, plan: StepPlan) -> StepResult:
-            for w in plan.work:
-                if w.drafts and bound is not None and w.start + 1 + len(w.drafts) > bound:
-                    raise ValueError(f"sequence {w.seq_id}: verify rows reach visible prefix "
-                                     f"{w.start + 1 + len(w.drafts)} past the QSA inert bound {bound}; this "
-                                     "backend cannot apply QSA selection per verify row")
-            return super().execute(plan)
-
-    return RowBlindCpuBackend.for_capacities(loaded, caps, per_row_qsa_verify=False)
-
+    return RowBlindCpuBackend.for_capacities(loaded, caps, **{**options, "per_row_qsa_verify": False})

@@ -54,7 +54,8 @@ def check_cursors(engine: Any, *, every: bool = True, drafter: bool = False) -> 
 
 class Outputs:
     """What each request streamed and how it finished, checked as it arrives: no output after a finish; `error`
-    only for a request the rule marked (`inject`); the tokens so far a prefix of `reference(rid)` unless the
+    only for a request the rule marked (`inject`); the tokens so far a prefix of `reference(rid)`, and all of them
+    at a `stop` or `length` finish (an injected request too: an error reported as `length` is short), unless the
     request was `touch`ed (rolled back or cancelled: no reference run has its tokens)."""
 
     def __init__(self, reference: Callable[[str], list[int] | tuple[int, ...]] | None = None) -> None:
@@ -87,7 +88,7 @@ class Outputs:
             self._compare(rid, whole=o.finished and o.finish_reason in (FinishReason.STOP, FinishReason.LENGTH))
 
     def _compare(self, rid: str, *, whole: bool) -> None:
-        if self.reference is None or rid in self.touched or rid in self.injected:
+        if self.reference is None or rid in self.touched:
             return
         ref = list(self.reference(rid))
         got = self.tokens[rid]

@@ -20,7 +20,7 @@ from atlas.engine.drafters.lane import SpeculativeLane
 from atlas.engine.prefix_lane import PrefixLane
 from atlas.engine.rollback import plan_snapshots
 from atlas.engine.scheduler import Schedule, batch
-from atlas.plan import SeqWork, StepPlan
+from atlas.plan import RowOffset, SeqWork, StepPlan
 from atlas.state.control import ControlState
 from atlas.state.events import Event, SequencePreempted, StepPlanned
 from atlas.state.machines import Sequence
@@ -142,7 +142,7 @@ def _work(state: ControlState, planned: StepPlanned, lanes: Lanes) -> list[SeqWo
     for seq_id, n, verify in zip(planned.seqs, planned.fed, drafts, strict=True):
         seq = seqs[seq_id]
         c = seq.cursor
-        start = c.computed
+        start = RowOffset(c.computed)  # typed: the backends turn it into addresses (atlas_kernels.rows)
         end = start + n
         toks = c.tokens
         sample = end == len(toks)

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 
 import attrs
 import torch
+from atlas_kernels.rows import RowOffset
 
 from atlas.backends.base import (
     Capabilities,
@@ -42,7 +43,7 @@ class Chunk:
 
     seq_id: int
     tokens: tuple[int, ...] = attrs.field(converter=tuple)
-    start: int
+    start: RowOffset = attrs.field(converter=RowOffset)
     block_table: tuple[int, ...] = attrs.field(converter=tuple)
 
 

@@ -41,7 +41,8 @@ class RowOffset(int):
     def __sub__(self, other: int) -> Any:  # type: ignore[override]
         if isinstance(other, RowOffset):
             return int(self) - int(other)  # a count of rows
-        return RowOffset(int(self) - other)
+        value = int(self) - other
+        return RowOffset(value) if value >= 0 else value  # before row 0 is no row (a bound, a sentinel): an int
 
     def __mul__(self, other: Any) -> Any:  # type: ignore[override]
         raise TypeError(f"row offset {int(self)} times {other!r}: a byte address is offset.bytes(pitch)")

@@ -56,9 +56,9 @@ class Outputs:
     """What each request streamed and how it finished, checked as it arrives: no output after a finish; `error`
     only for a request the rule marked (`inject`); the tokens so far a prefix of `reference(rid)`, and all of them
     at a `stop` or `length` finish (an injected request too: an error reported as `length` is short), unless the
-    request was `touch`ed (rolled back or cancelled: no reference run has its tokens)."""
+    request was `touch`ed (rolled back or cancelled: no reference run has its tokens) or `reference(rid)` is None."""
 
-    def __init__(self, reference: Callable[[str], list[int] | tuple[int, ...]] | None = None) -> None:
+    def __init__(self, reference: Callable[[str], list[int] | tuple[int, ...] | None] | None = None) -> None:
         self.reference = reference
         self.tokens: dict[str, list[int]] = {}
         self.finished: dict[str, FinishReason | None] = {}
@@ -90,7 +90,10 @@ class Outputs:
     def _compare(self, rid: str, *, whole: bool) -> None:
         if self.reference is None or rid in self.touched:
             return
-        ref = list(self.reference(rid))
+        want = self.reference(rid)
+        if want is None:  # no reference run has this request's tokens
+            return
+        ref = list(want)
         got = self.tokens[rid]
         assert got == (ref if whole else ref[: len(got)]), (rid, got, ref)
 

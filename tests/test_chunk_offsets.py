@@ -123,7 +123,7 @@ def test_every_planned_chunk_addresses_its_own_rows(block_size: int, budget: int
 def test_row_offsets_are_not_counts() -> None:
     o = RowOffset(12)
     assert isinstance(o + 4, RowOffset) and o + 4 == 16 and isinstance(3 + o, RowOffset)
-    assert type(RowOffset(20) - o) is int and isinstance(o - 2, RowOffset)
+    assert type(RowOffset(20) - o) is int and isinstance(o - 2, RowOffset) and type(o - 13) is int
     assert o.bytes(256) == 3072 and f"{o}" == "12"
     with pytest.raises(TypeError):
         _ = o * 256  # a byte address is explicit: o.bytes(pitch)

@@ -60,14 +60,15 @@ class PrefixMachine(RuleBasedStateMachine):
                 if session >= 0 and o.finish_reason is FinishReason.LENGTH:
                     self.sessions[session] = prompt + self.out.tokens[o.request_id]
 
-    @initialize(n=st.integers(4, 10), drop=st.integers(0, 3))
-    def first_turns(self, n: int, drop: int) -> None:
+    @initialize(n=st.integers(4, 10), drop=st.integers(0, 3), alter=st.booleans())
+    def first_turns(self, n: int, drop: int, alter: bool) -> None:
         """Both sessions' first turns, finished (the cache and the carry hold something from the start), and a
-        warm second turn of the first session arrived."""
-        for session in (0, 1):
+        warm second turn of the first session arrived: the carry is that session's cold turn, so the second turn
+        adopts its rows (up to where its prompt, cut by `drop` and its last token `alter`ed, agrees)."""
+        for session in (1, 0):
             self.turn(session, 0, False, [5], n)
             self.steps(60)
-        self.turn(0, drop, False, [7, 7], 16)
+        self.turn(0, drop, alter, [7, 7], 16)
 
     @precondition(lambda self: len(self.engine.state.waiting) < CONFIG.max_waiting)
     @rule(session=st.integers(-1, 1), drop=st.integers(0, 3), alter=st.booleans(),

@@ -70,8 +70,14 @@ class RollbackMachine(RuleBasedStateMachine):
         self.arrivals = 0
         self.rollbacks = 0
         self.requests: dict[str, tuple[list[int], SamplingParams]] = {}
-        self.out = Outputs(lambda rid: ALONE(*self.requests[rid]))
+        self.out = Outputs(self.alone)
         self.data = DataReference(TINY, self.engine) if DataReference.applies(self.engine) else None
+
+    def alone(self, rid: str) -> list[int] | None:
+        """The request's tokens run alone, ring and speculation off; None for a sampled request that verifies MTP
+        drafts (rejection sampling keeps the distribution, not the draws)."""
+        prompt, params = self.requests[rid]
+        return ALONE(prompt, params) if params.temperature == 0 or not self.config.num_drafts else None
 
     def digest(self) -> str:
         return self.engine.state.digest()
@@ -173,9 +179,10 @@ class RollbackMachine(RuleBasedStateMachine):
 
 class SpeculativeRollbackMachine(RollbackMachine):
     """The same, with speculative decoding on (the MTP drafter, two drafts per verify): verifies interleave
-    with snapshots (a step due for a boundary is a plain decode) and rollbacks rewind the drafter rows too."""
+    with snapshots (a step due for a boundary is a plain decode; boundaries every 6 positions leave room for
+    verifies between them) and rollbacks rewind the drafter rows too."""
 
-    config = attrs.evolve(CONFIG, num_drafts=2, drafter="mtp")
+    config = attrs.evolve(CONFIG, num_drafts=2, drafter="mtp", snapshot_interval=6)
 
 
 RollbackMachine.TestCase.settings = settings(max_examples=15, stateful_step_count=30, deadline=None,

@@ -34,7 +34,8 @@ torch.set_num_threads(1)
 TINY = load_model("atlas-tiny")
 PROMPTS = [list(b"hi"), list(b"speculate!"), list(b"cross the bound!!"), list(b"a verify across QSA, ok")]
 PARAMS = SamplingParams(max_tokens=14)
-CONFIG = EngineConfig(max_seq_len=40, max_batch_size=3, prefill_chunk_tokens=8, block_size=4, num_kv_blocks=14,
+# max_seq_len 37: the longest prompt (23) and its 14 tokens fill it, so every capacity sized by it is reached
+CONFIG = EngineConfig(max_seq_len=37, max_batch_size=3, prefill_chunk_tokens=8, block_size=4, num_kv_blocks=14,
                       num_drafts=3, drafter="scripted")
 OFF = EngineConfig(max_seq_len=40, max_batch_size=1, prefill_chunk_tokens=40)
 

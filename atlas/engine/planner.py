@@ -25,6 +25,8 @@ from atlas.state.control import ControlState
 from atlas.state.events import Event, SequencePreempted, StepPlanned
 from atlas.state.machines import Sequence
 
+row_at = RowOffset.at
+
 
 @attrs.define
 class Lanes:
@@ -142,7 +144,7 @@ def _work(state: ControlState, planned: StepPlanned, lanes: Lanes) -> list[SeqWo
     for seq_id, n, verify in zip(planned.seqs, planned.fed, drafts, strict=True):
         seq = seqs[seq_id]
         c = seq.cursor
-        start = RowOffset(c.computed)  # typed: the backends turn it into addresses (atlas_kernels.rows)
+        start = c.computed
         end = start + n
         toks = c.tokens
         sample = end == len(toks)
@@ -153,9 +155,9 @@ def _work(state: ControlState, planned: StepPlanned, lanes: Lanes) -> list[SeqWo
         else:
             banned = ()
         # positional: SeqWork(seq_id, tokens, start, block_table, sample, sampling, banned, drafts,
-        # drafter_first_key, propose, prompt_logprobs); a decode's one token without a slice; prompt logprobs for
-        # prompt positions only
-        append(SeqWork(seq_id, (toks[start],) if n == 1 else tuple(toks[start:end]), start, tuple(seq.blocks), sample,
-                       p, banned, verify, seq.drafter.first_key, propose,
+        # drafter_first_key, propose, prompt_logprobs); a decode's one token without a slice; the start typed
+        # (atlas_kernels.rows.RowOffset: the backends turn it into addresses); prompt logprobs for prompt positions only
+        append(SeqWork(seq_id, (toks[start],) if n == 1 else tuple(toks[start:end]), row_at(start), tuple(seq.blocks),
+                       sample, p, banned, verify, seq.drafter.first_key, propose,
                        p.prompt_logprobs if start < c.prompt_len else None))
     return work

@@ -185,7 +185,7 @@ class SpeculativeRollbackMachine(RollbackMachine):
     config = attrs.evolve(CONFIG, num_drafts=2, drafter="mtp", snapshot_interval=6)
 
 
-RollbackMachine.TestCase.settings = settings(max_examples=15, stateful_step_count=30, deadline=None,
+RollbackMachine.TestCase.settings = settings(max_examples=10, stateful_step_count=30, deadline=None,
                                              suppress_health_check=[HealthCheck.too_slow])
 SpeculativeRollbackMachine.TestCase.settings = settings(max_examples=10, stateful_step_count=30, deadline=None,
                                                         suppress_health_check=[HealthCheck.too_slow])

@@ -19,8 +19,11 @@ from __future__ import annotations
 import operator
 
 import attrs
+from atlas_kernels.rows import RowOffset
 
 from atlas.sampling.params import SamplingParams
+
+__all__ = ["RowOffset"]  # SeqWork.start's type (atlas_kernels.rows): a row offset, not a count
 
 
 @attrs.frozen
@@ -46,7 +49,9 @@ class SeqWork:
 
     seq_id: int
     tokens: tuple[int, ...]
-    start: int
+    # where the rows start: a RowOffset for every chunk the planner builds (a decode of the batch columns' fast
+    # path, one row, may carry a plain int); the backends check it where it becomes an address
+    start: RowOffset | int
     # KV block ids in order; block i holds positions [i * block_size, (i + 1) * block_size). It covers at
     # least start + len(tokens) + len(drafts) positions.
     block_table: tuple[int, ...]

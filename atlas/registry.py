@@ -88,8 +88,8 @@ def _cuda(model: str, config: EngineConfig, *, backend: str, loaded: Any = None,
 # - "cpu-looping": the CPU reference on atlas-tiny with the same scripted loop (real GDN, PLE, QSA and KV state
 #   behind every rollback, so a restore that misses one of them shows in that layer's position stamp);
 # - "cpu-row-blind": the CPU backend declaring it cannot apply QSA selection per verify row
-#   (per_row_qsa_verify=False) and refusing a verify whose rows cross the inert bound, as a backend that attends
-#   densely per verify would have to.
+#   (per_row_qsa_verify=False: it refuses a verify whose rows cross the inert bound, as a backend that attends
+#   densely per verify would have to: atlas.backends.base.check_dense_verify), under its own name.
 LOOP_TOKEN = 65  # "A": a period-1 loop, the shortest the watchdog can see
 LOOP_FROM = 6  # sampled positions from here on loop
 
@@ -110,16 +110,8 @@ def loop(plan: StepPlan, result: StepResult, steered: set[int]) -> StepResult:
     return attrs.evolve(result, outcomes=tuple(outcomes))
 
 
-def row_blind_check(plan: StepPlan, bound: int | None) -> None:
-    """The row-blind backend's refusal: a verify whose rows reach past the QSA inert bound `bound`."""
-    for w in plan.work:
-        if w.drafts and bound is not None and w.start + 1 + len(w.drafts) > bound:
-            raise ValueError(f"sequence {w.seq_id}: verify rows reach visible prefix {w.start + 1 + len(w.drafts)} "
-                             f"past the QSA inert bound {bound}; this backend cannot apply QSA selection per verify "
-                             "row")
-
-
-def _scenario(model: str, config: EngineConfig, *, backend: str, loaded: Any = None, **_: Any) -> DataPlane:
+def _scenario(model: str, config: EngineConfig, *, backend: str, loaded: Any = None, **options: Any) -> DataPlane:
+    """The failure library's backends; the CPU ones take the CPU backend's options (state_audit= included)."""
     from atlas.backends.cpu import CpuBackend
     from atlas.backends.null import ByteTokenizer, NullBackend
 
@@ -151,19 +143,13 @@ def _scenario(model: str, config: EngineConfig, *, backend: str, loaded: Any = N
             def execute(self, plan: StepPlan) -> StepResult:
                 return loop(plan, super().execute(plan), self.steered)
 
-        made = LoopingCpuBackend.for_capacities(loaded, caps)
+        made = LoopingCpuBackend.for_capacities(loaded, caps, **options)
     else:
-        # the model's own bound, from the capacities (never the engine's lane: a lane bug must not move it)
-        bound = caps.qsa_budget + caps.qsa_ratio - 1 if caps.num_qsa_layers and caps.qsa_budget else None
 
         class RowBlindCpuBackend(CpuBackend):
             name = "cpu-row-blind"
 
-            def execute(self, plan: StepPlan) -> StepResult:
-                row_blind_check(plan, bound)
-                return super().execute(plan)
-
-        made = RowBlindCpuBackend.for_capacities(loaded, caps, per_row_qsa_verify=False)
+        made = RowBlindCpuBackend.for_capacities(loaded, caps, **{**options, "per_row_qsa_verify": False})
     return DataPlane(made, loaded.tokenizer, loaded.spec, caps, model or TINY_MODEL, loaded.fingerprint)
 
 
@@ -183,14 +169,30 @@ def data_plane(model: str, backend: str, config: EngineConfig, **options: Any) -
     return factory(model, config, **options)
 
 
+def recorded_options(backend: str, options: dict[str, Any]) -> dict[str, Any]:
+    """The backend options a trace records (beside the config, "backend_options"): the plain values among them
+    (bool, int, float, str), and for a backend with the state-digest audit the audit it runs with (the option, else
+    ATLAS_STATE_AUDIT), so that a replay rebuilds the same data plane, audit included (engine_for_run)."""
+    out = {k: v for k, v in sorted(options.items()) if isinstance(v, bool | int | float | str)}
+    if backend in AUDITED_BACKENDS and "state_audit" not in out:
+        from atlas.backends.base import state_audit_default
+
+        out["state_audit"] = state_audit_default()
+    return out
+
+
 def open_trace(trace: str, *, model: str, fingerprint: str, backend: str, config: EngineConfig,
-               caps: Capacities, tuning: dict[str, str] | None = None, seed: int | None = None) -> EventSink:
+               caps: Capacities, tuning: dict[str, str] | None = None, seed: int | None = None,
+               options: dict[str, Any] | None = None) -> EventSink:
     """`tuning`: a CUDA backend's Tuning knobs (each part's implementation), recorded beside the config as
-    "backend_tuning" so that a replay rebuilds the same arithmetic (engine_for_run). `seed`: the server's default
-    seed (`atlas serve --seed`), recorded in the run row (each request's own seed is in its arrival)."""
+    "backend_tuning" so that a replay rebuilds the same arithmetic (engine_for_run); `options`: the backend's
+    plain options (recorded_options), recorded as "backend_options". `seed`: the server's default seed (`atlas
+    serve --seed`), recorded in the run row (each request's own seed is in its arrival)."""
     from atlas.replay.store import TRACE_SCHEMA, TraceWriter, git_revision
 
-    extra = {"backend_tuning": tuning} if tuning is not None else {}
+    extra: dict[str, Any] = {"backend_tuning": tuning} if tuning is not None else {}
+    if options is not None:
+        extra["backend_options"] = options
     return TraceWriter(trace, run={
         "engine_version": __version__, "git_revision": git_revision(), "model": model,
         "model_fingerprint": fingerprint, "backend": backend, "seed": seed,
@@ -222,7 +224,8 @@ def build_engine(model: str = TINY_MODEL, backend: str = "cpu", config: EngineCo
     if trace is not None:
         tuning = getattr(made.backend, "tuning", None)
         sink = open_trace(trace, model=model, fingerprint=made.fingerprint, backend=backend, config=config,
-                          caps=made.caps, tuning=attrs.asdict(tuning) if tuning is not None else None, seed=seed)
+                          caps=made.caps, tuning=attrs.asdict(tuning) if tuning is not None else None, seed=seed,
+                          options=recorded_options(backend, options))
     return Engine(made.backend, tokenizer=made.tokenizer, config=config, capacities=made.caps, spec=made.spec,
                   model_name=made.model_name, sink=sink, fingerprint=made.fingerprint, **engine_kwargs)
 
@@ -232,10 +235,14 @@ AUDITED_BACKENDS = ("cpu", "cpu-looping", "cpu-row-blind", *CUDA_BACKENDS)
 
 
 def engine_for_run(run: RunRecord, sink: EventSink, **kwargs: Any) -> Engine:
-    """A fresh engine like the one that recorded `run` (atlas.replay.store.RunRecord), its events going to `sink`;
-    replay runs the backend's state-digest audit mode (a snapshot or commit whose bytes drift is a violation)."""
+    """A fresh engine like the one that recorded `run` (atlas.replay.store.RunRecord), its events going to `sink`:
+    the backend options the trace recorded (recorded_options) are restored, for every backend, under the ones the
+    caller passes; replay runs the backend's state-digest audit mode (a snapshot or commit whose bytes drift is a
+    violation) whether or not the recording did, so a replay never audits less than the run it replays."""
+    recorded_opts = dict(run.config.get("backend_options") or {})
     if run.backend in AUDITED_BACKENDS:
-        kwargs["backend_options"] = {"state_audit": True, **kwargs.get("backend_options", {})}
+        recorded_opts["state_audit"] = True
+    kwargs["backend_options"] = {**recorded_opts, **kwargs.get("backend_options", {})}
     recorded = run.config.get("backend_tuning")
     if recorded is not None and run.backend in CUDA_BACKENDS:  # the recorded run's implementations, unless told
         from atlas.backends.cuda.tuning import Tuning

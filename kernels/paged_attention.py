@@ -14,6 +14,7 @@ import torch
 import triton
 import triton.language as tl
 from atlas_kernels import _interpreter_compat  # noqa: F401  (CPU interpreter fix)
+from atlas_kernels.rows import check_table_covers
 
 PARTITION = 256
 
@@ -133,6 +134,10 @@ def paged_attention(
     if (selected is None) != (selected_count is None):
         raise ValueError("selected and selected_count go together")
     group = num_q_heads // num_kv_heads
+    # the rows' start (seq_len - T) becomes a page and an in-page row through the block tables: they must reach
+    # every key a row may read (no device sync: max_keys is the host's bound)
+    if selected is None:
+        check_table_covers(block_tables.shape[1], block_size, max_keys, what="paged_attention")
     q = q.contiguous()
     assert k_pool.is_contiguous() and v_pool.is_contiguous()
     if precision is None:

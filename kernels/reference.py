@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 
 import torch
+from atlas_kernels.rows import RowOffset, check_rows
 from torch.nn import functional as F
 
 L2_EPS = 1e-6  # transformers' l2norm, matching flash-linear-attention
@@ -127,6 +128,9 @@ def paged_attention(
     out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
     for b in range(batch):
         seq_len = int(seq_lens[b])
+        # the rows' start becomes addresses through the block table: inside it (paged_attention checks the bound)
+        check_rows(RowOffset(max(0, seq_len - num_rows)), num_rows, block_tables.shape[1], k_pool.shape[1],
+                   what=f"paged attention row {b}")
         keys = gather_paged(k_pool, block_tables[b], seq_len).float().repeat_interleave(group, dim=1)
         values = gather_paged(v_pool, block_tables[b], seq_len).float().repeat_interleave(group, dim=1)
         for t in range(num_rows):

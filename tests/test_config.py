@@ -5,11 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from hypothesis import given
-from hypothesis import strategies as st
 
 from atlas.config import EngineConfig, derive_capacities
-from atlas.engine.scheduler import plan_chunks
 from atlas.errors import CapacityError
 
 QWEN4_LIKE = {
@@ -61,14 +58,6 @@ def test_an_override_below_its_floor_fails_naming_both_numbers(config: EngineCon
 def test_config_round_trips_through_json() -> None:
     config = EngineConfig(max_seq_len=300, num_kv_blocks=40, num_drafts=2)
     assert EngineConfig.from_json(config.to_json()) == config
-
-
-@given(total=st.integers(0, 100_000), budget=st.integers(1, 9000))
-def test_chunks_stay_within_the_budget_and_sum_to_the_prompt(total: int, budget: int) -> None:
-    chunks = plan_chunks(total, budget)
-    assert sum(chunks) == total
-    assert all(1 <= c <= budget for c in chunks)
-    assert len(chunks) == -(-total // budget)
 
 
 def test_every_derived_capacity_is_read_outside_config() -> None:

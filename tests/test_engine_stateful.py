@@ -1,21 +1,20 @@
 """A hypothesis state machine drives the real engine (null backend) with arrivals, cancellations, steps and
-injected step errors, and checks after every rule: every machine's invariants (full audit), the backend's
-cursors against the control plane, and that every finished request produced exactly what it would alone."""
+injected step errors, and checks after every rule (tests/machine_checks.py): every machine's invariants (full
+audit), the backend's cursors against the control plane, each request's tokens so far a prefix of what it
+produces alone (all of them once it finishes), and no `error` finish but where the rule injected one."""
 
 from __future__ import annotations
 
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from machine_checks import Outputs, check_cursors
 
 from atlas.backends.null import ByteTokenizer, NullBackend
 from atlas.config import EngineConfig
 from atlas.engine.engine import Engine
-from atlas.engine.outputs import FinishReason
 from atlas.engine.records import RecordingSink
 from atlas.sampling.params import SamplingParams
-from atlas.state.invariants import audit
-from atlas.state.machines import Phase
 
 CONFIG = EngineConfig(max_seq_len=32, max_batch_size=3, prefill_chunk_tokens=6, block_size=4, num_kv_blocks=10,
                       max_waiting=6)
@@ -38,9 +37,13 @@ class EngineMachine(RuleBasedStateMachine):
         self.engine = Engine(NullBackend(eos_rate=25), tokenizer=ByteTokenizer(), config=CONFIG,
                              sink=RecordingSink(), full_audit=True)
         self.requests: dict[str, tuple[list[int], SamplingParams]] = {}
-        self.tokens: dict[str, list[int]] = {}
-        self.finished: dict[str, FinishReason] = {}
-        self.errored: set[str] = set()
+        self.alone: dict[str, list[int]] = {}
+        self.out = Outputs(self.reference)
+
+    def reference(self, rid: str) -> list[int]:
+        if rid not in self.alone:
+            self.alone[rid] = alone(*self.requests[rid])
+        return self.alone[rid]
 
     @precondition(lambda self: len(self.engine.state.waiting) < CONFIG.max_waiting)
     @rule(prompt=st.lists(st.integers(0, 255), min_size=1, max_size=20), max_tokens=st.integers(1, 12),
@@ -51,43 +54,32 @@ class EngineMachine(RuleBasedStateMachine):
         rid = f"r{len(self.requests)}"
         self.engine.add_request(rid, prompt, params)
         self.requests[rid] = (prompt, params)
-        self.tokens[rid] = []
+        self.out.expect(rid)
 
     @rule(data=st.data())
     def cancel(self, data: st.DataObject) -> None:
         live = sorted(self.engine.state.by_request)
         if live:
-            self.engine.cancel(data.draw(st.sampled_from(live)))
+            rid = data.draw(st.sampled_from(live))
+            self.out.touch(rid)
+            self.engine.cancel(rid)
 
     @rule(data=st.data())
     def step_error(self, data: st.DataObject) -> None:
         live = sorted(self.engine.state.by_request)
         if live:
-            self.engine.inject_fault("step_error", data.draw(st.sampled_from(live)))
+            rid = data.draw(st.sampled_from(live))
+            self.out.inject(rid)
+            self.engine.inject_fault("step_error", rid)
 
     @rule(n=st.integers(1, 6))
     def step(self, n: int) -> None:
         for _ in range(n):
-            for o in self.engine.step():
-                assert o.request_id not in self.finished, "output after finish"
-                self.tokens[o.request_id].extend(o.new_token_ids)
-                if o.finished:
-                    self.finished[o.request_id] = o.finish_reason
-                    if o.finish_reason in (FinishReason.STOP, FinishReason.LENGTH):
-                        prompt, params = self.requests[o.request_id]
-                        assert self.tokens[o.request_id] == alone(prompt, params)
+            self.out.collect(self.engine.step())
 
     @invariant()
-    def control_plane_is_consistent(self) -> None:
-        audit(self.engine.state, -1)
-
-    @invariant()
-    def backend_cursors_match(self) -> None:
-        state = self.engine.state
-        for seq_id in state.running:
-            seq = state.seqs[seq_id]
-            if seq.cursor.phase is Phase.RUNNING and seq_id not in state.pending_release:
-                assert self.engine.backend.cursors(seq_id).kv_tokens == seq.cursor.computed
+    def control_and_data_plane_agree(self) -> None:
+        check_cursors(self.engine, every=False)
 
     def teardown(self) -> None:
         for _ in range(500):
@@ -96,7 +88,7 @@ class EngineMachine(RuleBasedStateMachine):
             self.step(1)
         assert not self.engine.has_unfinished()
         assert self.engine.state.pool.used == 0 and self.engine.backend.live_sequences() == []
-        assert set(self.finished) == set(self.requests)
+        assert set(self.out.finished) == set(self.requests)
 
 
 EngineMachine.TestCase.settings = settings(max_examples=100, stateful_step_count=30, deadline=None,

@@ -1,9 +1,10 @@
 """A hypothesis state machine over the CPU engine with prefix caching, the drafter carry, MTP speculation and
 the rollback ring all on: chat turns arrive (extending a session's last finished turn, its boundary sometimes
 re-tokenised, or unrelated), steps run, requests are cancelled, sequences are rolled back. After every rule:
-the full audit and the data plane's cursors (KV, QSA, GDN, PLE, drafter rows, ring) against the control plane.
-At the end: every turn that was neither rolled back nor cancelled produced exactly a cold run's tokens, and no
-block leaks."""
+the full audit and the data plane's cursors (KV, QSA, GDN, PLE, drafter rows, ring) against the control plane,
+and (tests/machine_checks.py) every running sequence's state, the drafter's pair keys included, against a fresh
+sequence fed the same tokens; every turn that was neither rolled back nor cancelled streams a cold run's tokens
+(all of them once it finishes); no `error` finish. At the end: no block leaks."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import torch
 from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from machine_checks import AloneRuns, DataReference, Outputs, check_cursors
 from store_views import drafter_first_key, ring_positions
 
 from atlas.config import EngineConfig
@@ -28,21 +30,11 @@ TINY = load_model("atlas-tiny")
 CONFIG = EngineConfig(max_seq_len=64, max_batch_size=3, prefill_chunk_tokens=16, block_size=4, num_kv_blocks=40,
                       ring_slots=3, snapshot_interval=3, max_rollbacks=3, max_waiting=4, enable_prefix_caching=True,
                       prefix_snapshots=5, num_drafts=2, drafter="mtp")
-REFERENCE = build_engine("atlas-tiny", "cpu", EngineConfig(max_seq_len=64, max_batch_size=1, prefill_chunk_tokens=16,
-                                                         block_size=4), loaded=TINY)
-_COLD: dict[tuple[tuple[int, ...], int], list[int]] = {}
+ALONE = AloneRuns(TINY, CONFIG.max_seq_len)
 
 
 def cold_tokens(prompt: list[int], n: int) -> list[int]:
-    key = (tuple(prompt), n)
-    if key not in _COLD:
-        REFERENCE.add_request(f"c{len(_COLD)}", prompt, SamplingParams(max_tokens=n, ignore_eos=True))
-        out: list[int] = []
-        while REFERENCE.has_unfinished():
-            for o in REFERENCE.step():
-                out.extend(o.new_token_ids)
-        _COLD[key] = out
-    return _COLD[key]
+    return ALONE(prompt, SamplingParams(max_tokens=n, ignore_eos=True))
 
 
 class PrefixMachine(RuleBasedStateMachine):
@@ -55,27 +47,28 @@ class PrefixMachine(RuleBasedStateMachine):
                                    full_audit=True, backend_options=self.backend_options)
         self.sessions: list[list[int]] = [list(range(20, 38)), list(range(60, 72))]  # last finished turn's tokens
         self.requests: dict[str, tuple[int, list[int], int]] = {}  # rid -> (session, prompt, max_tokens)
-        self.outputs: dict[str, list[int]] = {}
-        self.finished: dict[str, FinishReason | None] = {}
-        self.touched: set[str] = set()  # rolled back or cancelled: their tokens are not a cold run's
+        # rolled back or cancelled requests are `touch`ed: their tokens are not a cold run's
+        self.out = Outputs(lambda rid: cold_tokens(*self.requests[rid][1:]))
+        self.data = DataReference(TINY, self.engine) if DataReference.applies(self.engine) else None
 
     def collect(self, outputs) -> None:
+        outputs = list(outputs)
+        self.out.collect(outputs)
         for o in outputs:
-            self.outputs[o.request_id].extend(o.new_token_ids)
             if o.finished:
-                self.finished[o.request_id] = o.finish_reason
                 session, prompt, _ = self.requests[o.request_id]
                 if session >= 0 and o.finish_reason is FinishReason.LENGTH:
-                    self.sessions[session] = prompt + self.outputs[o.request_id]
+                    self.sessions[session] = prompt + self.out.tokens[o.request_id]
 
-    @initialize(n=st.integers(4, 10), drop=st.integers(0, 3))
-    def first_turns(self, n: int, drop: int) -> None:
+    @initialize(n=st.integers(4, 10), drop=st.integers(0, 3), alter=st.booleans())
+    def first_turns(self, n: int, drop: int, alter: bool) -> None:
         """Both sessions' first turns, finished (the cache and the carry hold something from the start), and a
-        warm second turn of the first session arrived."""
-        for session in (0, 1):
+        warm second turn of the first session arrived: the carry is that session's cold turn, so the second turn
+        adopts its rows (up to where its prompt, cut by `drop` and its last token `alter`ed, agrees)."""
+        for session in (1, 0):
             self.turn(session, 0, False, [5], n)
             self.steps(60)
-        self.turn(0, drop, False, [7, 7], 16)
+        self.turn(0, drop, alter, [7, 7], 16)
 
     @precondition(lambda self: len(self.engine.state.waiting) < CONFIG.max_waiting)
     @rule(session=st.integers(-1, 1), drop=st.integers(0, 3), alter=st.booleans(),
@@ -91,7 +84,7 @@ class PrefixMachine(RuleBasedStateMachine):
             prompt = base[:6] + user
         rid = f"r{len(self.requests)}"
         self.requests[rid] = (session, prompt, max_tokens)
-        self.outputs[rid] = []
+        self.out.expect(rid)
         self.engine.add_request(rid, prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
 
     @rule(n=st.integers(1, 2))
@@ -107,7 +100,7 @@ class PrefixMachine(RuleBasedStateMachine):
         live = sorted(self.engine.state.by_request)
         if live:
             rid = data.draw(st.sampled_from(live))
-            self.touched.add(rid)
+            self.out.touch(rid)
             self.engine.cancel(rid)
 
     @rule(data=st.data())
@@ -120,8 +113,8 @@ class PrefixMachine(RuleBasedStateMachine):
         c = seq.cursor
         keep = data.draw(st.integers(max(c.prompt_len + 1, c.seq_len - 6), c.seq_len - 1))
         rid = seq.request_id
+        self.out.touch(rid)
         outcome = self.engine.roll_back(seq.seq_id, keep, 0)
-        self.touched.add(rid)
         if outcome != "rolled_back":
             self.engine.cancel(rid)
         else:
@@ -129,21 +122,17 @@ class PrefixMachine(RuleBasedStateMachine):
 
     @invariant()
     def every_machine_and_the_data_plane_agree(self) -> None:
+        check_cursors(self.engine, drafter=True)
+        if self.data is not None:
+            self.data.check(self.engine)
         state = self.engine.state
-        audit(state, -1)
         backend = self.engine.backend
         pending = {r.seq_id for r in state.orders.rollbacks}  # restored by the next plan
         for seq_id in state.running:
             seq = state.seqs[seq_id]
             if (not seq.on_device or seq.cursor.phase is not Phase.RUNNING or not backend.has_sequence(seq_id)  # type: ignore[attr-defined]
-                    or seq_id in pending):
+                    or seq_id in pending or seq.cursor.computed == 0):
                 continue
-            cur = backend.cursors(seq_id)
-            n = seq.cursor.computed
-            if n == 0:
-                continue
-            assert (cur.kv_tokens, cur.qsa_ingested, cur.ssm_position, cur.ple_position) == (n, n, n, n)
-            assert cur.drafter_rows == seq.drafter.rows
             assert drafter_first_key(backend, seq_id) == seq.drafter.first_key
             assert ring_positions(backend, seq_id) == {slot: pos for pos, slot in seq.ring.snapshots}
 
@@ -161,8 +150,8 @@ class PrefixMachine(RuleBasedStateMachine):
         event(f"declines: {min(2, sum(isinstance(e, RollbackDeclined) for e in rows))}+")
         event(f"rolled back after a hit: {any(isinstance(e, RolledBack) and e.seq_id in hit for e in rows)}")
         for rid, (_session, prompt, n) in self.requests.items():
-            if rid not in self.touched and self.finished.get(rid) is FinishReason.LENGTH:
-                assert self.outputs[rid] == cold_tokens(prompt, n), rid
+            if rid not in self.out.touched and self.out.finished.get(rid) is FinishReason.LENGTH:
+                assert self.out.tokens[rid] == cold_tokens(prompt, n), rid
 
 
 PrefixMachine.TestCase.settings = settings(max_examples=20, stateful_step_count=25, deadline=None,

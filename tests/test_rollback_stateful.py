@@ -1,8 +1,11 @@
 """A hypothesis state machine over the engine on the CPU backend and atlas-tiny: arrivals (streaming or not,
 prompts past the QSA inert bound of 19), steps (prefill, decode, boundary snapshots, preemption), rollbacks to
 valid and invalid targets, cancellations. After every rule: every invariant (full audit after every event),
-the backend's cursors and snapshot ring against the control plane. After every rollback: the sequence is, to
-the bit, a fresh one fed the boundary's tokens. A decline or a refused target changes nothing."""
+the backend's cursors and snapshot ring against the control plane, and (tests/machine_checks.py) every running
+sequence's state against a fresh one fed the same tokens, each request's tokens so far against its run alone
+(speculation and ring off; not for a request rolled back or cancelled) and no `error` finish. After every
+rollback: the sequence is, to the bit, a fresh one fed the boundary's tokens. A decline or a refused target
+changes nothing."""
 
 from __future__ import annotations
 
@@ -11,6 +14,7 @@ import torch
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from machine_checks import AloneRuns, DataReference, Outputs, check_cursors
 from store_views import ring_positions
 
 from atlas.backends.cpu import CpuBackend
@@ -22,7 +26,6 @@ from atlas.model import load_model
 from atlas.registry import build_engine
 from atlas.sampling.params import SamplingParams
 from atlas.state.events import RollbackDeclined, RolledBack
-from atlas.state.invariants import audit
 from atlas.state.machines import Phase
 
 torch.set_num_threads(1)
@@ -30,6 +33,7 @@ TINY = load_model("atlas-tiny")
 # 40 blocks of 4 for three sequences of up to 64 tokens: preemption happens, and clears the ring
 CONFIG = EngineConfig(max_seq_len=64, max_batch_size=3, prefill_chunk_tokens=16, block_size=4, num_kv_blocks=40,
                       ring_slots=3, snapshot_interval=3, max_rollbacks=3, max_waiting=4)
+ALONE = AloneRuns(TINY, CONFIG.max_seq_len)
 
 
 def assert_never_took(engine: Engine, seq_id: int, tokens: list[int], boundary: int) -> None:
@@ -65,6 +69,15 @@ class RollbackMachine(RuleBasedStateMachine):
                                    full_audit=True, backend_options=self.backend_options)
         self.arrivals = 0
         self.rollbacks = 0
+        self.requests: dict[str, tuple[list[int], SamplingParams]] = {}
+        self.out = Outputs(self.alone)
+        self.data = DataReference(TINY, self.engine) if DataReference.applies(self.engine) else None
+
+    def alone(self, rid: str) -> list[int] | None:
+        """The request's tokens run alone, ring and speculation off; None for a sampled request that verifies MTP
+        drafts (rejection sampling keeps the distribution, not the draws)."""
+        prompt, params = self.requests[rid]
+        return ALONE(prompt, params) if params.temperature == 0 or not self.config.num_drafts else None
 
     def digest(self) -> str:
         return self.engine.state.digest()
@@ -82,20 +95,25 @@ class RollbackMachine(RuleBasedStateMachine):
     def arrive(self, prompt: list[int], max_tokens: int, stream: bool, temperature: float) -> None:
         params = SamplingParams(max_tokens=min(max_tokens, CONFIG.max_seq_len - len(prompt)),
                                 temperature=temperature, seed=self.arrivals, ignore_eos=True)
-        self.engine.add_request(f"r{self.arrivals}", prompt, params, stream=stream)
+        rid = f"r{self.arrivals}"
+        self.engine.add_request(rid, prompt, params, stream=stream)
+        self.requests[rid] = (prompt, params)
+        self.out.expect(rid)
         self.arrivals += 1
 
     @rule(n=st.integers(1, 8))
     def steps(self, n: int) -> None:
         for _ in range(n):
-            self.engine.step()
+            self.out.collect(self.engine.step())
 
     @precondition(lambda self: self.arrivals > 2)  # the opening requests live long enough to roll back
     @rule(data=st.data())
     def cancel(self, data: st.DataObject) -> None:
         live = sorted(self.engine.state.by_request)
         if live:
-            self.engine.cancel(data.draw(st.sampled_from(live)))
+            rid = data.draw(st.sampled_from(live))
+            self.out.touch(rid)
+            self.engine.cancel(rid)
 
     @rule(data=st.data())
     def rollback(self, data: st.DataObject) -> None:
@@ -117,6 +135,7 @@ class RollbackMachine(RuleBasedStateMachine):
                 assert self.digest() == before and len(self.engine.sink.rows) == events  # type: ignore[union-attr]
                 return
             raise AssertionError(f"target {keep} outside ({c.prompt_len}, {c.seq_len}) was not refused")
+        self.out.touch(seq.request_id)
         outcome = self.engine.roll_back(seq.seq_id, keep, 0)
         last = self.engine.sink.rows[-1]  # type: ignore[union-attr]
         if outcome == "rolled_back":
@@ -125,7 +144,7 @@ class RollbackMachine(RuleBasedStateMachine):
             assert seq.banned[keep][-1] == tokens[keep]
             # the restore is the next plan's order: after that step (which re-feeds from the boundary) the data
             # plane is a fresh sequence fed the same tokens, to the bit
-            self.engine.step()
+            self.out.collect(self.engine.step())
             live = state.seqs.get(seq.seq_id)
             if live is not None and live.on_device and live.cursor.computed >= e.boundary:
                 self.assert_never_took(seq.seq_id, list(live.cursor.tokens), live.cursor.computed)
@@ -140,17 +159,16 @@ class RollbackMachine(RuleBasedStateMachine):
 
     @invariant()
     def every_machine_and_the_data_plane_agree(self) -> None:
+        check_cursors(self.engine)
+        if self.data is not None:
+            self.data.check(self.engine)
         state = self.engine.state
-        audit(state, -1)
         backend = self.engine.backend
         pending = {r.seq_id for r in state.orders.rollbacks}  # restored by the next plan
         for seq_id in state.running:
             seq = state.seqs[seq_id]
             if not seq.on_device or seq.cursor.phase is not Phase.RUNNING or seq_id in pending:
                 continue
-            cur = backend.cursors(seq_id)
-            n = seq.cursor.computed
-            assert (cur.kv_tokens, cur.qsa_ingested, cur.ssm_position, cur.ple_position) == (n, n, n, n)
             assert ring_positions(backend, seq_id) == {slot: pos for pos, slot in seq.ring.snapshots}
             if not seq.preemptions and not seq.rollbacks:
                 # every boundary reached was snapshotted (a verify never steps over one); the newest R are kept
@@ -161,12 +179,13 @@ class RollbackMachine(RuleBasedStateMachine):
 
 class SpeculativeRollbackMachine(RollbackMachine):
     """The same, with speculative decoding on (the MTP drafter, two drafts per verify): verifies interleave
-    with snapshots (a step due for a boundary is a plain decode) and rollbacks rewind the drafter rows too."""
+    with snapshots (a step due for a boundary is a plain decode; boundaries every 6 positions leave room for
+    verifies between them) and rollbacks rewind the drafter rows too."""
 
-    config = attrs.evolve(CONFIG, num_drafts=2, drafter="mtp")
+    config = attrs.evolve(CONFIG, num_drafts=2, drafter="mtp", snapshot_interval=6)
 
 
-RollbackMachine.TestCase.settings = settings(max_examples=15, stateful_step_count=30, deadline=None,
+RollbackMachine.TestCase.settings = settings(max_examples=10, stateful_step_count=30, deadline=None,
                                              suppress_health_check=[HealthCheck.too_slow])
 SpeculativeRollbackMachine.TestCase.settings = settings(max_examples=10, stateful_step_count=30, deadline=None,
                                                         suppress_health_check=[HealthCheck.too_slow])

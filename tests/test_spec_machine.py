@@ -4,8 +4,11 @@ Arrivals, chunked prefill, decodes and verifies interleave (three sequences shar
 14 KV blocks, so drafts get cut and sequences get preempted and recomputed); a scripted drafter proposes, per
 verify, a drawn number of correct drafts and then a wrong one (0: full reject; >= K - 1: full accept).
 Prompts of 17-22 tokens cross the QSA inert bound (19) while verifying. The engine audits every machine after
-every event and checks the backend's cursors after every step; at the end every request's tokens equal a
-run with speculation off (greedy)."""
+every event; after every rule (tests/machine_checks.py) the backend's cursors, each request's tokens so far
+against a run with speculation off (greedy; all of them once it finishes), no `error` finish, and every running
+sequence's data-plane state against a fresh sequence fed the same tokens. `RowBlindSpeculativeMachine`: the
+same on the CPU backend with per_row_qsa_verify=False, whose verify refuses rows past the inert bound: the
+lane's latch must come exactly in time (a late one ends a request in `error`)."""
 
 from __future__ import annotations
 
@@ -14,6 +17,7 @@ import torch
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from machine_checks import DataReference, Outputs, check_cursors
 
 from atlas.config import EngineConfig
 from atlas.engine.drafters import DraftRequest, ScriptedDrafter
@@ -25,14 +29,15 @@ from atlas.model import load_model
 from atlas.registry import build_engine
 from atlas.sampling.params import SamplingParams
 from atlas.state.events import SequencePreempted, StepExecuted, StepPlanned
-from atlas.state.invariants import audit
 
 torch.set_num_threads(1)
 TINY = load_model("atlas-tiny")
 PROMPTS = [list(b"hi"), list(b"speculate!"), list(b"cross the bound!!"), list(b"a verify across QSA, ok")]
 PARAMS = SamplingParams(max_tokens=14)
-CONFIG = EngineConfig(max_seq_len=40, max_batch_size=3, prefill_chunk_tokens=8, block_size=4, num_kv_blocks=14,
-                      num_drafts=3, drafter="scripted", verify_costs=())  # every verify 3 wide: no draft-count policy
+# max_seq_len 37: the longest prompt (23) and its 14 tokens fill it, so every capacity sized by it is reached; every
+# verify 3 wide: no draft-count policy
+CONFIG = EngineConfig(max_seq_len=37, max_batch_size=3, prefill_chunk_tokens=8, block_size=4, num_kv_blocks=14,
+                      num_drafts=3, drafter="scripted", verify_costs=())
 OFF = EngineConfig(max_seq_len=40, max_batch_size=1, prefill_chunk_tokens=40)
 
 
@@ -56,8 +61,8 @@ class SpeculativeMachine(RuleBasedStateMachine):
         self.engine = build_engine("atlas-tiny", self.backend_name, CONFIG, loaded=TINY, sink=RecordingSink(),
                                    full_audit=True, drafter=ScriptedDrafter(self.script),
                                    backend_options=self.backend_options)
-        self.tokens: dict[str, list[int]] = {}
-        self.finished: dict[str, FinishReason] = {}
+        self.out = Outputs(lambda rid: REFERENCE[self.prompt_of[rid]])
+        self.data = DataReference(TINY, self.engine) if DataReference.applies(self.engine) else None
 
     def script(self, req: DraftRequest) -> list[int]:
         """The reference's next tokens, correct for a drawn count, then a wrong one."""
@@ -79,35 +84,27 @@ class SpeculativeMachine(RuleBasedStateMachine):
     def arrive(self, prompt: int) -> None:
         rid = f"r{len(self.prompt_of)}"
         self.prompt_of[rid] = prompt
-        self.tokens[rid] = []
+        self.out.expect(rid)
         self.engine.add_request(rid, PROMPTS[prompt], PARAMS)
 
     @rule(data=st.data())
     def cancel(self, data: st.DataObject) -> None:
         live = sorted(self.engine.state.by_request)
         if live and data.draw(st.integers(0, 3)) == 0:  # rarely: most requests should run to the end
-            self.engine.cancel(data.draw(st.sampled_from(live)))
+            rid = data.draw(st.sampled_from(live))
+            self.out.touch(rid)
+            self.engine.cancel(rid)
 
     @rule(n=st.integers(1, 4))
     def step(self, n: int) -> None:
         for _ in range(n):
-            for o in self.engine.step():
-                assert o.request_id not in self.finished, "output after finish"
-                self.tokens[o.request_id].extend(o.new_token_ids)
-                if o.finished:
-                    self.finished[o.request_id] = o.finish_reason
+            self.out.collect(self.engine.step())
 
     @invariant()
-    def control_plane_is_consistent(self) -> None:
-        audit(self.engine.state, -1)
-
-    @invariant()
-    def backend_cursors_match(self) -> None:
-        state = self.engine.state
-        for seq_id in state.running:
-            seq = state.seqs[seq_id]
-            if seq.on_device and seq_id not in state.pending_release:
-                assert self.engine.backend.cursors(seq_id).kv_tokens == seq.cursor.computed
+    def control_and_data_plane_agree(self) -> None:
+        check_cursors(self.engine, every=False)
+        if self.data is not None:
+            self.data.check(self.engine)
 
     def teardown(self) -> None:
         for _ in range(300):
@@ -115,15 +112,23 @@ class SpeculativeMachine(RuleBasedStateMachine):
                 break
             self.step(1)
         assert not self.engine.has_unfinished() and self.engine.state.pool.used == 0
-        for rid, reason in self.finished.items():
+        assert set(self.out.finished) == set(self.prompt_of)
+        for rid, reason in self.out.finished.items():
             if reason is not FinishReason.CANCELLED:
                 assert reason in (FinishReason.STOP, FinishReason.LENGTH), (rid, reason)
-                assert tuple(self.tokens[rid]) == REFERENCE[self.prompt_of[rid]], rid
+                assert tuple(self.out.tokens[rid]) == REFERENCE[self.prompt_of[rid]], rid
+
+
+class RowBlindSpeculativeMachine(SpeculativeMachine):
+    backend_options = {"per_row_qsa_verify": False}
 
 
 SpeculativeMachine.TestCase.settings = settings(max_examples=25, stateful_step_count=14, deadline=None,
                                                 suppress_health_check=[HealthCheck.too_slow])
+RowBlindSpeculativeMachine.TestCase.settings = settings(max_examples=10, stateful_step_count=14, deadline=None,
+                                                        suppress_health_check=[HealthCheck.too_slow])
 TestSpeculativeMachine = SpeculativeMachine.TestCase
+TestRowBlindSpeculativeMachine = RowBlindSpeculativeMachine.TestCase
 
 
 def verifies(engine: Engine) -> list[tuple[int, int, tuple[int, ...], int]]:

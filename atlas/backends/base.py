@@ -203,3 +203,16 @@ def check_verify(work: SeqWork, verify_width: int, held: int, known: bool) -> No
                          "per-token intermediates this backend holds (Capacities.verify_width)")
     if not known or held != work.start:
         raise ValueError(f"sequence {work.seq_id}: verify at {work.start} but the backend holds {held} tokens")
+
+
+def check_dense_verify(work: SeqWork, inert_bound: int | None) -> None:
+    """Refuse, before anything moves, a verify a backend that cannot apply QSA selection per verify row would run
+    wrongly: one whose last row sees a visible prefix past the QSA `inert_bound` (every row of a verify attends
+    densely there). The engine's speculative lane latches such a sequence off before it gets here
+    (atlas.engine.drafters.lane); a verify arriving anyway is a lane bug, and fails loudly rather than silently."""
+    if inert_bound is None or not work.drafts:
+        return
+    visible = work.start + len(work.tokens) + len(work.drafts)
+    if visible > inert_bound:
+        raise ValueError(f"sequence {work.seq_id}: verify rows reach visible prefix {visible} past the QSA inert "
+                         f"bound {inert_bound}; this backend cannot apply QSA selection per verify row")

@@ -20,10 +20,12 @@ from atlas.engine.drafters.lane import SpeculativeLane
 from atlas.engine.prefix_lane import PrefixLane
 from atlas.engine.rollback import plan_snapshots
 from atlas.engine.scheduler import Schedule, batch
-from atlas.plan import SeqWork, StepPlan
+from atlas.plan import RowOffset, SeqWork, StepPlan
 from atlas.state.control import ControlState
 from atlas.state.events import Event, SequencePreempted, StepPlanned
 from atlas.state.machines import Sequence
+
+row_at = RowOffset.at
 
 
 @attrs.define
@@ -153,10 +155,11 @@ def _work(state: ControlState, planned: StepPlanned, lanes: Lanes) -> list[SeqWo
         else:
             banned = ()
         # positional: SeqWork(seq_id, tokens, start, block_table, sample, sampling, banned, drafts,
-        # drafter_first_key, propose, prompt_logprobs); a decode's one token without a slice; prompt logprobs for
-        # prompt positions only
-        w = SeqWork(seq_id, (toks[start],) if n == 1 else tuple(toks[start:end]), start, tuple(seq.blocks), sample,
-                    p, banned, verify, seq.drafter.first_key, propose, p.prompt_logprobs if start < c.prompt_len else None)
+        # drafter_first_key, propose, prompt_logprobs); a decode's one token without a slice; the start typed
+        # (atlas_kernels.rows.RowOffset: the backends turn it into addresses); prompt logprobs for prompt positions only
+        w = SeqWork(seq_id, (toks[start],) if n == 1 else tuple(toks[start:end]), row_at(start), tuple(seq.blocks),
+                    sample, p, banned, verify, seq.drafter.first_key, propose,
+                    p.prompt_logprobs if start < c.prompt_len else None)
         if sample and p.reads_history:  # the penalties' tokens (never speculated: the lane drafts none for it)
             w.history, w.prompt_len = tuple(toks[:end]), c.prompt_len
         append(w)

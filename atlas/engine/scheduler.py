@@ -33,14 +33,6 @@ from atlas.state.control import ControlState
 from atlas.state.prefix import free_order
 
 
-def plan_chunks(total: int, budget: int) -> list[int]:
-    """Split `total` prompt tokens into chunks of at most `budget`: every chunk <= budget, sum == total."""
-    if budget < 1:
-        raise ValueError(f"chunk budget must be >= 1, got {budget}")
-    full, rest = divmod(total, budget)
-    return [budget] * full + ([rest] if rest else [])
-
-
 @attrs.frozen
 class Schedule:
     preempt: tuple[int, ...] = ()

@@ -11,11 +11,13 @@ from collections.abc import Sequence
 
 import attrs
 import torch
+from atlas_kernels.rows import RowOffset
 
 from atlas.backends.base import (
     Capabilities,
     ChunkLike,
     check_chunk,
+    check_dense_verify,
     check_verify,
     run_orders,
     state_audit_default,
@@ -43,7 +45,7 @@ class Chunk:
 
     seq_id: int
     tokens: tuple[int, ...] = attrs.field(converter=tuple)
-    start: int
+    start: RowOffset = attrs.field(converter=RowOffset)
     block_table: tuple[int, ...] = attrs.field(converter=tuple)
 
 
@@ -94,9 +96,12 @@ class CpuBackend:
         self.store = CpuStateStore(self.spec, self.kv, self.dtype, ring_slots=ring_slots, verify_width=verify_width,
                                    drafter=self.drafter, slot_bytes=snapshot_bytes,
                                    audit=state_audit_default() if state_audit is None else state_audit)
-        # Verify rows run one at a time with their own QSA selection, so crossing the inert bound is exact here;
-        # `per_row_qsa_verify` is a constructor argument only so that tests and the cpu-row-blind scenario can
-        # declare the opposite and exercise the engine's latch.
+        # Verify rows run one at a time with their own QSA selection, so crossing the inert bound is exact here.
+        # per_row_qsa_verify=False (a backend option: build_engine(..., backend_options=...), the cpu-row-blind
+        # scenario) serves as a backend whose verify cannot select per row: it refuses a verify whose rows pass
+        # the inert bound (check_dense_verify), and the engine's lane must latch speculation off before one does.
+        self._dense_verify_bound = (None if per_row_qsa_verify or self.spec.qsa is None
+                                    else self.spec.qsa.inert_bound)
         self.capabilities = Capabilities(
             verify=True, per_row_qsa_verify=per_row_qsa_verify, mtp_drafting=self.drafter is not None,
             snapshot_ring=ring_slots > 0, prefix_snapshots=True, batch_invariant=True, fp32_parity=True,
@@ -280,6 +285,7 @@ class CpuBackend:
 
     def _check_verify(self, work: SeqWork) -> None:
         check_verify(work, self.store.verify_width, self.store.held(work.seq_id), work.seq_id in self.store.seqs)
+        check_dense_verify(work, self._dense_verify_bound)
         self._check_chunk(Chunk(work.seq_id, work.tokens + work.drafts, work.start, work.block_table))
 
     def _verify(self, w: SeqWork) -> SeqOutcome:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import attrs
 import torch
+from atlas_kernels.rows import check_rows
 
 from atlas.backends.ops import acc_dtype
 from atlas.model.spec import ModelSpec
@@ -102,13 +103,10 @@ class KvPool:
         self.positions = {layer: torch.full((num_blocks * block_size,), -1, dtype=torch.long) for layer in layers}
 
     def slots(self, block_table: tuple[int, ...], start: int, end: int) -> torch.Tensor:
-        """Flat slot ids (block * block_size + offset) of positions [start, end)."""
+        """Flat slot ids (block * block_size + offset) of positions [start, end): `start` a RowOffset where the rows
+        continue a sequence (atlas_kernels.rows.check_rows: typed, inside the table)."""
+        check_rows(start, end - start, len(block_table), self.block_size, what="kv slots")
         needed = -(-end // self.block_size)
-        if len(block_table) < needed:
-            raise ValueError(
-                f"block table has {len(block_table)} blocks; positions up to {end} need {needed} "
-                f"of block_size {self.block_size}"
-            )
         table = torch.tensor(block_table[:needed], dtype=torch.long)
         if needed and (int(table.min()) < 0 or int(table.max()) >= self.num_blocks):
             raise ValueError(f"block table {list(block_table[:needed])} names a block outside [0, {self.num_blocks})")

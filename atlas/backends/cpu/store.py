@@ -13,6 +13,7 @@ import copy
 
 import attrs
 import torch
+from atlas_kernels.rows import RowOffset
 
 from atlas.backends.audit import StateAudit
 from atlas.backends.cpu.digest import sequence_digest, snapshot_digest
@@ -204,7 +205,7 @@ class CpuStateStore:
         tail_keys: dict[int, torch.Tensor] = {}
         tail_values: dict[int, torch.Tensor] = {}
         if position % bs:
-            slots = self.kv.slots(self.tables[seq_id], position - position % bs, position)
+            slots = self.kv.slots(self.tables[seq_id], RowOffset(position - position % bs), position)
             for layer in self.kv.keys:
                 k, v = self.kv.read(layer, slots)
                 tail_keys[layer], tail_values[layer] = k.clone(), v.clone()
@@ -231,7 +232,7 @@ class CpuStateStore:
             ple_context=None if snap.ple_context is None else snap.ple_context.clone(),
             ple_conv=copy.deepcopy(snap.ple_conv), stamps=dict(snap.stamps))
         if entry.tail_keys:
-            first = position - position % self.block_size
+            first = RowOffset(position - position % self.block_size)
             slots = self.kv.slots(table, first, position)
             for layer in self.kv.keys:
                 self.kv.write(layer, slots, entry.tail_keys[layer], entry.tail_values[layer],

@@ -12,6 +12,7 @@ from collections.abc import Callable, Sequence
 import attrs
 import numpy as np
 import torch
+from atlas_kernels.rows import check_rows
 
 
 @attrs.frozen(cache_hash=True)
@@ -123,6 +124,8 @@ def pack_rows(shape: GroupShape, rows: list[Row], scratch_slots: tuple[int, ...]
     put = out.extend
     scratch = scratch_block * block_size
     for tokens, start, slot, table, ngram in rows:
+        if len(tokens) > 1:  # a prefill chunk or a verify: its typed start, inside its table (a decode: one row)
+            check_rows(start, len(tokens), len(table), block_size, what="group row")
         put(tokens)
         put((start, slot, sentinel_slot(table, start + len(tokens), block_size, scratch_block)))
         put(table[:kb])

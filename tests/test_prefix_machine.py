@@ -29,7 +29,7 @@ torch.set_num_threads(1)
 TINY = load_model("atlas-tiny")
 CONFIG = EngineConfig(max_seq_len=64, max_batch_size=3, prefill_chunk_tokens=16, block_size=4, num_kv_blocks=40,
                       ring_slots=3, snapshot_interval=3, max_rollbacks=3, max_waiting=4, enable_prefix_caching=True,
-                      prefix_snapshots=5, num_drafts=2, drafter="mtp")
+                      prefix_snapshots=5, num_drafts=2, drafter="mtp", verify_costs=())
 ALONE = AloneRuns(TINY, CONFIG.max_seq_len)
 
 

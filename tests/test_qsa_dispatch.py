@@ -55,8 +55,9 @@ def first_decode(position: int, drafts: int) -> tuple[str, FinishReason | None, 
     """Serve one prompt of `position` tokens with `drafts` always-right drafts per verify on the row-blind CPU
     backend: (the first decode's outcome, the finish reason, the tokens, the events)."""
     ref = reference(position)
+    # verify_costs=(): every verify at its full width (the table is a property of widths; no draft-count policy)
     config = EngineConfig(max_seq_len=40, max_batch_size=1, prefill_chunk_tokens=32, num_drafts=drafts,
-                          drafter="scripted")
+                          drafter="scripted", verify_costs=())
     engine = build_engine("atlas-tiny", "cpu", config, loaded=TINY, sink=RecordingSink(), full_audit=True,
                           backend_options=ROW_BLIND,
                           drafter=ScriptedDrafter(lambda r: list(ref[r.generated: r.generated + r.k])))
@@ -104,7 +105,7 @@ def test_a_request_past_the_bound_never_verifies_on_the_row_blind_backend() -> N
     def always(r: DraftRequest) -> list[int]:
         return [5] * r.k
 
-    config = EngineConfig(max_seq_len=40, max_batch_size=1, num_drafts=3, drafter="scripted")
+    config = EngineConfig(max_seq_len=40, max_batch_size=1, num_drafts=3, drafter="scripted", verify_costs=())
     engine = build_engine("atlas-tiny", "cpu", config, loaded=TINY, sink=RecordingSink(), full_audit=True,
                           backend_options=ROW_BLIND, drafter=ScriptedDrafter(always))
     result = generate(engine, [prompt(25)], [PARAMS])[0]

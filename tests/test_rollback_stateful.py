@@ -182,7 +182,7 @@ class SpeculativeRollbackMachine(RollbackMachine):
     with snapshots (a step due for a boundary is a plain decode; boundaries every 6 positions leave room for
     verifies between them) and rollbacks rewind the drafter rows too."""
 
-    config = attrs.evolve(CONFIG, num_drafts=2, drafter="mtp", snapshot_interval=6)
+    config = attrs.evolve(CONFIG, num_drafts=2, drafter="mtp", snapshot_interval=6, verify_costs=())
 
 
 RollbackMachine.TestCase.settings = settings(max_examples=10, stateful_step_count=30, deadline=None,

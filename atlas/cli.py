@@ -330,7 +330,7 @@ def bench_gpu(
     transformers: bool = typer.Option(True, help="also measure transformers on the same config"),
 ) -> None:
     """The CUDA backend on a GPU with random bf16 weights: prefill 2048, decode at batch 1/16/64, floors,
-    the control plane's share, and transformers on the same config (see docs/BENCHMARKS.md)."""
+    the control plane's share, and transformers on the same config (docs/PERFORMANCE.md)."""
     from pathlib import Path
 
     import torch

@@ -10,8 +10,7 @@ which still check, at ~222 against ~189 M instructions); --json times a copy of 
 run with every payload as JSON text (how traces were stored before codec 1: what an older trace costs to check). --no-runs applies every event
 one at a time (no runs of step pairs at once: atlas.state.column_runs).
 
-On a loaded machine the instruction count is the figure to compare (docs/CONTROL-PLANE.md, fourth and fifth
-passes): callgrind collecting inside one check after a warm-up check, toggled on a builtin nothing in the check
+On a loaded machine the instruction count is the figure to compare: callgrind collecting inside one check after a warm-up check, toggled on a builtin nothing in the check
 calls (SamplingParams' validator calls `sorted`), e.g. with this as check.py:
 
     import sys; from functools import reduce; from atlas.replay.verify import check_state_only

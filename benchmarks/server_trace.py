@@ -9,7 +9,7 @@ server's default, `EngineLoop(commit="thread")`: one commit outstanding at most)
 Prints, per batch: median decode step ms for each mode (modes interleaved over --rounds rounds, the median of
 the rounds' medians, so a loaded machine's drift hits them alike), the commit's own time per step (mean, p50,
 p99, us, timed around TraceWriter.commit in the inline mode; the p99 is SQLite's WAL checkpoint, which fsyncs),
-and each mode's overhead over no trace. On the GPU machine (the project travels as wheels, docs/BENCHMARKS.md):
+and each mode's overhead over no trace. On the GPU machine (the project travels as wheels):
 
     TESTS=0 BENCH=0 bash benchmarks/gpu_run.sh; PYTHONPATH=/tmp/site:$PWD python3 benchmarks/server_trace.py \
         --backend cuda --batches 1,16,64

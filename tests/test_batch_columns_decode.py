@@ -1,4 +1,4 @@
-"""The batch columns' decode shortcuts (docs/CONTROL-PLANE.md, sixth pass): StepPlanned's check of a decode plan
+"""The batch columns' decode shortcuts: StepPlanned's check of a decode plan
 (fed counts equal to the columns' ones) reads only the short rows (tokens past their blocks), computed once for
 `batch` and the check; StepExecuted's bounds are one column (`hi`). On recorded null-engine events: the same digests
 after every event with the columns on and off, the shortcut taken, every memo equal to what it stands for after every

@@ -79,7 +79,7 @@ MTP p1 through Atlas's CPU backend against them (+ the margins it states).
 
 transformers in fp32 on the saved weights (`mini_eval.greedy`: a full re-forward per token, {m['args']['completion_tokens']}
 tokens at most), each prompt a header without its newline. A 5 M-parameter model loops at temperature 0; the
-loops are what Atlas's content watchdog exists for (docs/BENCHMARKS.md counts how often it fires).
+loops are what Atlas's content watchdog exists for.
 
 {completions}
 

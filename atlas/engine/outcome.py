@@ -209,7 +209,7 @@ def cursor_violation(state: ControlState, plan: StepPlan, result: StepResult, in
     refused rollback restore left the data plane where it was.
 
     expected_cursors' comparison written out per sequence (no BackendCursors built for the control plane's
-    side, no tuples): at batch 64 the objects were most of this check's cost (docs/CONTROL-PLANE.md)."""
+    side, no tuples): at batch 64 the objects were most of this check's cost."""
     outcomes = result.outcomes
     cols = getattr(state, "batch", None)  # (tests hand this check a bare stand-in for the state)
     if (cols is not None and cols.fed is None and not result.refused and not result.touched and not plan.restores

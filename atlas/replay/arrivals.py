@@ -1,6 +1,6 @@
 """Codec-1 arrivals (atlas.replay.codec's RequestArrived layout) parsed for replay check's arrivals at once
 (atlas.state.column_arrivals.apply_parsed): the heads by struct, every prompt's int32s as one array, and the params
-validated once per distinct text (docs/CONTROL-PLANE.md)."""
+validated once per distinct text."""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 
 A step event (StepPlanned v3, StepExecuted v2) is 64 integers and more per step at batch 64, and most of a
 trace; as JSON, reading one back (json.loads, then the event's converters turning lists into tuples) cost more
-than replay check's whole per-event budget at 100,000 events/s (docs/CONTROL-PLANE.md). Codec 1 stores
+than replay check's whole per-event budget at 100,000 events/s. Codec 1 stores
 such a payload as a BLOB: one byte `CODEC`, then little-endian int32s, each variable-length field as its length
 and its values, in field order (an event with a value outside int32 is stored as JSON):
 

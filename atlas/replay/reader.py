@@ -268,7 +268,7 @@ def read_stored(path_or_url: str | Path, run_id: int | None = None) -> tuple[Run
     """One run (the last one unless `run_id` says) and its rows as stored (TraceReader.stored_rows), for replay
     check. A SQLite file is read with the sqlite3 module alone: SQLAlchemy's engine, its dialect set-up, the table
     inspection and the runs query around the fetch were 26 M of a 304 M-instruction check
-    (benchmarks/replay_check.py's trace; docs/CONTROL-PLANE.md). A URL goes through TraceReader."""
+    (benchmarks/replay_check.py's trace). A URL goes through TraceReader."""
     path = sqlite_path(path_or_url)
     if path is None:
         reader = TraceReader(path_or_url)

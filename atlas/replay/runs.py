@@ -15,7 +15,7 @@ import numpy as np
 from atlas.replay.codec import CODEC
 
 # fewer pairs than this go event by event: apply_run's fixed cost (~60 numpy calls) is about two pairs' worth of
-# the per-event column path (measured on benchmarks/replay_check.py's trace; see docs/CONTROL-PLANE.md)
+# the per-event column path (measured on benchmarks/replay_check.py's trace)
 MIN_RUN = 3
 
 Row = tuple[int, int, str, int, "str | bytes", str]

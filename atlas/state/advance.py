@@ -7,7 +7,7 @@ back exactly what it moved for the sequences before it (computed, QSA keys, the 
 whose step is inverted: the FNV prime is odd, so it has an inverse mod 2**64) and gives the event to the two-pass
 path, which refuses naming the sequence or handles it, as before. Fingerprints and the digest are written only
 once every sequence passed. At batch 64 the second walk (a tuple per sequence, every cursor read again) was about
-a quarter of StepExecuted's apply (benchmarks/control_plane.py; docs/CONTROL-PLANE.md, fourth pass).
+a quarter of StepExecuted's apply (benchmarks/control_plane.py).
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ token counts, computed counts and block counts here, StepPlanned's check and Ste
 test and fingerprints are numpy expressions over the batch, `plan_step` builds a decode's SeqWork from the per-row
 lists (token, start, block table, params, drafter key) and `cursor_violation` compares the reported cursors with the
 computed column. At batch 64 each of those walks read the same few fields of each Sequence through two or three
-attribute hops (docs/CONTROL-PLANE.md, fourth pass: ~48 K instructions a sequence-step, ~3.1 M a step).
+attribute hops (~48 K instructions a sequence-step, ~3.1 M a step).
 
 Validity: the columns are dropped (`ControlState.batch = None`; the objects are current, so nothing is lost) by any
 event other than StepPlanned, StepExecuted and RequestArrived (which creates a waiting sequence and touches no
@@ -323,7 +323,7 @@ class BatchColumns:
         transition, each checked after it) and holds after (computed <= blocks * bs stays true with more blocks).
         Returns (the digest's change, the ids failing that condition, in alloc order), or None having moved nothing
         (a seq_id twice or not a row: the per-row path). add_blocks' arithmetic for many rows at once: at batch 64 an
-        allocation step of every row was ~60 K instructions a row on that path (docs/CONTROL-PLANE.md, eighth pass)."""
+        allocation step of every row was ~60 K instructions a row on that path."""
         if len(alloc) == len(self.ids) and _PAIR.issuperset(map(len, alloc)) and tuple(map(_FIRST, alloc)) == self.ids:
             return self._allocate_every_row(pool, list(map(_SECOND, alloc)))
         row = self.row

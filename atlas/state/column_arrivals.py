@@ -1,4 +1,4 @@
-"""A run of request arrivals at once, for `replay check` (fifth pass, docs/CONTROL-PLANE.md).
+"""A run of request arrivals at once, for `replay check`.
 
 K consecutive RequestArrived rows (current version, JSON text) are checked as `requests.arrived` checks each one
 (sequence ids in arrival order, request ids not live and not repeated, prompt + budget within capacity), their

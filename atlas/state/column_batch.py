@@ -1,5 +1,5 @@
-"""The batch of the step columns changed in place: finishes and admissions without a flush (replay check's fifth
-pass, docs/CONTROL-PLANE.md).
+"""The batch of the step columns changed in place: finishes and admissions without a flush (what replay check
+runs).
 
 Before this, every finish flushed the step columns (any event but a step's does), the next plan went the scalar
 path over the whole batch and gathered the columns again: 46 such steps were 70 M of a 304 M-instruction check

@@ -1,4 +1,4 @@
-"""A run of step events over the step columns at once: `replay check`'s fourth pass (docs/CONTROL-PLANE.md).
+"""A run of step events over the step columns at once: what `replay check` runs.
 
 A run is R consecutive StepPlanned / StepExecuted pairs over the batch the step columns hold (atlas.state.columns),
 every plan without admissions, drafts, restores or an allocation the columns cannot take, every execution without

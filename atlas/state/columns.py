@@ -9,7 +9,7 @@ invariant report (so every message names the sequence and numbers exactly as the
 replay ends. Only sequences on the common path are gathered (running, no ring snapshots, rollbacks, preemptions,
 drafter rows, MTP, carry or latch, prefix caching off): anything else keeps the scalar path.
 
-Measured (benchmarks/replay_check.py's trace, 64 sequences a step): see docs/CONTROL-PLANE.md, third pass.
+Measured (benchmarks/replay_check.py's trace, 64 sequences a step): benchmarks/replay_check.py.
 """
 
 from __future__ import annotations

@@ -350,7 +350,7 @@ def _advance_all(state: ControlState, plan: StepPlanned, tokens: tuple[int, ...]
     rollbacks, `_holds` itself otherwise). Returns the ids that test could not pass, in plan order (the
     caller's Checked: check_invariants gives them to check_sequence, which names the broken invariant).
     One pass instead of three walks (commit, refresh, check_invariants) with a call each: see
-    docs/CONTROL-PLANE.md for the figures."""
+    benchmarks/replay_check.py for the figures."""
     if state.prefix is None and not state.caps.drafter_rows:  # the one-pass form (atlas.state.advance)
         suspects = advance_fused(state, plan, tokens, bs, VECTOR_MIN)
         if suspects is not None:

@@ -1,4 +1,4 @@
-"""The fourth session-14 pass's shortcuts (docs/CONTROL-PLANE.md, "Fourth pass (session 14)"): each must leave the engine
+"""The settle lag's and the block allocation's shortcuts: each must leave the engine
 exactly where its slow form leaves it. settle's lag (RequestBook._settle_quiet / _flush_lag) keeps a decode step's
 tokens instead of writing every quiet row's checker and held tokens: runs with it on and off give the same outputs
 every step, the same events and digests, and, once flushed, the same checkers and held tokens. An allocation of one

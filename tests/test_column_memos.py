@@ -1,4 +1,4 @@
-"""The ninth engine pass's memos and shortcuts (docs/CONTROL-PLANE.md, "Third pass (session 13)"): each is a cache of
+"""The engine's memos and shortcuts over the batch columns: each is a cache of
 a pure function of the batch columns or of the state, so after every event it must equal what it stands for, and runs
 with it on and off must record the same events and digests."""
 

@@ -1,5 +1,5 @@
-"""The fifth pass's shortcuts (docs/CONTROL-PLANE.md, "Fifth pass (session 15)"), each against its slow form, and the
-two checks the fourth pass named as weak mutation spots (a mutation of them was not caught by any test):
+"""The column hash's and the ends' shortcuts, each against its slow form, and two checks once named as weak
+mutation spots (a mutation of them was not caught by any test):
 
 - `mix64_column` (ufuncs with their output array, one temporary) equals atlas.hashing.mix64 on every element;
 - `BatchColumns.ntok_values` (one `ntok.tolist()` for the outcome's walk and `advance`'s ends) equals the column

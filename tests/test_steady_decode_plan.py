@@ -1,4 +1,4 @@
-"""The engine's steady decode step (docs/CONTROL-PLANE.md, eighth pass): `planner.steady_decode` decides a decode of the
+"""The engine's steady decode step: `planner.steady_decode` decides a decode of the
 batch columns' rows without `schedule`'s generator and `batch`. Whenever it decides, its StepPlanned is the one event
 `schedule` yields from the same state; runs with it on and off record the same events, digests and outputs. Workloads
 with short rows (a block allocated in the step), finishes, a waiting queue (admissions), a pool small enough to

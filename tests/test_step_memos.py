@@ -1,4 +1,4 @@
-"""The seventh control-plane pass (docs/CONTROL-PLANE.md): memos and reuses on the engine's step path give exactly
+"""Memos and reuses on the engine's step path give exactly
 what they stand for."""
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ import attrs
 import numpy as np
 import pytest
 from fixtures import null_workload
-from test_engine_cplane10 import _columns_hold, _params, _uniform_run
+from test_settle_lag_and_block_rows import _columns_hold, _params, _uniform_run
 
 from atlas.config import EngineConfig, derive_capacities
 from atlas.engine.records import RecordingSink

@@ -84,7 +84,7 @@ def test_seeded_sampled_mtp_speculation_gives_the_cpu_backends_tokens() -> None:
     """Sampled drafting keeps the drafter's q for rejection sampling; every draw is keyed by (seed, position)."""
     params = [SamplingParams(max_tokens=16, temperature=0.9, seed=5, ignore_eos=True),
               SamplingParams(max_tokens=16, temperature=1.2, seed=6, top_k=40, ignore_eos=True)]
-    config = attrs.evolve(BASE, max_batch_size=2, num_drafts=2, drafter="mtp")
+    config = attrs.evolve(BASE, max_batch_size=2, num_drafts=2, drafter="mtp", verify_costs=())  # both at full width
     want = [r.token_ids for r in generate(build_engine("atlas-tiny", "cpu", config, loaded=TINY), PROMPTS[:2], params)]
     engine = cuda_engine(config)
     assert [r.token_ids for r in generate(engine, PROMPTS[:2], params)] == want

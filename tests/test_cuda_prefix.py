@@ -21,9 +21,9 @@ def test_a_cuda_serve_caches_prefixes_unless_told_not_to() -> None:
     real = serve_module.registry_build
     built: list = []
 
-    def on_cpu(model, backend, config, *, trace=None, backend_options=None):  # type: ignore[no-untyped-def]
+    def on_cpu(model, backend, config, *, trace=None, backend_options=None, seed=None):  # type: ignore[no-untyped-def]
         built.append(config)
-        return real(model, backend, config, trace=trace,
+        return real(model, backend, config, trace=trace, seed=seed,
                     backend_options={**(backend_options or {}), "device": "cpu", "cuda_graphs": False})
 
     serve_module.registry_build = on_cpu

@@ -13,7 +13,7 @@ from atlas.config import EngineConfig
 from atlas.engine.records import RecordingSink
 from atlas.model import load_model
 from atlas.registry import build_engine, engine_for_run
-from atlas.replay.store import TraceReader
+from atlas.replay.reader import TraceReader
 from atlas.replay.verify import verify
 from atlas.sampling.params import SamplingParams
 

@@ -95,10 +95,12 @@ class MtpDrafter:
             grown.values[layer][:old] = state.kv.values[layer]
         state.kv = grown
 
-    def _forward(self, state: DrafterState, tokens: torch.Tensor, hidden: torch.Tensor, first_key: int
-                 ) -> torch.Tensor:
+    def _forward(self, state: DrafterState, tokens: torch.Tensor, hidden: torch.Tensor, first_key: int,
+                 wanted_from: int = 0) -> torch.Tensor:
         """Pair keys first_key.. (stored at slots from first_key - state.first_key: rows are compacted, RoPE
-        stays in sequence space) in one pass: the drafter's hidden [n, H] (its logits: `logits`)."""
+        stays in sequence space) in one pass: the drafter's hidden [n - wanted_from, H] of the rows from
+        `wanted_from` on (its logits: `logits`). The rows before only build their keys: in the last layer they
+        write K and V and stop (no query, output projection or MLP: nothing reads their hidden)."""
         spec, w, eps = self.spec, self.w, self.spec.rms_norm_eps
         rows = EXACT if self.exact else CHUNK
         n = tokens.shape[0]
@@ -113,9 +115,12 @@ class MtpDrafter:
         for layer in self.layers:
             pre = f"mtp.layers.{layer}."
             h = rms_norm(x, w[pre + "input_layernorm.weight"], eps)
+            skip = wanted_from if layer == self.layers[-1] else 0
             attn, _ = attention_forward(spec, w, pre + "self_attn.", layer, h, cos, sin, state.kv, table, slot,
-                                        None, rows)
-            x = x + attn
+                                        None, rows, attend_from=skip)
+            x = x[skip:] + attn
+            if not x.shape[0]:
+                return x
             h = rms_norm(x, w[pre + "post_attention_layernorm.weight"], eps)
             x = x + (moe_block(spec.moe, w, pre + "mlp.", h, rows) if spec.moe is not None
                      else dense_mlp(w, pre + "mlp.", h, rows))
@@ -148,10 +153,11 @@ class MtpDrafter:
         # the first draft's key end - 1 follows the keys appended: same pass, a transient row past `rows`
         built = [*tokens[first - start :], *(() if then is None else (then,))]
         pair_hidden = torch.stack(state.target_hidden[first - 1 : first - 1 + len(built)])  # type: ignore[arg-type]
-        own = self._forward(state, torch.tensor(built, dtype=torch.long), pair_hidden, first - 1)
+        wanted = len(built) - (then is not None)  # only the first draft's row goes past its keys
+        own = self._forward(state, torch.tensor(built, dtype=torch.long), pair_hidden, first - 1, wanted)
         state.rows = end - 1 - state.first_key
         if then is not None:
-            state.head = (end - 1, then, own[-1:])
+            state.head = (end - 1, then, own)
 
     def propose(self, state: DrafterState, next_token: int, k: int, params: SamplingParams) -> tuple[int, ...]:
         """Draft k tokens after `next_token` (sampled at position `computed`, not yet fed). Transient rows

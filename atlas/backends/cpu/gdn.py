@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from atlas.backends.cpu.rows import CHUNK, EXACT, RowMath
+from atlas.backends.cpu.weights import GDN_IN, joined
 from atlas.backends.ops import acc_dtype, gated_rms_norm, l2_normalise
 from atlas.model.spec import ModelSpec
 
@@ -39,10 +40,9 @@ def _gdn(spec: ModelSpec, w: dict[str, torch.Tensor], pre: str, x: torch.Tensor,
     the last))."""
     n = x.shape[0]
     nk, nv, dk, dv = spec.gdn_k_heads, spec.gdn_v_heads, spec.gdn_k_dim, spec.gdn_v_dim
-    qkv = rows.mm(x, w[pre + "in_proj_qkv.weight"])
-    z = rows.mm(x, w[pre + "in_proj_z.weight"]).view(n, nv, dv)
-    b = rows.mm(x, w[pre + "in_proj_b.weight"])
-    a = rows.mm(x, w[pre + "in_proj_a.weight"])
+    proj, sizes = joined(w, pre, GDN_IN)
+    qkv, z, b, a = rows.mm(x, proj).split(sizes, dim=-1)
+    z = z.reshape(n, nv, dv)
 
     mixed, _, cols = causal_conv(conv, qkv.T, w[pre + "conv1d.weight"], rows=rows)
     mixed = F.silu(mixed).T
@@ -59,16 +59,20 @@ def _gdn(spec: ModelSpec, w: dict[str, torch.Tensor], pre: str, x: torch.Tensor,
     decay = rows.each(lambda at: (-a_log.exp() * F.softplus(at.to(acc) + dt_bias)).exp(), a)
 
     s = state.to(acc)
-    states = []
-    out = torch.empty(n, nv, dv, dtype=acc)
+    states, outs = [], []
+    # each position's operands as views, cut once: the loop is seven ops a position (k^T S and q^T S as the
+    # batched one-row products einsum would make of them, bitwise)
+    decays, betas = decay[:, :, None, None].unbind(0), beta[:, :, None, None].unbind(0)
+    k_rows, k_cols = k[:, :, None, :].unbind(0), k[:, :, :, None].unbind(0)
+    q_rows, v_rows = q[:, :, None, :].unbind(0), v[:, :, None, :].unbind(0)
     for t in range(n):
-        s = s * decay[t, :, None, None]
-        predicted = torch.einsum("hk,hkv->hv", k[t], s)
-        delta = (v[t] - predicted) * beta[t, :, None]
-        s = s + k[t, :, :, None] * delta[:, None, :]
-        out[t] = torch.einsum("hk,hkv->hv", q[t], s)
+        s = s * decays[t]
+        delta = (v_rows[t] - torch.bmm(k_rows[t], s)) * betas[t]  # [h, 1, dv]
+        s = s + k_cols[t] * delta
+        outs.append(torch.bmm(q_rows[t], s))
         if keep:
             states.append(s)
+    out = (torch.cat(outs, dim=1) if n > 1 else outs[0]).transpose(0, 1).contiguous()  # [n, h, dv]
 
     o = gated_rms_norm(out.to(x.dtype), z, w[pre + "norm.weight"], spec.rms_norm_eps, spec.gdn_gate_act)
     return rows.mm(o.reshape(n, nv * dv), w[pre + "out_proj.weight"]), cols, states if keep else [s]

@@ -7,20 +7,27 @@ import torch
 import torch.nn.functional as F
 
 from atlas.backends.cpu.rows import CHUNK, RowMath
+from atlas.backends.cpu.weights import DENSE_IN, MOE_IN, joined
 from atlas.backends.ops import acc_dtype
 from atlas.model.spec import MoeSpec
 
 
 def dense_mlp(w: dict[str, torch.Tensor], pre: str, x: torch.Tensor, rows: RowMath = CHUNK) -> torch.Tensor:
-    gate = rows.mm(x, w[pre + "gate_proj.weight"])
-    up = rows.mm(x, w[pre + "up_proj.weight"])
+    proj, sizes = joined(w, pre, DENSE_IN)
+    gate, up = rows.mm(x, proj).split(sizes, dim=-1)
+    return _swiglu(w, pre, gate, up, rows)
+
+
+def _swiglu(w: dict[str, torch.Tensor], pre: str, gate: torch.Tensor, up: torch.Tensor, rows: RowMath
+            ) -> torch.Tensor:
     return rows.mm(rows.each(F.silu, gate) * up, w[pre + "down_proj.weight"])
 
 
 def moe_block(moe: MoeSpec, w: dict[str, torch.Tensor], pre: str, x: torch.Tensor, rows: RowMath = CHUNK
               ) -> torch.Tensor:
     """x [n, H] -> [n, H]: top-k routed experts (softmax, then top-k, renormalised) + sigmoid-gated shared."""
-    logits = rows.mm(x, w[pre + "gate.weight"])
+    proj, sizes = joined(w, pre, MOE_IN)  # router, shared expert gate/up and its gate: one product
+    logits, shared_gate, shared_up, gate_logit = rows.mm(x, proj).split(sizes, dim=-1)
     probs = rows.each(lambda r: torch.softmax(r.to(acc_dtype(x.dtype)), dim=-1), logits)
     top_w, top_i = torch.topk(probs, moe.top_k, dim=-1)
     if moe.norm_topk_prob:
@@ -36,6 +43,6 @@ def moe_block(moe: MoeSpec, w: dict[str, torch.Tensor], pre: str, x: torch.Tenso
         out = rows.mm(rows.each(F.silu, gate) * up, down[expert])
         routed.index_add_(0, tokens, out * top_w[tokens, slots, None])
 
-    shared = dense_mlp(w, pre + "shared_expert.", x, rows)
-    gate = rows.each(torch.sigmoid, rows.mm(x, w[pre + "shared_expert_gate.weight"]))
+    shared = _swiglu(w, pre + "shared_expert.", shared_gate, shared_up, rows)
+    gate = rows.each(torch.sigmoid, gate_logit)
     return routed + gate * shared

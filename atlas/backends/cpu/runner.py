@@ -27,6 +27,7 @@ from atlas.backends.cpu.mtp import mtp_forward
 from atlas.backends.cpu.state import KvPool
 from atlas.backends.cpu.store import CpuStateStore
 from atlas.backends.cpu.verify import run_verify
+from atlas.backends.cpu.weights import join_weights
 from atlas.config import Capacities
 from atlas.errors import VerifyRefused
 from atlas.model.loader import LoadedModel
@@ -70,6 +71,7 @@ class CpuBackend:
         self.weights = model.weights
         if self.dtype != model.dtype:
             self.weights = {k: t.to(self.dtype) if t.is_floating_point() else t for k, t in model.weights.items()}
+        self.weights = join_weights(self.spec, self.weights)  # products sharing an input as one (bitwise alike)
         self.block_size = block_size
         # exact: feed every token on its own, so its bits depend only on the token and its prefix. A GEMM's
         # reduction order, and whether a vectorised transcendental lands in the SIMD body or the scalar

@@ -1,0 +1,73 @@
+"""The CPU verify's row-exact arithmetic (atlas.backends.cpu.rows, .weights): a product over joined weights gives
+each part's columns the bits of that part's own product, one row or several; a verify pass of K rows gives each
+row the bits of feeding the tokens one at a time, on atlas-tiny and on atlas-mini (whose shapes the benchmark
+runs)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from atlas.backends.cpu.decoder import forward_chunk, forward_rows
+from atlas.backends.cpu.rows import EXACT
+from atlas.backends.cpu.state import KvPool, SequenceState
+from atlas.backends.cpu.weights import join_weights, joined
+from atlas.model import load_model
+from atlas.model.loader import MINI_MODEL_DIR
+
+MODELS = ["atlas-tiny", pytest.param("atlas-mini", marks=pytest.mark.skipif(
+    not (MINI_MODEL_DIR / "config.json").is_file(), reason=f"no checkpoint in {MINI_MODEL_DIR}"))]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_a_joined_product_gives_every_part_its_own_products_bits(name: str) -> None:
+    model = load_model(name)
+    raw, prepared = model.weights, join_weights(model.spec, model.weights)
+    joins = [k for k in prepared if k not in raw]
+    assert len(joins) >= 3 * model.spec.num_layers  # mixer, two hyper-connections (or MoE/dense), per layer
+    gen = torch.Generator().manual_seed(0)
+    for key in joins:
+        pre, inner = key.split("joined(")
+        parts = tuple(inner.rstrip(")").split(","))
+        weight, sizes = joined(prepared, pre, parts)
+        assert len(sizes) >= 2 and weight.shape[0] == sum(sizes)
+        for n in (1, 3, 5):
+            x = torch.randn(n, weight.shape[1], generator=gen) * 3
+            together = EXACT.mm(x, weight).split(sizes, dim=-1)
+            alone = [EXACT.mm(x, raw[pre + p]) for p in parts if pre + p in raw]
+            for got, want in zip(together, alone, strict=True):
+                assert torch.equal(got, want), (key, n)
+            if n > 1:  # and each row is the one-row product's
+                assert torch.equal(EXACT.mm(x[-1:], weight), EXACT.mm(x, weight)[-1:]), (key, n)
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_a_verify_pass_gives_every_row_the_bits_of_a_token_by_token_feed(name: str) -> None:
+    model = load_model(name)
+    spec, w, dtype = model.spec, join_weights(model.spec, model.weights), model.dtype
+    kv = KvPool(spec, 8, 16, dtype)
+    table = tuple(range(8))
+    ids = (torch.arange(40) * 7 + 3) % (spec.vocab_size - 4) + 4
+    state, hidden = SequenceState.empty(spec, dtype), []
+    for i in range(len(ids)):
+        h, state = forward_chunk(spec, w, kv, state, ids[i : i + 1], i, table)
+        hidden.append(h)
+    start = 36  # the last 4 positions again, as one verify pass from the state at 36
+    before = SequenceState.empty(spec, dtype)
+    for i in range(start):
+        _, before = forward_chunk(spec, w, kv, before, ids[i : i + 1], i, table)
+    rows, states = forward_rows(spec, w, kv, before, ids[start:], start, table)
+    assert torch.equal(rows, torch.cat(hidden[start:]))
+    for layer in state.gdn_recurrent:
+        assert torch.equal(states[-1].gdn_recurrent[layer], state.gdn_recurrent[layer])
+        assert torch.equal(states[-1].gdn_conv[layer], state.gdn_conv[layer])
+    for layer in state.ple_conv:
+        assert torch.equal(states[-1].ple_conv[layer], state.ple_conv[layer])

@@ -38,8 +38,7 @@ def _ple(spec: ModelSpec, w: dict[str, torch.Tensor], pre: str, rank: int, strea
     gated = (rows.each(torch.sigmoid, gate) * value.unsqueeze(-2)).flatten(-2)  # [n, hc*H]
     gated_normed = rms_norm(gated, w[pre + "norm_conv.weight"], eps, group=hidden)
 
-    conv_out, _, cols = causal_conv(conv, gated_normed.T, w[pre + "conv1d.weight"], dilation=ple.ngram_size,
-                                    rows=rows)
+    conv_out, _, cols = causal_conv(conv, gated_normed.T, w[pre + "conv1d.weight"], dilation=ple.ngram_size)
     return gated + F.silu(conv_out).T, cols
 
 

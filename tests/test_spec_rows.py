@@ -1,14 +1,16 @@
 """The CPU verify's row-exact arithmetic (atlas.backends.cpu.rows, .weights): a product over joined weights gives
 each part's columns the bits of that part's own product, one row or several; a verify pass of K rows gives each
 row the bits of feeding the tokens one at a time, on atlas-tiny and on atlas-mini (whose shapes the benchmark
-runs)."""
+runs); the causal conv's fused multiply-adds are F.conv1d's bits, column by column."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from atlas.backends.cpu.decoder import forward_chunk, forward_rows
+from atlas.backends.cpu.gdn import causal_conv
 from atlas.backends.cpu.rows import EXACT
 from atlas.backends.cpu.state import KvPool, SequenceState
 from atlas.backends.cpu.weights import join_weights, joined
@@ -71,3 +73,18 @@ def test_a_verify_pass_gives_every_row_the_bits_of_a_token_by_token_feed(name: s
         assert torch.equal(states[-1].gdn_conv[layer], state.gdn_conv[layer])
     for layer in state.ple_conv:
         assert torch.equal(states[-1].ple_conv[layer], state.ple_conv[layer])
+
+
+@pytest.mark.parametrize(("channels", "dilation", "n"), [(7, 1, 1), (128, 1, 3), (512, 1, 5), (512, 3, 1), (96, 3, 4)])
+def test_the_causal_conv_is_conv1ds_bits_column_by_column(channels: int, dilation: int, n: int) -> None:
+    gen = torch.Generator().manual_seed(channels + n)
+    taps, state = 4, 3 * dilation + 1
+    prev = torch.randn(channels, state, generator=gen) * 3
+    new = torch.randn(channels, n, generator=gen) * torch.randn(channels, n, generator=gen).exp()
+    weight = torch.randn(channels, 1, taps, generator=gen)
+    out, after, cols = causal_conv(prev, new, weight, dilation)
+    assert torch.equal(after, cols[:, -state:]) and cols.shape == (channels, state + n)
+    reach = (taps - 1) * dilation
+    for t in range(n):  # each column as a one-column F.conv1d over its own window
+        window = cols[None, :, state + t - reach : state + t + 1]
+        assert torch.equal(out[:, t], F.conv1d(window, weight, groups=channels, dilation=dilation)[0, :, 0])

@@ -61,8 +61,8 @@ def _gdn(spec: ModelSpec, w: dict[str, torch.Tensor], pre: str, x: torch.Tensor,
     q = l2_normalise(q) * dk**-0.5
     k = l2_normalise(k)
     beta = rows.each(torch.sigmoid, b).to(acc)
-    a_log, dt_bias = w[pre + "A_log"].to(acc), w[pre + "dt_bias"].to(acc)
-    decay = rows.each(lambda at: (-a_log.exp() * F.softplus(at.to(acc) + dt_bias)).exp(), a)
+    neg_a, dt_bias = -w[pre + "A_log"].to(acc).exp(), w[pre + "dt_bias"].to(acc)
+    decay = (neg_a * rows.each(F.softplus, a.to(acc) + dt_bias)).exp()
 
     s = state.to(acc)
     states, outs = [], []

@@ -28,7 +28,7 @@ def moe_block(moe: MoeSpec, w: dict[str, torch.Tensor], pre: str, x: torch.Tenso
     """x [n, H] -> [n, H]: top-k routed experts (softmax, then top-k, renormalised) + sigmoid-gated shared."""
     proj, sizes = joined(w, pre, MOE_IN)  # router, shared expert gate/up and its gate: one product
     logits, shared_gate, shared_up, gate_logit = rows.mm(x, proj).split(sizes, dim=-1)
-    probs = rows.each(lambda r: torch.softmax(r.to(acc_dtype(x.dtype)), dim=-1), logits)
+    probs = torch.softmax(logits.to(acc_dtype(x.dtype)), dim=-1)  # each row's bits its own at any row count
     top_w, top_i = torch.topk(probs, moe.top_k, dim=-1)
     if moe.norm_topk_prob:
         top_w = top_w / top_w.sum(dim=-1, keepdim=True)

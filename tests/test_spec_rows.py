@@ -88,3 +88,17 @@ def test_the_causal_conv_is_conv1ds_bits_column_by_column(channels: int, dilatio
     for t in range(n):  # each column as a one-column F.conv1d over its own window
         window = cols[None, :, state + t - reach : state + t + 1]
         assert torch.equal(out[:, t], F.conv1d(window, weight, groups=channels, dilation=dilation)[0, :, 0])
+
+
+@pytest.mark.parametrize("width", [1, 2, 4, 16, 17, 64, 100, 128])
+def test_each_gives_every_row_a_lone_rows_bits_contiguous_or_a_part_of_a_joined_product(width: int) -> None:
+    gen = torch.Generator().manual_seed(width)
+    for n in (2, 3, 5, 8):
+        joined_rows = torch.randn(n, width + 3, generator=gen) * 4
+        for x in (joined_rows[:, :width].contiguous(), joined_rows[:, :width], joined_rows[:, 3:]):
+            for fn in (torch.sigmoid, F.silu, F.softplus):
+                want = torch.cat([fn(x[i : i + 1].clone()) for i in range(n)])
+                assert torch.equal(EXACT.each(fn, x), want), (fn, n, x.stride())
+            # unwrapped in the layers: softmax over the last dim and exp are row-exact as they are
+            assert torch.equal(torch.softmax(x, dim=-1), torch.cat([torch.softmax(r.clone(), -1) for r in x.split(1)]))
+            assert torch.equal((-x.abs()).exp(), torch.cat([(-r.clone().abs()).exp() for r in x.split(1)]))

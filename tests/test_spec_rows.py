@@ -13,7 +13,8 @@ from atlas.backends.cpu.decoder import forward_chunk, forward_rows
 from atlas.backends.cpu.gdn import causal_conv
 from atlas.backends.cpu.rows import EXACT
 from atlas.backends.cpu.state import KvPool, SequenceState
-from atlas.backends.cpu.weights import join_weights, joined
+from atlas.backends.cpu.weights import PRE_FC_NORMS, join_weights, joined
+from atlas.backends.ops import rms_norm
 from atlas.model import load_model
 from atlas.model.loader import MINI_MODEL_DIR
 
@@ -33,9 +34,17 @@ def one_thread():
 def test_a_joined_product_gives_every_part_its_own_products_bits(name: str) -> None:
     model = load_model(name)
     raw, prepared = model.weights, join_weights(model.spec, model.weights)
-    joins = [k for k in prepared if k not in raw]
+    joins = [k for k in prepared if k not in raw and prepared[k].dim() == 2]
     assert len(joins) >= 3 * model.spec.num_layers  # mixer, two hyper-connections (or MoE/dense), per layer
     gen = torch.Generator().manual_seed(0)
+    # the MTP drafter's two input norms as one grouped norm
+    norms, _ = joined(prepared, "mtp.", PRE_FC_NORMS)
+    hidden = model.spec.hidden_size
+    for n in (1, 3):
+        both = torch.randn(n, 2 * hidden, generator=gen) * 3
+        apart = torch.cat([rms_norm(both[:, :hidden], raw["mtp.pre_fc_norm_embedding.weight"], 1e-6),
+                           rms_norm(both[:, hidden:], raw["mtp.pre_fc_norm_hidden.weight"], 1e-6)], dim=-1)
+        assert torch.equal(rms_norm(both, norms, 1e-6, group=hidden), apart)
     for key in joins:
         pre, inner = key.split("joined(")
         parts = tuple(inner.rstrip(")").split(","))

@@ -47,8 +47,9 @@ def attention_forward(
     q, gate = q[attend_from:].reshape(n, nh, 2 * hd).chunk(2, dim=-1)
     q = apply_rope(rms_norm(q, w[pre + "q_norm.weight"], spec.rms_norm_eps), cos[attend_from:], sin[attend_from:])
 
-    kv.write(layer, kv.slots(block_table, start, end), k, v, torch.arange(start, end))
-    kv.forget_after(layer, block_table, end)  # a reused block's stale stamps never pass for this sequence's rows
+    slots = kv.slots(block_table, 0, max(end, len(block_table) * kv.block_size))  # every slot of the table
+    kv.write(layer, slots[start:end], k, v, torch.arange(start, end))
+    kv.forget(layer, slots[end:])  # a reused block's stale stamps never pass for this sequence's rows
     queries = None
     if index_keys is not None and spec.qsa is not None:
         queries, raw = index_projections(spec, w, pre, index[0], cos, sin)
@@ -56,7 +57,7 @@ def attention_forward(
         queries = queries[attend_from:]
     if n == 0:
         return x[:0], index_keys
-    keys, values = kv.read(layer, kv.slots(block_table, 0, end))  # [end, nkv, hd]
+    keys, values = kv.read(layer, slots[:end])  # [end, nkv, hd]
     if queries is not None and index_keys is not None:
         mask = selection_mask(spec, w, pre, queries, index_keys, first)
     else:

@@ -29,6 +29,7 @@ from atlas.backends.cpu.attention import attention_forward
 from atlas.backends.cpu.moe import dense_mlp, moe_block
 from atlas.backends.cpu.rows import CHUNK, EXACT
 from atlas.backends.cpu.state import KvPool
+from atlas.backends.cpu.weights import PRE_FC_NORMS, joined
 from atlas.backends.ops import rms_norm, rope_table
 from atlas.model.spec import ModelSpec
 from atlas.sampling.params import SamplingParams
@@ -106,9 +107,10 @@ class MtpDrafter:
         n = tokens.shape[0]
         slot = first_key - state.first_key
         self._reserve(state, slot + n)
-        emb = rms_norm(w["embed_tokens.weight"][tokens], w["mtp.pre_fc_norm_embedding.weight"], eps)
-        x = rows.mm(torch.cat([emb, rms_norm(hidden, w["mtp.pre_fc_norm_hidden.weight"], eps)], dim=-1),
-                    w["mtp.fc.weight"])
+        # the embedding's and the hidden's norms as one grouped norm (bitwise the two)
+        norms, _ = joined(w, "mtp.", PRE_FC_NORMS)
+        both = torch.cat([w["embed_tokens.weight"][tokens], hidden], dim=-1)
+        x = rows.mm(rms_norm(both, norms, eps, group=spec.hidden_size), w["mtp.fc.weight"])
         cos, sin = rope_table(torch.arange(first_key + 1, first_key + 1 + n), spec.rotary_dim, spec.rope_theta,
                               x.dtype)
         table = tuple(range(state.kv.num_blocks))

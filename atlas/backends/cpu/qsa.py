@@ -50,12 +50,13 @@ def selection_mask(
     blocks = apply_rope(pooled.unsqueeze(1), cos, sin).squeeze(1)  # [blocks, d]
 
     acc = acc_dtype(raw_keys.dtype)
+    queries, blocks = queries.to(acc), blocks.to(acc)
     for i in range(n):
-        visible = int(positions[i]) + 1
+        visible = start + i + 1
         complete = visible // ratio
         if complete <= topk:
             continue
-        scores = (queries[i].to(acc) @ blocks[:complete].to(acc).T).T  # [complete, heads]
+        scores = (queries[i] @ blocks[:complete].T).T  # [complete, heads]
         scores = torch.relu(scores).sum(dim=-1) / math.sqrt(d)
         chosen = scores.topk(topk, dim=0).indices
         keep = torch.zeros(total, dtype=torch.bool)

@@ -43,9 +43,15 @@ class RowMath:
         n = len(x)
         if not self.exact or n == 1:
             return x @ w.T
-        if w.numel() < _NAIVE_BMM:
-            return torch.cat([r @ w.T for r in x.split(1)])
-        return torch.bmm(x.unsqueeze(1), _expanded(w, n)).squeeze(1)
+        views = getattr(w, "_rows_expanded", None)  # w.T expanded to [n, K, N] per n, kept on the weight
+        view = None if views is None else views.get(n)
+        if view is None:
+            if w.numel() < _NAIVE_BMM:
+                return torch.cat([r @ w.T for r in x.split(1)])
+            if views is None:
+                views = w._rows_expanded = {}
+            view = views[n] = w.T.expand(n, -1, -1)
+        return torch.bmm(x.unsqueeze(1), view).squeeze(1)
 
     def each(self, fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
         """fn, one elementwise op, over x [n, ...]; with `exact`, each row's bits those of fn over that row alone.
@@ -62,17 +68,6 @@ class RowMath:
             strided[..., 0] = x
             return fn(strided[..., 0])
         return torch.cat([fn(r) for r in x.split(1)])
-
-
-def _expanded(w: torch.Tensor, n: int) -> torch.Tensor:
-    """w.T expanded to [n, K, N] (a view), kept on the weight itself: a verify's products reuse it every step."""
-    views = getattr(w, "_rows_expanded", None)
-    if views is None:
-        views = w._rows_expanded = {}
-    view = views.get(n)
-    if view is None:
-        view = views[n] = w.T.expand(n, -1, -1)
-    return view
 
 
 EXACT = RowMath(exact=True)

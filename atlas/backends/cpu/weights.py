@@ -3,7 +3,8 @@
 On a model as small as atlas-mini a step's time is mostly the count of torch calls, so a layer whose input
 feeds several projections runs them as one: GDN's q/k/v, z, b and a; attention's q, k, v and the QSA index
 projection; a hyper-connection's mix-down and inject weights; MoE's router, shared expert gate/up and its gate;
-PLE's key and value projections; a dense MLP's gate and up. Each output column of a product reads only its own weight row, and the
+PLE's key and value projections; a dense MLP's gate and up (and the MTP drafter's two input norms, one
+grouped norm). Each output column of a product reads only its own weight row, and the
 one-row products and their batched forms (atlas.backends.cpu.rows) give every column the same bits whether its
 row stands alone or in a joined weight (checked on atlas-mini's and atlas-tiny's shapes, tests/test_spec_rows.py).
 
@@ -25,6 +26,7 @@ MOE_IN = ("gate.weight", "shared_expert.gate_proj.weight", "shared_expert.up_pro
           "shared_expert_gate.weight")
 PLE_IN = ("key_proj.weight", "value_proj.weight")
 DENSE_IN = ("gate_proj.weight", "up_proj.weight")
+PRE_FC_NORMS = ("pre_fc_norm_embedding.weight", "pre_fc_norm_hidden.weight")  # the MTP drafter's input norms
 
 
 def _key(pre: str, parts: tuple[str, ...]) -> str:
@@ -69,4 +71,5 @@ def join_weights(spec: ModelSpec, w: dict[str, torch.Tensor]) -> dict[str, torch
             add(pre + "mlp.", DENSE_IN)
             add(pre + "ple.", PLE_IN)
     add("hyper_connection_mixer.", HYPER_DOWN)
+    add("mtp.", PRE_FC_NORMS)
     return out

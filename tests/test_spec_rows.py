@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from atlas.backends.cpu import moe
 from atlas.backends.cpu.decoder import forward_chunk, forward_rows
 from atlas.backends.cpu.gdn import causal_conv
 from atlas.backends.cpu.rows import EXACT
@@ -111,3 +112,20 @@ def test_each_gives_every_row_a_lone_rows_bits_contiguous_or_a_part_of_a_joined_
             # unwrapped in the layers: softmax over the last dim and exp are row-exact as they are
             assert torch.equal(torch.softmax(x, dim=-1), torch.cat([torch.softmax(r.clone(), -1) for r in x.split(1)]))
             assert torch.equal((-x.abs()).exp(), torch.cat([(-r.clone().abs()).exp() for r in x.split(1)]))
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_every_expert_on_every_row_is_the_per_expert_loops_bits(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    model = load_model(name)
+    spec, w = model.spec, join_weights(model.spec, model.weights)
+    assert spec.moe is not None and spec.moe.num_experts <= moe.DENSE_EXPERTS
+    gen = torch.Generator().manual_seed(1)
+    layer = next(i for i, on in enumerate(spec.moe_layers) if on)
+    for n in (1, 3, 5):
+        x = torch.randn(n, spec.hidden_size, generator=gen)
+        every = moe.moe_block(spec.moe, w, f"layers.{layer}.mlp.", x, EXACT)
+        with monkeypatch.context() as patch:
+            patch.setattr(moe, "DENSE_EXPERTS", 0)  # the loop over the experts the rows chose
+            loop = moe.moe_block(spec.moe, w, f"layers.{layer}.mlp.", x, EXACT)
+        assert torch.equal(every, loop), n
+        assert torch.equal(moe.moe_block(spec.moe, w, f"layers.{layer}.mlp.", x[-1:], EXACT), every[-1:])

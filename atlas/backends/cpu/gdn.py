@@ -72,9 +72,9 @@ def _gdn(spec: ModelSpec, w: dict[str, torch.Tensor], pre: str, x: torch.Tensor,
     k_rows, k_cols = k[:, :, None, :].unbind(0), k[:, :, :, None].unbind(0)
     q_rows, v_rows = q[:, :, None, :].unbind(0), v[:, :, None, :].unbind(0)
     for t in range(n):
-        s = s * decays[t]
+        s = s * decays[t]  # a new tensor each position (the kept states), updated in place from here
         delta = (v_rows[t] - torch.bmm(k_rows[t], s)) * betas[t]  # [h, 1, dv]
-        s = s + k_cols[t] * delta
+        s.add_(k_cols[t] * delta)
         outs.append(torch.bmm(q_rows[t], s))
         if keep:
             states.append(s)

@@ -48,9 +48,11 @@ class RowMath:
         if view is None:
             if w.numel() < _NAIVE_BMM:
                 return torch.cat([r @ w.T for r in x.split(1)])
-            if views is None:
-                views = w._rows_expanded = {}
-            view = views[n] = w.T.expand(n, -1, -1)
+            view = w.T.expand(n, -1, -1)
+            if w._base is None:  # a weight tensor of its own, not a view made for this call (an expert's slice)
+                if views is None:
+                    views = w._rows_expanded = {}
+                views[n] = view
         return torch.bmm(x.unsqueeze(1), view).squeeze(1)
 
     def each(self, fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:

@@ -3,6 +3,8 @@ widest verify where acceptance is high and the verify cheap, and the engine's ch
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from atlas.engine.drafters.policy import VerifyCosts, choose_drafts, expected_tokens, smoothed_rates
@@ -40,10 +42,26 @@ def test_a_gain_within_the_margin_is_not_taken() -> None:
 
 
 def test_smoothed_rates_start_at_the_prior_and_follow_what_is_observed() -> None:
-    assert smoothed_rates((), (), 2) == pytest.approx((0.7, 0.7))
+    def planned(p: float, seen: int) -> float:  # the estimate plus one standard error
+        return p + math.sqrt(p * (1 - p) / (seen + 4))
+
+    assert smoothed_rates((), (), 2) == pytest.approx((planned(0.7, 0), planned(0.7, 0)))
     rates = smoothed_rates((100, 50), (10, 50), 3)
-    assert rates[0] == pytest.approx((10 + 2.8) / 104) and rates[1] == pytest.approx((50 + 2.8) / 54)
-    assert rates[2] == pytest.approx(0.7)  # never reached: the prior
+    assert rates[0] == pytest.approx(planned((10 + 2.8) / 104, 100))
+    assert rates[1] == pytest.approx(planned((50 + 2.8) / 54, 50))
+    assert rates[2] == pytest.approx(planned(0.7, 0))  # never reached: the prior
+    assert smoothed_rates((1000,), (1000,), 1)[0] <= 1.0
+
+
+def test_a_deeper_position_rejected_early_is_tried_again_once_the_first_drafts_hold() -> None:
+    """Position 2 reached 4 times and rejected every time, then only single drafts verified (so never reached
+    again): with the measured CPU costs the optimism for a position seen so rarely takes two drafts again once the
+    first draft keeps holding, where the plain smoothed rate ((0 + 2.8) / 8 = 0.35) would stay at one for good."""
+    costs = VerifyCosts(((1, (1.50, 1.84)),))
+    assert choose_drafts(1, 2, smoothed_rates((6, 4), (3, 0), 2), costs) < 2
+    assert choose_drafts(1, 2, smoothed_rates((30, 4), (27, 0), 2), costs) == 2
+    plain = (27 + 2.8) / 34, 2.8 / 8
+    assert choose_drafts(1, 2, plain, costs) == 1
 
 
 def test_the_engine_cuts_drafts_to_its_choice_deterministically() -> None:
@@ -79,6 +97,7 @@ def test_the_engine_cuts_drafts_to_its_choice_deterministically() -> None:
     assert stats.spec_drafts_accepted == 0 and 0 < stats.spec_verify_steps < 24  # probes every 8 tokens at 0
     by_drafts = stats.spec_steps_by_drafts
     assert len(by_drafts) == 4 and by_drafts[0] > 0 and sum(by_drafts[1:]) > 0 and stats.spec_draft_choice == 0
-    # the prior (0.7 a draft): 2.19 tokens for 1.6 beats 1.7 for 1.3 and 2.53 for 1.9
-    assert max(len(d) for e in planned for d in e.drafts) == 2
+    # nothing observed yet: the prior plus its standard error (0.93 a draft): 3.59 tokens for 1.9 beats 2.79 for 1.6
+    # and 1.93 for 1.3, so the first verifies take every draft
+    assert max(len(d) for e in planned for d in e.drafts) == 3
     assert run()[2] == planned

@@ -13,6 +13,7 @@ import torch
 from atlas.backends.cpu.qsa import index_projections, selection_mask
 from atlas.backends.cpu.rows import CHUNK, EXACT, RowMath
 from atlas.backends.cpu.state import KvPool
+from atlas.backends.cpu.weights import ATTENTION_IN, joined
 from atlas.backends.ops import acc_dtype, apply_rope, rms_norm
 from atlas.model.spec import ModelSpec
 
@@ -30,33 +31,43 @@ def attention_forward(
     start: int,
     index_keys: torch.Tensor | None,
     rows: RowMath = CHUNK,
+    attend_from: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """x [n, H] at positions [start, start + n) -> (out [n, H], all raw index keys after this chunk)."""
+    """x [n, H] at positions [start, start + n) -> (out [n - attend_from, H], all raw index keys after this chunk).
+    Rows before `attend_from` only write their keys and values (a drafter's appended keys, whose output no
+    later layer reads)."""
     n, nh, nkv, hd = x.shape[0], spec.num_heads, spec.num_kv_heads, spec.head_dim
     end = start + n
-    q, gate = rows.mm(x, w[pre + "q_proj.weight"]).view(n, nh, 2 * hd).chunk(2, dim=-1)
-    q = rms_norm(q, w[pre + "q_norm.weight"], spec.rms_norm_eps)
-    k = rms_norm(rows.mm(x, w[pre + "k_proj.weight"]).view(n, nkv, hd), w[pre + "k_norm.weight"], spec.rms_norm_eps)
-    v = rows.mm(x, w[pre + "v_proj.weight"]).view(n, nkv, hd)
-    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    proj, sizes = joined(w, pre, ATTENTION_IN)  # q (with its gate), k, v and the QSA index projection if any
+    q, k, v, *index = rows.mm(x, proj).split(sizes, dim=-1)
+    k = rms_norm(k.reshape(n, nkv, hd), w[pre + "k_norm.weight"], spec.rms_norm_eps)
+    v = v.reshape(n, nkv, hd)
+    k = apply_rope(k, cos, sin)
+    first, n = start + attend_from, n - attend_from  # the rows that attend: positions [first, end)
+    q, gate = q[attend_from:].reshape(n, nh, 2 * hd).chunk(2, dim=-1)
+    q = apply_rope(rms_norm(q, w[pre + "q_norm.weight"], spec.rms_norm_eps), cos[attend_from:], sin[attend_from:])
 
-    kv.write(layer, kv.slots(block_table, start, end), k, v, torch.arange(start, end))
-    kv.forget_after(layer, block_table, end)  # a reused block's stale stamps never pass for this sequence's rows
+    slots = kv.slots(block_table, 0, max(end, len(block_table) * kv.block_size))  # every slot of the table
+    kv.write(layer, slots[start:end], k, v, torch.arange(start, end))
+    kv.forget(layer, slots[end:])  # a reused block's stale stamps never pass for this sequence's rows
     queries = None
     if index_keys is not None and spec.qsa is not None:
-        queries, raw = index_projections(spec, w, pre, x, cos, sin, rows)
+        queries, raw = index_projections(spec, w, pre, index[0], cos, sin)
         index_keys = torch.cat([index_keys, raw], dim=0)
-    keys, values = kv.read(layer, kv.slots(block_table, 0, end))  # [end, nkv, hd]
+        queries = queries[attend_from:]
+    if n == 0:
+        return x[:0], index_keys
+    keys, values = kv.read(layer, slots[:end])  # [end, nkv, hd]
     if queries is not None and index_keys is not None:
-        mask = selection_mask(spec, w, pre, queries, index_keys, start)
+        mask = selection_mask(spec, w, pre, queries, index_keys, first)
     else:
-        mask = torch.arange(end)[None, :] <= torch.arange(start, end)[:, None]
+        mask = torch.arange(end)[None, :] <= torch.arange(first, end)[:, None]
     group = nh // nkv
     keys = keys.repeat_interleave(group, dim=1)
     values = values.repeat_interleave(group, dim=1)
     if rows.exact and n > 1:  # each query over exactly its own prefix, as its one-row feed
-        out = torch.cat([_attend(q[i : i + 1], keys[: start + i + 1], values[: start + i + 1],
-                                 mask[i : i + 1, : start + i + 1]) for i in range(n)])
+        out = torch.cat([_attend(q[i : i + 1], keys[: first + i + 1], values[: first + i + 1],
+                                 mask[i : i + 1, : first + i + 1]) for i in range(n)])
     else:
         out = _attend(q, keys, values, mask)
     out = out * torch.sigmoid(gate.reshape(n, nh * hd))

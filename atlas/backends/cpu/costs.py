@@ -24,9 +24,12 @@ from atlas.sampling.params import SamplingParams
 
 _CONTEXT = 32  # scratch tokens before the measured step
 # a whole engine step (verify, drafting, commit, the engine's own work) over a plain decode step, for 1..8 drafts,
-# on atlas-mini, OMP_NUM_THREADS=1 (benchmarks/mini_tpot.py: TPOT with k drafts x tokens per verify / TPOT off).
+# on atlas-mini: TPOT with k drafts x tokens per verify / TPOT off, every step verifying k drafts, the mean of two
+# runs of (on the shared 2-core dev box, other work beside it; the two runs' k = 2 entries were 1.72 and 1.97)
+#   OMP_NUM_THREADS=1 .venv/bin/python benchmarks/mini_tpot.py --backend cpu --batches 1 \
+#       --drafts 1,2,3,4,5,6,7,8 --static --repeats 5   (and --repeats 7)
 # The CPU backend's default cost model: fixed, so the policy's choices are a function of the run's inputs alone
-STEP_COSTS = (1.55, 1.86, 2.2, 2.5, 2.8, 3.1, 3.4, 3.7)
+STEP_COSTS = (1.50, 1.84, 2.13, 2.34, 2.52, 2.74, 3.03, 3.37)
 
 
 def measure_verify_costs(backend: Any, num_drafts: int, reps: int = 3) -> tuple[tuple[int, tuple[float, ...]], ...]:

@@ -29,6 +29,7 @@ from atlas.backends.cpu.attention import attention_forward
 from atlas.backends.cpu.moe import dense_mlp, moe_block
 from atlas.backends.cpu.rows import CHUNK, EXACT
 from atlas.backends.cpu.state import KvPool
+from atlas.backends.cpu.weights import PRE_FC_NORMS, joined
 from atlas.backends.ops import rms_norm, rope_table
 from atlas.model.spec import ModelSpec
 from atlas.sampling.params import SamplingParams
@@ -95,27 +96,33 @@ class MtpDrafter:
             grown.values[layer][:old] = state.kv.values[layer]
         state.kv = grown
 
-    def _forward(self, state: DrafterState, tokens: torch.Tensor, hidden: torch.Tensor, first_key: int
-                 ) -> torch.Tensor:
+    def _forward(self, state: DrafterState, tokens: torch.Tensor, hidden: torch.Tensor, first_key: int,
+                 wanted_from: int = 0) -> torch.Tensor:
         """Pair keys first_key.. (stored at slots from first_key - state.first_key: rows are compacted, RoPE
-        stays in sequence space) in one pass: the drafter's hidden [n, H] (its logits: `logits`)."""
+        stays in sequence space) in one pass: the drafter's hidden [n - wanted_from, H] of the rows from
+        `wanted_from` on (its logits: `logits`). The rows before only build their keys: in the last layer they
+        write K and V and stop (no query, output projection or MLP: nothing reads their hidden)."""
         spec, w, eps = self.spec, self.w, self.spec.rms_norm_eps
         rows = EXACT if self.exact else CHUNK
         n = tokens.shape[0]
         slot = first_key - state.first_key
         self._reserve(state, slot + n)
-        emb = rms_norm(w["embed_tokens.weight"][tokens], w["mtp.pre_fc_norm_embedding.weight"], eps)
-        x = rows.mm(torch.cat([emb, rms_norm(hidden, w["mtp.pre_fc_norm_hidden.weight"], eps)], dim=-1),
-                    w["mtp.fc.weight"])
+        # the embedding's and the hidden's norms as one grouped norm (bitwise the two)
+        norms, _ = joined(w, "mtp.", PRE_FC_NORMS)
+        both = torch.cat([w["embed_tokens.weight"][tokens], hidden], dim=-1)
+        x = rows.mm(rms_norm(both, norms, eps, group=spec.hidden_size), w["mtp.fc.weight"])
         cos, sin = rope_table(torch.arange(first_key + 1, first_key + 1 + n), spec.rotary_dim, spec.rope_theta,
                               x.dtype)
         table = tuple(range(state.kv.num_blocks))
         for layer in self.layers:
             pre = f"mtp.layers.{layer}."
             h = rms_norm(x, w[pre + "input_layernorm.weight"], eps)
+            skip = wanted_from if layer == self.layers[-1] else 0
             attn, _ = attention_forward(spec, w, pre + "self_attn.", layer, h, cos, sin, state.kv, table, slot,
-                                        None, rows)
-            x = x + attn
+                                        None, rows, attend_from=skip)
+            x = x[skip:] + attn
+            if not x.shape[0]:
+                return x
             h = rms_norm(x, w[pre + "post_attention_layernorm.weight"], eps)
             x = x + (moe_block(spec.moe, w, pre + "mlp.", h, rows) if spec.moe is not None
                      else dense_mlp(w, pre + "mlp.", h, rows))
@@ -148,10 +155,11 @@ class MtpDrafter:
         # the first draft's key end - 1 follows the keys appended: same pass, a transient row past `rows`
         built = [*tokens[first - start :], *(() if then is None else (then,))]
         pair_hidden = torch.stack(state.target_hidden[first - 1 : first - 1 + len(built)])  # type: ignore[arg-type]
-        own = self._forward(state, torch.tensor(built, dtype=torch.long), pair_hidden, first - 1)
+        wanted = len(built) - (then is not None)  # only the first draft's row goes past its keys
+        own = self._forward(state, torch.tensor(built, dtype=torch.long), pair_hidden, first - 1, wanted)
         state.rows = end - 1 - state.first_key
         if then is not None:
-            state.head = (end - 1, then, own[-1:])
+            state.head = (end - 1, then, own)
 
     def propose(self, state: DrafterState, next_token: int, k: int, params: SamplingParams) -> tuple[int, ...]:
         """Draft k tokens after `next_token` (sampled at position `computed`, not yet fed). Transient rows

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 from atlas.backends.cpu.gdn import causal_conv
 from atlas.backends.cpu.rows import CHUNK, EXACT, RowMath
+from atlas.backends.cpu.weights import PLE_IN, joined
 from atlas.backends.ops import rms_norm
 from atlas.model.ngram import ngram_ids, ngram_tables
 from atlas.model.spec import ModelSpec
@@ -28,16 +29,16 @@ def _ple(spec: ModelSpec, w: dict[str, torch.Tensor], pre: str, rank: int, strea
     emb = w[pre + "ngram_embedding.weight"][ids].flatten(-2)  # [n, embed_dim]
 
     eps = spec.rms_norm_eps
-    key = rms_norm(rows.mm(emb, w[pre + "key_proj.weight"]), w[pre + "norm_key.weight"], eps, group=hidden)
+    proj, sizes = joined(w, pre, PLE_IN)
+    key, value = rows.mm(emb, proj).split(sizes, dim=-1)  # value [n, H] is shared by every stream
+    key = rms_norm(key, w[pre + "norm_key.weight"], eps, group=hidden)
     query = rms_norm(streams, w[pre + "norm_query.weight"], eps, group=hidden)
-    value = rows.mm(emb, w[pre + "value_proj.weight"])  # [n, H], shared by every stream
     gate = (key.view(n, hc, hidden) * query.view(n, hc, hidden)).sum(-1, keepdim=True) / math.sqrt(hidden)
     gate = gate.abs().clamp_min(1e-6).sqrt() * gate.sign()  # signed square root
     gated = (rows.each(torch.sigmoid, gate) * value.unsqueeze(-2)).flatten(-2)  # [n, hc*H]
     gated_normed = rms_norm(gated, w[pre + "norm_conv.weight"], eps, group=hidden)
 
-    conv_out, _, cols = causal_conv(conv, gated_normed.T, w[pre + "conv1d.weight"], dilation=ple.ngram_size,
-                                    rows=rows)
+    conv_out, _, cols = causal_conv(conv, gated_normed.T, w[pre + "conv1d.weight"], dilation=ple.ngram_size)
     return gated + F.silu(conv_out).T, cols
 
 

@@ -13,19 +13,17 @@ import math
 
 import torch
 
-from atlas.backends.cpu.rows import CHUNK, RowMath
 from atlas.backends.ops import acc_dtype, apply_rope, rms_norm, rope_table
 from atlas.model.spec import ModelSpec
 
 
 def index_projections(
-    spec: ModelSpec, w: dict[str, torch.Tensor], pre: str, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-    rows: RowMath = CHUNK,
+    spec: ModelSpec, w: dict[str, torch.Tensor], pre: str, qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [n, H] -> (index queries [n, heads, d] normed and roped, raw index keys [n, d])."""
+    """The index projection's output qk [n, (heads + 1) * d] (x @ indexer.index_qk_proj.T) -> (index queries
+    [n, heads, d] normed and roped, raw index keys [n, d])."""
     assert spec.qsa is not None
     q_heads, d = spec.qsa.n_heads, spec.qsa.head_dim
-    qk = rows.mm(x, w[pre + "indexer.index_qk_proj.weight"])
     q, raw_keys = qk.split([q_heads * d, d], dim=-1)
     q = rms_norm(q.reshape(-1, q_heads, d), w[pre + "indexer.q_layernorm.weight"], spec.rms_norm_eps)
     return apply_rope(q, cos, sin), raw_keys
@@ -52,12 +50,13 @@ def selection_mask(
     blocks = apply_rope(pooled.unsqueeze(1), cos, sin).squeeze(1)  # [blocks, d]
 
     acc = acc_dtype(raw_keys.dtype)
+    queries, blocks = queries.to(acc), blocks.to(acc)
     for i in range(n):
-        visible = int(positions[i]) + 1
+        visible = start + i + 1
         complete = visible // ratio
         if complete <= topk:
             continue
-        scores = (queries[i].to(acc) @ blocks[:complete].to(acc).T).T  # [complete, heads]
+        scores = (queries[i] @ blocks[:complete].T).T  # [complete, heads]
         scores = torch.relu(scores).sum(dim=-1) / math.sqrt(d)
         chosen = scores.topk(topk, dim=0).indices
         keep = torch.zeros(total, dtype=torch.bool)

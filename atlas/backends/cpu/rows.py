@@ -13,12 +13,16 @@ through an op together, both measured on this backend (fp32, one thread):
   bit. A row whose width is a multiple of 64 lands wholly in the body whatever the row count. A row narrower
   than one step (a GDN head's gates, the hyper mixers' low rank, a router's experts) is wholly in the tail when
   it is alone: n of them go through the scalar kernel together as a strided view (torch runs a non-contiguous
-  operand through the scalar loop). Any other width goes row by row.
+  operand through the scalar loop). Rows that are views apart (parts of a joined product,
+  atlas.backends.cpu.weights) are each their own inner loop, split as a lone row's is. Any other width goes row
+  by row. exp and softmax over the last dim give every row its own bits at any row count (measured) and need
+  none of this.
 `CHUNK` is the plain arithmetic of whole chunks (exact=False): one GEMM, agreeing to ~1e-6.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import attrs
@@ -36,22 +40,33 @@ class RowMath:
 
     def mm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """x [n, K] @ w.T [K, N]; with `exact`, each row as the one-row product computes it."""
-        n = x.shape[0]
+        n = len(x)
         if not self.exact or n == 1:
             return x @ w.T
-        if w.numel() < _NAIVE_BMM:
-            return torch.cat([r @ w.T for r in x.split(1)])
-        wt = w.T
-        return torch.bmm(x.unsqueeze(1), wt.expand(n, *wt.shape)).squeeze(1)
+        views = getattr(w, "_rows_expanded", None)  # w.T expanded to [n, K, N] per n, kept on the weight
+        view = None if views is None else views.get(n)
+        if view is None:
+            if w.numel() < _NAIVE_BMM:
+                return torch.cat([r @ w.T for r in x.split(1)])
+            view = w.T.expand(n, -1, -1)
+            if w._base is None:  # a weight tensor of its own, not a view made for this call (an expert's slice)
+                if views is None:
+                    views = w._rows_expanded = {}
+                views[n] = view
+        return torch.bmm(x.unsqueeze(1), view).squeeze(1)
 
     def each(self, fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
-        """fn elementwise (or along the last dim) over x [n, ...]; with `exact`, each row's bits those of fn
-        over that row alone."""
-        width = x[0].numel()
-        if not self.exact or x.shape[0] == 1 or width % _BODY == 0:
+        """fn, one elementwise op, over x [n, ...]; with `exact`, each row's bits those of fn over that row alone.
+        A row that is a view apart from the next (a part of a joined product: its row stride is not its width)
+        is its own inner loop already, with a one-row op's split into SIMD body and scalar tail."""
+        shape = x.shape
+        if not self.exact or shape[0] == 1:
+            return fn(x)
+        width = math.prod(shape[1:])
+        if width % _BODY == 0 or (len(shape) == 2 and x.stride(1) == 1 and x.stride(0) != width):
             return fn(x)
         if width < _STEP:
-            strided = torch.empty(*x.shape, 2, dtype=x.dtype)
+            strided = torch.empty(*shape, 2, dtype=x.dtype)
             strided[..., 0] = x
             return fn(strided[..., 0])
         return torch.cat([fn(r) for r in x.split(1)])

@@ -29,6 +29,7 @@ from atlas.backends.cpu.mtp import mtp_forward
 from atlas.backends.cpu.state import KvPool
 from atlas.backends.cpu.store import CpuStateStore
 from atlas.backends.cpu.verify import run_verify
+from atlas.backends.cpu.weights import join_weights
 from atlas.config import Capacities, check_ple_capacities
 from atlas.errors import VerifyRefused
 from atlas.model.loader import LoadedModel
@@ -76,6 +77,7 @@ class CpuBackend:
         self.weights = model.weights
         if self.dtype != model.dtype:
             self.weights = {k: t.to(self.dtype) if t.is_floating_point() else t for k, t in model.weights.items()}
+        self.weights = join_weights(self.spec, self.weights)  # products sharing an input as one (bitwise alike)
         # n-gram tables over the budget (or left in the checkpoint by the loader) read through row caches
         self.ngram_caches = cached_tables(model, self.dtype, ngram_cache_slots, ple_scratch_rows, ngram_budget)
         if self.ngram_caches:

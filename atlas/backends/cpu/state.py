@@ -118,12 +118,10 @@ class KvPool:
         self.values[layer].view(-1, *v.shape[1:])[slots] = v
         self.positions[layer][slots] = positions
 
-    def forget_after(self, layer: int, block_table: tuple[int, ...], end: int) -> None:
-        """Invalidate the stamps of the table's slots from `end` to its last block's end: positions the sequence
-        has not written yet, which may still carry another sequence's stamps (a reused block)."""
-        last = len(block_table) * self.block_size
-        if end < last:
-            self.positions[layer][self.slots(block_table, end, last)] = -1
+    def forget(self, layer: int, slots: torch.Tensor) -> None:
+        """Invalidate the stamps of `slots`: a table's slots past what its sequence has written, which may still
+        carry another sequence's stamps (a reused block)."""
+        self.positions[layer][slots] = -1
 
     def stamped(self, layer: int, block_table: tuple[int, ...], upto: int) -> int:
         """How many consecutive positions from 0 (up to `upto`) hold their own row in `block_table`'s slots."""

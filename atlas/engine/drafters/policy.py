@@ -5,13 +5,14 @@
 `cost(batch, k)` is a speculative step's time over a plain decode step's at that batch (`VerifyCosts`: measured by
 the backend at start and recorded in the trace's config, so a replay decides as the run did); E[tokens | k] =
 1 + sum_{i<=k} prod_{j<=i} p_j from the conditional acceptance p_j the engine observed (smoothed towards a prior
-so the first steps try drafting). A k must beat a plain decode by `MARGIN` to be chosen: drafting never makes a
+so the first steps try drafting, plus one standard error so a position seen rarely is tried again). A k must beat a plain decode by `MARGIN` to be chosen: drafting never makes a
 step slower by the model's own reckoning, and where speculation loses (a batch at which the verify costs more
 than its tokens) the step verifies nothing, as vLLM and SGLang turn speculation off by batch size.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import attrs
@@ -47,13 +48,17 @@ class VerifyCosts:
 
 
 def smoothed_rates(reached: Sequence[int], accepted: Sequence[int], drafts: int) -> tuple[float, ...]:
-    """p_j for j = 1..drafts: accepted / reached at position j (given every earlier draft accepted), with the prior
-    counted as PRIOR_WEIGHT observations; a position never reached is the prior."""
+    """p_j for j = 1..drafts, as the policy plans with them: accepted / reached at position j (given every earlier
+    draft accepted), with the prior counted as PRIOR_WEIGHT observations, plus one standard error of that estimate.
+    The optimism is for positions seen rarely: a sequence that verifies fewer drafts than it may never reaches the
+    deeper ones again, so a few early rejections there would keep it from them for good; a position tried often
+    is planned at what it measured."""
     out = []
     for j in range(drafts):
         r = reached[j] if j < len(reached) else 0
         a = accepted[j] if j < len(accepted) else 0
-        out.append((a + PRIOR * PRIOR_WEIGHT) / (r + PRIOR_WEIGHT))
+        p = (a + PRIOR * PRIOR_WEIGHT) / (r + PRIOR_WEIGHT)
+        out.append(min(1.0, p + math.sqrt(p * (1 - p) / (r + PRIOR_WEIGHT))))
     return tuple(out)
 
 

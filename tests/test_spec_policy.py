@@ -101,3 +101,31 @@ def test_the_engine_cuts_drafts_to_its_choice_deterministically() -> None:
     # and 1.93 for 1.3, so the first verifies take every draft
     assert max(len(d) for e in planned for d in e.drafts) == 3
     assert run()[2] == planned
+
+
+def test_no_probe_where_no_draft_could_pay_at_the_batch() -> None:
+    from atlas.engine.drafters.policy import worth_probing
+
+    assert worth_probing(1, 4, CHEAP)
+    assert worth_probing(16, 4, BY_BATCH)  # 2 tokens for 1.6 at perfect acceptance
+    assert not worth_probing(64, 4, BY_BATCH)  # k + 1 tokens for at least 2.5 x (k + 1) ... never back
+    assert not worth_probing(1, 1, VerifyCosts(((1, (1.95,)),)))  # 2 tokens for 1.95: within the margin
+
+
+def test_the_cuda_cost_model_follows_the_measured_gains() -> None:
+    """The CUDA verify as measured on an H100: with the compiled default, at the oracle's 0.7 a draft, no draft
+    count pays at any batch (the measured 0.54x / 0.74x at batch 1), so the policy drafts nothing; only a drafter
+    right nearly every time would pay at batch 1 or 16, so those batches still probe and batch 64 does not. The
+    eager arrangement's cheaper verify pays at batch 1 with 4 drafts at 0.7 (the measured 1.16x), not at 64."""
+    from atlas.backends.cuda.costs import verify_costs
+    from atlas.engine.drafters.policy import worth_probing
+
+    compiled = VerifyCosts(verify_costs(4, compiled=True))
+    for batch in (1, 8, 16, 32, 64, 128):
+        assert choose_drafts(batch, 4, (0.7,) * 4, compiled) == 0
+    assert choose_drafts(1, 4, (1.0,) * 4, compiled) == 4  # 5 tokens for 3.8
+    assert [worth_probing(b, 4, compiled) for b in (1, 16, 64)] == [True, True, False]
+    eager = VerifyCosts(verify_costs(4, compiled=False))
+    assert choose_drafts(1, 4, (0.7,) * 4, eager) == 4
+    assert choose_drafts(1, 2, (0.7,) * 4, eager) == 0  # 2.19 tokens for 2.2: the measured 0.99x
+    assert choose_drafts(64, 4, (0.7,) * 4, eager) == 0

@@ -22,7 +22,7 @@ from atlas.backends.base import (
     run_orders,
     state_audit_default,
 )
-from atlas.backends.cpu.costs import STEP_COSTS, measure_verify_costs
+from atlas.backends.cpu.costs import STEP_COSTS
 from atlas.backends.cpu.decoder import forward_chunk
 from atlas.backends.cpu.drafter import MtpDrafter
 from atlas.backends.cpu.mtp import mtp_forward
@@ -196,11 +196,6 @@ class CpuBackend:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Reference MTP drafter over pair keys first_key.. (see atlas.backends.cpu.mtp): (logits, hidden)."""
         return mtp_forward(self.spec, self.weights, hidden, torch.tensor(list(next_tokens), dtype=torch.long), first_key)
-
-    def measure_verify_costs(self, num_drafts: int) -> tuple[tuple[int, tuple[float, ...]], ...]:
-        """A speculative step's time over a plain decode's, for 1..num_drafts drafts, timed now on this machine
-        (atlas.backends.cpu.costs)."""
-        return measure_verify_costs(self, num_drafts)
 
     def verify_costs(self, num_drafts: int) -> tuple[tuple[int, tuple[float, ...]], ...]:
         """The cost model the draft-count policy starts from: STEP_COSTS (deterministic, so two runs of one

@@ -24,6 +24,7 @@ from atlas.backends.base import (
     run_orders,
     state_audit_default,
 )
+from atlas.backends.cuda import costs as verify_cost_model
 from atlas.backends.cuda import picks
 from atlas.backends.cuda.batch import GroupShape
 from atlas.backends.cuda.faults import FaultGuard, probe_device
@@ -204,6 +205,13 @@ class CudaBackend(GroupFeed):
     @property
     def num_kv_blocks(self) -> int:
         return self.pools.num_kv_blocks
+
+    def verify_costs(self, num_drafts: int) -> tuple[tuple[int, tuple[float, ...]], ...]:
+        """The draft-count policy's cost model (atlas.backends.cuda.costs: measured on an H100) on a GPU; none on a
+        CPU device (nothing was measured there: every verify then takes num_drafts)."""
+        if self.device.type != "cuda":
+            return ()
+        return verify_cost_model.verify_costs(num_drafts, compiled=self.tuning.regions and self.tuning.compile)
 
     def close(self) -> None:
         """Give the device memory back now (Engine.close): the graphs hold bound methods of this backend (a

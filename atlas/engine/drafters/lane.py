@@ -24,7 +24,7 @@ import structlog
 
 from atlas.config import Capacities
 from atlas.engine.drafters.base import Drafter, DraftRequest
-from atlas.engine.drafters.policy import VerifyCosts, choose_drafts, smoothed_rates
+from atlas.engine.drafters.policy import VerifyCosts, choose_drafts, smoothed_rates, worth_probing
 from atlas.plan import StepPlan, StepResult
 from atlas.sampling.acceptance import AcceptanceStats, verdict_bits
 from atlas.state.control import ControlState
@@ -59,6 +59,7 @@ class SpeculativeLane:
         self.choice = num_drafts  # the last step's largest draft count
         self.choices: Counter[int] = Counter()  # decoding sequences' steps, by their draft count
         self._chosen: dict[int, int] = {}  # this step's draft count per decoding sequence
+        self._probing = True  # this step's batch could pay for a draft (policy.worth_probing)
         self._seen: dict[int, AcceptanceStats] = {}  # each sequence's own verifies (the policy's acceptance)
 
     @property
@@ -85,12 +86,15 @@ class SpeculativeLane:
         if self.costs is None:
             return dict.fromkeys(decoding, self.num_drafts)
         out = {}
+        # a sequence at 0 drafts still verifies one every PROBE tokens, so its acceptance keeps being observed,
+        # where drafting could pay at this batch at all
+        self._probing = worth_probing(len(decoding), self.num_drafts, self.costs)
         for seq_id in decoding:
             seen = self._seen.get(seq_id)
             rates = smoothed_rates(seen.reached if seen else (), seen.conditional if seen else (), self.num_drafts)
             k = choose_drafts(len(decoding), self.num_drafts, rates, self.costs)
-            # a sequence at 0 drafts still verifies one every PROBE tokens: its acceptance keeps being observed
-            out[seq_id] = 1 if k == 0 and state.seqs[seq_id].cursor.generated % PROBE == 0 else k
+            probe = self._probing and k == 0 and state.seqs[seq_id].cursor.generated % PROBE == 0
+            out[seq_id] = 1 if probe else k
         return out
 
     def drafts(self, state: ControlState) -> dict[int, tuple[int, ...]]:
@@ -131,7 +135,8 @@ class SpeculativeLane:
         if self.drafter is not None or seq.drafter.latched or seq.params.adjusted:
             return 0
         k = self._chosen.get(seq.seq_id, self.num_drafts)
-        return 1 if k == 0 and (seq.cursor.generated + 1) % PROBE == 0 else k  # the next step's probe
+        probe = self._probing and k == 0 and (seq.cursor.generated + 1) % PROBE == 0  # the next step's probe
+        return 1 if probe else k
 
     def observe(self, plan: StepPlan, result: StepResult) -> None:
         """After a step: acceptance statistics of its verifies, and the MTP drafts for the next step."""

@@ -71,6 +71,12 @@ def expected_tokens(rates: Sequence[float], drafts: int) -> float:
     return total
 
 
+def worth_probing(batch: int, max_drafts: int, costs: VerifyCosts) -> bool:
+    """Whether some k could pay at this batch if every draft held (k + 1 tokens over its cost beats MARGIN): where
+    none can, a sequence at 0 drafts is not probed either (a probe would only make the step slower)."""
+    return any((k + 1) / costs.cost(batch, k) > MARGIN for k in range(1, min(max_drafts, costs.max_drafts) + 1))
+
+
 def choose_drafts(batch: int, max_drafts: int, rates: Sequence[float], costs: VerifyCosts) -> int:
     """The drafts this step verifies, 0..max_drafts (ties to the fewer drafts)."""
     best, best_gain = 0, MARGIN

@@ -349,12 +349,19 @@ def _prefill_align(config: EngineConfig, max_batch_tokens: int, verify_width: in
 
 
 NO_DRAFTER_CONTEXT_ENV = "ATLAS_NO_MTP_DRAFTER_CONTEXT"
+# the opt-in switches the drafter context replaced: ignored, and warned about at start, so a stale launch script
+# cannot leave an operator believing its value took effect
+OBSOLETE_DRAFTER_ENVS = ("ATLAS_MTP_DRAFTER_PREFILL", "ATLAS_MTP_CARRY_DRAFTER")
 
 
 def resolve_drafter_context(config: EngineConfig, environ: Any = None) -> EngineConfig:
     """The drafter-context switch, resolved once at engine start: only ATLAS_NO_MTP_DRAFTER_CONTEXT=1
     disables it (prefill and carry together); any other value, or none, leaves the config as it is."""
     env = os.environ if environ is None else environ
+    for name in OBSOLETE_DRAFTER_ENVS:
+        if name in env:
+            _log().warning("obsolete switch ignored: the MTP drafter context (prefill and carry) is on by default; "
+                           f"{NO_DRAFTER_CONTEXT_ENV}=1 turns it off", switch=name, value=env[name])
     if env.get(NO_DRAFTER_CONTEXT_ENV) == "1" and config.drafter_context:
         config = attrs.evolve(config, drafter_context=False)
     if config.num_drafts and config.drafter == "mtp":  # the line means nothing for n-gram or no drafting

@@ -117,6 +117,21 @@ def test_only_the_value_1_turns_the_drafter_context_off(value: str | None, on: b
     assert derive_capacities(resolved).drafter_context is on  # prefill and carry: one field, never apart
 
 
+@pytest.mark.parametrize("name", ["ATLAS_MTP_DRAFTER_PREFILL", "ATLAS_MTP_CARRY_DRAFTER"])
+def test_an_obsolete_switch_is_warned_about_and_changes_nothing(name: str) -> None:
+    from structlog.testing import capture_logs
+
+    for value in ("0", "1"):
+        with capture_logs() as logs:
+            resolved = resolve_drafter_context(config(), {name: value})
+        assert resolved.drafter_context is True
+        warned = [e for e in logs if e["log_level"] == "warning" and e.get("switch") == name]
+        assert len(warned) == 1 and "ATLAS_NO_MTP_DRAFTER_CONTEXT=1" in warned[0]["event"]
+    with capture_logs() as logs:
+        resolve_drafter_context(config(), {})
+    assert not [e for e in logs if e["log_level"] == "warning"]
+
+
 def test_context_off_drafts_blind_and_never_carries() -> None:
     engine = build_engine("atlas-tiny", "cpu", config(drafter_context=False), loaded=TINY, sink=RecordingSink(),
                                 full_audit=True)

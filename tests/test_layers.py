@@ -111,7 +111,8 @@ LAYERS: list[tuple[str, ...]] = [
      "atlas.replay.sqlite_file", "atlas.replay.run_rows"),
     ("atlas.registry",),
     ("atlas.bench", "atlas.bench_measure", "atlas.bench_variants", "atlas.calibrate"),
-    ("atlas", "atlas.replay", "atlas.server", "atlas.cli", "atlas.cli_checks", "atlas.cli_support", "atlas.llm"),
+    ("atlas", "atlas.replay", "atlas.server", "atlas.cli", "atlas.cli_bench", "atlas.cli_checks", "atlas.cli_support",
+     "atlas.llm"),
 ]
 REGISTRY_USERS = len(LAYERS) - 1
 

@@ -1,6 +1,7 @@
 """The OpenAI-compatible HTTP server.
 
 engine_loop  the one thread that owns the Engine; handlers talk to it through queues
+loop_messages  what crosses its threads: inbox commands, mailboxes, output routing, a request's stream
 app          create_app(engine_loop, ...): routes, error handlers, guards
 generate     /v1/completions and /v1/chat/completions, whole or streamed (SSE)
 schemas      strict request bodies and their SamplingParams

@@ -25,10 +25,11 @@ from atlas.errors import AdmissionError, EngineDead, QueueFull
 from atlas.sampling.params import SamplingParams, choice_seed
 from atlas.server.chat import ChatTemplate, encode_chat
 from atlas.server.echo import echoed_logprobs, vllm_prompt_logprobs
-from atlas.server.engine_loop import EngineLoop, EngineStopped, FaultKind, RequestStream
+from atlas.server.engine_loop import EngineLoop
 from atlas.server.errors import APIError, bad_request, engine_dead, engine_error, shutting_down
 from atlas.server.fanout import merged, summed_usage
 from atlas.server.logprobs import chat_logprobs, completion_logprobs
+from atlas.server.loop_messages import EngineStopped, FaultKind, RequestStream
 from atlas.server.schemas import ChatCompletionRequest, ChatMessage, CompletionRequest
 
 log = structlog.get_logger(__name__)

@@ -18,6 +18,7 @@ from atlas.model.names import TINY_MODEL_NAME as TINY_MODEL
 
 DEFAULT_MAX_SEQ_LEN = 4096  # EngineConfig's default
 TOKENIZERS = ("auto", "byte")
+SERVE_BACKENDS = ("cpu", "cuda", "cuda-fp32", "cuda-invariant", "cuda-fp32-invariant", "null")
 
 
 class UsageError(Exception):
@@ -71,7 +72,7 @@ def check_trace_out(trace: str | None, *, knob: str = "--trace", store: bool = T
     if path.exists() and not os.access(path, os.W_OK) or not os.access(parent, os.W_OK):
         raise UsageError(f"{knob} {trace!r} is not writable; pick a path in a directory you can write to")
     if store:
-        from atlas.replay.store import check_for_append
+        from atlas.replay.run_rows import check_for_append
 
         check_for_append(path)  # a TraceFileError names the file (exit 2) before any model is loaded
 

@@ -25,7 +25,7 @@ from atlas.version import __version__
 if TYPE_CHECKING:
     from atlas.engine.engine import Engine
     from atlas.engine.records import EventSink
-    from atlas.replay.store import RunRecord
+    from atlas.replay.run_rows import RunRecord
 
 TINY_MODEL = "atlas-tiny"
 CUDA_BACKENDS = ("cuda", "cuda-fp32", "cuda-invariant", "cuda-fp32-invariant")
@@ -188,7 +188,8 @@ def open_trace(trace: str, *, model: str, fingerprint: str, backend: str, config
     "backend_tuning" so that a replay rebuilds the same arithmetic (engine_for_run); `options`: the backend's
     plain options (recorded_options), recorded as "backend_options". `seed`: the server's default seed (`atlas
     serve --seed`), recorded in the run row (each request's own seed is in its arrival)."""
-    from atlas.replay.store import TRACE_SCHEMA, TraceWriter, git_revision
+    from atlas.replay.run_rows import TRACE_SCHEMA
+    from atlas.replay.store import TraceWriter, git_revision
 
     extra: dict[str, Any] = {"backend_tuning": tuning} if tuning is not None else {}
     if options is not None:
@@ -235,7 +236,7 @@ AUDITED_BACKENDS = ("cpu", "cpu-looping", "cpu-row-blind", *CUDA_BACKENDS)
 
 
 def engine_for_run(run: RunRecord, sink: EventSink, **kwargs: Any) -> Engine:
-    """A fresh engine like the one that recorded `run` (atlas.replay.store.RunRecord), its events going to `sink`:
+    """A fresh engine like the one that recorded `run` (atlas.replay.run_rows.RunRecord), its events going to `sink`:
     the backend options the trace recorded (recorded_options) are restored, for every backend, under the ones the
     caller passes; replay runs the backend's state-digest audit mode (a snapshot or commit whose bytes drift is a
     violation) whether or not the recording did, so a replay never audits less than the run it replays."""

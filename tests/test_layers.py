@@ -108,10 +108,11 @@ LAYERS: list[tuple[str, ...]] = [
     ("atlas.sampling",),
     ("atlas.backends",),
     ("atlas.engine", "atlas.replay.store", "atlas.replay.codec", "atlas.replay.rows", "atlas.replay.reader",
-     "atlas.replay.sqlite_file"),
+     "atlas.replay.sqlite_file", "atlas.replay.run_rows"),
     ("atlas.registry",),
     ("atlas.bench", "atlas.bench_measure", "atlas.bench_variants", "atlas.calibrate"),
-    ("atlas", "atlas.replay", "atlas.server", "atlas.cli", "atlas.cli_checks", "atlas.cli_support", "atlas.llm"),
+    ("atlas", "atlas.replay", "atlas.server", "atlas.cli", "atlas.cli_bench", "atlas.cli_checks", "atlas.cli_support",
+     "atlas.llm"),
 ]
 REGISTRY_USERS = len(LAYERS) - 1
 

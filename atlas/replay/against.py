@@ -25,8 +25,9 @@ from atlas.engine.engine import Engine
 from atlas.engine.records import RecordingSink
 from atlas.registry import engine_for_run
 from atlas.replay.reader import check_config, read_run
+from atlas.replay.run_rows import RunRecord
 from atlas.replay.sqlite_file import where
-from atlas.replay.store import EventRecord, RunRecord
+from atlas.replay.store import EventRecord
 from atlas.replay.verify import Divergence, compare, redrive
 from atlas.state.control import ControlState
 

@@ -14,8 +14,9 @@ from typing import Any
 from atlas.errors import TraceFileError
 from atlas.replay.reader import TraceReader
 from atlas.replay.rows import BadRow, check_payload
+from atlas.replay.run_rows import run_record
 from atlas.replay.sqlite_file import space_note, where
-from atlas.replay.store import TraceWriteError, TraceWriter, run_record
+from atlas.replay.store import TraceWriteError, TraceWriter
 
 FORMAT = "atlas-trace"
 FORMAT_VERSION = 1

@@ -22,8 +22,9 @@ from atlas.errors import AdmissionError, EngineDead, QueueFull
 from atlas.registry import engine_for_run
 from atlas.replay.against import Failure, actual_failure, recorded_failure
 from atlas.replay.reader import check_config, read_run
+from atlas.replay.run_rows import RunRecord
 from atlas.replay.sqlite_file import where
-from atlas.replay.store import EventRecord, RunRecord, TraceWriter
+from atlas.replay.store import EventRecord, TraceWriter
 from atlas.sampling.params import SamplingParams
 from atlas.state.events import Event
 

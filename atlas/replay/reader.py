@@ -22,17 +22,9 @@ from atlas.config import Capacities, EngineConfig
 from atlas.errors import TraceFileError
 from atlas.replay import codec
 from atlas.replay.rows import BadRow, check_event, check_row
+from atlas.replay.run_rows import RUN_COLUMNS, RunRecord, check_runs, run_record
 from atlas.replay.sqlite_file import check_tables, connect_readonly, problem_of, sqlite_path, where
-from atlas.replay.store import (
-    RUN_COLUMNS,
-    SELECT_EVENTS,
-    EventRecord,
-    RunRecord,
-    check_runs,
-    events,
-    run_record,
-    run_status,
-)
+from atlas.replay.store import SELECT_EVENTS, EventRecord, events, run_status
 from atlas.state.events import EVENT_TYPES, Event
 
 StoredRow = tuple[int, int, str, int, "str | bytes", str]

@@ -9,7 +9,7 @@ import attrs
 
 from atlas.errors import TraceFileError
 from atlas.replay.reader import RunEnd, TraceReader
-from atlas.replay.store import RunRecord
+from atlas.replay.run_rows import RunRecord
 from atlas.sampling.acceptance import AcceptanceStats
 
 

@@ -26,9 +26,10 @@ from atlas.replay import codec
 from atlas.replay.arrivals import ParamsCache, parse_arrivals
 from atlas.replay.digests import LazyDigests
 from atlas.replay.reader import bad_row, capacities_of, check_config, first_bad_row, read_run, read_stored
+from atlas.replay.run_rows import RunRecord
 from atlas.replay.runs import MIN_RUN, run_end
 from atlas.replay.sqlite_file import where
-from atlas.replay.store import EventRecord, RunRecord
+from atlas.replay.store import EventRecord
 from atlas.sampling.params import SamplingParams
 from atlas.state.column_arrivals import apply_arrivals, apply_parsed
 from atlas.state.column_batch import finish_in_columns, finish_text_in_columns, plan_in_columns

@@ -23,7 +23,7 @@ from atlas import __version__
 from atlas.server.chat import ChatTemplate
 from atlas.server.engine_loop import EngineLoop
 from atlas.server.errors import APIError, bad_request
-from atlas.server.generate import ServingContext, create_chat_completion, create_completion
+from atlas.server.generate import create_chat_completion, create_completion
 from atlas.server.metrics import ServerMetrics
 from atlas.server.schemas import (
     ChatCompletionRequest,
@@ -42,6 +42,7 @@ from atlas.server.security import (  # noqa: F401 (the size limits are re-export
     LimitsMiddleware,
     RequestLimits,
 )
+from atlas.server.serving import ServingContext
 
 log = structlog.get_logger(__name__)
 JSON_TYPES = ("application/json",)  # with any parameters (charset=utf-8)

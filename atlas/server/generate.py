@@ -9,108 +9,28 @@ from __future__ import annotations
 
 import asyncio
 import json
-import random
 import time
 import uuid
 from collections.abc import AsyncIterator
-from typing import Any, Literal
+from typing import Any
 
 import attrs
 import structlog
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from atlas.engine.outputs import FinishReason, RequestOutput
 from atlas.errors import AdmissionError, EngineDead, QueueFull
 from atlas.sampling.params import SamplingParams, choice_seed
-from atlas.server.chat import ChatTemplate, encode_chat
 from atlas.server.echo import echoed_logprobs, vllm_prompt_logprobs
-from atlas.server.engine_loop import EngineLoop, EngineStopped, FaultKind, RequestStream
-from atlas.server.errors import APIError, bad_request, engine_dead, engine_error, shutting_down
+from atlas.server.errors import APIError, bad_request, engine_dead, shutting_down
 from atlas.server.fanout import merged, summed_usage
-from atlas.server.logprobs import chat_logprobs, completion_logprobs
-from atlas.server.schemas import ChatCompletionRequest, ChatMessage, CompletionRequest
+from atlas.server.loop_messages import EngineStopped, FaultKind, RequestStream
+from atlas.server.schemas import ChatCompletionRequest, CompletionRequest
+from atlas.server.serving import Generation, Kind, ServingContext
 
 log = structlog.get_logger(__name__)
 DONE = b"data: [DONE]\n\n"
 FAULT_HEADER = "x-atlas-inject-fault"  # honoured only when the app enables fault injection
-Kind = Literal["completion", "chat"]
-
-
-@attrs.define
-class ServingContext:
-    """What the generation routes need, built once by create_app."""
-
-    engine_loop: EngineLoop
-    model_name: str
-    tokenizer: Any
-    chat_template: ChatTemplate
-    max_seq_len: int
-    vocab_size: int | None
-    fault_injection: bool = False
-    seeds: random.Random | None = None  # `atlas serve --seed`: the sequence requests without a seed draw from
-
-    def sampling_params(self, body: CompletionRequest | ChatCompletionRequest, **changes: Any) -> SamplingParams:
-        """The body's SamplingParams; without a seed in the body, the next seed of the server's sequence when it
-        has one (the request's seed is recorded with its arrival either way, so a replay reproduces it)."""
-        params = body.sampling_params()
-        if body.seed is None and self.seeds is not None:
-            changes["seed"] = self.seeds.getrandbits(63)
-        return attrs.evolve(params, **changes) if changes else params
-
-    def decode(self, token_ids: list[int]) -> str:
-        return self.tokenizer.decode(list(token_ids))
-
-    def encode(self, text: str, *, param: str) -> list[int]:
-        _check_unicode(text, param)
-        return list(self.tokenizer.encode(text))
-
-    def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
-            raise APIError(404, f"model '{model[:64]}' does not exist; this server serves '{self.model_name}'",
-                           param="model", code="model_not_found")
-
-    def check_token_ids(self, token_ids: list[int], *, param: str) -> None:
-        if self.vocab_size is not None and any(t >= self.vocab_size for t in token_ids):
-            bad = max(token_ids)
-            raise bad_request(f"{param}: token id {bad} is outside the vocabulary of {self.vocab_size}",
-                              param=param)
-
-    def render_chat(self, messages: list[ChatMessage], add_generation_prompt: bool) -> str:
-        return self.chat_template.render(_plain(messages), add_generation_prompt=add_generation_prompt)
-
-    def encode_chat(self, messages: list[ChatMessage], add_generation_prompt: bool) -> list[int]:
-        """Message content is text: a special token's string inside it stays text (no role spoofing)."""
-        plain = _plain(messages)
-        for m in plain:
-            _check_unicode(m["content"], "messages")
-        return encode_chat(self.tokenizer, self.chat_template, plain, add_generation_prompt=add_generation_prompt)
-
-    def message_boundaries(self, messages: list[ChatMessage], prompt: list[int]) -> tuple[int, ...]:
-        """Where the chat's earlier messages end in `prompt` (the system prompt's end, each earlier turn's):
-        the points where other chats and the next turn branch off, so the prefix cache keeps a recurrent
-        snapshot there (SamplingParams.snapshot_points). A boundary the template does not render as a prefix
-        of the whole (a template that rewrites earlier turns) is left out."""
-        points = []
-        for i in range(max(1, len(messages) - MAX_BOUNDARIES), len(messages)):
-            head = encode_chat(self.tokenizer, self.chat_template, _plain(messages[:i]), add_generation_prompt=False)
-            if 0 < len(head) < len(prompt) and prompt[:len(head)] == head:
-                points.append(len(head))
-        return tuple(sorted(set(points)))
-
-
-MAX_BOUNDARIES = 8  # the last message boundaries a chat request marks (each costs one more tokenisation)
-
-
-def _check_unicode(text: str, param: str) -> None:
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        raise bad_request(f"{param}: contains invalid Unicode (a lone surrogate)", param=param) from None
-
-
-def _plain(messages: list[ChatMessage]) -> list[dict[str, Any]]:
-    return [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})} for m in messages]
 
 
 async def _submit(ctx: ServingContext, request: Request, request_id: str, prompt: list[int],
@@ -134,58 +54,6 @@ async def _submit(ctx: ServingContext, request: Request, request_id: str, prompt
         raise shutting_down(str(exc)) from None
 
 
-class _Generation:
-    """A request's tokens and text so far, built from its RequestOutputs."""
-
-    def __init__(self, ctx: ServingContext, params: SamplingParams, request_id: str) -> None:
-        self.ctx = ctx
-        self.params = params
-        self.request_id = request_id
-        self.text = ""  # the engine's text deltas: cut at stop strings, never a partial character
-        self.prompt_tokens = 0
-        self.completion_tokens = 0
-        self.finish: RequestOutput | None = None
-        self.prompt_logprobs: Any = None  # with the first output, when the request asked for them
-        # a whole (non-streamed) answer's tokens, logprobs and alternatives
-        self.token_ids: list[int] = []
-        self.token_logprobs: list[float] = []
-        self.tops: list[Any] = []
-        self.first_of_prompt = True  # n > 1: the usage counts each prompt's tokens once (fanout.summed_usage)
-
-    def absorb(self, out: RequestOutput) -> str:
-        """Take one output; returns its new text."""
-        if out.prompt_logprobs is not None:
-            self.prompt_logprobs = out.prompt_logprobs
-        self.prompt_tokens = out.prompt_tokens or self.prompt_tokens
-        self.completion_tokens = max(self.completion_tokens, out.completion_tokens)
-        if out.finished:
-            self.finish = out
-        self.text += out.new_text
-        return out.new_text
-
-    def failure(self) -> APIError | None:
-        """The error this request ended with, if it did not end with stop or length."""
-        assert self.finish is not None
-        reason = self.finish.finish_reason
-        if reason in (FinishReason.STOP, FinishReason.LENGTH):
-            return None
-        if reason == FinishReason.CANCELLED:
-            return APIError(500, "the request was cancelled before it finished", code="cancelled")
-        return engine_error(self.finish.finish_detail, self.request_id)
-
-    def usage(self) -> dict[str, int]:
-        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
-                "total_tokens": self.prompt_tokens + self.completion_tokens}
-
-    def logprobs(self, kind: Kind, token_ids: Any, logprobs: Any, top: Any, text_offset: int) -> dict | None:
-        if not self.params.logprobs:
-            return None
-        if kind == "chat":
-            return chat_logprobs(self.ctx.decode, token_ids, logprobs, top)
-        return completion_logprobs(self.ctx.decode, token_ids, logprobs, top, self.params.top_logprobs,
-                                   text_offset)
-
-
 def _quietly(future: asyncio.Future[Any]) -> None:
     """Retrieve a cancelled gather's outcome: its CancelledError was logged as 'never retrieved' otherwise."""
     if not future.cancelled():
@@ -197,12 +65,12 @@ async def _until_disconnect(request: Request) -> None:
         pass
 
 
-async def _respond_whole(ctx: ServingContext, request: Request, streams: list[RequestStream], gens: list[_Generation],
+async def _respond_whole(ctx: ServingContext, request: Request, streams: list[RequestStream], gens: list[Generation],
                          kind: Kind, request_id: str, body: CompletionRequest | ChatCompletionRequest,
                          prompts: list[list[int]]) -> Response:
     """One JSON answer for every prompt of the request (one choice each, `index` in prompt order)."""
 
-    async def consume(stream: RequestStream, gen: _Generation) -> None:
+    async def consume(stream: RequestStream, gen: Generation) -> None:
         async for batch in stream.batches():
             for out in batch:
                 gen.absorb(out)
@@ -243,7 +111,7 @@ async def _respond_whole(ctx: ServingContext, request: Request, streams: list[Re
     return JSONResponse(out, headers={"x-request-id": request_id})
 
 
-def _whole_choice(ctx: ServingContext, gen: _Generation, kind: Kind, body: CompletionRequest | ChatCompletionRequest,
+def _whole_choice(ctx: ServingContext, gen: Generation, kind: Kind, body: CompletionRequest | ChatCompletionRequest,
                   prompt: list[int], index: int) -> dict[str, Any]:
     assert gen.finish is not None and gen.finish.finish_reason is not None
     logprobs = gen.logprobs(kind, gen.token_ids, gen.token_logprobs, gen.tops, 0)
@@ -265,7 +133,7 @@ def _whole_choice(ctx: ServingContext, gen: _Generation, kind: Kind, body: Compl
     return choice
 
 
-def _usage(gens: list[_Generation]) -> dict[str, int]:
+def _usage(gens: list[Generation]) -> dict[str, int]:
     return summed_usage([(g.prompt_tokens, g.completion_tokens, g.first_of_prompt) for g in gens])
 
 
@@ -279,7 +147,7 @@ def sse_data(payload: dict[str, Any]) -> bytes:
     return f"data: {json.dumps(payload, ensure_ascii=False).translate(_LINE_BREAKS)}\n\n".encode()
 
 
-async def _stream_events(ctx: ServingContext, stream: RequestStream, gen: _Generation, kind: Kind,
+async def _stream_events(ctx: ServingContext, stream: RequestStream, gen: Generation, kind: Kind,
                          request_id: str, include_usage: bool, index: int = 0, continuous: bool = False
                          ) -> AsyncIterator[bytes]:
     created = int(time.time())
@@ -390,7 +258,7 @@ async def _run(ctx: ServingContext, request: Request, kind: Kind, body: Completi
         for st in streams:  # admitted ones must not run for nobody
             st.cancel()
         raise
-    gens = [_Generation(ctx, params, request_id) for _ in choices]
+    gens = [Generation(ctx, params, request_id) for _ in choices]
     for gen, (prompt, j) in zip(gens, choices, strict=True):
         gen.prompt_tokens, gen.first_of_prompt = len(prompt), j == 0
     if not body.stream:
@@ -404,7 +272,7 @@ async def _run(ctx: ServingContext, request: Request, kind: Kind, body: Completi
                         headers={"cache-control": "no-cache", "x-request-id": request_id})
 
 
-async def _fanned_events(ctx: ServingContext, streams: list[RequestStream], gens: list[_Generation], kind: Kind,
+async def _fanned_events(ctx: ServingContext, streams: list[RequestStream], gens: list[Generation], kind: Kind,
                          request_id: str, body: CompletionRequest | ChatCompletionRequest) -> AsyncIterator[bytes]:
     """n > 1 streamed: every choice's events (atlas.server.fanout), then one usage chunk summed over them."""
     async for event in merged([_stream_events(ctx, st, g, kind, request_id, False, index, body.continuous_usage)

@@ -184,7 +184,7 @@ class BatchColumns:
             setattr(self, name, np.delete(getattr(self, name), r))
         for rows in (self.objs, self.cursors, self.qsas, self.ends, self.params, self.tables, self.first_keys):
             del rows[r]
-        if self.last is not None:  # a new list: settle's lag (atlas.engine.requests) holds the earlier ones
+        if self.last is not None:  # a new list: settle's lag (atlas.engine.quiet) holds the earlier ones
             self.last = self.last[:r] + self.last[r + 1:]
         self.work = None
         self.aligned = None

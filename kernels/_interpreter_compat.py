@@ -1,4 +1,5 @@
-"""Fixes to Triton 3.6's CPU interpreter (TRITON_INTERPRET=1, used by the CPU test run).
+"""Fixes to Triton's CPU interpreter (TRITON_INTERPRET=1, used by the CPU test run; 3.6 to 3.9: a CPU torch pins
+no triton, so a fresh dev venv takes the newest).
 
 - A scalar kernel argument used as a loop bound becomes `int(array_of_shape_(1,))`, which numpy 2.4 made
   an error ("only 0-dimensional arrays can be converted to Python scalars"): `tensor.__index__` is
@@ -8,6 +9,8 @@
 - `x.to(tl.bfloat16)` of fp32 truncated the mantissa (round toward zero) where the GPU rounds to nearest
   even: a kernel rounding its intermediates as the torch path does (a hyper-site kernel, since deleted) came out 4x less
   accurate than on a GPU (1.5e-2 against 3.8e-3 relative). fp32 -> bf16 casts now round to nearest even.
+- Triton 3.9's masked loads and stores (a C++ routine) take only boolean masks, where a mask combined from a
+  tensor comparison and a scalar one arrives as integers ("mask has unsupported dtype"): masks are made boolean.
 
 Compiled (GPU) kernels never come here.
 """
@@ -61,6 +64,22 @@ def _install() -> None:
         return original_cast(self, src, dst_type)
 
     builder.cast_impl = cast_impl
+
+    def boolean(mask):
+        if mask is None or mask.data.dtype == np.bool_:
+            return mask
+        return interpreter.TensorHandle(mask.data.astype(np.bool_), mask.dtype)
+
+    original_load, original_store = builder.create_masked_load, builder.create_masked_store
+
+    def create_masked_load(self, ptrs, mask, *rest):  # (the cache arguments differ between releases)
+        return original_load(self, ptrs, boolean(mask), *rest)
+
+    def create_masked_store(self, ptrs, value, mask, *rest):
+        return original_store(self, ptrs, value, boolean(mask), *rest)
+
+    builder.create_masked_load = create_masked_load
+    builder.create_masked_store = create_masked_store
 
 
 _install()

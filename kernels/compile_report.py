@@ -50,7 +50,13 @@ class CompileReport:
 
 
 def ptxas_path() -> str:
-    return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    """The ptxas Triton itself assembles Hopper code with: from 3.9 on a newer one (ptxas-blackwell) for sm_90+,
+    whose PTX version the bundled legacy ptxas refuses."""
+    try:
+        from triton.backends.nvidia.compiler import get_ptxas
+    except ImportError:  # Triton 3.6: one bundled ptxas
+        return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    return get_ptxas(90).path
 
 
 PTX_DIR = ""  # where compile_for_hopper writes each kernel's PTX (main's --ptx); "" nowhere

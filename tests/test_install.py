@@ -119,6 +119,19 @@ def test_bootstrap_serve_venv_has_no_dev_package_and_test_adds_them(index: Path,
 
 
 @pytest.mark.slow
+def test_bootstrap_gives_a_cpu_torch_the_tested_triton(tmp_path: Path) -> None:
+    # a torch that pins no triton (a CPU build): the dev venv gets the newest triton the kernel tests are checked
+    # with (< 3.8), not the registry's newest (3.9.0 here); the serve venv gets none
+    index = build_index(tmp_path / "cpu-index", cpu_torch=True)
+    root = project_copy(tmp_path)
+    env = {**pip_env(index), "PYTHON": base_python()}
+    bootstrap(root, "runtime", env)
+    assert "triton" not in installed(root)
+    bootstrap(root, "dev", env)
+    assert installed(root)["triton"] == "3.7.1"
+
+
+@pytest.mark.slow
 def test_bootstrap_keeps_the_system_torch(index: Path, tmp_path: Path) -> None:
     # the "system" torch: a torch 2.11.0 in the user site, which only a --system-site-packages venv sees
     user = tmp_path / "user"

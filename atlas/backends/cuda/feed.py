@@ -265,7 +265,7 @@ class GroupFeed:
         """Run each chunk (eager, one group each); return its final hidden states [n, H] (the lm_head input)."""
         with self._faults():
             self._prepare(chunks)
-            self._ngram_fill([(self._seqs[c.seq_id], c.tokens) for c in chunks])
+            self._ngram_fill(chunks)
             out = []
             for chunk in chunks:
                 shape = self._shape(1, len(chunk.tokens), chunk.start + len(chunk.tokens))

@@ -20,6 +20,7 @@ import torch
 
 from atlas.backends.base import (
     Capabilities,
+    ChunkLike,
     check_verify,
     run_orders,
     state_audit_default,
@@ -247,14 +248,16 @@ class CudaBackend(GroupFeed):
             return rows
         return [self.ngram_cache.slot_ids(p, layer) for p, layer in enumerate(rows)]
 
-    def _ngram_fill(self, fed: Sequence[tuple[SeqState, Sequence[int]]]) -> None:
-        """With the row cache: every n-gram row the step's (state, tokens) feed resident before its forward."""
+    def _ngram_fill(self, fed: Sequence[ChunkLike | SeqWork]) -> None:
+        """With the row cache: every n-gram row the step's chunks or work (tokens, then a verify's drafts) feed
+        resident before its forward. Without one nothing is built: the general path calls this every step."""
         if self.ngram_cache is None or not fed:
             return
-        per_seq = [self._ngram_row_ids(state, tokens) for state, tokens in fed]
+        rows = [(*w.tokens, *getattr(w, "drafts", ())) for w in fed]
+        per_seq = [self._ngram_row_ids(self._seqs[w.seq_id], tokens) for w, tokens in zip(fed, rows, strict=True)]
         layers = [np.fromiter((r for seq in per_seq for r in seq[p]), dtype=np.int64)
                   for p in range(len(self._ple_tables))]
-        self.ngram_cache.fill(layers, sum(len(tokens) for _, tokens in fed))
+        self.ngram_cache.fill(layers, sum(map(len, rows)))
 
     def _ngram_row_ids(self, state: SeqState, tokens: Sequence[int]) -> list[list[int]]:
         """Per PLE layer, the table rows of `tokens`' n-gram ids continuing the sequence's context, flattened."""
@@ -287,7 +290,7 @@ class CudaBackend(GroupFeed):
             for w in verifies:
                 self._check_verify(w)
             self._prepare(plain)
-            self._ngram_fill([(self._seqs[w.seq_id], tuple(w.tokens) + tuple(w.drafts)) for w in plain + verifies])
+            self._ngram_fill(plain + verifies)
             scored = {i for i, w in enumerate(plain) if w.prompt_logprobs is not None}
             logits = self._last_logits(plain, scored)
             in_work = set(ends)
@@ -359,7 +362,7 @@ class CudaBackend(GroupFeed):
         """Feed one verify's K rows and judge them; the per-row states wait in the pools for `store.commit`."""
         with self._faults():
             self._check_verify(w)
-            self._ngram_fill([(self._seqs[w.seq_id], tuple(w.tokens) + tuple(w.drafts))])
+            self._ngram_fill([w])
             run = run_verifies(self, [w], commit=False)[w.seq_id]
             return run.verdicts
 

@@ -93,9 +93,12 @@ class SpeculativeLane:
             seen = self._seen.get(seq_id)
             rates = smoothed_rates(seen.reached if seen else (), seen.conditional if seen else (), self.num_drafts)
             k = choose_drafts(len(decoding), self.num_drafts, rates, self.costs)
-            probe = self._probing and k == 0 and state.seqs[seq_id].cursor.generated % PROBE == 0
-            out[seq_id] = 1 if probe else k
+            out[seq_id] = self._probed(k, state.seqs[seq_id].cursor.generated)
         return out
+
+    def _probed(self, k: int, generated: int) -> int:
+        """k, or 1 where a sequence at 0 drafts is due its probe at `generated` tokens (where drafts can pay)."""
+        return 1 if self._probing and k == 0 and generated % PROBE == 0 else k
 
     def drafts(self, state: ControlState) -> dict[int, tuple[int, ...]]:
         """Drafts per decoding sequence for this step, in arrival order (the scheduler cuts them to budget)."""
@@ -135,8 +138,7 @@ class SpeculativeLane:
         if self.drafter is not None or seq.drafter.latched or seq.params.adjusted:
             return 0
         k = self._chosen.get(seq.seq_id, self.num_drafts)
-        probe = self._probing and k == 0 and (seq.cursor.generated + 1) % PROBE == 0  # the next step's probe
-        return 1 if probe else k
+        return self._probed(k, seq.cursor.generated + 1)  # the next step's probe
 
     def observe(self, plan: StepPlan, result: StepResult) -> None:
         """After a step: acceptance statistics of its verifies, and the MTP drafts for the next step."""

@@ -59,9 +59,9 @@ def device_ngram_ids(pools: DevicePools, grp: Group, ple: PleSpec, tables: Seque
     device (pools "pctx", the last context_len ids) continued by the tokens: what atlas.model.ngram.ngram_ids
     gives for the last T positions of context + tokens (the token `order - 1` back, or EOS when an EOS lies
     between; int64 arithmetic as there). `tables`: per PLE layer (multipliers, head vocab sizes, head offsets)
-    as device int64 tensors. Replaces the host's per-row Python ids: for decode (H200, session 5: 2,048
-    `ngram_one` calls a batch-64 step, ~0.4 ms of host time before the graph could launch) and for prefill
-    chunks (session 11: a 2,048-token chunk's ids, their `tolist` and packing were ~2-4 ms of host time)."""
+    as device int64 tensors. On the device because the host's per-row ids cost ~0.4 ms of host time a batch-64
+    decode step (2,048 `ngram_one` calls, H200) and ~2-4 ms a 2,048-token prefill chunk (the ids, their `tolist`
+    and packing)."""
     return ngram_ids_from(pools.state["pctx"][grp.slots], grp.tokens, ple, tables)
 
 

@@ -4,11 +4,13 @@
     .venv/bin/python benchmarks/cuda_features.py --smoke  # atlas-tiny on the CUDA backend's CPU path (CI)
 
 Not a test: it prints figures (and writes DIR/cuda_features.json). Measured:
-- decode ms per step at batch 1, 16 and 64 with verify width K = 1 (no drafts), 2 and 4, the drafts from a scripted
-  oracle that knows speculation off's tokens and is right with probability 1.0, 0.7 or 0.3 per draft (so the cost
-  of a verify and its commit is known whatever the random weights' own drafter would do): tokens per step, the
+- decode ms per step at batch 1, 16 and 64 with verify width K = 1 (no drafts), 3 and 5 (2 and 4 drafts), the drafts
+  from a scripted oracle that knows speculation off's tokens and is right with probability 1.0, 0.7 or 0.3 per draft
+  (so the cost of a verify and its commit is known whatever the random weights' own drafter would do), every step
+  verifying K rows ("static"), and at 0.7 with the engine's draft-count policy ("adaptive"): tokens per step, the
   measured acceptance, and whether the tokens equal speculation off's (greedy with point-mass drafts: they must,
-  bitwise in fp32; bf16's one-forward verify rounds differently from a decode, so there it is reported);
+  bitwise in fp32; bf16's one-forward verify rounds differently from a decode, so there it is reported); then issue
+  41's goals beside each figure (verify step vs decode step, tokens/s vs off);
 - the stamp read (atlas.backends.cuda.stamp_read: one graph replay + one device->host copy per step): ms per
   decode step (median, like ms/step, past the graph captures) and its share of the step (goal: < 2% at batch 64);
 - prefix-cache TTFT, hit against miss (prefix caching off, the same prompt), at 2,048 and 16,384 shared tokens;
@@ -118,11 +120,16 @@ def bench_speculative(setup: Setup, batch: int, *, prompt_len: int, new: int) ->
     base = dict(max_seq_len=prompt_len + new + 16, max_batch_size=batch, prefill_chunk_tokens=max(4096, batch))
     rows = []
     reference: dict[str, list[int]] = {}
-    for k, acceptance in [(1, None), (2, 1.0), (2, 0.7), (2, 0.3), (4, 1.0), (4, 0.7), (4, 0.3)]:
+    # K = verify width (1 + drafts); "static": every step verifies K rows (verify_costs=(): the verify's own cost),
+    # "adaptive": the engine's draft-count policy chooses 0..K-1 drafts a step from the backend's cost table
+    for k, acceptance, policy in [(1, None, "-"), (3, 1.0, "static"), (3, 0.7, "static"), (3, 0.3, "static"),
+                                  (5, 1.0, "static"), (5, 0.7, "static"), (5, 0.3, "static"),
+                                  (3, 0.7, "adaptive"), (5, 0.7, "adaptive")]:
         if k == 1:
             engine = setup.engine(EngineConfig(**base))
         else:
-            engine = setup.engine(EngineConfig(**base, num_drafts=k - 1, drafter="scripted"),
+            costs = {"verify_costs": ()} if policy == "static" else {}
+            engine = setup.engine(EngineConfig(**base, num_drafts=k - 1, drafter="scripted", **costs),
                                   drafter=oracle(reference, acceptance or 0.0, vocab))
         per_step: list[float] = []
         early: list[float] = []
@@ -137,7 +144,8 @@ def bench_speculative(setup: Setup, batch: int, *, prompt_len: int, new: int) ->
         read_ms = statistics.median(per_step[skip:]) if per_step[skip:] else float("nan")
         generated = sum(len(t) for t in tokens.values())
         rows.append({
-            "batch": batch, "K": k, "acceptance_set": acceptance, "ms_per_step": step_ms,
+            "batch": batch, "K": k, "acceptance_set": acceptance, "policy": policy, "ms_per_step": step_ms,
+            "steps_by_drafts": list(stats.spec_steps_by_drafts),
             "tokens_per_step": generated / max(1, len(walls) - 1),
             "tokens_per_s": generated / (sum(walls[1:]) / 1e3) if len(walls) > 1 else float("nan"),
             "acceptance_measured": (stats.spec_drafts_accepted / stats.spec_drafts_proposed
@@ -152,6 +160,37 @@ def bench_speculative(setup: Setup, batch: int, *, prompt_len: int, new: int) ->
         })
         print(json.dumps(rows[-1]), flush=True)
     return rows
+
+
+# issue 41's goals on the benchmark config: a static verify of K rows against a decode step (K=3: <= 1.2x at batch
+# 1, <= 1.4x at 16), and tokens/s with the 0.7 oracle against speculation off
+VERIFY_GOALS = {1: 1.2, 16: 1.4}
+SPEEDUP_GOALS = {(1, 3): 1.7, (1, 5): 2.0, (16, 3): 1.5, (16, 5): 1.5}
+
+
+def speculation_goals(rows: list[dict[str, Any]]) -> list[str]:
+    """One line per (batch, K): the static verify's step against a decode step, and tokens/s at 0.7 acceptance
+    (static and adaptive) against speculation off, each beside its goal (never below 1.0x where none is set)."""
+    out = []
+    off = {r["batch"]: r for r in rows if r["K"] == 1}
+    for r in rows:
+        base = off.get(r["batch"])
+        if base is None or r["K"] == 1 or r["acceptance_set"] != 0.7:
+            continue
+        b, k = r["batch"], r["K"]
+        speed = r["tokens_per_s"] / base["tokens_per_s"]
+        want = SPEEDUP_GOALS.get((b, k), 1.0) if r["policy"] == "static" else 1.0
+        line = (f"batch {b}, K={k} ({r['policy']}): tokens/s {speed:.2f}x speculation off (goal >= {want:.1f}x: "
+                f"{'met' if speed >= want else 'MISSED'})")
+        if r["policy"] == "static":
+            ratio = r["ms_per_step"] / base["ms_per_step"]
+            goal = VERIFY_GOALS.get(b) if k == 3 else None
+            line += f"; verify step {ratio:.2f}x a decode step" + (
+                f" (goal <= {goal}x: {'met' if ratio <= goal else 'MISSED'})" if goal else "")
+        else:
+            line += f"; steps by drafts {r['steps_by_drafts']}"
+        out.append(line)
+    return out
 
 
 def bench_prefix(setup: Setup, shared: int) -> dict[str, Any]:
@@ -253,13 +292,15 @@ def main() -> None:
         save()
     report["prefix"] = [bench_prefix(setup, shared) for shared in ((48,) if args.smoke else (2048, 16384))]
     save()
-    print("| batch | K | acceptance | ms/step | tokens/step | tok/s | accepted | = spec off | stamp read ms | share |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("| batch | K | acceptance | drafts | ms/step | tokens/step | tok/s | accepted | = spec off | stamp read ms | share |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in report["speculative"]:
         acc = "-" if r["acceptance_measured"] is None else f"{r['acceptance_measured']:.2f}"
-        print(f"| {r['batch']} | {r['K']} | {r['acceptance_set'] or '-'} | {r['ms_per_step']:.2f} | "
+        print(f"| {r['batch']} | {r['K']} | {r['acceptance_set'] or '-'} | {r['policy']} | {r['ms_per_step']:.2f} | "
               f"{r['tokens_per_step']:.2f} | {r['tokens_per_s']:.0f} | {acc} | {r['tokens_equal_speculation_off']} | "
               f"{r['stamp_read_ms_per_step']:.3f} | {100 * (r['stamp_read_share'] or 0):.2f}% |")
+    for line in speculation_goals(report["speculative"]):
+        print(line)
     for r in report["speculative"]:
         if r["K"] == 1:
             print(f"stamp read at batch {r['batch']}, K=1: {r['stamp_read_ms_per_step']:.3f} ms of a "

@@ -131,7 +131,7 @@ def gdn_chunk_split_cases() -> list[CompileReport]:
                            dict(DK=128, DV=128, BK=128, BV=32, C=c, PRECISION="tf32", UNIFORM=True, STAMP=True), 4,
                            "BV=32 warps=4 stages=2 tf32 uniform stamp", num_stages=2,
                            divisible=tuple(name for name in aligned if name in scan)),
-        # regions-compile's: bf16 work (w, u, p in bf16) with the registers prepare at its 2 warps
+        # the default's: bf16 work (w, u, p in bf16) with the registers prepare at its 2 warps
         compile_for_hopper(gdn_chunk_split._prepare_registers_kernel, {**prepare, **bf16_work},
                            dict(DK=128, DV=128, BK=128, BDV=128, C=c, PRECISION="tf32", FUSED_GATING=True,
                                 UNIFORM=True), 2, "registers warps=2 stages=1 bf16 work gated uniform",

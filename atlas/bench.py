@@ -10,7 +10,8 @@ Measures, on one GPU, with random bf16 weights built on the device from a config
 - decode ms/step and tokens/s at batch 1, 16 and 64 through the engine (CUDA graphs), against the bytes of
   weights a step must read / copy bandwidth, and the control plane's share of the step (engine time outside
   Backend.execute);
-- profiles of a 2048-token prefill and batch-1 decode step (kernel count, device time by kernel);
+- profiles of a 2048-token prefill, a batch-1 decode step and a batch-1 verify of 3 rows (kernel count, device
+  time by kernel);
 - transformers (Qwen4ExpForCausalLM, same config, random bf16 weights, sdpa, its GDN layers through
   flash-linear-attention's kernels where fla is installed): prefill 2048 and decode at batch 1 and 16
   (difference of two greedy generate() lengths).

@@ -239,16 +239,16 @@ def _profiled(run: Callable[[], Any], out: Path | None, name: str) -> dict[str, 
 
 
 def profile_steps(model: Any, out: Path | None, tuning: Any = None, label: str = "") -> dict[str, Any]:
-    """An eager 2048-token prefill, an eager batch-1 and an eager batch-64 decode step under the profiler: device
-    time by kernel (largest first), how many kernels ran, and the step's wall time, so a missed goal says where
-    its time goes (launch-bound: many small kernels; or a few slow ones). Each is warmed on the step before (kernel
+    """An eager 2048-token prefill, an eager batch-1 decode step and verify of 3 rows, and an eager batch-64 decode
+    step under the profiler: device time by kernel (largest first), how many kernels ran, and the step's wall time,
+    so a missed goal says where its time goes (launch-bound: many small kernels; or a few slow ones). Each is warmed on the step before (kernel
     compiles, torch.compile's (re)compiles and autotuning, cuBLAS handles stay out of the profile)."""
     from atlas.backends.cuda.runner import CudaBackend
     from atlas.plan import SeqWork, StepPlan
 
     device = next(iter(model.weights.values())).device
     backend = CudaBackend(model, num_kv_blocks=160, block_size=16, max_batch_size=1, cuda_graphs=False,
-                          device=device, dtype=model.dtype, tuning=tuning)
+                          device=device, dtype=model.dtype, tuning=tuning, verify_width=3)
     table = tuple(range(160))
     prompt = tuple(torch.randint(0, model.spec.vocab_size, (2048,)).tolist())
     result: dict[str, Any] = {}
@@ -259,6 +259,17 @@ def profile_steps(model: Any, out: Path | None, tuning: Any = None, label: str =
     backend.execute(StepPlan(step=2, work=(SeqWork(0, (8,), 2048, table, True),)))  # the decode's shape, warmed
     result["decode_b1"] = _profiled(lambda b=backend: b.execute(StepPlan(3, (SeqWork(0, (9,), 2049, table, True),))),
                                     out, f"decode_b1{label}")
+    # a verify of 3 rows (2 drafts) at batch 1, warmed on the one before: issue 41's goal is <= 1.2x the decode
+    # step; the drafts are arbitrary tokens (the commit keeps what the verdicts accept)
+    at = 2050
+    for step in (4, 5):
+        if step == 5:
+            result["verify_b1_k3"] = _profiled(
+                lambda b=backend, s=step, a=at: b.execute(StepPlan(s, (SeqWork(0, (10,), a, table, True, drafts=(11, 12)),))),
+                out, f"verify_b1_k3{label}")
+        else:
+            done = backend.execute(StepPlan(step, (SeqWork(0, (10,), at, table, True, drafts=(11, 12)),)))
+            at += 1 + max(0, done.outcomes[0].accepted)
     del backend  # its pools back before the batch-64 backend's
     torch.cuda.empty_cache()
     result["decode_b64"] = _profile_wide_decode(model, out, tuning, label)

@@ -146,7 +146,7 @@ def bench_speculative(setup: Setup, batch: int, *, prompt_len: int, new: int) ->
         rows.append({
             "batch": batch, "K": k, "acceptance_set": acceptance, "policy": policy, "ms_per_step": step_ms,
             "steps_by_drafts": list(stats.spec_steps_by_drafts),
-            "tokens_per_step": generated / max(1, len(walls) - 1),
+            "tokens_per_step": generated / max(1, len(walls) - 1),  # every decode step, the captures' too
             "tokens_per_s": generated / (sum(walls[1:]) / 1e3) if len(walls) > 1 else float("nan"),
             "acceptance_measured": (stats.spec_drafts_accepted / stats.spec_drafts_proposed
                                     if stats.spec_drafts_proposed else None),
@@ -168,9 +168,19 @@ VERIFY_GOALS = {1: 1.2, 16: 1.4}
 SPEEDUP_GOALS = {(1, 3): 1.7, (1, 5): 2.0, (16, 3): 1.5, (16, 5): 1.5}
 
 
+def expected_tokens(k: int, p: float) -> float:
+    """Tokens a verify of k rows (k - 1 drafts) yields when each draft is right with probability p: 1 + p + ... +
+    p^(k-1) (the accepted prefix plus the verify's own token)."""
+    return sum(p**i for i in range(k))
+
+
 def speculation_goals(rows: list[dict[str, Any]]) -> list[str]:
-    """One line per (batch, K): the static verify's step against a decode step, and tokens/s at 0.7 acceptance
-    (static and adaptive) against speculation off, each beside its goal (never below 1.0x where none is set)."""
+    """One line per (batch, K): the static verify's median step against the median decode step, and tokens/s at
+    0.7 against speculation off, each beside its goal (never below 1.0x where none is set). A static row's tokens/s
+    is the oracle's expected tokens a step (expected_tokens) over its median step, as issue 41 states its goals: in
+    bf16 a verify rounds unlike a decode, so greedy tokens part from speculation off's and the reference-keyed
+    oracle's measured acceptance falls below its setting (reported in the table); an adaptive row's is its measured
+    tokens a step over its median step."""
     out = []
     off = {r["batch"]: r for r in rows if r["K"] == 1}
     for r in rows:
@@ -178,7 +188,8 @@ def speculation_goals(rows: list[dict[str, Any]]) -> list[str]:
         if base is None or r["K"] == 1 or r["acceptance_set"] != 0.7:
             continue
         b, k = r["batch"], r["K"]
-        speed = r["tokens_per_s"] / base["tokens_per_s"]
+        per_seq = r["tokens_per_step"] / b if r["policy"] != "static" else expected_tokens(k, 0.7)
+        speed = per_seq / r["ms_per_step"] * base["ms_per_step"] / (base["tokens_per_step"] / b)
         want = SPEEDUP_GOALS.get((b, k), 1.0) if r["policy"] == "static" else 1.0
         line = (f"batch {b}, K={k} ({r['policy']}): tokens/s {speed:.2f}x speculation off (goal >= {want:.1f}x: "
                 f"{'met' if speed >= want else 'MISSED'})")

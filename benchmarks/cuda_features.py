@@ -112,7 +112,8 @@ def oracle(reference: dict[str, list[int]], acceptance: float, vocab: int) -> An
     return ScriptedDrafter(script)
 
 
-def bench_speculative(setup: Setup, batch: int, *, prompt_len: int, new: int) -> list[dict[str, Any]]:
+def bench_speculative(setup: Setup, batch: int, *, prompt_len: int, new: int, widths: tuple[int, ...] = (3, 5),
+                      acceptances: tuple[float, ...] = (1.0, 0.7, 0.3)) -> list[dict[str, Any]]:
     from atlas.config import EngineConfig
 
     vocab = setup.model.spec.vocab_size
@@ -123,9 +124,9 @@ def bench_speculative(setup: Setup, batch: int, *, prompt_len: int, new: int) ->
     reference: dict[str, list[int]] = {}
     # K = verify width (1 + drafts); "static": every step verifies K rows (verify_costs=(): the verify's own cost),
     # "adaptive": the engine's draft-count policy chooses 0..K-1 drafts a step from the backend's cost table
-    for k, acceptance, policy in [(1, None, "-"), (3, 1.0, "static"), (3, 0.7, "static"), (3, 0.3, "static"),
-                                  (5, 1.0, "static"), (5, 0.7, "static"), (5, 0.3, "static"),
-                                  (3, 0.7, "adaptive"), (5, 0.7, "adaptive")]:
+    runs = [(1, None, "-")] + [(k, a, "static") for k in widths for a in acceptances]
+    runs += [(k, 0.7, "adaptive") for k in widths if 0.7 in acceptances]
+    for k, acceptance, policy in runs:
         if k == 1:
             engine = setup.engine(EngineConfig(**base))
         else:
@@ -285,7 +286,11 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--config", type=Path, default=CONFIG)
     parser.add_argument("--batches", default=None, help="comma-separated decode batches (default 1,16,64)")
+    parser.add_argument("--widths", default="3,5", help="verify widths K (1 + drafts) beside K = 1 (default 3,5)")
+    parser.add_argument("--acceptances", default="1.0,0.7,0.3", help="the oracle's acceptances (default 1.0,0.7,0.3)")
+    parser.add_argument("--parts", default="snapshots,speculative,prefix", help="what to measure (default all)")
     args = parser.parse_args()
+    parts = set(args.parts.split(","))
     setup = Setup(args.smoke, args.config)
     batches = [int(b) for b in (args.batches or ("2" if args.smoke else "1,16,64")).split(",")]
     report: dict[str, Any] = {"backend": setup.backend, "model": setup.model.name,
@@ -296,14 +301,18 @@ def main() -> None:
             args.out.mkdir(parents=True, exist_ok=True)
             (args.out / "cuda_features.json").write_text(json.dumps(report, indent=2))
 
-    report["snapshots"] = bench_snapshots(setup, 40 if args.smoke else 2048)
-    save()
-    report["speculative"] = []
-    for batch in batches:
-        report["speculative"] += bench_speculative(setup, batch, prompt_len=24 if args.smoke else 140,
-                                                   new=6 if args.smoke else 40)
+    if "snapshots" in parts:
+        report["snapshots"] = bench_snapshots(setup, 40 if args.smoke else 2048)
         save()
-    report["prefix"] = [bench_prefix(setup, shared) for shared in ((48,) if args.smoke else (2048, 16384))]
+    report["speculative"] = []
+    for batch in batches if "speculative" in parts else ():
+        report["speculative"] += bench_speculative(
+            setup, batch, prompt_len=24 if args.smoke else 140, new=6 if args.smoke else 40,
+            widths=tuple(int(k) for k in args.widths.split(",")),
+            acceptances=tuple(float(a) for a in args.acceptances.split(",")))
+        save()
+    report["prefix"] = [bench_prefix(setup, shared) for shared in ((48,) if args.smoke else (2048, 16384))
+                        if "prefix" in parts]
     save()
     print("| batch | K | acceptance | drafts | ms/step | tokens/step | tok/s | accepted | = spec off | stamp read ms | share |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
@@ -322,7 +331,9 @@ def main() -> None:
     for p in report["prefix"]:
         print(f"shared system prompt of {p['shared_tokens']} tokens: TTFT hit {p['hit_ttft_ms']:.1f} ms, miss "
               f"{p['miss_ttft_ms']:.1f} ms (x{p['speedup']:.1f}; {p['hits']} hits)")
-    s = report["snapshots"]
+    s = report.get("snapshots")
+    if s is None:
+        return
     print(f"per sequence ({s['slot_bytes']} state bytes): ring snapshot {s['ring_snapshot_ms']:.3f} ms, restore "
           f"{s['ring_restore_ms']:.3f} ms, prefix store {s['prefix_store_ms']:.3f} ms, load {s['prefix_load_ms']:.3f} ms, "
           f"cursor read {s['cursor_read_ms']:.3f} ms (reference read {s['cursor_read_reference_ms']:.3f} ms)")

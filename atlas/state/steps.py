@@ -109,7 +109,7 @@ def _check_plan(state: ControlState, e: StepPlanned, cols: StepColumns | None = 
         raise TransitionRefused("Engine", "drafts aligned with the planned sequences", drafts=len(e.drafts),
                                 seqs=len(e.seqs))
     batch = state.batch
-    # the batch columns' decode counts (`ones`, every one 1: steady_decode's plan) sum to their length
+    # the batch columns' decode counts (`ones`, every one 1: a decode plan's, from scheduler.batch) sum to their length
     fed_total = (len(e.fed) if batch is not None and e.fed is batch.ones else sum(e.fed)) + (
         sum(map(len, e.drafts)) if e.drafts else 0)
     if fed_total > state.caps.max_batch_tokens:  # the size every per-step buffer is derived from

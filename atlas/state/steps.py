@@ -11,7 +11,6 @@ import numpy as np
 from atlas.errors import TransitionRefused
 from atlas.hashing import MASK64, ints_key
 from atlas.plan import RingRestore
-from atlas.state.advance import advance_fused
 from atlas.state.batch_columns import BatchColumns
 from atlas.state.column_steps import advance_columns, refresh_rows, work_fits_columns
 from atlas.state.columns import StepColumns
@@ -344,22 +343,12 @@ ALLOC_ROWS = 2
 def _advance_all(state: ControlState, plan: StepPlanned, tokens: tuple[int, ...], bs: int) -> list[int]:
     """StepExecuted of a step without drafts: every sequence advances by its fed count. One pass checks them
     all (Sequence.check_advance's conditions inline; a sequence that fails one goes through check_advance,
-    which refuses naming it), a second commits them (Sequence.commit_advance inline; DrafterCarry.follow
-    still called), refreshes each one's digest share and runs check_invariants' per-sequence test on the
-    state it leaves (`_holds`'s conditions inline for a sequence without ring snapshots, drafter rows, MTP or
-    rollbacks, `_holds` itself otherwise). Returns the ids that test could not pass, in plan order (the
-    caller's Checked: check_invariants gives them to check_sequence, which names the broken invariant).
-    One pass instead of three walks (commit, refresh, check_invariants) with a call each: see
-    benchmarks/replay_check.py for the figures."""
-    if state.prefix is None and not state.caps.drafter_rows:  # the one-pass form (atlas.state.advance)
-        suspects = advance_fused(state, plan, tokens, bs, VECTOR_MIN)
-        if suspects is not None:
-            return suspects  # else nothing moved: the two passes refuse or take what it could not
-    return _advance_two_pass(state, plan, tokens, bs)
-
-
-def _advance_two_pass(state: ControlState, plan: StepPlanned, tokens: tuple[int, ...], bs: int) -> list[int]:
-    """_advance_all's check pass, then its commit pass (prefix caching, MTP drafters, and every refusal)."""
+    which refuses naming it, before anything moved), a second commits them (Sequence.commit_advance inline;
+    DrafterCarry.follow still called), refreshes each one's digest share and runs check_invariants'
+    per-sequence test on the state it leaves (`_holds`'s conditions inline for a sequence without ring
+    snapshots, drafter rows, MTP or rollbacks, `_holds` itself otherwise). Returns the ids that test could
+    not pass, in plan order (the caller's Checked: check_invariants gives them to check_sequence, which names
+    the broken invariant)."""
     seqs = state.seqs
     running = Phase.RUNNING
     work = []

@@ -9,7 +9,7 @@ from operator import itemgetter
 import numpy as np
 
 from atlas.errors import TransitionRefused
-from atlas.hashing import MASK64, ints_key
+from atlas.hashing import ints_key
 from atlas.plan import RingRestore
 from atlas.state.batch_columns import BatchColumns
 from atlas.state.column_steps import advance_columns, refresh_rows, work_fits_columns
@@ -343,8 +343,8 @@ ALLOC_ROWS = 2
 def _advance_all(state: ControlState, plan: StepPlanned, tokens: tuple[int, ...], bs: int) -> list[int]:
     """StepExecuted of a step without drafts: every sequence advances by its fed count. One pass checks them
     all (Sequence.check_advance's conditions inline; a sequence that fails one goes through check_advance,
-    which refuses naming it, before anything moved), a second commits them (Sequence.commit_advance inline;
-    DrafterCarry.follow still called), refreshes each one's digest share and runs check_invariants'
+    which refuses naming it, before anything moved), a second commits them (Sequence.commit_advance: the
+    one place a step's advance moves a sequence's cursors), refreshes each one's digest share and runs check_invariants'
     per-sequence test on the state it leaves (`_holds`'s conditions inline for a sequence without ring
     snapshots, drafter rows, MTP or rollbacks, `_holds` itself otherwise). Returns the ids that test could
     not pass, in plan order (the caller's Checked: check_invariants gives them to check_sequence, which names
@@ -369,24 +369,17 @@ def _advance_all(state: ControlState, plan: StepPlanned, tokens: tuple[int, ...]
     prefix = state.prefix
     acc = state.seq_digest
     suspects: list[int] = []
-    M = MASK64
     vector = len(work) >= VECTOR_MIN
     # (sequence, token hash, id, length, computed, blocks) of the sequences fingerprinted as columns below: one
     # tuple a sequence, transposed once (six list appends a sequence were ~a tenth of this pass)
     v_rows: list[tuple[Sequence, int, int, int, int, int]] = []
     v_add = v_rows.append
     for seq, c, end, token in work:  # every check passed: commit them all (and refresh their digest share)
-        c.computed = end
+        seq.commit_advance(end - c.computed, token)
         q = seq.qsa
-        q.ingested = end
         d = seq.drafter
-        if d.mtp:
-            d.follow(end)
         toks = c.tokens
         th = c.token_hash
-        if token >= 0:
-            toks.append(token)
-            th = c.token_hash = (th * 0x100000001B3 + token + 1) & M
         if prefix is not None:
             register_blocks(state, seq)
         snaps = seq.ring.snapshots

@@ -60,7 +60,7 @@ def schedule(state: ControlState, lanes: Lanes) -> Iterator[Event]:
     if lanes.spec is not None:
         yield from lanes.spec.latches(state)
         drafts = lanes.spec.drafts(state)
-    decided = batch(state, {seq_id: len(d) for seq_id, d in drafts.items()})
+    decided = batch(state, {seq_id: len(d) for seq_id, d in drafts.items()} if drafts else None)
     o = state.orders
     if decided.idle and not (state.pending_release or o.stores or o.restores or o.rollbacks or o.carry_drop
                              or o.carry_store >= 0):

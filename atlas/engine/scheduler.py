@@ -24,9 +24,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Mapping
 from itertools import islice
-from typing import Any
+from typing import Any, NamedTuple
 
-import attrs
 import numpy as np
 
 from atlas.state.batch_columns import BatchColumns
@@ -34,8 +33,7 @@ from atlas.state.control import ControlState
 from atlas.state.prefix import free_order
 
 
-@attrs.frozen
-class Schedule:
+class Schedule(NamedTuple):
     preempt: tuple[int, ...] = ()
     admitted: tuple[int, ...] = ()
     seqs: tuple[int, ...] = ()
@@ -105,6 +103,8 @@ def batch(state: ControlState, drafts: Mapping[int, int] | None = None) -> Sched
         if fast is not None:
             head, alloc, budget = fast[:2], fast[2], fast[3]
             running = []  # every running sequence decided, exactly as the loop below decides them
+            if not state.waiting or not budget or caps.max_batch_size <= len(head[0]):  # nothing to admit
+                return Schedule((), (), head[0], head[1], tuple(alloc))
     victims = list(state.running) if running else []  # newest last: preemption takes from the end
     for seq_id in running:
         if budget == 0:

@@ -42,7 +42,7 @@ from atlas.state.orders import PlanOrders
 
 _REASONS = frozenset(r.value for r in FinishReason)
 # the enum members as constants: an attribute of an Enum class is looked up through its metaclass's hook (3.11)
-_WAITING, _RUNNING, _FINISHED, _ERROR = Phase.WAITING, Phase.RUNNING, Phase.FINISHED, FinishReason.ERROR.value
+_WAITING, _ERROR = Phase.WAITING, FinishReason.ERROR.value
 _I = np.int64
 _LITTLE = sys.byteorder == "little"
 _U = np.uint64
@@ -146,9 +146,7 @@ def plan_in_columns(state: ControlState, e: StepPlanned, blob: bytes | None = No
     # every check of StepPlanned passed: its moves (steps.planned's, in its order)
     first_key = caps.drafter_context
     for seq in admitted:
-        seq.cursor.phase = _RUNNING
-        seq.on_device = True
-        seq.drafter.first_key = 0 if first_key else seq.cursor.prompt_len - 1
+        seq.admit(0 if first_key else seq.cursor.prompt_len - 1)
         state.waiting.remove(seq.seq_id)
         insort(state.running, seq.seq_id)
     # BlockPool.allocate's moves (its checks are the loop above's: every block in the pool, free, once in the plan)
@@ -289,7 +287,7 @@ def finish_text_in_columns(state: ControlState, payload: str) -> int | None:
     seq.fingerprint = fp
     state.seq_digest ^= fp
     failing.discard(seq_id)
-    seq.cursor.phase = _FINISHED
+    seq.end()
     del state.seqs[seq_id]
     del state.by_request[seq.request_id]
     state.finished_count += 1

@@ -311,7 +311,7 @@ class ControlState:
             self.batch = self.batch.without(seq.seq_id)
         self.orders.forget(seq.seq_id)
         self.failing.discard(seq.seq_id)
-        seq.cursor.phase = Phase.FINISHED
+        seq.end()
         del self.seqs[seq.seq_id]
         del self.by_request[seq.request_id]
         self.finished_count += 1

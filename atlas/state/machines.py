@@ -293,6 +293,26 @@ class Sequence:
         self.rollbacks += 1
         return freed
 
+    def admit(self, drafter_first_key: int) -> None:
+        """Admission by a plan: running from computed 0 (its checks are StepPlanned's), the data plane holding it."""
+        self.cursor.phase = Phase.RUNNING
+        self.on_device = True
+        self.drafter.first_key = drafter_first_key
+
+    def start_from(self, position: int, blocks: list[int], chain: list[int]) -> None:
+        """A prefix hit (its checks are PrefixHit's): running from `position` fed tokens held in `blocks`, every
+        cursor at `position`, the cached chain of its full blocks `chain`."""
+        self.blocks = blocks
+        self.cursor.computed = position
+        self.cursor.phase = Phase.RUNNING
+        self.on_device = True
+        self.qsa.ingested = position
+        self.prefix_chain = chain
+
+    def end(self) -> None:
+        """The request finished or was cancelled (its blocks and queue place are ControlState.finish's)."""
+        self.cursor.phase = Phase.FINISHED
+
     def reset(self) -> None:
         """Preemption: every cursor and the recurrent state back to zero (tokens are kept for recompute)."""
         if self.cursor.phase is not Phase.RUNNING:

@@ -183,10 +183,8 @@ def planned(state: ControlState, e: StepPlanned) -> tuple[int, ...]:
     cols = state.columns  # None again if the check fell back to the objects
     for seq_id in e.admitted:
         seq = state.seqs[seq_id]
-        seq.cursor.phase = Phase.RUNNING
-        seq.on_device = True
         # the drafter sees the prompt unless its context is off (then its keys start at the first decode)
-        seq.drafter.first_key = 0 if state.caps.drafter_context else seq.cursor.prompt_len - 1
+        seq.admit(0 if state.caps.drafter_context else seq.cursor.prompt_len - 1)
         state.waiting.remove(seq_id)
         insort(state.running, seq_id)
     # many rows' blocks at once on the batch columns (one pass; their digest shares and `_holds` with it)

@@ -25,7 +25,7 @@ from atlas.hashing import MASK64, fnv_powers
 from atlas.sampling.params import SamplingParams
 from atlas.state.columns import K_ID, K_LEN, mix64_column
 from atlas.state.control import ControlState
-from atlas.state.machines import DrafterCarry, QsaCursor, Sequence, SequenceCursor, SsmRing
+from atlas.state.machines import Sequence
 
 _U = np.uint64
 _S20, _S32, _S40 = _U(20), _U(32), _U(40)
@@ -170,13 +170,11 @@ def apply_parsed(state: ControlState, parsed: Parsed | None, digests: list[str] 
     step = state.step
     qcap, ratio, slots, mtp = caps.qsa_index_capacity, caps.qsa_ratio, caps.ring_slots, caps.drafter_rows > 0
     seqs, waiting = state.seqs, state.waiting
-    for sid, rid, p, max_new, stream, prompt, size, h, fp in zip(sids, rids, params, budgets, streams, prompts,
-                                                                  lengths, hashes.tolist(), fps.tolist(), strict=True):
-        cursor = SequenceCursor(tokens=prompt, prompt_len=size)
-        cursor.token_hash = h
-        seqs[sid] = Sequence(seq_id=sid, request_id=rid, arrival_step=step, params=p, max_new=max_new, cursor=cursor,
-                             qsa=QsaCursor(capacity=qcap, ratio=ratio), ring=SsmRing(slots=slots),
-                             drafter=DrafterCarry(mtp=mtp), stream=stream, fingerprint=fp)
+    arrive = Sequence.arrive
+    for sid, rid, p, max_new, stream, prompt, h, fp in zip(sids, rids, params, budgets, streams, prompts,
+                                                            hashes.tolist(), fps.tolist(), strict=True):
+        seq = seqs[sid] = arrive(sid, rid, step, p, max_new, prompt, h, stream, qcap, ratio, slots, mtp)
+        seq.fingerprint = fp
         live[rid] = sid
         waiting.append(sid)
     state.next_seq_id = first + k

@@ -183,6 +183,18 @@ class Sequence:
     # prefix caching: chain hashes of the sequence's full blocks of computed tokens (prefix_cache.chain_hash)
     prefix_chain: list[int] = attrs.Factory(list)
 
+    @classmethod
+    def arrive(cls, seq_id: int, request_id: str, step: int, params: SamplingParams, max_new: int,
+               prompt: list[int], token_hash: int, stream: bool, qsa_capacity: int, qsa_ratio: int, ring_slots: int,
+               mtp: bool) -> Sequence:
+        """A request's sequence as it arrives (RequestArrived's, one at a time or a run of them at once): waiting,
+        every cursor at 0, `token_hash` the prompt's rolling hash."""
+        cursor = SequenceCursor(tokens=prompt, prompt_len=len(prompt))
+        cursor.token_hash = token_hash
+        return cls(seq_id=seq_id, request_id=request_id, arrival_step=step, params=params, max_new=max_new,
+                   cursor=cursor, qsa=QsaCursor(capacity=qsa_capacity, ratio=qsa_ratio), ring=SsmRing(slots=ring_slots),
+                   drafter=DrafterCarry(mtp=mtp), stream=stream)
+
     def advance(self, fed: int, token: int, block_size: int) -> None:
         """Feed `fed` tokens (all cursors move together), then append `token` (-1: nothing sampled)."""
         self.check_advance(fed, token, block_size)

@@ -23,7 +23,7 @@ import numpy as np
 
 from atlas.hashing import MASK64, fnv_powers
 from atlas.sampling.params import SamplingParams
-from atlas.state.columns import K_ID, K_LEN, mix64_column
+from atlas.state.columns import K_ID, K_LEN, digest_rounds, mix64_column
 from atlas.state.control import ControlState
 from atlas.state.machines import Sequence
 
@@ -150,14 +150,11 @@ def apply_parsed(state: ControlState, parsed: Parsed | None, digests: list[str] 
     if digests is not None:
         g = np.full(k, _U((state.step ^ (pool.used << 20)) & MASK64), dtype=np.uint64)  # ControlState.digest()
         g ^= (ids + 1).view(np.uint64) << _S40
-        mix64_column(g)
-        g ^= (np.arange(len(state.waiting) + 1, len(state.waiting) + k + 1, dtype=np.int64).view(np.uint64) << _S32)
-        g ^= _U((len(state.running) ^ (state.finished_count << 16)) & MASK64)
-        mix64_column(g)
-        g ^= _U(((len(state.pending_release) << 8) ^ len(state.pending_faults) ^ (state.dead << 62)) & MASK64)
-        mix64_column(g)
-        g ^= _U((state.inflight_hash ^ state.outcomes_hash) & MASK64)
-        mix64_column(g)
+        queues = np.arange(len(state.waiting) + 1, len(state.waiting) + k + 1, dtype=np.int64).view(np.uint64) << _S32
+        queues ^= _U((len(state.running) ^ (state.finished_count << 16)) & MASK64)
+        g = digest_rounds(g, queues,
+                          _U(((len(state.pending_release) << 8) ^ len(state.pending_faults) ^ (state.dead << 62))
+                             & MASK64), _U((state.inflight_hash ^ state.outcomes_hash) & MASK64))
         if state.prefix is not None:
             carried = -1 if state.carry is None else state.carry.last_pair_key
             g ^= _U((len(state.prefix.blocks) ^ (len(state.prefix.snapshots) << 24) ^ (carried << 40)) & MASK64)

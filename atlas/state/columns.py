@@ -94,6 +94,21 @@ def mix64_column(h: np.ndarray) -> np.ndarray:
     return h
 
 
+def digest_rounds(a: np.ndarray, b: np.ndarray | np.uint64, c: np.ndarray | np.uint64,
+                  d: np.ndarray | np.uint64) -> np.ndarray:
+    """ControlState.digest()'s four mixing rounds over uint64 columns, one event a row (before its prefix round and
+    the sequences' XOR): `a` (a fresh column, mixed in place) the step, pool and id counters, then `b` the queue
+    counts, `c` the release, fault and dead fields, `d` the in-flight plan's and the outcomes' hashes, each XORed in
+    and mixed (replay check's runs, arrivals and lazy digests)."""
+    mix64_column(a)
+    a ^= b
+    mix64_column(a)
+    a ^= c
+    mix64_column(a)
+    a ^= d
+    return mix64_column(a)
+
+
 class StepColumns:
     """The columns of the sequences `ids` (one step's plan order). The objects hold the values of the last
     flush; the columns hold the current ones (`tokens`: the sampled-token rows since then, -1 = none)."""

@@ -23,7 +23,7 @@ import numpy as np
 
 from atlas.hashing import MASK64, fnv_powers
 from atlas.sampling.params import SamplingParams
-from atlas.state.columns import K_ID, K_LEN, digest_rounds, mix64_column
+from atlas.state.columns import K_ID, K_LEN, digest_rounds, fingerprint_columns, mix64_column
 from atlas.state.control import ControlState
 from atlas.state.machines import Sequence
 
@@ -48,10 +48,7 @@ def token_hashes(flat: np.ndarray, lengths: np.ndarray) -> np.ndarray:
 def waiting_fingerprints(token_hash: np.ndarray, seq_ids: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     """control.sequence_fingerprint of a sequence just arrived (waiting: nothing computed, no blocks, no ring,
     drafter rows, preemptions, rollbacks or latch): the hash and id round, then the token count's term."""
-    h = token_hash ^ (seq_ids.view(np.uint64) * K_ID)
-    mix64_column(h)
-    h += lengths.view(np.uint64) * K_LEN
-    return mix64_column(h)
+    return fingerprint_columns(token_hash ^ (seq_ids.view(np.uint64) * K_ID), lengths.view(np.uint64) * K_LEN)
 
 
 def _parse(payloads: list[str]) -> tuple[list[dict], list[list[int]], np.ndarray] | None:

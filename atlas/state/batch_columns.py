@@ -41,8 +41,7 @@ from atlas.state.columns import (
     K_RUNNING,
     common,
     fingerprint_columns,
-    mix64_column,
-    plain_advance,
+    step_rows,
 )
 from atlas.state.events import StepPlanned
 from atlas.state.machines import BlockPool, Sequence
@@ -455,21 +454,12 @@ class BatchColumns:
             slack = (slack[0] - 1, slack[1] + 1, slack[2] - 1)  # every row's token count one more
         else:
             end = self.computed + fed
-            unsampled = tok < 0
-            n2 = plain_advance(n, end, unsampled, self.limit, self.budget_end, self.low)
-            if n2 is None:
+            moved = step_rows(n, end, tok, self.limit, self.budget_end, self.low, th, self.blocks_term)
+            if moved is None:
                 return None
+            n2, th, terms, some_unsampled = moved
             ends = end.tolist()
-            some_unsampled = bool(unsampled.any())
-            if some_unsampled:
-                th = np.where(unsampled, th, th * _FNV + (tok.view(_U) + _ONE))
-            else:
-                th = th * _FNV + (tok.view(_U) + _ONE)
-            terms = n2.view(_U) * K_LEN + end.view(_U) * K_COMPUTED_QSA + self.blocks_term
-        h = th ^ self.hid  # _mix in place on this fresh array
-        mix64_column(h)
-        h += terms
-        mix64_column(h)
+        h = fingerprint_columns(th ^ self.hid, terms)
         change = int(np.bitwise_xor.reduce(self.fp ^ h))
         hashes, fps = th.tolist(), h.tolist()
         if some_unsampled:

@@ -27,6 +27,7 @@ K_COMPUTED_QSA = _U((0x165667B19E3779F9 + 0xC4CEB9FE1A85EC53) & 0xFFFFFFFFFFFFFF
 _M64 = (1 << 64) - 1
 K_RUNNING = _U(0xD6E8FEB86659FD93 * Phase.RUNNING & _M64)
 _FINISHED = Phase.FINISHED
+_FNV, _ONE = _U(0x100000001B3), _U(1)
 
 
 def common(seq: Sequence) -> bool:
@@ -47,6 +48,25 @@ def plain_advance(n: np.ndarray, end: np.ndarray, unsampled: np.ndarray, limit: 
     if not (((left > 0) == unsampled) & (left >= 0) & (end <= limit) & (n2 <= budget_end) & (n2 > low)).all():
         return None
     return n2
+
+
+def step_rows(n: np.ndarray, end: np.ndarray, tok: np.ndarray, limit: np.ndarray, budget_end: np.ndarray,
+              low: np.ndarray, token_hash: np.ndarray, blocks_term: np.ndarray
+              ) -> tuple[np.ndarray, np.ndarray, np.ndarray, bool] | None:
+    """A draft-free step's advance of running rows in columns (the engine's batch columns and the replay's step
+    columns): rows with `n` tokens fed up to `end`, `tok` each one's sampled token (-1: none). (the token counts
+    after, the token hashes after, the fingerprint terms after, whether a row sampled nothing), or None when a row
+    is off the plain path (plain_advance's conditions): nothing computed then, the caller's per-sequence path
+    refuses or names it."""
+    unsampled = tok < 0
+    n2 = plain_advance(n, end, unsampled, limit, budget_end, low)
+    if n2 is None:
+        return None
+    th = token_hash * _FNV + (tok.view(_U) + _ONE)
+    some_unsampled = bool(unsampled.any())
+    if some_unsampled:
+        th = np.where(unsampled, token_hash, th)
+    return n2, th, n2.view(_U) * K_LEN + end.view(_U) * K_COMPUTED_QSA + blocks_term, some_unsampled
 
 
 def mix_columns(h: np.ndarray, seq_len: np.ndarray, computed: np.ndarray, blocks_term: np.ndarray) -> np.ndarray:

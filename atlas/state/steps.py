@@ -1,5 +1,5 @@
-"""Transitions of a step (planned, executed), of preemption, of the snapshot ring and rollback, and of the
-speculative lane's latch (registered on ControlState)."""
+"""Transitions of a step (planned, executed) and of preemption (registered on ControlState); the snapshot ring's,
+rollback's and the speculative lane's latch are atlas.state.rollbacks'."""
 
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ import numpy as np
 
 from atlas.errors import TransitionRefused
 from atlas.hashing import ints_key
-from atlas.plan import RingRestore
 from atlas.state.batch_columns import BatchColumns
 from atlas.state.column_steps import advance_columns, refresh_rows, work_fits_columns
 from atlas.state.columns import StepColumns
@@ -24,18 +23,14 @@ from atlas.state.control import (
     transition,
 )
 from atlas.state.events import (
-    BoundarySnapshotted,
-    RollbackDeclined,
-    RolledBack,
     SequencePreempted,
-    SpeculationLatchedOff,
     StepExecuted,
     StepPlanned,
 )
 from atlas.state.invariants import holds as _holds
 from atlas.state.machines import Phase, Sequence
 from atlas.state.orders import empty_or_new
-from atlas.state.prefix import forget_blocks, register_blocks
+from atlas.state.prefix import register_blocks
 
 
 @transition(SequencePreempted)
@@ -402,52 +397,3 @@ def _advance_all(state: ControlState, plan: StepPlanned, tokens: tuple[int, ...]
         seq.fingerprint = fp
     fold_fingerprints(state, acc, v_rows)
     return suspects
-
-
-@transition(SpeculationLatchedOff)
-def latched(state: ControlState, e: SpeculationLatchedOff) -> tuple[int, ...]:
-    seq = state.running_between_steps(e.seq_id, "speculation latch")
-    if seq.drafter.latched:
-        raise TransitionRefused("Speculative", "the lane latches off once", seq_id=e.seq_id)
-    if e.position != seq.cursor.computed:
-        raise TransitionRefused("Speculative", "latched at the sequence's computed tokens", seq_id=e.seq_id,
-                                position=e.position, computed=seq.cursor.computed)
-    seq.drafter.latched = True
-    return (e.seq_id,)
-
-
-@transition(BoundarySnapshotted)
-def snapshotted(state: ControlState, e: BoundarySnapshotted) -> tuple[int, ...]:
-    seq = state.running_between_steps(e.seq_id, "snapshot")
-    if e.position != seq.cursor.computed:
-        raise TransitionRefused("SsmRing", "a snapshot holds the sequence's computed tokens", seq_id=e.seq_id,
-                                position=e.position, computed=seq.cursor.computed)
-    seq.ring.record(e.position, e.slot, e.evicted)
-    return (e.seq_id,)
-
-
-@transition(RolledBack)
-def rolled_back(state: ControlState, e: RolledBack) -> tuple[int, ...]:
-    """Every control-plane cursor moves to the boundary now; the data plane's restore is an order of the next
-    plan (RingRestore), and the data plane's cursors are checked against these after that step."""
-    seq = state.running_between_steps(e.seq_id, "rollback")
-    if e.attempt != seq.rollbacks + 1:
-        raise TransitionRefused("Request", "rollback attempts count up from 1", seq_id=e.seq_id,
-                                attempt=e.attempt, taken=seq.rollbacks)
-    c = seq.cursor
-    held = (c.computed, seq.qsa.ingested, c.computed, c.computed, seq.drafter.rows)
-    rollbacks = state.orders.rollbacks
-    earlier = next((i for i, r in enumerate(rollbacks) if r.seq_id == e.seq_id), None)
-    if earlier is not None:  # a second rollback before the data plane ran the first: the data plane still holds
-        held = rollbacks.pop(earlier).held  # the first one's position, and this boundary's snapshot (b2 <= b1)
-    freed = seq.rollback(e.boundary, e.slot, e.keep, e.ban_token, e.blocks_freed, state.caps.block_size)
-    forget_blocks(state, seq.blocks + freed, e.boundary)
-    state.pool.release(seq.seq_id, freed)
-    rollbacks.append(RingRestore(e.seq_id, e.slot, e.boundary, held))
-    return (e.seq_id,)
-
-
-@transition(RollbackDeclined)
-def declined(state: ControlState, e: RollbackDeclined) -> tuple[int, ...]:
-    state.seq(e.seq_id)  # a decline moves nothing; the request's finish follows as its own event
-    return (e.seq_id,)

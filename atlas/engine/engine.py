@@ -26,7 +26,7 @@ from atlas.engine.drafters.policy import VerifyCosts
 from atlas.engine.journal import Journal
 from atlas.engine.outcome import cursor_violation, outcome
 from atlas.engine.outputs import FinishReason, RequestOutput
-from atlas.engine.planner import Lanes, plan_step, schedule, steady_decode
+from atlas.engine.planner import Lanes, plan_step, schedule
 from atlas.engine.prefix_lane import PrefixLane
 from atlas.engine.records import EngineStats, EventSink, engine_stats
 from atlas.engine.requests import RequestBook
@@ -194,12 +194,7 @@ class Engine:
         self.journal.stepping = self.state.step
         try:
             self._fire_faults(out)
-            # the batch columns' decode: its one StepPlanned decided at once (no call without columns: b1's path)
-            steady = steady_decode(self.state, self.lanes) if self.state.batch is not None else None
-            if steady is not None:
-                self.journal.apply(steady)
-            else:
-                drive(schedule(self.state, self.lanes), self.journal)
+            drive(schedule(self.state, self.lanes), self.journal)
             if self.state.inflight is not None:  # else: nothing to do this step
                 plan = plan_step(self.state, self.lanes)
                 result = self._execute(plan, out)

@@ -60,7 +60,7 @@ def schedule(state: ControlState, lanes: Lanes) -> Iterator[Event]:
     if lanes.spec is not None:
         yield from lanes.spec.latches(state)
         drafts = lanes.spec.drafts(state)
-    decided = batch(state, {seq_id: len(d) for seq_id, d in drafts.items()})
+    decided = batch(state, {seq_id: len(d) for seq_id, d in drafts.items()} if drafts else None)
     o = state.orders
     if decided.idle and not (state.pending_release or o.stores or o.restores or o.rollbacks or o.carry_drop
                              or o.carry_store >= 0):
@@ -72,41 +72,7 @@ def schedule(state: ControlState, lanes: Lanes) -> Iterator[Event]:
         yield from lanes.prefix.admitted(state, decided.admitted)
     yield StepPlanned(step, decided.admitted, decided.seqs, decided.fed, decided.alloc, tuple(state.pending_release),
                       decided.preempt, planned_drafts(drafts, decided),
-                      tuple(r.seq_id for r in state.orders.rollbacks))
-
-
-def steady_decode(state: ControlState, lanes: Lanes) -> StepPlanned | None:
-    """`schedule`'s events when they are exactly one StepPlanned: a decode of every row of the engine's batch columns
-    (atlas.state.batch_columns), the running queue in order, each feeding its one token left, no lane, nothing to
-    admit, no preemption; else None (the caller runs `schedule`). The same event `schedule` yields then, decided as
-    `batch` decides it through `_running_from_columns` (every row fits the budget, the short rows take one block each
-    from the pool's free list, newest freed first, as `_FreeBlocks` hands them out with no prefix cache), without the
-    generator, the Schedule, `_FreeBlocks` and the empty admission and preemption passes. Tested equal to `schedule`
-    on every step of engine runs (tests/test_cplane8.py)."""
-    cols = state.batch
-    if (cols is None or lanes.prefix is not None or lanes.spec is not None or cols.fed is not None
-            or not cols.next_decode or state.prefix is not None):
-        return None
-    caps = state.caps
-    ids = cols.ids
-    running = state.running
-    n = len(ids)
-    budget = caps.max_batch_tokens - n
-    if (caps.prefill_align or budget < 0 or not n or len(running) != n or list(ids) != running
-            or (state.waiting and budget and caps.max_batch_size > n)):  # batch would admit, or try to
-        return None
-    short = cols.short_rows()
-    if short:
-        free = state.pool.free
-        if len(short) > len(free):  # batch's loop preempts
-            return None
-        # (seq_id, block): free.take(1) per short row, the free list longer than the rows (not strict)
-        alloc = tuple(zip(ids if len(short) == n else map(ids.__getitem__, short), reversed(free), strict=False))
-    else:
-        alloc = ()
-    o = state.orders
-    return StepPlanned(state.step, (), ids, cols.ones, alloc, tuple(state.pending_release), (), (),
-                       tuple(r.seq_id for r in o.rollbacks) if o.rollbacks else ())
+                      tuple(r.seq_id for r in state.orders.rollbacks) if state.orders.rollbacks else ())
 
 
 def plan_step(state: ControlState, lanes: Lanes) -> StepPlan:

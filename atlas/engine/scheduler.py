@@ -22,10 +22,10 @@ recorded before it replay as recorded).
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
-from typing import Any
+from collections.abc import Iterable, Iterator, Mapping
+from itertools import islice
+from typing import Any, NamedTuple
 
-import attrs
 import numpy as np
 
 from atlas.state.batch_columns import BatchColumns
@@ -33,8 +33,7 @@ from atlas.state.control import ControlState
 from atlas.state.prefix import free_order
 
 
-@attrs.frozen
-class Schedule:
+class Schedule(NamedTuple):
     preempt: tuple[int, ...] = ()
     admitted: tuple[int, ...] = ()
     seqs: tuple[int, ...] = ()
@@ -52,7 +51,8 @@ class _FreeBlocks:
     this step's preemptions first (newest first), then the pool's free list from its end."""
 
     def __init__(self, free: dict[int, None], cached: dict[int, int] | None = None) -> None:
-        self._base: Iterator[int] = free_order(free, cached or {})  # prefix-cached blocks last, LRU first
+        # prefix-cached blocks last, LRU first (none cached: the pool's own order, newest freed first)
+        self._base: Iterator[int] = free_order(free, cached) if cached else reversed(free)
         self.available = len(free)
         self._reclaimed: list[int] = []
 
@@ -62,6 +62,15 @@ class _FreeBlocks:
             out.append(self._reclaimed.pop() if self._reclaimed else next(self._base))
         self.available -= n
         return out
+
+    def one_each(self, ids: Iterable[int], n: int) -> list[tuple[int, int]]:
+        """(seq_id, block) for n sequences taking one block each, in order: take(1) per sequence (one zip when
+        nothing was given back)."""
+        self.available -= n
+        if self._reclaimed:
+            self.available += n
+            return [(seq_id, *self.take(1)) for seq_id in ids]
+        return list(zip(ids, islice(self._base, n), strict=True))
 
     def give_back(self, blocks: list[int]) -> None:
         self._reclaimed.extend(blocks)
@@ -94,7 +103,9 @@ def batch(state: ControlState, drafts: Mapping[int, int] | None = None) -> Sched
         if fast is not None:
             head, alloc, budget = fast[:2], fast[2], fast[3]
             running = []  # every running sequence decided, exactly as the loop below decides them
-    victims = list(state.running)  # newest last: preemption takes from the end
+            if not state.waiting or not budget or caps.max_batch_size <= len(head[0]):  # nothing to admit
+                return Schedule((), (), head[0], head[1], tuple(alloc))
+    victims = list(state.running) if running else []  # newest last: preemption takes from the end
     for seq_id in running:
         if budget == 0:
             break
@@ -172,7 +183,8 @@ def _running_from_columns(cols: BatchColumns, budget: int, free: _FreeBlocks
             return None
         fed = cols.ones  # the same tuple objects every decode step: the event's converters pass them at once
         rows = cols.short_rows()  # computed <= blocks: 1 block at most (StepPlanned's check reads the same list)
-        counts = [1] * len(rows)
+        counts: list[int] = []  # one block each
+        wanted = len(rows)
     else:
         n = cols.ntok - cols.computed
         total = int(n.sum())
@@ -182,11 +194,15 @@ def _running_from_columns(cols: BatchColumns, budget: int, free: _FreeBlocks
         need = -((cols.computed + n) // -cols.bs) - cols.nblocks
         rows = np.flatnonzero(need > 0).tolist()
         counts = need[rows].tolist() if rows else []
+        wanted = sum(counts)
     if rows:
-        if sum(counts) > free.available:
+        if wanted > free.available:
             return None
         ids = cols.ids
-        alloc = [(ids[r], *free.take(k)) for r, k in zip(rows, counts, strict=True)]
+        if cols.next_decode:  # one block a short row (a decode step's allocation: every row at once, often)
+            alloc = free.one_each(ids if len(rows) == len(ids) else map(ids.__getitem__, rows), len(rows))
+        else:
+            alloc = [(ids[r], *free.take(k)) for r, k in zip(rows, counts, strict=True)]
     else:
         alloc = []
     return cols.ids, fed, alloc, budget - total

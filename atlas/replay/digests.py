@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 
 from atlas.hashing import MASK64, mix64
-from atlas.state.columns import mix64_column
+from atlas.state.columns import digest_rounds
 from atlas.state.control import ControlState
 
 # a batch is compared once it holds this many events (and whenever replay check is about to report or return)
@@ -58,11 +58,7 @@ class LazyDigests:
         except OverflowError:  # a field past 64 bits (mix64 masks it): the rounds in Python integers
             ours = [_digest(*row) for row in inputs]
         else:
-            g = x[:, 0].copy()
-            for k in (1, 2, 3):
-                mix64_column(g)
-                g ^= x[:, k]
-            mix64_column(g)
+            g = digest_rounds(x[:, 0].copy(), x[:, 1], x[:, 2], x[:, 3])
             g ^= x[:, 4]
             text = g.astype(">u8").tobytes().hex()
             if all(len(r) == 16 for r in recorded) and text == "".join(recorded):

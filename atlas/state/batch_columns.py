@@ -33,23 +33,28 @@ from weakref import getweakrefcount
 import numpy as np
 
 from atlas.hashing import MASK64, hash64_after, token_bytes
-from atlas.state.columns import common, mix64_column, plain_advance
+from atlas.state.columns import (
+    K_BLOCKS,
+    K_COMPUTED_QSA,
+    K_ID,
+    K_LEN,
+    K_RUNNING,
+    common,
+    fingerprint_columns,
+    step_rows,
+)
 from atlas.state.events import StepPlanned
-from atlas.state.machines import BlockPool, Phase, Sequence
+from atlas.state.machines import BlockPool, Sequence
 
 _U = np.uint64
 _I = np.int64
-_K_ID = _U(0x9E3779B97F4A7C15)
-_K_LEN, _K_BLOCKS = _U(0xC2B2AE3D27D4EB4F), _U(0xFF51AFD7ED558CCD)
-_K_COMPUTED_QSA = _U((0x165667B19E3779F9 + 0xC4CEB9FE1A85EC53) & MASK64)  # computed == qsa.ingested: one product
-_K_RUNNING_INT = 0xD6E8FEB86659FD93 * Phase.RUNNING & MASK64
-_K_RUNNING = _U(_K_RUNNING_INT)
+_K_RUNNING_INT = int(K_RUNNING)
 _FNV = _U(0x100000001B3)
 _ONE = _U(1)
-_K_TOKEN_STEP = _U((0xC2B2AE3D27D4EB4F + int(_K_COMPUTED_QSA)) & MASK64)  # the terms' move for one decoded token
+_K_TOKEN_STEP = _U((0xC2B2AE3D27D4EB4F + int(K_COMPUTED_QSA)) & MASK64)  # the terms' move for one decoded token
 # the decode step's constants as 0-d arrays (columns.mix64_column's note: ~0.2 us less a ufunc call than a scalar's)
 _A_FNV, _A_ONE, _A_TOKEN_STEP, _A_ONE_I = np.array(_FNV), np.array(_ONE), np.array(_K_TOKEN_STEP), np.array(1, _I)
-_A_K_BLOCKS = np.array(_K_BLOCKS)
+_A_K_BLOCKS = np.array(K_BLOCKS)
 _PAIR = frozenset((2,))  # an alloc row (seq_id, block)
 _FIRST, _SECOND = itemgetter(0), itemgetter(1)
 _MIN_ROWS = 16  # steps.VECTOR_MIN: below this many rows numpy's per-call cost loses to the objects' walk
@@ -84,14 +89,6 @@ _TUPLE_REFS = 4
 _NOTHING_AFTER = token_bytes([0, 0, 0])  # a plan's rows after the head when it only feeds: release, reset, restored
 
 
-def _mix(h: np.ndarray, terms: np.ndarray) -> np.ndarray:
-    """control.running_fingerprints' arithmetic on uint64 columns (columns.mix64_column twice): the token hash XOR
-    the sequence id (`h`, a fresh array, mixed in place), then the terms added and mixed again."""
-    h = mix64_column(h)
-    h += terms
-    return mix64_column(h)
-
-
 class BatchColumns:
     """The running queue `ids` (in order) as columns. Every field here equals the objects' after each event."""
 
@@ -116,16 +113,16 @@ class BatchColumns:
         self.nblocks = np.array([len(s.blocks) for s in objs], dtype=_I)
         self.capacity = np.array([s.qsa.capacity for s in objs], dtype=_I)
         self.fp = np.array([s.fingerprint for s in objs], dtype=_U)
-        self.hid = np.array(ids, dtype=_U) * _K_ID
+        self.hid = np.array(ids, dtype=_U) * K_ID
         self.budget_end = np.array([c.prompt_len + s.max_new for c, s in zip(cur, objs, strict=True)], dtype=_I)
         self.limit = np.minimum(self.capacity, self.nblocks * bs)  # KV and QSA keys end within both
         # a decode step's upper bound on the token count before it: within `limit`, and the new token within the
         # budget (n <= limit and n < budget_end as one comparison)
         self.hi = np.minimum(self.limit, self.budget_end - 1)
         self.low = (self.nblocks - 1) * bs  # the tokens reach past this (no block beyond them)
-        self.blocks_term = self.nblocks.astype(_U) * _K_BLOCKS + _K_RUNNING
+        self.blocks_term = self.nblocks.astype(_U) * K_BLOCKS + K_RUNNING
         # the fingerprint's sum of field terms (token count, computed == QSA keys, blocks, phase) for the fields now
-        self.terms = self.ntok.view(_U) * _K_LEN + self.computed.view(_U) * _K_COMPUTED_QSA + self.blocks_term
+        self.terms = self.ntok.view(_U) * K_LEN + self.computed.view(_U) * K_COMPUTED_QSA + self.blocks_term
         self.params = [s.params for s in objs]
         self.tables = [tuple(s.blocks) for s in objs]
         self.first_keys = [s.drafter.first_key for s in objs]
@@ -306,7 +303,7 @@ class BatchColumns:
         self.low[r] = (b - 1) * self.bs
         term = (b * 0xFF51AFD7ED558CCD + _K_RUNNING_INT) & MASK64
         self.blocks_term[r] = term
-        self.terms[r] = (int(self.ntok[r]) * 0xC2B2AE3D27D4EB4F + int(self.computed[r]) * int(_K_COMPUTED_QSA)
+        self.terms[r] = (int(self.ntok[r]) * 0xC2B2AE3D27D4EB4F + int(self.computed[r]) * int(K_COMPUTED_QSA)
                          + term) & MASK64
         self.hi[r] = min(int(self.limit[r]), int(self.budget_end[r]) - 1)
         self.short = None
@@ -352,15 +349,15 @@ class BatchColumns:
         self.limit[idx] = limit
         low = (nb - 1) * bs
         self.low[idx] = low
-        term = nb.view(_U) * _K_BLOCKS + _K_RUNNING
+        term = nb.view(_U) * K_BLOCKS + K_RUNNING
         self.blocks_term[idx] = term
         ntok = self.ntok[idx]
-        terms = ntok.view(_U) * _K_LEN + self.computed[idx].view(_U) * _K_COMPUTED_QSA + term
+        terms = ntok.view(_U) * K_LEN + self.computed[idx].view(_U) * K_COMPUTED_QSA + term
         self.terms[idx] = terms
         self.hi[idx] = np.minimum(limit, self.budget_end[idx] - 1)
         self.short = None
         self.slack = None
-        h = _mix(self.token_hash[idx] ^ self.hid[idx], terms)  # advance's fingerprint arithmetic for these rows
+        h = fingerprint_columns(self.token_hash[idx] ^ self.hid[idx], terms)  # advance's fingerprint arithmetic for these rows
         change = int(np.bitwise_xor.reduce(self.fp[idx] ^ h))
         self.fp[idx] = h
         for r, fp in zip(rows, h.tolist(), strict=True):
@@ -373,7 +370,7 @@ class BatchColumns:
         """allocate's pass when every row, in row order, takes one block (`new`, by row): what the batch's decode
         allocation is when the rows' tokens reach the end of their blocks together (one prompt length). The same
         moves on whole columns instead of gathered and scattered rows: one more block a row moves the block count by
-        1, `low` by bs, the blocks term and the fingerprint terms by _K_BLOCKS (mod 2**64), and `limit` and `hi` are
+        1, `low` by bs, the blocks term and the fingerprint terms by K_BLOCKS (mod 2**64), and `limit` and `hi` are
         computed again."""
         free, refs = pool.free, pool.refs
         tables = []
@@ -396,7 +393,7 @@ class BatchColumns:
         self.hi = np.minimum(limit, self.budget_end - _A_ONE_I)
         self.short = None
         self.slack = None
-        h = _mix(self.token_hash ^ self.hid, terms)
+        h = fingerprint_columns(self.token_hash ^ self.hid, terms)
         change = int(np.bitwise_xor.reduce(self.fp ^ h))
         self.fp = h
         for seq, fp in zip(self.objs, h.tolist(), strict=True):
@@ -457,21 +454,12 @@ class BatchColumns:
             slack = (slack[0] - 1, slack[1] + 1, slack[2] - 1)  # every row's token count one more
         else:
             end = self.computed + fed
-            unsampled = tok < 0
-            n2 = plain_advance(n, end, unsampled, self.limit, self.budget_end, self.low)
-            if n2 is None:
+            moved = step_rows(n, end, tok, self.limit, self.budget_end, self.low, th, self.blocks_term)
+            if moved is None:
                 return None
+            n2, th, terms, some_unsampled = moved
             ends = end.tolist()
-            some_unsampled = bool(unsampled.any())
-            if some_unsampled:
-                th = np.where(unsampled, th, th * _FNV + (tok.view(_U) + _ONE))
-            else:
-                th = th * _FNV + (tok.view(_U) + _ONE)
-            terms = n2.view(_U) * _K_LEN + end.view(_U) * _K_COMPUTED_QSA + self.blocks_term
-        h = th ^ self.hid  # _mix in place on this fresh array
-        mix64_column(h)
-        h += terms
-        mix64_column(h)
+        h = fingerprint_columns(th ^ self.hid, terms)
         change = int(np.bitwise_xor.reduce(self.fp ^ h))
         hashes, fps = th.tolist(), h.tolist()
         if some_unsampled:

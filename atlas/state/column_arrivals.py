@@ -23,9 +23,9 @@ import numpy as np
 
 from atlas.hashing import MASK64, fnv_powers
 from atlas.sampling.params import SamplingParams
-from atlas.state.columns import K_ID, K_LEN, mix64_column
+from atlas.state.columns import K_ID, K_LEN, digest_rounds, fingerprint_columns, mix64_column
 from atlas.state.control import ControlState
-from atlas.state.machines import DrafterCarry, QsaCursor, Sequence, SequenceCursor, SsmRing
+from atlas.state.machines import Sequence
 
 _U = np.uint64
 _S20, _S32, _S40 = _U(20), _U(32), _U(40)
@@ -48,10 +48,7 @@ def token_hashes(flat: np.ndarray, lengths: np.ndarray) -> np.ndarray:
 def waiting_fingerprints(token_hash: np.ndarray, seq_ids: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     """control.sequence_fingerprint of a sequence just arrived (waiting: nothing computed, no blocks, no ring,
     drafter rows, preemptions, rollbacks or latch): the hash and id round, then the token count's term."""
-    h = token_hash ^ (seq_ids.view(np.uint64) * K_ID)
-    mix64_column(h)
-    h += lengths.view(np.uint64) * K_LEN
-    return mix64_column(h)
+    return fingerprint_columns(token_hash ^ (seq_ids.view(np.uint64) * K_ID), lengths.view(np.uint64) * K_LEN)
 
 
 def _parse(payloads: list[str]) -> tuple[list[dict], list[list[int]], np.ndarray] | None:
@@ -150,14 +147,11 @@ def apply_parsed(state: ControlState, parsed: Parsed | None, digests: list[str] 
     if digests is not None:
         g = np.full(k, _U((state.step ^ (pool.used << 20)) & MASK64), dtype=np.uint64)  # ControlState.digest()
         g ^= (ids + 1).view(np.uint64) << _S40
-        mix64_column(g)
-        g ^= (np.arange(len(state.waiting) + 1, len(state.waiting) + k + 1, dtype=np.int64).view(np.uint64) << _S32)
-        g ^= _U((len(state.running) ^ (state.finished_count << 16)) & MASK64)
-        mix64_column(g)
-        g ^= _U(((len(state.pending_release) << 8) ^ len(state.pending_faults) ^ (state.dead << 62)) & MASK64)
-        mix64_column(g)
-        g ^= _U((state.inflight_hash ^ state.outcomes_hash) & MASK64)
-        mix64_column(g)
+        queues = np.arange(len(state.waiting) + 1, len(state.waiting) + k + 1, dtype=np.int64).view(np.uint64) << _S32
+        queues ^= _U((len(state.running) ^ (state.finished_count << 16)) & MASK64)
+        g = digest_rounds(g, queues,
+                          _U(((len(state.pending_release) << 8) ^ len(state.pending_faults) ^ (state.dead << 62))
+                             & MASK64), _U((state.inflight_hash ^ state.outcomes_hash) & MASK64))
         if state.prefix is not None:
             carried = -1 if state.carry is None else state.carry.last_pair_key
             g ^= _U((len(state.prefix.blocks) ^ (len(state.prefix.snapshots) << 24) ^ (carried << 40)) & MASK64)
@@ -170,13 +164,11 @@ def apply_parsed(state: ControlState, parsed: Parsed | None, digests: list[str] 
     step = state.step
     qcap, ratio, slots, mtp = caps.qsa_index_capacity, caps.qsa_ratio, caps.ring_slots, caps.drafter_rows > 0
     seqs, waiting = state.seqs, state.waiting
-    for sid, rid, p, max_new, stream, prompt, size, h, fp in zip(sids, rids, params, budgets, streams, prompts,
-                                                                  lengths, hashes.tolist(), fps.tolist(), strict=True):
-        cursor = SequenceCursor(tokens=prompt, prompt_len=size)
-        cursor.token_hash = h
-        seqs[sid] = Sequence(seq_id=sid, request_id=rid, arrival_step=step, params=p, max_new=max_new, cursor=cursor,
-                             qsa=QsaCursor(capacity=qcap, ratio=ratio), ring=SsmRing(slots=slots),
-                             drafter=DrafterCarry(mtp=mtp), stream=stream, fingerprint=fp)
+    arrive = Sequence.arrive
+    for sid, rid, p, max_new, stream, prompt, h, fp in zip(sids, rids, params, budgets, streams, prompts,
+                                                            hashes.tolist(), fps.tolist(), strict=True):
+        seq = seqs[sid] = arrive(sid, rid, step, p, max_new, prompt, h, stream, qcap, ratio, slots, mtp)
+        seq.fingerprint = fp
         live[rid] = sid
         waiting.append(sid)
     state.next_seq_id = first + k

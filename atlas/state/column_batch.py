@@ -25,7 +25,6 @@ import hashlib
 import json
 import json.scanner
 import sys
-import zlib
 from bisect import insort
 from itertools import chain
 
@@ -42,7 +41,7 @@ from atlas.state.orders import PlanOrders
 
 _REASONS = frozenset(r.value for r in FinishReason)
 # the enum members as constants: an attribute of an Enum class is looked up through its metaclass's hook (3.11)
-_WAITING, _RUNNING, _FINISHED, _ERROR = Phase.WAITING, Phase.RUNNING, Phase.FINISHED, FinishReason.ERROR.value
+_WAITING, _ERROR = Phase.WAITING, FinishReason.ERROR.value
 _I = np.int64
 _LITTLE = sys.byteorder == "little"
 _U = np.uint64
@@ -146,9 +145,7 @@ def plan_in_columns(state: ControlState, e: StepPlanned, blob: bytes | None = No
     # every check of StepPlanned passed: its moves (steps.planned's, in its order)
     first_key = caps.drafter_context
     for seq in admitted:
-        seq.cursor.phase = _RUNNING
-        seq.on_device = True
-        seq.drafter.first_key = 0 if first_key else seq.cursor.prompt_len - 1
+        seq.admit(0 if first_key else seq.cursor.prompt_len - 1)
         state.waiting.remove(seq.seq_id)
         insort(state.running, seq.seq_id)
     # BlockPool.allocate's moves (its checks are the loop above's: every block in the pool, free, once in the plan)
@@ -221,14 +218,12 @@ def _combined(cols: StepColumns, kept: slice | np.ndarray, kept_blocks: np.ndarr
 
 _FINISH_KEYS = frozenset(("seq_id", "reason", "detail"))
 _scan = json.scanner.make_scanner(json.JSONDecoder())  # json.loads' own (the C scanner where there is one)
-_M64 = (1 << 64) - 1
 
 
 def finish_text_in_columns(state: ControlState, payload: str) -> int | None:
     """finish_in_columns of a RequestFinished v1 JSON payload without building the event (replay check's sixth pass:
     the event, its converters, the generic apply and check_invariants' call were most of a finish's ~85 K
-    instructions): the same checks and moves, ControlState.finish written out for a row the columns hold (no batch
-    columns, no queued restores). Returns the finished sequence's id, or None, moving nothing, when the payload or
+    instructions): the same checks, then ControlState.finish of a row the columns hold (no batch columns). Returns the finished sequence's id, or None, moving nothing, when the payload or
     the state is off that path (the caller then builds the event and applies it, which refuses or reports)."""
     cols = state.columns
     if cols is None or state.batch is not None:
@@ -254,44 +249,14 @@ def finish_text_in_columns(state: ControlState, payload: str) -> int | None:
     failing = state.failing
     if seq_id in failing and reason != _ERROR:
         return None
-    orders = state.orders
-    if orders.rollbacks or orders.restores:
-        return None  # ControlState.finish forgets the sequence's: the general path
-    pool = state.pool
-    refs = pool.refs
+    refs = state.pool.refs
     blocks = seq.blocks
     try:
         if blocks and min(map(refs.__getitem__, blocks)) <= 0:  # BlockPool.release would refuse
             return None
     except IndexError:
         return None
-    # ControlState.finish, in its order
-    h = state.outcomes_hash ^ (seq_id << 40) ^ zlib.crc32(f"{reason}:{detail}".encode())
-    h = ((h ^ (h >> 30)) * 0xBF58476D1CE4E5B9) & _M64  # mix64
-    h = ((h ^ (h >> 27)) * 0x94D049BB133111EB) & _M64
-    state.outcomes_hash = h ^ (h >> 31)
-    if blocks:
-        free = pool.free
-        used = pool.used
-        for b in blocks:
-            refs[b] -= 1
-            if refs[b] == 0:
-                free[b] = None
-                used -= 1
-        pool.used = used
-    if seq.cursor.phase is _WAITING:
-        state.waiting.remove(seq_id)
-    else:
-        state.running.remove(seq_id)
-    if seq.on_device:
-        state.pending_release.append(seq_id)
-    fp = cols.fp.item(r)  # the share the digest holds (the object's lags behind the columns)
-    seq.fingerprint = fp
-    state.seq_digest ^= fp
-    failing.discard(seq_id)
-    seq.cursor.phase = _FINISHED
-    del state.seqs[seq_id]
-    del state.by_request[seq.request_id]
-    state.finished_count += 1
+    seq.fingerprint = cols.fp.item(r)  # the share the digest holds (the object's lags behind the columns)
+    state.finish(seq, reason, detail)
     cols.gone.add(r)
     return seq_id

@@ -26,7 +26,7 @@ from array import array
 import numpy as np
 
 from atlas.hashing import MASK64
-from atlas.state.columns import K_BLOCKS, K_RUNNING, StepColumns, mix64_column, mix_columns
+from atlas.state.columns import K_BLOCKS, K_RUNNING, StepColumns, digest_rounds, mix_columns
 from atlas.state.control import ControlState
 from atlas.state.orders import PlanOrders
 
@@ -140,14 +140,13 @@ def _apply(state: ControlState, plans: list[bytes], execs: list[bytes], digests:
         g = np.repeat(stepno + 1, 2).view(np.uint64)
         g ^= np.repeat(used, 2).view(np.uint64) << _S20
         g ^= _U((state.next_seq_id << 40) & MASK64)
-        mix64_column(g)
-        g ^= _U(((len(state.waiting) << 32) ^ len(state.running) ^ (state.finished_count << 16)) & MASK64)
-        mix64_column(g)
-        g ^= _U((len(state.pending_faults) ^ (state.dead << 62)) & MASK64)  # no release pending after P_0
-        mix64_column(g)
-        g[0::2] ^= hashes
-        g ^= _U(state.outcomes_hash)
-        mix64_column(g)
+        inflight = np.zeros(2 * R, dtype=np.uint64)  # the plan's hash between P_k and X_k, none after X_k
+        inflight[0::2] = hashes
+        inflight ^= _U(state.outcomes_hash)
+        g = digest_rounds(g, _U(((len(state.waiting) << 32) ^ len(state.running) ^ (state.finished_count << 16))
+                                & MASK64),
+                          _U((len(state.pending_faults) ^ (state.dead << 62)) & MASK64),  # no release pending after P_0
+                          inflight)
         g ^= seqd
         if set(map(len, digests)) != {16} or g.astype(">u8").tobytes().hex() != "".join(digests):
             return False

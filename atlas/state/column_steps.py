@@ -9,7 +9,7 @@ import struct
 import numpy as np
 
 from atlas.hashing import MASK64
-from atlas.state.columns import StepColumns, mix_columns, plain_advance
+from atlas.state.columns import StepColumns, fingerprint_columns, step_rows
 from atlas.state.control import Checked, ControlState
 from atlas.state.events import StepPlanned
 from atlas.state.orders import PlanOrders
@@ -80,24 +80,19 @@ def advance_array(state: ControlState, cols: StepColumns, tok: np.ndarray) -> bo
     """advance_columns of the step's tokens as an int64 array."""
     fed = cols.fed
     assert fed is not None
-    n = cols.ntok
     end = cols.computed + fed
-    unsampled = tok < 0
-    n2 = plain_advance(n, end, unsampled, cols.limit, cols.budget_end, cols.low)
-    if n2 is None:
+    moved = step_rows(cols.ntok, end, tok, cols.limit, cols.budget_end, cols.low, cols.token_hash, cols.blocks_term)
+    if moved is None:
         state.flush_columns()
         return False
-    th = cols.token_hash
-    th = np.where(unsampled, th, th * _FNV + (tok.view(np.uint64) + _ONE))
-    fp = mix_columns(th ^ cols.hid, n2, end, cols.blocks_term)
+    n2, th, terms, _ = moved
+    fp = fingerprint_columns(th ^ cols.hid, terms)
     state.seq_digest ^= int(np.bitwise_xor.reduce(cols.fp ^ fp))
     cols.computed, cols.ntok, cols.token_hash, cols.fp, cols.fed = end, n2, th, fp, None
     cols.tokens.append(tok)
     return True
 
 
-_ONE = np.uint64(1)
-_FNV = np.uint64(0x100000001B3)
 
 
 _HEAD2 = struct.Struct("<ii")

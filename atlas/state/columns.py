@@ -23,10 +23,11 @@ _I = np.int64
 K_ID, _K_MIX1, _K_MIX2 = _U(0x9E3779B97F4A7C15), _U(0xBF58476D1CE4E5B9), _U(0x94D049BB133111EB)
 _S30, _S27, _S31 = _U(30), _U(27), _U(31)
 K_LEN, K_BLOCKS = _U(0xC2B2AE3D27D4EB4F), _U(0xFF51AFD7ED558CCD)
-_K_COMPUTED_QSA = _U((0x165667B19E3779F9 + 0xC4CEB9FE1A85EC53) & 0xFFFFFFFFFFFFFFFF)
+K_COMPUTED_QSA = _U((0x165667B19E3779F9 + 0xC4CEB9FE1A85EC53) & 0xFFFFFFFFFFFFFFFF)
 _M64 = (1 << 64) - 1
 K_RUNNING = _U(0xD6E8FEB86659FD93 * Phase.RUNNING & _M64)
 _FINISHED = Phase.FINISHED
+_FNV, _ONE = _U(0x100000001B3), _U(1)
 
 
 def common(seq: Sequence) -> bool:
@@ -49,18 +50,30 @@ def plain_advance(n: np.ndarray, end: np.ndarray, unsampled: np.ndarray, limit: 
     return n2
 
 
+def step_rows(n: np.ndarray, end: np.ndarray, tok: np.ndarray, limit: np.ndarray, budget_end: np.ndarray,
+              low: np.ndarray, token_hash: np.ndarray, blocks_term: np.ndarray
+              ) -> tuple[np.ndarray, np.ndarray, np.ndarray, bool] | None:
+    """A draft-free step's advance of running rows in columns (the engine's batch columns and the replay's step
+    columns): rows with `n` tokens fed up to `end`, `tok` each one's sampled token (-1: none). (the token counts
+    after, the token hashes after, the fingerprint terms after, whether a row sampled nothing), or None when a row
+    is off the plain path (plain_advance's conditions): nothing computed then, the caller's per-sequence path
+    refuses or names it."""
+    unsampled = tok < 0
+    n2 = plain_advance(n, end, unsampled, limit, budget_end, low)
+    if n2 is None:
+        return None
+    th = token_hash * _FNV + (tok.view(_U) + _ONE)
+    some_unsampled = bool(unsampled.any())
+    if some_unsampled:
+        th = np.where(unsampled, token_hash, th)
+    return n2, th, n2.view(_U) * K_LEN + end.view(_U) * K_COMPUTED_QSA + blocks_term, some_unsampled
+
+
 def mix_columns(h: np.ndarray, seq_len: np.ndarray, computed: np.ndarray, blocks_term: np.ndarray) -> np.ndarray:
-    """control.running_fingerprints over numpy columns: `h` the token hash ^ seq_id * K, `blocks_term` the
-    running phase's and the block count's terms (uint64 arithmetic wraps mod 2**64 where the scalar masks)."""
-    h = h ^ (h >> _S30)
-    h *= _K_MIX1
-    h ^= h >> _S27
-    h *= _K_MIX2
-    h ^= h >> _S31
-    h += seq_len.view(_U) * K_LEN  # int64 columns >= 0: their uint64 view is the same number
-    h += computed.view(_U) * _K_COMPUTED_QSA
-    h += blocks_term
-    return mix64_column(h)
+    """fingerprint_columns of running sequences (qsa.ingested == computed): `h` the token hash ^ seq_id * K (left as
+    it is), `blocks_term` the running phase's and the block count's terms."""
+    # int64 columns >= 0: their uint64 view is the same number
+    return fingerprint_columns(h.copy(), seq_len.view(_U) * K_LEN + computed.view(_U) * K_COMPUTED_QSA + blocks_term)
 
 
 # mix64_column's constants as 0-d uint64 arrays: a ufunc with a 0-d array operand takes ~0.27 us at 64 rows against
@@ -92,6 +105,31 @@ def mix64_column(h: np.ndarray) -> np.ndarray:
     _RS(h, _A31, t)
     _BX(h, t, h)
     return h
+
+
+def digest_rounds(a: np.ndarray, b: np.ndarray | np.uint64, c: np.ndarray | np.uint64,
+                  d: np.ndarray | np.uint64) -> np.ndarray:
+    """ControlState.digest()'s four mixing rounds over uint64 columns, one event a row (before its prefix round and
+    the sequences' XOR): `a` (a fresh column, mixed in place) the step, pool and id counters, then `b` the queue
+    counts, `c` the release, fault and dead fields, `d` the in-flight plan's and the outcomes' hashes, each XORed in
+    and mixed (replay check's runs, arrivals and lazy digests)."""
+    mix64_column(a)
+    a ^= b
+    mix64_column(a)
+    a ^= c
+    mix64_column(a)
+    a ^= d
+    return mix64_column(a)
+
+
+def fingerprint_columns(h: np.ndarray, terms: np.ndarray) -> np.ndarray:
+    """control.sequence_fingerprint over uint64 columns for sequences without its rare fields (ring snapshots,
+    rollbacks): `h` the token hash ^ seq_id * K (a fresh column, mixed in place), `terms` the sum of the field terms
+    (token count, computed, phase, blocks, QSA keys, drafter rows, preemptions, latch; the ones at 0 left out).
+    uint64 arithmetic wraps mod 2**64 where the scalar form masks; tested against it (tests/test_state_batched.py)."""
+    mix64_column(h)
+    h += terms
+    return mix64_column(h)
 
 
 class StepColumns:

@@ -25,7 +25,7 @@ from atlas.errors import TransitionRefused
 from atlas.hashing import MASK64 as _M
 from atlas.hashing import mix64
 from atlas.state.batch_columns import BatchColumns
-from atlas.state.columns import StepColumns
+from atlas.state.columns import K_BLOCKS, K_ID, K_RUNNING, StepColumns, mix_columns
 from atlas.state.events import Event, RequestArrived, RequestFinished, StepExecuted, StepPlanned
 from atlas.state.machines import BlockPool, Phase, Sequence
 from atlas.state.orders import PlanOrders
@@ -99,14 +99,6 @@ def fold_fingerprints(state: ControlState, acc: int, rows: list) -> None:
     state.seq_digest = acc
 
 
-_U = np.uint64
-_K_ID, _K_MIX1, _K_MIX2 = _U(0x9E3779B97F4A7C15), _U(0xBF58476D1CE4E5B9), _U(0x94D049BB133111EB)
-_S30, _S27, _S31 = _U(30), _U(27), _U(31)
-_K_LEN, _K_BLOCKS = _U(0xC2B2AE3D27D4EB4F), _U(0xFF51AFD7ED558CCD)
-_K_COMPUTED_QSA = _U((0x165667B19E3779F9 + 0xC4CEB9FE1A85EC53) & _M)  # computed == qsa.ingested: one product
-_K_RUNNING = _U(0xD6E8FEB86659FD93 * Phase.RUNNING & _M)
-
-
 def running_fingerprints(token_hash: Ints, seq_id: Ints, seq_len: Ints, computed: Ints,
                          blocks: Ints) -> list[int]:
     """sequence_fingerprint of many running sequences at once, each with qsa.ingested == computed and no
@@ -115,13 +107,7 @@ def running_fingerprints(token_hash: Ints, seq_id: Ints, seq_len: Ints, computed
     sequences (benchmarks/replay_check.py's batch); tested against the scalar form."""
     # the five columns in one conversion (one np.array call instead of five: ~1.5 us each at batch 64)
     th, ids, length, done, held = np.array((token_hash, seq_id, seq_len, computed, blocks), dtype=np.uint64)
-    h = th ^ (ids * _K_ID)
-    h = (h ^ (h >> _S30)) * _K_MIX1
-    h = (h ^ (h >> _S27)) * _K_MIX2
-    h = (h ^ (h >> _S31)) + length * _K_LEN + done * _K_COMPUTED_QSA + _K_RUNNING + held * _K_BLOCKS
-    h = (h ^ (h >> _S30)) * _K_MIX1
-    h = (h ^ (h >> _S27)) * _K_MIX2
-    return (h ^ (h >> _S31)).tolist()
+    return mix_columns(th ^ (ids * K_ID), length, done, held * K_BLOCKS + K_RUNNING).tolist()
 
 
 _COLUMN_EVENTS = (StepPlanned, StepExecuted)  # the transitions that keep the step columns current
@@ -311,7 +297,7 @@ class ControlState:
             self.batch = self.batch.without(seq.seq_id)
         self.orders.forget(seq.seq_id)
         self.failing.discard(seq.seq_id)
-        seq.cursor.phase = Phase.FINISHED
+        seq.end()
         del self.seqs[seq.seq_id]
         del self.by_request[seq.request_id]
         self.finished_count += 1

@@ -183,6 +183,18 @@ class Sequence:
     # prefix caching: chain hashes of the sequence's full blocks of computed tokens (prefix_cache.chain_hash)
     prefix_chain: list[int] = attrs.Factory(list)
 
+    @classmethod
+    def arrive(cls, seq_id: int, request_id: str, step: int, params: SamplingParams, max_new: int,
+               prompt: list[int], token_hash: int, stream: bool, qsa_capacity: int, qsa_ratio: int, ring_slots: int,
+               mtp: bool) -> Sequence:
+        """A request's sequence as it arrives (RequestArrived's, one at a time or a run of them at once): waiting,
+        every cursor at 0, `token_hash` the prompt's rolling hash."""
+        cursor = SequenceCursor(tokens=prompt, prompt_len=len(prompt))
+        cursor.token_hash = token_hash
+        return cls(seq_id=seq_id, request_id=request_id, arrival_step=step, params=params, max_new=max_new,
+                   cursor=cursor, qsa=QsaCursor(capacity=qsa_capacity, ratio=qsa_ratio), ring=SsmRing(slots=ring_slots),
+                   drafter=DrafterCarry(mtp=mtp), stream=stream)
+
     def advance(self, fed: int, token: int, block_size: int) -> None:
         """Feed `fed` tokens (all cursors move together), then append `token` (-1: nothing sampled)."""
         self.check_advance(fed, token, block_size)
@@ -292,6 +304,26 @@ class Sequence:
         self.banned[keep] = (*self.banned.get(keep, ()), ban_token)
         self.rollbacks += 1
         return freed
+
+    def admit(self, drafter_first_key: int) -> None:
+        """Admission by a plan: running from computed 0 (its checks are StepPlanned's), the data plane holding it."""
+        self.cursor.phase = Phase.RUNNING
+        self.on_device = True
+        self.drafter.first_key = drafter_first_key
+
+    def start_from(self, position: int, blocks: list[int], chain: list[int]) -> None:
+        """A prefix hit (its checks are PrefixHit's): running from `position` fed tokens held in `blocks`, every
+        cursor at `position`, the cached chain of its full blocks `chain`."""
+        self.blocks = blocks
+        self.cursor.computed = position
+        self.cursor.phase = Phase.RUNNING
+        self.on_device = True
+        self.qsa.ingested = position
+        self.prefix_chain = chain
+
+    def end(self) -> None:
+        """The request finished or was cancelled (its blocks and queue place are ControlState.finish's)."""
+        self.cursor.phase = Phase.FINISHED
 
     def reset(self) -> None:
         """Preemption: every cursor and the recurrent state back to zero (tokens are kept for recompute)."""

@@ -93,12 +93,7 @@ def prefix_hit(state: ControlState, e: PrefixCacheHit) -> tuple[int, ...]:
         state.pool.allocate(e.seq_id, (e.tail_block,))
         cache.evict_block(e.tail_block)
         blocks.append(e.tail_block)
-    seq.blocks = blocks
-    c.computed = e.position
-    c.phase = Phase.RUNNING
-    seq.on_device = True
-    seq.qsa.ingested = e.position
-    seq.prefix_chain = list(hit.chain)
+    seq.start_from(e.position, blocks, list(hit.chain))
     if d.mtp:
         d.hold(e.drafter_first_key, e.drafter_last_key)
         d.carried = adopt is not None

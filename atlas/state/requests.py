@@ -14,7 +14,7 @@ from atlas.state.events import (
     RequestCancelled,
     RequestFinished,
 )
-from atlas.state.machines import DrafterCarry, FinishReason, QsaCursor, Sequence, SequenceCursor, SsmRing
+from atlas.state.machines import FinishReason, Sequence
 from atlas.state.orders import PlanOrders
 
 
@@ -29,19 +29,9 @@ def arrived(state: ControlState, e: RequestArrived) -> tuple[int, ...]:
     if not e.prompt or len(e.prompt) + e.max_new > caps.max_seq_len or e.max_new < 1:
         raise TransitionRefused("Request", "prompt + budget outside capacity", prompt=len(e.prompt),
                                 max_new=e.max_new, max_seq_len=caps.max_seq_len)
-    seq = Sequence(
-        seq_id=e.seq_id,
-        request_id=e.request_id,
-        arrival_step=state.step,
-        params=SamplingParams.from_json(e.params),
-        max_new=e.max_new,
-        cursor=SequenceCursor(tokens=list(e.prompt), prompt_len=len(e.prompt)),
-        qsa=QsaCursor(capacity=caps.qsa_index_capacity, ratio=caps.qsa_ratio),
-        ring=SsmRing(slots=caps.ring_slots),
-        drafter=DrafterCarry(mtp=caps.drafter_rows > 0),
-        stream=e.stream,
-    )
-    seq.cursor.token_hash = roll_tokens(0, e.prompt)
+    seq = Sequence.arrive(e.seq_id, e.request_id, state.step, SamplingParams.from_json(e.params), e.max_new,
+                          list(e.prompt), roll_tokens(0, e.prompt), e.stream, caps.qsa_index_capacity, caps.qsa_ratio,
+                          caps.ring_slots, caps.drafter_rows > 0)
     state.next_seq_id += 1
     state.seqs[e.seq_id] = seq
     state.by_request[e.request_id] = e.seq_id

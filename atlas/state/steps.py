@@ -1,5 +1,5 @@
-"""Transitions of a step (planned, executed), of preemption, of the snapshot ring and rollback, and of the
-speculative lane's latch (registered on ControlState)."""
+"""Transitions of a step (planned, executed) and of preemption (registered on ControlState); the snapshot ring's,
+rollback's and the speculative lane's latch are atlas.state.rollbacks'."""
 
 from __future__ import annotations
 
@@ -9,9 +9,7 @@ from operator import itemgetter
 import numpy as np
 
 from atlas.errors import TransitionRefused
-from atlas.hashing import MASK64, ints_key
-from atlas.plan import RingRestore
-from atlas.state.advance import advance_fused
+from atlas.hashing import ints_key
 from atlas.state.batch_columns import BatchColumns
 from atlas.state.column_steps import advance_columns, refresh_rows, work_fits_columns
 from atlas.state.columns import StepColumns
@@ -25,18 +23,14 @@ from atlas.state.control import (
     transition,
 )
 from atlas.state.events import (
-    BoundarySnapshotted,
-    RollbackDeclined,
-    RolledBack,
     SequencePreempted,
-    SpeculationLatchedOff,
     StepExecuted,
     StepPlanned,
 )
 from atlas.state.invariants import holds as _holds
 from atlas.state.machines import Phase, Sequence
 from atlas.state.orders import empty_or_new
-from atlas.state.prefix import forget_blocks, register_blocks
+from atlas.state.prefix import register_blocks
 
 
 @transition(SequencePreempted)
@@ -109,7 +103,7 @@ def _check_plan(state: ControlState, e: StepPlanned, cols: StepColumns | None = 
         raise TransitionRefused("Engine", "drafts aligned with the planned sequences", drafts=len(e.drafts),
                                 seqs=len(e.seqs))
     batch = state.batch
-    # the batch columns' decode counts (`ones`, every one 1: steady_decode's plan) sum to their length
+    # the batch columns' decode counts (`ones`, every one 1: a decode plan's, from scheduler.batch) sum to their length
     fed_total = (len(e.fed) if batch is not None and e.fed is batch.ones else sum(e.fed)) + (
         sum(map(len, e.drafts)) if e.drafts else 0)
     if fed_total > state.caps.max_batch_tokens:  # the size every per-step buffer is derived from
@@ -184,10 +178,8 @@ def planned(state: ControlState, e: StepPlanned) -> tuple[int, ...]:
     cols = state.columns  # None again if the check fell back to the objects
     for seq_id in e.admitted:
         seq = state.seqs[seq_id]
-        seq.cursor.phase = Phase.RUNNING
-        seq.on_device = True
         # the drafter sees the prompt unless its context is off (then its keys start at the first decode)
-        seq.drafter.first_key = 0 if state.caps.drafter_context else seq.cursor.prompt_len - 1
+        seq.admit(0 if state.caps.drafter_context else seq.cursor.prompt_len - 1)
         state.waiting.remove(seq_id)
         insort(state.running, seq_id)
     # many rows' blocks at once on the batch columns (one pass; their digest shares and `_holds` with it)
@@ -344,22 +336,12 @@ ALLOC_ROWS = 2
 def _advance_all(state: ControlState, plan: StepPlanned, tokens: tuple[int, ...], bs: int) -> list[int]:
     """StepExecuted of a step without drafts: every sequence advances by its fed count. One pass checks them
     all (Sequence.check_advance's conditions inline; a sequence that fails one goes through check_advance,
-    which refuses naming it), a second commits them (Sequence.commit_advance inline; DrafterCarry.follow
-    still called), refreshes each one's digest share and runs check_invariants' per-sequence test on the
-    state it leaves (`_holds`'s conditions inline for a sequence without ring snapshots, drafter rows, MTP or
-    rollbacks, `_holds` itself otherwise). Returns the ids that test could not pass, in plan order (the
-    caller's Checked: check_invariants gives them to check_sequence, which names the broken invariant).
-    One pass instead of three walks (commit, refresh, check_invariants) with a call each: see
-    benchmarks/replay_check.py for the figures."""
-    if state.prefix is None and not state.caps.drafter_rows:  # the one-pass form (atlas.state.advance)
-        suspects = advance_fused(state, plan, tokens, bs, VECTOR_MIN)
-        if suspects is not None:
-            return suspects  # else nothing moved: the two passes refuse or take what it could not
-    return _advance_two_pass(state, plan, tokens, bs)
-
-
-def _advance_two_pass(state: ControlState, plan: StepPlanned, tokens: tuple[int, ...], bs: int) -> list[int]:
-    """_advance_all's check pass, then its commit pass (prefix caching, MTP drafters, and every refusal)."""
+    which refuses naming it, before anything moved), a second commits them (Sequence.commit_advance: the
+    one place a step's advance moves a sequence's cursors), refreshes each one's digest share and runs check_invariants'
+    per-sequence test on the state it leaves (`_holds`'s conditions inline for a sequence without ring
+    snapshots, drafter rows, MTP or rollbacks, `_holds` itself otherwise). Returns the ids that test could
+    not pass, in plan order (the caller's Checked: check_invariants gives them to check_sequence, which names
+    the broken invariant)."""
     seqs = state.seqs
     running = Phase.RUNNING
     work = []
@@ -380,24 +362,17 @@ def _advance_two_pass(state: ControlState, plan: StepPlanned, tokens: tuple[int,
     prefix = state.prefix
     acc = state.seq_digest
     suspects: list[int] = []
-    M = MASK64
     vector = len(work) >= VECTOR_MIN
     # (sequence, token hash, id, length, computed, blocks) of the sequences fingerprinted as columns below: one
     # tuple a sequence, transposed once (six list appends a sequence were ~a tenth of this pass)
     v_rows: list[tuple[Sequence, int, int, int, int, int]] = []
     v_add = v_rows.append
     for seq, c, end, token in work:  # every check passed: commit them all (and refresh their digest share)
-        c.computed = end
+        seq.commit_advance(end - c.computed, token)
         q = seq.qsa
-        q.ingested = end
         d = seq.drafter
-        if d.mtp:
-            d.follow(end)
         toks = c.tokens
         th = c.token_hash
-        if token >= 0:
-            toks.append(token)
-            th = c.token_hash = (th * 0x100000001B3 + token + 1) & M
         if prefix is not None:
             register_blocks(state, seq)
         snaps = seq.ring.snapshots
@@ -422,52 +397,3 @@ def _advance_two_pass(state: ControlState, plan: StepPlanned, tokens: tuple[int,
         seq.fingerprint = fp
     fold_fingerprints(state, acc, v_rows)
     return suspects
-
-
-@transition(SpeculationLatchedOff)
-def latched(state: ControlState, e: SpeculationLatchedOff) -> tuple[int, ...]:
-    seq = state.running_between_steps(e.seq_id, "speculation latch")
-    if seq.drafter.latched:
-        raise TransitionRefused("Speculative", "the lane latches off once", seq_id=e.seq_id)
-    if e.position != seq.cursor.computed:
-        raise TransitionRefused("Speculative", "latched at the sequence's computed tokens", seq_id=e.seq_id,
-                                position=e.position, computed=seq.cursor.computed)
-    seq.drafter.latched = True
-    return (e.seq_id,)
-
-
-@transition(BoundarySnapshotted)
-def snapshotted(state: ControlState, e: BoundarySnapshotted) -> tuple[int, ...]:
-    seq = state.running_between_steps(e.seq_id, "snapshot")
-    if e.position != seq.cursor.computed:
-        raise TransitionRefused("SsmRing", "a snapshot holds the sequence's computed tokens", seq_id=e.seq_id,
-                                position=e.position, computed=seq.cursor.computed)
-    seq.ring.record(e.position, e.slot, e.evicted)
-    return (e.seq_id,)
-
-
-@transition(RolledBack)
-def rolled_back(state: ControlState, e: RolledBack) -> tuple[int, ...]:
-    """Every control-plane cursor moves to the boundary now; the data plane's restore is an order of the next
-    plan (RingRestore), and the data plane's cursors are checked against these after that step."""
-    seq = state.running_between_steps(e.seq_id, "rollback")
-    if e.attempt != seq.rollbacks + 1:
-        raise TransitionRefused("Request", "rollback attempts count up from 1", seq_id=e.seq_id,
-                                attempt=e.attempt, taken=seq.rollbacks)
-    c = seq.cursor
-    held = (c.computed, seq.qsa.ingested, c.computed, c.computed, seq.drafter.rows)
-    rollbacks = state.orders.rollbacks
-    earlier = next((i for i, r in enumerate(rollbacks) if r.seq_id == e.seq_id), None)
-    if earlier is not None:  # a second rollback before the data plane ran the first: the data plane still holds
-        held = rollbacks.pop(earlier).held  # the first one's position, and this boundary's snapshot (b2 <= b1)
-    freed = seq.rollback(e.boundary, e.slot, e.keep, e.ban_token, e.blocks_freed, state.caps.block_size)
-    forget_blocks(state, seq.blocks + freed, e.boundary)
-    state.pool.release(seq.seq_id, freed)
-    rollbacks.append(RingRestore(e.seq_id, e.slot, e.boundary, held))
-    return (e.seq_id,)
-
-
-@transition(RollbackDeclined)
-def declined(state: ControlState, e: RollbackDeclined) -> tuple[int, ...]:
-    state.seq(e.seq_id)  # a decline moves nothing; the request's finish follows as its own event
-    return (e.seq_id,)

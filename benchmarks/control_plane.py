@@ -1,7 +1,7 @@
 """Control-plane throughput: schedule + apply + invariants + digest + SQLite trace, no tensors.
 
     .venv/bin/python benchmarks/control_plane.py [--steps N] [--batches 1,64,256] [--no-trace | --memory-sink]
-        [--clock process] [--stamps 51] [--no-batch-columns] [--smoke]
+        [--clock process] [--stamps 51] [--no-batch-columns] [--drafts N] [--smoke]
     .venv/bin/python benchmarks/control_plane.py --prefill 2048 [--repeat 20] [--clock process] [--stamps 51]
 
 A fixed-token backend (honest cursors, no compute) stands in for the model, so the figure is the cost
@@ -88,11 +88,18 @@ class FixedTokenBackend:
 
 
 def measure(batch: int, steps: int, trace_dir: Path | None, stamps: int = 0, columns: bool = True,
-            memory_sink: bool = False) -> tuple[float, float | None, float]:
-    """(sequence-steps/s, trace bytes per sequence-step, control-plane us per step outside execute)."""
+            memory_sink: bool = False, drafts: int = 0) -> tuple[float, float | None, float]:
+    """(sequence-steps/s, trace bytes per sequence-step, control-plane us per step outside execute). `drafts`:
+    speculation on with that many drafts at most, a scripted drafter and the CUDA backend's cost table, under which
+    no draft count pays at these batches: the lane's cost on a step it drafts nothing."""
     prompt_len, max_seq_len = 16, 16 + steps + 8
+    spec: dict = {}
+    if drafts:
+        from atlas.backends.cuda.costs import verify_costs
+
+        spec = dict(num_drafts=drafts, drafter="scripted", verify_costs=verify_costs(drafts, compiled=True))
     config = EngineConfig(max_seq_len=max_seq_len, max_batch_size=batch, prefill_chunk_tokens=max(batch * prompt_len, 64),
-                          block_size=16)
+                          block_size=16, **spec)
     sink: TraceWriter | RecordingSink | None = RecordingSink() if memory_sink else None
     path = None
     if trace_dir is not None and not memory_sink:
@@ -101,7 +108,13 @@ def measure(batch: int, steps: int, trace_dir: Path | None, stamps: int = 0, col
                                       "model_fingerprint": "none", "backend": "fixed", "seed": None,
                                       "config": config.to_json(), "capacities": {}})
     backend = FixedTokenBackend(stamps)
-    engine = Engine(backend, tokenizer=ByteTokenizer(), config=config, sink=sink)
+    extra: dict = {}
+    if drafts:
+        from atlas.engine.drafters.scripted import ScriptedDrafter
+
+        backend.capabilities = Capabilities(verify=True, per_row_qsa_verify=True, max_verify_width=drafts + 1)
+        extra["drafter"] = ScriptedDrafter(lambda req: [65] * req.k)
+    engine = Engine(backend, tokenizer=ByteTokenizer(), config=config, sink=sink, **extra)
     if hasattr(engine.state, "batch_cache"):  # --no-batch-columns: the objects alone (atlas.state.batch_columns)
         engine.state.batch_cache = columns
     for i in range(batch):
@@ -159,6 +172,8 @@ def main() -> None:
                     help="per-layer position stamps a sequence reports (51: the 2.7B config's; 0: none, as before)")
     ap.add_argument("--no-batch-columns", action="store_true",
                     help="the engine without its batch columns (atlas.state.batch_columns): the objects alone")
+    ap.add_argument("--drafts", type=int, default=0, metavar="N",
+                    help="speculation on (N drafts at most) where the cost model drafts nothing: the lane's own cost")
     ap.add_argument("--smoke", action="store_true", help="20 steps at batch 1 and 8: seconds, for CI")
     ap.add_argument("--prefill", type=int, default=0, metavar="N",
                     help="instead: the engine's ms outside execute for one N-token request (the bench's prefill row)")
@@ -186,8 +201,8 @@ def main() -> None:
         print(f"{'batch':>6} {'seq-steps/s':>12} {'us/seq-step':>12} {'trace B/seq-step':>17} "
               f"{'control plane us/step':>22}")
         for batch in (int(b) for b in args.batches.split(",")):
-            runs = [measure(batch, args.steps, trace_dir, args.stamps, not args.no_batch_columns, args.memory_sink)
-                    for _ in range(args.repeat)]
+            runs = [measure(batch, args.steps, trace_dir, args.stamps, not args.no_batch_columns, args.memory_sink,
+                            args.drafts) for _ in range(args.repeat)]
             rate, bytes_per, _ = max(runs, key=lambda r: r[0])
             plane_us = min(r[2] for r in runs)
             shown = "-" if bytes_per is None else f"{bytes_per:.1f}"

@@ -129,3 +129,44 @@ def test_the_cuda_cost_model_follows_the_measured_gains() -> None:
     assert choose_drafts(1, 4, (0.7,) * 4, eager) == 4
     assert choose_drafts(1, 2, (0.7,) * 4, eager) == 0  # 2.19 tokens for 2.2: the measured 0.99x
     assert choose_drafts(64, 4, (0.7,) * 4, eager) == 0
+
+
+def test_a_step_where_no_draft_could_pay_is_a_plain_decode_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Speculation on at a batch where no draft count could pay (the verify costs more than k + 1 decodes): every
+    step plans exactly what speculation off plans, and its decode rows come from the batch columns as with
+    speculation off (the planner's per-sequence loop runs only for the prefill), so the configured lane costs a
+    decode step nothing but its one check."""
+    import atlas.engine.planner as planner
+    from atlas.config import EngineConfig
+    from atlas.engine.drafters.scripted import ScriptedDrafter
+    from atlas.engine.offline import generate
+    from atlas.engine.records import RecordingSink
+    from atlas.model import load_model
+    from atlas.registry import build_engine
+    from atlas.sampling.params import SamplingParams
+
+    tiny = load_model("atlas-tiny")
+    # 16 sequences, prefix caching off: the batch columns hold such a batch (atlas.state.steps._gather_batch)
+    prompts, params = [list(b"plain %d: " % i) for i in range(16)], SamplingParams(max_tokens=12, ignore_eos=True)
+    base = dict(max_seq_len=64, max_batch_size=16, prefill_chunk_tokens=256, enable_prefix_caching=False)
+    loops = []
+    real = planner._work
+    monkeypatch.setattr(planner, "_work", lambda state, planned, lanes: loops.append(planned.step) or real(
+        state, planned, lanes))
+
+    def run(config: EngineConfig, **kwargs):  # type: ignore[no-untyped-def]
+        loops.clear()
+        sink = RecordingSink()
+        engine = build_engine("atlas-tiny", "cpu", config, loaded=tiny, sink=sink, **kwargs)
+        out = [r.token_ids for r in generate(engine, prompts, [params] * len(prompts))]
+        stats = engine.stats()
+        engine.close()
+        return out, stats, [e for _, _, e, _ in sink.rows if e.kind == "step_planned"], list(loops)
+
+    off = run(EngineConfig(**base))
+    spec = run(EngineConfig(**base, num_drafts=2, drafter="scripted", verify_costs=((1, (3.2, 3.4)),)),
+               drafter=ScriptedDrafter(lambda req: [t % 256 for t in req.tokens[-req.k:]]))
+    assert spec[0] == off[0]
+    assert spec[1].spec_verify_steps == 0 and spec[1].spec_steps_by_drafts[1:] == (0, 0)
+    assert spec[2] == off[2]  # the same plans, step for step
+    assert spec[3] == off[3] and len(spec[3]) < len(spec[2]) / 2  # the loop for the prefill steps alone

@@ -83,7 +83,8 @@ def plan_step(state: ControlState, lanes: Lanes) -> StepPlan:
     spec = lanes.spec
     cols = state.batch
     decoded = None
-    if cols is not None and spec is None and planned.seqs == cols.ids:  # a decode of the cached batch: its rows
+    # a decode of the cached batch (speculation off, or a step at which the lane drafts and proposes nothing): its rows
+    if cols is not None and planned.seqs == cols.ids and (spec is None or spec.plain(planned.drafts)):
         decoded = cols.decode_work(SeqWork)
     if decoded is not None:
         work: list[SeqWork] | tuple[SeqWork, ...] = decoded

@@ -89,6 +89,8 @@ class SpeculativeLane:
         # a sequence at 0 drafts still verifies one every PROBE tokens, so its acceptance keeps being observed,
         # where drafting could pay at this batch at all
         self._probing = worth_probing(len(decoding), self.num_drafts, self.costs)
+        if not self._probing:  # no k pays at this batch even if every draft held: 0 whatever a sequence observed
+            return dict.fromkeys(decoding, 0)
         for seq_id in decoding:
             seen = self._seen.get(seq_id)
             rates = smoothed_rates(seen.reached if seen else (), seen.conditional if seen else (), self.num_drafts)
@@ -107,6 +109,8 @@ class SpeculativeLane:
         if self._chosen:
             self.choice = max(self._chosen.values())
             self.choices.update(self._chosen.values())
+            if not self.choice:  # every decoding sequence at 0 drafts (the rest are not decoding): none drafts
+                return out
         for seq_id in state.running:
             seq = state.seqs[seq_id]
             c = seq.cursor
@@ -132,6 +136,15 @@ class SpeculativeLane:
             if drafts:
                 out[seq_id] = drafts
         return out
+
+    def plain(self, planned_drafts: tuple[tuple[int, ...], ...]) -> bool:
+        """Whether this step's work is a plain decode's, as with speculation off: no sequence verifies drafts and none
+        asks the backend's drafter to propose (an engine-side drafter proposes on its own; the backend's only for a
+        sequence chosen drafts or due a probe). Decided after `drafts` this step."""
+        if any(planned_drafts):
+            return False
+        return self.drafter is not None or (self.costs is not None and not self._probing
+                                            and not any(self._chosen.values()))
 
     def proposes(self, seq: Sequence) -> int:
         """How many drafts the backend's drafter proposes after this step's sampled token (0: none)."""

@@ -28,11 +28,8 @@ over its columns, no state of their own).
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable
 from itertools import repeat
-from sys import getrefcount
-from weakref import getweakrefcount
 
 import numpy as np
 
@@ -57,20 +54,6 @@ def _plain_request(seq: Sequence) -> bool:
     return not seq.banned and not p.min_tokens and p.prompt_logprobs is None and not p.reads_history
 
 
-# decode_work's reuse of the last decode's SeqWork objects needs exact reference counts: CPython's (with the GIL: the
-# free-threaded build's counts are split between threads)
-_REUSE = sys.implementation.name == "cpython" and getattr(sys, "_is_gil_enabled", lambda: True)()
-
-
-def _unshared(work: tuple) -> bool:
-    """Nothing but the caller's `self.work` holds `work` or any SeqWork in it (no reference, no weak reference)."""
-    # references to the tuple: self.work, the caller's local, this argument and getrefcount's; to each SeqWork: the
-    # tuple's and getrefcount's argument (map hands it over without keeping one)
-    return getrefcount(work) == _TUPLE_REFS and max(map(getrefcount, work)) == 2 and not any(
-        map(getweakrefcount, work))
-
-
-_TUPLE_REFS = 4
 _NOTHING_AFTER = token_bytes([0, 0, 0])  # a plan's rows after the head when it only feeds: release, reset, restored
 
 
@@ -79,7 +62,8 @@ class BatchColumns(BatchAllocation, BatchAdvance):
 
     __slots__ = ("ids", "objs", "cursors", "qsas", "row", "bs", "computed", "ends", "ntok", "token_hash", "nblocks",
                  "capacity", "fp", "hid", "limit", "low", "blocks_term", "budget_end", "params", "tables",
-                 "first_keys", "keys_at_zero", "plain", "last", "fed", "decode", "work", "aligned", "terms", "plan_head", "next_decode", "ones",
+                 "first_keys", "keys_at_zero", "plain", "last", "fed", "decode", "work", "movable", "aligned", "terms", "plan_head",
+                 "next_decode", "ones",
                  "hi", "short", "ones_fed", "slack", "tables_moved", "token_range", "flat_alloc",
                  "cursor_target", "ntok_list")
 
@@ -125,6 +109,7 @@ class BatchColumns(BatchAllocation, BatchAdvance):
         # (fed counts, plan_hash's key of the head and a tail, the key of a plan with nothing after the head)
         self.plan_head: tuple[tuple[int, ...], Callable[[bytes], int], int] | None = None
         self.work: tuple | None = None  # the SeqWork tuple decode_work built last (outcome knows its rows decode)
+        self.movable = False  # `work` is the engine's to move to a later step (decode_work's `reuse` when built)
         self.tables_moved = True  # a block table changed since decode_work last wrote them into `work`
         # (the tokens tuple outcome checked, its min, its max): advance's bounds of those very tokens
         self.token_range: tuple[tuple[int, ...], int, int] | None = None
@@ -310,21 +295,23 @@ class BatchColumns(BatchAllocation, BatchAdvance):
 
     # ------------------------------------------------------------------------------------------------ plan
 
-    def decode_work(self, seq_work: type) -> tuple | None:
+    def decode_work(self, seq_work: type, reuse: bool = False) -> tuple | None:
         """plan_step's SeqWork of every row for a decode step over these rows (the plan `fits` marked `decode`),
         when no row needs anything per request (bans, min_tokens, prompt logprobs) and the last tokens are known;
         else None (plan_step's loop then builds them from the objects). Positional as plan_step passes them:
         (seq_id, (token,), start, block_table, True, params, (), (), drafter_first_key, 0, None); the one-token
-        tuples from zip(last) (C-level, against a list comprehension's ~20 K instructions at 64 rows)."""
+        tuples from zip(last) (C-level, against a list comprehension's ~20 K instructions at 64 rows).
+
+        `reuse`: the caller owns the plan this work goes into and lends it for its step only (atlas.plan: who owns a
+        plan; the Engine, unless its backend declares `retains_plans`). Then the last decode's tuple, built under
+        the same promise, is moved to this step's tokens, positions and block tables in place and returned again:
+        a SeqWork costs ~3.5 K instructions to build against ~0.3 K to move (~190 K of a batch-64 step). Without
+        it every call builds new objects, and the tuple it returns is never moved later."""
         last = self.last
         if not self.decode or not self.plain or last is None:
             return None
         prev = self.work
-        if prev is not None and type(prev[0]) is seq_work and _REUSE and _unshared(prev):
-            # the last decode's SeqWork tuple, which nothing but these columns holds any more (the plan, the backend
-            # and everyone else let go of it and of each SeqWork in it): moved to this step's tokens, positions and
-            # block tables in place. No one can see the change (what no reference reaches cannot be read), and a
-            # SeqWork costs ~3.5 K instructions to build against ~0.3 K to move (~190 K of a batch-64 step)
+        if reuse and self.movable and prev is not None and type(prev[0]) is seq_work:
             if self.tables_moved:
                 for w, t, start, table in zip(prev, zip(last), self.ends, self.tables, strict=True):
                     w.tokens = t
@@ -343,5 +330,6 @@ class BatchColumns(BatchAllocation, BatchAdvance):
             work = tuple(map(seq_work, self.ids, zip(last), self.ends, self.tables, repeat(True, n), self.params,
                              repeat((), n), repeat((), n), self.first_keys, repeat(0, n), repeat(None, n)))
         self.work = work
+        self.movable = reuse
         self.tables_moved = False
         return work

@@ -3,6 +3,16 @@
 Both are plain values (no tensors), so the control plane can log, diff and replay them, and they live below
 both sides: the engine builds plans, the state machines queue their orders, the backends execute them.
 
+Who owns a plan: the engine, which lends it to the data plane for its own step. A StepPlan and its SeqWork are
+valid from `plan_step` until the step's outcome is folded; after that the engine may move a decode step's SeqWork
+objects to the next step's tokens, positions and block tables in place (BatchColumns.decode_work: a SeqWork costs
+~3.5 K instructions to build against ~0.3 K to move, ~42 against ~10 us at 64 rows). So a backend, and anything
+wrapped around one, keeps no StepPlan or SeqWork past `execute` (the values in them may be kept: tuples, ints and
+SamplingParams are immutable, and a move replaces a field, never changes the value it held). One that must keep
+them declares it: a true `retains_plans` attribute on the object the engine calls (atlas.backends.base.Backend);
+the engine then builds every plan's work afresh and moves none (tests/test_plan_ownership.py). Events carry no plan
+objects (StepPlanned holds the ids and counts as ints), so a sink that keeps events keeps nothing the engine moves.
+
 A backend runs one plan in this order (atlas.backends.orders.run_orders and each backend's execute):
   1. prefix stores (the state of sequences exactly where it is, before anything moves);
   2. the drafter carry (drop, then store);
@@ -40,7 +50,8 @@ class RowVerdict:
 # SeqWork, BackendCursors and SeqOutcome are built once per sequence per step: plain slotted classes rather than
 # frozen ones (a frozen attrs __init__ sets each field through object.__setattr__: 2.9 us for a SeqWork against
 # 0.44 us, 185 us of a batch-64 step). Still values: hashable and compared by field; the one mutation is
-# BatchColumns.decode_work moving its own decode rows to the next step when nothing else holds them.
+# BatchColumns.decode_work moving the engine's own decode rows to the next step once their step is over, unless the
+# backend declares `retains_plans` (the module's note: who owns a plan).
 _VALUE = attrs.define(slots=True, unsafe_hash=True)
 
 

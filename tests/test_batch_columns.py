@@ -52,6 +52,7 @@ def _run(on: bool, *, blocks: int | None = None) -> tuple[list, list, list, Cont
         return execute(plan)
 
     engine.backend.execute = recorded  # type: ignore[method-assign]
+    engine.backend.retains_plans = True  # type: ignore[attr-defined]  # `plans` keeps them (atlas.plan: who owns a plan)
     quiet = engine.book._settle_quiet
     settled: list[int] = []
 

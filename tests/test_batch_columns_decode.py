@@ -7,19 +7,13 @@ without columns."""
 
 from __future__ import annotations
 
-import weakref
-
 import attrs
 import numpy as np
 import pytest
 from fixtures import null_workload
 
-from atlas.config import EngineConfig
 from atlas.engine.records import RecordingSink
 from atlas.errors import InvariantViolation, TransitionRefused
-from atlas.registry import build_engine
-from atlas.sampling.params import SamplingParams
-from atlas.state import batch_columns
 from atlas.state.batch_columns import BatchColumns
 from atlas.state.control import ControlState
 from atlas.state.events import Event, StepPlanned
@@ -105,76 +99,3 @@ def test_short_row_without_its_block_refused_as_without_columns(recorded: tuple[
     assert failure_off is not None and failure_off[1] == i
     assert failure_on == failure_off
     assert digests_on == digests_off
-
-
-# ------------------------------------------------------------------------- decode_work's reuse of unshared SeqWork
-
-
-class _Watching:
-    """Delegates to a backend; notes each plan's work as values (and, with `keep`, holds every plan, strongly or
-    through weak references only)."""
-
-    def __init__(self, inner: object, keep: str | None) -> None:
-        self.inner = inner
-        self.keep = keep
-        self.kept: list[object] = []
-        self.seen: list[tuple] = []
-        self.ids: list[int] = []
-        self.alive = 0  # weakly held SeqWork of earlier plans found alive (and so unchanged) at a later execute
-
-    def __getattr__(self, name: str) -> object:
-        return getattr(self.inner, name)
-
-    def execute(self, plan):  # type: ignore[no-untyped-def]
-        self.seen.append(tuple((w.seq_id, w.tokens, w.start, w.block_table, w.sample) for w in plan.work))
-        self.ids.append(id(plan.work))
-        if self.keep == "strong":
-            self.kept.append((plan, self.seen[-1]))
-        elif self.keep == "weak":  # what is still alive of the earlier plans' work is what they handed over
-            for refs, seen in self.kept:
-                for r, row in zip(refs, seen, strict=True):  # type: ignore[call-overload]
-                    w = r()
-                    if w is not None:
-                        self.alive += 1
-                        assert (w.seq_id, w.tokens, w.start, w.block_table, w.sample) == row
-            self.kept.append(([weakref.ref(w) for w in plan.work], self.seen[-1]))
-        return self.inner.execute(plan)
-
-
-def _decode_run(keep: str | None, reuse: bool, monkeypatch: pytest.MonkeyPatch) -> tuple[_Watching, list, list]:
-    monkeypatch.setattr(batch_columns, "_REUSE", reuse)
-    sink = RecordingSink()
-    config = EngineConfig(max_seq_len=96, max_batch_size=20, prefill_chunk_tokens=200, block_size=8)
-    engine = build_engine("atlas-tiny", backend="null", config=config, sink=sink)
-    watching = _Watching(engine.backend, keep)
-    engine.backend = watching  # type: ignore[assignment]
-    for i in range(18):
-        engine.add_request(f"r{i}", [(i * 5 + k) % 150 + 1 for k in range(6 + i % 5)],
-                           SamplingParams(max_tokens=20 + i % 4, temperature=0.7, seed=i, ignore_eos=True))
-    outputs = []
-    while engine.has_unfinished():
-        outputs += engine.step()
-    engine.close()
-    return watching, [(e, d) for _, _, e, d in sink.rows], outputs
-
-
-def test_unshared_work_is_reused_with_the_same_plans_events_and_outputs(monkeypatch: pytest.MonkeyPatch) -> None:
-    on, events_on, out_on = _decode_run(None, True, monkeypatch)
-    off, events_off, out_off = _decode_run(None, False, monkeypatch)
-    assert on.seen == off.seen and events_on == events_off and out_on == out_off
-    # the decode steps of one batch handed the backend one tuple, moved step by step (ids repeat only with reuse)
-    assert len(on.ids) - len(set(on.ids)) >= 10
-    assert len(off.ids) - len(set(off.ids)) <= 2  # (CPython may give a freed tuple's address to a new one)
-
-
-@pytest.mark.parametrize("keep", ["strong", "weak"])
-def test_work_anyone_holds_is_never_moved(keep: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    held, events, outputs = _decode_run(keep, True, monkeypatch)
-    _, events_off, outputs_off = _decode_run(None, False, monkeypatch)
-    assert events == events_off and outputs == outputs_off
-    if keep == "strong":
-        for kept, seen in held.kept:
-            assert tuple((w.seq_id, w.tokens, w.start, w.block_table, w.sample) for w in kept.work) == seen
-    # weakly held: each is gone once the tuple holding it is replaced (a moved one would be alive and changed)
-    if keep == "strong":
-        assert len(held.ids) == len(set(held.ids))  # every plan is alive, so none was reused

@@ -17,7 +17,7 @@ from atlas.config import Capacities
 from atlas.replay import codec, verify
 from atlas.replay.reader import TraceReader
 from atlas.replay.runs import MIN_RUN, run_end
-from atlas.state import column_runs
+from atlas.state import column_run_cursors, column_runs
 from atlas.state.control import ControlState
 from atlas.state.events import StepExecuted, StepPlanned
 from atlas.state.invariants import audit, check_invariants
@@ -208,7 +208,7 @@ def test_a_run_given_back_moves_nothing(trace: Path) -> None:
 
 
 def test_the_token_hash_rows_are_the_recurrence() -> None:
-    """column_runs.token_hash_rows (the token hashes of a chunk of steps in closed form) against the step-at-a-time
+    """column_run_cursors.token_hash_rows (the token hashes of a chunk of steps in closed form) against the step-at-a-time
     recurrence h' = h * FNV + t + 1 (h' = h when nothing is sampled) over uint64, for chunks of 1 to 65 steps."""
     rng = np.random.default_rng(7)
     for steps in (1, 2, 3, 5, 31, 64, 65):
@@ -222,7 +222,7 @@ def test_the_token_hash_rows_are_the_recurrence() -> None:
                  for x, t, s in zip(h, tokens[k], sampled[k], strict=True)]
             expected.append(h)
         out = np.empty((steps, 9), dtype=np.uint64)
-        column_runs.token_hash_rows(h0, sampled, tokens, out)
+        column_run_cursors.token_hash_rows(h0, sampled, tokens, out)
         assert out.tolist() == expected
 
 
@@ -251,16 +251,16 @@ def _decode_case(rng: np.random.Generator, n: int, m: int, bs: int) -> tuple:
 
 
 def _both(cols, F, T, G, bs):  # type: ignore[no-untyped-def]
-    """_cursors' result the general way and with decode chunks: (final cursors or None, seq_x, delta_p) each."""
+    """run_cursors' result the general way and with decode chunks: (final cursors or None, seq_x, delta_p) each."""
     kk, rr = (x.astype(np.int64) for x in np.nonzero(G))
     got = []
     for decode in (False, True):
-        column_runs.DECODE_CHUNKS = decode
+        column_run_cursors.DECODE_CHUNKS = decode
         try:
             seq_x, delta_p = np.zeros(len(F), dtype=np.uint64), np.zeros(len(F), dtype=np.uint64)
-            final = column_runs._cursors(cols, F, T, G, kk, rr, bs, seq_x, delta_p)
+            final = column_run_cursors.run_cursors(cols, F, T, G, kk, rr, bs, seq_x, delta_p)
         finally:
-            column_runs.DECODE_CHUNKS = True
+            column_run_cursors.DECODE_CHUNKS = True
         got.append((None if final is None else [x.tolist() for x in final], seq_x.tolist(), delta_p.tolist()))
     return got
 
@@ -268,15 +268,15 @@ def _both(cols, F, T, G, bs):  # type: ignore[no-untyped-def]
 @pytest.mark.parametrize("break_", ["none", "pending prompt", "past capacity", "past budget", "block late",
                                     "block early", "no token", "fed 2", "computed ahead"])
 def test_decode_chunks_are_the_general_chunks(break_: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """column_runs._decode_chunk (a chunk of steps every row decodes through: no cumulative sums of the fed and
+    """column_run_cursors._decode_chunk (a chunk of steps every row decodes through: no cumulative sums of the fed and
     sampled counts, no table gathers) gives what the general chunk gives: the same cursors, fingerprint XORs and
     allocation deltas when the run holds, None exactly when the general chunk fails (a row still prefilling, past
     its QSA capacity or its budget, a block given a step late or early, an unsampled token, a fed count of 2, a row
     computed ahead of its tokens), over chunks of 1, 7 and 64 steps, a 100-step run in two chunks."""
     rng = np.random.default_rng(11)
     taken = []
-    real = column_runs._decode_chunk
-    monkeypatch.setattr(column_runs, "_decode_chunk", lambda *a: taken.append(real(*a) is not None) or real(*a))
+    real = column_run_cursors._decode_chunk
+    monkeypatch.setattr(column_run_cursors, "_decode_chunk", lambda *a: taken.append(real(*a) is not None) or real(*a))
     for m, n in ((1, 5), (7, 16), (64, 64), (100, 64)):
         cols, F, T, G = _decode_case(rng, n, m, 4)
         k, r = m // 2, n // 3

@@ -189,3 +189,10 @@ def test_the_checks_see_a_private_import_and_place_each_layer() -> None:
     assert layer_of("atlas.state.machines") < layer_of("atlas.engine.engine") < layer_of("atlas.registry")
     assert layer_of("atlas.replay.store") < layer_of("atlas.registry") < layer_of("atlas.replay.verify")
     assert layer_of("atlas.server.serve") == REGISTRY_USERS
+
+
+def test_no_module_of_the_package_is_over_400_lines() -> None:
+    """No module of the package over 400 lines (issue 43): one past it is split by responsibility."""
+    long = {str(p.relative_to(ROOT)): n for p in (ROOT / "atlas").rglob("*.py")
+            if (n := len(p.read_text().splitlines())) > 400}
+    assert not long, long

@@ -21,7 +21,7 @@ from atlas.errors import InvariantViolation, TransitionRefused
 from atlas.hashing import ints_key
 from atlas.registry import build_engine
 from atlas.sampling.params import SamplingParams
-from atlas.state import batch_columns, steps
+from atlas.state import batch_alloc, batch_columns, steps
 from atlas.state.control import ControlState, sequence_fingerprint
 from atlas.state.events import StepPlanned
 from atlas.state.invariants import check_invariants
@@ -102,7 +102,7 @@ def _uniform_run(fast: bool, columns: bool, monkeypatch, check=None) -> tuple[li
     and plan_hash's column rows all stand aside (their pair test never passes), the general forms run instead."""
     if not fast:
         monkeypatch.setattr(steps, "_PAIR", frozenset())
-        monkeypatch.setattr(batch_columns, "_PAIR", frozenset())
+        monkeypatch.setattr(batch_alloc, "_PAIR", frozenset())
     taken = {"every_row": 0, "reused_without_tables": 0}
     every = batch_columns.BatchColumns._allocate_every_row
 

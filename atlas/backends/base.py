@@ -84,7 +84,15 @@ class Backend(Protocol):
     def execute(self, plan: StepPlan) -> StepResult:
         """Run one plan (atlas.plan's order). A refused order or commit is reported per sequence
         (SeqOutcome.refused / StepResult.refused); anything else that goes wrong raises, and the engine fails the
-        plan's requests (DeviceFault(fatal=True): the engine dies)."""
+        plan's requests (DeviceFault(fatal=True): the engine dies).
+
+        The plan is lent for this call (atlas.plan: who owns a plan): keep no reference to it or to any SeqWork in
+        it once execute returns (the values in them may be kept: the steady CUDA step keeps the last rows' ids,
+        block tables and params). The engine moves a decode's SeqWork objects to the next step in place. A
+        backend, or a wrapper around one, that keeps plans says so with a class or instance attribute
+        `retains_plans = True` (read by the engine every step, default False): its plans' work is then built
+        afresh every step and never moved. tests/test_plan_ownership.py checks the repository's backends keep
+        none."""
         ...
 
     def cursors(self, seq_id: int) -> BackendCursors: ...

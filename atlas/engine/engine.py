@@ -196,7 +196,9 @@ class Engine:
             self._fire_faults(out)
             drive(schedule(self.state, self.lanes), self.journal)
             if self.state.inflight is not None:  # else: nothing to do this step
-                plan = plan_step(self.state, self.lanes)
+                # the plan is the engine's, lent to the backend for this step (atlas.plan: who owns a plan): its
+                # decode work may be moved to the next step unless the backend keeps plans
+                plan = plan_step(self.state, self.lanes, not getattr(self.backend, "retains_plans", False))
                 result = self._execute(plan, out)
                 if result is not None:
                     self._fold(plan, result, out)

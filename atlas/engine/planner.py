@@ -75,8 +75,11 @@ def schedule(state: ControlState, lanes: Lanes) -> Iterator[Event]:
                       tuple(r.seq_id for r in state.orders.rollbacks) if state.orders.rollbacks else ())
 
 
-def plan_step(state: ControlState, lanes: Lanes) -> StepPlan:
-    """The data plane's work for the step in flight (after its StepPlanned was applied)."""
+def plan_step(state: ControlState, lanes: Lanes, reuse: bool = False) -> StepPlan:
+    """The data plane's work for the step in flight (after its StepPlanned was applied). `reuse`: the caller owns
+    the plan and lends it for this step only (atlas.plan: who owns a plan), so a decode's SeqWork may be the last
+    decode's objects moved in place (BatchColumns.decode_work); the Engine passes it unless its backend declares
+    `retains_plans`. Off (the default), every SeqWork is new and none is moved later."""
     planned = state.inflight
     assert planned is not None, "plan_step needs a step in flight"
     seqs = state.seqs
@@ -85,7 +88,7 @@ def plan_step(state: ControlState, lanes: Lanes) -> StepPlan:
     decoded = None
     # a decode of the cached batch (speculation off, or a step at which the lane drafts and proposes nothing): its rows
     if cols is not None and planned.seqs == cols.ids and (spec is None or spec.plain(planned.drafts)):
-        decoded = cols.decode_work(SeqWork)
+        decoded = cols.decode_work(SeqWork, reuse)
     if decoded is not None:
         work: list[SeqWork] | tuple[SeqWork, ...] = decoded
     else:

@@ -19,50 +19,32 @@ the capacities). A batch that could not be gathered is not tried again until the
 those conditions, once false for a live sequence, stays false. Only `apply` moves a sequence (every mutation in the
 package is in a transition); a test that writes a field directly must set `state.batch = None` (or leave
 `state.batch_cache` off, the default of a bare ControlState: only the Engine turns it on).
+
+Here: the columns themselves (gather, a finish's row taken out), StepPlanned's check and digest share, a row's new
+blocks, and plan_step's decode work. StepPlanned's allocation of many rows at once is atlas.state.batch_alloc's
+`BatchAllocation`, StepExecuted's commit atlas.state.batch_advance's `BatchAdvance`: mixins of this class (methods
+over its columns, no state of their own).
 """
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable
 from itertools import repeat
-from operator import itemgetter
-from sys import getrefcount
-from weakref import getweakrefcount
 
 import numpy as np
 
 from atlas.hashing import MASK64, hash64_after, token_bytes
-from atlas.state.columns import (
-    K_BLOCKS,
-    K_COMPUTED_QSA,
-    K_ID,
-    K_LEN,
-    K_RUNNING,
-    common,
-    fingerprint_columns,
-    step_rows,
-)
+from atlas.state.batch_advance import BatchAdvance
+from atlas.state.batch_alloc import BatchAllocation, one_block_each, second_column
+from atlas.state.columns import K_BLOCKS, K_COMPUTED_QSA, K_ID, K_LEN, K_RUNNING, common, count_nonzero
 from atlas.state.events import StepPlanned
-from atlas.state.machines import BlockPool, Sequence
+from atlas.state.machines import Sequence
 
 _U = np.uint64
 _I = np.int64
 _K_RUNNING_INT = int(K_RUNNING)
-_FNV = _U(0x100000001B3)
-_ONE = _U(1)
-_K_TOKEN_STEP = _U((0xC2B2AE3D27D4EB4F + int(K_COMPUTED_QSA)) & MASK64)  # the terms' move for one decoded token
-# the decode step's constants as 0-d arrays (columns.mix64_column's note: ~0.2 us less a ufunc call than a scalar's)
-_A_FNV, _A_ONE, _A_TOKEN_STEP, _A_ONE_I = np.array(_FNV), np.array(_ONE), np.array(_K_TOKEN_STEP), np.array(1, _I)
-_A_K_BLOCKS = np.array(K_BLOCKS)
-_PAIR = frozenset((2,))  # an alloc row (seq_id, block)
-_FIRST, _SECOND = itemgetter(0), itemgetter(1)
+_A_ONE_I = np.array(1, _I)  # 0-d (columns.mix64_column's note: ~0.2 us less a ufunc call than a scalar's)
 _MIN_ROWS = 16  # steps.VECTOR_MIN: below this many rows numpy's per-call cost loses to the objects' walk
-try:  # the C function under np.count_nonzero: ~1.0 K instructions a call against ndarray.all()'s ~8.5 K (numpy 2.4,
-    # 64 rows, callgrind): the bool reductions of a decode step
-    from numpy._core.multiarray import count_nonzero as _nonzero
-except ImportError:  # numpy 1.x
-    _nonzero = np.count_nonzero
 
 
 def _plain_request(seq: Sequence) -> bool:
@@ -72,29 +54,16 @@ def _plain_request(seq: Sequence) -> bool:
     return not seq.banned and not p.min_tokens and p.prompt_logprobs is None and not p.reads_history
 
 
-# decode_work's reuse of the last decode's SeqWork objects needs exact reference counts: CPython's (with the GIL: the
-# free-threaded build's counts are split between threads)
-_REUSE = sys.implementation.name == "cpython" and getattr(sys, "_is_gil_enabled", lambda: True)()
-
-
-def _unshared(work: tuple) -> bool:
-    """Nothing but the caller's `self.work` holds `work` or any SeqWork in it (no reference, no weak reference)."""
-    # references to the tuple: self.work, the caller's local, this argument and getrefcount's; to each SeqWork: the
-    # tuple's and getrefcount's argument (map hands it over without keeping one)
-    return getrefcount(work) == _TUPLE_REFS and max(map(getrefcount, work)) == 2 and not any(
-        map(getweakrefcount, work))
-
-
-_TUPLE_REFS = 4
 _NOTHING_AFTER = token_bytes([0, 0, 0])  # a plan's rows after the head when it only feeds: release, reset, restored
 
 
-class BatchColumns:
+class BatchColumns(BatchAllocation, BatchAdvance):
     """The running queue `ids` (in order) as columns. Every field here equals the objects' after each event."""
 
     __slots__ = ("ids", "objs", "cursors", "qsas", "row", "bs", "computed", "ends", "ntok", "token_hash", "nblocks",
                  "capacity", "fp", "hid", "limit", "low", "blocks_term", "budget_end", "params", "tables",
-                 "first_keys", "keys_at_zero", "plain", "last", "fed", "decode", "work", "aligned", "terms", "plan_head", "next_decode", "ones",
+                 "first_keys", "keys_at_zero", "plain", "last", "fed", "decode", "work", "movable", "aligned", "terms", "plan_head",
+                 "next_decode", "ones",
                  "hi", "short", "ones_fed", "slack", "tables_moved", "token_range", "flat_alloc",
                  "cursor_target", "ntok_list")
 
@@ -133,13 +102,14 @@ class BatchColumns:
         # every row has exactly its last token left to feed (its next step is a decode of one token)
         self.next_decode = bool((self.ntok - self.computed == 1).all())
         self.short: list[int] | None = None  # short_rows' memo (None: not computed since ntok or nblocks moved)
-        self.slack: tuple[int, int, int] | None = None  # _slack's memo (None: not computed since a column moved)
+        self.slack: tuple[int, int, int] | None = None  # slack_bounds' memo (None: not computed since a column moved)
         self.ones_fed: np.ndarray | None = None  # `ones` as an array (a decode plan's fed column)
         self.fed: np.ndarray | None = None  # the in-flight plan's fed counts (StepPlanned)
         self.decode = False  # the in-flight plan feeds every row its one last token (a decode step)
         # (fed counts, plan_hash's key of the head and a tail, the key of a plan with nothing after the head)
         self.plan_head: tuple[tuple[int, ...], Callable[[bytes], int], int] | None = None
         self.work: tuple | None = None  # the SeqWork tuple decode_work built last (outcome knows its rows decode)
+        self.movable = False  # `work` is the engine's to move to a later step (decode_work's `reuse` when built)
         self.tables_moved = True  # a block table changed since decode_work last wrote them into `work`
         # (the tokens tuple outcome checked, its min, its max): advance's bounds of those very tokens
         self.token_range: tuple[tuple[int, ...], int, int] | None = None
@@ -207,7 +177,7 @@ class BatchColumns:
             return head[2]
         alloc = e.alloc
         ids = self.ids
-        if len(alloc) == len(ids) and _PAIR.issuperset(map(len, alloc)) and tuple(map(_FIRST, alloc)) == ids:
+        if one_block_each(alloc, ids):
             # every row, in order, one block each: the rows (2, seq_id, block) as int64 columns (the first two
             # kept per batch), their bytes token_bytes' little-endian int64s
             flat_alloc = self.flat_alloc
@@ -215,7 +185,7 @@ class BatchColumns:
                 flat_alloc = self.flat_alloc = np.empty((len(ids), 3), dtype="<i8")
                 flat_alloc[:, 0] = 2
                 flat_alloc[:, 1] = ids
-            flat_alloc[:, 2] = list(map(_SECOND, alloc))
+            flat_alloc[:, 2] = second_column(alloc)
             alloc_bytes = flat_alloc.tobytes()
             alloc = ()
         else:
@@ -240,7 +210,7 @@ class BatchColumns:
                 short = self.short = (self.ntok > self.nblocks * self.bs).nonzero()[0].tolist()
         return short
 
-    def _slack(self) -> tuple[int, int, int]:
+    def slack_bounds(self) -> tuple[int, int, int]:
         """(min(hi - ntok), min(ntok - low), min(nblocks * bs - ntok)) over the rows: a decode step's bounds (every
         row within `hi` and at or past `low`: both >= 0) and whether any row is short (the third < 0). A decode
         step moves every row's token count by one and nothing else these read, so advance moves the three by
@@ -268,7 +238,7 @@ class BatchColumns:
                 # instead of the loop (64 rows allocate at once when their tokens reach their blocks' end together)
                 every = len(short) == len(ids) == len(new_blocks)  # (then every row has new blocks: its keys are rows)
                 if not ((min(new_blocks.values()) if every else min(map(get, map(ids.__getitem__, short), repeat(0))))
-                        >= 1 and _nonzero(self.ntok <= (self.nblocks + _A_ONE_I) * bs) == len(ids)):
+                        >= 1 and count_nonzero(self.ntok <= (self.nblocks + _A_ONE_I) * bs) == len(ids)):
                     # the counts as Python ints once (a numpy scalar read a row was ~0.5 us)
                     ntok, nblocks = self.ntok.tolist(), self.nblocks.tolist()
                     for r in short:
@@ -311,97 +281,6 @@ class BatchColumns:
         self.tables[r] = tuple(seq.blocks)
         self.tables_moved = True
 
-    def allocate(self, pool: BlockPool, alloc: tuple[tuple[int, ...], ...]) -> tuple[int, list[int]] | None:
-        """StepPlanned's allocation of `alloc`'s rows (seq_id, block, ...), every seq_id a row here and once, as one
-        pass: the blocks taken from the pool (StepPlanned's check proved each free, in range and claimed once), each
-        sequence's blocks extended, the block columns moved, the rows' fingerprints as advance computes them (only
-        their blocks term moved) and `_holds`'s conditions on them: an allocation moves only the block count, under
-        which every condition but `(blocks - 1) * bs < len(tokens)` held before (a sequence's fields move only in a
-        transition, each checked after it) and holds after (computed <= blocks * bs stays true with more blocks).
-        Returns (the digest's change, the ids failing that condition, in alloc order), or None having moved nothing
-        (a seq_id twice or not a row: the per-row path). add_blocks' arithmetic for many rows at once: at batch 64 an
-        allocation step of every row was ~60 K instructions a row on that path."""
-        if len(alloc) == len(self.ids) and _PAIR.issuperset(map(len, alloc)) and tuple(map(_FIRST, alloc)) == self.ids:
-            return self._allocate_every_row(pool, list(map(_SECOND, alloc)))
-        row = self.row
-        rows = [row.get(a[0], -1) for a in alloc]
-        if min(rows) < 0 or len(set(rows)) != len(rows):
-            return None
-        free, refs = pool.free, pool.refs
-        objs = self.objs
-        tables = self.tables
-        taken = 0
-        for r, a in zip(rows, alloc, strict=True):
-            for b in a[1:]:
-                del free[b]
-                refs[b] = 1
-            blocks = objs[r].blocks
-            blocks.extend(a[1:])
-            taken += len(a) - 1
-            tables[r] = tuple(blocks)
-        pool.used += taken
-        self.tables_moved = True
-        idx = np.array(rows, dtype=np.intp)
-        bs = self.bs
-        nb = self.nblocks[idx] + np.array([len(a) - 1 for a in alloc], dtype=_I)
-        self.nblocks[idx] = nb
-        limit = np.minimum(self.capacity[idx], nb * bs)
-        self.limit[idx] = limit
-        low = (nb - 1) * bs
-        self.low[idx] = low
-        term = nb.view(_U) * K_BLOCKS + K_RUNNING
-        self.blocks_term[idx] = term
-        ntok = self.ntok[idx]
-        terms = ntok.view(_U) * K_LEN + self.computed[idx].view(_U) * K_COMPUTED_QSA + term
-        self.terms[idx] = terms
-        self.hi[idx] = np.minimum(limit, self.budget_end[idx] - 1)
-        self.short = None
-        self.slack = None
-        h = fingerprint_columns(self.token_hash[idx] ^ self.hid[idx], terms)  # advance's fingerprint arithmetic for these rows
-        change = int(np.bitwise_xor.reduce(self.fp[idx] ^ h))
-        self.fp[idx] = h
-        for r, fp in zip(rows, h.tolist(), strict=True):
-            objs[r].fingerprint = fp
-        ok = ntok > low
-        suspects = [] if _nonzero(ok) == len(rows) else [alloc[i][0] for i in np.flatnonzero(~ok).tolist()]
-        return change, suspects
-
-    def _allocate_every_row(self, pool: BlockPool, new: list[int]) -> tuple[int, list[int]]:
-        """allocate's pass when every row, in row order, takes one block (`new`, by row): what the batch's decode
-        allocation is when the rows' tokens reach the end of their blocks together (one prompt length). The same
-        moves on whole columns instead of gathered and scattered rows: one more block a row moves the block count by
-        1, `low` by bs, the blocks term and the fingerprint terms by K_BLOCKS (mod 2**64), and `limit` and `hi` are
-        computed again."""
-        free, refs = pool.free, pool.refs
-        tables = []
-        add = tables.append
-        for seq, b in zip(self.objs, new, strict=True):
-            del free[b]
-            refs[b] = 1
-            blocks = seq.blocks
-            blocks.append(b)
-            add(tuple(blocks))
-        self.tables = tables
-        self.tables_moved = True
-        pool.used += len(new)
-        bs = self.bs
-        nb = self.nblocks = self.nblocks + _A_ONE_I
-        limit = self.limit = np.minimum(self.capacity, nb * bs)
-        low = self.low = self.low + bs
-        self.blocks_term = self.blocks_term + _A_K_BLOCKS
-        terms = self.terms = self.terms + _A_K_BLOCKS
-        self.hi = np.minimum(limit, self.budget_end - _A_ONE_I)
-        self.short = None
-        self.slack = None
-        h = fingerprint_columns(self.token_hash ^ self.hid, terms)
-        change = int(np.bitwise_xor.reduce(self.fp ^ h))
-        self.fp = h
-        for seq, fp in zip(self.objs, h.tolist(), strict=True):
-            seq.fingerprint = fp
-        ok = self.ntok > low
-        suspects = [] if _nonzero(ok) == len(new) else [self.ids[i] for i in np.flatnonzero(~ok).tolist()]
-        return change, suspects
-
     def ntok_values(self) -> list[int]:
         """`ntok.tolist()`, once per ntok array: a decode's outcome walk takes it as each row's computed count after the
         step, and `advance` of that decode as its `ends` (the same numbers: end == ntok), one list for both."""
@@ -414,100 +293,25 @@ class BatchColumns:
 
     # ----------------------------------------------------------------------------------------- StepExecuted
 
-    def advance(self, tokens: tuple[int, ...]) -> int | None:
-        """StepExecuted of the plan `fits` accepted: Sequence.check_advance's conditions for every row and `_holds`'s
-        on the state the commit leaves as one expression, then the commit written through to the objects and the
-        columns, and the fingerprints. Returns the XOR of old and new fingerprints (the digest's change), or None
-        having moved nothing when any condition fails (the scalar path then refuses, or commits and names its
-        suspects, exactly as without columns). The fed counts >= 1 were checked by StepPlanned; running,
-        qsa.ingested == computed and no snapshots or drafter rows hold for every row by construction."""
-        fed = self.fed
-        assert fed is not None
-        if not tokens:
-            return None
-        known = self.token_range
-        if known is not None and known[0] is tokens:  # outcome's min and max of these very tokens
-            lo, top = known[1], known[2]
-        else:
-            lo, top = min(tokens), max(tokens)
-        if lo < -(1 << 63) or top >= 1 << 63:
-            return None
-        tok = np.fromiter(tokens, _I, len(tokens))  # np.array's values (ints within int64, tested above), ~0.2 us less
-        n = self.ntok
-        th = self.token_hash
-        slack = None
-        if self.decode and lo >= 0:  # every row fed its last token (end == n) and sampled one
-            # the conditions below with end == n and every token sampled: KV and QSA keys within the blocks and the
-            # index, the new token within the budget, no block past the tokens: n <= hi and n >= low on every row,
-            # i.e. both minima of _slack >= 0 (kept across decode steps: no numpy call for them)
-            slack = self.slack or self._slack()
-            if slack[0] < 0 or slack[1] < 0:
-                return None
-            end = n
-            ends = self.ntok_values()  # the token counts before it: the list the outcome's walk took (one tolist)
-            n2 = n + _A_ONE_I
-            some_unsampled = False
-            th = th * _A_FNV
-            th += tok.view(_U)
-            th += _A_ONE
-            terms = self.terms + _A_TOKEN_STEP  # one more token and one more computed: the terms move by a constant
-            slack = (slack[0] - 1, slack[1] + 1, slack[2] - 1)  # every row's token count one more
-        else:
-            end = self.computed + fed
-            moved = step_rows(n, end, tok, self.limit, self.budget_end, self.low, th, self.blocks_term)
-            if moved is None:
-                return None
-            n2, th, terms, some_unsampled = moved
-            ends = end.tolist()
-        h = fingerprint_columns(th ^ self.hid, terms)
-        change = int(np.bitwise_xor.reduce(self.fp ^ h))
-        hashes, fps = th.tolist(), h.tolist()
-        if some_unsampled:
-            for c, q, seq, x, t, th_, fp in zip(self.cursors, self.qsas, self.objs, ends, tokens, hashes, fps,
-                                                strict=True):
-                c.computed = x
-                q.ingested = x
-                if t >= 0:
-                    c.tokens.append(t)
-                    c.token_hash = th_
-                seq.fingerprint = fp
-            self.last = None
-        else:  # (strict=False, ~0.4 us less at 64: StepExecuted checked one token per planned row and the plan's rows are
-            # these; the row lists and the columns always have the rows' length)
-            for c, q, seq, x, t, th_, fp in zip(self.cursors, self.qsas, self.objs, ends, tokens, hashes, fps,
-                                                strict=False):
-                c.computed = x
-                q.ingested = x
-                c.tokens.append(t)
-                c.token_hash = th_
-                seq.fingerprint = fp
-            self.last = list(tokens)
-        self.next_decode = not some_unsampled  # each sampled: end == n, so one token (the new one) is left to feed
-        self.ends, self.computed, self.ntok, self.token_hash, self.fp, self.terms = ends, end, n2, th, h, terms
-        self.short = None
-        self.slack = slack
-        self.fed = None
-        self.decode = False
-        self.token_range = None
-        return change
-
     # ------------------------------------------------------------------------------------------------ plan
 
-    def decode_work(self, seq_work: type) -> tuple | None:
+    def decode_work(self, seq_work: type, reuse: bool = False) -> tuple | None:
         """plan_step's SeqWork of every row for a decode step over these rows (the plan `fits` marked `decode`),
         when no row needs anything per request (bans, min_tokens, prompt logprobs) and the last tokens are known;
         else None (plan_step's loop then builds them from the objects). Positional as plan_step passes them:
         (seq_id, (token,), start, block_table, True, params, (), (), drafter_first_key, 0, None); the one-token
-        tuples from zip(last) (C-level, against a list comprehension's ~20 K instructions at 64 rows)."""
+        tuples from zip(last) (C-level, against a list comprehension's ~20 K instructions at 64 rows).
+
+        `reuse`: the caller owns the plan this work goes into and lends it for its step only (atlas.plan: who owns a
+        plan; the Engine, unless its backend declares `retains_plans`). Then the last decode's tuple, built under
+        the same promise, is moved to this step's tokens, positions and block tables in place and returned again:
+        a SeqWork costs ~3.5 K instructions to build against ~0.3 K to move (~190 K of a batch-64 step). Without
+        it every call builds new objects, and the tuple it returns is never moved later."""
         last = self.last
         if not self.decode or not self.plain or last is None:
             return None
         prev = self.work
-        if prev is not None and type(prev[0]) is seq_work and _REUSE and _unshared(prev):
-            # the last decode's SeqWork tuple, which nothing but these columns holds any more (the plan, the backend
-            # and everyone else let go of it and of each SeqWork in it): moved to this step's tokens, positions and
-            # block tables in place. No one can see the change (what no reference reaches cannot be read), and a
-            # SeqWork costs ~3.5 K instructions to build against ~0.3 K to move (~190 K of a batch-64 step)
+        if reuse and self.movable and prev is not None and type(prev[0]) is seq_work:
             if self.tables_moved:
                 for w, t, start, table in zip(prev, zip(last), self.ends, self.tables, strict=True):
                     w.tokens = t
@@ -526,5 +330,6 @@ class BatchColumns:
             work = tuple(map(seq_work, self.ids, zip(last), self.ends, self.tables, repeat(True, n), self.params,
                              repeat((), n), repeat((), n), self.first_keys, repeat(0, n), repeat(None, n)))
         self.work = work
+        self.movable = reuse
         self.tables_moved = False
         return work

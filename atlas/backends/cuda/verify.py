@@ -3,9 +3,10 @@
 The verifies of a step are grouped by width K (one [B, K] group per width). Their KV and QSA rows are written
 pending (stamped -(position + 2): not counted) and the per-slot state after each row is kept in the pools'
 `inter` (index 0: before the verify), so nothing the sequence holds moves until the commit:
-- "wide" (bf16): one forward of [B, K] tokens; the causal conv keeps its window after each column, the GDN
-  recurrence (torch loop, or the Triton kernel with store_states and commit=False) its state after each token,
-  the PLE conv and n-gram context likewise; QSA selection runs per row (each row's own visible blocks).
+- "wide" (bf16): one forward of [B, K] tokens, through the regions (a hyper-connection model's, compiled as its
+  decode groups are: atlas.backends.cuda.regions) or the layer stack; the causal conv keeps its window after each
+  column, the GDN recurrence (torch loop, or the Triton kernel with store_states and commit=False) its state after
+  each token, the PLE conv and n-gram context likewise; QSA selection runs per row (each row's own visible blocks).
 - "rows" (fp32 parity): K one-token groups, the shapes of a decode, each copied into inter[t + 1] after it runs,
   then the live state put back from inter[0]: a verify that accepts n is bitwise n + 1 decodes.
 The verdicts come from the shared batched functions (atlas.sampling.verdicts.verify) on the device; accept,
@@ -44,7 +45,7 @@ def run_verifies(backend: Any, verifies: Sequence[SeqWork], *, commit: bool = Tr
         by_width.setdefault(len(w.tokens) + len(w.drafts), []).append(w)
     out: dict[int, VerifyRun] = {}
     for width, members in sorted(by_width.items()):
-        logits, hidden = _feed(backend, members, width)
+        logits, hidden = feed_verify(backend, members, width)
         for b, w in enumerate(members):  # the target's hidden per row: the drafter's pair keys on commit
             backend.store.record_verify(w.seq_id, hidden[b])
         runs = _judge(backend, members, logits)
@@ -54,7 +55,7 @@ def run_verifies(backend: Any, verifies: Sequence[SeqWork], *, commit: bool = Tr
     return out
 
 
-def _feed(backend: Any, members: list[SeqWork], width: int) -> tuple[torch.Tensor, torch.Tensor]:
+def feed_verify(backend: Any, members: list[SeqWork], width: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Run the rows, leaving every sequence's live state as it was: (logits [B, K, V], hidden [B, K, H])."""
     store, pools, dev = backend.store, backend.pools, backend.device
     rows = []

@@ -23,6 +23,8 @@ from atlas.plan import SeqWork, StepPlan
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # one prompt past atlas-tiny's QSA inert bound (19 keys: the per-row selection), one short, one in between
 PROMPTS = [list(b"The quick brown fox jumps over the lazy dog. " * 2)[:70], list(b"hello"), list(b"0123456789abcdefghij")]
+# below the inert bound through the verify's rows: dense verify groups, where the paged kernel applies
+SHORT = [list(b"hello"), list(b"0123456789"), list(b"ab")]
 TABLES = [tuple(range(8 * i, 8 * i + 8)) for i in range(3)]
 LAYERS = EAGER
 REGIONS = attrs.evolve(EAGER, regions=True)
@@ -45,7 +47,8 @@ def _pools(backend: CudaBackend) -> dict[str, torch.Tensor]:
     return {k: v.clone() for k, v in state.items()}
 
 
-def _verify(tiny, tuning: Tuning, dtype: torch.dtype, gdn: bool = False) -> dict:  # type: ignore[no-untyped-def]
+def _verify(tiny, tuning: Tuning, dtype: torch.dtype, gdn: bool = False,  # type: ignore[no-untyped-def]
+            prompts: list[list[int]] = PROMPTS) -> dict:
     """Prefill the prompts through the layer stack, then each verify group fed with `tuning` (logits, hidden, the
     kept states, the pools after it), then every verify committed at KEPT_ROWS (the pools after the commits). The
     prefill is the same in both: a bf16 prefill chunk through the regions rounds a few values otherwise than the
@@ -57,9 +60,9 @@ def _verify(tiny, tuning: Tuning, dtype: torch.dtype, gdn: bool = False) -> dict
 
         backend.gdn_kernel = triton_gdn()
     first = backend.execute(StepPlan(0, tuple(SeqWork(i, tuple(p), 0, TABLES[i], True)
-                                              for i, p in enumerate(PROMPTS)))).outcomes
+                                              for i, p in enumerate(prompts)))).outcomes
     backend.tuning = tuning
-    work = [SeqWork(i, (first[i].token,), len(p), TABLES[i], True, drafts=DRAFTS[i]) for i, p in enumerate(PROMPTS)]
+    work = [SeqWork(i, (first[i].token,), len(p), TABLES[i], True, drafts=DRAFTS[i]) for i, p in enumerate(prompts)]
     for w in work:
         backend._check_verify(w)
     out: dict = {}
@@ -163,3 +166,33 @@ def test_a_wide_verify_traces_whole_through_the_compiled_regions(tiny, monkeypat
     assert {"group_columns", "prologue", "ple_block", "gdn_head", "gdn_tail", "attn_head", "attn_tail",
             "final_mix"} <= set(traced), traced
     assert compiles["group_columns"] >= 1 and compiles["prologue"] >= 1, compiles
+
+
+def test_a_dense_wide_verify_takes_the_paged_kernel(tiny, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+    """attention_kernels: a wide verify below the QSA inert bound reads the paged KV in place through the split-K
+    kernel (each row causal within the verify's rows), interpreted on a CPU: the materialised scores' logits to
+    fp32 rounding, the same keys and states written, and the regions' bits the layer stack's."""
+    from atlas.backends.cuda import attention
+
+    calls = []
+    real = attention.attn_paged
+
+    def spy(q, k_pool, v_pool, grp):  # type: ignore[no-untyped-def]
+        calls.append((grp.shape.width, grp.shape.keep, grp.shape.qsa_select))
+        return real(q, k_pool, v_pool, grp)
+
+    monkeypatch.setattr(attention, "attn_paged", spy)
+    monkeypatch.setattr(regions, "attn_paged", spy)
+    want = _verify(tiny, REGIONS, torch.float32, prompts=SHORT)
+    assert calls == []
+    got = _verify(tiny, attrs.evolve(REGIONS, attention_kernels=True), torch.float32, prompts=SHORT)
+    assert set(calls) == {(4, True, False), (2, True, False)}
+    for name in ("wide.logits", "narrow.logits"):
+        assert float((want[name] - got[name]).norm() / want[name].norm()) < 1e-5, name
+        assert not torch.equal(want[name], got[name]) or DEVICE == "cuda"  # a different summation: the kernel ran
+    for name, w in want.items():  # the keys, stamps and kept states the verify wrote
+        if ".fed.keys." in name or ".fed.paged_pos" in name or ".kept_stamps." in name:
+            assert torch.equal(w, got[name]), name
+    layers = _verify(tiny, attrs.evolve(LAYERS, attention_kernels=True), torch.float32, prompts=SHORT)
+    for name, w in layers.items():
+        assert torch.equal(w, got[name]), name

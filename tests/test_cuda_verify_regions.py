@@ -196,3 +196,103 @@ def test_a_dense_wide_verify_takes_the_paged_kernel(tiny, monkeypatch: pytest.Mo
     layers = _verify(tiny, attrs.evolve(LAYERS, attention_kernels=True), torch.float32, prompts=SHORT)
     for name, w in layers.items():
         assert torch.equal(w, got[name]), name
+
+
+def test_wide_verify_shapes_take_the_graphs_buckets(tiny) -> None:  # type: ignore[no-untyped-def]
+    """A wide verify's shape (verify.wide_shape) is what its CUDA graph is keyed by: the batch and the key blocks
+    each padded to a power of two (key blocks at least 4) where there are verify graphs, the width and the QSA
+    selection as they are; batch invariant, the one shape of every step; without graphs, the group's own."""
+    from atlas.backends.cuda.verify import wide_shape
+
+    backend = CudaBackend(tiny, num_kv_blocks=32, block_size=16, dtype=torch.float32, device=DEVICE, max_batch_size=6,
+                          kernels=False, cuda_graphs=False, verify_width=4, verify_mode="wide", max_blocks_per_seq=8)
+    plain = wide_shape(backend, 3, 3, 40)
+    assert (plain.batch, plain.width, plain.key_blocks, plain.pending, plain.keep) == (3, 3, 3, True, True)
+    assert plain.qsa_select and not wide_shape(backend, 3, 3, 19).qsa_select  # past atlas-tiny's inert bound (19)
+    backend.verify_graphs = object()  # graphs (only their presence is read)
+    bucketed = {(n, end): wide_shape(backend, n, 3, end) for n in (1, 2, 3, 4, 5) for end in (10, 40, 64, 65, 100)}
+    assert {(s.batch, s.key_blocks) for s in bucketed.values()} == {(b, kb) for b in (1, 2, 4, 8) for kb in (4, 8)}
+    assert bucketed[3, 40] == bucketed[4, 64]  # one graph serves both
+    assert bucketed[3, 40].width == 3 and bucketed[3, 40].qsa_select and not bucketed[3, 10].qsa_select
+    assert wide_shape(backend, 3, 2, 40) != bucketed[3, 40]  # a graph a width
+    assert all(s.columns == 3 + 3 + s.key_blocks for s in bucketed.values())  # n-gram ids on the device
+    backend.batch_invariant = True
+    assert {(s.batch, s.key_blocks) for s in (wide_shape(backend, n, 3, 40) for n in (1, 3, 6))} == {(8, 8)}
+
+
+class EagerVerifyGraphs:
+    """Stands in for the wide verify's DecodeGraphs on a CPU: the same padded, bucketed [B, K] groups (scratch rows,
+    scratch slots) run eagerly, and pools.kept cleared after each as a replay (which runs no Python) leaves it."""
+
+    def __init__(self, backend: CudaBackend) -> None:
+        self.backend, self.shapes = backend, set()
+
+    def replay(self, shape, packed, padding):  # type: ignore[no-untyped-def]
+        self.shapes.add(shape)
+        logits = self.backend._verify_logits(packed.to(self.backend.device), shape)
+        self.backend.pools.kept.clear()
+        return logits, logits.argmax(-1)
+
+
+def test_padded_wide_verifies_through_the_regions_give_speculation_offs_tokens(tiny) -> None:  # type: ignore[no-untyped-def]
+    """The verify graphs' padded groups (scratch rows writing scratch slots and the scratch block) through the
+    regions: speculation off's tokens in fp32, the commit selecting each row's kept state from the graph's tensors."""
+    from atlas.config import EngineConfig
+    from atlas.engine.offline import generate
+    from atlas.engine.records import RecordingSink
+    from atlas.registry import build_engine
+    from atlas.sampling.params import SamplingParams
+
+    params = [SamplingParams(max_tokens=16, ignore_eos=True)] * len(PROMPTS)
+    runs = {}
+    for name, drafts in (("off", 0), ("padded", 3)):
+        config = EngineConfig(max_seq_len=128, max_batch_size=3, prefill_chunk_tokens=32, num_drafts=drafts,
+                              drafter="mtp")
+        engine = build_engine("atlas-tiny", "cuda-fp32", config, loaded=tiny, sink=RecordingSink(), full_audit=True,
+                              backend_options={"device": DEVICE, "cuda_graphs": False, "tuning": REGIONS,
+                                               "verify_mode": "wide"})
+        if drafts:
+            fake = engine.backend.verify_graphs = EagerVerifyGraphs(engine.backend)  # type: ignore[attr-defined]
+        runs[name] = [r.token_ids for r in generate(engine, PROMPTS, params)]
+        engine.close()
+    assert runs["padded"] == runs["off"]
+    assert fake.shapes and all(s.keep and s.batch in (1, 2, 4) and s.key_blocks >= 4 for s in fake.shapes)
+    assert any(s.batch > 1 for s in fake.shapes)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+@pytest.mark.parametrize("tuning", ["default", "eager"])
+def test_a_replayed_verify_graph_equals_its_eager_run_bit_for_bit(tiny, tuning: str) -> None:  # type: ignore[no-untyped-def]
+    """bf16 with graphs: a wide verify group's CUDA graph (captured over the compiled regions by default, the layer
+    stack with the eager tuning) replays the eager run of the same padded shape bit for bit: every real row's
+    logits, hidden and kept states; and its commits select the same state."""
+    from atlas.backends.cuda.tuning import TUNINGS
+    from atlas.backends.cuda.verify import wide_group
+
+    backend = CudaBackend(tiny, num_kv_blocks=64, block_size=16, max_batch_size=4, verify_width=4,
+                          tuning=TUNINGS[tuning])
+    assert backend.verify_mode == "wide" and backend.verify_graphs is not None
+    first = backend.execute(StepPlan(0, tuple(SeqWork(i, tuple(p), 0, TABLES[i], True)
+                                              for i, p in enumerate(PROMPTS)))).outcomes
+    work = [SeqWork(i, (first[i].token,), len(p), TABLES[i], True, drafts=DRAFTS[0]) for i, p in enumerate(PROMPTS)]
+    for w in work:
+        backend._check_verify(w)
+    n = len(work)
+    shape, packed = wide_group(backend, work, 4)
+    assert shape.batch == 4 and shape.keep
+    want_logits = backend._verify_logits(packed.to(backend.device), shape)[:n].clone()
+    want_hidden = backend._hidden_out[shape][:n].clone()
+    want_kept = {k: per_token[:, :n].clone() for k, (per_token, _, _) in backend.pools.kept.items()}
+    for _ in range(2):  # the capture, then a replay
+        logits, hidden = feed_verify(backend, work, 4)
+        assert len(backend.verify_graphs) == 1
+        assert torch.equal(logits, want_logits) and torch.equal(hidden, want_hidden)
+        assert want_kept.keys() == backend.pools.kept.keys()
+        for k, (per_token, _, _) in backend.pools.kept.items():
+            assert torch.equal(per_token[:, :n], want_kept[k]), k
+    backend.store.commit_many([(w.seq_id, 2) for w in work])
+    for k, per_token in want_kept.items():
+        slots = torch.tensor([backend.store.seqs[w.seq_id].slot for w in work], device=backend.device)
+        assert torch.equal(backend.pools.state[k][slots], per_token[1].to(backend.pools.state[k].dtype)), k
+    backend.close()

@@ -22,7 +22,7 @@ from typing import Any
 import attrs
 import torch
 
-from atlas.backends.cuda.batch import pack_rows
+from atlas.backends.cuda.batch import GroupShape, Row, pack_rows
 from atlas.backends.cuda.graphs import bucket
 from atlas.errors import VerifyRefused
 from atlas.plan import RowVerdict, SeqWork
@@ -55,28 +55,49 @@ def run_verifies(backend: Any, verifies: Sequence[SeqWork], *, commit: bool = Tr
     return out
 
 
-def feed_verify(backend: Any, members: list[SeqWork], width: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Run the rows, leaving every sequence's live state as it was: (logits [B, K, V], hidden [B, K, H])."""
-    store, pools, dev = backend.store, backend.pools, backend.device
+def wide_shape(backend: Any, batch: int, width: int, end: int) -> GroupShape:
+    """The shape of a wide verify group of `batch` sequences of `width` rows, its furthest row at end - 1: pending
+    and keep; with verify graphs padded to their buckets (the batch and the key blocks each to a power of two, the
+    key blocks at least 4: one graph per batch bucket, width, key-block bucket and QSA), or batch invariant to the
+    one shape of every step (the largest batch bucket, every key block)."""
+    shape = attrs.evolve(backend._shape(batch, width, end), pending=True, keep=True)
+    if backend.batch_invariant:
+        return attrs.evolve(shape, batch=bucket(backend.max_batch_size), key_blocks=backend.max_blocks_per_seq)
+    if backend.verify_graphs is not None:
+        return attrs.evolve(shape, batch=bucket(batch), key_blocks=bucket(shape.key_blocks, 4))
+    return shape
+
+
+def _verify_rows(backend: Any, members: list[SeqWork]) -> list[Row]:
+    """Each verify's packed row (its tokens then its drafts), the sequence's verify marked pending."""
     rows = []
     for w in members:
-        s = store.seqs[w.seq_id]
+        s = backend.store.seqs[w.seq_id]
         tokens = tuple(w.tokens) + tuple(w.drafts)
         s.table, s.pending = tuple(w.block_table), (w.start, tokens)
         # a wide verify's n-gram ids come from the device (the slots' context and the rows' tokens, like any group);
         # the row-by-row verify packs the host's, each row's own
         ngram = [] if backend.verify_mode == "wide" else backend._ngram_rows(s, tokens)
         rows.append((list(tokens), w.start, s.slot, list(w.block_table), ngram))
+    return rows
+
+
+def wide_group(backend: Any, members: list[SeqWork], width: int) -> tuple[GroupShape, torch.Tensor]:
+    """A wide verify group's shape (wide_shape) and packed host buffer, each sequence's verify marked pending."""
+    pools = backend.pools
+    shape = wide_shape(backend, len(members), width, max(w.start + width for w in members))
+    rows = _verify_rows(backend, members)
+    return shape, pack_rows(shape, rows, pools.scratch_slots, pools.scratch_block, backend.block_size)
+
+
+def feed_verify(backend: Any, members: list[SeqWork], width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run the rows, leaving every sequence's live state as it was: (logits [B, K, V], hidden [B, K, H])."""
+    pools, dev = backend.pools, backend.device
     n = len(members)
     head = backend.weights["lm_head.weight"]
     pools.kept.clear()
     if backend.verify_mode == "wide":
-        shape = attrs.evolve(backend._shape(n, width, max(w.start + width for w in members)), pending=True, keep=True)
-        if backend.batch_invariant:
-            shape = attrs.evolve(shape, batch=bucket(backend.max_batch_size), key_blocks=backend.max_blocks_per_seq)
-        elif backend.verify_graphs is not None:
-            shape = attrs.evolve(shape, batch=bucket(n), key_blocks=bucket(shape.key_blocks, 4))
-        packed = pack_rows(shape, rows, pools.scratch_slots, pools.scratch_block, backend.block_size)
+        shape, packed = wide_group(backend, members, width)
         if backend.verify_graphs is not None:  # replayed: a graph per (batch bucket, width, key blocks, QSA)
             host = packed.pin_memory() if dev.type == "cuda" else packed
             logits, _ = backend.verify_graphs.replay(shape, host, backend._padding)
@@ -84,6 +105,7 @@ def feed_verify(backend: Any, members: list[SeqWork], width: int) -> tuple[torch
             return logits[:n], backend._hidden_out[shape][:n].clone()
         hidden = backend._run_group(packed.to(dev), shape)[:n]
         return hidden @ head.T, hidden
+    rows = _verify_rows(backend, members)
     slots = torch.tensor([r[2] for r in rows], device=dev)
     pools.inter_save(slots, 0)
     logits, hiddens = [], []

@@ -107,6 +107,9 @@ class DevicePools:
         self.inter_stamps = torch.zeros(0, device=device)
         # a wide verify's per-token state: name -> (state after each row [T, B, ...], stamps [T, B], slots [B])
         self.kept: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        # the positions tensor of the group whose kept stamps (its rows' positions + 1, [T, B] int32) put last built
+        self._kept_at: torch.Tensor | None = None
+        self._kept_stamps = torch.zeros(0, dtype=torch.int32, device=device)
         if verify_width > 1 and inter:
             self.inter = {n: torch.zeros(verify_width + 1, *t.shape, dtype=t.dtype, device=device)
                           for n, t in self.state.items()}
@@ -198,7 +201,9 @@ class DevicePools:
         token (`final` [B, ...], stamp `ends` [B] int32, the group's), or with `keep` (a wide verify) the state
         after each token (`per_token` [T, B, ...]) into inter[1..T], the live state untouched."""
         if keep:  # kept by reference until the commit reads it (a graph's static tensor lives until its next replay)
-            self.kept[name] = (per_token, (positions + 1).T.to(torch.int32), slots)  # type: ignore[assignment]
+            if self._kept_at is not positions:  # the rows' stamps once a group, not two launches at each state's put
+                self._kept_at, self._kept_stamps = positions, (positions + 1).T.to(torch.int32)
+            self.kept[name] = (per_token, self._kept_stamps, slots)  # type: ignore[assignment]
         else:
             assert final is not None
             store_final(self.state[name], slots, final)

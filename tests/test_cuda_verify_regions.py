@@ -5,6 +5,7 @@ each commit selects by index), fp32 and bf16; and speculation through the engine
 
 from __future__ import annotations
 
+import functools
 import os
 
 import attrs
@@ -220,6 +221,31 @@ def test_wide_verify_shapes_take_the_graphs_buckets(tiny) -> None:  # type: igno
     assert {(s.batch, s.key_blocks) for s in (wide_shape(backend, n, 3, 40) for n in (1, 3, 6))} == {(8, 8)}
 
 
+def test_commit_graph_inputs_pad_with_scratch_slots_keeping_their_first_row() -> None:
+    from atlas.backends.cuda.graphs import commit_inputs
+
+    assert commit_inputs(4, [2, 0], [3, 1], (8, 9, 10, 11)).tolist() == [[2, 0, 8, 9], [3, 1, 1, 1]]
+    assert commit_inputs(2, [1, 3], [2, 2], (8, 9)).tolist() == [[1, 3], [2, 2]]
+    with pytest.raises(ValueError, match="3 commits"):
+        commit_inputs(2, [0, 1, 2], [1, 1, 1], (8, 9))
+
+
+class EagerCommitGraphs:
+    """Stands in for the verify's CommitGraphs on a CPU: the same padded [2, batch] input (scratch slots keeping their
+    first row), selected eagerly from the kept tensors the replay stand-in put back."""
+
+    def __init__(self, backend: CudaBackend) -> None:
+        self.backend, self.shapes = backend, []
+
+    def load(self, shape, slots, rows):  # type: ignore[no-untyped-def]
+        from atlas.backends.cuda.graphs import commit_inputs
+
+        pools = self.backend.pools
+        self.shapes.append(shape)
+        host = commit_inputs(shape.batch, slots, rows, pools.scratch_slots).to(self.backend.device)
+        pools.inter_load(host[0], host[1])
+
+
 class EagerVerifyGraphs:
     """Stands in for the wide verify's DecodeGraphs on a CPU: the same padded, bucketed [B, K] groups (scratch rows,
     scratch slots) run eagerly, and pools.kept cleared after each as a replay (which runs no Python) leaves it."""
@@ -236,7 +262,8 @@ class EagerVerifyGraphs:
 
 def test_padded_wide_verifies_through_the_regions_give_speculation_offs_tokens(tiny) -> None:  # type: ignore[no-untyped-def]
     """The verify graphs' padded groups (scratch rows writing scratch slots and the scratch block) through the
-    regions: speculation off's tokens in fp32, the commit selecting each row's kept state from the graph's tensors."""
+    regions, and their commits' padded inputs: speculation off's tokens in fp32 (each commit's state checked against
+    its verified row's digest: full audit), the commit selecting each row's kept state from the graph's tensors."""
     from atlas.config import EngineConfig
     from atlas.engine.offline import generate
     from atlas.engine.records import RecordingSink
@@ -253,11 +280,13 @@ def test_padded_wide_verifies_through_the_regions_give_speculation_offs_tokens(t
                                                "verify_mode": "wide"})
         if drafts:
             fake = engine.backend.verify_graphs = EagerVerifyGraphs(engine.backend)  # type: ignore[attr-defined]
+            commits = engine.backend.commit_graphs = EagerCommitGraphs(engine.backend)  # type: ignore[attr-defined]
         runs[name] = [r.token_ids for r in generate(engine, PROMPTS, params)]
         engine.close()
     assert runs["padded"] == runs["off"]
     assert fake.shapes and all(s.keep and s.batch in (1, 2, 4) and s.key_blocks >= 4 for s in fake.shapes)
     assert any(s.batch > 1 for s in fake.shapes)
+    assert commits.shapes and set(commits.shapes) <= fake.shapes  # every commit through its verify shape's "graph"
 
 
 @pytest.mark.cuda
@@ -291,8 +320,12 @@ def test_a_replayed_verify_graph_equals_its_eager_run_bit_for_bit(tiny, tuning: 
         assert want_kept.keys() == backend.pools.kept.keys()
         for k, (per_token, _, _) in backend.pools.kept.items():
             assert torch.equal(per_token[:, :n], want_kept[k]), k
-    backend.store.commit_many([(w.seq_id, 2) for w in work])
+    # the commit through its graph (captured on scratch slots, then replayed on the real ones): each slot's second row
+    backend.store.commit_many([(w.seq_id, 2) for w in work], functools.partial(backend.commit_graphs.load, shape))
+    assert len(backend.commit_graphs) == 1
+    slots = torch.tensor([backend.store.seqs[w.seq_id].slot for w in work], device=backend.device)
     for k, per_token in want_kept.items():
-        slots = torch.tensor([backend.store.seqs[w.seq_id].slot for w in work], device=backend.device)
         assert torch.equal(backend.pools.state[k][slots], per_token[1].to(backend.pools.state[k].dtype)), k
+        want_stamps = torch.tensor([w.start + 2 for w in work], dtype=torch.int32, device=backend.device)
+        assert torch.equal(backend.pools.stamp[k][slots], want_stamps), k
     backend.close()

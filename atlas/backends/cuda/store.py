@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import attrs
@@ -231,16 +231,21 @@ class CudaStateStore(Snapshots):
         self.commit_many([(seq_id, rows)])
         return self.cursors(seq_id)
 
-    def commit_many(self, commits: Sequence[tuple[int, int]]) -> None:
-        """Commit several verifies at once: each slot's state selected from its kept row on the device, the kept
-        rows' KV / QSA stamps turned from pending to their positions (the rest stay pending: not counted)."""
+    def commit_many(self, commits: Sequence[tuple[int, int]],
+                    select: Callable[[list[int], list[int]], None] | None = None) -> None:
+        """Commit several verifies at once: each slot's state selected from its kept row on the device (by
+        `select(slots, rows)` where given: a verify's commit graph, else pools.inter_load), the kept rows' KV / QSA
+        stamps turned from pending to their positions (the rest stay pending: not counted)."""
         self._launched = None  # a write: a prefetched read is stale
         states = [self.check_commit(seq_id, rows) for seq_id, rows in commits]  # refuse before anything moves
         if not commits:
             return
         dev = self.pools.device
-        slots = torch.tensor([s.slot for s in states], device=dev)
-        self.pools.inter_load(slots, torch.tensor([rows for _, rows in commits], device=dev))
+        if select is not None:
+            select([s.slot for s in states], [rows for _, rows in commits])
+        else:
+            slots = torch.tensor([s.slot for s in states], device=dev)
+            self.pools.inter_load(slots, torch.tensor([rows for _, rows in commits], device=dev))
         flat: list[int] = []
         values: list[int] = []
         fed: list[tuple[int, int, tuple[int, ...], int]] = []

@@ -16,7 +16,8 @@ slot's kept row on the device (pools.inter_load) and turns the kept rows' KV / Q
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import attrs
@@ -45,12 +46,15 @@ def run_verifies(backend: Any, verifies: Sequence[SeqWork], *, commit: bool = Tr
         by_width.setdefault(len(w.tokens) + len(w.drafts), []).append(w)
     out: dict[int, VerifyRun] = {}
     for width, members in sorted(by_width.items()):
-        logits, hidden = feed_verify(backend, members, width)
+        logits, hidden, replayed = _feed(backend, members, width)
         for b, w in enumerate(members):  # the target's hidden per row: the drafter's pair keys on commit
             backend.store.record_verify(w.seq_id, hidden[b])
         runs = _judge(backend, members, logits)
         if commit:
-            _commit(backend, members, runs)
+            select = None  # a replayed verify's commit replays its commit graph
+            if replayed is not None and backend.commit_graphs is not None:
+                select = functools.partial(backend.commit_graphs.load, replayed)
+            _commit(backend, members, runs, select)
         out.update(runs)
     return out
 
@@ -92,6 +96,13 @@ def wide_group(backend: Any, members: list[SeqWork], width: int) -> tuple[GroupS
 
 def feed_verify(backend: Any, members: list[SeqWork], width: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Run the rows, leaving every sequence's live state as it was: (logits [B, K, V], hidden [B, K, H])."""
+    logits, hidden, _ = _feed(backend, members, width)
+    return logits, hidden
+
+
+def _feed(backend: Any, members: list[SeqWork], width: int
+          ) -> tuple[torch.Tensor, torch.Tensor, GroupShape | None]:
+    """feed_verify's (logits, hidden), and the shape of the verify graph replayed (None: no graph)."""
     pools, dev = backend.pools, backend.device
     n = len(members)
     head = backend.weights["lm_head.weight"]
@@ -102,9 +113,9 @@ def feed_verify(backend: Any, members: list[SeqWork], width: int) -> tuple[torch
             host = packed.pin_memory() if dev.type == "cuda" else packed
             logits, _ = backend.verify_graphs.replay(shape, host, backend._padding)
             pools.kept = dict(backend._kept_out[shape])  # the graph's static per-token tensors, this replay's rows
-            return logits[:n], backend._hidden_out[shape][:n].clone()
+            return logits[:n], backend._hidden_out[shape][:n].clone(), shape
         hidden = backend._run_group(packed.to(dev), shape)[:n]
-        return hidden @ head.T, hidden
+        return hidden @ head.T, hidden, None
     rows = _verify_rows(backend, members)
     slots = torch.tensor([r[2] for r in rows], device=dev)
     pools.inter_save(slots, 0)
@@ -130,7 +141,7 @@ def feed_verify(backend: Any, members: list[SeqWork], width: int) -> tuple[torch
         hiddens.append(backend._hidden_out[shape][:n].clone())
         pools.inter_save(slots, t + 1)
     pools.inter_load(slots, torch.zeros_like(slots))  # the live state as before the verify
-    return torch.stack(logits, dim=1), torch.stack(hiddens, dim=1)
+    return torch.stack(logits, dim=1), torch.stack(hiddens, dim=1), None
 
 
 def _judge(backend: Any, members: list[SeqWork], logits: torch.Tensor) -> dict[int, VerifyRun]:
@@ -172,7 +183,8 @@ def _judge(backend: Any, members: list[SeqWork], logits: torch.Tensor) -> dict[i
     return out
 
 
-def _commit(backend: Any, members: list[SeqWork], runs: dict[int, VerifyRun]) -> None:
+def _commit(backend: Any, members: list[SeqWork], runs: dict[int, VerifyRun],
+            select: Callable[[list[int], list[int]], None] | None = None) -> None:
     store = backend.store
     commits: list[tuple[int, int]] = []
     for w in members:
@@ -186,4 +198,4 @@ def _commit(backend: Any, members: list[SeqWork], runs: dict[int, VerifyRun]) ->
             store.drop_pending(w.seq_id)
             continue
         commits.append((w.seq_id, run.accepted + 1))
-    store.commit_many(commits)
+    store.commit_many(commits, select)

@@ -329,3 +329,28 @@ def test_a_replayed_verify_graph_equals_its_eager_run_bit_for_bit(tiny, tuning: 
         want_stamps = torch.tensor([w.start + 2 for w in work], dtype=torch.int32, device=backend.device)
         assert torch.equal(backend.pools.stamp[k][slots], want_stamps), k
     backend.close()
+
+
+def test_host_values_reach_the_device_as_they_are() -> None:
+    from atlas.backends.cuda.batch import to_device
+
+    got = to_device([[1, 2], [3, 4]], torch.device(DEVICE), torch.int32)
+    assert got.dtype == torch.int32 and got.device.type == DEVICE and got.tolist() == [[1, 2], [3, 4]]
+    assert to_device([5, 6], torch.device(DEVICE)).dtype == torch.long
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+def test_host_values_are_queued_behind_the_devices_work() -> None:
+    """to_device's copy (the verify's verdicts and commit, the drafter's steps) does not wait for the stream: the host
+    passes it while a long kernel still runs (a pageable copy would wait for the kernel first)."""
+    from atlas.backends.cuda.batch import to_device
+
+    dev = torch.device("cuda")
+    torch.cuda.synchronize()
+    torch.cuda._sleep(2_000_000_000)  # ~1 s of spinning on the stream
+    got = to_device(list(range(1000)), dev)
+    done = torch.cuda.Event()
+    done.record()
+    assert not done.query()  # the host is here while the device still spins
+    assert got.sum().item() == sum(range(1000))

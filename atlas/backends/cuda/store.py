@@ -22,7 +22,7 @@ import torch
 
 from atlas.backends.audit import StateAudit, feed
 from atlas.backends.cuda.audit import slot_digest, verify_row_digests
-from atlas.backends.cuda.batch import sentinel_slot
+from atlas.backends.cuda.batch import sentinel_slot, to_device
 from atlas.backends.cuda.pools import DevicePools
 from atlas.backends.cuda.seq_state import PrefixEntry, SeqState
 from atlas.backends.cuda.snapshots import Snapshots
@@ -244,8 +244,8 @@ class CudaStateStore(Snapshots):
         if select is not None:
             select([s.slot for s in states], [rows for _, rows in commits])
         else:
-            slots = torch.tensor([s.slot for s in states], device=dev)
-            self.pools.inter_load(slots, torch.tensor([rows for _, rows in commits], device=dev))
+            slots = to_device([s.slot for s in states], dev)
+            self.pools.inter_load(slots, to_device([rows for _, rows in commits], dev))
         flat: list[int] = []
         values: list[int] = []
         fed: list[tuple[int, int, tuple[int, ...], int]] = []
@@ -267,7 +267,7 @@ class CudaStateStore(Snapshots):
                 kept[seq_id] = hidden[:rows]
             if self.pools.ple_context_len:
                 s.ple_context = (s.ple_context + list(tokens[:rows]))[-self.pools.ple_context_len :]
-        self.pools.stamp_rows(torch.tensor(flat, device=dev), torch.tensor(values, dtype=torch.int32, device=dev))
+        self.pools.stamp_rows(to_device(flat, dev), to_device(values, dev, torch.int32))
         self.pools.kept.clear()
         if fed:
             for seq_id in kept if self.audit is not None else ():  # the pair keys' hidden is the verify's

@@ -23,7 +23,7 @@ from typing import Any
 import attrs
 import torch
 
-from atlas.backends.cuda.batch import GroupShape, Row, pack_rows
+from atlas.backends.cuda.batch import GroupShape, Row, pack_rows, to_device
 from atlas.backends.cuda.graphs import bucket
 from atlas.errors import VerifyRefused
 from atlas.plan import RowVerdict, SeqWork
@@ -148,9 +148,9 @@ def _judge(backend: Any, members: list[SeqWork], logits: torch.Tensor) -> dict[i
     """Verdicts on the device for the group, one copy back, then the accepted prefix per sequence (validated)."""
     dev = backend.device
     n, k, vocab = logits.shape
-    drafts = torch.tensor([list(w.drafts) for w in members], dtype=torch.int64).reshape(n, k - 1).to(dev)
+    drafts = to_device([list(w.drafts) for w in members], dev).reshape(n, k - 1)
     num = torch.full((n,), k - 1, dtype=torch.int64, device=dev)
-    rows = RowBatch.of([w.sampling for w in members], [w.start for w in members]).to(dev)
+    rows = RowBatch.of([w.sampling for w in members], [w.start for w in members], pin=dev.type == "cuda").to(dev)
     q = has_q = None
     if backend.drafter is not None:
         q, has_q = backend.drafter.proposals(members, k - 1, vocab)

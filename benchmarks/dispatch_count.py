@@ -1,6 +1,6 @@
 """Count the device operations of one CUDA-backend step on the CPU: the kernel count a GPU step would launch.
 
-    python benchmarks/dispatch_count.py [--batch 1] [--prefill 0] [--variant NAME ...] [--json PATH]
+    python benchmarks/dispatch_count.py [--batch 1] [--prefill 0] [--drafts 0] [--variant NAME ...] [--json PATH]
 
 Runs the CUDA backend (atlas.backends.cuda) on CPU tensors, bf16, on a shrunk copy of the benchmark config
 (benchmarks/configs/qwen4exp-2p7b.json with the same 24 layers, layer types, heads, experts, top-k,
@@ -8,7 +8,9 @@ hyper-connection streams and PLE layers, but narrow hidden/expert/vocabulary siz
 the op count are those of the full model; only the arithmetic is smaller). Every aten op that launches a
 kernel on a GPU is counted (views and metadata ops are not); every Triton kernel launch counts as one (the
 kernels run interpreted, TRITON_INTERPRET=1); host syncs (`.item()`, `.tolist()` of device data) are counted
-apart. The GDN recurrent/chunk kernels stand in for the torch loop the CPU path would run, as on a GPU.
+apart. The GDN recurrent/chunk kernels stand in for the torch loop the CPU path would run, as on a GPU. --drafts N
+counts a verify step instead of a decode (each sequence's token and N scripted drafts, one wide [B, N + 1] verify
+group, its verdicts and its commit).
 
 Variants are the backend's named arrangements (atlas.backends.cuda.tuning.TUNINGS), so the count of each variant the
 GPU benchmark times is known before a GPU runs it.
@@ -150,21 +152,22 @@ def _regions_as_calls(counter: Counter, calls: collections.Counter[str]) -> Call
 
 
 def count_step(variant: str = "eager", batch: int = 1, prefill: int = 0, context: int = 140,
-               layers: int | None = None, regions_as_calls: bool = False) -> dict[str, Any]:
-    """Ops of one bf16 decode step of `batch` sequences at `context` tokens (or one prefill of `prefill`).
-    regions_as_calls: each compiled region counted as one call (_regions_as_calls), the ops outside them as ops."""
+               layers: int | None = None, regions_as_calls: bool = False, drafts: int = 0) -> dict[str, Any]:
+    """Ops of one bf16 decode step of `batch` sequences at `context` tokens (or one prefill of `prefill`, or with
+    `drafts` a verify step of that many drafts a sequence). regions_as_calls: each compiled region counted as one
+    call (_regions_as_calls), the ops outside them as ops."""
     torch.manual_seed(0)
     counter = Counter()
     region_calls: collections.Counter[str] = collections.Counter()
     undo = _regions_as_calls(counter, region_calls) if regions_as_calls else (lambda: None)
     try:
-        return _count(variant, batch, prefill, context, layers, counter, region_calls)
+        return _count(variant, batch, prefill, context, layers, counter, region_calls, drafts)
     finally:
         undo()
 
 
 def _count(variant: str, batch: int, prefill: int, context: int, layers: int | None, counter: Counter,
-           region_calls: collections.Counter[str]) -> dict[str, Any]:
+           region_calls: collections.Counter[str], drafts: int = 0) -> dict[str, Any]:
     from atlas.backends.cuda import CudaBackend, random_model
     from atlas.backends.cuda.gdn import triton_gdn
     from atlas.backends.cuda.tuning import TUNINGS as VARIANTS
@@ -173,7 +176,8 @@ def _count(variant: str, batch: int, prefill: int, context: int, layers: int | N
     model = random_model(shrunk_config(layers=layers), device="cpu", dtype=torch.bfloat16, seed=0)
     blocks = 4 + (max(prefill, context) + 16) // 16
     backend = CudaBackend(model, num_kv_blocks=blocks * batch, block_size=16, dtype=torch.bfloat16, device="cpu",
-                          max_batch_size=batch, cuda_graphs=False, tuning=VARIANTS[variant])
+                          max_batch_size=batch, cuda_graphs=False, tuning=VARIANTS[variant],
+                          verify_width=drafts + 1, state_audit=False)  # (the test suite's audit digests verifies)
     backend.gdn_kernel = triton_gdn()  # the Triton kernels, as on a GPU (interpreted here)
     tables = [tuple(range(i * blocks, (i + 1) * blocks)) for i in range(batch)]
     g = torch.Generator().manual_seed(1)
@@ -183,7 +187,8 @@ def _count(variant: str, batch: int, prefill: int, context: int, layers: int | N
     if prefill:
         work = (SeqWork(0, tuple(torch.randint(0, 2000, (prefill,), generator=g).tolist()), warm, tables[0], True),)
     else:
-        work = tuple(SeqWork(i, (7 + i,), warm, tables[i], True) for i in range(batch))
+        work = tuple(SeqWork(i, (7 + i,), warm, tables[i], True, drafts=tuple(range(11, 11 + drafts)))
+                     for i in range(batch))
     triton_counts: collections.Counter[str] = collections.Counter()
     restore = _count_triton(triton_counts, counter)
     try:
@@ -194,7 +199,7 @@ def _count(variant: str, batch: int, prefill: int, context: int, layers: int | N
         counter.active = False
         restore()
     ops = counter.ops + triton_counts + region_calls
-    return {"variant": variant, "batch": batch, "prefill": prefill, "ops": sum(ops.values()),
+    return {"variant": variant, "batch": batch, "prefill": prefill, "drafts": drafts, "ops": sum(ops.values()),
             "region_calls": sum(region_calls.values()),
             "triton": sum(triton_counts.values()), "gemms": sum(ops[n] for n in ("mm", "addmm", "bmm", "baddbmm")),
             "syncs": dict(counter.syncs), "by_op": dict(ops.most_common())}
@@ -204,6 +209,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--prefill", type=int, default=0, help="count one prefill chunk of this many tokens")
+    parser.add_argument("--drafts", type=int, default=0, help="count a verify step of this many drafts a sequence")
     parser.add_argument("--variant", action="append", help="Tuning variant (repeatable; default: all)")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--top", type=int, default=12)
@@ -219,7 +225,8 @@ def main(argv: list[str] | None = None) -> int:
     for variant in variants:
         try:
             row = count_step(variant, args.batch, args.prefill, context=20 if args.smoke else 140,
-                             layers=4 if args.smoke else None, regions_as_calls=args.regions_as_calls)
+                             layers=4 if args.smoke else None, regions_as_calls=args.regions_as_calls,
+                             drafts=args.drafts)
         except Exception as error:  # one broken variant must not hide the others' counts
             row = {"variant": variant, "error": f"{type(error).__name__}: {error}"}
         rows.append(row)
@@ -227,7 +234,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{variant:<24} ERROR {row['error']}", flush=True)
             continue
         top = ", ".join(f"{k} {v}" for k, v in list(row["by_op"].items())[: args.top])
-        print(f"{variant:<24} batch {row['batch']:>3} prefill {row['prefill']:>5}: {row['ops']:>5} ops "
+        print(f"{variant:<24} batch {row['batch']:>3} prefill {row['prefill']:>5} drafts {row['drafts']}: "
+              f"{row['ops']:>5} ops "
               f"({row['gemms']} GEMMs, {row['triton']} Triton"
               + (f", {row['region_calls']} region calls" if args.regions_as_calls else "")
               + f"), host syncs {row['syncs'] or 0}; {top}", flush=True)

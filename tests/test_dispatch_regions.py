@@ -34,3 +34,21 @@ def test_a_compiled_decode_counts_each_region_call_once_and_nothing_inside() -> 
     # stamps, the n-gram ids, the lm head
     assert row["by_op"]["triton:_gdn_recurrent_kernel"] == 3 and row["by_op"]["triton:_moe_down_kernel"] == 4
     assert row["gemms"] == 1
+
+
+def test_a_compiled_verify_runs_the_decodes_regions_and_commits_in_two_launches_a_state() -> None:
+    """A wide verify of 2 drafts (one [1, 3] group, compiled regions) makes the decode's region calls and Triton
+    launches, each once a layer; what it adds outside them is its verdicts and its commit, which selects every
+    kept state in two launches (the gather, the write) and stamps them all in one."""
+    decode = dispatch_count.count_step("default", batch=1, context=20, layers=4, regions_as_calls=True)
+    verify = dispatch_count.count_step("default", batch=1, context=20, layers=4, regions_as_calls=True, drafts=2)
+
+    def kinds(row: dict, prefix: str) -> dict:
+        return {k: v for k, v in row["by_op"].items() if k.startswith(prefix)}
+
+    assert kinds(verify, "region:") == kinds(decode, "region:")
+    assert kinds(verify, "triton:") == kinds(decode, "triton:")
+    states = 3 + 3 + 1 + 1  # three GDN layers' conv and recurrent states, the PLE layer's conv, the n-gram context
+    assert verify["by_op"]["index_put_"] == states + 1  # each state's write, then every kept stamp at once
+    assert verify["by_op"].get("sub", 0) <= 1 and verify["by_op"]["argmax"] <= decode["by_op"]["argmax"] + 1
+    assert verify["ops"] <= decode["ops"] + 2 * states + 30, (verify["by_op"], decode["by_op"])

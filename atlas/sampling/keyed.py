@@ -154,7 +154,9 @@ class RowPacker:
 
 
 def rows_of(params: Sequence[SamplingParams], positions: Sequence[int], device: torch.device | str = "cpu") -> Rows:
-    return RowBatch.of(params, positions).to(device)
+    """The rows on `device`: through pinned memory on a CUDA device (a queued copy; a pageable one waits for the
+    whole stream)."""
+    return RowBatch.of(params, positions, pin=torch.device(device).type == "cuda").to(device)
 
 
 def token_mask(ids_or_mask: torch.Tensor, vocab: int) -> torch.Tensor:

@@ -147,9 +147,10 @@ def attn_gate_out(out: torch.Tensor, gate: torch.Tensor, o_w: torch.Tensor, b: i
 
 
 def attn_paged(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, grp: Group) -> torch.Tensor:
-    """A decode group's attention (T = 1, dense: no QSA selection) over the paged KV through the split-K kernel
-    (Tuning.attention_kernels): q [R, nh, hd] normed and roped -> [R, nh, hd]. Keys are read in place through the
-    block table; each row sees positions [0, grp.ends) (its own key written before the call)."""
+    """A decode group's or a wide verify's attention (dense: no QSA selection) over the paged KV through the split-K
+    kernel (Tuning.attention_kernels): q [R, nh, hd] normed and roped -> [R, nh, hd]. Keys are read in place through
+    the block table; row t of a sequence sees positions [0, grp.ends - T + t] (its own key, and a verify's earlier
+    rows' pending ones, written before the call)."""
     from atlas_kernels.paged_attention import paged_attention
 
     b, t = grp.positions.shape
@@ -160,9 +161,9 @@ def attn_paged(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, grp:
 
 
 def attention_kind(grp: Group, tuning: Tuning) -> tuple[bool, bool]:
-    """(sdpa, paged) of a group's attention (Tuning.attention_kernels): the paged kernel for a decode-shaped group
-    without QSA selection, sdpa for the others; the materialised fp32 scores with the knob off."""
-    paged = tuning.attention_kernels and grp.shape.width == 1 and not grp.shape.qsa_select
+    """(sdpa, paged) of a group's attention (Tuning.attention_kernels): the paged kernel for a decode group or a wide
+    verify without QSA selection, sdpa for the others; the materialised fp32 scores with the knob off."""
+    paged = tuning.attention_kernels and (grp.shape.width == 1 or grp.shape.keep) and not grp.shape.qsa_select
     return tuning.attention_kernels and not paged, paged
 
 

@@ -107,6 +107,17 @@ def group_columns(packed: torch.Tensor, t: int, kb: int, block_size: int, pendin
 Row = tuple[Sequence[int], int, int, Sequence[int], list[list[int]]]  # tokens, start, slot, block table, n-gram ids
 
 
+def to_device(values: Sequence, device: torch.device, dtype: torch.dtype = torch.long) -> torch.Tensor:
+    """Host values (a list, or nested lists) as a tensor on `device`, queued behind the stream's work: through pinned
+    memory on a CUDA device, where a pageable copy (torch.tensor(..., device=) included) first waits for the whole
+    stream, so the host could not queue the next kernels while the device ran (the verify's verdicts and commit,
+    the drafter's steps: each of them a round trip)."""
+    host = torch.tensor(values, dtype=dtype)
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
 def sentinel_slot(table: list[int] | tuple[int, ...], end: int, block_size: int, scratch_block: int) -> int:
     """The flat KV slot of position `end` through the whole block table (the scratch block's if the table ends
     before it): a group clears its stamp, so rows a block held for an earlier owner never extend the chain."""

@@ -1,6 +1,8 @@
 """The CUDA backend's verify cost model for the draft-count policy (atlas.engine.drafters.policy): a verify step's
 time over a plain decode step's, by batch, for 1..4 drafts, measured on an H100 (qwen4exp-2p7b bf16, steady steps,
-2026-12-07; the verify runs the eager layer stack and its own graphs, not the decode's compiled regions).
+2026-12-07, when the verify ran the eager layer stack under its own graphs; it now runs the decode's compiled
+regions, its graphs capturing them, so DEFAULT's figures are an upper bound until measured again:
+`python benchmarks/cuda_features.py`, the oracle's verify steps against K = 1).
 
 Measured: 3 rows (2 drafts) and 5 rows (4 drafts). 1 and 3 drafts are not measured: 1 takes 2's cost (the verify's
 fixed cost dominates), 3 the mean of 2's and 4's. With the compiled default no draft count pays at the oracle's

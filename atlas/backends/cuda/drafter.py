@@ -21,6 +21,7 @@ from typing import Any
 import attrs
 import torch
 
+from atlas.backends.cuda.batch import to_device
 from atlas.backends.cuda.moe import moe_layer
 from atlas.backends.cuda.pools import DevicePools
 from atlas.backends.ops import acc_dtype, apply_rope, dense_mlp, rms_norm, rope_table
@@ -213,7 +214,7 @@ class CudaMtpDrafter:
             self._build_same(jobs)
 
     def _build_same(self, jobs: list[tuple[_DraftSeq, int, list[int], torch.Tensor]]) -> None:
-        tokens = torch.tensor([j[2] for j in jobs], dtype=torch.long).to(self.device)
+        tokens = to_device([j[2] for j in jobs], self.device)
         hidden = torch.stack([j[3] for j in jobs])
         self._forward([j[0].slot for j in jobs], [j[1] - j[0].first_key for j in jobs], [j[1] for j in jobs],
                       tokens, hidden, pending=False)
@@ -229,9 +230,10 @@ class CudaMtpDrafter:
         nh, nkv, hd = spec.num_heads, spec.num_kv_heads, spec.head_dim
         if max(rows) + t > self.capacity:
             raise ValueError(f"drafter rows up to {max(rows) + t} exceed its capacity {self.capacity}")
-        row = torch.tensor(rows, device=dev)[:, None] + torch.arange(t, device=dev)  # [B, T]
-        key = torch.tensor(keys, device=dev)[:, None] + torch.arange(t, device=dev)
-        slot = torch.tensor(slots, device=dev)
+        # (queued copies: a drafting step's host values never wait for the device; to_device)
+        row = to_device(rows, dev)[:, None] + torch.arange(t, device=dev)  # [B, T]
+        key = to_device(keys, dev)[:, None] + torch.arange(t, device=dev)
+        slot = to_device(slots, dev)
         flat = (slot[:, None] * self.capacity + row).reshape(-1)
         emb = rms_norm(self.embed[tokens], w["mtp.pre_fc_norm_embedding.weight"], eps)
         x = torch.cat([emb, rms_norm(hidden, w["mtp.pre_fc_norm_hidden.weight"], eps)], dim=-1) @ w["mtp.fc.weight"].T
@@ -242,7 +244,7 @@ class CudaMtpDrafter:
         # the row past the new keys stops any stale chain (indices on the host: no mask, no sync)
         past = [s * self.capacity + r + t for s, r in zip(slots, rows, strict=True) if r + t < self.capacity]
         if not pending and past:
-            self.pos.view(-1)[torch.tensor(past, device=dev)] = -1
+            self.pos.view(-1)[to_device(past, dev)] = -1
         mask = torch.arange(length, device=dev)[None, None, :] <= row[..., None]  # [B, T, L]
         for layer in self.layers:
             pre = f"mtp.layers.{layer}."
@@ -287,7 +289,7 @@ class CudaMtpDrafter:
         if not live:
             return {}
         k = max(w.propose for w, _, _ in live)
-        tokens = torch.tensor([[tok] for _, tok, _ in live], dtype=torch.long).to(self.device)
+        tokens = to_device([[tok] for _, tok, _ in live], self.device)
         hidden = torch.stack([d.last_hidden for _, _, d in live])[:, None]  # type: ignore[misc]
         params = [w.sampling for w, _, _ in live]
         drafted, qs = [], []

@@ -14,12 +14,16 @@ Prefill chunks (Tuning.prefill_graphs = "recurring") take the same machinery, a 
 runner's prefill function: `Recurring` decides which chunk shapes are worth a capture (one fed before, at most
 PREFILL_GRAPHS of them), and the runner copies a replay's outputs out at once (two chunks of one shape in a step
 replay the same graph).
+
+A wide verify's commit (selecting each slot's kept row) is captured per verify shape too (`CommitGraphs`), over the
+static kept tensors of that shape's verify graph, padded with scratch slots.
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import attrs
 import torch
@@ -139,3 +143,48 @@ class DecodeGraphs:
             tokens = sample(logits, Rows.unpack(rows, batch.sampled, batch.filtered))
         self._samplers[key] = sampler = _CapturedSampler(graph, rows, tokens)
         return sampler
+
+
+def commit_inputs(batch: int, slots: Sequence[int], rows: Sequence[int], scratch: Sequence[int]) -> torch.Tensor:
+    """A commit graph's static input [2, batch] (host int64): the committed slots and their kept rows (1-based), padded
+    with scratch slots keeping row 1 (a scratch slot's state is nobody's: writing it is harmless)."""
+    pad = batch - len(slots)
+    if pad < 0:
+        raise ValueError(f"{len(slots)} commits for a verify group of {batch} rows")
+    return torch.tensor([[*slots, *scratch[:pad]], [*rows, *[1] * pad]], dtype=torch.int64)
+
+
+class CommitGraphs:
+    """The wide verify's commit selection (DevicePools.inter_load from the kept tensors: a gather and a write a state,
+    ~85 launches for a 2.7B model) captured per verify shape and replayed as one launch. Each reads the static kept
+    tensors of its shape's verify graph (the runner's _kept_out[shape], in pools.kept when it replays)."""
+
+    def __init__(self, pools: Any, device: torch.device) -> None:
+        self._pools, self._device = pools, device
+        self._graphs: dict[GroupShape, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._pool = torch.cuda.graph_pool_handle()
+
+    def __len__(self) -> int:
+        return len(self._graphs)
+
+    def load(self, shape: GroupShape, slots: Sequence[int], rows: Sequence[int]) -> None:
+        """state[slots[b]] = the state after rows[b] rows of the verify last replayed for `shape`, with its stamps."""
+        host = commit_inputs(shape.batch, slots, rows, self._pools.scratch_slots)
+        graph, inputs = self._graphs.get(shape) or self._capture(shape)
+        inputs.copy_(host.pin_memory(), non_blocking=True)
+        graph.replay()
+
+    def _capture(self, shape: GroupShape) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        # warmed up and captured on scratch slots only (the warm-up runs for real)
+        inputs = commit_inputs(shape.batch, [], [], self._pools.scratch_slots).to(self._device)
+        stream = torch.cuda.Stream(self._device)
+        stream.wait_stream(torch.cuda.current_stream(self._device))
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                self._pools.inter_load(inputs[0], inputs[1])
+        torch.cuda.current_stream(self._device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            self._pools.inter_load(inputs[0], inputs[1])
+        self._graphs[shape] = (graph, inputs)
+        return graph, inputs

@@ -21,8 +21,10 @@ The regions take tensors and plain numbers only (no weight dict, no layer names)
 the same compiled graph (one compile per region kind, and one more with symbolic sizes when a second batch
 bucket comes). The math is the layer modules' functions (atlas.backends.cuda.gdn, attention, moe, hyper, ple:
 gdn_in, gdn_out, attn_in, attn_core, hyper_block, moe_router), composed: with compile "none" the regions run eagerly and give the layer stack's
-result bit for bit (tests/test_cuda_regions.py). Only decode groups (one token a row, no kept verify rows) of
-hyper-connection models run here; everything else takes the layer stack.
+result bit for bit (tests/test_cuda_regions.py). Every group of a hyper-connection model runs here: decode groups,
+prefill chunks and wide verifies ([B, K] rows written pending, the per-slot state after each row kept for the commit:
+the heads then leave the conv states' pools alone and hand their columns back, pools.put keeping each column's window);
+the other models take the layer stack.
 """
 
 from __future__ import annotations
@@ -55,7 +57,7 @@ from atlas.backends.cuda.moe import (
 )
 from atlas.backends.cuda.ple import ngram_ids_from, ple_layer, ple_mix, ple_weights
 from atlas.backends.cuda.pools import DevicePools, store_final
-from atlas.backends.cuda.primitives import library_conv
+from atlas.backends.cuda.primitives import library_conv, put_conv
 from atlas.backends.cuda.tuning import Tuning
 from atlas.backends.ops import dense_mlp, hyper_inject, rope_table
 from atlas.model.spec import FULL_ATTENTION, ModelSpec
@@ -72,12 +74,9 @@ Pending = tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]
 
 
 def applies(spec: ModelSpec, grp: Group, tuning: Tuning) -> bool:
-    """Whether this group runs as regions (Tuning.regions): a hyper-connection model's decode group (one token a
-    row, no kept verify rows) or prefill chunk (wider, not a verify)."""
-    shape = grp.shape
-    if not spec.has_hyper_connections or shape.keep:
-        return False
-    return tuning.regions and (shape.width == 1 or not shape.pending)
+    """Whether this group runs as regions (Tuning.regions): any group of a hyper-connection model (a decode group, a
+    prefill chunk, a row-by-row or a wide verify)."""
+    return tuning.regions and spec.has_hyper_connections
 
 
 def _site(spec: ModelSpec, streams: torch.Tensor, norm_w: torch.Tensor, down_w: torch.Tensor, up_w: torch.Tensor,
@@ -105,13 +104,17 @@ def settle(streams: torch.Tensor, routed: torch.Tensor | None, shared: torch.Ten
 def gdn_head(spec: ModelSpec, streams: torch.Tensor, routed: torch.Tensor | None, shared: torch.Tensor | None,
              inject_prev: torch.Tensor | None, norm_w: torch.Tensor, down_w: torch.Tensor, up_w: torch.Tensor,
              fused_in: torch.Tensor, conv_w: torch.Tensor, conv_pool: torch.Tensor, slots: torch.Tensor,
-             library_conv: bool = False, gemv: str = "", fused_conv: str = "") -> tuple[torch.Tensor, ...]:
-    """(streams, inject, *gdn_in's parts but the conv columns) of a GDN layer, the previous ffn settled first; the
-    new conv state written into conv_pool at `slots` here (fused with the conv; its stamp is the stack's, once a
-    step for every layer)."""
+             library_conv: bool = False, gemv: str = "", fused_conv: str = "", keep: bool = False
+             ) -> tuple[torch.Tensor | None, ...]:
+    """(streams, inject, *gdn_in's parts, the conv columns or None) of a GDN layer, the previous ffn settled first;
+    the new conv state written into conv_pool at `slots` here (fused with the conv; its stamp is the stack's, once a
+    step for every layer), or with `keep` (a wide verify) nothing written and the columns [B, C, S + T] handed back
+    (the caller keeps each column's window for the commit)."""
     streams = settle(streams, routed, shared, inject_prev)
     x, inject = _site(spec, streams, norm_w, down_w, up_w, gemv)
     *parts, cols = gdn_in(spec, x, fused_in, conv_w, conv_pool[slots], library_conv, fused_conv)
+    if keep:
+        return (streams, inject, *parts, cols)
     store_final(conv_pool, slots, cols[:, :, -conv_pool.shape[-1]:])
     return (streams, inject, *parts, None)
 
@@ -185,18 +188,21 @@ def attn_post(spec: ModelSpec, streams: torch.Tensor, inject: torch.Tensor, att:
 def ple_block(spec: ModelSpec, streams: torch.Tensor, routed: torch.Tensor | None, shared: torch.Tensor | None,
               inject_prev: torch.Tensor | None, ids: torch.Tensor, table: torch.Tensor, key_w: torch.Tensor,
               key_norm: torch.Tensor, query_norm: torch.Tensor, value_w: torch.Tensor, conv_norm: torch.Tensor,
-              conv_w: torch.Tensor, conv_pool: torch.Tensor, slots: torch.Tensor, fused_conv: str = ""
-              ) -> torch.Tensor:
-    """A compiled PLE layer as one region (a prefill chunk's and a compiled decode group's): the
+              conv_w: torch.Tensor, conv_pool: torch.Tensor, slots: torch.Tensor, fused_conv: str = "",
+              keep: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A compiled PLE layer as one region (a prefill chunk's, a compiled decode group's and a wide verify's): the
     previous ffn settled, the PLE addition (ple.ple_mix) added to the streams, its conv's new state written into
-    conv_pool at `slots` (the stamp is the caller's). Eagerly (ple.ple_layer) a PLE layer is ~20 launches: at
-    2,048 tokens over the [2,048, 4 x 2,048] streams, its conv ATen's depthwise kernel (176 us on the H200) after a
-    133 us cat; in a decode step ~20 of its ~840 kernels each (two PLE layers)."""
+    conv_pool at `slots` (the stamp is the caller's): (the streams, None); with `keep` (a wide verify) nothing
+    written, (the streams, the conv columns) for the caller to keep. Eagerly (ple.ple_layer) a PLE layer is ~20
+    launches: at 2,048 tokens over the [2,048, 4 x 2,048] streams, its conv ATen's depthwise kernel (176 us on the
+    H200) after a 133 us cat; in a decode step ~20 of its ~840 kernels each (two PLE layers)."""
     streams = settle(streams, routed, shared, inject_prev)
     add, cols = ple_mix(spec, streams, ids, table, key_w, key_norm, query_norm, value_w, conv_norm, conv_w,
                         conv_pool[slots], False, fused_conv)
+    if keep:
+        return streams + add, cols
     store_final(conv_pool, slots, cols[:, :, -conv_pool.shape[-1]:])
-    return streams + add
+    return streams + add, None
 
 
 def final_mix(spec: ModelSpec, streams: torch.Tensor, routed: torch.Tensor | None, shared: torch.Tensor | None,
@@ -225,11 +231,10 @@ def prologue(spec: ModelSpec, tokens: torch.Tensor, positions: torch.Tensor, emb
 
 
 def compiled_decode(spec: ModelSpec, shape: GroupShape, tuning: Tuning) -> bool:
-    """Whether a group runs as compiled decode regions (applies, one token a row, Tuning.compile): the
-    runner then derives its columns with a compiled batch.group_columns, and leaves its n-gram ids to the prologue
-    (computes_ngram_ids)."""
-    return (shape.width == 1 and not shape.keep and spec.has_hyper_connections and tuning.regions
-            and tuning.compile)
+    """Whether a group runs as compiled decode regions (applies, Tuning.compile, one token a row or a wide verify's
+    K): the runner then derives its columns with a compiled batch.group_columns, and leaves its n-gram ids to the
+    prologue (computes_ngram_ids)."""
+    return (shape.width == 1 or shape.keep) and spec.has_hyper_connections and tuning.regions and tuning.compile
 
 
 def columns_of(spec: ModelSpec, shape: GroupShape, tuning: Tuning) -> Callable[..., tuple[torch.Tensor, ...]] | None:
@@ -261,9 +266,13 @@ def _token_dim(x: torch.Tensor | None) -> torch.Tensor | None:
 def regions_stack(spec: ModelSpec, w: dict[str, torch.Tensor], pools: DevicePools, grp: Group, *,
                   gdn_kernel: GdnKernel | None, tuning: Tuning, invariant: bool = False,
                   ngram_tables: Sequence[tuple[torch.Tensor, ...]] = ()) -> torch.Tensor:
-    """The group's final hidden states [B, T, H]: decoder_stack's result, cut into regions. A decode group takes
-    its token dimension symbolic when compiled (one compile a region kind serves every chunk length)."""
-    prefill = grp.shape.width > 1
+    """The group's final hidden states [B, T, H]: decoder_stack's result, cut into regions. A prefill chunk takes
+    its token dimension symbolic when compiled (one compile a region kind serves every chunk length). A wide verify
+    (keep) runs as a decode group of K tokens a row: its regions, its prologue, its attention over the paged KV (each
+    row its own visible keys and QSA selection), its routed experts over the B * K rows; the per-slot state after
+    each row kept (pools.put with keep), the live state and its stamps left as they were."""
+    keep = grp.shape.keep
+    prefill = grp.shape.width > 1 and not grp.shape.pending
     mode = COMPILE_MODE if tuning.compile else "none"
     head_g, head_a = compiled(gdn_head, mode), compiled(attn_head, mode)
     tail_g, tail_a, post_a = compiled(gdn_tail, mode), compiled(attn_tail, mode), compiled(attn_post, mode)
@@ -287,7 +296,7 @@ def regions_stack(spec: ModelSpec, w: dict[str, torch.Tensor], pools: DevicePool
     write = grp.write_slots.reshape(-1)
     # a compiled decode group of few rows: the hyper sites' and router's products as reductions Inductor fuses, a
     # long K's sum split (primitives.linear)
-    gemv = "split" if not prefill and wide and grp.tokens.shape[0] <= GEMV_ROWS else ""
+    gemv = "split" if grp.shape.width == 1 and wide and grp.tokens.shape[0] <= GEMV_ROWS else ""
     # paged: the split-K kernel between the head and attn_post (eager, in the graph)
     sdpa, paged = attention_kind(grp, tuning)
     moe_mode = moe_mode_of(tuning, prefill)
@@ -308,9 +317,12 @@ def regions_stack(spec: ModelSpec, w: dict[str, torch.Tensor], pools: DevicePool
         if layer in ple_layers and wide:  # PLE as one compiled region, its stamp with the convs' at the end
             assert grp.ngram_ids is not None
             conv_pool = pools.state[f"pconv{layer}"]
-            streams = ple_c(spec, tok(streams), tok(routed), tok(shared), tok(inject_prev),
-                            tok(grp.ngram_ids[ple_layers.index(layer)]), *ple_weights(w, pre + "ple."), conv_pool,
-                            grp.slots, head_fused)
+            streams, cols = ple_c(spec, tok(streams), tok(routed), tok(shared), tok(inject_prev),
+                                  tok(grp.ngram_ids[ple_layers.index(layer)]), *ple_weights(w, pre + "ple."),
+                                  conv_pool, grp.slots, head_fused, keep)
+            if keep:
+                assert cols is not None
+                put_conv(pools, grp, f"pconv{layer}", cols)
             routed = shared = inject_prev = None
         elif layer in ple_layers:  # PLE keeps its own conv state: settle, add it eagerly, then the head
             assert grp.ngram_ids is not None
@@ -355,8 +367,9 @@ def regions_stack(spec: ModelSpec, w: dict[str, torch.Tensor], pools: DevicePool
             streams, inject, *parts = head_g(spec, tok(streams), tok(routed), tok(shared), tok(inject_prev), *site,
                                              w[g + "fused_in.weight"], w[g + "conv1d.weight"],
                                              pools.state[f"conv{layer}"], grp.slots, head_library, gemv,
-                                             head_fused)
-            out = gdn_update(spec, w, g, layer, tuple(parts), grp, pools, gdn_kernel, conv_written=True)
+                                             head_fused, keep)
+            # a wide verify's conv columns kept by gdn_update (put_conv); the others' conv state is written
+            out = gdn_update(spec, w, g, layer, tuple(parts), grp, pools, gdn_kernel, conv_written=not keep)
             streams, rows, inject, top_w, top_i, shared, pairs = tail_g(
                 spec, tok(streams), tok(inject), tok(out), tok(parts[3]), w[g + "norm.weight"],
                 w[g + "out_proj.weight"], *ffn_site, *moe_w, route, gemv)
@@ -370,8 +383,9 @@ def regions_stack(spec: ModelSpec, w: dict[str, torch.Tensor], pools: DevicePool
     # the stamps of the state the heads wrote, after all of it (a stamp never runs ahead of its data): every
     # layer's conv state at the slots (the compiled PLE regions' too; eager PLE layers stamped theirs as they
     # wrote), every attention layer's KV and QSA positions at the new rows (each of these was one launch a layer,
-    # 30 a step, with the data's copies)
-    pools.stamp_states(pools.conv_rows_ple if wide else pools.conv_rows, grp.slots, grp.ends)
+    # 30 a step, with the data's copies). A wide verify wrote no conv state: its kept rows' stamps are the commit's
+    if not keep:
+        pools.stamp_states(pools.conv_rows_ple if wide else pools.conv_rows, grp.slots, grp.ends)
     if spec.attention_layers:
         pools.stamp_rows(grp.stamp_at, grp.stamp_values)
     routed, shared, inject_prev = pending

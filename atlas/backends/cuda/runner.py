@@ -31,7 +31,7 @@ from atlas.backends.cuda.batch import GroupShape
 from atlas.backends.cuda.faults import FaultGuard, probe_device
 from atlas.backends.cuda.feed import GroupFeed
 from atlas.backends.cuda.gdn import triton_gdn
-from atlas.backends.cuda.graphs import DecodeGraphs, Recurring, bucket
+from atlas.backends.cuda.graphs import CommitGraphs, DecodeGraphs, Recurring, bucket
 from atlas.backends.cuda.moe import moe_mode_of
 from atlas.backends.cuda.ngram import device_ngram_cache
 from atlas.backends.cuda.pools import DevicePools
@@ -152,6 +152,7 @@ class CudaBackend(GroupFeed):
         self.graphs = DecodeGraphs(self._decode_logits, self.device) if use_graphs else None
         # wide verifies ([B, K] groups) replayed from graphs of their own: every row's logits come back
         self.verify_graphs = DecodeGraphs(self._verify_logits, self.device) if use_graphs else None
+        self.commit_graphs = CommitGraphs(self.pools, self.device) if use_graphs else None  # their commits
         # prefill chunks of a recurring shape replayed from graphs of their own (Tuning.prefill_graphs)
         self.prefill_graphs = None
         if use_graphs and self.tuning.prefill_graphs:
@@ -219,7 +220,7 @@ class CudaBackend(GroupFeed):
         reference cycle), so without this its pools, fused weights and graph pools wait for the cyclic garbage
         collector; a process that builds engines one after another (the benchmarks) runs out of the H200's
         139 GiB at the fourteenth without it."""
-        self.graphs = self.verify_graphs = self.prefill_graphs = None
+        self.graphs = self.verify_graphs = self.prefill_graphs = self.commit_graphs = None
         self.store.reader.close()
         if self.device.type == "cuda":  # the CPU path (tests) has no graphs and memory to spare: no collection
             gc.collect()

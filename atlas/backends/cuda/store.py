@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import attrs
@@ -22,7 +22,7 @@ import torch
 
 from atlas.backends.audit import StateAudit, feed
 from atlas.backends.cuda.audit import slot_digest, verify_row_digests
-from atlas.backends.cuda.batch import sentinel_slot
+from atlas.backends.cuda.batch import sentinel_slot, to_device
 from atlas.backends.cuda.pools import DevicePools
 from atlas.backends.cuda.seq_state import PrefixEntry, SeqState
 from atlas.backends.cuda.snapshots import Snapshots
@@ -231,16 +231,21 @@ class CudaStateStore(Snapshots):
         self.commit_many([(seq_id, rows)])
         return self.cursors(seq_id)
 
-    def commit_many(self, commits: Sequence[tuple[int, int]]) -> None:
-        """Commit several verifies at once: each slot's state selected from its kept row on the device, the kept
-        rows' KV / QSA stamps turned from pending to their positions (the rest stay pending: not counted)."""
+    def commit_many(self, commits: Sequence[tuple[int, int]],
+                    select: Callable[[list[int], list[int]], None] | None = None) -> None:
+        """Commit several verifies at once: each slot's state selected from its kept row on the device (by
+        `select(slots, rows)` where given: a verify's commit graph, else pools.inter_load), the kept rows' KV / QSA
+        stamps turned from pending to their positions (the rest stay pending: not counted)."""
         self._launched = None  # a write: a prefetched read is stale
         states = [self.check_commit(seq_id, rows) for seq_id, rows in commits]  # refuse before anything moves
         if not commits:
             return
         dev = self.pools.device
-        slots = torch.tensor([s.slot for s in states], device=dev)
-        self.pools.inter_load(slots, torch.tensor([rows for _, rows in commits], device=dev))
+        if select is not None:
+            select([s.slot for s in states], [rows for _, rows in commits])
+        else:
+            slots = to_device([s.slot for s in states], dev)
+            self.pools.inter_load(slots, to_device([rows for _, rows in commits], dev))
         flat: list[int] = []
         values: list[int] = []
         fed: list[tuple[int, int, tuple[int, ...], int]] = []
@@ -262,7 +267,7 @@ class CudaStateStore(Snapshots):
                 kept[seq_id] = hidden[:rows]
             if self.pools.ple_context_len:
                 s.ple_context = (s.ple_context + list(tokens[:rows]))[-self.pools.ple_context_len :]
-        self.pools.stamp_rows(torch.tensor(flat, device=dev), torch.tensor(values, dtype=torch.int32, device=dev))
+        self.pools.stamp_rows(to_device(flat, dev), to_device(values, dev, torch.int32))
         self.pools.kept.clear()
         if fed:
             for seq_id in kept if self.audit is not None else ():  # the pair keys' hidden is the verify's

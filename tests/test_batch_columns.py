@@ -13,13 +13,12 @@ from fixtures import null_workload
 from atlas.config import EngineConfig
 from atlas.engine.outcome import cursor_violation
 from atlas.engine.records import RecordingSink
-from atlas.errors import InvariantViolation, TransitionRefused
 from atlas.plan import BackendCursors, SeqOutcome, StepPlan, StepResult
 from atlas.registry import build_engine
 from atlas.sampling.params import SamplingParams
 from atlas.state.control import ControlState, sequence_fingerprint
 from atlas.state.events import Event, StepExecuted, StepPlanned
-from atlas.state.invariants import audit, check_invariants
+from atlas.state.invariants import audit
 
 REQUESTS = 26  # more than steps.VECTOR_MIN running at once
 
@@ -146,12 +145,9 @@ def _apply_all(caps: object, events: list[Event], on: bool) -> tuple[list[str], 
         cols = state.batch
         if cols is not None:
             with_columns.add(index)
-        try:
-            check_invariants(state, state.apply(e), index)
-        except TransitionRefused as exc:
-            return digests, ("refused", index, exc.machine, exc.why, exc.fields), taken, with_columns
-        except InvariantViolation as exc:
-            return digests, ("violation", index, exc.machine, exc.message, exc.fields), taken, with_columns
+        failure = null_workload.apply_checked(state, e, index)
+        if failure is not None:
+            return digests, failure, taken, with_columns
         if isinstance(e, StepExecuted) and cols is not None and state.batch is cols:
             taken += 1
         if on:

@@ -13,11 +13,9 @@ import pytest
 from fixtures import null_workload
 
 from atlas.engine.records import RecordingSink
-from atlas.errors import InvariantViolation, TransitionRefused
 from atlas.state.batch_columns import BatchColumns
 from atlas.state.control import ControlState
 from atlas.state.events import Event, StepPlanned
-from atlas.state.invariants import check_invariants
 
 
 @pytest.fixture(scope="module")
@@ -45,12 +43,9 @@ def _apply_all(caps: object, events: list[Event], on: bool) -> tuple[list[str], 
         cols = state.batch
         took = (cols is not None and isinstance(e, StepPlanned) and cols.next_decode and e.seqs == cols.ids
                 and e.fed == cols.ones and not (e.admitted or e.drafts or e.restored or e.reset))
-        try:
-            check_invariants(state, state.apply(e), index)
-        except TransitionRefused as exc:
-            return digests, ("refused", index, exc.machine, exc.why, exc.fields), shortcut
-        except InvariantViolation as exc:
-            return digests, ("violation", index, exc.machine, exc.message, exc.fields), shortcut
+        failure = null_workload.apply_checked(state, e, index)
+        if failure is not None:
+            return digests, failure, shortcut
         if took and state.batch is cols:
             assert cols.decode and cols.fed is cols.ones_fed
             shortcut.add(index)

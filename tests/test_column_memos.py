@@ -9,11 +9,9 @@ import pytest
 from fixtures import null_workload
 
 from atlas.engine.records import RecordingSink
-from atlas.errors import InvariantViolation, TransitionRefused
 from atlas.state.batch_columns import BatchColumns
 from atlas.state.control import ControlState
 from atlas.state.events import Event
-from atlas.state.invariants import check_invariants
 
 
 @pytest.fixture(scope="module")
@@ -33,12 +31,9 @@ def _apply(caps: object, events: list[Event], on: bool, check=None) -> tuple[lis
     state.batch_cache = on
     digests: list[str] = []
     for index, e in enumerate(events):
-        try:
-            check_invariants(state, state.apply(e), index)
-        except TransitionRefused as exc:
-            return digests, ("refused", index, exc.machine, exc.why, exc.fields)
-        except InvariantViolation as exc:
-            return digests, ("violation", index, exc.machine, exc.message, exc.fields)
+        failure = null_workload.apply_checked(state, e, index)
+        if failure is not None:
+            return digests, failure
         if check is not None and state.batch is not None:
             check(state.batch)
         digests.append(state.digest())

@@ -7,16 +7,16 @@ from __future__ import annotations
 
 import attrs
 import pytest
+from fixtures import null_workload
 
 from atlas.config import EngineConfig
 from atlas.engine.records import RecordingSink
-from atlas.errors import InvariantViolation, TransitionRefused
+from atlas.errors import InvariantViolation
 from atlas.registry import build_engine
 from atlas.sampling.params import SamplingParams
 from atlas.state import batch_columns
 from atlas.state.control import ControlState
 from atlas.state.events import StepPlanned
-from atlas.state.invariants import check_invariants
 
 WORKLOADS = {
     # 20 rows, blocks of 8: every 8th step allocates for every row; budgets differ, so rows finish one by one
@@ -108,12 +108,9 @@ def _apply(caps: object, events: list, on: bool, damage: int | None) -> tuple[li
             planned = {b for row in e.alloc for b in row[1:]}
             spare = iter([b for b in reversed(state.pool.free) if b not in planned])
             e = attrs.evolve(e, alloc=tuple((*row, next(spare)) for row in e.alloc))
-        try:
-            check_invariants(state, state.apply(e), index)
-        except TransitionRefused as exc:
-            return digests, ("refused", index, exc.machine, exc.why, exc.fields)
-        except InvariantViolation as exc:
-            return digests, ("violation", index, exc.machine, exc.message, exc.fields)
+        failure = null_workload.apply_checked(state, e, index)
+        if failure is not None:
+            return digests, failure
         digests.append(state.digest())
     return digests, None
 

@@ -170,19 +170,15 @@ VERIFY_GOALS = {1: 1.2, 16: 1.4}
 SPEEDUP_GOALS = {(1, 3): 1.7, (1, 5): 2.0, (16, 3): 1.5, (16, 5): 1.5}
 
 
-def expected_tokens(k: int, p: float) -> float:
-    """Tokens a verify of k rows (k - 1 drafts) yields when each draft is right with probability p: 1 + p + ... +
-    p^(k-1) (the accepted prefix plus the verify's own token)."""
-    return sum(p**i for i in range(k))
-
-
 def speculation_goals(rows: list[dict[str, Any]]) -> list[str]:
     """One line per (batch, K): the static verify's median step against the median decode step, and tokens/s at
     0.7 against speculation off, each beside its goal (never below 1.0x where none is set). A static row's tokens/s
-    is the oracle's expected tokens a step (expected_tokens) over its median step, as issue 41 states its goals: in
+    is the oracle's expected tokens a step (the policy's expected_tokens at 0.7 a draft) over its median step, as issue 41 states its goals: in
     bf16 a verify rounds unlike a decode, so greedy tokens part from speculation off's and the reference-keyed
     oracle's measured acceptance falls below its setting (reported in the table); an adaptive row's is its measured
     tokens a step over its median step."""
+    from atlas.engine.drafters.policy import expected_tokens
+
     out = []
     off = {r["batch"]: r for r in rows if r["K"] == 1}
     for r in rows:
@@ -190,7 +186,8 @@ def speculation_goals(rows: list[dict[str, Any]]) -> list[str]:
         if base is None or r["K"] == 1 or r["acceptance_set"] != 0.7:
             continue
         b, k = r["batch"], r["K"]
-        per_seq = r["tokens_per_step"] / b if r["policy"] != "static" else expected_tokens(k, 0.7)
+        per_seq = (r["tokens_per_step"] / b if r["policy"] != "static"
+                   else expected_tokens((0.7,) * (k - 1), k - 1))
         speed = per_seq / r["ms_per_step"] * base["ms_per_step"] / (base["tokens_per_step"] / b)
         want = SPEEDUP_GOALS.get((b, k), 1.0) if r["policy"] == "static" else 1.0
         line = (f"batch {b}, K={k} ({r['policy']}): tokens/s {speed:.2f}x speculation off (goal >= {want:.1f}x: "
